@@ -1,0 +1,230 @@
+//! The Job: what a client (the gateway or any NATS publisher) puts on `jobs.submit`.
+//!
+//! The body of the OpenAI request travels unchanged in `request`; the fields around it are
+//! what the dispatcher needs to decide without parsing the request: the model, the token
+//! estimates that make up the job's cost, and the deadline.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::names::is_subject_token;
+
+/// Which OpenAI endpoint of the model server runs the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Endpoint {
+    /// `POST /v1/chat/completions`
+    Chat,
+    /// `POST /v1/completions`
+    Completion,
+}
+
+impl Endpoint {
+    /// Path of the endpoint on an OpenAI-compatible server.
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completion => "/v1/completions",
+        }
+    }
+}
+
+/// A job as submitted on `jobs.submit`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Job {
+    /// Schema version ([`crate::PROTOCOL_VERSION`]).
+    pub v: u32,
+    /// Unique job id, a subject token (a UUID is the usual choice). Also the `Nats-Msg-Id`.
+    pub id: String,
+    /// Model name as the workers announce it.
+    pub model: String,
+    /// Which endpoint to call on the model server.
+    pub endpoint: Endpoint,
+    /// The OpenAI request body, forwarded to the model server as is (the worker forces
+    /// `stream: true` so it can relay chunks and measure time to first token).
+    pub request: Value,
+    /// Estimated prompt tokens.
+    pub prompt_tokens: u32,
+    /// Upper bound of generated tokens (`max_tokens` of the request).
+    pub max_tokens: u32,
+    /// When the client submitted the job (Unix ms).
+    pub submitted_ms: u64,
+    /// Absolute deadline to *start* the job (Unix ms). Past it a queued job is rejected.
+    #[serde(default)]
+    pub deadline_ms: Option<u64>,
+}
+
+/// Bounds a job must respect to be accepted. Values outside them are rejected with a
+/// reason rather than clamped, so a client learns its request was wrong.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobLimits {
+    /// Largest accepted encoded job, in bytes.
+    pub max_job_bytes: usize,
+    /// Largest accepted `prompt_tokens + max_tokens`.
+    pub max_total_tokens: u32,
+}
+
+impl Default for JobLimits {
+    fn default() -> Self {
+        JobLimits {
+            max_job_bytes: 4 * 1024 * 1024,
+            max_total_tokens: 1_000_000,
+        }
+    }
+}
+
+/// Why a message on `jobs.submit` is not a valid job.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum JobError {
+    #[error("job is {size} bytes, larger than the limit of {limit} bytes")]
+    TooLarge { size: usize, limit: usize },
+    #[error("job is not valid JSON for the Job schema: {0}")]
+    Malformed(String),
+    #[error("unsupported job schema version {0} (this dispatcher reads version 1)")]
+    UnsupportedVersion(u32),
+    #[error("job id {0:?} is not a subject-safe token (letters, digits, '-' and '_', at most 128)")]
+    BadId(String),
+    #[error("job has an empty model name")]
+    EmptyModel,
+    #[error("job asks for max_tokens = 0")]
+    ZeroMaxTokens,
+    #[error("job needs {total} tokens (prompt + max_tokens), more than the limit of {limit}")]
+    TooManyTokens { total: u64, limit: u32 },
+    #[error("job request body must be a JSON object")]
+    RequestNotObject,
+}
+
+impl JobError {
+    /// A stable machine-readable code for decisions and error bodies.
+    pub fn code(&self) -> &'static str {
+        match self {
+            JobError::TooLarge { .. } => "job_too_large",
+            JobError::Malformed(_) => "malformed_job",
+            JobError::UnsupportedVersion(_) => "unsupported_version",
+            JobError::BadId(_) => "bad_job_id",
+            JobError::EmptyModel => "empty_model",
+            JobError::ZeroMaxTokens => "zero_max_tokens",
+            JobError::TooManyTokens { .. } => "too_many_tokens",
+            JobError::RequestNotObject => "request_not_object",
+        }
+    }
+}
+
+impl Job {
+    /// Parse and validate a job from the bytes of a NATS message.
+    pub fn parse(bytes: &[u8], limits: &JobLimits) -> Result<Job, JobError> {
+        if bytes.len() > limits.max_job_bytes {
+            return Err(JobError::TooLarge {
+                size: bytes.len(),
+                limit: limits.max_job_bytes,
+            });
+        }
+        let job: Job =
+            serde_json::from_slice(bytes).map_err(|e| JobError::Malformed(e.to_string()))?;
+        job.validate(limits)?;
+        Ok(job)
+    }
+
+    /// Check the fields serde cannot: ranges, token shapes, the version.
+    pub fn validate(&self, limits: &JobLimits) -> Result<(), JobError> {
+        if self.v != crate::PROTOCOL_VERSION {
+            return Err(JobError::UnsupportedVersion(self.v));
+        }
+        if !is_subject_token(&self.id) {
+            return Err(JobError::BadId(self.id.clone()));
+        }
+        if self.model.trim().is_empty() {
+            return Err(JobError::EmptyModel);
+        }
+        if self.max_tokens == 0 {
+            return Err(JobError::ZeroMaxTokens);
+        }
+        let total = u64::from(self.prompt_tokens) + u64::from(self.max_tokens);
+        if total > u64::from(limits.max_total_tokens) {
+            return Err(JobError::TooManyTokens {
+                total,
+                limit: limits.max_total_tokens,
+            });
+        }
+        if !self.request.is_object() {
+            return Err(JobError::RequestNotObject);
+        }
+        Ok(())
+    }
+
+    /// KV-cache tokens the job can occupy at its largest: prompt plus every output token.
+    pub fn kv_tokens(&self) -> u64 {
+        u64::from(self.prompt_tokens) + u64::from(self.max_tokens)
+    }
+
+    /// Best-effort job id of a message that failed to parse, so the rejection can still be
+    /// published on `decisions.<job_id>` where its sender is listening.
+    pub fn salvage_id(bytes: &[u8]) -> Option<String> {
+        #[derive(Deserialize)]
+        struct IdOnly {
+            id: String,
+        }
+        let id = serde_json::from_slice::<IdOnly>(bytes).ok()?.id;
+        is_subject_token(&id).then_some(id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn job_json() -> Value {
+        json!({
+            "v": 1, "id": "job-1", "model": "llama-3.1-8b", "endpoint": "chat",
+            "request": {"messages": [{"role": "user", "content": "hi"}]},
+            "prompt_tokens": 10, "max_tokens": 20, "submitted_ms": 1000
+        })
+    }
+
+    fn parse(v: &Value) -> Result<Job, JobError> {
+        Job::parse(&serde_json::to_vec(v).unwrap(), &JobLimits::default())
+    }
+
+    #[test]
+    fn parses_a_valid_job_and_ignores_unknown_fields() {
+        let mut v = job_json();
+        v["future_field"] = json!(true);
+        let job = parse(&v).unwrap();
+        assert_eq!(job.model, "llama-3.1-8b");
+        assert_eq!(job.kv_tokens(), 30);
+        assert_eq!(job.deadline_ms, None);
+    }
+
+    #[test]
+    fn rejects_each_bad_field_with_its_reason() {
+        let cases: Vec<(Value, &str)> = vec![
+            (json!("not an object"), "malformed_job"),
+            ({ let mut v = job_json(); v["prompt_tokens"] = json!(-5); v }, "malformed_job"),
+            ({ let mut v = job_json(); v["max_tokens"] = json!("many"); v }, "malformed_job"),
+            ({ let mut v = job_json(); v["v"] = json!(9); v }, "unsupported_version"),
+            ({ let mut v = job_json(); v["id"] = json!("a.b"); v }, "bad_job_id"),
+            ({ let mut v = job_json(); v["model"] = json!(" "); v }, "empty_model"),
+            ({ let mut v = job_json(); v["max_tokens"] = json!(0); v }, "zero_max_tokens"),
+            ({ let mut v = job_json(); v["max_tokens"] = json!(4_000_000_000u64); v }, "too_many_tokens"),
+            ({ let mut v = job_json(); v["request"] = json!([1]); v }, "request_not_object"),
+        ];
+        for (v, code) in cases {
+            assert_eq!(parse(&v).unwrap_err().code(), code, "for {v}");
+        }
+    }
+
+    #[test]
+    fn rejects_oversized_payload_before_parsing() {
+        let bytes = vec![b' '; JobLimits::default().max_job_bytes + 1];
+        let err = Job::parse(&bytes, &JobLimits::default()).unwrap_err();
+        assert_eq!(err.code(), "job_too_large");
+    }
+
+    #[test]
+    fn salvages_the_id_of_a_partly_valid_job() {
+        assert_eq!(Job::salvage_id(br#"{"id":"j-9","max_tokens":"x"}"#), Some("j-9".into()));
+        assert_eq!(Job::salvage_id(br#"{"id":"a.b"}"#), None);
+        assert_eq!(Job::salvage_id(b"garbage"), None);
+    }
+}

@@ -1,0 +1,31 @@
+//! The Metronome wire protocol: every message that crosses NATS, every subject, header,
+//! stream, KV bucket and Redis key name, in one place.
+//!
+//! Messages are versioned JSON (`v` field). Readers are tolerant: unknown fields are
+//! ignored so a newer writer never breaks an older reader; a reader rejects only what it
+//! cannot interpret (missing required fields, wrong types, values out of range), with a
+//! reason. The contract is documented in `docs/PROTOCOL.md`.
+
+pub mod assignment;
+pub mod decision;
+pub mod event;
+pub mod job;
+pub mod names;
+pub mod redis_keys;
+pub mod result;
+#[cfg(feature = "nats")]
+pub mod setup;
+pub mod time;
+pub mod worker;
+
+pub use assignment::Assignment;
+pub use decision::{
+    CandidateScore, Decision, Outcome, Rejection, RejectionCode, TermName, TermScore,
+};
+pub use event::{CompletionEvent, CompletionOutcome};
+pub use job::{Endpoint, Job, JobError, JobLimits};
+pub use result::{ErrorCode, FinalResult, ResultChunk, ResultError, Usage};
+pub use worker::{GpuStats, KvUsage, WorkerStatus};
+
+/// Current version of every message schema in this crate.
+pub const PROTOCOL_VERSION: u32 = 1;

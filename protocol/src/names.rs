@@ -1,0 +1,141 @@
+//! Every NATS subject, stream, consumer, KV bucket and header name.
+//!
+//! Worker ids are single subject tokens (`node1-gpu0`). Model names never appear in
+//! subjects (they contain dots and slashes); they travel in bodies and the
+//! [`HEADER_MODEL`] header.
+
+/// Stream of submitted jobs (work-queue retention).
+pub const STREAM_JOBS: &str = "JOBS";
+/// Stream of assignments, one subject per worker (work-queue retention).
+pub const STREAM_WORK: &str = "WORK";
+/// Audit stream: one record per job outcome, direct-get by subject.
+pub const STREAM_DECISIONS: &str = "DECISIONS";
+/// Final results, kept briefly so a NATS client can fetch them after the fact.
+pub const STREAM_RESULTS: &str = "RESULTS";
+/// Completion and failure events that release reservations.
+pub const STREAM_EVENTS: &str = "EVENTS";
+
+/// Subject on which jobs are submitted (by the gateway or any NATS client).
+pub const SUBJECT_JOBS_SUBMIT: &str = "jobs.submit";
+/// Subject filter of the WORK stream.
+pub const SUBJECT_WORK_ALL: &str = "work.*";
+/// Subject filter of the DECISIONS stream; also what an auditor subscribes to.
+pub const SUBJECT_DECISIONS_ALL: &str = "decisions.>";
+/// Subject filter of the RESULTS stream.
+pub const SUBJECT_RESULTS_FINAL_ALL: &str = "results.*.final";
+/// Subject filter of the EVENTS stream.
+pub const SUBJECT_EVENTS_ALL: &str = "events.>";
+/// Completion events of every worker.
+pub const SUBJECT_EVENTS_DONE_ALL: &str = "events.done.*";
+/// Heartbeats of every worker (core NATS; the KV bucket holds the latest one).
+pub const SUBJECT_HEARTBEAT_ALL: &str = "workers.*.heartbeat";
+/// Cancellation requests of every job (core NATS).
+pub const SUBJECT_CANCEL_ALL: &str = "cancel.*";
+/// Malformed messages that could not be attributed to a job id.
+pub const SUBJECT_DEAD_LETTER: &str = "deadletter.jobs";
+
+/// Durable consumer of the leader dispatcher on JOBS.
+pub const CONSUMER_DISPATCHER: &str = "dispatcher";
+
+/// KV bucket: key = worker id, value = latest [`crate::WorkerStatus`].
+pub const BUCKET_WORKERS: &str = "workers";
+/// KV bucket holding the dispatcher lease.
+pub const BUCKET_LEADER: &str = "leader";
+/// Key of the lease in [`BUCKET_LEADER`].
+pub const LEADER_KEY: &str = "dispatcher";
+
+/// De-duplication id understood by JetStream.
+pub const HEADER_MSG_ID: &str = "Nats-Msg-Id";
+/// Model name of a job, so tooling can route or filter without parsing the body.
+pub const HEADER_MODEL: &str = "Metronome-Model";
+/// Leader epoch that produced an assignment.
+pub const HEADER_EPOCH: &str = "Metronome-Epoch";
+
+/// `work.<worker_id>`: assignments for one worker.
+pub fn work_subject(worker_id: &str) -> String {
+    format!("work.{worker_id}")
+}
+
+/// Durable consumer name of one worker on WORK.
+pub fn work_consumer(worker_id: &str) -> String {
+    format!("worker-{worker_id}")
+}
+
+/// `decisions.<job_id>`: the audit record(s) of one job.
+pub fn decision_subject(job_id: &str) -> String {
+    format!("decisions.{job_id}")
+}
+
+/// `results.<job_id>.chunk`: streamed deltas (core NATS, ordered per publisher).
+pub fn result_chunk_subject(job_id: &str) -> String {
+    format!("results.{job_id}.chunk")
+}
+
+/// `results.<job_id>.final`: the one final result of a job.
+pub fn result_final_subject(job_id: &str) -> String {
+    format!("results.{job_id}.final")
+}
+
+/// `results.<job_id>.>`: everything a client of one job subscribes to.
+pub fn results_subject_all(job_id: &str) -> String {
+    format!("results.{job_id}.>")
+}
+
+/// `events.done.<worker_id>`: completions and failures of one worker.
+pub fn event_done_subject(worker_id: &str) -> String {
+    format!("events.done.{worker_id}")
+}
+
+/// `workers.<worker_id>.heartbeat`.
+pub fn heartbeat_subject(worker_id: &str) -> String {
+    format!("workers.{worker_id}.heartbeat")
+}
+
+/// `cancel.<job_id>`: ask the dispatcher (queued) and the worker (running) to drop a job.
+pub fn cancel_subject(job_id: &str) -> String {
+    format!("cancel.{job_id}")
+}
+
+/// `Nats-Msg-Id` of one dispatch attempt of a job on WORK.
+pub fn work_msg_id(job_id: &str, attempt: u32) -> String {
+    format!("{job_id}:{attempt}")
+}
+
+/// `Nats-Msg-Id` of a decision, so a leader that re-does a step after failover cannot
+/// publish the same outcome twice.
+pub fn decision_msg_id(job_id: &str, attempt: u32) -> String {
+    format!("{job_id}:{attempt}")
+}
+
+/// True when `s` can be used as one NATS subject token (worker ids, job ids).
+pub fn is_subject_token(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 128
+        && s
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn subject_tokens() {
+        assert!(is_subject_token("node1-gpu0"));
+        assert!(is_subject_token("0b6e0c1c-5d5b-4c8a-9a51-7f9f1b8d2f10"));
+        assert!(!is_subject_token(""));
+        assert!(!is_subject_token("a.b"));
+        assert!(!is_subject_token("a*"));
+        assert!(!is_subject_token("a b"));
+        assert!(!is_subject_token(">"));
+    }
+
+    #[test]
+    fn subjects_are_built_from_tokens() {
+        assert_eq!(work_subject("n1-gpu0"), "work.n1-gpu0");
+        assert_eq!(result_final_subject("j1"), "results.j1.final");
+        assert_eq!(results_subject_all("j1"), "results.j1.>");
+        assert_eq!(work_msg_id("j1", 2), "j1:2");
+    }
+}

@@ -1,0 +1,172 @@
+//! Idempotent creation of every stream and KV bucket of the contract.
+//!
+//! Each component calls [`ensure_all`] at start, so they can start in any order. Creating
+//! what already exists is a no-op; an existing stream is left as it is (an operator may
+//! have tuned its limits).
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv, stream};
+
+use crate::names::*;
+
+/// Retention settings of the contract's streams and buckets.
+#[derive(Debug, Clone)]
+pub struct StreamSettings {
+    /// Storage of every stream (file in production, memory acceptable for tests).
+    pub storage: stream::StorageType,
+    /// Window in which a repeated `Nats-Msg-Id` is dropped as a duplicate.
+    pub duplicate_window: Duration,
+    /// How long decisions are kept for audit.
+    pub decisions_max_age: Duration,
+    /// How long final results are kept for late readers.
+    pub results_max_age: Duration,
+    /// How long completion events are kept.
+    pub events_max_age: Duration,
+    /// A worker whose heartbeat is older than this vanishes from the `workers` bucket.
+    pub workers_max_age: Duration,
+    /// Lifetime of the leader lease if it is not renewed.
+    pub leader_ttl: Duration,
+    /// Largest message accepted on `jobs.submit`; larger publishes are refused by the
+    /// server with an error the publisher sees.
+    pub max_job_bytes: i32,
+}
+
+impl Default for StreamSettings {
+    fn default() -> Self {
+        StreamSettings {
+            storage: stream::StorageType::File,
+            duplicate_window: Duration::from_secs(120),
+            decisions_max_age: Duration::from_secs(24 * 3600),
+            results_max_age: Duration::from_secs(600),
+            events_max_age: Duration::from_secs(3600),
+            workers_max_age: Duration::from_secs(15),
+            leader_ttl: Duration::from_secs(3),
+            max_job_bytes: 8 * 1024 * 1024,
+        }
+    }
+}
+
+/// Errors from setting up the streams.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error("creating stream {name}: {source}")]
+    Stream {
+        name: &'static str,
+        source: jetstream::context::CreateStreamError,
+    },
+    #[error("creating KV bucket {name}: {source}")]
+    Bucket {
+        name: &'static str,
+        source: jetstream::context::CreateKeyValueError,
+    },
+    #[error("opening KV bucket {name}: {source}")]
+    OpenBucket {
+        name: &'static str,
+        source: jetstream::context::KeyValueError,
+    },
+}
+
+/// The KV buckets of the contract, opened.
+#[derive(Clone)]
+pub struct Buckets {
+    pub workers: kv::Store,
+    pub leader: kv::Store,
+}
+
+/// Create (or find) every stream and bucket.
+pub async fn ensure_all(
+    js: &jetstream::Context,
+    s: &StreamSettings,
+) -> Result<Buckets, SetupError> {
+    let streams = [
+        stream::Config {
+            name: STREAM_JOBS.into(),
+            subjects: vec![SUBJECT_JOBS_SUBMIT.into()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            storage: s.storage,
+            duplicate_window: s.duplicate_window,
+            max_message_size: s.max_job_bytes,
+            ..Default::default()
+        },
+        stream::Config {
+            name: STREAM_WORK.into(),
+            subjects: vec![SUBJECT_WORK_ALL.into()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            storage: s.storage,
+            duplicate_window: s.duplicate_window,
+            ..Default::default()
+        },
+        stream::Config {
+            name: STREAM_DECISIONS.into(),
+            subjects: vec![SUBJECT_DECISIONS_ALL.into()],
+            retention: stream::RetentionPolicy::Limits,
+            storage: s.storage,
+            max_age: s.decisions_max_age,
+            duplicate_window: s.duplicate_window,
+            allow_direct: true,
+            ..Default::default()
+        },
+        stream::Config {
+            name: STREAM_RESULTS.into(),
+            subjects: vec![SUBJECT_RESULTS_FINAL_ALL.into()],
+            retention: stream::RetentionPolicy::Limits,
+            storage: s.storage,
+            max_age: s.results_max_age,
+            allow_direct: true,
+            ..Default::default()
+        },
+        stream::Config {
+            name: STREAM_EVENTS.into(),
+            subjects: vec![SUBJECT_EVENTS_ALL.into()],
+            retention: stream::RetentionPolicy::Limits,
+            storage: s.storage,
+            max_age: s.events_max_age,
+            ..Default::default()
+        },
+    ];
+    for config in streams {
+        let name = static_name(&config.name);
+        js.get_or_create_stream(config)
+            .await
+            .map_err(|source| SetupError::Stream { name, source })?;
+    }
+    let workers = ensure_bucket(js, BUCKET_WORKERS, s.workers_max_age, s.storage).await?;
+    let leader = ensure_bucket(js, BUCKET_LEADER, s.leader_ttl, s.storage).await?;
+    Ok(Buckets { workers, leader })
+}
+
+async fn ensure_bucket(
+    js: &jetstream::Context,
+    name: &'static str,
+    max_age: Duration,
+    storage: stream::StorageType,
+) -> Result<kv::Store, SetupError> {
+    if let Ok(store) = js.get_key_value(name).await {
+        return Ok(store);
+    }
+    match js
+        .create_key_value(kv::Config {
+            bucket: name.into(),
+            history: 1,
+            max_age,
+            storage,
+            ..Default::default()
+        })
+        .await
+    {
+        Ok(store) => Ok(store),
+        // Another component created it between our lookup and our create.
+        Err(source) => js
+            .get_key_value(name)
+            .await
+            .map_err(|_| SetupError::Bucket { name, source }),
+    }
+}
+
+fn static_name(name: &str) -> &'static str {
+    [STREAM_JOBS, STREAM_WORK, STREAM_DECISIONS, STREAM_RESULTS, STREAM_EVENTS]
+        .into_iter()
+        .find(|n| *n == name)
+        .unwrap_or("?")
+}

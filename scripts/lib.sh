@@ -1,0 +1,56 @@
+# Shared helpers of ./dev: installing what is missing, the Python environment.
+# shellcheck shell=bash
+
+log() { printf '\033[1m[dev]\033[0m %s\n' "$*" >&2; }
+die() { printf '\033[31m[dev] error:\033[0m %s\n' "$*" >&2; exit 1; }
+
+APT_UPDATED=0
+apt_install() {
+  # Installs Debian packages that are missing. Needs root (as CI and the dev machines are).
+  local missing=()
+  for pkg in "$@"; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  local sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  log "installing from Debian: ${missing[*]}"
+  if [ "$APT_UPDATED" -eq 0 ]; then
+    $sudo apt-get update -qq >/dev/null || die "apt-get update failed"
+    APT_UPDATED=1
+  fi
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+    || die "apt-get install ${missing[*]} failed"
+}
+
+ensure_servers() {
+  command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || apt_install nats-server
+  command -v redis-server >/dev/null 2>&1 || apt_install redis-server
+  export PATH="$PATH:/usr/sbin"
+  command -v nats-server >/dev/null || die "nats-server still missing (apt-get install nats-server)"
+  command -v redis-server >/dev/null || die "redis-server still missing (apt-get install redis-server)"
+}
+
+ensure_cargo() {
+  command -v cargo >/dev/null 2>&1 || die "cargo is missing: install Rust from https://rustup.rs (or apt-get install cargo)"
+}
+
+VENV="$ROOT/.venv"
+ensure_venv() {
+  # One virtual environment for the Python-side tests and tools (nats-py, openai, pytest,
+  # ansible). Reinstalled only when requirements change.
+  local req="$ROOT/tests/python/requirements.txt"
+  if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV" 2>/dev/null || { apt_install python3-venv; python3 -m venv "$VENV"; }
+  fi
+  local stamp="$VENV/.requirements.sha"
+  local want
+  want="$(cat "$ROOT"/tests/python/requirements*.txt "$ROOT"/ansible/requirements*.txt 2>/dev/null | sha256sum | cut -d' ' -f1)"
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    log "installing Python test tools into .venv"
+    "$VENV/bin/pip" install -q --disable-pip-version-check -r "$req" \
+      $( [ -f "$ROOT/ansible/requirements.txt" ] && echo "-r $ROOT/ansible/requirements.txt" ) \
+      || die "pip install failed"
+    echo "$want" > "$stamp"
+  fi
+}

@@ -1,0 +1,31 @@
+//! Real servers for tests: a `nats-server` with JetStream and a `redis-server`, each on a
+//! free port with its own temporary storage, stoppable and restartable (same port, same
+//! data) for fault tests, and removed on drop. Also a guard for Metronome's own binaries.
+//!
+//! Nothing here is a mock: a missing binary is an error with an install hint, never a
+//! silent skip.
+
+mod process;
+mod servers;
+
+pub use process::{bin_path, ChildGuard};
+pub use servers::{free_port, NatsServer, RedisServer, TestkitError};
+
+/// Poll `check` until it returns `Some`, or panic after `timeout` with `what`.
+/// Tests wait for conditions this way instead of sleeping.
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: std::time::Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        if std::time::Instant::now() > deadline {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,353 @@
+//! `nats-server -js` and `redis-server` on free ports.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+/// Why a test server could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum TestkitError {
+    #[error("`{binary}` was not found on PATH. Install it with `apt-get install -y {package}` (or run `./dev test`, which installs it).")]
+    MissingBinary {
+        binary: &'static str,
+        package: &'static str,
+    },
+    #[error("starting {what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("{what} did not become ready within {timeout:?}; its log:\n{log}")]
+    NotReady {
+        what: String,
+        timeout: Duration,
+        log: String,
+    },
+}
+
+const READY_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// A free TCP port on 127.0.0.1 (bound then released; the OS will not hand it out again
+/// at once).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("binding 127.0.0.1:0")
+}
+
+fn find_binary(binary: &'static str, package: &'static str) -> Result<PathBuf, TestkitError> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/bin")])
+        .map(|dir| dir.join(binary))
+        .find(|p| p.is_file())
+        .ok_or(TestkitError::MissingBinary { binary, package })
+}
+
+fn read_log(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(40)..].join("\n")
+}
+
+fn http_get_ok(port: u16, path: &str) -> bool {
+    let Ok(mut s) = TcpStream::connect_timeout(
+        &([127, 0, 0, 1], port).into(),
+        Duration::from_millis(200),
+    ) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+    if s
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
+        .is_err()
+    {
+        return false;
+    }
+    let mut buf = String::new();
+    let _ = s.read_to_string(&mut buf);
+    buf.starts_with("HTTP/1.1 200") || buf.starts_with("HTTP/1.0 200")
+}
+
+fn redis_ping(port: u16) -> bool {
+    let Ok(mut s) = TcpStream::connect_timeout(
+        &([127, 0, 0, 1], port).into(),
+        Duration::from_millis(200),
+    ) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+    if s.write_all(b"PING\r\n").is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 16];
+    matches!(s.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG"))
+}
+
+fn wait_ready(
+    what: &str,
+    log: &Path,
+    child: &mut Child,
+    mut ready: impl FnMut() -> bool,
+) -> Result<(), TestkitError> {
+    let deadline = Instant::now() + READY_TIMEOUT;
+    while Instant::now() < deadline {
+        if ready() {
+            return Ok(());
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(TestkitError::NotReady {
+                what: format!("{what} (exited with {status})"),
+                timeout: READY_TIMEOUT,
+                log: read_log(log),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    Err(TestkitError::NotReady {
+        what: what.to_string(),
+        timeout: READY_TIMEOUT,
+        log: read_log(log),
+    })
+}
+
+fn kill_child(child: &mut Option<Child>, signal: i32) {
+    if let Some(mut c) = child.take() {
+        // SIGTERM lets the server flush; SIGKILL simulates a crash.
+        let _ = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(c.id().to_string())
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = c.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+/// A real `nats-server` with JetStream, on a free port, storing under a temporary folder.
+pub struct NatsServer {
+    port: u16,
+    monitor_port: u16,
+    dir: TempDir,
+    binary: PathBuf,
+    child: Option<Child>,
+}
+
+impl NatsServer {
+    /// Start a server; fails with an install hint when `nats-server` is missing.
+    pub fn start() -> Result<Self, TestkitError> {
+        let binary = find_binary("nats-server", "nats-server")?;
+        let dir = tempfile::Builder::new()
+            .prefix("metronome-nats-")
+            .tempdir()
+            .map_err(|source| TestkitError::Io {
+                what: "temporary folder".into(),
+                source,
+            })?;
+        let mut server = NatsServer {
+            port: free_port(),
+            monitor_port: free_port(),
+            dir,
+            binary,
+            child: None,
+        };
+        server.spawn()?;
+        Ok(server)
+    }
+
+    fn spawn(&mut self) -> Result<(), TestkitError> {
+        let log = self.dir.path().join("nats.log");
+        let store = self.dir.path().join("js");
+        let mut child = Command::new(&self.binary)
+            .args(["-a", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(["-m", &self.monitor_port.to_string()])
+            .arg("-js")
+            .arg("-sd")
+            .arg(&store)
+            .arg("-l")
+            .arg(&log)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|source| TestkitError::Io {
+                what: "nats-server".into(),
+                source,
+            })?;
+        let monitor = self.monitor_port;
+        let result = wait_ready("nats-server", &log, &mut child, || {
+            http_get_ok(monitor, "/healthz?js-enabled=true")
+        });
+        self.child = Some(child);
+        result
+    }
+
+    /// `nats://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Stop gracefully (SIGTERM); the JetStream data stays for [`NatsServer::restart`].
+    pub fn stop(&mut self) {
+        kill_child(&mut self.child, 15);
+    }
+
+    /// Kill without warning (SIGKILL), as a crash would.
+    pub fn kill(&mut self) {
+        kill_child(&mut self.child, 9);
+    }
+
+    /// Start again on the same port with the same storage.
+    pub fn restart(&mut self) -> Result<(), TestkitError> {
+        self.stop();
+        self.spawn()
+    }
+
+    /// The last lines of the server's log, for test failure messages.
+    pub fn log_tail(&self) -> String {
+        read_log(&self.dir.path().join("nats.log"))
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        kill_child(&mut self.child, 9);
+    }
+}
+
+/// A real `redis-server` on a free port, persisting (append-only) under a temporary
+/// folder so a restart keeps the data.
+pub struct RedisServer {
+    port: u16,
+    dir: TempDir,
+    binary: PathBuf,
+    child: Option<Child>,
+}
+
+impl RedisServer {
+    /// Start a server; fails with an install hint when `redis-server` is missing.
+    pub fn start() -> Result<Self, TestkitError> {
+        let binary = find_binary("redis-server", "redis-server")?;
+        let dir = tempfile::Builder::new()
+            .prefix("metronome-redis-")
+            .tempdir()
+            .map_err(|source| TestkitError::Io {
+                what: "temporary folder".into(),
+                source,
+            })?;
+        let mut server = RedisServer {
+            port: free_port(),
+            dir,
+            binary,
+            child: None,
+        };
+        server.spawn()?;
+        Ok(server)
+    }
+
+    fn spawn(&mut self) -> Result<(), TestkitError> {
+        let log = self.dir.path().join("redis.log");
+        let mut child = Command::new(&self.binary)
+            .args(["--bind", "127.0.0.1", "--port", &self.port.to_string()])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .args(["--appendonly", "yes", "--save", "", "--daemonize", "no"])
+            .arg("--logfile")
+            .arg(&log)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|source| TestkitError::Io {
+                what: "redis-server".into(),
+                source,
+            })?;
+        let port = self.port;
+        let result = wait_ready("redis-server", &log, &mut child, || redis_ping(port));
+        self.child = Some(child);
+        result
+    }
+
+    /// `redis://127.0.0.1:<port>/`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Stop gracefully; the append-only file stays for [`RedisServer::restart`].
+    pub fn stop(&mut self) {
+        kill_child(&mut self.child, 15);
+    }
+
+    /// Kill without warning.
+    pub fn kill(&mut self) {
+        kill_child(&mut self.child, 9);
+    }
+
+    /// Start again on the same port with the same data.
+    pub fn restart(&mut self) -> Result<(), TestkitError> {
+        self.stop();
+        self.spawn()
+    }
+
+    pub fn log_tail(&self) -> String {
+        read_log(&self.dir.path().join("redis.log"))
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        kill_child(&mut self.child, 9);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nats_starts_stops_and_restarts_on_the_same_port() {
+        let mut nats = NatsServer::start().expect("nats-server");
+        let port = nats.port();
+        assert!(TcpStream::connect(("127.0.0.1", port)).is_ok());
+        nats.stop();
+        assert!(TcpStream::connect(("127.0.0.1", port)).is_err());
+        nats.restart().expect("restart");
+        assert_eq!(nats.port(), port);
+        assert!(TcpStream::connect(("127.0.0.1", port)).is_ok());
+    }
+
+    #[test]
+    fn redis_answers_ping_and_survives_a_kill() {
+        let mut redis = RedisServer::start().expect("redis-server");
+        assert!(redis_ping(redis.port()));
+        redis.kill();
+        assert!(!redis_ping(redis.port()));
+        redis.restart().expect("restart");
+        assert!(redis_ping(redis.port()));
+    }
+
+    #[test]
+    fn missing_binary_names_the_package_to_install() {
+        let err = find_binary("metronome-no-such-binary", "some-package").unwrap_err();
+        assert!(err.to_string().contains("apt-get install -y some-package"), "{err}");
+    }
+}

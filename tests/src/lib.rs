@@ -1,0 +1,1 @@
+//! metronome-e2e
