@@ -1,2 +1,182 @@
 #!/usr/bin/env bash
-echo "./dev up: not built yet" >&2; exit 1
+# ./dev up: start the whole Metronome system on this machine, in the foreground.
+#
+#   ./dev up [--gpus N] [--models a,b] [--gateway-port P] [--speeds 1,1,1,0.5]
+#            [--policy metronome|least_connections|round_robin|random|power_of_two]
+#            [--state-dir DIR] [--profile release|debug] [--no-build]
+#
+# Starts its own nats-server (JetStream) and redis-server on free ports with their state under
+# the state folder (default .metronome/), never touching servers already running on the
+# machine; a dispatcher leader and a standby; the gateway; N simulated GPUs (one simulator
+# process) with one worker-agent each, models assigned round-robin. Ctrl-C or SIGTERM stops
+# everything it started.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+source "$ROOT/scripts/lib.sh"
+
+GPUS=4
+MODELS="llama-3.1-8b,qwen2.5-7b"
+GATEWAY_PORT=8080
+SPEEDS=""
+POLICY="metronome"
+STATE_DIR="$ROOT/.metronome"
+PROFILE="release"
+BUILD=1
+SIM_ARGS=()
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --gpus) GPUS="$2"; shift 2 ;;
+    --models) MODELS="$2"; shift 2 ;;
+    --gateway-port) GATEWAY_PORT="$2"; shift 2 ;;
+    --speeds) SPEEDS="$2"; shift 2 ;;
+    --policy) POLICY="$2"; shift 2 ;;
+    --state-dir) STATE_DIR="$2"; shift 2 ;;
+    --profile) PROFILE="$2"; shift 2 ;;
+    --no-build) BUILD=0; shift ;;
+    --sim-arg) SIM_ARGS+=("$2"); shift 2 ;;
+    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown option $1 (see ./dev up --help)" ;;
+  esac
+done
+
+[[ "$GPUS" =~ ^[0-9]+$ ]] && [ "$GPUS" -ge 1 ] && [ "$GPUS" -le 64 ] || die "--gpus must be 1..64"
+[[ "$GATEWAY_PORT" =~ ^[0-9]+$ ]] && [ "$GATEWAY_PORT" -ge 1 ] && [ "$GATEWAY_PORT" -le 65535 ] || die "--gateway-port must be 1..65535"
+IFS=',' read -r -a MODEL_LIST <<< "$MODELS"
+[ ${#MODEL_LIST[@]} -ge 1 ] || die "--models needs at least one name"
+IFS=',' read -r -a SPEED_LIST <<< "$SPEEDS"
+
+ensure_servers
+BIN="$ROOT/target/$PROFILE"
+if [ "$BUILD" -eq 1 ]; then
+  ensure_cargo
+  log "building release binaries (first time: a few minutes)"
+  if [ "$PROFILE" = release ]; then cargo build --release --bins --quiet; else cargo build --bins --quiet; fi
+fi
+for b in metronome-dispatcher metronome-gateway metronome-worker-agent metronome-gpu-sim; do
+  [ -x "$BIN/$b" ] || die "$BIN/$b is missing (run without --no-build)"
+done
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+port_busy() { (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null; }
+
+port_busy "$GATEWAY_PORT" && die "port $GATEWAY_PORT is in use: pass --gateway-port"
+
+mkdir -p "$STATE_DIR"
+STATE_DIR="$(cd "$STATE_DIR" && pwd)"
+rm -rf "$STATE_DIR/run"
+mkdir -p "$STATE_DIR/run" "$STATE_DIR/logs" "$STATE_DIR/nats" "$STATE_DIR/redis" "$STATE_DIR/config"
+
+NATS_PORT=$(free_port); REDIS_PORT=$(free_port)
+NATS_URL="nats://127.0.0.1:$NATS_PORT"; REDIS_URL="redis://127.0.0.1:$REDIS_PORT/"
+GATEWAY_URL="http://127.0.0.1:$GATEWAY_PORT"
+export NATS_URL REDIS_URL
+export RUST_LOG="${RUST_LOG:-info}"
+
+PIDS=()
+stop_all() {
+  trap - INT TERM EXIT
+  log "stopping everything ./dev up started"
+  # Reverse start order: gateway and agents drain first, NATS and Redis go last.
+  for ((i=${#PIDS[@]}-1; i>=0; i--)); do kill -TERM "${PIDS[$i]}" 2>/dev/null || true; done
+  local deadline=$((SECONDS + 20))
+  for pid in "${PIDS[@]}"; do
+    while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.1; done
+    kill -KILL "$pid" 2>/dev/null || true
+  done
+  rm -f "$STATE_DIR/env"
+  exit 0
+}
+trap stop_all INT TERM EXIT
+
+start() { # name, command...
+  local name="$1"; shift
+  "$@" >"$STATE_DIR/logs/$name.log" 2>&1 &
+  PIDS+=($!)
+  echo "$!" > "$STATE_DIR/run/$name.pid"
+}
+
+wait_tcp() { # port, what
+  local deadline=$((SECONDS + 30))
+  until port_busy "$1"; do
+    [ $SECONDS -lt $deadline ] || die "$2 did not open port $1 (see $STATE_DIR/logs)"
+    sleep 0.1
+  done
+}
+
+start nats nats-server -a 127.0.0.1 -p "$NATS_PORT" -js -sd "$STATE_DIR/nats"
+start redis redis-server --bind 127.0.0.1 --port "$REDIS_PORT" --dir "$STATE_DIR/redis" --appendonly yes --save ""
+wait_tcp "$NATS_PORT" nats-server
+wait_tcp "$REDIS_PORT" redis-server
+
+source "$ROOT/scripts/render-config.sh"
+
+# Simulated GPUs: one simulator process serving every GPU on its own port.
+SIM_CMD=("$BIN/metronome-gpu-sim")
+declare -a GPU_PORTS GPU_MODELS
+for ((g=0; g<GPUS; g++)); do
+  GPU_PORTS[$g]=$(free_port)
+  GPU_MODELS[$g]="${MODEL_LIST[$((g % ${#MODEL_LIST[@]}))]}"
+  speed="${SPEED_LIST[$g]:-1.0}"
+  SIM_CMD+=(--gpu "model=${GPU_MODELS[$g]},port=${GPU_PORTS[$g]},speed=$speed")
+done
+start gpu-sim "${SIM_CMD[@]}" ${SIM_ARGS[@]+"${SIM_ARGS[@]}"}
+for ((g=0; g<GPUS; g++)); do wait_tcp "${GPU_PORTS[$g]}" "simulated GPU $g"; done
+
+for id in a b; do
+  render_dispatcher_config "dispatcher-$id" > "$STATE_DIR/config/dispatcher-$id.toml"
+  start "dispatcher-$id" "$BIN/metronome-dispatcher" --config "$STATE_DIR/config/dispatcher-$id.toml"
+done
+
+for ((g=0; g<GPUS; g++)); do
+  render_worker_config "local-gpu$g" "${GPU_MODELS[$g]}" "${GPU_PORTS[$g]}" "$g" > "$STATE_DIR/config/worker-gpu$g.toml"
+  start "worker-gpu$g" "$BIN/metronome-worker-agent" --config "$STATE_DIR/config/worker-gpu$g.toml"
+done
+
+render_gateway_config > "$STATE_DIR/config/gateway.toml"
+start gateway "$BIN/metronome-gateway" --config "$STATE_DIR/config/gateway.toml"
+
+deadline=$((SECONDS + 60))
+until curl -fsS "$GATEWAY_URL/readyz" >/dev/null 2>&1; do
+  [ $SECONDS -lt $deadline ] || die "gateway not ready after 60 s: see $STATE_DIR/logs/"
+  for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null || die "a process exited early: see $STATE_DIR/logs/"; done
+  sleep 0.2
+done
+
+cat > "$STATE_DIR/env" <<ENV
+METRONOME_GATEWAY_URL=$GATEWAY_URL
+NATS_URL=$NATS_URL
+REDIS_URL=$REDIS_URL
+ENV
+
+cat <<MSG
+
+  Metronome is up: $GPUS simulated GPUs serving ${MODELS}, policy $POLICY.
+
+    gateway      $GATEWAY_URL   (OpenAI API; /metrics, /readyz)
+    NATS         $NATS_URL
+    Redis        $REDIS_URL
+    logs         $STATE_DIR/logs/
+
+  Send a request:
+
+    curl -s $GATEWAY_URL/v1/chat/completions -H 'content-type: application/json' \\
+      -d '{"model": "${MODEL_LIST[0]}", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}'
+
+  Stream one:   add "stream": true to the body (and curl -N)
+  Environment:  eval "\$(./dev env)"        Stop: Ctrl-C
+
+MSG
+
+# Stay in the foreground; if any process dies, say which and stop everything.
+while true; do
+  for pid in "${PIDS[@]}"; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      name=$(grep -l "^$pid\$" "$STATE_DIR"/run/*.pid 2>/dev/null | xargs -r basename | sed 's/\.pid$//')
+      log "process ${name:-$pid} exited: see $STATE_DIR/logs/${name:-}.log"
+      stop_all
+    fi
+  done
+  sleep 1
+done

@@ -1,0 +1,89 @@
+"""A client that never touches HTTP: the official Python NATS client submits a Job on
+`jobs.submit`, receives its streamed chunks and final result, and reads its decision."""
+
+import asyncio
+import json
+import time
+import uuid
+
+import nats
+
+from conftest import MODELS
+
+
+def _job(job_id: str, model: str, max_tokens: int) -> dict:
+    return {
+        "v": 1,
+        "id": job_id,
+        "model": model,
+        "endpoint": "chat",
+        "request": {
+            "model": model,
+            "messages": [{"role": "user", "content": "Say something about scheduling."}],
+            "max_tokens": max_tokens,
+        },
+        "prompt_tokens": 8,
+        "max_tokens": max_tokens,
+        "submitted_ms": int(time.time() * 1000),
+        "deadline_ms": int(time.time() * 1000) + 30_000,
+    }
+
+
+async def _submit_and_collect(nats_url: str, job: dict):
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        chunks, final = [], asyncio.get_running_loop().create_future()
+
+        async def on_result(msg):
+            body = json.loads(msg.data)
+            if msg.subject.endswith(".chunk"):
+                chunks.append(body)
+            elif not final.done():
+                final.set_result(body)
+
+        await nc.subscribe(f"results.{job['id']}.>", cb=on_result)
+        await nc.flush()
+        ack = await js.publish("jobs.submit", json.dumps(job).encode(), headers={"Nats-Msg-Id": job["id"]})
+        assert ack.stream == "JOBS"
+        result = await asyncio.wait_for(final, timeout=60)
+        decision = None
+        for _ in range(100):
+            try:
+                msg = await js.get_last_msg("DECISIONS", f"decisions.{job['id']}")
+                decision = json.loads(msg.data)
+                break
+            except nats.js.errors.NotFoundError:
+                await asyncio.sleep(0.05)
+        return chunks, result, decision
+    finally:
+        await nc.close()
+
+
+def test_direct_submission_streams_chunks_and_final_result(system):
+    job = _job(str(uuid.uuid4()), MODELS[0], 12)
+    chunks, final, decision = asyncio.run(_submit_and_collect(system.nats_url, job))
+
+    assert final["error"] is None, final
+    assert final["usage"]["completion_tokens"] == 12
+    assert final["response"]["object"] == "chat.completion"
+    assert final["response"]["choices"][0]["message"]["content"]
+    assert [c["seq"] for c in chunks] == list(range(len(chunks)))
+    assert len(chunks) >= 12
+    assert all(c["worker_id"] == final["worker_id"] for c in chunks)
+
+    assert decision is not None, "no decision recorded"
+    assert decision["outcome"] == "assigned"
+    assert decision["worker_id"] == final["worker_id"]
+    assert decision["candidates"], decision
+    for candidate in decision["candidates"]:
+        assert len(candidate["terms"]) == 7
+
+
+def test_direct_submission_of_unknown_model_is_rejected_with_reason(system):
+    job = _job(str(uuid.uuid4()), "no-such-model", 4)
+    chunks, final, decision = asyncio.run(_submit_and_collect(system.nats_url, job))
+    assert chunks == []
+    assert final["error"]["code"] == "unknown_model"
+    assert decision["outcome"] == "rejected"
+    assert decision["reason"]
