@@ -1,1 +1,56 @@
-//! metronome-scheduler
+//! Metronome's scheduling core: which worker runs a job, and why.
+//!
+//! One decision is the cycle **filter → score → normalise → select**, followed by the
+//! caller's **reserve**:
+//!
+//! 1. *Filter* ([`filter`]): every worker is checked against the eligibility filters
+//!    (fresh heartbeat, serves the model, healthy, not draining) and the admission filters
+//!    (under its concurrency cap, enough KV headroom, SLO floor). The first filter a worker
+//!    fails becomes its [`Rejection`](metronome_protocol::Rejection), with a reason in
+//!    numbers.
+//! 2. *Score* ([`term`]): each eligible worker gets a raw value for each of the seven terms
+//!    of [`TermName::ALL`](metronome_protocol::TermName::ALL), in its own unit, or `None`
+//!    when the signal is unavailable.
+//! 3. *Normalise* ([`evaluate`]): each term is min-max scaled across the candidates of this
+//!    decision to [0, 1] (lower is better; throughput is inverted); an unavailable term gets
+//!    the neutral value described in [`evaluate`].
+//! 4. *Select*: the lowest weighted total wins; ties break by effective active count, then
+//!    by worker id.
+//! 5. *Reserve* ([`Ledger`]): the caller books the winner in the ledger before it evaluates
+//!    the next job. Reservations count as active work and as used KV in every later
+//!    decision, which is what spreads a burst of simultaneous jobs over idle workers
+//!    instead of piling them on the first one.
+//!
+//! Invariants:
+//! - The core is pure and deterministic: no I/O, no clock, no randomness inside. Time
+//!   (`now_ms`) and seeds are arguments, so any decision can be replayed from its inputs.
+//! - [`evaluate`] has no side effects; only [`Ledger`] methods change state.
+//! - The result does not depend on the order of the workers slice (worker ids are assumed
+//!   unique).
+//! - The winner passes every filter; reserving only winners never takes a worker past its
+//!   concurrency cap.
+//! - A job is reserved on at most one worker; releasing is idempotent.
+
+pub mod config;
+pub mod evaluate;
+pub mod ewma;
+pub mod filter;
+pub mod job;
+pub mod ledger;
+pub mod load;
+pub mod policy;
+pub mod term;
+#[cfg(test)]
+pub(crate) mod testutil;
+pub mod view;
+
+pub use config::{ConfigError, SchedulerConfig, Weights};
+pub use evaluate::{evaluate, Evaluation};
+pub use job::JobRequest;
+pub use ledger::{Ledger, LedgerError, Reconciliation, Reservation};
+pub use load::WorkerLoad;
+pub use policy::{choose, PolicyKind, PolicyState};
+pub use view::{EwmaSnapshot, WorkerView};
+
+/// The job-size record of a decision, re-exported for callers of [`Evaluation`].
+pub use metronome_protocol::decision::JobCostEstimate;

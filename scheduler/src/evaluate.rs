@@ -1,0 +1,372 @@
+//! One scheduling decision: filter → score → normalise → select.
+//!
+//! Normalisation is min-max per term across the candidates of this decision, so every term
+//! lands in [0, 1] whatever its unit, 0 being the best candidate on that term. When all
+//! available values are equal the term is 0 for everyone: it cannot tell them apart, so it
+//! must not move anyone's total.
+//!
+//! **Unavailable signals.** A candidate without a signal (no EWMA samples yet, no KV metric,
+//! no NVML) gets `available = false`, `raw = None` and, as its normalised value, the *mean
+//! of the normalised values of the candidates that have the signal* (0 when none has it).
+//! The unknown worker is assumed to be typical of those we know: 0 would make "no data" the
+//! best possible score and favour every worker whose agent lacks a metric; 1 would starve
+//! new workers, which can only earn EWMA samples by being picked; a fixed 0.5 would be a
+//! penalty or a bonus depending on how the known candidates happen to spread. The mean is
+//! summed in fixed point so the result is exactly the same in any candidate order.
+//!
+//! **Selection.** The lowest total wins; ties break by effective active count, then by
+//! worker id, so the decision never depends on the order of `workers`. [`evaluate`] is
+//! pure: reservations in the ledger count as active work and as used KV, but the ledger is
+//! not touched; the caller reserves the winner.
+
+use metronome_protocol::decision::JobCostEstimate;
+use metronome_protocol::{CandidateScore, Rejection, TermName, TermScore};
+
+use crate::filter::{self, Filter, FilterContext};
+use crate::term::{self, TermContext};
+use crate::{JobRequest, Ledger, SchedulerConfig, WorkerLoad, WorkerView};
+
+const TERMS: usize = TermName::ALL.len();
+
+/// The outcome of one decision, with every number that led to it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Evaluation {
+    /// The chosen worker; `None` when no worker is eligible (the job waits).
+    pub winner: Option<String>,
+    /// Every eligible worker with its seven terms, best first.
+    pub candidates: Vec<CandidateScore>,
+    /// Every ineligible worker with its reason, ordered by worker id.
+    pub rejected: Vec<Rejection>,
+    /// The job's size as the decision saw it.
+    pub cost: JobCostEstimate,
+}
+
+impl Evaluation {
+    /// The winner's score (the first candidate when there is a winner).
+    pub fn winner_score(&self) -> Option<&CandidateScore> {
+        let w = self.winner.as_deref()?;
+        self.candidates.iter().find(|c| c.worker_id == w)
+    }
+}
+
+/// Decide where `job` runs among `workers`, counting the reservations in `ledger`.
+pub fn evaluate(
+    job: &JobRequest,
+    workers: &[WorkerView],
+    ledger: &Ledger,
+    config: &SchedulerConfig,
+    now_ms: u64,
+) -> Evaluation {
+    let ranked = rank(&filter::ADMISSION, job, workers, ledger, config, now_ms);
+    let weights = config.weights.as_array();
+    Evaluation {
+        winner: ranked
+            .candidates
+            .first()
+            .map(|c| c.view.status.worker_id.clone()),
+        candidates: ranked
+            .candidates
+            .iter()
+            .map(|c| c.to_score(&weights))
+            .collect(),
+        rejected: ranked.rejected,
+        cost: job.cost_estimate(),
+    }
+}
+
+/// One eligible worker during a decision.
+#[derive(Debug, Clone)]
+pub(crate) struct Candidate<'a> {
+    pub view: &'a WorkerView,
+    pub load: WorkerLoad,
+    raw: [Option<f64>; TERMS],
+    normalised: [f64; TERMS],
+    pub total: f64,
+}
+
+impl Candidate<'_> {
+    pub fn worker_id(&self) -> &str {
+        &self.view.status.worker_id
+    }
+
+    pub fn to_score(&self, weights: &[f64; TERMS]) -> CandidateScore {
+        let mut terms = Vec::with_capacity(TERMS);
+        for (i, name) in TermName::ALL.into_iter().enumerate() {
+            terms.push(TermScore {
+                term: name,
+                raw: self.raw[i],
+                normalised: self.normalised[i],
+                weight: weights[i],
+                contribution: self.normalised[i] * weights[i],
+                available: self.raw[i].is_some(),
+            });
+        }
+        CandidateScore {
+            worker_id: self.view.status.worker_id.clone(),
+            total: self.total,
+            terms,
+        }
+    }
+
+    /// Selection order: total, then effective active count, then worker id.
+    pub fn cmp_rank(&self, other: &Self) -> std::cmp::Ordering {
+        self.total
+            .total_cmp(&other.total)
+            .then(self.load.effective_active.cmp(&other.load.effective_active))
+            .then_with(|| self.worker_id().cmp(other.worker_id()))
+    }
+}
+
+/// Filtered, scored, normalised and ranked workers.
+pub(crate) struct Ranked<'a> {
+    /// Best first.
+    pub candidates: Vec<Candidate<'a>>,
+    /// Ordered by worker id.
+    pub rejected: Vec<Rejection>,
+}
+
+pub(crate) fn rank<'a>(
+    filters: &[&dyn Filter],
+    job: &JobRequest,
+    workers: &'a [WorkerView],
+    ledger: &Ledger,
+    config: &SchedulerConfig,
+    now_ms: u64,
+) -> Ranked<'a> {
+    let mut candidates = Vec::with_capacity(workers.len());
+    let mut rejected = Vec::new();
+    for view in workers {
+        let load = WorkerLoad::of(view, ledger, config);
+        let fctx = FilterContext {
+            job,
+            view,
+            load: &load,
+            config,
+            now_ms,
+        };
+        if let Err(r) = filter::apply(filters, &fctx) {
+            rejected.push(r);
+            continue;
+        }
+        let tctx = TermContext {
+            job,
+            view,
+            load: &load,
+            config,
+        };
+        let raw = term::ALL.map(|t| t.raw(&tctx).filter(|v| v.is_finite()));
+        candidates.push(Candidate {
+            view,
+            load,
+            raw,
+            normalised: [0.0; TERMS],
+            total: 0.0,
+        });
+    }
+    normalise(&mut candidates);
+    let weights = config.weights.as_array();
+    for c in &mut candidates {
+        c.total = c
+            .normalised
+            .iter()
+            .zip(weights.iter())
+            .map(|(n, w)| n * w)
+            .sum();
+    }
+    candidates.sort_by(Candidate::cmp_rank);
+    rejected.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
+    Ranked {
+        candidates,
+        rejected,
+    }
+}
+
+/// Fixed-point scale for the order-independent mean (2^32: far finer than any weight).
+const FIXED_ONE: f64 = 4_294_967_296.0;
+
+fn normalise(candidates: &mut [Candidate<'_>]) {
+    for (i, t) in term::ALL.iter().enumerate() {
+        let (mut min, mut max) = (f64::INFINITY, f64::NEG_INFINITY);
+        for v in candidates.iter().filter_map(|c| c.raw[i]) {
+            min = min.min(v);
+            max = max.max(v);
+        }
+        let span = max - min;
+        let invert = t.higher_is_better();
+        let mut sum_fixed: u128 = 0;
+        let mut available: u64 = 0;
+        for c in candidates.iter_mut() {
+            if let Some(v) = c.raw[i] {
+                let n = if span > 0.0 && span.is_finite() {
+                    let n = if invert {
+                        (max - v) / span
+                    } else {
+                        (v - min) / span
+                    };
+                    n.clamp(0.0, 1.0)
+                } else {
+                    0.0
+                };
+                c.normalised[i] = n;
+                sum_fixed += (n * FIXED_ONE).round() as u128;
+                available += 1;
+            }
+        }
+        let neutral = if available == 0 {
+            0.0
+        } else {
+            (sum_fixed as f64 / available as f64 / FIXED_ONE).clamp(0.0, 1.0)
+        };
+        for c in candidates.iter_mut().filter(|c| c.raw[i].is_none()) {
+            c.normalised[i] = neutral;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::*;
+    use metronome_protocol::{GpuStats, RejectionCode};
+
+    fn term<'a>(c: &'a CandidateScore, name: TermName) -> &'a TermScore {
+        c.terms.iter().find(|t| t.term == name).unwrap()
+    }
+
+    #[test]
+    fn picks_the_least_loaded_and_explains_everyone() {
+        let mut busy = worker("a");
+        busy.status.active = 2;
+        let idle = worker("b");
+        let mut stale = worker("c");
+        stale.last_seen_ms = 0;
+        let workers = [busy, idle, stale];
+        let e = evaluate(
+            &job("m"),
+            &workers,
+            &Ledger::new(),
+            &SchedulerConfig::default(),
+            NOW,
+        );
+        assert_eq!(e.winner.as_deref(), Some("b"));
+        let ids: Vec<&str> = e.candidates.iter().map(|c| c.worker_id.as_str()).collect();
+        assert_eq!(ids, ["b", "a"]);
+        assert_eq!(e.rejected.len(), 1);
+        assert_eq!(e.rejected[0].code, RejectionCode::StaleHeartbeat);
+        assert_eq!(e.cost.kv_tokens, 200);
+        for c in &e.candidates {
+            let names: Vec<TermName> = c.terms.iter().map(|t| t.term).collect();
+            assert_eq!(names, TermName::ALL);
+            let sum: f64 = c.terms.iter().map(|t| t.contribution).sum();
+            assert!((sum - c.total).abs() < 1e-12);
+        }
+        let a = term(&e.candidates[1], TermName::ActiveRequests);
+        assert_eq!((a.raw, a.normalised, a.available), (Some(2.0), 1.0, true));
+    }
+
+    #[test]
+    fn equal_values_normalise_to_zero() {
+        let workers = [worker("a"), worker("b")];
+        let e = evaluate(
+            &job("m"),
+            &workers,
+            &Ledger::new(),
+            &SchedulerConfig::default(),
+            NOW,
+        );
+        for c in &e.candidates {
+            assert_eq!(c.total, 0.0);
+        }
+        assert_eq!(e.winner.as_deref(), Some("a"), "tie broken by worker id");
+    }
+
+    #[test]
+    fn unavailable_terms_get_the_mean_of_the_known() {
+        let mut a = worker("a");
+        a.status.gpu = Some(GpuStats {
+            util_frac: 0.2,
+            mem_used_bytes: 0,
+            mem_total_bytes: 1,
+        });
+        let mut b = worker("b");
+        b.status.gpu = Some(GpuStats {
+            util_frac: 0.9,
+            mem_used_bytes: 0,
+            mem_total_bytes: 1,
+        });
+        let c = worker("c"); // no NVML
+        let e = evaluate(
+            &job("m"),
+            &[a, b, c],
+            &Ledger::new(),
+            &SchedulerConfig::default(),
+            NOW,
+        );
+        let by_id = |id: &str| e.candidates.iter().find(|c| c.worker_id == id).unwrap();
+        let g = term(by_id("c"), TermName::GpuUtilisation);
+        assert_eq!((g.raw, g.available, g.normalised), (None, false, 0.5));
+        assert_eq!(term(by_id("a"), TermName::GpuUtilisation).normalised, 0.0);
+        assert_eq!(e.winner.as_deref(), Some("a"));
+        // Nobody has EWMAs: the term is neutral (0) for all and says so.
+        let l = term(by_id("a"), TermName::LatencyEwma);
+        assert_eq!((l.raw, l.available, l.normalised), (None, false, 0.0));
+    }
+
+    #[test]
+    fn throughput_is_inverted() {
+        let mut fast = worker("a");
+        fast.ewma = Some(ewma(100.0, 10.0));
+        let mut slow = worker("b");
+        slow.ewma = Some(ewma(100.0, 40.0));
+        let e = evaluate(
+            &job("m"),
+            &[slow, fast],
+            &Ledger::new(),
+            &SchedulerConfig::default(),
+            NOW,
+        );
+        assert_eq!(e.winner.as_deref(), Some("a"));
+        assert_eq!(
+            term(&e.candidates[0], TermName::ThroughputEwma).normalised,
+            0.0
+        );
+        assert_eq!(
+            term(&e.candidates[1], TermName::ThroughputEwma).normalised,
+            1.0
+        );
+    }
+
+    #[test]
+    fn no_eligible_worker_means_no_winner() {
+        let mut w = worker("a");
+        w.status.model = "other".into();
+        let e = evaluate(
+            &job("m"),
+            &[w],
+            &Ledger::new(),
+            &SchedulerConfig::default(),
+            NOW,
+        );
+        assert_eq!(e.winner, None);
+        assert!(e.candidates.is_empty());
+        assert_eq!(e.rejected[0].code, RejectionCode::WrongModel);
+        assert_eq!(e.winner_score(), None);
+    }
+
+    #[test]
+    fn a_burst_spreads_over_idle_workers() {
+        let workers: Vec<WorkerView> = (0..4).map(|i| worker(&format!("w{i}"))).collect();
+        let config = SchedulerConfig::default();
+        let mut ledger = Ledger::new();
+        let mut winners = Vec::new();
+        for n in 0..4 {
+            let mut j = job("m");
+            j.job_id = format!("job-{n}");
+            let e = evaluate(&j, &workers, &ledger, &config, NOW);
+            let w = e.winner.unwrap();
+            ledger.reserve(&w, &j.job_id, j.kv_tokens(), NOW).unwrap();
+            winners.push(w);
+        }
+        assert_eq!(winners, ["w0", "w1", "w2", "w3"]);
+    }
+}

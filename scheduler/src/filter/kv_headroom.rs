@@ -1,0 +1,110 @@
+//! KV headroom, reservations included: a job may occupy `prompt + max_tokens` KV tokens,
+//! and a full KV cache makes the model server preempt running requests (the worst latency
+//! cliff). Admit only while
+//!
+//! `used_frac * capacity + unreported reserved KV + job KV <= capacity * (1 - kv_headroom_frac)`.
+//!
+//! Only reservations the worker has not listed yet are added: listed ones are in its
+//! reported usage. When the worker reports no KV capacity in tokens, this filter cannot
+//! judge and passes; the `kv_pressure` term then says the signal is unavailable or partial.
+
+use metronome_protocol::RejectionCode;
+
+use super::{Filter, FilterContext};
+
+pub struct KvHeadroom;
+
+/// KV tokens in use (reported) or booked (unreported reservations). An unreadable
+/// `used_frac` counts as full: better to refuse than to overfill.
+pub(crate) fn kv_tokens_in_use(used_frac: f64, capacity: u64, unreported: u64) -> f64 {
+    let frac = if used_frac.is_finite() {
+        used_frac.clamp(0.0, 1.0)
+    } else {
+        1.0
+    };
+    frac * capacity as f64 + unreported as f64
+}
+
+impl Filter for KvHeadroom {
+    fn code(&self) -> RejectionCode {
+        RejectionCode::InsufficientKv
+    }
+
+    fn check(&self, ctx: &FilterContext<'_>) -> Result<(), String> {
+        let Some(kv) = ctx.view.status.kv else {
+            return Ok(());
+        };
+        let Some(capacity) = kv.capacity_tokens else {
+            return Ok(());
+        };
+        let used = kv_tokens_in_use(kv.used_frac, capacity, ctx.load.unreported_kv_tokens);
+        let need = ctx.job.kv_tokens() as f64;
+        let limit = capacity as f64 * (1.0 - ctx.config.kv_headroom_frac);
+        if used + need > limit {
+            Err(format!(
+                "insufficient KV: {:.0} used + {} reserved + {} needed > {:.0} usable of {} tokens ({}% kept free)",
+                used - ctx.load.unreported_kv_tokens as f64,
+                ctx.load.unreported_kv_tokens,
+                ctx.job.kv_tokens(),
+                limit,
+                capacity,
+                ctx.config.kv_headroom_frac * 100.0
+            ))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::*;
+    use crate::{Ledger, SchedulerConfig};
+    use metronome_protocol::KvUsage;
+
+    #[test]
+    fn rejects_when_reservations_fill_the_cache() {
+        let config = SchedulerConfig::default(); // 5 % headroom: 9 500 of 10 000 usable
+        let j = job("m"); // 200 KV tokens
+        let mut w = worker("w1");
+        w.status.kv = Some(KvUsage {
+            used_frac: 0.5,
+            capacity_tokens: Some(10_000),
+        });
+        let mut l = Ledger::new();
+        l.reserve("w1", "a", 4_300, 0).unwrap();
+        assert_eq!(
+            check(&KvHeadroom, &j, &w, &l, &config),
+            Ok(()),
+            "9 500 exactly fits"
+        );
+        l.reserve("w1", "b", 1, 0).unwrap();
+        assert_eq!(
+            check(&KvHeadroom, &j, &w, &l, &config),
+            Err("insufficient KV: 5000 used + 4301 reserved + 200 needed > 9500 usable of 10000 tokens (5% kept free)".into())
+        );
+        // Once the worker lists the jobs, their KV is part of used_frac and not added again.
+        w.status.in_flight = vec!["a".into(), "b".into()];
+        assert_eq!(check(&KvHeadroom, &j, &w, &l, &config), Ok(()));
+    }
+
+    #[test]
+    fn unknown_capacity_passes() {
+        let mut w = worker("w1");
+        w.status.kv = None;
+        assert_eq!(check_default(&KvHeadroom, &job("m"), &w), Ok(()));
+        w.status.kv = Some(KvUsage {
+            used_frac: 0.99,
+            capacity_tokens: None,
+        });
+        assert_eq!(check_default(&KvHeadroom, &job("m"), &w), Ok(()));
+    }
+
+    #[test]
+    fn a_job_larger_than_the_cache_never_fits() {
+        let mut j = job("m");
+        j.prompt_tokens = 20_000;
+        assert!(check_default(&KvHeadroom, &j, &worker("w1")).is_err());
+    }
+}

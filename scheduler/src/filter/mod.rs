@@ -1,0 +1,113 @@
+//! Filters: may this worker take this job at all?
+//!
+//! Each filter is a pure predicate over one worker (one file each). A failing filter gives
+//! its [`RejectionCode`] and a reason with the numbers that decided it; the first failing
+//! filter, in the order of [`ADMISSION`], is the worker's rejection.
+//!
+//! Two sets exist. [`ELIGIBILITY`] is what any balancer applies (fresh heartbeat, serves
+//! the model, healthy, not draining); [`ADMISSION`] adds Metronome's admission control
+//! (concurrency cap including reservations, KV headroom, SLO floor). Baseline policies use
+//! only the first set so comparisons show what admission control buys.
+
+use metronome_protocol::{Rejection, RejectionCode};
+
+use crate::{JobRequest, SchedulerConfig, WorkerLoad, WorkerView};
+
+mod concurrency;
+mod draining;
+mod healthy;
+mod heartbeat;
+mod kv_headroom;
+mod model;
+mod slo;
+
+pub use concurrency::UnderConcurrencyCap;
+pub use draining::NotDraining;
+pub use healthy::Healthy;
+pub use heartbeat::FreshHeartbeat;
+pub use kv_headroom::KvHeadroom;
+pub use model::ServesModel;
+pub use slo::{predicted_rate, SloFloor};
+
+pub(crate) use kv_headroom::kv_tokens_in_use;
+
+/// Everything a filter may look at.
+#[derive(Debug, Clone, Copy)]
+pub struct FilterContext<'a> {
+    pub job: &'a JobRequest,
+    pub view: &'a WorkerView,
+    pub load: &'a WorkerLoad,
+    pub config: &'a SchedulerConfig,
+    pub now_ms: u64,
+}
+
+/// One eligibility rule.
+pub trait Filter: Sync {
+    /// The code a rejection by this filter carries.
+    fn code(&self) -> RejectionCode;
+    /// `Err(reason)` when the worker must not take the job; the reason quotes the numbers.
+    fn check(&self, ctx: &FilterContext<'_>) -> Result<(), String>;
+}
+
+/// Filters every balancer applies.
+pub static ELIGIBILITY: [&dyn Filter; 4] = [&FreshHeartbeat, &ServesModel, &Healthy, &NotDraining];
+
+/// Eligibility plus Metronome's admission control, in evaluation order.
+pub static ADMISSION: [&dyn Filter; 7] = [
+    &FreshHeartbeat,
+    &ServesModel,
+    &Healthy,
+    &NotDraining,
+    &UnderConcurrencyCap,
+    &KvHeadroom,
+    &SloFloor,
+];
+
+/// Run `filters` in order; the first failure becomes the rejection.
+pub fn apply(filters: &[&dyn Filter], ctx: &FilterContext<'_>) -> Result<(), Rejection> {
+    for f in filters {
+        if let Err(reason) = f.check(ctx) {
+            return Err(Rejection {
+                worker_id: ctx.view.status.worker_id.clone(),
+                code: f.code(),
+                reason,
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::*;
+    use crate::Ledger;
+
+    #[test]
+    fn first_failing_filter_names_the_rejection() {
+        let mut w = worker("w1");
+        w.status.healthy = false;
+        w.status.draining = true;
+        let config = SchedulerConfig::default();
+        let load = WorkerLoad::of(&w, &Ledger::new(), &config);
+        let j = job("m");
+        let ctx = FilterContext {
+            job: &j,
+            view: &w,
+            load: &load,
+            config: &config,
+            now_ms: NOW,
+        };
+        let r = apply(&ADMISSION, &ctx).unwrap_err();
+        assert_eq!(r.code, RejectionCode::Unhealthy);
+        assert_eq!(r.worker_id, "w1");
+    }
+
+    #[test]
+    fn admission_codes_are_distinct_and_cover_every_code() {
+        let mut codes: Vec<RejectionCode> = ADMISSION.iter().map(|f| f.code()).collect();
+        codes.dedup();
+        assert_eq!(codes.len(), 7);
+        assert!(ELIGIBILITY.iter().all(|e| codes.contains(&e.code())));
+    }
+}

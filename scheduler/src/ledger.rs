@@ -1,0 +1,385 @@
+//! The reservation ledger: which job is booked on which worker, and with how much KV.
+//!
+//! A reservation is made right after a decision and before the next job is read, so every
+//! later decision counts it as active work and used KV even though the worker has not yet
+//! reported the job (kube-scheduler's Reserve/Unreserve contract). It ends in one of three
+//! ways: a completion event releases it, a heartbeat reconciliation expires it when the
+//! worker never listed it within the TTL, or the worker dies.
+//!
+//! Invariants:
+//! - A job is reserved on at most one worker; [`Ledger::reserve`] refuses a second booking.
+//! - Per-worker totals (count, KV tokens) always equal the sum over that worker's
+//!   reservations.
+//! - [`Ledger::release`] is idempotent.
+//! - Outputs never depend on map iteration order: per-worker reservations keep their
+//!   booking order, and ordered maps are used throughout, so replays are exact.
+
+use std::collections::BTreeMap;
+
+/// One booked job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reservation {
+    pub job_id: String,
+    pub worker_id: String,
+    /// KV tokens booked for the job.
+    pub kv_tokens: u64,
+    /// When the reservation was made (Unix ms).
+    pub reserved_ms: u64,
+    /// Last time a heartbeat of the worker listed the job; 0 until the first one does.
+    pub confirmed_ms: u64,
+}
+
+impl Reservation {
+    /// Last sign of life: the later of booking and confirmation.
+    pub fn last_seen_ms(&self) -> u64 {
+        self.reserved_ms.max(self.confirmed_ms)
+    }
+
+    /// True once a heartbeat has listed the job (the worker holds it).
+    pub fn is_confirmed(&self) -> bool {
+        self.confirmed_ms > 0
+    }
+}
+
+/// Why a ledger operation was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LedgerError {
+    #[error("job {job_id} is already reserved on worker {worker_id}")]
+    AlreadyReserved { job_id: String, worker_id: String },
+}
+
+/// What a heartbeat reconciliation changed.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Reconciliation {
+    /// Jobs the worker reported that the ledger did not know (e.g. after a leader change),
+    /// now reserved on it.
+    pub adopted: Vec<String>,
+    /// Reservations on the worker that it never listed within the TTL, now released.
+    pub expired: Vec<String>,
+    /// Jobs the worker reported that the ledger holds on another worker; left unchanged,
+    /// for the caller to log or resolve (e.g. a rescued job whose first worker still runs it).
+    pub conflicting: Vec<String>,
+}
+
+impl Reconciliation {
+    pub fn is_empty(&self) -> bool {
+        self.adopted.is_empty() && self.expired.is_empty() && self.conflicting.is_empty()
+    }
+}
+
+/// One worker's reservations in booking order, with their running KV total.
+#[derive(Debug, Clone, Default)]
+struct WorkerBook {
+    /// `(job_id, kv_tokens)`; kept small (bounded by the worker's cap) so linear scans are
+    /// cheaper than a second map.
+    jobs: Vec<(String, u64)>,
+    kv_tokens: u64,
+}
+
+/// The reservation ledger, keyed by job id.
+#[derive(Debug, Clone, Default)]
+pub struct Ledger {
+    jobs: BTreeMap<String, Reservation>,
+    workers: BTreeMap<String, WorkerBook>,
+}
+
+impl Ledger {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Book `job_id` on `worker_id`. Refused when the job is already booked anywhere.
+    pub fn reserve(
+        &mut self,
+        worker_id: &str,
+        job_id: &str,
+        kv_tokens: u64,
+        now_ms: u64,
+    ) -> Result<(), LedgerError> {
+        self.insert(worker_id, job_id, kv_tokens, now_ms, 0)
+    }
+
+    fn insert(
+        &mut self,
+        worker_id: &str,
+        job_id: &str,
+        kv_tokens: u64,
+        reserved_ms: u64,
+        confirmed_ms: u64,
+    ) -> Result<(), LedgerError> {
+        if let Some(existing) = self.jobs.get(job_id) {
+            return Err(LedgerError::AlreadyReserved {
+                job_id: job_id.to_owned(),
+                worker_id: existing.worker_id.clone(),
+            });
+        }
+        self.jobs.insert(
+            job_id.to_owned(),
+            Reservation {
+                job_id: job_id.to_owned(),
+                worker_id: worker_id.to_owned(),
+                kv_tokens,
+                reserved_ms,
+                confirmed_ms,
+            },
+        );
+        let book = match self.workers.get_mut(worker_id) {
+            Some(b) => b,
+            None => self.workers.entry(worker_id.to_owned()).or_default(),
+        };
+        book.jobs.push((job_id.to_owned(), kv_tokens));
+        book.kv_tokens = book.kv_tokens.saturating_add(kv_tokens);
+        Ok(())
+    }
+
+    /// Release a job's reservation. Idempotent: `None` when it was not (or no longer) booked.
+    pub fn release(&mut self, job_id: &str) -> Option<Reservation> {
+        let r = self.jobs.remove(job_id)?;
+        if let Some(book) = self.workers.get_mut(&r.worker_id) {
+            if let Some(pos) = book.jobs.iter().position(|(j, _)| j == job_id) {
+                let (_, kv) = book.jobs.remove(pos);
+                book.kv_tokens = book.kv_tokens.saturating_sub(kv);
+            }
+            if book.jobs.is_empty() {
+                self.workers.remove(&r.worker_id);
+            }
+        }
+        Some(r)
+    }
+
+    /// Reservations booked on the worker.
+    pub fn reserved_count(&self, worker_id: &str) -> u32 {
+        self.workers
+            .get(worker_id)
+            .map_or(0, |b| u32::try_from(b.jobs.len()).unwrap_or(u32::MAX))
+    }
+
+    /// KV tokens booked on the worker.
+    pub fn reserved_kv_tokens(&self, worker_id: &str) -> u64 {
+        self.workers.get(worker_id).map_or(0, |b| b.kv_tokens)
+    }
+
+    /// Worker the job is booked on.
+    pub fn worker_of(&self, job_id: &str) -> Option<&str> {
+        self.jobs.get(job_id).map(|r| r.worker_id.as_str())
+    }
+
+    /// The job's reservation.
+    pub fn get(&self, job_id: &str) -> Option<&Reservation> {
+        self.jobs.get(job_id)
+    }
+
+    /// `(job_id, kv_tokens)` of each reservation on the worker, in booking order.
+    pub fn jobs_on<'a>(&'a self, worker_id: &str) -> impl Iterator<Item = (&'a str, u64)> + 'a {
+        self.workers
+            .get(worker_id)
+            .into_iter()
+            .flat_map(|b| b.jobs.iter().map(|(j, kv)| (j.as_str(), *kv)))
+    }
+
+    /// Reservations on the worker that `in_flight` does not list: booked work the worker
+    /// has not reported yet. Returns `(count, kv_tokens)`.
+    pub fn unreported(&self, worker_id: &str, in_flight: &[String]) -> (u32, u64) {
+        let Some(book) = self.workers.get(worker_id) else {
+            return (0, 0);
+        };
+        if in_flight.is_empty() {
+            return (
+                u32::try_from(book.jobs.len()).unwrap_or(u32::MAX),
+                book.kv_tokens,
+            );
+        }
+        let mut count = 0u32;
+        let mut kv = 0u64;
+        for (job, tokens) in &book.jobs {
+            if !in_flight.iter().any(|f| f == job) {
+                count = count.saturating_add(1);
+                kv = kv.saturating_add(*tokens);
+            }
+        }
+        (count, kv)
+    }
+
+    /// Heartbeat reconciliation for one worker.
+    ///
+    /// - Jobs in `in_flight` unknown to the ledger are adopted on this worker with
+    ///   `adopt_kv_tokens` (the caller's estimate; the job's size is not in a heartbeat).
+    /// - Listed jobs already booked on this worker are confirmed (`confirmed_ms = now`).
+    /// - Listed jobs booked on another worker are reported as conflicting and left alone.
+    /// - Unlisted reservations on this worker whose last sign of life (booking or
+    ///   confirmation) is more than `ttl_ms` old are released.
+    pub fn reconcile(
+        &mut self,
+        worker_id: &str,
+        in_flight: &[String],
+        adopt_kv_tokens: u64,
+        ttl_ms: u64,
+        now_ms: u64,
+    ) -> Reconciliation {
+        let mut out = Reconciliation::default();
+        for job_id in in_flight {
+            match self.jobs.get_mut(job_id.as_str()) {
+                Some(r) if r.worker_id == worker_id => r.confirmed_ms = r.confirmed_ms.max(now_ms),
+                Some(_) => out.conflicting.push(job_id.clone()),
+                None => {
+                    if self
+                        .insert(worker_id, job_id, adopt_kv_tokens, now_ms, now_ms)
+                        .is_ok()
+                    {
+                        out.adopted.push(job_id.clone());
+                    }
+                }
+            }
+        }
+        let stale: Vec<String> = self
+            .jobs_on(worker_id)
+            .filter(|(job, _)| !in_flight.iter().any(|f| f == job))
+            .filter(|(job, _)| {
+                self.jobs
+                    .get(*job)
+                    .is_some_and(|r| now_ms.saturating_sub(r.last_seen_ms()) > ttl_ms)
+            })
+            .map(|(job, _)| job.to_owned())
+            .collect();
+        for job in stale {
+            self.release(&job);
+            out.expired.push(job);
+        }
+        out
+    }
+
+    /// Release every reservation of a dead worker, in booking order.
+    pub fn release_worker(&mut self, worker_id: &str) -> Vec<Reservation> {
+        let Some(book) = self.workers.remove(worker_id) else {
+            return Vec::new();
+        };
+        book.jobs
+            .into_iter()
+            .filter_map(|(job, _)| self.jobs.remove(&job))
+            .collect()
+    }
+
+    /// Number of reservations.
+    pub fn len(&self) -> usize {
+        self.jobs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.jobs.is_empty()
+    }
+
+    /// Every reservation, ordered by job id.
+    pub fn iter(&self) -> impl Iterator<Item = &Reservation> {
+        self.jobs.values()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn reserve_counts_and_refuses_a_double_booking() {
+        let mut l = Ledger::new();
+        l.reserve("w1", "a", 100, 10).unwrap();
+        l.reserve("w1", "b", 50, 11).unwrap();
+        assert_eq!(l.reserved_count("w1"), 2);
+        assert_eq!(l.reserved_kv_tokens("w1"), 150);
+        assert_eq!(l.worker_of("a"), Some("w1"));
+        let err = l.reserve("w2", "a", 1, 12).unwrap_err();
+        assert_eq!(
+            err,
+            LedgerError::AlreadyReserved {
+                job_id: "a".into(),
+                worker_id: "w1".into()
+            }
+        );
+        assert_eq!(l.reserved_count("w2"), 0);
+        assert_eq!(l.len(), 2);
+    }
+
+    #[test]
+    fn release_is_idempotent_and_keeps_totals() {
+        let mut l = Ledger::new();
+        l.reserve("w1", "a", 100, 10).unwrap();
+        l.reserve("w1", "b", 50, 11).unwrap();
+        let r = l.release("a").unwrap();
+        assert_eq!(
+            (r.worker_id.as_str(), r.kv_tokens, r.reserved_ms),
+            ("w1", 100, 10)
+        );
+        assert_eq!(l.release("a"), None);
+        assert_eq!(l.reserved_count("w1"), 1);
+        assert_eq!(l.reserved_kv_tokens("w1"), 50);
+        l.release("b");
+        assert!(l.is_empty());
+        assert_eq!(l.reserved_kv_tokens("w1"), 0);
+    }
+
+    #[test]
+    fn unreported_excludes_jobs_the_worker_lists() {
+        let mut l = Ledger::new();
+        l.reserve("w1", "a", 100, 10).unwrap();
+        l.reserve("w1", "b", 50, 11).unwrap();
+        assert_eq!(l.unreported("w1", &[]), (2, 150));
+        assert_eq!(l.unreported("w1", &ids(&["a", "zzz"])), (1, 50));
+        assert_eq!(l.unreported("w2", &ids(&["a"])), (0, 0));
+    }
+
+    #[test]
+    fn reconcile_adopts_confirms_and_expires() {
+        let mut l = Ledger::new();
+        l.reserve("w1", "listed", 10, 1_000).unwrap();
+        l.reserve("w1", "young", 10, 1_500).unwrap();
+        l.reserve("w1", "old", 10, 1_000).unwrap();
+        l.reserve("w2", "elsewhere", 10, 1_000).unwrap();
+        let r = l.reconcile(
+            "w1",
+            &ids(&["listed", "new", "elsewhere"]),
+            77,
+            1_000,
+            2_200,
+        );
+        assert_eq!(r.adopted, ids(&["new"]));
+        assert_eq!(r.expired, ids(&["old"]));
+        assert_eq!(r.conflicting, ids(&["elsewhere"]));
+        assert_eq!(l.get("listed").unwrap().confirmed_ms, 2_200);
+        assert_eq!(l.get("new").unwrap().kv_tokens, 77);
+        assert_eq!(l.get("new").unwrap().confirmed_ms, 2_200);
+        assert!(
+            l.get("young").is_some(),
+            "booked 700 ms ago, inside the TTL"
+        );
+        assert_eq!(l.worker_of("elsewhere"), Some("w2"));
+        assert_eq!(l.reserved_count("w1"), 3);
+        assert_eq!(l.reserved_kv_tokens("w1"), 10 + 10 + 77);
+
+        // A confirmed job that stops being listed lives TTL past its last confirmation.
+        let r = l.reconcile("w1", &[], 0, 1_000, 3_100);
+        assert_eq!(r.expired, ids(&["young"]));
+        let r = l.reconcile("w1", &[], 0, 1_000, 3_201);
+        assert_eq!(r.expired, ids(&["listed", "new"]));
+        assert_eq!(l.reserved_count("w1"), 0);
+    }
+
+    #[test]
+    fn release_worker_returns_its_reservations_in_booking_order() {
+        let mut l = Ledger::new();
+        l.reserve("w1", "b", 1, 1).unwrap();
+        l.reserve("w1", "a", 2, 2).unwrap();
+        l.reserve("w2", "c", 3, 3).unwrap();
+        let gone: Vec<String> = l
+            .release_worker("w1")
+            .into_iter()
+            .map(|r| r.job_id)
+            .collect();
+        assert_eq!(gone, ids(&["b", "a"]));
+        assert_eq!(l.len(), 1);
+        assert!(l.release_worker("w1").is_empty());
+        assert_eq!(l.release("a"), None);
+    }
+}
