@@ -1,1 +1,280 @@
-//! metronome-worker-agent
+//! metronome-worker-agent: one agent per GPU/model instance. It pulls its assignments from
+//! its own durable consumer on `work.<worker_id>`, runs them on the local OpenAI-compatible
+//! model server (vLLM, SGLang, TGI, llama.cpp or the bundled simulator), relays chunks and
+//! results, publishes completion events, keeps the latency averages in Redis and heartbeats
+//! the state the dispatcher scores on.
+//!
+//! Lifecycle: [`start`] connects, creates what is missing (streams, buckets, its consumer)
+//! and spawns the loops; cancelling the shutdown token drains: draining is announced at
+//! once, pulling stops, in-flight jobs finish (bounded by the drain timeout), a last
+//! heartbeat is sent and the worker's key is deleted from the `workers` bucket.
+
+pub mod agent;
+pub mod assemble;
+pub mod config;
+pub mod ewma_store;
+pub mod gpu_probe;
+mod heartbeat;
+pub mod metrics;
+pub mod metrics_scrape;
+pub mod model_client;
+pub mod runner;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream;
+use metronome_protocol::setup::{ensure_all, StreamSettings};
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub use agent::AgentError;
+pub use config::{Config, ConfigError, FieldError, ServerKind};
+pub use gpu_probe::{GpuProbe, NoGpu, NvmlProbe};
+pub use metrics::AgentMetrics;
+pub use model_client::{HttpModelClient, ModelClient, ModelError};
+
+use agent::Shared;
+use heartbeat::Heartbeat;
+
+/// The I/O the agent reaches through traits, so tests and other hosts can swap them.
+#[derive(Clone)]
+pub struct Dependencies {
+    pub model: Arc<dyn ModelClient>,
+    pub gpu: Arc<dyn GpuProbe>,
+}
+
+impl Dependencies {
+    /// The real model server over HTTP, and NVML for `gpu_index` (no GPU probe for the
+    /// simulator or when no index is configured: those figures would describe another
+    /// device).
+    pub fn from_config(config: &Config) -> Result<Self, AgentError> {
+        let model = HttpModelClient::new(
+            &config.model_server_url,
+            &config.health_path,
+            &config.metrics_path,
+        )?;
+        let gpu: Arc<dyn GpuProbe> = match (config.gpu_index, config.model_server_kind) {
+            (Some(index), kind) if kind != ServerKind::Simulator => Arc::new(NvmlProbe::new(index)),
+            _ => Arc::new(NoGpu),
+        };
+        Ok(Dependencies {
+            model: Arc::new(model),
+            gpu,
+        })
+    }
+}
+
+/// A started agent.
+pub struct RunningAgent {
+    /// Where the agent's `/metrics` endpoint listens, when enabled.
+    pub metrics_addr: Option<SocketAddr>,
+    /// The agent's counters (also served on `/metrics`).
+    pub metrics: Arc<AgentMetrics>,
+    handle: JoinHandle<Result<(), AgentError>>,
+}
+
+impl RunningAgent {
+    /// Wait until the agent has drained and exited (after the shutdown token fired).
+    pub async fn wait(self) -> Result<(), AgentError> {
+        self.handle.await.unwrap_or_else(|e| {
+            tracing::error!(error = %e, "worker-agent task panicked");
+            Ok(())
+        })
+    }
+}
+
+/// Run the agent until `shutdown` fires and the drain is over.
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), AgentError> {
+    let deps = Dependencies::from_config(&config)?;
+    start(config, deps, shutdown).await?.wait().await
+}
+
+/// Connect, set up and spawn the agent; returns once it is pulling work.
+pub async fn start(
+    config: Config,
+    deps: Dependencies,
+    shutdown: CancellationToken,
+) -> Result<RunningAgent, AgentError> {
+    let client = async_nats::ConnectOptions::new()
+        .name(format!("metronome-worker-agent {}", config.worker_id))
+        .connect(&config.nats_url)
+        .await
+        .map_err(|source| AgentError::Connect {
+            url: config.nats_url.clone(),
+            source,
+        })?;
+    let js = jetstream::new(client.clone());
+    let buckets = ensure_all(&js, &StreamSettings::default()).await?;
+    let consumer = agent::ensure_consumer(&js, &config).await?;
+    let cancel_sub = agent::subscribe_cancellations(&client).await?;
+    let metrics = Arc::new(AgentMetrics::default());
+    let ewma = ewma_store::EwmaStore::new(
+        &config.redis_url,
+        &config.redis_prefix,
+        config.ewma_alpha,
+        config.ewma_half_life_ms,
+        metrics.clone(),
+    )?;
+
+    let metrics_listener = match config.metrics_port {
+        Some(port) => {
+            let addr = format!("{}:{port}", config.metrics_bind);
+            let l = tokio::net::TcpListener::bind(&addr)
+                .await
+                .map_err(|source| AgentError::MetricsBind { addr, source })?;
+            Some(l)
+        }
+        None => None,
+    };
+    let metrics_addr = metrics_listener.as_ref().and_then(|l| l.local_addr().ok());
+
+    tracing::info!(
+        worker_id = %config.worker_id,
+        model = %config.model,
+        model_server = %config.model_server_url,
+        kind = %config.model_server_kind,
+        max_concurrency = config.max_concurrency,
+        gpu = %deps.gpu.describe(),
+        metrics_addr = ?metrics_addr,
+        "worker-agent started"
+    );
+
+    let shared = Arc::new(Shared {
+        config,
+        client: client.clone(),
+        js,
+        model: deps.model,
+        ewma: Some(ewma),
+        metrics: metrics.clone(),
+        in_flight: Mutex::new(BTreeMap::new()),
+        max_epoch: AtomicU64::new(0),
+        draining: AtomicBool::new(false),
+        slot_freed: Notify::new(),
+        heartbeat_now: Notify::new(),
+        abort: CancellationToken::new(),
+    });
+
+    let metrics_stop = CancellationToken::new();
+    if let Some(listener) = metrics_listener {
+        let worker_id = shared.config.worker_id.clone();
+        let m = metrics.clone();
+        let app = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || {
+                let m = m.clone();
+                let w = worker_id.clone();
+                async move {
+                    (
+                        [(
+                            axum::http::header::CONTENT_TYPE,
+                            "text/plain; version=0.0.4",
+                        )],
+                        m.render(&w),
+                    )
+                }
+            }),
+        );
+        let stop = metrics_stop.clone();
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app)
+                .with_graceful_shutdown(async move { stop.cancelled().await })
+                .await
+            {
+                tracing::warn!(error = %e, "metrics endpoint stopped");
+            }
+        });
+    }
+
+    let mut hb = Heartbeat {
+        shared: shared.clone(),
+        bucket: buckets.workers,
+        gpu: deps.gpu,
+        seq: 0,
+    };
+    // The first heartbeat goes out before any work is pulled, so the dispatcher sees the
+    // worker as soon as it can run something.
+    hb.beat().await;
+    let hb_stop = CancellationToken::new();
+    let hb_task = {
+        let stop = hb_stop.clone();
+        tokio::spawn(async move {
+            hb.run(stop).await;
+            hb
+        })
+    };
+    let intake_stop = CancellationToken::new();
+    let intake_task = tokio::spawn(agent::intake(shared.clone(), consumer, intake_stop.clone()));
+    let cancel_stop = CancellationToken::new();
+    let cancel_task = tokio::spawn(agent::cancellations(
+        shared.clone(),
+        cancel_sub,
+        cancel_stop.clone(),
+    ));
+
+    let handle = tokio::spawn(async move {
+        shutdown.cancelled().await;
+        tracing::info!(in_flight = shared.running(), "shutdown requested: draining");
+        shared.draining.store(true, Ordering::SeqCst);
+        shared.metrics.draining.set(1);
+        shared.heartbeat_now.notify_one();
+        intake_stop.cancel();
+        let _ = intake_task.await;
+
+        drain(&shared).await;
+
+        hb_stop.cancel();
+        if let Ok(mut hb) = hb_task.await {
+            hb.beat().await;
+            hb.withdraw().await;
+        }
+        cancel_stop.cancel();
+        let _ = cancel_task.await;
+        metrics_stop.cancel();
+        if let Err(e) = client.flush().await {
+            tracing::warn!(error = %e, "flushing NATS at exit failed");
+        }
+        tracing::info!("worker-agent stopped");
+        Ok(())
+    });
+
+    Ok(RunningAgent {
+        metrics_addr,
+        metrics,
+        handle,
+    })
+}
+
+/// Wait for in-flight jobs to finish; past the drain timeout, end them with an error and
+/// give them a short grace to publish it.
+async fn drain(shared: &Shared) {
+    let deadline = tokio::time::Instant::now() + shared.config.drain_timeout();
+    let mut aborted = false;
+    loop {
+        let running = shared.running();
+        if running == 0 {
+            return;
+        }
+        tokio::select! {
+            _ = shared.slot_freed.notified() => {}
+            // Polling too, in case a release happened between `running()` and `notified()`.
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+            _ = tokio::time::sleep_until(deadline), if !aborted => {
+                tracing::warn!(running, "drain timeout: ending the remaining jobs with an error");
+                shared.abort.cancel();
+                aborted = true;
+            }
+        }
+        if aborted && tokio::time::Instant::now() > deadline + Duration::from_secs(10) {
+            tracing::error!(
+                running = shared.running(),
+                "jobs did not end after the drain timeout"
+            );
+            return;
+        }
+    }
+}

@@ -1,0 +1,430 @@
+//! The agent's intake: its durable pull consumer on `work.<worker_id>`, the checks an
+//! assignment must pass before it runs, and client cancellations.
+//!
+//! Invariants:
+//! - The agent pulls at most `max_concurrency - running` messages at a time, so work it
+//!   cannot start yet stays in JetStream, where the dispatcher can rescue it.
+//! - The highest leader epoch seen only grows; an assignment with a lower epoch comes from a
+//!   deposed leader and is refused (`refused` event, WORK acked: the dispatcher decides
+//!   again). While draining every new assignment is refused the same way.
+//! - A message that is not an assignment never stops the loop: it is logged with its
+//!   reason, counted, copied to the dead-letter subject and terminated (never redelivered).
+//! - A job is in `in_flight` from the moment it is accepted until its event is published;
+//!   heartbeats list exactly these ids.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, consumer, AckKind};
+use futures::StreamExt;
+use metronome_protocol::names::{
+    event_done_subject, result_final_subject, work_consumer, work_msg_id, work_subject,
+    STREAM_WORK, SUBJECT_CANCEL_ALL, SUBJECT_DEAD_LETTER,
+};
+use metronome_protocol::time::unix_ms;
+use metronome_protocol::{
+    Assignment, CompletionEvent, CompletionOutcome, ErrorCode, FinalResult, JobLimits, ResultError,
+    Usage, PROTOCOL_VERSION,
+};
+use serde_json::json;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::ewma_store::EwmaStore;
+use crate::metrics::AgentMetrics;
+use crate::model_client::ModelClient;
+use crate::runner::{publish_js, run_job};
+
+/// Errors that stop the agent (everything else is logged and survived).
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("connecting to NATS at {url}: {source}")]
+    Connect {
+        url: String,
+        source: async_nats::ConnectError,
+    },
+    #[error("setting up streams and buckets: {0}")]
+    Setup(#[from] metronome_protocol::setup::SetupError),
+    #[error("opening stream {stream}: {source}")]
+    Stream {
+        stream: &'static str,
+        source: jetstream::context::GetStreamError,
+    },
+    #[error("creating the durable consumer {name}: {source}")]
+    Consumer {
+        name: String,
+        source: jetstream::stream::ConsumerError,
+    },
+    #[error("subscribing to {subject}: {source}")]
+    Subscribe {
+        subject: &'static str,
+        source: async_nats::SubscribeError,
+    },
+    #[error("EWMA store: {0}")]
+    Ewma(#[from] crate::ewma_store::EwmaError),
+    #[error("model server client: {0}")]
+    Model(#[from] crate::model_client::ModelError),
+    #[error("binding the metrics endpoint on {addr}: {source}")]
+    MetricsBind {
+        addr: String,
+        source: std::io::Error,
+    },
+}
+
+impl AgentError {
+    /// Whether starting again later may work (servers coming up) rather than needing a fix.
+    pub fn is_retryable(&self) -> bool {
+        !matches!(self, AgentError::MetricsBind { .. } | AgentError::Model(_))
+    }
+}
+
+/// A job the agent holds.
+pub(crate) struct Held {
+    pub cancel: CancellationToken,
+}
+
+/// State shared by the intake, the runners and the heartbeat.
+pub(crate) struct Shared {
+    pub config: Config,
+    pub client: async_nats::Client,
+    pub js: jetstream::Context,
+    pub model: Arc<dyn ModelClient>,
+    pub ewma: Option<EwmaStore>,
+    pub metrics: Arc<AgentMetrics>,
+    pub in_flight: Mutex<BTreeMap<String, Held>>,
+    pub max_epoch: AtomicU64,
+    pub draining: AtomicBool,
+    /// A slot was freed: the intake may pull again.
+    pub slot_freed: Notify,
+    /// Something the dispatcher should learn at once happened (draining started).
+    pub heartbeat_now: Notify,
+    /// Fired when the drain timeout passes: running jobs end with an error.
+    pub abort: CancellationToken,
+}
+
+impl Shared {
+    pub fn running(&self) -> usize {
+        self.in_flight.lock().expect("in_flight lock").len()
+    }
+
+    pub fn in_flight_ids(&self) -> Vec<String> {
+        self.in_flight
+            .lock()
+            .expect("in_flight lock")
+            .keys()
+            .cloned()
+            .collect()
+    }
+
+    fn release(&self, job_id: &str) {
+        let left = {
+            let mut map = self.in_flight.lock().expect("in_flight lock");
+            map.remove(job_id);
+            map.len()
+        };
+        self.metrics.running_jobs.set(left as u64);
+        self.slot_freed.notify_one();
+    }
+}
+
+/// Create (or find) the agent's durable consumer.
+pub(crate) async fn ensure_consumer(
+    js: &jetstream::Context,
+    config: &Config,
+) -> Result<consumer::Consumer<consumer::pull::Config>, AgentError> {
+    let stream = js
+        .get_stream(STREAM_WORK)
+        .await
+        .map_err(|source| AgentError::Stream {
+            stream: STREAM_WORK,
+            source,
+        })?;
+    let name = work_consumer(&config.worker_id);
+    stream
+        .get_or_create_consumer(
+            &name,
+            consumer::pull::Config {
+                durable_name: Some(name.clone()),
+                filter_subject: work_subject(&config.worker_id),
+                ack_policy: consumer::AckPolicy::Explicit,
+                ack_wait: config.ack_wait(),
+                description: Some(format!("worker-agent {}", config.worker_id)),
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|source| AgentError::Consumer { name, source })
+}
+
+/// Pull and dispatch assignments until `stop` fires; then refuse what is still delivered
+/// and return. Running jobs are left to finish (the caller drains them).
+pub(crate) async fn intake(
+    shared: Arc<Shared>,
+    consumer: consumer::Consumer<consumer::pull::Config>,
+    stop: CancellationToken,
+) {
+    let max = shared.config.max_concurrency as usize;
+    let mut backoff = Duration::from_millis(100);
+    while !stop.is_cancelled() {
+        let free = max.saturating_sub(shared.running());
+        if free == 0 {
+            tokio::select! {
+                _ = shared.slot_freed.notified() => {}
+                _ = stop.cancelled() => break,
+            }
+            continue;
+        }
+        // A short expiry bounds how long a stop waits for the open pull request.
+        let batch = consumer
+            .batch()
+            .max_messages(free)
+            .expires(Duration::from_millis(500))
+            .messages()
+            .await;
+        let mut batch = match batch {
+            Ok(b) => {
+                backoff = Duration::from_millis(100);
+                b
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, kind = ?e.kind(), "pull request failed; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = stop.cancelled() => break,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+                continue;
+            }
+        };
+        // Messages already requested are read to the end even after `stop`: they are
+        // refused (draining), so none waits for its ack timeout.
+        while let Some(next) = batch.next().await {
+            match next {
+                Ok(msg) => accept(&shared, msg).await,
+                Err(e) => {
+                    tracing::warn!(error = %e, "receiving from the WORK consumer failed");
+                    break;
+                }
+            }
+        }
+    }
+    tracing::info!("intake stopped: no new assignments will be pulled");
+}
+
+/// Check one delivered message and start it, or refuse or reject it.
+async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
+    let start = Instant::now();
+    let assignment: Assignment = match serde_json::from_slice(&msg.payload) {
+        Ok(a) => a,
+        Err(e) => return reject_malformed(shared, &msg, &e.to_string()).await,
+    };
+    if let Err(e) = assignment.job.validate(&JobLimits::default()) {
+        // The job id is known: tell its client rather than leave it waiting.
+        tracing::warn!(job_id = %assignment.job.id, error = %e, "assignment carries an invalid job; terminated");
+        shared.metrics.malformed_assignments.inc();
+        if metronome_protocol::names::is_subject_token(&assignment.job.id) {
+            finish_without_running(
+                shared,
+                &assignment,
+                CompletionOutcome::Failed,
+                Some((ErrorCode::InvalidJob, e.to_string())),
+                &e.to_string(),
+            )
+            .await;
+        }
+        if let Err(e) = msg.ack_with(AckKind::Term).await {
+            tracing::warn!(error = %e, "terminating the WORK message failed");
+        }
+        return;
+    }
+    let job_id = assignment.job.id.clone();
+    if assignment.worker_id != shared.config.worker_id {
+        tracing::warn!(%job_id, assigned_to = %assignment.worker_id, "assignment names another worker; refused");
+        return refuse(shared, &msg, &assignment, "assignment names another worker").await;
+    }
+    let seen = shared
+        .max_epoch
+        .fetch_max(assignment.epoch, Ordering::SeqCst);
+    if assignment.epoch < seen {
+        shared.metrics.stale_epoch_refusals.inc();
+        tracing::warn!(%job_id, epoch = assignment.epoch, highest_epoch = seen, "stale epoch: assignment from a deposed leader refused");
+        let reason = format!(
+            "stale epoch {} (highest seen {seen}): assigned by a deposed leader",
+            assignment.epoch
+        );
+        return refuse(shared, &msg, &assignment, &reason).await;
+    }
+    if shared.draining.load(Ordering::SeqCst) {
+        tracing::info!(%job_id, "draining: assignment refused");
+        return refuse(shared, &msg, &assignment, "worker is draining").await;
+    }
+    let cancel = CancellationToken::new();
+    {
+        let mut map = shared.in_flight.lock().expect("in_flight lock");
+        if map.contains_key(&job_id) {
+            // A redelivery of a job this agent is already running: the running copy acks it.
+            drop(map);
+            tracing::info!(%job_id, "redelivery of a running job ignored");
+            return;
+        }
+        map.insert(
+            job_id.clone(),
+            Held {
+                cancel: cancel.clone(),
+            },
+        );
+        shared.metrics.running_jobs.set(map.len() as u64);
+    }
+    let shared = shared.clone();
+    tokio::spawn(async move {
+        run_job(shared.clone(), assignment, msg, cancel, start).await;
+        shared.release(&job_id);
+    });
+}
+
+/// Refuse without running: the dispatcher will decide again.
+async fn refuse(shared: &Shared, msg: &jetstream::Message, a: &Assignment, reason: &str) {
+    finish_without_running(shared, a, CompletionOutcome::Refused, None, reason).await;
+    if let Err(e) = msg.double_ack().await {
+        tracing::warn!(job_id = %a.job.id, error = %e, "acknowledging a refused assignment failed");
+    }
+}
+
+/// Publish the event (and for a failure, the final result) of a job that never ran.
+async fn finish_without_running(
+    shared: &Shared,
+    a: &Assignment,
+    outcome: CompletionOutcome,
+    final_error: Option<(ErrorCode, String)>,
+    reason: &str,
+) {
+    let msg_id = work_msg_id(&a.job.id, a.attempt);
+    if let Some((code, message)) = final_error {
+        let result = FinalResult {
+            v: PROTOCOL_VERSION,
+            job_id: a.job.id.clone(),
+            worker_id: Some(shared.config.worker_id.clone()),
+            response: None,
+            error: Some(ResultError { code, message }),
+            usage: Usage::default(),
+            chunks: 0,
+            ttft_ms: None,
+            e2e_ms: None,
+        };
+        publish_js(
+            shared,
+            result_final_subject(&a.job.id),
+            &msg_id,
+            &a.job.model,
+            &result,
+        )
+        .await;
+    }
+    let event = CompletionEvent {
+        v: PROTOCOL_VERSION,
+        job_id: a.job.id.clone(),
+        worker_id: shared.config.worker_id.clone(),
+        model: a.job.model.clone(),
+        epoch: a.epoch,
+        attempt: a.attempt,
+        outcome,
+        streamed: false,
+        error: Some(reason.to_string()),
+        prompt_tokens: a.job.prompt_tokens,
+        output_tokens: 0,
+        ttft_ms: None,
+        tpot_ms: None,
+        e2e_ms: 0.0,
+        finished_ms: unix_ms(),
+    };
+    // A refusal must reach the dispatcher even if it repeats, so it gets its own
+    // de-duplication id per outcome.
+    let event_id = format!("{msg_id}:{outcome:?}");
+    publish_js(
+        shared,
+        event_done_subject(&shared.config.worker_id),
+        &event_id,
+        &a.job.model,
+        &event,
+    )
+    .await;
+    shared.metrics.job_finished(outcome);
+}
+
+/// Log, count, dead-letter and terminate a message that is not an assignment.
+async fn reject_malformed(shared: &Shared, msg: &jetstream::Message, reason: &str) {
+    shared.metrics.malformed_assignments.inc();
+    let delivered = msg.info().map(|i| i.delivered).unwrap_or(0);
+    tracing::warn!(
+        subject = %msg.subject,
+        bytes = msg.payload.len(),
+        delivered,
+        reason,
+        "malformed message on the WORK subject: terminated"
+    );
+    let preview: String = String::from_utf8_lossy(&msg.payload)
+        .chars()
+        .take(1024)
+        .collect();
+    let letter = json!({
+        "v": PROTOCOL_VERSION,
+        "source": msg.subject.to_string(),
+        "worker_id": shared.config.worker_id,
+        "reason": reason,
+        "payload": preview,
+        "at_ms": unix_ms(),
+    });
+    if let Err(e) = shared
+        .client
+        .publish(SUBJECT_DEAD_LETTER, letter.to_string().into())
+        .await
+    {
+        tracing::warn!(error = %e, "publishing to the dead-letter subject failed");
+    }
+    if let Err(e) = msg.ack_with(AckKind::Term).await {
+        tracing::warn!(error = %e, "terminating a malformed WORK message failed");
+    }
+}
+
+/// Cancel running jobs when their client asks on `cancel.<job_id>`, until `stop`.
+pub(crate) async fn cancellations(
+    shared: Arc<Shared>,
+    mut sub: async_nats::Subscriber,
+    stop: CancellationToken,
+) {
+    loop {
+        let msg = tokio::select! {
+            m = sub.next() => match m { Some(m) => m, None => break },
+            _ = stop.cancelled() => break,
+        };
+        let Some(job_id) = msg.subject.split('.').nth(1) else {
+            continue;
+        };
+        let held = shared
+            .in_flight
+            .lock()
+            .expect("in_flight lock")
+            .get(job_id)
+            .map(|h| h.cancel.clone());
+        if let Some(cancel) = held {
+            tracing::info!(%job_id, "cancellation requested: stopping generation");
+            cancel.cancel();
+        }
+    }
+}
+
+/// Subscribe to every job's cancellation subject.
+pub(crate) async fn subscribe_cancellations(
+    client: &async_nats::Client,
+) -> Result<async_nats::Subscriber, AgentError> {
+    client
+        .subscribe(SUBJECT_CANCEL_ALL)
+        .await
+        .map_err(|source| AgentError::Subscribe {
+            subject: SUBJECT_CANCEL_ALL,
+            source,
+        })
+}

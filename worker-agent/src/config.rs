@@ -1,0 +1,413 @@
+//! Configuration of one worker-agent: which worker it is, which model server it fronts, and
+//! the timings of its loops.
+//!
+//! Loaded from a TOML file, then overridden by the environment (`NATS_URL`, `REDIS_URL` and
+//! `METRONOME_WORKER_*`), then validated into field-level errors. The environment is read
+//! through a lookup function so tests never touch the process environment.
+//! Invariant: a `Config` that passed [`Config::validate`] has a subject-safe `worker_id`,
+//! a non-empty model, a parseable model-server URL and every interval above zero.
+
+use std::fmt;
+use std::path::Path;
+use std::time::Duration;
+
+use metronome_protocol::names::is_subject_token;
+use serde::{Deserialize, Serialize};
+
+/// Which family of model server the agent talks to. It selects the Prometheus metric names
+/// scraped for queue depth and KV usage; the OpenAI API is the same for all of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ServerKind {
+    Vllm,
+    Sglang,
+    /// The bundled GPU simulator, which exports vLLM-named metrics.
+    Simulator,
+    Llamacpp,
+    Tgi,
+}
+
+impl fmt::Display for ServerKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            ServerKind::Vllm => "vllm",
+            ServerKind::Sglang => "sglang",
+            ServerKind::Simulator => "simulator",
+            ServerKind::Llamacpp => "llamacpp",
+            ServerKind::Tgi => "tgi",
+        };
+        f.write_str(s)
+    }
+}
+
+/// Every setting of the agent. Durations are in milliseconds so the TOML stays plain.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Subject-safe id of this worker (`node1-gpu0`): names its WORK subject and consumer.
+    pub worker_id: String,
+    /// Model the model server has loaded, as clients name it.
+    pub model: String,
+    /// Host name, reported to operators in heartbeats.
+    pub node: Option<String>,
+    /// GPU index on the host; also the NVML device the agent probes.
+    pub gpu_index: Option<u32>,
+    /// Base URL of the OpenAI-compatible model server (`http://127.0.0.1:8001`).
+    pub model_server_url: String,
+    pub model_server_kind: ServerKind,
+    /// Path of the model server's health endpoint.
+    pub health_path: String,
+    /// Path of the model server's Prometheus endpoint.
+    pub metrics_path: String,
+    /// Most jobs run at once; the agent never pulls more than the free slots.
+    pub max_concurrency: u32,
+    pub heartbeat_interval_ms: u64,
+    pub nats_url: String,
+    pub redis_url: String,
+    pub redis_prefix: String,
+    /// Weight of a new sample in the EWMAs when samples arrive back to back.
+    pub ewma_alpha: f64,
+    /// After this long without samples an old average counts half as much as it would
+    /// have: the effective alpha rises towards 1 with the time since the last update.
+    pub ewma_half_life_ms: u64,
+    /// Interval of `+WPI` progress acks on a running job's WORK message; must stay well
+    /// below the consumer's ack wait.
+    pub progress_ack_interval_ms: u64,
+    /// Ack wait of the agent's durable consumer (set when the consumer is created).
+    pub ack_wait_ms: u64,
+    /// Longest a single job may run on the model server.
+    pub request_timeout_ms: u64,
+    /// Longest a graceful shutdown waits for in-flight jobs.
+    pub drain_timeout_ms: u64,
+    /// Port of the agent's own `/metrics` endpoint; `None` disables it, 0 picks a free port.
+    pub metrics_port: Option<u16>,
+    /// Address the metrics endpoint binds to.
+    pub metrics_bind: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            worker_id: String::new(),
+            model: String::new(),
+            node: None,
+            gpu_index: None,
+            model_server_url: "http://127.0.0.1:8001".into(),
+            model_server_kind: ServerKind::Vllm,
+            health_path: "/health".into(),
+            metrics_path: "/metrics".into(),
+            max_concurrency: 4,
+            heartbeat_interval_ms: 1_000,
+            nats_url: "nats://127.0.0.1:4222".into(),
+            redis_url: "redis://127.0.0.1:6379/".into(),
+            redis_prefix: metronome_protocol::redis_keys::DEFAULT_PREFIX.into(),
+            ewma_alpha: 0.2,
+            ewma_half_life_ms: 60_000,
+            progress_ack_interval_ms: 5_000,
+            ack_wait_ms: 30_000,
+            request_timeout_ms: 600_000,
+            drain_timeout_ms: 60_000,
+            metrics_port: None,
+            metrics_bind: "127.0.0.1".into(),
+        }
+    }
+}
+
+/// One invalid field and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldError {
+    pub field: &'static str,
+    pub message: String,
+}
+
+impl fmt::Display for FieldError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+/// Why a configuration could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("parsing {path}: {source}")]
+    Parse {
+        path: String,
+        source: Box<toml::de::Error>,
+    },
+    #[error("environment variable {var}={value:?} is not valid: {message}")]
+    Env {
+        var: &'static str,
+        value: String,
+        message: String,
+    },
+}
+
+impl Config {
+    /// Parse a TOML document.
+    pub fn from_toml_str(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: origin.to_string(),
+            source: Box::new(e),
+        })
+    }
+
+    /// Read a TOML file.
+    pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_toml_str(&text, &path.display().to_string())
+    }
+
+    /// Apply environment overrides found through `lookup` (`std::env::var(..).ok()` in
+    /// the binary, a map in tests).
+    pub fn apply_env(
+        &mut self,
+        lookup: impl Fn(&str) -> Option<String>,
+    ) -> Result<(), ConfigError> {
+        if let Some(v) = lookup("NATS_URL") {
+            self.nats_url = v;
+        }
+        if let Some(v) = lookup("REDIS_URL") {
+            self.redis_url = v;
+        }
+        if let Some(v) = lookup("METRONOME_WORKER_ID") {
+            self.worker_id = v;
+        }
+        if let Some(v) = lookup("METRONOME_WORKER_MODEL") {
+            self.model = v;
+        }
+        if let Some(v) = lookup("METRONOME_WORKER_MODEL_SERVER_URL") {
+            self.model_server_url = v;
+        }
+        if let Some(v) = lookup("METRONOME_WORKER_MAX_CONCURRENCY") {
+            self.max_concurrency =
+                v.parse()
+                    .map_err(|e: std::num::ParseIntError| ConfigError::Env {
+                        var: "METRONOME_WORKER_MAX_CONCURRENCY",
+                        value: v.clone(),
+                        message: e.to_string(),
+                    })?;
+        }
+        if let Some(v) = lookup("METRONOME_WORKER_METRICS_PORT") {
+            let port = v
+                .parse()
+                .map_err(|e: std::num::ParseIntError| ConfigError::Env {
+                    var: "METRONOME_WORKER_METRICS_PORT",
+                    value: v.clone(),
+                    message: e.to_string(),
+                })?;
+            self.metrics_port = Some(port);
+        }
+        Ok(())
+    }
+
+    /// Every field error at once, so an operator fixes the file in one go.
+    pub fn validate(&self) -> Result<(), Vec<FieldError>> {
+        let mut errors = Vec::new();
+        let mut err =
+            |field: &'static str, message: String| errors.push(FieldError { field, message });
+        if !is_subject_token(&self.worker_id) {
+            err(
+                "worker_id",
+                format!(
+                    "{:?} is not a subject-safe token (letters, digits, '-' and '_', 1 to 128 characters)",
+                    self.worker_id
+                ),
+            );
+        }
+        if self.model.trim().is_empty() {
+            err(
+                "model",
+                "must name the model the model server has loaded".into(),
+            );
+        }
+        match reqwest::Url::parse(&self.model_server_url) {
+            Ok(u) if u.scheme() == "http" || u.scheme() == "https" => {}
+            Ok(u) => err(
+                "model_server_url",
+                format!("scheme {:?} is not http or https", u.scheme()),
+            ),
+            Err(e) => err(
+                "model_server_url",
+                format!("{:?}: {e}", self.model_server_url),
+            ),
+        }
+        for (field, path) in [
+            ("health_path", &self.health_path),
+            ("metrics_path", &self.metrics_path),
+        ] {
+            if !path.starts_with('/') {
+                err(field, format!("{path:?} must start with '/'"));
+            }
+        }
+        if self.max_concurrency == 0 {
+            err("max_concurrency", "must be at least 1".into());
+        }
+        if !(self.nats_url.starts_with("nats://")
+            || self.nats_url.starts_with("tls://")
+            || !self.nats_url.contains("://"))
+        {
+            err(
+                "nats_url",
+                format!("{:?} is not a nats:// URL", self.nats_url),
+            );
+        }
+        if redis::Client::open(self.redis_url.as_str()).is_err() {
+            err(
+                "redis_url",
+                format!("{:?} is not a redis:// URL", self.redis_url),
+            );
+        }
+        if self.redis_prefix.is_empty() || self.redis_prefix.contains(char::is_whitespace) {
+            err("redis_prefix", "must be non-empty without spaces".into());
+        }
+        if !(self.ewma_alpha > 0.0 && self.ewma_alpha <= 1.0) {
+            err(
+                "ewma_alpha",
+                format!("{} is not in (0, 1]", self.ewma_alpha),
+            );
+        }
+        for (field, ms) in [
+            ("heartbeat_interval_ms", self.heartbeat_interval_ms),
+            ("ewma_half_life_ms", self.ewma_half_life_ms),
+            ("progress_ack_interval_ms", self.progress_ack_interval_ms),
+            ("ack_wait_ms", self.ack_wait_ms),
+            ("request_timeout_ms", self.request_timeout_ms),
+            ("drain_timeout_ms", self.drain_timeout_ms),
+        ] {
+            if ms == 0 {
+                err(field, "must be above 0".into());
+            }
+        }
+        if self.progress_ack_interval_ms >= self.ack_wait_ms {
+            err(
+                "progress_ack_interval_ms",
+                format!(
+                    "{} must be below ack_wait_ms ({}), or a running job is redelivered",
+                    self.progress_ack_interval_ms, self.ack_wait_ms
+                ),
+            );
+        }
+        if self.metrics_bind.parse::<std::net::IpAddr>().is_err() {
+            err(
+                "metrics_bind",
+                format!("{:?} is not an IP address", self.metrics_bind),
+            );
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
+        }
+    }
+
+    pub fn heartbeat_interval(&self) -> Duration {
+        Duration::from_millis(self.heartbeat_interval_ms)
+    }
+    pub fn progress_ack_interval(&self) -> Duration {
+        Duration::from_millis(self.progress_ack_interval_ms)
+    }
+    pub fn ack_wait(&self) -> Duration {
+        Duration::from_millis(self.ack_wait_ms)
+    }
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_millis(self.request_timeout_ms)
+    }
+    pub fn drain_timeout(&self) -> Duration {
+        Duration::from_millis(self.drain_timeout_ms)
+    }
+
+    /// The effective configuration as TOML, for `--check-config`.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_else(|e| format!("# not printable: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn valid() -> Config {
+        Config {
+            worker_id: "node1-gpu0".into(),
+            model: "llama-3.1-8b".into(),
+            ..Config::default()
+        }
+    }
+
+    #[test]
+    fn parses_toml_and_applies_environment_overrides() {
+        let mut c = Config::from_toml_str(
+            r#"
+            worker_id = "n1-gpu2"
+            model = "qwen/qwen2.5-7b"
+            gpu_index = 2
+            model_server_url = "http://127.0.0.1:9000"
+            model_server_kind = "sglang"
+            max_concurrency = 8
+            nats_url = "nats://10.0.0.1:4222"
+            "#,
+            "test",
+        )
+        .unwrap();
+        assert_eq!(c.model_server_kind, ServerKind::Sglang);
+        assert_eq!(c.gpu_index, Some(2));
+        let env: HashMap<&str, &str> = [
+            ("NATS_URL", "nats://127.0.0.1:14222"),
+            ("REDIS_URL", "redis://127.0.0.1:16379/"),
+        ]
+        .into();
+        c.apply_env(|k| env.get(k).map(|v| v.to_string())).unwrap();
+        assert_eq!(c.nats_url, "nats://127.0.0.1:14222");
+        assert_eq!(c.redis_url, "redis://127.0.0.1:16379/");
+        assert_eq!(c.validate(), Ok(()));
+    }
+
+    #[test]
+    fn unknown_keys_are_refused() {
+        assert!(Config::from_toml_str("worker_idd = \"x\"", "test").is_err());
+    }
+
+    #[test]
+    fn reports_every_bad_field() {
+        let c = Config {
+            worker_id: "node1.gpu0".into(),
+            model: " ".into(),
+            model_server_url: "ftp://x".into(),
+            max_concurrency: 0,
+            ewma_alpha: 1.5,
+            heartbeat_interval_ms: 0,
+            progress_ack_interval_ms: 40_000,
+            ..Config::default()
+        };
+        let fields: Vec<&str> = c.validate().unwrap_err().iter().map(|e| e.field).collect();
+        for f in [
+            "worker_id",
+            "model",
+            "model_server_url",
+            "max_concurrency",
+            "ewma_alpha",
+            "heartbeat_interval_ms",
+            "progress_ack_interval_ms",
+        ] {
+            assert!(fields.contains(&f), "{f} missing from {fields:?}");
+        }
+        assert_eq!(valid().validate(), Ok(()));
+    }
+
+    #[test]
+    fn bad_environment_value_is_an_error() {
+        let mut c = valid();
+        let r =
+            c.apply_env(|k| (k == "METRONOME_WORKER_MAX_CONCURRENCY").then(|| "many".to_string()));
+        assert!(r.is_err());
+    }
+}

@@ -1,0 +1,137 @@
+//! The heartbeat: every interval (and at once when draining starts) the agent builds its
+//! [`WorkerStatus`] and puts it in the `workers` KV bucket under its id, and publishes it on
+//! `workers.<id>.heartbeat`.
+//!
+//! Invariants: `seq` strictly increases per agent, so readers can drop reordered
+//! heartbeats; `in_flight` lists exactly the jobs the agent holds; a signal the agent could
+//! not read (no metrics, no NVML) is `None`, never a made-up zero. `active`/`queued` come
+//! from the server's own metrics when it exports them (they include requests the agent did
+//! not send), else from the agent's count. `healthy` means the model server answered its
+//! health endpoint within the probe timeout.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::kv;
+use metronome_protocol::names::heartbeat_subject;
+use metronome_protocol::time::unix_ms;
+use metronome_protocol::{WorkerStatus, PROTOCOL_VERSION};
+use tokio_util::sync::CancellationToken;
+
+use crate::agent::Shared;
+use crate::gpu_probe::GpuProbe;
+use crate::metrics_scrape::{scrape, ServerLoad};
+
+/// Builds and sends heartbeats.
+pub(crate) struct Heartbeat {
+    pub shared: Arc<Shared>,
+    pub bucket: kv::Store,
+    pub gpu: Arc<dyn GpuProbe>,
+    pub seq: u64,
+}
+
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl Heartbeat {
+    /// Read the model server and the GPU, and build the status.
+    pub async fn build(&mut self) -> WorkerStatus {
+        let shared = &self.shared;
+        let cfg = &shared.config;
+        let (health, metrics) = tokio::join!(
+            tokio::time::timeout(PROBE_TIMEOUT, shared.model.health()),
+            tokio::time::timeout(PROBE_TIMEOUT, shared.model.metrics()),
+        );
+        let healthy = matches!(health, Ok(Ok(())));
+        let load = match metrics {
+            Ok(Ok(text)) => scrape(cfg.model_server_kind, &text),
+            _ => {
+                shared.metrics.metrics_scrape_errors.inc();
+                ServerLoad::default()
+            }
+        };
+        let gpu_probe = self.gpu.clone();
+        let gpu = tokio::task::spawn_blocking(move || gpu_probe.sample())
+            .await
+            .ok()
+            .flatten();
+        let in_flight = shared.in_flight_ids();
+        let own = in_flight.len() as u32;
+        self.seq += 1;
+        WorkerStatus {
+            v: PROTOCOL_VERSION,
+            worker_id: cfg.worker_id.clone(),
+            model: cfg.model.clone(),
+            node: cfg.node.clone(),
+            gpu_index: cfg.gpu_index,
+            healthy,
+            draining: shared.draining.load(Ordering::SeqCst),
+            max_concurrency: cfg.max_concurrency,
+            active: load.running.unwrap_or(own),
+            queued: load.waiting.unwrap_or(0),
+            in_flight,
+            kv: load.kv,
+            gpu,
+            seq: self.seq,
+            sent_ms: unix_ms(),
+        }
+    }
+
+    /// Build and send one heartbeat. Failures are logged and counted: the next one retries.
+    pub async fn beat(&mut self) -> Option<WorkerStatus> {
+        let status = self.build().await;
+        let body = match serde_json::to_vec(&status) {
+            Ok(b) => bytes::Bytes::from(b),
+            Err(e) => {
+                tracing::error!(error = %e, "encoding the heartbeat failed");
+                return None;
+            }
+        };
+        let shared = &self.shared;
+        let put = self
+            .bucket
+            .put(&shared.config.worker_id, body.clone())
+            .await;
+        let publish = shared
+            .client
+            .publish(heartbeat_subject(&shared.config.worker_id), body)
+            .await;
+        match (put, publish) {
+            (Ok(_), Ok(())) => {
+                shared.metrics.heartbeats.inc();
+                Some(status)
+            }
+            (put, publish) => {
+                shared.metrics.heartbeat_errors.inc();
+                tracing::warn!(
+                    kv_error = put.err().map(|e| e.to_string()),
+                    publish_error = publish.err().map(|e| e.to_string()),
+                    seq = status.seq,
+                    "heartbeat not fully sent"
+                );
+                None
+            }
+        }
+    }
+
+    /// Beat every interval, and at once when asked, until `stop`.
+    pub async fn run(&mut self, stop: CancellationToken) {
+        let mut tick = tokio::time::interval(self.shared.config.heartbeat_interval());
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tick.tick() => {}
+                _ = self.shared.heartbeat_now.notified() => {}
+            }
+            self.beat().await;
+        }
+    }
+
+    /// Remove this worker from the bucket: it no longer takes work.
+    pub async fn withdraw(&self) {
+        if let Err(e) = self.bucket.delete(&self.shared.config.worker_id).await {
+            tracing::warn!(error = %e, "removing the worker from the workers bucket failed");
+        }
+    }
+}

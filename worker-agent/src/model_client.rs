@@ -1,0 +1,319 @@
+//! The model server as the agent sees it: a streaming OpenAI completion, its Prometheus
+//! text and its health. One trait, one real implementation over HTTP (reqwest).
+//!
+//! Invariants: every request goes out with `stream: true` and
+//! `stream_options.include_usage: true`, whatever the client asked, so the agent can relay
+//! chunks, time the first token and read the usage from the last chunk. Dropping the chunk
+//! stream drops the HTTP response, which closes the connection; OpenAI-compatible servers
+//! (vLLM, SGLang) abort the generation when the client goes away, so dropping is how a job
+//! is cancelled.
+
+use std::pin::Pin;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::{Stream, StreamExt};
+use metronome_protocol::Endpoint;
+use serde_json::{json, Value};
+
+/// Parsed SSE chunks of one completion, in order. Ends after `data: [DONE]` (or when the
+/// server closes the stream).
+pub type ChunkStream = Pin<Box<dyn Stream<Item = Result<Value, ModelError>> + Send>>;
+
+/// Why a call to the model server failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("model server unreachable: {0}")]
+    Connect(String),
+    #[error("model server answered HTTP {status}: {body}")]
+    Status { status: u16, body: String },
+    #[error("model server stream broke: {0}")]
+    Stream(String),
+    #[error("model server sent an unreadable chunk ({reason}): {line}")]
+    BadChunk { reason: String, line: String },
+    #[error("model server reported an error in the stream: {0}")]
+    InStream(String),
+}
+
+impl ModelError {
+    /// Whether asking again later could succeed (the server may come back); a 4xx never will.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            ModelError::Status { status, .. } => *status >= 500,
+            ModelError::BadChunk { .. } => false,
+            _ => true,
+        }
+    }
+}
+
+/// The narrow interface of a model server. Held as `Arc<dyn ModelClient>`.
+pub trait ModelClient: Send + Sync {
+    /// Start a streaming completion of `request` (the OpenAI body) on `endpoint`.
+    /// Connection and HTTP errors come out as the stream's first item.
+    fn stream_completion(&self, endpoint: Endpoint, request: Value) -> ChunkStream;
+    /// The raw Prometheus exposition text of the server.
+    fn metrics(&self) -> BoxFuture<'_, Result<String, ModelError>>;
+    /// Ok when the server's health endpoint answers 2xx.
+    fn health(&self) -> BoxFuture<'_, Result<(), ModelError>>;
+}
+
+/// Force streaming with usage on an OpenAI request body. A body that is not an object is
+/// replaced by an object only holding those fields (the server will then refuse it with a
+/// readable 400, which becomes the job's error).
+pub fn force_streaming(mut request: Value) -> Value {
+    if !request.is_object() {
+        request = json!({});
+    }
+    let obj = request.as_object_mut().expect("object");
+    obj.insert("stream".into(), Value::Bool(true));
+    let opts = obj.entry("stream_options").or_insert_with(|| json!({}));
+    if !opts.is_object() {
+        *opts = json!({});
+    }
+    opts.as_object_mut()
+        .expect("object")
+        .insert("include_usage".into(), Value::Bool(true));
+    request
+}
+
+/// What one SSE line means for the chunk stream.
+#[derive(Debug, PartialEq)]
+pub enum SseLine {
+    /// A JSON chunk.
+    Chunk(Value),
+    /// `data: [DONE]`: the stream is over.
+    Done,
+    /// Comments, `event:`/`id:` fields, blank lines: nothing to relay.
+    Skip,
+}
+
+/// Interpret one line of an OpenAI SSE stream (without its line ending).
+pub fn parse_sse_line(line: &str) -> Result<SseLine, ModelError> {
+    let line = line.strip_suffix('\r').unwrap_or(line);
+    let Some(data) = line.strip_prefix("data:") else {
+        return Ok(SseLine::Skip);
+    };
+    let data = data.strip_prefix(' ').unwrap_or(data).trim_end();
+    if data.is_empty() {
+        return Ok(SseLine::Skip);
+    }
+    if data == "[DONE]" {
+        return Ok(SseLine::Done);
+    }
+    let value: Value = serde_json::from_str(data).map_err(|e| ModelError::BadChunk {
+        reason: e.to_string(),
+        line: truncate(data, 200),
+    })?;
+    // vLLM and SGLang report a failure mid-stream as a chunk holding only an error object.
+    if let Some(err) = value.get("error") {
+        if value.get("choices").is_none() {
+            let msg = err
+                .get("message")
+                .and_then(Value::as_str)
+                .map(str::to_string)
+                .unwrap_or_else(|| err.to_string());
+            return Err(ModelError::InStream(msg));
+        }
+    }
+    Ok(SseLine::Chunk(value))
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
+/// Split a byte stream into SSE lines and parse them. Lines may be cut anywhere between
+/// network reads, including inside a UTF-8 sequence, so bytes are buffered until a `\n`.
+pub fn sse_chunks<S, E>(bytes: S) -> ChunkStream
+where
+    S: Stream<Item = Result<bytes::Bytes, E>> + Send + 'static,
+    E: std::fmt::Display + Send + 'static,
+{
+    Box::pin(async_stream::stream! {
+        let mut buf: Vec<u8> = Vec::new();
+        let mut bytes = Box::pin(bytes);
+        'read: loop {
+            match bytes.next().await {
+                Some(Ok(b)) => buf.extend_from_slice(&b),
+                Some(Err(e)) => {
+                    yield Err(ModelError::Stream(e.to_string()));
+                    return;
+                }
+                None => break 'read,
+            }
+            while let Some(pos) = buf.iter().position(|&c| c == b'\n') {
+                let line: Vec<u8> = buf.drain(..=pos).collect();
+                let line = String::from_utf8_lossy(&line[..line.len() - 1]).into_owned();
+                match parse_sse_line(&line) {
+                    Ok(SseLine::Chunk(v)) => yield Ok(v),
+                    Ok(SseLine::Done) => return,
+                    Ok(SseLine::Skip) => {}
+                    Err(e) => {
+                        yield Err(e);
+                        return;
+                    }
+                }
+            }
+        }
+        // A last line without its newline.
+        if !buf.is_empty() {
+            let line = String::from_utf8_lossy(&buf).into_owned();
+            match parse_sse_line(&line) {
+                Ok(SseLine::Chunk(v)) => yield Ok(v),
+                Ok(_) => {}
+                Err(e) => yield Err(e),
+            }
+        }
+    })
+}
+
+/// The real model server over HTTP.
+#[derive(Clone)]
+pub struct HttpModelClient {
+    base: String,
+    health_path: String,
+    metrics_path: String,
+    http: reqwest::Client,
+}
+
+impl HttpModelClient {
+    /// `base` is the server root (`http://127.0.0.1:8001`), without `/v1`.
+    pub fn new(base: &str, health_path: &str, metrics_path: &str) -> Result<Self, ModelError> {
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(5))
+            // Only the small status calls get a short overall timeout (per request below);
+            // a generation may legitimately stream for minutes.
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build()
+            .map_err(|e| ModelError::Connect(e.to_string()))?;
+        Ok(HttpModelClient {
+            base: base.trim_end_matches('/').to_string(),
+            health_path: health_path.to_string(),
+            metrics_path: metrics_path.to_string(),
+            http,
+        })
+    }
+
+    async fn get_text(&self, path: &str) -> Result<String, ModelError> {
+        let resp = self
+            .http
+            .get(format!("{}{}", self.base, path))
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+            .map_err(|e| ModelError::Connect(e.to_string()))?;
+        let status = resp.status();
+        let body = resp
+            .text()
+            .await
+            .map_err(|e| ModelError::Stream(e.to_string()))?;
+        if !status.is_success() {
+            return Err(ModelError::Status {
+                status: status.as_u16(),
+                body: truncate(&body, 500),
+            });
+        }
+        Ok(body)
+    }
+}
+
+impl ModelClient for HttpModelClient {
+    fn stream_completion(&self, endpoint: Endpoint, request: Value) -> ChunkStream {
+        let url = format!("{}{}", self.base, endpoint.path());
+        let req = self
+            .http
+            .post(url)
+            .header(reqwest::header::ACCEPT, "text/event-stream")
+            .json(&force_streaming(request));
+        Box::pin(async_stream::stream! {
+            let resp = match req.send().await {
+                Ok(r) => r,
+                Err(e) => {
+                    yield Err(ModelError::Connect(e.to_string()));
+                    return;
+                }
+            };
+            let status = resp.status();
+            if !status.is_success() {
+                let body = resp.text().await.unwrap_or_default();
+                yield Err(ModelError::Status { status: status.as_u16(), body: truncate(&body, 500) });
+                return;
+            }
+            let mut chunks = sse_chunks(resp.bytes_stream());
+            while let Some(item) = chunks.next().await {
+                yield item;
+            }
+        })
+    }
+
+    fn metrics(&self) -> BoxFuture<'_, Result<String, ModelError>> {
+        Box::pin(self.get_text(&self.metrics_path))
+    }
+
+    fn health(&self) -> BoxFuture<'_, Result<(), ModelError>> {
+        Box::pin(async move { self.get_text(&self.health_path).await.map(|_| ()) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn forcing_streaming_keeps_the_rest_of_the_request() {
+        let r = force_streaming(
+            json!({"model": "m", "stream": false, "stream_options": {"x": 1}, "max_tokens": 5}),
+        );
+        assert_eq!(r["stream"], true);
+        assert_eq!(r["stream_options"]["include_usage"], true);
+        assert_eq!(r["stream_options"]["x"], 1);
+        assert_eq!(r["max_tokens"], 5);
+        let r = force_streaming(json!({"stream_options": null}));
+        assert_eq!(r["stream_options"]["include_usage"], true);
+    }
+
+    #[test]
+    fn sse_lines() {
+        assert_eq!(parse_sse_line("data: [DONE]").unwrap(), SseLine::Done);
+        assert_eq!(parse_sse_line(": keep-alive").unwrap(), SseLine::Skip);
+        assert_eq!(parse_sse_line("").unwrap(), SseLine::Skip);
+        assert_eq!(
+            parse_sse_line("data:{\"a\":1}\r").unwrap(),
+            SseLine::Chunk(json!({"a": 1}))
+        );
+        assert!(matches!(
+            parse_sse_line("data: {oops"),
+            Err(ModelError::BadChunk { .. })
+        ));
+        assert!(matches!(
+            parse_sse_line("data: {\"error\": {\"message\": \"out of memory\"}}"),
+            Err(ModelError::InStream(m)) if m == "out of memory"
+        ));
+    }
+
+    #[tokio::test]
+    async fn chunks_split_across_reads_are_reassembled() {
+        let text = "data: {\"choices\":[{\"delta\":{\"content\":\"é\"}}]}\n\ndata: {\"n\":2}\n\ndata: [DONE]\n\ndata: {\"after\":1}\n";
+        let bytes = text.as_bytes();
+        // Cut in the middle of the two-byte 'é' and of the second line.
+        let parts: Vec<Result<bytes::Bytes, std::io::Error>> =
+            [&bytes[..35], &bytes[35..60], &bytes[60..]]
+                .iter()
+                .map(|p| Ok(bytes::Bytes::copy_from_slice(p)))
+                .collect();
+        let got: Vec<Value> = sse_chunks(futures::stream::iter(parts))
+            .map(|r| r.unwrap())
+            .collect()
+            .await;
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert_eq!(got[0]["choices"][0]["delta"]["content"], "é");
+        assert_eq!(got[1]["n"], 2);
+    }
+}

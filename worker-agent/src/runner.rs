@@ -1,0 +1,325 @@
+//! Running one accepted assignment: call the model server, relay its chunks, publish the
+//! final result, acknowledge WORK, publish the completion event, update the averages.
+//!
+//! Order matters and is the contract with the dispatcher:
+//! 1. chunks on `results.<job>.chunk` (core NATS, `seq` 0, 1, 2… so a gap is visible),
+//!    with `+WPI` progress acks on the WORK message while generating so it is not
+//!    redelivered;
+//! 2. the final result on `results.<job>.final` through JetStream (RESULTS keeps it for
+//!    late readers), published before the WORK ack so an acknowledged job always has a
+//!    final result;
+//! 3. the WORK ack; 4. the completion event on `events.done.<worker>` through JetStream
+//!    (it releases the reservation); 5. the EWMA update (off the job's slot).
+//!
+//! Measurements: TTFT from the moment the agent took the assignment to the first chunk
+//! carrying text; TPOT the mean gap between text arrivals after the first, per output
+//! token; tokens/s the output tokens over the time from start to the last token; e2e from
+//! start to the final result. A job that fails before any token says `streamed: false`, so
+//! the dispatcher knows no output reached the client.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, AckKind};
+use bytes::Bytes;
+use futures::StreamExt;
+use metronome_protocol::names::{
+    event_done_subject, result_chunk_subject, result_final_subject, work_msg_id, HEADER_MODEL,
+    HEADER_MSG_ID,
+};
+use metronome_protocol::time::unix_ms;
+use metronome_protocol::{
+    Assignment, CompletionEvent, CompletionOutcome, ErrorCode, FinalResult, ResultChunk,
+    ResultError, Usage, PROTOCOL_VERSION,
+};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::agent::Shared;
+use crate::assemble::Assembler;
+use crate::ewma_store::JobSample;
+
+/// How a running job ended, before it is published.
+#[derive(Debug)]
+enum Ending {
+    Done,
+    Failed(ErrorCode, String),
+    Cancelled,
+}
+
+/// Timing of the token arrivals of one job.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    pub start: Instant,
+    pub first_token: Option<Instant>,
+    pub last_token: Option<Instant>,
+}
+
+/// The measurements of a job from its timing and output token count.
+pub fn measure(t: &Timing, output_tokens: u32, end: Instant) -> JobSample {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let ttft_ms = t.first_token.map(|f| ms(f - t.start));
+    let tpot_ms = match (t.first_token, t.last_token) {
+        (Some(f), Some(l)) if output_tokens > 1 => Some(ms(l - f) / f64::from(output_tokens - 1)),
+        _ => None,
+    };
+    let tok_s = t.last_token.and_then(|l| {
+        let secs = (l - t.start).as_secs_f64();
+        (secs > 0.0 && output_tokens > 0).then(|| f64::from(output_tokens) / secs)
+    });
+    JobSample {
+        ttft_ms,
+        tpot_ms,
+        tok_s,
+        e2e_ms: Some(ms(end - t.start)),
+        output_tokens: Some(output_tokens),
+    }
+}
+
+/// Run `assignment` to its end. `cancel` fires when a client cancels the job.
+pub(crate) async fn run_job(
+    shared: Arc<Shared>,
+    assignment: Assignment,
+    msg: jetstream::Message,
+    cancel: CancellationToken,
+    start: Instant,
+) {
+    let job_id = assignment.job.id.clone();
+    let span = tracing::info_span!("job", job_id = %job_id, attempt = assignment.attempt, epoch = assignment.epoch);
+    async move {
+        let job = &assignment.job;
+        let cfg = &shared.config;
+        tracing::info!(endpoint = ?job.endpoint, max_tokens = job.max_tokens, "job started");
+        let mut chunks = shared.model.stream_completion(job.endpoint, job.request.clone());
+        let mut asm = Assembler::new(job.endpoint);
+        let mut timing = Timing { start, first_token: None, last_token: None };
+        let mut seq: u64 = 0;
+        let chunk_subject = result_chunk_subject(&job.id);
+        let mut progress = tokio::time::interval_at(
+            tokio::time::Instant::now() + cfg.progress_ack_interval(),
+            cfg.progress_ack_interval(),
+        );
+        let deadline = tokio::time::sleep(cfg.request_timeout());
+        tokio::pin!(deadline);
+
+        let ending = loop {
+            tokio::select! {
+                biased;
+                _ = cancel.cancelled() => break Ending::Cancelled,
+                _ = shared.abort.cancelled() => break Ending::Failed(
+                    ErrorCode::WorkerFailed,
+                    "the worker-agent shut down before the job finished".into(),
+                ),
+                _ = &mut deadline => break Ending::Failed(
+                    ErrorCode::WorkerFailed,
+                    format!("the model server did not finish within {} ms", cfg.request_timeout_ms),
+                ),
+                _ = progress.tick() => {
+                    if let Err(e) = msg.ack_with(AckKind::Progress).await {
+                        tracing::warn!(error = %e, "progress ack failed");
+                    }
+                }
+                next = chunks.next() => match next {
+                    None => break Ending::Done,
+                    Some(Err(e)) => {
+                        tracing::warn!(error = %e, streamed = seq > 0, "model server failed");
+                        break Ending::Failed(ErrorCode::WorkerFailed, e.to_string());
+                    }
+                    Some(Ok(data)) => {
+                        let now = Instant::now();
+                        if asm.push(&data) {
+                            timing.first_token.get_or_insert(now);
+                            timing.last_token = Some(now);
+                        }
+                        let chunk = ResultChunk {
+                            v: PROTOCOL_VERSION,
+                            job_id: job.id.clone(),
+                            seq,
+                            worker_id: cfg.worker_id.clone(),
+                            data,
+                        };
+                        match serde_json::to_vec(&chunk) {
+                            Ok(body) => {
+                                if let Err(e) = shared.client.publish(chunk_subject.clone(), body.into()).await {
+                                    shared.metrics.nats_publish_errors.inc();
+                                    tracing::warn!(error = %e, seq, "publishing a chunk failed");
+                                }
+                            }
+                            Err(e) => tracing::warn!(error = %e, seq, "encoding a chunk failed"),
+                        }
+                        seq += 1;
+                    }
+                },
+            }
+        };
+        // Dropping the stream closes the HTTP connection: the server stops generating.
+        drop(chunks);
+        let end = Instant::now();
+        let streamed = seq > 0;
+        let usage: Usage = asm.usage(job.prompt_tokens);
+        let sample = measure(&timing, usage.completion_tokens, end);
+
+        let (outcome, error) = match &ending {
+            Ending::Done => (CompletionOutcome::Done, None),
+            Ending::Cancelled => (
+                CompletionOutcome::Cancelled,
+                Some(ResultError { code: ErrorCode::Cancelled, message: "cancelled by the client".into() }),
+            ),
+            Ending::Failed(code, message) => (
+                CompletionOutcome::Failed,
+                Some(ResultError { code: *code, message: message.clone() }),
+            ),
+        };
+        let final_result = FinalResult {
+            v: PROTOCOL_VERSION,
+            job_id: job.id.clone(),
+            worker_id: Some(cfg.worker_id.clone()),
+            response: matches!(ending, Ending::Done).then(|| asm.finish(&job.id, &job.model, usage)),
+            error: error.clone(),
+            usage,
+            chunks: seq,
+            ttft_ms: sample.ttft_ms,
+            e2e_ms: sample.e2e_ms,
+        };
+        let msg_id = work_msg_id(&job.id, assignment.attempt);
+        publish_js(&shared, result_final_subject(&job.id), &msg_id, &job.model, &final_result).await;
+
+        if let Err(e) = msg.double_ack().await {
+            // The final result is out; a redelivery would be refused as a duplicate by the
+            // dispatcher's bookkeeping, so this is logged rather than retried forever.
+            tracing::warn!(error = %e, "acknowledging the WORK message failed");
+        }
+
+        let event = CompletionEvent {
+            v: PROTOCOL_VERSION,
+            job_id: job.id.clone(),
+            worker_id: cfg.worker_id.clone(),
+            model: job.model.clone(),
+            epoch: assignment.epoch,
+            attempt: assignment.attempt,
+            outcome,
+            streamed,
+            error: error.map(|e| e.message),
+            prompt_tokens: usage.prompt_tokens,
+            output_tokens: usage.completion_tokens,
+            ttft_ms: sample.ttft_ms,
+            tpot_ms: sample.tpot_ms,
+            e2e_ms: sample.e2e_ms.unwrap_or_default(),
+            finished_ms: unix_ms(),
+        };
+        publish_js(&shared, event_done_subject(&cfg.worker_id), &msg_id, &job.model, &event).await;
+
+        shared.metrics.job_finished(outcome);
+        shared.metrics.output_tokens.add(u64::from(usage.completion_tokens));
+        shared.metrics.prompt_tokens.add(u64::from(usage.prompt_tokens));
+        if let Some(t) = sample.ttft_ms {
+            shared.metrics.ttft_us_sum.add((t * 1e3) as u64);
+            shared.metrics.ttft_count.inc();
+        }
+        tracing::info!(
+            outcome = ?outcome,
+            chunks = seq,
+            output_tokens = usage.completion_tokens,
+            ttft_ms = sample.ttft_ms,
+            tpot_ms = sample.tpot_ms,
+            e2e_ms = sample.e2e_ms,
+            "job finished"
+        );
+
+        // Only complete runs are representative of the worker's speed.
+        if matches!(ending, Ending::Done) {
+            if let Some(store) = shared.ewma.clone() {
+                let (worker, model) = (cfg.worker_id.clone(), job.model.clone());
+                tokio::spawn(async move {
+                    if let Err(e) = store.record(&worker, &model, &sample, unix_ms()).await {
+                        tracing::warn!(error = %e, worker_id = %worker, "EWMA update failed; later updates will retry");
+                    }
+                });
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// Publish `value` through JetStream and wait for the stream's ack, retrying a few times
+/// (a lost final result or event leaves a client or a reservation waiting).
+pub(crate) async fn publish_js<T: serde::Serialize>(
+    shared: &Shared,
+    subject: String,
+    msg_id: &str,
+    model: &str,
+    value: &T,
+) -> bool {
+    let body: Bytes = match serde_json::to_vec(value) {
+        Ok(b) => b.into(),
+        Err(e) => {
+            tracing::error!(error = %e, %subject, "encoding failed");
+            return false;
+        }
+    };
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(HEADER_MSG_ID, msg_id);
+    headers.insert(HEADER_MODEL, model);
+    for attempt in 1..=5u32 {
+        let result = match shared
+            .js
+            .publish_with_headers(subject.clone(), headers.clone(), body.clone())
+            .await
+        {
+            Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match result {
+            Ok(()) => return true,
+            Err(e) => {
+                shared.metrics.nats_publish_errors.inc();
+                tracing::warn!(error = %e, %subject, attempt, "JetStream publish failed");
+                tokio::time::sleep(Duration::from_millis(100 * u64::from(attempt))).await;
+            }
+        }
+    }
+    tracing::error!(%subject, "giving up publishing after 5 attempts");
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn measurements_from_token_arrivals() {
+        let start = Instant::now();
+        let t = Timing {
+            start,
+            first_token: Some(start + Duration::from_millis(100)),
+            last_token: Some(start + Duration::from_millis(500)),
+        };
+        let s = measure(&t, 5, start + Duration::from_millis(600));
+        assert!((s.ttft_ms.unwrap() - 100.0).abs() < 1e-6);
+        assert!(
+            (s.tpot_ms.unwrap() - 100.0).abs() < 1e-6,
+            "400 ms over 4 gaps"
+        );
+        assert!((s.tok_s.unwrap() - 10.0).abs() < 1e-6, "5 tokens in 0.5 s");
+        assert!((s.e2e_ms.unwrap() - 600.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn no_token_means_no_latency_sample() {
+        let start = Instant::now();
+        let t = Timing {
+            start,
+            first_token: None,
+            last_token: None,
+        };
+        let s = measure(&t, 0, start + Duration::from_millis(10));
+        assert_eq!((s.ttft_ms, s.tpot_ms, s.tok_s), (None, None, None));
+        let t1 = Timing {
+            start,
+            first_token: Some(start),
+            last_token: Some(start),
+        };
+        assert_eq!(measure(&t1, 1, start).tpot_ms, None, "one token has no gap");
+    }
+}
