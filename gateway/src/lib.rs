@@ -1,1 +1,172 @@
-//! metronome-gateway
+//! Metronome's OpenAI-compatible HTTP gateway: HTTP requests in, jobs on NATS JetStream
+//! out, results (whole or streamed) back.
+//!
+//! The gateway holds no scheduling state: it validates a request, refuses models no live
+//! worker serves, publishes the job to `jobs.submit` and relays what the dispatcher
+//! (`decisions.<id>`) and the worker (`results.<id>.>`) publish back. Tests and the binary
+//! share [`bind`] / [`Gateway::serve`] (or [`run`]); [`app`] builds the router alone.
+
+pub mod config;
+pub mod error;
+pub mod extract;
+pub mod health;
+pub mod metrics;
+pub mod openai;
+pub mod registry;
+pub mod relay;
+pub mod routes;
+pub mod submit;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use axum::Router;
+use metronome_protocol::setup::{ensure_all, Buckets, StreamSettings};
+use tokio_util::sync::CancellationToken;
+
+pub use config::{Config, ConfigError, FieldError};
+pub use error::{ApiError, GatewayError};
+pub use metrics::Metrics;
+pub use registry::Registry;
+pub use routes::{HEADER_DEADLINE_MS, HEADER_JOB_ID, HEADER_WORKER};
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct AppState {
+    pub config: Arc<Config>,
+    pub client: async_nats::Client,
+    pub js: jetstream::Context,
+    pub buckets: Buckets,
+    pub registry: Registry,
+    pub metrics: Arc<Metrics>,
+}
+
+impl AppState {
+    /// State over an open NATS connection and the contract's buckets.
+    pub fn new(config: Config, client: async_nats::Client, buckets: Buckets) -> AppState {
+        let js = jetstream::new(client.clone());
+        let registry = Registry::new(Duration::from_millis(config.worker_stale_after_ms));
+        AppState {
+            config: Arc::new(config),
+            client,
+            js,
+            buckets,
+            registry,
+            metrics: Arc::default(),
+        }
+    }
+}
+
+/// The HTTP router.
+pub fn app(state: AppState) -> Router {
+    let body_limit = state.config.body_limit_bytes;
+    Router::new()
+        .route("/v1/chat/completions", post(routes::chat_completions))
+        .route("/v1/completions", post(routes::completions))
+        .route("/v1/models", get(routes::list_models))
+        .route("/v1/models/{*model}", get(routes::get_model))
+        .route("/healthz", get(health::healthz))
+        .route("/readyz", get(health::readyz))
+        .route("/metrics", get(health::metrics))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            metrics::track,
+        ))
+        .fallback(|uri: axum::http::Uri| async move { ApiError::no_route(uri.path()) })
+        .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
+        .layer(DefaultBodyLimit::max(body_limit))
+        .layer(tower_http::trace::TraceLayer::new_for_http())
+        .with_state(state)
+}
+
+/// A gateway connected to NATS and bound to its address, not yet serving.
+pub struct Gateway {
+    listener: tokio::net::TcpListener,
+    local_addr: SocketAddr,
+    state: AppState,
+}
+
+/// Connect to NATS, make sure the streams and buckets exist, and bind the listen address.
+pub async fn bind(config: Config) -> Result<Gateway, GatewayError> {
+    config.validate().map_err(GatewayError::Config)?;
+    let client = async_nats::ConnectOptions::new()
+        .name("metronome-gateway")
+        .connection_timeout(Duration::from_secs(5))
+        // Reconnect quickly after an outage: clients are waiting on 503s meanwhile.
+        .reconnect_delay_callback(|attempts| {
+            Duration::from_millis((attempts as u64).saturating_mul(100).min(1_000))
+        })
+        .connect(config.nats_url.as_str())
+        .await
+        .map_err(|source| GatewayError::Connect {
+            url: config.nats_url.clone(),
+            source,
+        })?;
+    let settings = StreamSettings {
+        storage: match config.stream_storage {
+            config::StreamStorage::File => jetstream::stream::StorageType::File,
+            config::StreamStorage::Memory => jetstream::stream::StorageType::Memory,
+        },
+        ..StreamSettings::default()
+    };
+    let buckets = ensure_all(&jetstream::new(client.clone()), &settings).await?;
+    let addr = config.listen.clone();
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|source| GatewayError::Bind {
+            addr: addr.clone(),
+            source,
+        })?;
+    let local_addr = listener
+        .local_addr()
+        .map_err(|source| GatewayError::Bind { addr, source })?;
+    Ok(Gateway {
+        listener,
+        local_addr,
+        state: AppState::new(config, client, buckets),
+    })
+}
+
+impl Gateway {
+    /// The bound address (the real port when configured with port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    pub fn state(&self) -> &AppState {
+        &self.state
+    }
+
+    /// Serve until `shutdown`, then let in-flight requests finish.
+    pub async fn serve(self, shutdown: CancellationToken) -> Result<(), GatewayError> {
+        let watcher_stop = shutdown.child_token();
+        let watcher = self.state.registry.spawn_watcher(
+            self.state.buckets.workers.clone(),
+            self.state.metrics.clone(),
+            watcher_stop.clone(),
+        );
+        tracing::info!(addr = %self.local_addr, nats = %self.state.config.nats_url, "gateway listening");
+        let client = self.state.client.clone();
+        let result = axum::serve(self.listener, app(self.state))
+            .with_graceful_shutdown(shutdown.cancelled_owned())
+            .await
+            .map_err(GatewayError::Serve);
+        watcher_stop.cancel();
+        let _ = watcher.await;
+        // Sends what is still buffered (e.g. cancellations of dropped streams).
+        if let Err(error) = client.drain().await {
+            tracing::debug!(%error, "draining the NATS connection");
+        }
+        tracing::info!("gateway stopped");
+        result
+    }
+}
+
+/// [`bind`] then [`Gateway::serve`].
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), GatewayError> {
+    bind(config).await?.serve(shutdown).await
+}

@@ -1,0 +1,300 @@
+//! Relaying a job's streamed chunks to its client as Server-Sent Events, in OpenAI's
+//! streaming format: one `data: <chunk>` per chunk, the usage chunk when
+//! `stream_options.include_usage` is set, then `data: [DONE]`.
+//!
+//! Invariants: chunks leave in `seq` order, each once. Out-of-order chunks wait in a
+//! buffer; duplicates are dropped; chunks still missing when the final result arrives are
+//! counted as gaps and the buffered ones are sent in order (the final result is
+//! authoritative). Usage appears exactly once when asked for (the model server's own
+//! usage chunk if it sent one, otherwise one built from the final result) and never when
+//! not asked for. An error after the stream started is sent as `data: {"error": …}` and
+//! ends the stream without `[DONE]`.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::Stream;
+use metronome_protocol::time::unix_ms;
+use metronome_protocol::{Endpoint, FinalResult};
+use serde_json::{json, Value};
+
+use crate::error::ApiError;
+use crate::submit::{JobEvent, Submission};
+
+/// Puts chunks back in `seq` order.
+#[derive(Debug, Default)]
+pub struct Reorder {
+    next: u64,
+    pending: BTreeMap<u64, Value>,
+}
+
+impl Reorder {
+    /// Accept chunk `seq`; returns the chunks now ready, in order.
+    pub fn push(&mut self, seq: u64, data: Value) -> Vec<Value> {
+        if seq < self.next {
+            return Vec::new();
+        }
+        self.pending.entry(seq).or_insert(data);
+        let mut ready = Vec::new();
+        while let Some(data) = self.pending.remove(&self.next) {
+            ready.push(data);
+            self.next += 1;
+        }
+        ready
+    }
+
+    /// The stream is over: every buffered chunk in order, and how many `seq` numbers
+    /// were never received (below the highest buffered one, or below `expected`).
+    pub fn finish(&mut self, expected: u64) -> (Vec<Value>, u64) {
+        let pending = std::mem::take(&mut self.pending);
+        let highest = pending.keys().next_back().map_or(self.next, |s| s + 1);
+        let end = highest.max(expected);
+        let gaps = end - self.next - pending.len() as u64;
+        self.next = end;
+        (pending.into_values().collect(), gaps)
+    }
+
+    /// Chunks sent so far, counting gaps.
+    pub fn sent(&self) -> u64 {
+        self.next
+    }
+}
+
+/// Applies the client's usage choice to the model server's chunks.
+#[derive(Debug)]
+pub struct UsagePolicy {
+    include_usage: bool,
+    usage_seen: bool,
+}
+
+impl UsagePolicy {
+    pub fn new(include_usage: bool) -> Self {
+        UsagePolicy {
+            include_usage,
+            usage_seen: false,
+        }
+    }
+
+    /// The chunk to send, if any. Without `include_usage`, usage-only chunks are dropped
+    /// and usage fields removed (the worker may have asked the model server for them).
+    pub fn filter(&mut self, mut chunk: Value) -> Option<Value> {
+        let has_usage = chunk.get("usage").is_some_and(|u| !u.is_null());
+        if !has_usage {
+            return Some(chunk);
+        }
+        if self.include_usage {
+            self.usage_seen = true;
+            return Some(chunk);
+        }
+        let no_choices = chunk
+            .get("choices")
+            .and_then(Value::as_array)
+            .is_some_and(|c| c.is_empty());
+        if no_choices {
+            return None;
+        }
+        if let Some(object) = chunk.as_object_mut() {
+            object.remove("usage");
+        }
+        Some(chunk)
+    }
+
+    /// The usage chunk to add at the end, when asked for and not yet sent.
+    pub fn closing_chunk(
+        &mut self,
+        endpoint: Endpoint,
+        model: &str,
+        last: Option<&Value>,
+        final_result: &FinalResult,
+    ) -> Option<Value> {
+        if !self.include_usage || self.usage_seen {
+            return None;
+        }
+        self.usage_seen = true;
+        let id = last
+            .and_then(|c| c.get("id").cloned())
+            .unwrap_or_else(|| Value::from(final_result.job_id.clone()));
+        let created = last
+            .and_then(|c| c.get("created").cloned())
+            .unwrap_or_else(|| Value::from(unix_ms() / 1000));
+        let object = match endpoint {
+            Endpoint::Chat => "chat.completion.chunk",
+            Endpoint::Completion => "text_completion",
+        };
+        let model = last
+            .and_then(|c| c.get("model").cloned())
+            .unwrap_or_else(|| Value::from(model));
+        Some(json!({
+            "id": id,
+            "object": object,
+            "created": created,
+            "model": model,
+            "choices": [],
+            "usage": final_result.usage,
+        }))
+    }
+}
+
+fn data(value: &Value) -> Event {
+    Event::default().data(value.to_string())
+}
+
+/// The SSE response relaying `submission`, which has already delivered its worker.
+pub fn sse_response(
+    submission: Submission,
+    endpoint: Endpoint,
+    model: String,
+    include_usage: bool,
+) -> Response {
+    Sse::new(events(submission, endpoint, model, include_usage))
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+fn events(
+    mut submission: Submission,
+    endpoint: Endpoint,
+    model: String,
+    include_usage: bool,
+) -> impl Stream<Item = Result<Event, Infallible>> {
+    async_stream::stream! {
+        let mut order = Reorder::default();
+        let mut usage = UsagePolicy::new(include_usage);
+        let mut last: Option<Value> = None;
+        loop {
+            match submission.next_event().await {
+                Ok(JobEvent::Assigned(_)) => {}
+                Ok(JobEvent::Chunk(chunk)) => {
+                    for ready in order.push(chunk.seq, chunk.data) {
+                        if let Some(out) = usage.filter(ready) {
+                            yield Ok(data(&out));
+                            last = Some(out);
+                        }
+                    }
+                }
+                Ok(JobEvent::Final(result)) => {
+                    submission.finished();
+                    let (rest, gaps) = order.finish(result.chunks);
+                    if gaps > 0 {
+                        submission.stream_gap(gaps);
+                    }
+                    for ready in rest {
+                        if let Some(out) = usage.filter(ready) {
+                            yield Ok(data(&out));
+                            last = Some(out);
+                        }
+                    }
+                    if let Some(error) = &result.error {
+                        let error = ApiError::from_result_error(error, 0);
+                        yield Ok(data(&error.body()));
+                        break;
+                    }
+                    if let Some(closing) = usage.closing_chunk(endpoint, &model, last.as_ref(), &result) {
+                        yield Ok(data(&closing));
+                    }
+                    yield Ok(Event::default().data("[DONE]"));
+                    break;
+                }
+                Err(error) => {
+                    yield Ok(data(&error.body()));
+                    break;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use metronome_protocol::Usage;
+
+    fn v(n: u64) -> Value {
+        json!({ "n": n })
+    }
+
+    #[test]
+    fn out_of_order_chunks_leave_in_order_once() {
+        let mut r = Reorder::default();
+        assert!(r.push(1, v(1)).is_empty());
+        assert!(r.push(2, v(2)).is_empty());
+        assert_eq!(r.push(0, v(0)), vec![v(0), v(1), v(2)]);
+        assert!(r.push(1, v(1)).is_empty(), "duplicate dropped");
+        assert_eq!(r.push(3, v(3)), vec![v(3)]);
+        assert_eq!(r.finish(4), (vec![], 0));
+    }
+
+    #[test]
+    fn gaps_are_counted_and_buffered_chunks_flushed() {
+        let mut r = Reorder::default();
+        r.push(0, v(0));
+        r.push(2, v(2));
+        r.push(4, v(4));
+        assert_eq!(r.finish(6), (vec![v(2), v(4)], 3));
+        assert_eq!(r.sent(), 6);
+    }
+
+    fn final_result() -> FinalResult {
+        FinalResult {
+            v: 1,
+            job_id: "j".into(),
+            worker_id: Some("w".into()),
+            response: None,
+            error: None,
+            usage: Usage {
+                prompt_tokens: 3,
+                completion_tokens: 2,
+                total_tokens: 5,
+            },
+            chunks: 2,
+            ttft_ms: None,
+            e2e_ms: None,
+        }
+    }
+
+    #[test]
+    fn usage_is_added_once_when_asked() {
+        let mut u = UsagePolicy::new(true);
+        let last = json!({"id": "c1", "created": 7, "model": "m", "choices": [{}]});
+        let c = u
+            .closing_chunk(Endpoint::Chat, "m", Some(&last), &final_result())
+            .unwrap();
+        assert_eq!(c["id"], "c1");
+        assert_eq!(c["object"], "chat.completion.chunk");
+        assert_eq!(c["usage"]["total_tokens"], 5);
+        assert_eq!(c["choices"], json!([]));
+        assert!(u
+            .closing_chunk(Endpoint::Chat, "m", None, &final_result())
+            .is_none());
+    }
+
+    #[test]
+    fn the_servers_own_usage_chunk_is_not_duplicated() {
+        let mut u = UsagePolicy::new(true);
+        let server_usage = json!({"choices": [], "usage": {"total_tokens": 5}});
+        assert!(u.filter(server_usage).is_some());
+        assert!(u
+            .closing_chunk(Endpoint::Completion, "m", None, &final_result())
+            .is_none());
+    }
+
+    #[test]
+    fn usage_is_removed_when_not_asked() {
+        let mut u = UsagePolicy::new(false);
+        assert!(u
+            .filter(json!({"choices": [], "usage": {"total_tokens": 5}}))
+            .is_none());
+        let c = u
+            .filter(json!({"choices": [{"text": "a"}], "usage": {"total_tokens": 1}}))
+            .unwrap();
+        assert!(c.get("usage").is_none());
+        assert!(u
+            .filter(json!({"choices": [{"text": "b"}], "usage": null}))
+            .is_some());
+        assert!(u
+            .closing_chunk(Endpoint::Chat, "m", None, &final_result())
+            .is_none());
+    }
+}

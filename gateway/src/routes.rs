@@ -1,0 +1,237 @@
+//! The OpenAI endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (both also
+//! streaming) and `GET /v1/models`.
+//!
+//! Per request: read and validate the body, refuse an unknown model (404) before
+//! publishing anything, build the job (cost from the prompt estimate and `max_tokens`,
+//! deadline from the configuration or the `x-metronome-deadline-ms` header), submit it,
+//! then answer with its final result, or stream its chunks once its worker is known.
+//!
+//! Invariant: every response of these endpoints, error or not, carries
+//! `x-metronome-job-id`, and `x-metronome-worker` once a worker is known (when
+//! `expose_worker_header` is on), so any slow or failed request can be traced to its
+//! decision on `decisions.<job_id>`.
+
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use metronome_protocol::time::unix_ms;
+use metronome_protocol::Endpoint;
+use serde_json::{json, Value};
+use tracing::Instrument;
+
+use crate::error::ApiError;
+use crate::extract::OpenAiJson;
+use crate::openai::{parse_request, InferenceRequest, RequestPolicy};
+use crate::relay::sse_response;
+use crate::submit::{build_job, new_job_id, JobEvent, Submission};
+use crate::AppState;
+
+/// Response header: the job id.
+pub const HEADER_JOB_ID: &str = "x-metronome-job-id";
+/// Response header: the worker that ran the job.
+pub const HEADER_WORKER: &str = "x-metronome-worker";
+/// Request header: the job's queueing deadline, either a budget in milliseconds from now
+/// (`5000`) or, from 10^12 on, an absolute Unix time in milliseconds.
+pub const HEADER_DEADLINE_MS: &str = "x-metronome-deadline-ms";
+
+/// Values from this on in [`HEADER_DEADLINE_MS`] are absolute Unix milliseconds
+/// (10^12 ms is September 2001; no budget is that long).
+const ABSOLUTE_DEADLINE_FROM: u64 = 1_000_000_000_000;
+
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<OpenAiJson<Value>, ApiError>,
+) -> Response {
+    handle(state, Endpoint::Chat, headers, body).await
+}
+
+pub async fn completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<OpenAiJson<Value>, ApiError>,
+) -> Response {
+    handle(state, Endpoint::Completion, headers, body).await
+}
+
+async fn handle(
+    state: AppState,
+    endpoint: Endpoint,
+    headers: HeaderMap,
+    body: Result<OpenAiJson<Value>, ApiError>,
+) -> Response {
+    let job_id = new_job_id();
+    let span = tracing::info_span!("job", job_id = %job_id, endpoint = ?endpoint, model = tracing::field::Empty);
+    let mut worker = None;
+    let result = serve(&state, endpoint, &headers, body, &job_id, &mut worker)
+        .instrument(span)
+        .await;
+    let mut response = result.unwrap_or_else(|error| {
+        tracing::debug!(%job_id, %error, "request failed");
+        error.into_response()
+    });
+    let h = response.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&job_id) {
+        h.insert(HEADER_JOB_ID, v);
+    }
+    if state.config.expose_worker_header {
+        if let Some(v) = worker.and_then(|w| HeaderValue::from_str(&w).ok()) {
+            h.insert(HEADER_WORKER, v);
+        }
+    }
+    response
+}
+
+/// The job's deadline (Unix ms) from the request header, or the configured queue timeout.
+fn deadline_ms(state: &AppState, headers: &HeaderMap, now_ms: u64) -> Result<u64, ApiError> {
+    let max = state.config.max_queue_timeout_ms;
+    let Some(value) = headers.get(HEADER_DEADLINE_MS) else {
+        return Ok(now_ms + state.config.queue_timeout_ms);
+    };
+    let parsed = value
+        .to_str()
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .ok_or_else(|| {
+            ApiError::invalid_field(
+                HEADER_DEADLINE_MS,
+                format!("`{HEADER_DEADLINE_MS}` must be a number of milliseconds"),
+            )
+        })?;
+    let budget = if parsed >= ABSOLUTE_DEADLINE_FROM {
+        parsed.saturating_sub(now_ms)
+    } else {
+        parsed
+    };
+    if budget == 0 {
+        return Err(ApiError::invalid_field(
+            HEADER_DEADLINE_MS,
+            format!("`{HEADER_DEADLINE_MS}` is already in the past"),
+        ));
+    }
+    Ok(now_ms + budget.min(max))
+}
+
+async fn serve(
+    state: &AppState,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Result<OpenAiJson<Value>, ApiError>,
+    job_id: &str,
+    worker: &mut Option<String>,
+) -> Result<Response, ApiError> {
+    let OpenAiJson(body) = body?;
+    let policy = RequestPolicy {
+        default_max_tokens: state.config.default_max_tokens,
+        max_tokens_limit: state.config.max_tokens_limit,
+        inject_default_max_tokens: state.config.inject_default_max_tokens,
+    };
+    let request: InferenceRequest = parse_request(endpoint, body, &policy)?;
+    tracing::Span::current().record("model", request.model.as_str());
+    let now_ms = unix_ms();
+    if !state.registry.serves(&request.model, now_ms) {
+        return Err(ApiError::unknown_model(&request.model));
+    }
+    let deadline = deadline_ms(state, headers, now_ms)?;
+    let job = build_job(job_id, &request, now_ms, deadline);
+    let mut submission = Submission::submit(state, &job).await?;
+    tracing::debug!(
+        prompt_tokens = job.prompt_tokens,
+        max_tokens = job.max_tokens,
+        stream = request.stream,
+        "job submitted"
+    );
+    if request.stream {
+        // The worker header must go out with the headers: wait for the decision (or the
+        // first chunk, or an early final result). It comes before the first token, so
+        // this costs the client nothing; an error before it is a plain HTTP error.
+        loop {
+            let event = submission.next_event().await.inspect_err(|_| {
+                worker.clone_from(&submission.worker_id);
+            })?;
+            *worker = submission.worker_id.clone();
+            match event {
+                JobEvent::Assigned(_) => break,
+                JobEvent::Chunk(_) => {
+                    submission.replay(event);
+                    break;
+                }
+                JobEvent::Final(result) => {
+                    if let Some(error) = &result.error {
+                        submission.finished();
+                        return Err(ApiError::from_result_error(
+                            error,
+                            state.config.retry_after_secs,
+                        ));
+                    }
+                    submission.replay(JobEvent::Final(result));
+                    break;
+                }
+            }
+        }
+        return Ok(sse_response(
+            submission,
+            endpoint,
+            request.model,
+            request.include_usage,
+        ));
+    }
+    loop {
+        let event = submission.next_event().await;
+        worker.clone_from(&submission.worker_id);
+        match event? {
+            JobEvent::Assigned(_) | JobEvent::Chunk(_) => {}
+            JobEvent::Final(result) => {
+                submission.finished();
+                if let Some(error) = &result.error {
+                    return Err(ApiError::from_result_error(
+                        error,
+                        state.config.retry_after_secs,
+                    ));
+                }
+                return match result.response {
+                    Some(response) => Ok(Json(response).into_response()),
+                    None => Err(ApiError::bad_upstream(
+                        "the worker finished the job without a response",
+                    )),
+                };
+            }
+        }
+    }
+}
+
+fn model_object(id: &str, created_s: u64, workers: usize) -> Value {
+    json!({
+        "id": id,
+        "object": "model",
+        "created": created_s,
+        "owned_by": "metronome",
+        "metronome": { "workers": workers },
+    })
+}
+
+/// `GET /v1/models`: every model a live worker serves.
+pub async fn list_models(State(state): State<AppState>) -> Json<Value> {
+    let data: Vec<Value> = state
+        .registry
+        .models(unix_ms())
+        .iter()
+        .map(|m| model_object(&m.id, m.created_s, m.workers))
+        .collect();
+    Json(json!({ "object": "list", "data": data }))
+}
+
+/// `GET /v1/models/{model}`.
+pub async fn get_model(
+    State(state): State<AppState>,
+    Path(model): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    state
+        .registry
+        .models(unix_ms())
+        .iter()
+        .find(|m| m.id == model)
+        .map(|m| Json(model_object(&m.id, m.created_s, m.workers)))
+        .ok_or_else(|| ApiError::unknown_model(&model))
+}

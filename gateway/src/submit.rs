@@ -1,0 +1,416 @@
+//! Submitting one job and following it to its outcome.
+//!
+//! Order matters: the gateway subscribes to `results.<id>.>` and `decisions.<id>` *before*
+//! publishing the job on `jobs.submit`, on the same connection, so no chunk, final result
+//! or decision can be published before the subscriptions exist. The job is published
+//! through JetStream with `Nats-Msg-Id` = job id (a retried publish is de-duplicated) and
+//! the `Metronome-Model` header; a failed or unacknowledged publish is a 503.
+//!
+//! Invariants: a job whose client goes away before its final result is cancelled on
+//! `cancel.<id>` (the [`CancelGuard`] publishes when dropped while armed); a job with a
+//! final result, or one the dispatcher refused, is never cancelled. Messages that cannot
+//! be read are logged with their reason, counted, and skipped; they never fail the request
+//! on their own. Waiting is bounded by the job's deadline plus the generation allowance.
+
+use std::collections::VecDeque;
+
+use async_nats::{Client, Subscriber};
+use bytes::Bytes;
+use futures::StreamExt;
+use metronome_protocol::names::{
+    cancel_subject, decision_subject, results_subject_all, HEADER_MODEL, HEADER_MSG_ID,
+    SUBJECT_JOBS_SUBMIT,
+};
+use metronome_protocol::time::unix_ms;
+use metronome_protocol::{
+    Decision, ErrorCode, FinalResult, Job, Outcome, ResultChunk, ResultError, PROTOCOL_VERSION,
+};
+use serde_json::json;
+use tokio::time::Instant;
+
+use crate::error::ApiError;
+use crate::openai::InferenceRequest;
+use crate::AppState;
+
+/// A new job id: a UUID v7 (time-ordered, so ids sort by submission), hyphenated, which
+/// is a valid subject token.
+pub fn new_job_id() -> String {
+    uuid::Uuid::now_v7().hyphenated().to_string()
+}
+
+/// The job for `request`.
+pub fn build_job(id: &str, request: &InferenceRequest, now_ms: u64, deadline_ms: u64) -> Job {
+    Job {
+        v: PROTOCOL_VERSION,
+        id: id.to_string(),
+        model: request.model.clone(),
+        endpoint: request.endpoint,
+        request: request.body.clone(),
+        prompt_tokens: request.prompt_tokens,
+        max_tokens: request.total_max_tokens(),
+        submitted_ms: now_ms,
+        deadline_ms: Some(deadline_ms),
+    }
+}
+
+/// Publishes a cancellation for its job when dropped while armed.
+pub struct CancelGuard {
+    client: Client,
+    job_id: String,
+    state: AppState,
+    armed: bool,
+}
+
+impl CancelGuard {
+    /// The job reached its end: nothing to cancel.
+    pub fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(job_id = %self.job_id, "cannot cancel the job: no runtime");
+            return;
+        };
+        let client = self.client.clone();
+        let job_id = std::mem::take(&mut self.job_id);
+        self.state.metrics.job_cancelled();
+        runtime.spawn(async move {
+            let payload = json!({
+                "v": PROTOCOL_VERSION,
+                "job_id": job_id,
+                "reason": "client_disconnected",
+                "sent_ms": unix_ms(),
+            });
+            let payload = Bytes::from(payload.to_string());
+            match client.publish(cancel_subject(&job_id), payload).await {
+                Ok(()) => {
+                    let _ = client.flush().await;
+                    tracing::info!(%job_id, "client went away; job cancelled");
+                }
+                Err(error) => tracing::warn!(%job_id, %error, "cannot publish the cancellation"),
+            }
+        });
+    }
+}
+
+/// Something that happened to a submitted job.
+#[derive(Debug)]
+pub enum JobEvent {
+    /// The dispatcher assigned it to this worker.
+    Assigned(String),
+    /// A streamed chunk.
+    Chunk(ResultChunk),
+    /// The final result (success or failure).
+    Final(FinalResult),
+}
+
+/// A submitted job being followed.
+pub struct Submission {
+    pub job_id: String,
+    /// Worker that runs the job, once known (decision or first chunk).
+    pub worker_id: Option<String>,
+    results: Subscriber,
+    decisions: Subscriber,
+    cancel: CancelGuard,
+    /// Events read ahead (while waiting for the worker before the response headers).
+    replay: VecDeque<JobEvent>,
+    give_up_at: Instant,
+    started: Instant,
+    state: AppState,
+}
+
+impl Submission {
+    /// Subscribe to the job's subjects, then publish it.
+    pub async fn submit(state: &AppState, job: &Job) -> Result<Submission, ApiError> {
+        let retry = state.config.retry_after_secs;
+        let client = state.client.clone();
+        if client.connection_state() != async_nats::connection::State::Connected {
+            state.metrics.nats_publish_error();
+            return Err(ApiError::nats_unavailable("not connected to NATS", retry));
+        }
+        let subscribe = |subject: String| {
+            let client = client.clone();
+            async move {
+                client.subscribe(subject).await.map_err(|error| {
+                    state.metrics.nats_publish_error();
+                    ApiError::nats_unavailable(format!("cannot subscribe: {error}"), retry)
+                })
+            }
+        };
+        let results = subscribe(results_subject_all(&job.id)).await?;
+        let decisions = subscribe(decision_subject(&job.id)).await?;
+        let payload = serde_json::to_vec(job)
+            .map_err(|e| ApiError::internal(format!("cannot encode the job: {e}")))?;
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(HEADER_MSG_ID, job.id.as_str());
+        headers.insert(HEADER_MODEL, job.model.as_str());
+        let publish = async {
+            state
+                .js
+                .publish_with_headers(SUBJECT_JOBS_SUBMIT, headers, payload.into())
+                .await?
+                .await
+        };
+        match tokio::time::timeout(state.config.publish_timeout(), publish).await {
+            Ok(Ok(ack)) => {
+                state.metrics.job_submitted();
+                tracing::debug!(job_id = %job.id, stream_seq = ack.sequence, duplicate = ack.duplicate, "job submitted");
+            }
+            Ok(Err(error)) => {
+                state.metrics.nats_publish_error();
+                tracing::warn!(job_id = %job.id, kind = ?error.kind(), %error, "publishing the job failed");
+                return Err(match error.kind() {
+                    async_nats::jetstream::context::PublishErrorKind::MaxPayloadExceeded => {
+                        ApiError::payload_too_large(state.config.body_limit_bytes)
+                    }
+                    _ => ApiError::nats_unavailable(
+                        format!("publishing the job failed: {error}"),
+                        retry,
+                    ),
+                });
+            }
+            Err(_) => {
+                state.metrics.nats_publish_error();
+                tracing::warn!(job_id = %job.id, "JetStream did not acknowledge the job in time");
+                return Err(ApiError::nats_unavailable(
+                    "JetStream did not acknowledge the job in time",
+                    retry,
+                ));
+            }
+        }
+        let now_ms = unix_ms();
+        let until_deadline = job.deadline_ms.unwrap_or(now_ms).saturating_sub(now_ms);
+        let started = Instant::now();
+        Ok(Submission {
+            job_id: job.id.clone(),
+            worker_id: None,
+            results,
+            decisions,
+            cancel: CancelGuard {
+                client,
+                job_id: job.id.clone(),
+                state: state.clone(),
+                armed: true,
+            },
+            replay: VecDeque::new(),
+            give_up_at: started
+                + std::time::Duration::from_millis(until_deadline)
+                + state.config.max_generation(),
+            started,
+            state: state.clone(),
+        })
+    }
+
+    /// The job ended (final result or refusal): leaving now cancels nothing.
+    pub fn finished(&mut self) {
+        self.cancel.disarm();
+    }
+
+    /// Chunks were missing when the final result arrived.
+    pub fn stream_gap(&self, missing: u64) {
+        self.state.metrics.stream_gap(missing);
+        tracing::warn!(job_id = %self.job_id, missing, "streamed chunks missing at the final result");
+    }
+
+    /// Put an event back, to be returned first by [`Submission::next_event`].
+    pub fn replay(&mut self, event: JobEvent) {
+        self.replay.push_back(event);
+    }
+
+    /// The next event of the job. A refusal by the dispatcher, a lost connection or the
+    /// time limit end the job with the error to return.
+    pub async fn next_event(&mut self) -> Result<JobEvent, ApiError> {
+        if let Some(event) = self.replay.pop_front() {
+            return Ok(event);
+        }
+        loop {
+            tokio::select! {
+                message = self.results.next() => {
+                    let Some(message) = message else {
+                        return Err(self.lost_subscription());
+                    };
+                    if let Some(event) = self.read_result(&message) {
+                        if let JobEvent::Chunk(chunk) = &event {
+                            self.worker_id.get_or_insert_with(|| chunk.worker_id.clone());
+                        }
+                        if let JobEvent::Final(f) = &event {
+                            if let Some(w) = &f.worker_id {
+                                self.worker_id.get_or_insert_with(|| w.clone());
+                            }
+                        }
+                        return Ok(event);
+                    }
+                }
+                message = self.decisions.next() => {
+                    let Some(message) = message else {
+                        return Err(self.lost_subscription());
+                    };
+                    match self.read_decision(&message) {
+                        Some(Ok(worker)) => {
+                            self.worker_id = Some(worker.clone());
+                            return Ok(JobEvent::Assigned(worker));
+                        }
+                        Some(Err(error)) => {
+                            self.finished();
+                            return Err(error);
+                        }
+                        None => {}
+                    }
+                }
+                _ = tokio::time::sleep_until(self.give_up_at) => {
+                    // The guard stays armed: the abandoned job is cancelled.
+                    tracing::warn!(job_id = %self.job_id, "no final result in time");
+                    return Err(ApiError::gateway_timeout(self.started.elapsed().as_millis() as u64));
+                }
+            }
+        }
+    }
+
+    fn lost_subscription(&self) -> ApiError {
+        ApiError::nats_unavailable(
+            "the NATS connection closed while waiting for the result",
+            self.state.config.retry_after_secs,
+        )
+    }
+
+    fn read_result(&self, message: &async_nats::Message) -> Option<JobEvent> {
+        let subject = message.subject.as_str();
+        let parsed = if subject.ends_with(".chunk") {
+            serde_json::from_slice::<ResultChunk>(&message.payload).map(JobEvent::Chunk)
+        } else if subject.ends_with(".final") {
+            serde_json::from_slice::<FinalResult>(&message.payload).map(JobEvent::Final)
+        } else {
+            return None;
+        };
+        match parsed {
+            Ok(event) => Some(event),
+            Err(error) => {
+                self.state.metrics.malformed_message("results");
+                tracing::warn!(job_id = %self.job_id, %subject, %error, "ignoring a malformed result message");
+                None
+            }
+        }
+    }
+
+    /// `Some(Ok(worker))` for an assignment, `Some(Err)` for a refusal, `None` for
+    /// anything to skip.
+    fn read_decision(&self, message: &async_nats::Message) -> Option<Result<String, ApiError>> {
+        let decision = match serde_json::from_slice::<Decision>(&message.payload) {
+            Ok(d) => d,
+            Err(error) => {
+                self.state.metrics.malformed_message("decisions");
+                tracing::warn!(job_id = %self.job_id, %error, "ignoring a malformed decision");
+                return None;
+            }
+        };
+        match decision.outcome {
+            Outcome::Assigned => decision.worker_id.map(Ok),
+            Outcome::Rejected | Outcome::Expired => {
+                let error = refusal(&decision);
+                tracing::info!(job_id = %self.job_id, code = ?error.code, reason = %error.message, "dispatcher refused the job");
+                Some(Err(ApiError::from_result_error(
+                    &error,
+                    self.state.config.retry_after_secs,
+                )))
+            }
+        }
+    }
+}
+
+/// The error class of a refused or expired job, from its decision.
+pub fn refusal(decision: &Decision) -> ResultError {
+    let code = match (decision.outcome, decision.reason_code.as_deref()) {
+        (Outcome::Expired, _) => ErrorCode::DeadlineExceeded,
+        (_, Some("queue_full")) => ErrorCode::QueueFull,
+        (_, Some("unknown_model")) => ErrorCode::UnknownModel,
+        (_, Some("cancelled")) => ErrorCode::Cancelled,
+        (_, Some("deadline_exceeded" | "expired" | "no_capacity")) => ErrorCode::DeadlineExceeded,
+        (
+            _,
+            Some(
+                "malformed_job"
+                | "job_too_large"
+                | "unsupported_version"
+                | "bad_job_id"
+                | "empty_model"
+                | "zero_max_tokens"
+                | "too_many_tokens"
+                | "request_not_object",
+            ),
+        ) => ErrorCode::InvalidJob,
+        // A refusal the gateway does not know: no capacity is the safe reading (retryable).
+        _ => ErrorCode::DeadlineExceeded,
+    };
+    let message = decision
+        .reason
+        .clone()
+        .unwrap_or_else(|| format!("the dispatcher refused the job ({:?})", decision.outcome));
+    ResultError { code, message }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use metronome_protocol::names::is_subject_token;
+
+    fn decision(outcome: Outcome, code: Option<&str>) -> Decision {
+        Decision {
+            v: 1,
+            job_id: "j".into(),
+            model: Some("m".into()),
+            outcome,
+            attempt: 1,
+            reason: Some("why".into()),
+            reason_code: code.map(String::from),
+            worker_id: None,
+            cost: None,
+            candidates: vec![],
+            rejected: vec![],
+            policy: "metronome".into(),
+            queue_wait_ms: 0,
+            decision_latency_us: 0,
+            epoch: 1,
+            dispatcher_id: "d".into(),
+            decided_ms: 0,
+        }
+    }
+
+    #[test]
+    fn job_ids_are_subject_tokens_and_time_ordered() {
+        let a = new_job_id();
+        let b = new_job_id();
+        assert!(is_subject_token(&a) && is_subject_token(&b));
+        assert!(a < b);
+    }
+
+    #[test]
+    fn refusals_map_to_error_classes() {
+        assert_eq!(
+            refusal(&decision(Outcome::Rejected, Some("queue_full"))).code,
+            ErrorCode::QueueFull
+        );
+        assert_eq!(
+            refusal(&decision(Outcome::Expired, None)).code,
+            ErrorCode::DeadlineExceeded
+        );
+        assert_eq!(
+            refusal(&decision(Outcome::Rejected, Some("unknown_model"))).code,
+            ErrorCode::UnknownModel
+        );
+        assert_eq!(
+            refusal(&decision(Outcome::Rejected, Some("malformed_job"))).code,
+            ErrorCode::InvalidJob
+        );
+        assert_eq!(
+            refusal(&decision(Outcome::Rejected, Some("something_new"))).code,
+            ErrorCode::DeadlineExceeded
+        );
+        assert_eq!(refusal(&decision(Outcome::Rejected, None)).message, "why");
+    }
+}
