@@ -1,1 +1,266 @@
-//! metronome-dispatcher
+//! Metronome's dispatcher: the single leader that admits, scores, reserves and assigns
+//! every job published on `jobs.submit`, and records each decision.
+//!
+//! [`run`] (or [`start`], which also hands back the metrics address) runs one instance:
+//! it stands by until it holds the lease ([`leader`]), then runs a *term*: it rebuilds its
+//! state (workers bucket, Redis EWMAs, in-flight jobs from heartbeats), recreates the JOBS
+//! consumer so unacknowledged jobs come back in order ([`intake`]), and decides in one
+//! loop ([`engine`]) until shutdown or until the lease is lost, when it stands by again.
+//! A term never carries state into the next: everything is rebuilt from NATS and Redis.
+
+pub mod config;
+pub mod engine;
+pub mod intake;
+pub mod leader;
+pub mod metrics;
+pub mod publish;
+pub mod queue;
+pub mod registry;
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use metronome_protocol::setup::{ensure_all, Buckets, StreamSettings};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+pub use config::{Config, ConfigError, FieldError};
+pub use metrics::Metrics;
+
+/// Why the dispatcher stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum DispatcherError {
+    #[error("invalid configuration: {}", .0.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))]
+    Config(Vec<FieldError>),
+    #[error("connecting to NATS at {url}: {message}")]
+    Connect { url: String, message: String },
+    #[error("NATS: {0}")]
+    Nats(String),
+    #[error("Redis: {0}")]
+    Redis(String),
+    #[error("creating streams and buckets: {0}")]
+    Setup(#[from] metronome_protocol::setup::SetupError),
+    #[error("metrics endpoint: {0}")]
+    Metrics(std::io::Error),
+}
+
+impl DispatcherError {
+    /// True for failures that may pass by themselves (a server still starting).
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            DispatcherError::Connect { .. } | DispatcherError::Nats(_) | DispatcherError::Redis(_)
+        )
+    }
+}
+
+/// A started dispatcher.
+pub struct Running {
+    /// Address of `/metrics`, when enabled.
+    pub metrics_addr: Option<SocketAddr>,
+    pub metrics: Arc<Metrics>,
+    pub dispatcher_id: String,
+    task: tokio::task::JoinHandle<Result<(), DispatcherError>>,
+}
+
+impl Running {
+    /// Wait until the dispatcher stops (after `shutdown` is cancelled).
+    pub async fn join(self) -> Result<(), DispatcherError> {
+        match self.task.await {
+            Ok(r) => r,
+            Err(e) => Err(DispatcherError::Nats(format!(
+                "dispatcher task failed: {e}"
+            ))),
+        }
+    }
+}
+
+/// Run one dispatcher until `shutdown` is cancelled.
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), DispatcherError> {
+    start(config, shutdown).await?.join().await
+}
+
+/// Connect, create the contract's streams and buckets, start the metrics endpoint and
+/// the leadership loop in the background.
+pub async fn start(
+    config: Config,
+    shutdown: CancellationToken,
+) -> Result<Running, DispatcherError> {
+    config.validate().map_err(DispatcherError::Config)?;
+    let dispatcher_id = config.effective_id();
+    let client = async_nats::ConnectOptions::new()
+        .name(dispatcher_id.clone())
+        .connect(config.nats_url.as_str())
+        .await
+        .map_err(|e| DispatcherError::Connect {
+            url: config.nats_url.clone(),
+            message: e.to_string(),
+        })?;
+    let js = jetstream::ContextBuilder::new()
+        .timeout(Duration::from_secs(5))
+        .max_ack_inflight(20_000)
+        .backpressure_on_inflight(true)
+        .build(client.clone());
+    let settings = StreamSettings {
+        storage: match config.storage {
+            config::Storage::File => jetstream::stream::StorageType::File,
+            config::Storage::Memory => jetstream::stream::StorageType::Memory,
+        },
+        leader_ttl: Duration::from_millis(config.lease_ttl_ms),
+        ..StreamSettings::default()
+    };
+    let buckets = ensure_all(&js, &settings).await?;
+    let metrics = Metrics::new();
+    let metrics_addr = match &config.metrics_addr {
+        Some(addr) => Some(
+            metrics::serve(addr, metrics.clone(), shutdown.clone())
+                .await
+                .map_err(DispatcherError::Metrics)?,
+        ),
+        None => None,
+    };
+    tracing::info!(dispatcher_id, nats = %config.nats_url, policy = %config.policy, ?metrics_addr, "dispatcher started");
+    let ctx = Ctx {
+        config,
+        dispatcher_id: dispatcher_id.clone(),
+        client,
+        js,
+        buckets,
+        metrics: metrics.clone(),
+    };
+    let task = tokio::spawn(lead_loop(ctx, shutdown));
+    Ok(Running {
+        metrics_addr,
+        metrics,
+        dispatcher_id,
+        task,
+    })
+}
+
+struct Ctx {
+    config: Config,
+    dispatcher_id: String,
+    client: async_nats::Client,
+    js: jetstream::Context,
+    buckets: Buckets,
+    metrics: Arc<Metrics>,
+}
+
+async fn lead_loop(ctx: Ctx, shutdown: CancellationToken) -> Result<(), DispatcherError> {
+    let timing = leader::LeaseTiming {
+        renew: Duration::from_millis(ctx.config.lease_renew_ms),
+        fence_after: Duration::from_millis(ctx.config.fence_after_ms),
+        standby_poll: Duration::from_millis(ctx.config.standby_poll_ms),
+    };
+    loop {
+        let Some(lead) =
+            leader::acquire(&ctx.buckets.leader, &ctx.dispatcher_id, timing, &shutdown).await
+        else {
+            break;
+        };
+        ctx.metrics.epoch.store(lead.epoch, Relaxed);
+        ctx.metrics.is_leader.store(1, Relaxed);
+        let term = CancellationToken::new();
+        {
+            let (term, lost, shutdown) = (term.clone(), lead.lost.clone(), shutdown.clone());
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = lost.cancelled() => {}
+                    _ = shutdown.cancelled() => {}
+                    _ = term.cancelled() => {}
+                }
+                term.cancel();
+            });
+        }
+        if let Err(error) = run_term(&ctx, lead.epoch, lead.fence.clone(), term.clone()).await {
+            tracing::error!(%error, epoch = lead.epoch, "leadership term failed; standing by");
+        }
+        term.cancel();
+        ctx.metrics.is_leader.store(0, Relaxed);
+        ctx.metrics.epoch.store(0, Relaxed);
+        if shutdown.is_cancelled() {
+            lead.resign(&ctx.buckets.leader).await;
+            break;
+        }
+        // Lost or failed: let the lease go so another instance (or this one) can lead.
+        lead.resign(&ctx.buckets.leader).await;
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tokio::time::sleep(timing.standby_poll) => {}
+        }
+    }
+    tracing::info!(dispatcher_id = %ctx.dispatcher_id, "dispatcher stopped");
+    Ok(())
+}
+
+/// One leadership term: rebuild, then decide until `term` is cancelled.
+async fn run_term(
+    ctx: &Ctx,
+    epoch: u64,
+    fence: Arc<leader::Fence>,
+    term: CancellationToken,
+) -> Result<(), DispatcherError> {
+    let c = &ctx.config;
+    let (tx, rx) = mpsc::channel(65_536);
+    let publisher = publish::Publisher::start(
+        ctx.js.clone(),
+        ctx.client.clone(),
+        tx.clone(),
+        ctx.metrics.clone(),
+    );
+    // Completions first, so none that happens after the workers are loaded is missed.
+    intake::spawn_completions(&ctx.js, tx.clone(), term.clone()).await?;
+    intake::spawn_cancels(&ctx.client, tx.clone(), term.clone()).await?;
+    let (workers, last_revision) = registry::load_workers(&ctx.buckets.workers).await?;
+    let mut reader = registry::EwmaReader::new(&c.redis_url, &c.redis_prefix)?;
+    let redis = registry::refresh_once(&mut reader, &ctx.metrics).await;
+    let settings = engine::EngineSettings {
+        epoch,
+        dispatcher_id: ctx.dispatcher_id.clone(),
+        policy: c.policy,
+        policy_seed: c.policy_seed,
+        scheduler: c.scheduler.clone(),
+        queue_bound_per_model: c.queue_bound_per_model,
+        max_attempts: c.max_attempts,
+        default_deadline_ms: c.default_deadline_ms,
+        adopt_kv_tokens: c.adopt_kv_tokens,
+        ack_wait_ms: c.ack_wait_ms,
+        tick: Duration::from_millis(c.tick_ms),
+    };
+    let mut engine = engine::Engine::new(settings, publisher.clone(), ctx.metrics.clone(), fence);
+    engine.load(workers, redis);
+    registry::spawn_watch(
+        ctx.buckets.workers.clone(),
+        last_revision + 1,
+        tx.clone(),
+        term.clone(),
+    );
+    registry::spawn_ewma_refresher(
+        reader,
+        Duration::from_millis(c.ewma_refresh_ms),
+        ctx.metrics.clone(),
+        tx.clone(),
+        term.clone(),
+    );
+    let consumer = intake::recreate_jobs_consumer(
+        &ctx.js,
+        Duration::from_millis(c.ack_wait_ms),
+        c.max_ack_pending,
+    )
+    .await?;
+    let reject = intake::RejectContext {
+        publisher: publisher.clone(),
+        metrics: ctx.metrics.clone(),
+        dispatcher_id: ctx.dispatcher_id.clone(),
+        epoch,
+        policy: c.policy.as_str().to_string(),
+    };
+    intake::spawn_jobs(consumer, c.job_limits, reject, tx, term.clone());
+    tracing::info!(epoch, dispatcher_id = %ctx.dispatcher_id, "leading: deciding");
+    engine.run(rx, term).await;
+    publisher.drain(Duration::from_secs(3)).await;
+    Ok(())
+}

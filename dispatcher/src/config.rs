@@ -1,0 +1,368 @@
+//! The dispatcher's configuration: typed, read from a TOML file, overridden by environment
+//! variables, and validated into field-level errors before anything starts.
+//!
+//! Invariants checked by [`Config::validate`]: the lease is renewed well inside its TTL and
+//! the leader fences itself before the lease can expire (`renew < fence_after < ttl`);
+//! every interval and bound is positive. Environment lookups are passed in as a function,
+//! so tests never touch the process environment.
+
+use std::path::Path;
+
+use metronome_protocol::JobLimits;
+use metronome_scheduler::policy::PolicyKind;
+use metronome_scheduler::SchedulerConfig;
+use serde::{Deserialize, Serialize};
+
+/// Where JetStream keeps the contract's streams when this dispatcher creates them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Storage {
+    #[default]
+    File,
+    Memory,
+}
+
+/// Every setting of one dispatcher instance. See `dispatcher/README.md` for each key.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// NATS server URL (`NATS_URL` overrides it).
+    pub nats_url: String,
+    /// Redis URL for the EWMAs (`REDIS_URL` overrides it).
+    pub redis_url: String,
+    /// Name of this instance in decisions and the lease; empty = generated at start.
+    pub dispatcher_id: String,
+    /// Lifetime of the leader lease (also the `leader` bucket's max age when this
+    /// dispatcher creates it).
+    pub lease_ttl_ms: u64,
+    /// How often the leader renews its lease.
+    pub lease_renew_ms: u64,
+    /// The leader stops deciding when its last successful renewal is older than this.
+    pub fence_after_ms: u64,
+    /// How often a standby tries to take the lease.
+    pub standby_poll_ms: u64,
+    /// Most jobs waiting per model; beyond it a job is rejected with `queue_full`.
+    pub queue_bound_per_model: usize,
+    /// Ack wait of the JOBS consumer; queued jobs get progress acks well inside it.
+    pub ack_wait_ms: u64,
+    /// Most unacknowledged JOBS messages the consumer hands out (queued + publishing).
+    pub max_ack_pending: i64,
+    /// Start deadline given to jobs that carry none, counted from when the job is read.
+    pub default_deadline_ms: u64,
+    /// Most dispatch attempts of one job (refusals and rescues count); then rejected.
+    pub max_attempts: u32,
+    /// Scheduling policy: `metronome` (admission control) or a baseline.
+    pub policy: PolicyKind,
+    /// Seed of the baselines that draw random numbers.
+    pub policy_seed: u64,
+    /// KV tokens booked for an in-flight job adopted from a heartbeat (its size is unknown).
+    pub adopt_kv_tokens: u64,
+    /// Prefix of the Redis keys (`<prefix>:ewma:<worker_id>`).
+    pub redis_prefix: String,
+    /// How often the EWMAs are re-read from Redis.
+    pub ewma_refresh_ms: u64,
+    /// Period of the housekeeping tick: deadlines, dead workers, re-evaluation.
+    pub tick_ms: u64,
+    /// Address of the Prometheus `/metrics` endpoint (`127.0.0.1:0` picks a port); none = off.
+    pub metrics_addr: Option<String>,
+    /// Storage of the streams this dispatcher creates when they do not exist yet.
+    pub storage: Storage,
+    /// Size limits a job must respect.
+    pub job_limits: JobLimits,
+    /// Filters, weights and timeouts of the scheduling core.
+    pub scheduler: SchedulerConfig,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            nats_url: "nats://127.0.0.1:4222".into(),
+            redis_url: "redis://127.0.0.1:6379/".into(),
+            dispatcher_id: String::new(),
+            lease_ttl_ms: 3000,
+            lease_renew_ms: 500,
+            fence_after_ms: 2000,
+            standby_poll_ms: 250,
+            queue_bound_per_model: 10_000,
+            ack_wait_ms: 300_000,
+            max_ack_pending: 200_000,
+            default_deadline_ms: 60_000,
+            max_attempts: 3,
+            policy: PolicyKind::Metronome,
+            policy_seed: 0,
+            adopt_kv_tokens: 2048,
+            redis_prefix: metronome_protocol::redis_keys::DEFAULT_PREFIX.into(),
+            ewma_refresh_ms: 1000,
+            tick_ms: 100,
+            metrics_addr: None,
+            storage: Storage::File,
+            job_limits: JobLimits::default(),
+            scheduler: SchedulerConfig::default(),
+        }
+    }
+}
+
+/// One invalid setting.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldError {
+    pub field: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for FieldError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+/// Why a configuration could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("parsing {path}: {source}")]
+    Parse {
+        path: String,
+        source: Box<toml::de::Error>,
+    },
+    #[error("environment variable {var}: {message}")]
+    Env { var: String, message: String },
+    #[error("invalid configuration:\n{}", .0.iter().map(|e| format!("  {e}")).collect::<Vec<_>>().join("\n"))]
+    Invalid(Vec<FieldError>),
+}
+
+impl Config {
+    /// Parse TOML text (missing keys take their defaults).
+    pub fn from_toml(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        toml::from_str(text).map_err(|source| ConfigError::Parse {
+            path: origin.to_string(),
+            source: Box::new(source),
+        })
+    }
+
+    /// Read a TOML file.
+    pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Config::from_toml(&text, &path.display().to_string())
+    }
+
+    /// Apply environment overrides through `lookup` (`std::env::var(..).ok()` in `main`):
+    /// `NATS_URL`, `REDIS_URL`, `METRONOME_DISPATCHER_ID`, `METRONOME_POLICY`,
+    /// `METRONOME_METRICS_ADDR`.
+    pub fn apply_env(
+        &mut self,
+        lookup: impl Fn(&str) -> Option<String>,
+    ) -> Result<(), ConfigError> {
+        if let Some(v) = lookup("NATS_URL") {
+            self.nats_url = v;
+        }
+        if let Some(v) = lookup("REDIS_URL") {
+            self.redis_url = v;
+        }
+        if let Some(v) = lookup("METRONOME_DISPATCHER_ID") {
+            self.dispatcher_id = v;
+        }
+        if let Some(v) = lookup("METRONOME_METRICS_ADDR") {
+            self.metrics_addr = (!v.is_empty()).then_some(v);
+        }
+        if let Some(v) = lookup("METRONOME_POLICY") {
+            self.policy = serde_json::from_value(serde_json::Value::String(v.clone())).map_err(
+                |_| ConfigError::Env {
+                    var: "METRONOME_POLICY".into(),
+                    message: format!(
+                        "unknown policy {v:?} (metronome, round_robin, least_connections, random, power_of_two)"
+                    ),
+                },
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Every invalid field, or `Ok` when the configuration can run.
+    pub fn validate(&self) -> Result<(), Vec<FieldError>> {
+        let mut errors = Vec::new();
+        let mut err = |field: &str, message: String| {
+            errors.push(FieldError {
+                field: field.to_string(),
+                message,
+            })
+        };
+        if !self.nats_url.contains("://") && !self.nats_url.contains(':') {
+            err("nats_url", format!("{:?} is not a NATS URL", self.nats_url));
+        }
+        if !self.redis_url.starts_with("redis://") && !self.redis_url.starts_with("rediss://") {
+            err(
+                "redis_url",
+                format!("{:?} must start with redis://", self.redis_url),
+            );
+        }
+        if !self.dispatcher_id.is_empty() && self.dispatcher_id.chars().any(|c| c.is_whitespace()) {
+            err("dispatcher_id", "must not contain whitespace".into());
+        }
+        for (field, v) in [
+            ("lease_ttl_ms", self.lease_ttl_ms),
+            ("lease_renew_ms", self.lease_renew_ms),
+            ("fence_after_ms", self.fence_after_ms),
+            ("standby_poll_ms", self.standby_poll_ms),
+            ("ack_wait_ms", self.ack_wait_ms),
+            ("default_deadline_ms", self.default_deadline_ms),
+            ("ewma_refresh_ms", self.ewma_refresh_ms),
+            ("tick_ms", self.tick_ms),
+        ] {
+            if v == 0 {
+                err(field, "must be greater than 0".into());
+            }
+        }
+        if self.lease_renew_ms >= self.fence_after_ms {
+            err(
+                "lease_renew_ms",
+                format!(
+                    "{} must be below fence_after_ms ({}) so a renewal can succeed before fencing",
+                    self.lease_renew_ms, self.fence_after_ms
+                ),
+            );
+        }
+        if self.fence_after_ms >= self.lease_ttl_ms {
+            err(
+                "fence_after_ms",
+                format!(
+                    "{} must be below lease_ttl_ms ({}) so the leader stops before its lease can expire",
+                    self.fence_after_ms, self.lease_ttl_ms
+                ),
+            );
+        }
+        if self.lease_ttl_ms < 300 {
+            err("lease_ttl_ms", "must be at least 300".into());
+        }
+        if self.queue_bound_per_model == 0 {
+            err("queue_bound_per_model", "must be greater than 0".into());
+        }
+        if self.max_ack_pending < 1 {
+            err("max_ack_pending", "must be at least 1".into());
+        }
+        if self.max_attempts == 0 {
+            err("max_attempts", "must be at least 1".into());
+        }
+        if self.redis_prefix.is_empty() {
+            err("redis_prefix", "must not be empty".into());
+        }
+        if let Some(addr) = &self.metrics_addr {
+            if addr.parse::<std::net::SocketAddr>().is_err() {
+                err("metrics_addr", format!("{addr:?} is not host:port"));
+            }
+        }
+        if self.job_limits.max_job_bytes == 0 {
+            err("job_limits.max_job_bytes", "must be greater than 0".into());
+        }
+        if self.job_limits.max_total_tokens == 0 {
+            err(
+                "job_limits.max_total_tokens",
+                "must be greater than 0".into(),
+            );
+        }
+        if let Err(scheduler_errors) = self.scheduler.validate() {
+            for e in scheduler_errors {
+                err(&format!("scheduler.{}", e.field), e.message);
+            }
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
+        }
+    }
+
+    /// Load from an optional file, apply the environment, validate.
+    pub fn load(
+        path: Option<&Path>,
+        lookup: impl Fn(&str) -> Option<String>,
+    ) -> Result<Config, ConfigError> {
+        let mut config = match path {
+            Some(p) => Config::from_file(p)?,
+            None => Config::default(),
+        };
+        config.apply_env(lookup)?;
+        config.validate().map_err(ConfigError::Invalid)?;
+        Ok(config)
+    }
+
+    /// The dispatcher id, generated when the configuration leaves it empty.
+    pub fn effective_id(&self) -> String {
+        if self.dispatcher_id.is_empty() {
+            format!(
+                "dispatcher-{}",
+                &uuid::Uuid::new_v4().simple().to_string()[..8]
+            )
+        } else {
+            self.dispatcher_id.clone()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        Config::default().validate().unwrap();
+    }
+
+    #[test]
+    fn toml_keys_override_defaults_and_unknown_keys_fail() {
+        let c = Config::from_toml("queue_bound_per_model = 7\npolicy = \"round_robin\"\n", "t")
+            .unwrap();
+        assert_eq!(c.queue_bound_per_model, 7);
+        assert_eq!(c.policy, PolicyKind::RoundRobin);
+        assert!(Config::from_toml("no_such_key = 1", "t").is_err());
+    }
+
+    #[test]
+    fn environment_overrides_urls() {
+        let mut c = Config::default();
+        c.apply_env(|k| match k {
+            "NATS_URL" => Some("nats://10.0.0.1:4222".into()),
+            "REDIS_URL" => Some("redis://r:1/".into()),
+            _ => None,
+        })
+        .unwrap();
+        assert_eq!(c.nats_url, "nats://10.0.0.1:4222");
+        assert_eq!(c.redis_url, "redis://r:1/");
+        let bad = c.apply_env(|k| (k == "METRONOME_POLICY").then(|| "fastest".into()));
+        assert!(bad.is_err());
+    }
+
+    #[test]
+    fn every_bad_field_is_reported() {
+        let c = Config {
+            lease_ttl_ms: 1000,
+            fence_after_ms: 1500,
+            lease_renew_ms: 2000,
+            queue_bound_per_model: 0,
+            redis_url: "http://x".into(),
+            metrics_addr: Some("nope".into()),
+            ..Config::default()
+        };
+        let fields: Vec<String> = c
+            .validate()
+            .unwrap_err()
+            .into_iter()
+            .map(|e| e.field)
+            .collect();
+        for f in [
+            "lease_renew_ms",
+            "fence_after_ms",
+            "queue_bound_per_model",
+            "redis_url",
+            "metrics_addr",
+        ] {
+            assert!(fields.iter().any(|x| x == f), "{f} missing from {fields:?}");
+        }
+    }
+}

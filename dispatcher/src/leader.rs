@@ -1,0 +1,206 @@
+//! Leadership: one dispatcher decides at a time, holding a lease in the `leader` KV bucket.
+//!
+//! Candidates race to `create` the lease key; the winner's creation revision is its
+//! *epoch* (stream sequences only grow, so a later leader always has a higher epoch). The
+//! leader renews with a compare-and-set `update(key, value, last_revision)` well inside
+//! the TTL. Invariant (self-fencing): the leader stops deciding as soon as its last
+//! successful renewal is older than `fence_after_ms`, which is shorter than the TTL, so
+//! it has stopped before the key can expire and a standby can create it again. A
+//! renewal that finds another revision means the lease is gone: stop at once. Standbys
+//! poll `create`, which succeeds only once the key has expired or been deleted.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::kv;
+use bytes::Bytes;
+use metronome_protocol::names::LEADER_KEY;
+use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
+
+/// Value of the lease key, for operators reading the bucket.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LeaseValue {
+    pub dispatcher_id: String,
+    pub acquired_ms: u64,
+    pub renewed_ms: u64,
+}
+
+/// Timing of the lease.
+#[derive(Debug, Clone, Copy)]
+pub struct LeaseTiming {
+    pub renew: Duration,
+    pub fence_after: Duration,
+    pub standby_poll: Duration,
+}
+
+/// Freshness of the lease as seen by the deciding loop: a cheap check before every
+/// decision, so a leader that lost contact stops even between renewal attempts.
+#[derive(Debug)]
+pub struct Fence {
+    base: Instant,
+    last_renewed_ms: AtomicU64,
+    fence_after_ms: u64,
+}
+
+impl Fence {
+    fn new(fence_after: Duration) -> Arc<Fence> {
+        Arc::new(Fence {
+            base: Instant::now(),
+            last_renewed_ms: AtomicU64::new(0),
+            fence_after_ms: fence_after.as_millis() as u64,
+        })
+    }
+
+    fn mark_renewed(&self) {
+        self.last_renewed_ms
+            .store(self.base.elapsed().as_millis() as u64, Ordering::Release);
+    }
+
+    /// True while the last successful renewal is recent enough to keep deciding.
+    pub fn is_fresh(&self) -> bool {
+        let now = self.base.elapsed().as_millis() as u64;
+        now.saturating_sub(self.last_renewed_ms.load(Ordering::Acquire)) < self.fence_after_ms
+    }
+}
+
+/// A held lease. `lost` is cancelled when the lease is gone or fenced; the holder must
+/// stop deciding then.
+pub struct Leadership {
+    pub epoch: u64,
+    pub fence: Arc<Fence>,
+    pub lost: CancellationToken,
+    renewer: tokio::task::JoinHandle<Option<u64>>,
+}
+
+impl Leadership {
+    /// Give the lease up (graceful shutdown): delete the key if it is still ours, so a
+    /// standby takes over at once instead of waiting for the TTL.
+    pub async fn resign(self, kv: &kv::Store) {
+        self.lost.cancel();
+        if let Ok(Some(revision)) = self.renewer.await {
+            if let Err(error) = kv.delete_expect_revision(LEADER_KEY, Some(revision)).await {
+                tracing::warn!(%error, "could not delete the lease on resign");
+            }
+        }
+    }
+}
+
+/// Wait until this instance holds the lease (or `shutdown`): `None` on shutdown.
+pub async fn acquire(
+    kv: &kv::Store,
+    dispatcher_id: &str,
+    timing: LeaseTiming,
+    shutdown: &CancellationToken,
+) -> Option<Leadership> {
+    let mut logged_standby = false;
+    loop {
+        let now = metronome_protocol::time::unix_ms();
+        let value = lease_bytes(dispatcher_id, now, now);
+        match kv.create(LEADER_KEY, value).await {
+            Ok(revision) => {
+                let fence = Fence::new(timing.fence_after);
+                fence.mark_renewed();
+                let lost = CancellationToken::new();
+                let renewer = tokio::spawn(renew_loop(
+                    kv.clone(),
+                    dispatcher_id.to_string(),
+                    now,
+                    revision,
+                    timing,
+                    fence.clone(),
+                    lost.clone(),
+                    shutdown.clone(),
+                ));
+                tracing::info!(epoch = revision, dispatcher_id, "acquired the leader lease");
+                return Some(Leadership {
+                    epoch: revision,
+                    fence,
+                    lost,
+                    renewer,
+                });
+            }
+            Err(error) if error.kind() == kv::CreateErrorKind::AlreadyExists => {
+                if !logged_standby {
+                    tracing::info!(dispatcher_id, "another dispatcher leads; standing by");
+                    logged_standby = true;
+                }
+            }
+            Err(error) => tracing::warn!(%error, "could not try the leader lease"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            _ = tokio::time::sleep(timing.standby_poll) => {}
+        }
+    }
+}
+
+/// Renew until the lease is lost, fenced or `shutdown`. Returns the last revision when
+/// the lease was still ours at the end (so `resign` can delete it).
+#[allow(clippy::too_many_arguments)]
+async fn renew_loop(
+    kv: kv::Store,
+    dispatcher_id: String,
+    acquired_ms: u64,
+    mut revision: u64,
+    timing: LeaseTiming,
+    fence: Arc<Fence>,
+    lost: CancellationToken,
+    shutdown: CancellationToken,
+) -> Option<u64> {
+    let mut interval = tokio::time::interval(timing.renew);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    interval.tick().await;
+    loop {
+        tokio::select! {
+            _ = lost.cancelled() => return Some(revision),
+            _ = shutdown.cancelled() => return Some(revision),
+            _ = interval.tick() => {}
+        }
+        if !fence.is_fresh() {
+            tracing::error!(
+                epoch_revision = revision,
+                "lease not renewed in time: fencing (no more decisions)"
+            );
+            lost.cancel();
+            return None;
+        }
+        let value = lease_bytes(
+            &dispatcher_id,
+            acquired_ms,
+            metronome_protocol::time::unix_ms(),
+        );
+        let attempt =
+            tokio::time::timeout(timing.renew, kv.update(LEADER_KEY, value, revision)).await;
+        match attempt {
+            Ok(Ok(next)) => {
+                revision = next;
+                fence.mark_renewed();
+            }
+            Ok(Err(error)) if error.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                tracing::error!(%error, "the lease changed hands: stepping down");
+                lost.cancel();
+                return None;
+            }
+            Ok(Err(error)) => tracing::warn!(%error, "lease renewal failed; will retry"),
+            Err(_) => tracing::warn!("lease renewal timed out; will retry"),
+        }
+        if !fence.is_fresh() {
+            tracing::error!("lease not renewed in time: fencing (no more decisions)");
+            lost.cancel();
+            return None;
+        }
+    }
+}
+
+fn lease_bytes(dispatcher_id: &str, acquired_ms: u64, renewed_ms: u64) -> Bytes {
+    Bytes::from(
+        serde_json::to_vec(&LeaseValue {
+            dispatcher_id: dispatcher_id.to_string(),
+            acquired_ms,
+            renewed_ms,
+        })
+        .unwrap_or_default(),
+    )
+}

@@ -1,0 +1,239 @@
+//! The dispatcher's metrics, rendered as Prometheus text on an optional HTTP port.
+//!
+//! Every counter is an atomic the hot path bumps without locks; per-model gauges are
+//! published by the engine on its tick. Names carry their units (`_total`, `_seconds`).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+use axum::{extract::State, routing::get, Router};
+use tokio_util::sync::CancellationToken;
+
+/// Upper bounds (seconds) of the decision latency histogram.
+const LATENCY_BUCKETS_S: [f64; 10] = [
+    0.000_005, 0.000_01, 0.000_02, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.005, 0.025,
+];
+
+/// All metrics of one dispatcher process.
+#[derive(Default)]
+pub struct Metrics {
+    pub decisions_assigned_total: AtomicU64,
+    pub decisions_rejected_total: AtomicU64,
+    pub decisions_expired_total: AtomicU64,
+    pub malformed_jobs_total: AtomicU64,
+    pub publish_failures_total: AtomicU64,
+    pub duplicate_assignments_total: AtomicU64,
+    pub rescued_jobs_total: AtomicU64,
+    pub is_leader: AtomicU64,
+    pub epoch: AtomicU64,
+    pub ledger_reservations: AtomicU64,
+    pub workers_known: AtomicU64,
+    pub redis_up: AtomicU64,
+    pub redis_errors_total: AtomicU64,
+    latency_buckets: [AtomicU64; LATENCY_BUCKETS_S.len()],
+    latency_count: AtomicU64,
+    latency_sum_ns: AtomicU64,
+    /// Queue depth per model, replaced by the engine on every tick.
+    pub queue_depth: Mutex<BTreeMap<String, usize>>,
+}
+
+impl Metrics {
+    pub fn new() -> Arc<Metrics> {
+        Arc::new(Metrics::default())
+    }
+
+    /// Record the evaluate+commit time of one decision.
+    pub fn observe_decision_latency(&self, nanos: u64) {
+        let secs = nanos as f64 / 1e9;
+        for (i, bound) in LATENCY_BUCKETS_S.iter().enumerate() {
+            if secs <= *bound {
+                self.latency_buckets[i].fetch_add(1, Relaxed);
+            }
+        }
+        self.latency_count.fetch_add(1, Relaxed);
+        self.latency_sum_ns.fetch_add(nanos, Relaxed);
+    }
+
+    /// Total decisions published, all outcomes.
+    pub fn decisions_total(&self) -> u64 {
+        self.decisions_assigned_total.load(Relaxed)
+            + self.decisions_rejected_total.load(Relaxed)
+            + self.decisions_expired_total.load(Relaxed)
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::with_capacity(2048);
+        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+            );
+        };
+        let gauge = |out: &mut String, name: &str, help: &str, v: u64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+        };
+        let _ = writeln!(
+            out,
+            "# HELP metronome_dispatcher_decisions_total Decisions published, by outcome.\n# TYPE metronome_dispatcher_decisions_total counter"
+        );
+        for (outcome, v) in [
+            ("assigned", &self.decisions_assigned_total),
+            ("rejected", &self.decisions_rejected_total),
+            ("expired", &self.decisions_expired_total),
+        ] {
+            let _ = writeln!(
+                out,
+                "metronome_dispatcher_decisions_total{{outcome=\"{outcome}\"}} {}",
+                v.load(Relaxed)
+            );
+        }
+        counter(
+            &mut out,
+            "metronome_dispatcher_malformed_jobs_total",
+            "Messages on jobs.submit that were not valid jobs.",
+            self.malformed_jobs_total.load(Relaxed),
+        );
+        counter(
+            &mut out,
+            "metronome_dispatcher_publish_failures_total",
+            "Assignments whose publish failed and were rolled back.",
+            self.publish_failures_total.load(Relaxed),
+        );
+        counter(
+            &mut out,
+            "metronome_dispatcher_duplicate_assignments_total",
+            "Assignments JetStream reported as duplicates (already sent by an earlier leader).",
+            self.duplicate_assignments_total.load(Relaxed),
+        );
+        counter(
+            &mut out,
+            "metronome_dispatcher_rescued_jobs_total",
+            "Jobs dispatched again after their worker died.",
+            self.rescued_jobs_total.load(Relaxed),
+        );
+        counter(
+            &mut out,
+            "metronome_dispatcher_redis_errors_total",
+            "Failed EWMA refreshes from Redis.",
+            self.redis_errors_total.load(Relaxed),
+        );
+        gauge(
+            &mut out,
+            "metronome_dispatcher_leader",
+            "1 while this instance holds the lease and decides.",
+            self.is_leader.load(Relaxed),
+        );
+        gauge(
+            &mut out,
+            "metronome_dispatcher_epoch",
+            "Epoch of the lease this instance holds (0 as standby).",
+            self.epoch.load(Relaxed),
+        );
+        gauge(
+            &mut out,
+            "metronome_dispatcher_ledger_reservations",
+            "Reservations in the ledger.",
+            self.ledger_reservations.load(Relaxed),
+        );
+        gauge(
+            &mut out,
+            "metronome_dispatcher_workers",
+            "Workers in the registry.",
+            self.workers_known.load(Relaxed),
+        );
+        gauge(
+            &mut out,
+            "metronome_dispatcher_redis_up",
+            "1 when the last EWMA refresh from Redis succeeded.",
+            self.redis_up.load(Relaxed),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP metronome_dispatcher_queue_depth Jobs waiting in the admission queue, per model.\n# TYPE metronome_dispatcher_queue_depth gauge"
+        );
+        if let Ok(depths) = self.queue_depth.lock() {
+            for (model, depth) in depths.iter() {
+                let model = model.replace('\\', "\\\\").replace('"', "\\\"");
+                let _ = writeln!(
+                    out,
+                    "metronome_dispatcher_queue_depth{{model=\"{model}\"}} {depth}"
+                );
+            }
+        }
+        let name = "metronome_dispatcher_decision_latency_seconds";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Time to evaluate and commit one decision.\n# TYPE {name} histogram"
+        );
+        for (i, bound) in LATENCY_BUCKETS_S.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{le=\"{bound}\"}} {}",
+                self.latency_buckets[i].load(Relaxed)
+            );
+        }
+        let count = self.latency_count.load(Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let _ = writeln!(
+            out,
+            "{name}_sum {}",
+            self.latency_sum_ns.load(Relaxed) as f64 / 1e9
+        );
+        let _ = writeln!(out, "{name}_count {count}");
+        out
+    }
+}
+
+/// Serve `/metrics` on `addr` until `shutdown`; returns the bound address.
+pub async fn serve(
+    addr: &str,
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+) -> std::io::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let app = Router::new()
+        .route("/metrics", get(render))
+        .route("/healthz", get(|| async { "ok" }))
+        .with_state(metrics);
+    tokio::spawn(async move {
+        let result = axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown.cancelled_owned())
+            .await;
+        if let Err(error) = result {
+            tracing::warn!(%error, "metrics server stopped");
+        }
+    });
+    Ok(bound)
+}
+
+async fn render(State(metrics): State<Arc<Metrics>>) -> String {
+    metrics.render()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counters_histogram_and_queue_depths() {
+        let m = Metrics::new();
+        m.decisions_assigned_total.fetch_add(3, Relaxed);
+        m.observe_decision_latency(7_000);
+        m.queue_depth
+            .lock()
+            .unwrap()
+            .insert("llama-3.1-8b".into(), 4);
+        let text = m.render();
+        assert!(text.contains("metronome_dispatcher_decisions_total{outcome=\"assigned\"} 3"));
+        assert!(text.contains("metronome_dispatcher_queue_depth{model=\"llama-3.1-8b\"} 4"));
+        assert!(
+            text.contains("metronome_dispatcher_decision_latency_seconds_bucket{le=\"0.00001\"} 1")
+        );
+        assert!(text.contains("metronome_dispatcher_decision_latency_seconds_count 1"));
+    }
+}

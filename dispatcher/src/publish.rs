@@ -1,0 +1,322 @@
+//! Publishing the outcome of decisions, pipelined after the in-memory commit.
+//!
+//! The deciding loop hands each committed outcome to one publisher task over an unbounded
+//! channel and moves on; the publisher writes messages in commit order (one buffered
+//! write each, no round trip) and a spawned tail awaits each job's acknowledgements:
+//!
+//! - assigned: Assignment on `work.<worker>` (`Nats-Msg-Id` = job:attempt, epoch and
+//!   model headers) → PubAck → acknowledge the JOBS message → Decision on
+//!   `decisions.<job>` (`Nats-Msg-Id` = job:attempt).
+//! - a failed Assignment publish is reported back ([`Event::PublishFailed`]) so the engine
+//!   rolls the reservation back and puts the job back at its place; nothing else happens.
+//! - a PubAck flagged `duplicate` means an earlier leader already sent this attempt: the
+//!   engine drops the reservation ([`Event::AlreadyAssigned`]); the JOBS message is still
+//!   acknowledged and the Decision still published (its own msg-id drops it if the
+//!   earlier leader's record exists).
+//! - rejected/expired: Decision, then the `FinalResult` with the error on
+//!   `results.<job>.final` (so a waiting client learns why), then the JOBS ack.
+//!
+//! Invariant: a JOBS message is acknowledged only after the outcome that settles it is
+//! stored, so a crash in between leads to a redelivery (deduplicated), never to a loss.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::message::{Acker, PublishMessage};
+use async_nats::jetstream::{self, context::PublishAckFuture};
+use bytes::Bytes;
+use metronome_protocol::names::{self, HEADER_EPOCH, HEADER_MODEL};
+use metronome_protocol::{Assignment, Decision, ErrorCode, FinalResult, ResultError, Usage};
+use tokio::sync::mpsc;
+
+use crate::engine::Event;
+use crate::metrics::Metrics;
+use crate::queue::QueuedJob;
+
+/// One committed outcome.
+pub enum Outcome {
+    Assign {
+        job: QueuedJob,
+        worker_id: String,
+        epoch: u64,
+        decision: Box<Decision>,
+    },
+    Reject {
+        decision: Box<Decision>,
+        error: ErrorCode,
+        message: String,
+        acker: Option<Arc<Acker>>,
+    },
+    /// A decision that settles a job without a new message to anyone else (a redelivered
+    /// job a worker already holds); the JOBS message is acknowledged after it.
+    DecisionOnly {
+        decision: Box<Decision>,
+        acker: Option<Arc<Acker>>,
+    },
+    /// A message that could not be attributed to a job id.
+    DeadLetter {
+        body: Bytes,
+        acker: Option<Arc<Acker>>,
+    },
+    /// A final error result only (a job lost with its worker).
+    FinalError {
+        job_id: String,
+        worker_id: Option<String>,
+        error: ErrorCode,
+        message: String,
+    },
+}
+
+/// Cheap handle the engine and intake send outcomes through.
+#[derive(Clone)]
+pub struct Publisher {
+    tx: mpsc::UnboundedSender<Outcome>,
+    in_flight: Arc<AtomicUsize>,
+}
+
+impl Publisher {
+    /// Start the publisher task; events (rollbacks) go back to the engine on `events`.
+    pub fn start(
+        js: jetstream::Context,
+        client: async_nats::Client,
+        events: mpsc::Sender<Event>,
+        metrics: Arc<Metrics>,
+    ) -> Publisher {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        tokio::spawn(publish_loop(
+            rx,
+            js,
+            client,
+            events,
+            metrics,
+            in_flight.clone(),
+        ));
+        Publisher { tx, in_flight }
+    }
+
+    pub fn send(&self, outcome: Outcome) {
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        if self.tx.send(outcome).is_err() {
+            self.in_flight.fetch_sub(1, Ordering::AcqRel);
+            tracing::warn!(
+                "publisher stopped: outcome dropped (its JOBS message will be redelivered)"
+            );
+        }
+    }
+
+    /// Wait (bounded) until every outcome sent so far has been published or failed.
+    pub async fn drain(&self, timeout: Duration) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.in_flight.load(Ordering::Acquire) > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+async fn publish_loop(
+    mut rx: mpsc::UnboundedReceiver<Outcome>,
+    js: jetstream::Context,
+    client: async_nats::Client,
+    events: mpsc::Sender<Event>,
+    metrics: Arc<Metrics>,
+    in_flight: Arc<AtomicUsize>,
+) {
+    while let Some(outcome) = rx.recv().await {
+        match outcome {
+            Outcome::Assign {
+                job,
+                worker_id,
+                epoch,
+                decision,
+            } => {
+                let assignment = Assignment {
+                    v: metronome_protocol::PROTOCOL_VERSION,
+                    job: (*job.job).clone(),
+                    worker_id: worker_id.clone(),
+                    epoch,
+                    attempt: job.attempt,
+                    assigned_ms: decision.decided_ms,
+                };
+                let payload = Bytes::from(serde_json::to_vec(&assignment).unwrap_or_default());
+                let msg = PublishMessage::build()
+                    .payload(payload)
+                    .message_id(names::work_msg_id(&job.job.id, job.attempt))
+                    .header(HEADER_EPOCH, epoch.to_string().as_str())
+                    .header(HEADER_MODEL, job.job.model.as_str());
+                let work = js.send_publish(names::work_subject(&worker_id), msg).await;
+                let decision_js = js.clone();
+                let events = events.clone();
+                let metrics = metrics.clone();
+                let in_flight = in_flight.clone();
+                tokio::spawn(async move {
+                    let acked = match work {
+                        Ok(fut) => fut.await.map_err(|e| e.to_string()),
+                        Err(e) => Err(e.to_string()),
+                    };
+                    let mut decision = decision;
+                    match acked {
+                        Err(error) => {
+                            metrics
+                                .publish_failures_total
+                                .fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!(job_id = %job.job.id, worker_id, %error, "assignment publish failed: rolling back");
+                            let _ = events
+                                .send(Event::PublishFailed {
+                                    job: Box::new(job),
+                                    worker_id,
+                                })
+                                .await;
+                            in_flight.fetch_sub(1, Ordering::AcqRel);
+                            return;
+                        }
+                        Ok(ack) if ack.duplicate => {
+                            metrics
+                                .duplicate_assignments_total
+                                .fetch_add(1, Ordering::Relaxed);
+                            tracing::info!(job_id = %job.job.id, attempt = job.attempt, "attempt already sent by an earlier leader");
+                            decision.reason = Some("this attempt was already assigned by an earlier leader; its WORK message stands".into());
+                            decision.reason_code = Some("already_assigned".into());
+                            decision.worker_id = None;
+                            let _ = events
+                                .send(Event::AlreadyAssigned {
+                                    job_id: job.job.id.to_string(),
+                                    worker_id,
+                                })
+                                .await;
+                        }
+                        Ok(_) => {}
+                    }
+                    if let Some(acker) = &job.acker {
+                        if let Err(error) = acker.ack().await {
+                            tracing::warn!(job_id = %job.job.id, %error, "acknowledging the JOBS message failed");
+                        }
+                    }
+                    metrics
+                        .decisions_assigned_total
+                        .fetch_add(1, Ordering::Relaxed);
+                    publish_decision(&decision_js, &decision).await;
+                    in_flight.fetch_sub(1, Ordering::AcqRel);
+                });
+            }
+            Outcome::Reject {
+                decision,
+                error,
+                message,
+                acker,
+            } => {
+                let d = publish_decision_start(&js, &decision).await;
+                let f = publish_final_start(&js, &decision.job_id, None, error, &message).await;
+                let metrics = metrics.clone();
+                let in_flight = in_flight.clone();
+                tokio::spawn(async move {
+                    finish(d, "decision").await;
+                    finish(f, "final result").await;
+                    if let Some(acker) = acker {
+                        let _ = acker.ack().await;
+                    }
+                    match decision.outcome {
+                        metronome_protocol::Outcome::Expired => &metrics.decisions_expired_total,
+                        _ => &metrics.decisions_rejected_total,
+                    }
+                    .fetch_add(1, Ordering::Relaxed);
+                    in_flight.fetch_sub(1, Ordering::AcqRel);
+                });
+            }
+            Outcome::DecisionOnly { decision, acker } => {
+                let d = publish_decision_start(&js, &decision).await;
+                let in_flight = in_flight.clone();
+                tokio::spawn(async move {
+                    finish(d, "decision").await;
+                    if let Some(acker) = acker {
+                        let _ = acker.ack().await;
+                    }
+                    in_flight.fetch_sub(1, Ordering::AcqRel);
+                });
+            }
+            Outcome::DeadLetter { body, acker } => {
+                if let Err(error) = client.publish(names::SUBJECT_DEAD_LETTER, body).await {
+                    tracing::warn!(%error, "dead-letter publish failed");
+                }
+                if let Some(acker) = acker {
+                    let _ = acker.ack().await;
+                }
+                in_flight.fetch_sub(1, Ordering::AcqRel);
+            }
+            Outcome::FinalError {
+                job_id,
+                worker_id,
+                error,
+                message,
+            } => {
+                let f = publish_final_start(&js, &job_id, worker_id, error, &message).await;
+                let in_flight = in_flight.clone();
+                tokio::spawn(async move {
+                    finish(f, "final result").await;
+                    in_flight.fetch_sub(1, Ordering::AcqRel);
+                });
+            }
+        }
+    }
+}
+
+type Started = Result<PublishAckFuture, String>;
+
+async fn publish_decision_start(js: &jetstream::Context, decision: &Decision) -> Started {
+    let payload = Bytes::from(serde_json::to_vec(decision).unwrap_or_default());
+    let mut msg = PublishMessage::build()
+        .payload(payload)
+        .message_id(names::decision_msg_id(&decision.job_id, decision.attempt));
+    if let Some(model) = &decision.model {
+        msg = msg.header(HEADER_MODEL, model.as_str());
+    }
+    js.send_publish(names::decision_subject(&decision.job_id), msg)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+async fn publish_decision(js: &jetstream::Context, decision: &Decision) {
+    let started = publish_decision_start(js, decision).await;
+    finish(started, "decision").await;
+}
+
+async fn publish_final_start(
+    js: &jetstream::Context,
+    job_id: &str,
+    worker_id: Option<String>,
+    code: ErrorCode,
+    message: &str,
+) -> Started {
+    let result = FinalResult {
+        v: metronome_protocol::PROTOCOL_VERSION,
+        job_id: job_id.to_string(),
+        worker_id,
+        response: None,
+        error: Some(ResultError {
+            code,
+            message: message.to_string(),
+        }),
+        usage: Usage::default(),
+        chunks: 0,
+        ttft_ms: None,
+        e2e_ms: None,
+    };
+    let payload = Bytes::from(serde_json::to_vec(&result).unwrap_or_default());
+    let msg = PublishMessage::build()
+        .payload(payload)
+        .message_id(format!("{job_id}:final"));
+    js.send_publish(names::result_final_subject(job_id), msg)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+async fn finish(started: Started, what: &str) {
+    let outcome = match started {
+        Ok(fut) => fut.await.map(|_| ()).map_err(|e| e.to_string()),
+        Err(e) => Err(e),
+    };
+    if let Err(error) = outcome {
+        tracing::warn!(%error, what, "publish failed");
+    }
+}

@@ -1,0 +1,339 @@
+//! The worker registry's inputs: the `workers` KV bucket (latest heartbeat per worker)
+//! and the per-worker EWMAs in Redis.
+//!
+//! The bucket is loaded whole before a leader decides anything (so "unknown model" is
+//! never said just because the registry was still empty), then followed with a watch
+//! that starts right after the loaded revision, so no update falls in between. A
+//! heartbeat that does not parse is logged with its reason and skipped.
+//!
+//! Redis is read only (worker-agents write the EWMAs). The refresher re-reads every
+//! EWMA hash periodically; when Redis is down it keeps the last values, counts the error
+//! and flips `redis_up` to 0, so dispatching carries on with what it knew.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::kv;
+use futures::StreamExt;
+use metronome_protocol::redis_keys::{self, ewma_pattern};
+use metronome_protocol::WorkerStatus;
+use metronome_scheduler::EwmaSnapshot;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::engine::Event;
+use crate::metrics::Metrics;
+use crate::DispatcherError;
+
+/// One change of the `workers` bucket.
+#[derive(Debug, Clone)]
+pub enum WorkerUpdate {
+    /// A heartbeat, with when the dispatcher saw it (Unix ms).
+    Put {
+        status: Box<WorkerStatus>,
+        seen_ms: u64,
+    },
+    /// The key was deleted or purged: the worker left.
+    Gone { worker_id: String },
+}
+
+/// Everything in the bucket now, and the revision to watch from.
+pub async fn load_workers(store: &kv::Store) -> Result<(Vec<WorkerUpdate>, u64), DispatcherError> {
+    let mut stream = store.stream.clone();
+    let last = stream
+        .info()
+        .await
+        .map_err(|e| DispatcherError::Nats(format!("workers bucket info: {e}")))?
+        .state
+        .last_sequence;
+    let mut keys = store
+        .keys()
+        .await
+        .map_err(|e| DispatcherError::Nats(format!("listing workers: {e}")))?;
+    let now = metronome_protocol::time::unix_ms();
+    let mut out = Vec::new();
+    while let Some(key) = keys.next().await {
+        let Ok(key) = key else { continue };
+        match store.entry(key.clone()).await {
+            Ok(Some(entry)) if entry.operation == kv::Operation::Put => {
+                if let Some(status) = parse_status(&key, &entry.value) {
+                    // A loaded heartbeat is as old as the worker says (never in the future),
+                    // so a worker that died before this leader started looks stale at once.
+                    let seen_ms = status.sent_ms.min(now);
+                    out.push(WorkerUpdate::Put {
+                        status: Box::new(status),
+                        seen_ms,
+                    });
+                }
+            }
+            Ok(_) => {}
+            Err(error) => tracing::warn!(%error, worker_id = %key, "could not read worker entry"),
+        }
+    }
+    Ok((out, last))
+}
+
+/// Follow the bucket from `from_revision`, sending each change to the engine.
+pub fn spawn_watch(
+    store: kv::Store,
+    from_revision: u64,
+    tx: mpsc::Sender<Event>,
+    token: CancellationToken,
+) {
+    tokio::spawn(async move {
+        let mut watch = match store.watch_all_from_revision(from_revision.max(1)).await {
+            Ok(w) => w,
+            Err(error) => {
+                tracing::error!(%error, "cannot watch the workers bucket");
+                token.cancel();
+                return;
+            }
+        };
+        loop {
+            let entry = tokio::select! {
+                _ = token.cancelled() => return,
+                e = watch.next() => e,
+            };
+            let Some(entry) = entry else {
+                tracing::error!("workers watch ended");
+                token.cancel();
+                return;
+            };
+            let entry = match entry {
+                Ok(e) => e,
+                Err(error) => {
+                    tracing::warn!(%error, "workers watch error");
+                    continue;
+                }
+            };
+            let update = match entry.operation {
+                kv::Operation::Put => match parse_status(&entry.key, &entry.value) {
+                    Some(status) => WorkerUpdate::Put {
+                        status: Box::new(status),
+                        seen_ms: metronome_protocol::time::unix_ms(),
+                    },
+                    None => continue,
+                },
+                kv::Operation::Delete | kv::Operation::Purge => WorkerUpdate::Gone {
+                    worker_id: entry.key.clone(),
+                },
+            };
+            if tx.send(Event::Worker(update)).await.is_err() {
+                return;
+            }
+        }
+    });
+}
+
+fn parse_status(key: &str, value: &[u8]) -> Option<WorkerStatus> {
+    match serde_json::from_slice::<WorkerStatus>(value) {
+        Ok(status) if status.worker_id == key => Some(status),
+        Ok(status) => {
+            tracing::warn!(key, worker_id = %status.worker_id, "heartbeat stored under another worker's key: ignored");
+            None
+        }
+        Err(error) => {
+            tracing::warn!(key, %error, "malformed heartbeat in the workers bucket: ignored");
+            None
+        }
+    }
+}
+
+/// What one Redis read found.
+#[derive(Debug, Clone, Default)]
+pub struct RedisSnapshot {
+    /// Per worker id.
+    pub ewmas: HashMap<String, EwmaSnapshot>,
+    /// Output-length EWMA per model (tokens).
+    pub output_len: HashMap<String, f64>,
+}
+
+/// Reads the EWMA hashes; reconnects lazily after a failure.
+pub struct EwmaReader {
+    client: redis::Client,
+    conn: Option<redis::aio::MultiplexedConnection>,
+    prefix: String,
+}
+
+impl EwmaReader {
+    pub fn new(url: &str, prefix: &str) -> Result<EwmaReader, DispatcherError> {
+        let client = redis::Client::open(url)
+            .map_err(|e| DispatcherError::Redis(format!("bad Redis URL {url:?}: {e}")))?;
+        Ok(EwmaReader {
+            client,
+            conn: None,
+            prefix: prefix.to_string(),
+        })
+    }
+
+    /// Read every EWMA hash. On error the connection is dropped and rebuilt next time.
+    pub async fn read(&mut self) -> Result<RedisSnapshot, redis::RedisError> {
+        let result = self.read_inner().await;
+        if result.is_err() {
+            self.conn = None;
+        }
+        result
+    }
+
+    async fn read_inner(&mut self) -> Result<RedisSnapshot, redis::RedisError> {
+        if self.conn.is_none() {
+            let config = redis::AsyncConnectionConfig::new()
+                .set_connection_timeout(Some(Duration::from_millis(500)))
+                .set_response_timeout(Some(Duration::from_millis(1000)));
+            self.conn = Some(
+                self.client
+                    .get_multiplexed_async_connection_with_config(&config)
+                    .await?,
+            );
+        }
+        let conn = self.conn.as_mut().expect("connected above");
+        let mut snapshot = RedisSnapshot::default();
+        let ewma_prefix = redis_keys::ewma_key(&self.prefix, "");
+        let outlen_prefix = redis_keys::output_len_key(&self.prefix, "");
+        for (pattern, is_ewma) in [
+            (ewma_pattern(&self.prefix), true),
+            (format!("{outlen_prefix}*"), false),
+        ] {
+            let keys = scan(conn, &pattern).await?;
+            if keys.is_empty() {
+                continue;
+            }
+            let mut pipe = redis::pipe();
+            for k in &keys {
+                pipe.hgetall(k);
+            }
+            let hashes: Vec<HashMap<String, String>> = pipe.query_async(conn).await?;
+            for (key, hash) in keys.iter().zip(hashes) {
+                if is_ewma {
+                    let id = key[ewma_prefix.len()..].to_string();
+                    snapshot.ewmas.insert(id, ewma_from_hash(&hash));
+                } else if let Some(tokens) = field(&hash, redis_keys::FIELD_TOKENS) {
+                    snapshot
+                        .output_len
+                        .insert(key[outlen_prefix.len()..].to_string(), tokens);
+                }
+            }
+        }
+        Ok(snapshot)
+    }
+}
+
+async fn scan(
+    conn: &mut redis::aio::MultiplexedConnection,
+    pattern: &str,
+) -> Result<Vec<String>, redis::RedisError> {
+    let mut cursor: u64 = 0;
+    let mut keys = Vec::new();
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(conn)
+            .await?;
+        keys.extend(batch);
+        if next == 0 {
+            return Ok(keys);
+        }
+        cursor = next;
+    }
+}
+
+fn field(hash: &HashMap<String, String>, name: &str) -> Option<f64> {
+    hash.get(name)
+        .and_then(|v| v.parse::<f64>().ok())
+        .filter(|v| v.is_finite())
+}
+
+/// A hash with missing or unparsable fields gives zeros there; zero samples means the
+/// scheduler treats the EWMA as unavailable.
+pub fn ewma_from_hash(hash: &HashMap<String, String>) -> EwmaSnapshot {
+    EwmaSnapshot {
+        ttft_ms: field(hash, redis_keys::FIELD_TTFT_MS).unwrap_or(0.0),
+        tpot_ms: field(hash, redis_keys::FIELD_TPOT_MS).unwrap_or(0.0),
+        tok_s: field(hash, redis_keys::FIELD_TOK_S).unwrap_or(0.0),
+        e2e_ms: field(hash, redis_keys::FIELD_E2E_MS).unwrap_or(0.0),
+        samples: field(hash, redis_keys::FIELD_SAMPLES)
+            .map(|v| v.max(0.0) as u64)
+            .unwrap_or(0),
+        updated_ms: field(hash, redis_keys::FIELD_UPDATED_MS)
+            .map(|v| v.max(0.0) as u64)
+            .unwrap_or(0),
+    }
+}
+
+/// Read once (bounded in time), recording the outcome in the metrics.
+pub async fn refresh_once(reader: &mut EwmaReader, metrics: &Metrics) -> Option<RedisSnapshot> {
+    match tokio::time::timeout(Duration::from_secs(2), reader.read()).await {
+        Ok(Ok(snapshot)) => {
+            if metrics.redis_up.swap(1, Relaxed) == 0 {
+                tracing::info!(workers = snapshot.ewmas.len(), "reading EWMAs from Redis");
+            }
+            Some(snapshot)
+        }
+        outcome => {
+            metrics.redis_errors_total.fetch_add(1, Relaxed);
+            if metrics.redis_up.swap(0, Relaxed) == 1 {
+                let error = match outcome {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => "timed out".to_string(),
+                };
+                tracing::warn!(%error, "Redis unavailable: keeping the last EWMAs");
+            }
+            None
+        }
+    }
+}
+
+/// Refresh the EWMAs every `period` until `token` is cancelled.
+pub fn spawn_ewma_refresher(
+    mut reader: EwmaReader,
+    period: Duration,
+    metrics: Arc<Metrics>,
+    tx: mpsc::Sender<Event>,
+    token: CancellationToken,
+) {
+    tokio::spawn(async move {
+        let mut interval = tokio::time::interval(period);
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        interval.tick().await;
+        loop {
+            tokio::select! {
+                _ = token.cancelled() => return,
+                _ = interval.tick() => {}
+            }
+            if let Some(snapshot) = refresh_once(&mut reader, &metrics).await {
+                if tx.send(Event::Redis(snapshot)).await.is_err() {
+                    return;
+                }
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ewma_hash_is_read_tolerantly() {
+        let hash: HashMap<String, String> = [
+            ("ttft_ms", "120.5"),
+            ("tok_s", "40"),
+            ("samples", "7"),
+            ("tpot_ms", "garbage"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let e = ewma_from_hash(&hash);
+        assert_eq!(e.ttft_ms, 120.5);
+        assert_eq!(e.tok_s, 40.0);
+        assert_eq!(e.samples, 7);
+        assert_eq!(e.tpot_ms, 0.0);
+    }
+}
