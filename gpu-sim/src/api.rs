@@ -1,0 +1,291 @@
+//! The HTTP face of one simulated GPU: vLLM's OpenAI-compatible routes.
+//!
+//! `POST /v1/chat/completions` and `POST /v1/completions` (streaming as SSE and not),
+//! `GET /v1/models`, `GET /health`, `GET /metrics`. Errors use OpenAI's body
+//! (`{"error": {"message", "type", "param", "code"}}`): malformed JSON or a bad field 400,
+//! unknown model 404, a request longer than `max_model_len` 400, shutting down 503.
+//! Streams send one chunk per token (the first chat chunk also carries the assistant role,
+//! so the first chunk is the first token), a finish chunk, the usage chunk when
+//! `stream_options.include_usage` is set, then `data: [DONE]`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::Stream;
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+
+use crate::engine::EngineError;
+use crate::metrics;
+use crate::openai::{
+    self, ChatRequest, Common, CompletionRequest, Kind, Prompt, ResponseMeta, Usage,
+};
+use crate::scheduler::{Gpu, SeqEvent, Submission, SubmitError};
+use crate::text::TextGenerator;
+
+/// The router of one simulated GPU.
+pub fn router(gpu: Arc<Gpu>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(prometheus))
+        .fallback(not_found)
+        .with_state(gpu)
+}
+
+/// An error rendered as OpenAI's error body.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    kind: &'static str,
+    param: Option<&'static str>,
+    code: Option<&'static str>,
+}
+
+impl ApiError {
+    fn bad_request(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param,
+            code: None,
+        }
+    }
+
+    fn model_not_found(model: &str) -> Self {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("The model `{model}` does not exist."),
+            kind: "invalid_request_error",
+            param: Some("model"),
+            code: Some("model_not_found"),
+        }
+    }
+
+    fn unavailable(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+/// Parse a JSON body; any failure (syntax or shape) is a 400 in OpenAI's error shape, and
+/// is logged so an operator sees what was rejected.
+fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| {
+        tracing::info!(error = %e, body_bytes = body.len(), "rejected malformed request body");
+        ApiError::bad_request(format!("invalid request body: {e}"), None)
+    })
+}
+
+async fn chat_completions(State(gpu): State<Arc<Gpu>>, body: Bytes) -> Result<Response, ApiError> {
+    let request: ChatRequest = parse(&body)?;
+    let prompt = request.prompt();
+    generate(gpu, Kind::Chat, request.common, prompt).await
+}
+
+async fn completions(State(gpu): State<Arc<Gpu>>, body: Bytes) -> Result<Response, ApiError> {
+    let request: CompletionRequest = parse(&body)?;
+    let prompt = request
+        .prompt()
+        .map_err(|m| ApiError::bad_request(m, Some("prompt")))?;
+    generate(gpu, Kind::Completion, request.common, prompt).await
+}
+
+async fn generate(
+    gpu: Arc<Gpu>,
+    kind: Kind,
+    common: Common,
+    prompt: Prompt,
+) -> Result<Response, ApiError> {
+    let cfg = gpu.config();
+    if common.model != cfg.model {
+        return Err(ApiError::model_not_found(&common.model));
+    }
+    if common.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::bad_request("only n = 1 is supported", Some("n")));
+    }
+    let max_tokens = common
+        .requested_max_tokens()
+        .unwrap_or(cfg.default_max_tokens);
+    if max_tokens == 0 {
+        return Err(ApiError::bad_request(
+            "max_tokens must be at least 1",
+            Some("max_tokens"),
+        ));
+    }
+    let requested = u64::from(prompt.tokens) + u64::from(max_tokens);
+    if requested > u64::from(cfg.max_model_len) {
+        return Err(ApiError::bad_request(
+            format!(
+                "This model's maximum context length is {} tokens. However, you requested {requested} tokens ({} in the prompt, {max_tokens} in the completion).",
+                cfg.max_model_len, prompt.tokens
+            ),
+            Some("max_tokens"),
+        ));
+    }
+    let mut text = TextGenerator::new(cfg.seed, &prompt.key);
+    let output_tokens = if common.ignore_eos {
+        max_tokens
+    } else {
+        text.sample_length(cfg.eos_probability, max_tokens)
+    };
+    let finish_reason = if output_tokens < max_tokens {
+        "stop"
+    } else {
+        "length"
+    };
+    let submission = gpu
+        .submit(prompt.tokens, output_tokens, output_tokens < max_tokens)
+        .map_err(|e| match e {
+            SubmitError::Closed => ApiError::unavailable(e.to_string()),
+            SubmitError::Engine(e @ EngineError::TooLong { .. }) => {
+                ApiError::bad_request(e.to_string(), Some("max_tokens"))
+            }
+            SubmitError::Engine(e) => ApiError::bad_request(e.to_string(), None),
+        })?;
+    let meta = ResponseMeta::new(kind, &cfg.model);
+    tracing::debug!(model = %cfg.model, seq_id = submission.id, request_id = %meta.id, prompt_tokens = prompt.tokens, output_tokens, stream = common.stream, "request admitted to the queue");
+    let usage = Usage::new(prompt.tokens, output_tokens);
+    if common.stream {
+        let stream = token_stream(
+            submission,
+            text,
+            meta,
+            finish_reason,
+            usage,
+            common.include_usage(),
+        );
+        Ok(Sse::new(stream).into_response())
+    } else {
+        collect(submission, text, meta, finish_reason, usage).await
+    }
+}
+
+fn token_stream(
+    mut submission: Submission,
+    mut text: TextGenerator,
+    meta: ResponseMeta,
+    finish_reason: &'static str,
+    usage: Usage,
+    include_usage: bool,
+) -> impl Stream<Item = Result<Event, Infallible>> {
+    async_stream::stream! {
+        let mut first = true;
+        while let Some(SeqEvent::Token { finished, .. }) = submission.next().await {
+            let token = text.next_token();
+            yield Ok(data(&meta.token_chunk(&token, first, include_usage)));
+            first = false;
+            if finished {
+                yield Ok(data(&meta.finish_chunk(finish_reason, include_usage)));
+                if include_usage {
+                    yield Ok(data(&meta.usage_chunk(usage)));
+                }
+                yield Ok(Event::default().data("[DONE]"));
+                return;
+            }
+        }
+        // The GPU shut down mid-generation: say so instead of a silent truncation.
+        let error = ApiError::unavailable("the simulated GPU shut down before the request finished");
+        yield Ok(data(&error.body()));
+    }
+}
+
+fn data(value: &Value) -> Event {
+    Event::default().data(value.to_string())
+}
+
+async fn collect(
+    mut submission: Submission,
+    mut text: TextGenerator,
+    meta: ResponseMeta,
+    finish_reason: &'static str,
+    usage: Usage,
+) -> Result<Response, ApiError> {
+    let mut output = String::new();
+    while let Some(SeqEvent::Token { finished, .. }) = submission.next().await {
+        output.push_str(&text.next_token());
+        if finished {
+            return Ok(Json(meta.response(&output, finish_reason, usage)).into_response());
+        }
+    }
+    Err(ApiError::unavailable(
+        "the simulated GPU shut down before the request finished",
+    ))
+}
+
+async fn models(State(gpu): State<Arc<Gpu>>) -> Json<Value> {
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default();
+    Json(openai::model_list(
+        &gpu.config().model,
+        created,
+        gpu.config().max_model_len,
+    ))
+}
+
+async fn health() -> StatusCode {
+    StatusCode::OK
+}
+
+async fn prometheus(State(gpu): State<Arc<Gpu>>) -> Response {
+    let cfg = gpu.config();
+    let text = gpu.with_metrics(|engine, requests| {
+        metrics::render(&metrics::Snapshot {
+            model: &cfg.model,
+            speed: cfg.speed,
+            engine,
+            requests,
+        })
+    });
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+async fn not_found() -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: "no such route".into(),
+        kind: "invalid_request_error",
+        param: None,
+        code: None,
+    }
+}

@@ -1,0 +1,132 @@
+//! `metronome-gpu-sim`: serve one or more simulated GPUs until SIGINT/SIGTERM.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Parser;
+use metronome_gpu_sim::config::parse_specs;
+use metronome_gpu_sim::SimConfig;
+use tokio_util::sync::CancellationToken;
+use tracing_subscriber::EnvFilter;
+
+/// Simulated GPUs: OpenAI-compatible model servers that behave like vLLM on one GPU each.
+///
+/// Example: metronome-gpu-sim --gpu model=llama-3.1-8b,port=8001 --gpu model=llama-3.1-8b,port=8002,speed=0.5 --seed 42
+///
+/// GPU spec keys (same as a [[gpu]] table in the TOML config): model, host, port, speed,
+/// seed, base_step_ms, alpha, prefill_ms_per_token, kv_read_ms_per_token,
+/// kv_capacity_tokens, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
+/// default_max_tokens, eos_probability. Environment: METRONOME_SIM_SEED, METRONOME_SIM_HOST,
+/// METRONOME_SIM_GPUS (specs separated by ';'); RUST_LOG sets the log filter.
+#[derive(Parser, Debug)]
+#[command(name = "metronome-gpu-sim", version, verbatim_doc_comment)]
+struct Cli {
+    /// TOML config file with a [[gpu]] table per simulated GPU.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// A simulated GPU as key=value pairs; repeat for several. Replaces the config file's GPUs.
+    #[arg(long = "gpu", value_name = "SPEC")]
+    gpus: Vec<String>,
+    /// Seed of the generated text, for every GPU.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Address every GPU listens on (e.g. 0.0.0.0 in a container).
+    #[arg(long)]
+    host: Option<std::net::IpAddr>,
+    /// Validate the configuration, print the effective config and exit (2 on errors).
+    #[arg(long)]
+    check_config: bool,
+}
+
+fn load(cli: &Cli) -> anyhow::Result<SimConfig> {
+    let mut config = match &cli.config {
+        Some(path) => SimConfig::from_file(path)?,
+        None => SimConfig::default(),
+    };
+    config.apply_env(|name| std::env::var(name).ok())?;
+    if !cli.gpus.is_empty() {
+        config.gpu = parse_specs(cli.gpus.iter().map(String::as_str))?;
+    }
+    if cli.seed.is_some() {
+        config.seed = cli.seed;
+    }
+    if cli.host.is_some() {
+        config.host = cli.host;
+    }
+    Ok(config)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let config = match load(&cli) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Err(errors) = config.validate() {
+        for e in &errors {
+            eprintln!("config error: {e}");
+        }
+        return ExitCode::from(2);
+    }
+    if cli.check_config {
+        match toml::to_string_pretty(&config.effective()) {
+            Ok(text) => {
+                print!("{text}");
+                return ExitCode::SUCCESS;
+            }
+            Err(e) => {
+                eprintln!("error: cannot print config: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .init();
+    match serve(config) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %format!("{e:#}"), "metronome-gpu-sim failed");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[tokio::main]
+async fn serve(config: SimConfig) -> anyhow::Result<()> {
+    let shutdown = CancellationToken::new();
+    tokio::spawn(stop_on_signal(shutdown.clone()));
+    metronome_gpu_sim::run(config, shutdown)
+        .await
+        .context("simulated GPUs")
+}
+
+async fn stop_on_signal(shutdown: CancellationToken) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = terminate => {}
+    }
+    tracing::info!("shutdown signal received, stopping simulated GPUs");
+    shutdown.cancel();
+}

@@ -1,0 +1,287 @@
+//! The scheduler task of one simulated GPU: it owns the pure [`Engine`] behind a mutex and
+//! runs vLLM's engine loop against the wall clock — step, wait the step's simulated
+//! duration, deliver the step's tokens — while HTTP handlers submit and abort sequences.
+//!
+//! Invariants: the mutex is never held across an `.await`; tokens of a step are delivered
+//! only once the step's time has passed; a request whose handle is dropped (client gone)
+//! is aborted and its KV freed before the next step; steps are scheduled back to back on a
+//! running clock (`next start = previous end`) so timer overshoot does not accumulate into
+//! a slower GPU, and the clock restarts from `now` after the engine was idle.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, Notify};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::SimGpuConfig;
+use crate::engine::{Engine, EngineError, EngineStats, SeqId};
+use crate::metrics::RequestMetrics;
+
+/// Most the running clock may fall behind `now` before it is reset: absorbs the timer's
+/// wake-up latency without letting a stalled process replay seconds of steps at once.
+const MAX_CATCH_UP: Duration = Duration::from_millis(2);
+
+/// What a request's handle receives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SeqEvent {
+    /// The sequence produced token `index` (0-based); `finished` marks its last token.
+    Token { index: u32, finished: bool },
+}
+
+/// Why a request could not be submitted.
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("the simulated GPU is shutting down")]
+    Closed,
+}
+
+struct Sink {
+    tx: mpsc::UnboundedSender<SeqEvent>,
+    arrived: Instant,
+    last_token_at: Option<Instant>,
+    stopped_early: bool,
+}
+
+struct State {
+    engine: Engine,
+    sinks: HashMap<SeqId, Sink>,
+    next_id: SeqId,
+    requests: RequestMetrics,
+    closed: bool,
+}
+
+/// One simulated GPU's shared state.
+pub struct Gpu {
+    config: SimGpuConfig,
+    state: Mutex<State>,
+    wake: Notify,
+}
+
+impl Gpu {
+    pub fn new(config: SimGpuConfig) -> Arc<Self> {
+        let engine = Engine::new(config.engine_params());
+        Arc::new(Gpu {
+            config,
+            state: Mutex::new(State {
+                engine,
+                sinks: HashMap::new(),
+                next_id: 1,
+                requests: RequestMetrics::default(),
+                closed: false,
+            }),
+            wake: Notify::new(),
+        })
+    }
+
+    pub fn config(&self) -> &SimGpuConfig {
+        &self.config
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves consistent engine state (every mutation is
+        // completed before the guard drops), so keep serving rather than poison everyone.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        self.lock().engine.stats()
+    }
+
+    /// Read the engine counters and request histograms together.
+    pub fn with_metrics<T>(&self, f: impl FnOnce(EngineStats, &RequestMetrics) -> T) -> T {
+        let st = self.lock();
+        f(st.engine.stats(), &st.requests)
+    }
+
+    /// Queue a sequence generating `output_tokens` tokens. `stopped_early` says the request
+    /// ends before its `max_tokens` (finish reason `stop`), for the success counter.
+    pub fn submit(
+        self: &Arc<Self>,
+        prompt_tokens: u32,
+        output_tokens: u32,
+        stopped_early: bool,
+    ) -> Result<Submission, SubmitError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let id = {
+            let mut st = self.lock();
+            if st.closed {
+                return Err(SubmitError::Closed);
+            }
+            let id = st.next_id;
+            st.engine.add(id, prompt_tokens, output_tokens)?;
+            st.next_id += 1;
+            st.sinks.insert(
+                id,
+                Sink {
+                    tx,
+                    arrived: Instant::now(),
+                    last_token_at: None,
+                    stopped_early,
+                },
+            );
+            id
+        };
+        self.wake.notify_one();
+        Ok(Submission {
+            id,
+            rx,
+            guard: AbortOnDrop {
+                gpu: Arc::clone(self),
+                id,
+                armed: true,
+            },
+        })
+    }
+
+    fn abort(&self, id: SeqId) {
+        let mut st = self.lock();
+        if st.sinks.remove(&id).is_some() {
+            st.requests.aborted += 1;
+        }
+        if st.engine.abort(id) {
+            tracing::debug!(model = %self.config.model, seq_id = id, "sequence aborted, KV freed");
+        }
+    }
+
+    /// One step under the lock: returns the step's duration and the events to deliver.
+    fn step(
+        &self,
+        start: Instant,
+    ) -> (
+        Duration,
+        bool,
+        Vec<(mpsc::UnboundedSender<SeqEvent>, SeqEvent)>,
+    ) {
+        let mut st = self.lock();
+        let outcome = st.engine.step();
+        if outcome.is_idle() {
+            return (Duration::ZERO, true, Vec::new());
+        }
+        let delivered_at = start + outcome.duration;
+        if !outcome.preempted.is_empty() {
+            tracing::debug!(model = %self.config.model, preempted = ?outcome.preempted, "KV cache full, preempted (recompute)");
+        }
+        let mut deliveries = Vec::with_capacity(outcome.tokens.len());
+        let State {
+            sinks, requests, ..
+        } = &mut *st;
+        for t in &outcome.tokens {
+            let Some(sink) = sinks.get_mut(&t.id) else {
+                continue;
+            };
+            match sink.last_token_at {
+                None => requests
+                    .ttft
+                    .observe((delivered_at - sink.arrived).as_secs_f64()),
+                Some(last) => requests.tpot.observe((delivered_at - last).as_secs_f64()),
+            }
+            sink.last_token_at = Some(delivered_at);
+            deliveries.push((
+                sink.tx.clone(),
+                SeqEvent::Token {
+                    index: t.index,
+                    finished: t.finished,
+                },
+            ));
+            if t.finished {
+                let sink = sinks.remove(&t.id).expect("sink exists");
+                requests
+                    .e2e
+                    .observe((delivered_at - sink.arrived).as_secs_f64());
+                if sink.stopped_early {
+                    requests.finished_stop += 1;
+                } else {
+                    requests.finished_length += 1;
+                }
+            }
+        }
+        (outcome.duration, false, deliveries)
+    }
+
+    fn close(&self) {
+        let mut st = self.lock();
+        st.closed = true;
+        // Dropping the senders ends every open stream.
+        let ids: Vec<SeqId> = st.sinks.drain().map(|(id, _)| id).collect();
+        for id in ids {
+            st.engine.abort(id);
+        }
+    }
+
+    /// The engine loop; returns when `shutdown` fires.
+    pub async fn drive(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut clock: Option<Instant> = None;
+        loop {
+            let now = Instant::now();
+            let start = match clock {
+                Some(end_of_last) if end_of_last + MAX_CATCH_UP >= now => end_of_last,
+                _ => now,
+            };
+            let (duration, idle, deliveries) = self.step(start);
+            if idle {
+                clock = None;
+                tokio::select! {
+                    _ = self.wake.notified() => continue,
+                    _ = shutdown.cancelled() => break,
+                }
+            }
+            let end = start + duration;
+            if duration.is_zero() {
+                // Zero-delay mode: let handlers run between steps.
+                tokio::task::yield_now().await;
+            } else {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(end) => {}
+                    _ = shutdown.cancelled() => break,
+                }
+            }
+            clock = Some(end);
+            for (tx, event) in deliveries {
+                // A closed receiver is a client that left; its handle aborts the sequence.
+                let _ = tx.send(event);
+            }
+            if shutdown.is_cancelled() {
+                break;
+            }
+        }
+        self.close();
+    }
+}
+
+/// Aborts the sequence when dropped before it finished.
+struct AbortOnDrop {
+    gpu: Arc<Gpu>,
+    id: SeqId,
+    armed: bool,
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            self.gpu.abort(self.id);
+        }
+    }
+}
+
+/// A submitted sequence: its events, and an abort on drop.
+pub struct Submission {
+    pub id: SeqId,
+    rx: mpsc::UnboundedReceiver<SeqEvent>,
+    guard: AbortOnDrop,
+}
+
+impl Submission {
+    /// The next event; `None` when the GPU shut down before the sequence finished.
+    pub async fn next(&mut self) -> Option<SeqEvent> {
+        let event = self.rx.recv().await;
+        if let Some(SeqEvent::Token { finished: true, .. }) = event {
+            self.guard.armed = false;
+        }
+        event
+    }
+}
