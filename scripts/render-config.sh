@@ -1,0 +1,34 @@
+# Configuration files of ./dev up, one per process. Sourced by scripts/up.sh, which sets
+# NATS_URL, REDIS_URL, GATEWAY_PORT, POLICY and STATE_DIR. Every key is documented in the
+# README's configuration reference.
+# shellcheck shell=bash
+
+render_dispatcher_config() { # dispatcher id
+  cat <<TOML
+nats_url = "$NATS_URL"
+redis_url = "$REDIS_URL"
+dispatcher_id = "$1"
+policy = "$POLICY"
+TOML
+}
+
+render_worker_config() { # worker id, model, model server port, gpu index
+  cat <<TOML
+worker_id = "$1"
+model = "$2"
+node = "$(hostname -s 2>/dev/null || echo local)"
+gpu_index = $4
+model_server_url = "http://127.0.0.1:$3"
+model_server_kind = "simulator"
+max_concurrency = ${WORKER_MAX_CONCURRENCY:-8}
+nats_url = "$NATS_URL"
+redis_url = "$REDIS_URL"
+TOML
+}
+
+render_gateway_config() {
+  cat <<TOML
+listen = "127.0.0.1:$GATEWAY_PORT"
+nats_url = "$NATS_URL"
+TOML
+}
