@@ -156,12 +156,46 @@ async fn ensure_bucket(
         .await
     {
         Ok(store) => Ok(store),
-        // Another component created it between our lookup and our create.
-        Err(source) => js
-            .get_key_value(name)
-            .await
-            .map_err(|_| SetupError::Bucket { name, source }),
+        Err(source) => {
+            // Another component may have created it between our lookup and our create.
+            if let Ok(store) = js.get_key_value(name).await {
+                return Ok(store);
+            }
+            // async-nats' `create_key_value` first reads the account info, whose reply from
+            // nats-server 2.9 lacks fields the client requires; create the bucket's stream
+            // directly with the same settings the client would use.
+            create_bucket_stream(js, name, max_age, storage)
+                .await
+                .map_err(|_| SetupError::Bucket { name, source })
+        }
     }
+}
+
+/// Create the stream backing KV bucket `name` (history 1) as async-nats would, without the
+/// account-info request that fails against nats-server 2.9, then open the bucket.
+pub async fn create_bucket_stream(
+    js: &jetstream::Context,
+    name: &'static str,
+    max_age: Duration,
+    storage: stream::StorageType,
+) -> Result<kv::Store, jetstream::context::KeyValueError> {
+    let config = stream::Config {
+        name: format!("KV_{name}"),
+        subjects: vec![format!("$KV.{name}.>")],
+        max_messages_per_subject: 1,
+        max_age,
+        storage,
+        allow_rollup: true,
+        deny_delete: true,
+        allow_direct: true,
+        num_replicas: 1,
+        discard: stream::DiscardPolicy::New,
+        ..Default::default()
+    };
+    if let Err(e) = js.get_or_create_stream(config).await {
+        tracing::warn!(bucket = name, error = %e, "creating the bucket stream failed");
+    }
+    js.get_key_value(name).await
 }
 
 fn static_name(name: &str) -> &'static str {
