@@ -1,0 +1,460 @@
+//! The worker-agent end to end on a real nats-server and redis-server, with a stub model
+//! server: results, events, EWMAs, stale epochs, heartbeats, drain, cancellation and
+//! malformed messages.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+
+use common::*;
+use metronome_protocol::names::{
+    cancel_subject, event_done_subject, results_subject_all, work_consumer, work_subject,
+    STREAM_WORK, SUBJECT_DEAD_LETTER,
+};
+use metronome_protocol::redis_keys::{ewma_key, output_len_key, DEFAULT_PREFIX};
+use metronome_protocol::{
+    CompletionEvent, CompletionOutcome, Endpoint, ErrorCode, FinalResult, ResultChunk, WorkerStatus,
+};
+use metronome_testkit::wait_for;
+use redis::AsyncCommands;
+
+fn events_of(list: &std::sync::Mutex<Vec<async_nats::Message>>) -> Vec<CompletionEvent> {
+    list.lock()
+        .unwrap()
+        .iter()
+        .map(|m| serde_json::from_slice(&m.payload).expect("event parses"))
+        .collect()
+}
+
+/// Chunks and final result of one job, from its `results.<job>.>` subscription.
+fn results_of(
+    list: &std::sync::Mutex<Vec<async_nats::Message>>,
+) -> (Vec<ResultChunk>, Option<FinalResult>) {
+    let mut chunks = Vec::new();
+    let mut fin = None;
+    for m in list.lock().unwrap().iter() {
+        if m.subject.ends_with(".chunk") {
+            chunks.push(serde_json::from_slice(&m.payload).expect("chunk parses"));
+        } else {
+            fin = Some(serde_json::from_slice(&m.payload).expect("final parses"));
+        }
+    }
+    (chunks, fin)
+}
+
+async fn final_of(
+    list: &std::sync::Mutex<Vec<async_nats::Message>>,
+    what: &str,
+) -> (Vec<ResultChunk>, FinalResult) {
+    wait_for(what, WAIT, || async {
+        let (c, f) = results_of(list);
+        f.map(|f| (c, f))
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_assignment_streams_chunks_then_a_final_result_an_event_and_ewmas() {
+    let env = Env::start().await;
+    let worker = "n1-gpu0";
+    let events = collect(
+        env.client
+            .subscribe(event_done_subject(worker))
+            .await
+            .unwrap(),
+    );
+    let chat = collect(
+        env.client
+            .subscribe(results_subject_all("job-chat"))
+            .await
+            .unwrap(),
+    );
+    let text = collect(
+        env.client
+            .subscribe(results_subject_all("job-text"))
+            .await
+            .unwrap(),
+    );
+    env.client.flush().await.unwrap();
+    let (agent, shutdown) = env.start_agent(env.config(worker)).await;
+
+    env.assign(worker, &job("job-chat", Endpoint::Chat, 6, 0), 1)
+        .await;
+    env.assign(worker, &job("job-text", Endpoint::Completion, 4, 0), 1)
+        .await;
+
+    let (chunks, fin) = final_of(&chat, "final result of the chat job").await;
+    // Role chunk + 6 tokens + finish chunk + usage chunk, in order, without gaps.
+    assert_eq!(chunks.len(), 9, "{chunks:?}");
+    assert!(chunks
+        .iter()
+        .enumerate()
+        .all(|(i, c)| c.seq == i as u64 && c.worker_id == worker));
+    assert_eq!(chunks[1].data["choices"][0]["delta"]["content"], "t0 ");
+    assert_eq!(fin.error, None);
+    assert_eq!(fin.chunks, 9);
+    assert_eq!(
+        (
+            fin.usage.prompt_tokens,
+            fin.usage.completion_tokens,
+            fin.usage.total_tokens
+        ),
+        (7, 6, 13)
+    );
+    let resp = fin.response.expect("assembled response");
+    assert_eq!(resp["object"], "chat.completion");
+    assert_eq!(
+        resp["choices"][0]["message"]["content"],
+        "t0 t1 t2 t3 t4 t5 "
+    );
+    assert_eq!(resp["choices"][0]["finish_reason"], "length");
+    assert_eq!(resp["usage"]["completion_tokens"], 6);
+    assert!(fin.ttft_ms.is_some());
+
+    let (chunks, fin) = final_of(&text, "final result of the completion job").await;
+    assert_eq!(chunks.len(), 6);
+    let resp = fin.response.expect("assembled response");
+    assert_eq!(resp["object"], "text_completion");
+    assert_eq!(resp["choices"][0]["text"], "t0 t1 t2 t3 ");
+    assert_eq!(fin.usage.completion_tokens, 4);
+
+    let evs = wait_for("two completion events", WAIT, || async {
+        let e = events_of(&events);
+        (e.len() == 2).then_some(e)
+    })
+    .await;
+    for e in &evs {
+        assert_eq!(e.outcome, CompletionOutcome::Done);
+        assert!(e.streamed);
+        assert!(e.ttft_ms.is_some() && e.e2e_ms >= e.ttft_ms.unwrap());
+        assert_eq!(e.worker_id, worker);
+        assert_eq!(e.model, MODEL);
+    }
+    let chat_ev = evs.iter().find(|e| e.job_id == "job-chat").unwrap();
+    assert_eq!(chat_ev.output_tokens, 6);
+    assert!(chat_ev.tpot_ms.is_some());
+
+    // The agent forced streaming with usage on both requests.
+    assert_eq!(env.stub.stats.forced_streaming.load(Ordering::SeqCst), 2);
+
+    // The EWMAs landed in Redis, within the range of what was measured.
+    let mut redis = redis::Client::open(env.redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let key = ewma_key(DEFAULT_PREFIX, worker);
+    let fields: std::collections::HashMap<String, String> =
+        wait_for("EWMA hash with 2 samples", WAIT, || {
+            let mut r = redis.clone();
+            let key = key.clone();
+            async move {
+                let h: std::collections::HashMap<String, String> = r.hgetall(&key).await.ok()?;
+                (h.get("samples").map(String::as_str) == Some("2")).then_some(h)
+            }
+        })
+        .await;
+    let f = |k: &str| fields[k].parse::<f64>().unwrap();
+    let ttfts: Vec<f64> = evs.iter().map(|e| e.ttft_ms.unwrap()).collect();
+    let (lo, hi) = (
+        ttfts.iter().cloned().fold(f64::MAX, f64::min),
+        ttfts.iter().cloned().fold(0.0, f64::max),
+    );
+    assert!(
+        f("ttft_ms") >= lo - 1e-6 && f("ttft_ms") <= hi + 1e-6,
+        "{fields:?} vs {ttfts:?}"
+    );
+    assert!(f("tok_s") > 0.0 && f("e2e_ms") > 0.0 && f("tpot_ms") >= 0.0);
+    assert!(f("alpha") > 0.0 && f("alpha") <= 1.0);
+    assert!(f("updated_ms") > 0.0);
+    let outlen: f64 = redis
+        .hget(output_len_key(DEFAULT_PREFIX, MODEL), "tokens")
+        .await
+        .map(|s: String| s.parse().unwrap())
+        .unwrap();
+    assert!((4.0..=6.0).contains(&outlen), "{outlen}");
+
+    let m = Env::agent_metrics(&agent).await;
+    assert_eq!(
+        metric_value(
+            &m,
+            "metronome_worker_jobs_total{worker_id=\"n1-gpu0\",outcome=\"done\"}"
+        ),
+        Some(2.0),
+        "{m}"
+    );
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_epoch_is_refused_and_acknowledged() {
+    let env = Env::start().await;
+    let worker = "n1-gpu1";
+    let events = collect(
+        env.client
+            .subscribe(event_done_subject(worker))
+            .await
+            .unwrap(),
+    );
+    let stale = collect(
+        env.client
+            .subscribe(results_subject_all("job-stale"))
+            .await
+            .unwrap(),
+    );
+    env.client.flush().await.unwrap();
+    let (agent, shutdown) = env.start_agent(env.config(worker)).await;
+
+    env.assign(worker, &job("job-new", Endpoint::Chat, 2, 0), 5)
+        .await;
+    wait_for("event of the epoch-5 job", WAIT, || async {
+        events_of(&events)
+            .iter()
+            .any(|e| e.job_id == "job-new")
+            .then_some(())
+    })
+    .await;
+    env.assign(worker, &job("job-stale", Endpoint::Chat, 2, 0), 3)
+        .await;
+    let ev = wait_for("refusal of the epoch-3 job", WAIT, || async {
+        events_of(&events)
+            .into_iter()
+            .find(|e| e.job_id == "job-stale")
+    })
+    .await;
+    assert_eq!(ev.outcome, CompletionOutcome::Refused);
+    assert!(!ev.streamed);
+    assert_eq!(ev.epoch, 3);
+    assert!(ev.error.unwrap().contains("stale epoch"));
+    assert!(results_of(&stale).0.is_empty(), "a refused job never runs");
+    assert_eq!(env.stub.stats.requests.load(Ordering::SeqCst), 1);
+
+    // The refused message is acknowledged: nothing pending on the agent's consumer.
+    let stream = env.js.get_stream(STREAM_WORK).await.unwrap();
+    wait_for("WORK consumer to have nothing pending", WAIT, || {
+        let stream = stream.clone();
+        async move {
+            let mut c: async_nats::jetstream::consumer::PullConsumer =
+                stream.get_consumer(&work_consumer(worker)).await.ok()?;
+            let info = c.info().await.ok()?;
+            (info.num_ack_pending == 0 && info.num_pending == 0).then_some(())
+        }
+    })
+    .await;
+    let m = Env::agent_metrics(&agent).await;
+    assert_eq!(
+        metric_value(&m, "metronome_worker_stale_epoch_refusals_total"),
+        Some(1.0),
+        "{m}"
+    );
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_list_running_jobs_and_shutdown_drains_then_leaves_the_registry() {
+    let env = Env::start().await;
+    let worker = "n1-gpu2";
+    let beats = collect(
+        env.client
+            .subscribe("workers.n1-gpu2.heartbeat")
+            .await
+            .unwrap(),
+    );
+    let results = collect(
+        env.client
+            .subscribe(results_subject_all("job-long"))
+            .await
+            .unwrap(),
+    );
+    env.client.flush().await.unwrap();
+    let (agent, shutdown) = env.start_agent(env.config(worker)).await;
+    let bucket = env.buckets.workers.clone();
+
+    // 30 tokens 40 ms apart: the job runs for about a second.
+    env.assign(worker, &job("job-long", Endpoint::Chat, 30, 40), 1)
+        .await;
+    let status: WorkerStatus = wait_for("a heartbeat listing the running job", WAIT, || {
+        let bucket = bucket.clone();
+        async move {
+            let bytes = bucket.get(worker).await.ok()??;
+            let s: WorkerStatus = serde_json::from_slice(&bytes).ok()?;
+            s.in_flight.contains(&"job-long".to_string()).then_some(s)
+        }
+    })
+    .await;
+    assert!(status.healthy);
+    assert!(!status.draining);
+    assert_eq!(status.model, MODEL);
+    assert_eq!(status.max_concurrency, 4);
+    assert_eq!(status.gpu, None, "no GPU probe: unavailable, not zero");
+    let kv = status
+        .kv
+        .expect("KV usage scraped from the stub's vLLM metrics");
+    assert_eq!(kv.used_frac, 0.125);
+    assert_eq!(kv.capacity_tokens, Some(16_000));
+
+    // Shut down while the job runs: it completes, then the worker leaves the bucket.
+    wait_for("first chunk", WAIT, || async {
+        (!results_of(&results).0.is_empty()).then_some(())
+    })
+    .await;
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+    let (chunks, fin) = results_of(&results);
+    let fin = fin.expect("the running job finished during the drain");
+    assert_eq!(fin.error, None);
+    assert_eq!(fin.usage.completion_tokens, 30);
+    assert_eq!(chunks.len() as u64, fin.chunks);
+    assert_eq!(
+        bucket.get(worker).await.unwrap(),
+        None,
+        "key removed after the drain"
+    );
+    let hb: Vec<WorkerStatus> = beats
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|m| serde_json::from_slice(&m.payload).unwrap())
+        .collect();
+    assert!(hb.windows(2).all(|w| w[0].seq < w[1].seq), "seq increases");
+    let last = hb.last().expect("heartbeats were published");
+    assert!(last.draining && last.in_flight.is_empty(), "{last:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_stops_a_running_job_and_closes_the_model_server_stream() {
+    let env = Env::start().await;
+    let worker = "n1-gpu3";
+    let events = collect(
+        env.client
+            .subscribe(event_done_subject(worker))
+            .await
+            .unwrap(),
+    );
+    let results = collect(
+        env.client
+            .subscribe(results_subject_all("job-cancel"))
+            .await
+            .unwrap(),
+    );
+    env.client.flush().await.unwrap();
+    let (agent, shutdown) = env.start_agent(env.config(worker)).await;
+
+    // Long enough that it cannot finish on its own during the test.
+    env.assign(worker, &job("job-cancel", Endpoint::Chat, 1000, 50), 1)
+        .await;
+    wait_for("a token chunk", WAIT, || async {
+        (results_of(&results).0.len() >= 2).then_some(())
+    })
+    .await;
+    env.client
+        .publish(cancel_subject("job-cancel"), "".into())
+        .await
+        .unwrap();
+
+    let (_, fin) = final_of(&results, "final result of the cancelled job").await;
+    assert_eq!(fin.error.expect("an error").code, ErrorCode::Cancelled);
+    let ev = wait_for("cancelled event", WAIT, || async {
+        events_of(&events).pop()
+    })
+    .await;
+    assert_eq!(ev.outcome, CompletionOutcome::Cancelled);
+    assert!(ev.streamed);
+    wait_for(
+        "the model server to see the stream closed",
+        WAIT,
+        || async { (env.stub.stats.aborted.load(Ordering::SeqCst) == 1).then_some(()) },
+    )
+    .await;
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_messages_are_terminated_and_the_agent_keeps_serving() {
+    let env = Env::start().await;
+    let worker = "n1-gpu4";
+    let dead = collect(env.client.subscribe(SUBJECT_DEAD_LETTER).await.unwrap());
+    let events = collect(
+        env.client
+            .subscribe(event_done_subject(worker))
+            .await
+            .unwrap(),
+    );
+    let failing = collect(
+        env.client
+            .subscribe(results_subject_all("job-fail"))
+            .await
+            .unwrap(),
+    );
+    env.client.flush().await.unwrap();
+    let (agent, shutdown) = env.start_agent(env.config(worker)).await;
+
+    env.js
+        .publish(work_subject(worker), "{this is not json".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    // A model server error before any token: WorkerFailed, and the event says so.
+    let mut bad = job("job-fail", Endpoint::Chat, 3, 0);
+    bad.request["stub_fail"] = "status".into();
+    env.assign(worker, &bad, 1).await;
+    env.assign(worker, &job("job-ok", Endpoint::Completion, 3, 0), 1)
+        .await;
+
+    let evs = wait_for("events of both jobs", WAIT, || async {
+        let e = events_of(&events);
+        (e.len() == 2).then_some(e)
+    })
+    .await;
+    let ok = evs.iter().find(|e| e.job_id == "job-ok").unwrap();
+    assert_eq!(ok.outcome, CompletionOutcome::Done);
+    let failed = evs.iter().find(|e| e.job_id == "job-fail").unwrap();
+    assert_eq!(failed.outcome, CompletionOutcome::Failed);
+    assert!(!failed.streamed);
+    assert!(
+        failed.error.as_deref().unwrap().contains("500"),
+        "{failed:?}"
+    );
+    let (_, fin) = final_of(&failing, "final result of the failed job").await;
+    assert_eq!(fin.error.unwrap().code, ErrorCode::WorkerFailed);
+
+    let letter = wait_for("dead letter", WAIT, || async {
+        dead.lock().unwrap().first().cloned()
+    })
+    .await;
+    let letter: serde_json::Value = serde_json::from_slice(&letter.payload).unwrap();
+    assert_eq!(letter["source"], "work.n1-gpu4");
+    assert!(
+        letter["reason"]
+            .as_str()
+            .unwrap()
+            .contains("key must be a string"),
+        "{letter}"
+    );
+
+    // Terminated, not redelivered: nothing waits for an ack on the consumer.
+    let stream = env.js.get_stream(STREAM_WORK).await.unwrap();
+    let info = wait_for("WORK consumer settled", WAIT, || {
+        let stream = stream.clone();
+        async move {
+            let mut c: async_nats::jetstream::consumer::PullConsumer =
+                stream.get_consumer(&work_consumer(worker)).await.ok()?;
+            let info = c.info().await.ok()?.clone();
+            (info.num_ack_pending == 0 && info.num_pending == 0).then_some(info)
+        }
+    })
+    .await;
+    assert_eq!(info.num_redelivered, 0);
+    let m = Env::agent_metrics(&agent).await;
+    assert_eq!(
+        metric_value(&m, "metronome_worker_malformed_assignments_total"),
+        Some(1.0),
+        "{m}"
+    );
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+}

@@ -1,0 +1,300 @@
+//! Test support: real NATS and Redis from metronome-testkit, an OpenAI-shaped stub model
+//! server (a fake of the model server only; NATS and Redis are always real), and helpers to
+//! start an agent in-process and publish assignments.
+//!
+//! The stub streams `max_tokens` tokens `t0 t1 …` and honours two test-only request fields:
+//! `stub_delay_ms` (pause before each token, so a job stays running long enough to be
+//! observed) and `stub_fail` (`"status"`: HTTP 500 before any token).
+
+#![allow(dead_code)]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use axum::extract::State;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::StreamExt;
+use metronome_protocol::names::{work_msg_id, work_subject, HEADER_MSG_ID};
+use metronome_protocol::setup::{ensure_all, Buckets, StreamSettings};
+use metronome_protocol::{Assignment, Endpoint, Job, PROTOCOL_VERSION};
+use metronome_testkit::{NatsServer, RedisServer};
+use metronome_worker_agent::{Config, Dependencies, NoGpu, RunningAgent, ServerKind};
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+pub const WAIT: Duration = Duration::from_secs(15);
+pub const MODEL: &str = "stub/llama-3.1-8b";
+
+/// What the stub saw.
+#[derive(Default)]
+pub struct StubStats {
+    pub requests: AtomicU64,
+    /// Requests that arrived with `stream: true` and `stream_options.include_usage: true`.
+    pub forced_streaming: AtomicU64,
+    /// Streams whose client went away before the end (the connection was closed).
+    pub aborted: AtomicU64,
+    pub running: AtomicU64,
+}
+
+/// Counts a stream as aborted unless it reached its end.
+struct AbortGuard {
+    stats: Arc<StubStats>,
+    finished: bool,
+}
+
+impl Drop for AbortGuard {
+    fn drop(&mut self) {
+        self.stats.running.fetch_sub(1, Ordering::SeqCst);
+        if !self.finished {
+            self.stats.aborted.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+pub struct Stub {
+    pub addr: SocketAddr,
+    pub stats: Arc<StubStats>,
+    stop: CancellationToken,
+}
+
+impl Stub {
+    pub async fn start() -> Stub {
+        let stats = Arc::new(StubStats::default());
+        let app = Router::new()
+            .route("/v1/chat/completions", post(chat))
+            .route("/v1/completions", post(completions))
+            .route("/health", get(|| async { "ok" }))
+            .route("/metrics", get(metrics))
+            .with_state(stats.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        let s = stop.clone();
+        tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move { s.cancelled().await })
+                .await
+                .unwrap();
+        });
+        Stub { addr, stats, stop }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+impl Drop for Stub {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+async fn metrics(State(stats): State<Arc<StubStats>>) -> String {
+    let running = stats.running.load(Ordering::SeqCst);
+    format!(
+        "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"{MODEL}\"}} {running}\n\
+         vllm:num_requests_waiting{{model_name=\"{MODEL}\"}} 0\n\
+         vllm:kv_cache_usage_perc{{model_name=\"{MODEL}\"}} 0.125\n\
+         vllm:cache_config_info{{block_size=\"16\",num_gpu_blocks=\"1000\"}} 1.0\n"
+    )
+}
+
+async fn chat(State(stats): State<Arc<StubStats>>, Json(body): Json<Value>) -> Response {
+    generate(stats, body, Endpoint::Chat)
+}
+
+async fn completions(State(stats): State<Arc<StubStats>>, Json(body): Json<Value>) -> Response {
+    generate(stats, body, Endpoint::Completion)
+}
+
+fn generate(stats: Arc<StubStats>, body: Value, endpoint: Endpoint) -> Response {
+    stats.requests.fetch_add(1, Ordering::SeqCst);
+    if body["stream"] == true && body["stream_options"]["include_usage"] == true {
+        stats.forced_streaming.fetch_add(1, Ordering::SeqCst);
+    }
+    if body["stub_fail"] == "status" {
+        return (
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            Json(json!({"error": {"message": "stub: engine dead", "type": "internal"}})),
+        )
+            .into_response();
+    }
+    let n = body["max_tokens"].as_u64().unwrap_or(4);
+    let delay = Duration::from_millis(body["stub_delay_ms"].as_u64().unwrap_or(0));
+    let prompt_tokens = 7u64;
+    stats.running.fetch_add(1, Ordering::SeqCst);
+    let events = async_stream::stream! {
+        let mut guard = AbortGuard { stats: stats.clone(), finished: false };
+        let (object, id) = match endpoint {
+            Endpoint::Chat => ("chat.completion.chunk", "chatcmpl-stub"),
+            Endpoint::Completion => ("text_completion", "cmpl-stub"),
+        };
+        let piece = |content: Value, finish: Value| match endpoint {
+            Endpoint::Chat => json!({"id": id, "object": object, "created": 1, "model": MODEL,
+                "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}]}),
+            Endpoint::Completion => json!({"id": id, "object": object, "created": 1, "model": MODEL,
+                "choices": [{"index": 0, "text": content, "finish_reason": finish}]}),
+        };
+        if endpoint == Endpoint::Chat {
+            yield Ok::<_, Infallible>(Event::default().data(json!({"id": id, "object": object, "created": 1, "model": MODEL,
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}).to_string()));
+        }
+        for i in 0..n {
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
+            yield Ok(Event::default().data(piece(json!(format!("t{i} ")), Value::Null).to_string()));
+        }
+        yield Ok(Event::default().data(piece(json!(""), json!("length")).to_string()));
+        yield Ok(Event::default().data(json!({"id": id, "object": object, "created": 1, "model": MODEL, "choices": [],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}}).to_string()));
+        yield Ok(Event::default().data("[DONE]"));
+        guard.finished = true;
+    };
+    Sse::new(events).into_response()
+}
+
+/// Real servers plus the stub.
+pub struct Env {
+    pub nats: NatsServer,
+    pub redis: RedisServer,
+    pub stub: Stub,
+    pub client: async_nats::Client,
+    pub js: jetstream::Context,
+    pub buckets: Buckets,
+}
+
+impl Env {
+    pub async fn start() -> Env {
+        let nats = NatsServer::start().expect("nats-server");
+        let redis = RedisServer::start().expect("redis-server");
+        let stub = Stub::start().await;
+        let client = async_nats::connect(nats.url())
+            .await
+            .expect("connect to nats");
+        let js = jetstream::new(client.clone());
+        let buckets = ensure_all(&js, &StreamSettings::default())
+            .await
+            .expect("streams");
+        Env {
+            nats,
+            redis,
+            stub,
+            client,
+            js,
+            buckets,
+        }
+    }
+
+    pub fn config(&self, worker_id: &str) -> Config {
+        Config {
+            worker_id: worker_id.into(),
+            model: MODEL.into(),
+            model_server_url: self.stub.url(),
+            model_server_kind: ServerKind::Vllm,
+            nats_url: self.nats.url(),
+            redis_url: self.redis.url(),
+            heartbeat_interval_ms: 100,
+            progress_ack_interval_ms: 200,
+            ack_wait_ms: 5_000,
+            drain_timeout_ms: 10_000,
+            metrics_port: Some(0),
+            ..Config::default()
+        }
+    }
+
+    pub async fn start_agent(&self, config: Config) -> (RunningAgent, CancellationToken) {
+        config.validate().expect("valid test config");
+        let shutdown = CancellationToken::new();
+        let mut deps = Dependencies::from_config(&config).expect("deps");
+        deps.gpu = Arc::new(NoGpu);
+        let agent = metronome_worker_agent::start(config, deps, shutdown.clone())
+            .await
+            .expect("agent starts");
+        (agent, shutdown)
+    }
+
+    /// Publish an assignment of `job` on `work.<worker>` through JetStream.
+    pub async fn assign(&self, worker: &str, job: &Job, epoch: u64) {
+        let a = Assignment {
+            v: PROTOCOL_VERSION,
+            job: job.clone(),
+            worker_id: worker.into(),
+            epoch,
+            attempt: 1,
+            assigned_ms: metronome_protocol::time::unix_ms(),
+        };
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(HEADER_MSG_ID, work_msg_id(&job.id, 1).as_str());
+        self.js
+            .publish_with_headers(
+                work_subject(worker),
+                headers,
+                serde_json::to_vec(&a).unwrap().into(),
+            )
+            .await
+            .unwrap()
+            .await
+            .expect("WORK accepts the assignment");
+    }
+
+    /// Fetch the agent's own /metrics text.
+    pub async fn agent_metrics(agent: &RunningAgent) -> String {
+        let addr = agent.metrics_addr.expect("metrics enabled");
+        reqwest::get(format!("http://{addr}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+}
+
+/// A job for the stub: `max_tokens` tokens, `delay_ms` before each.
+pub fn job(id: &str, endpoint: Endpoint, max_tokens: u32, delay_ms: u64) -> Job {
+    let request = match endpoint {
+        Endpoint::Chat => json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                  "max_tokens": max_tokens, "stub_delay_ms": delay_ms}),
+        Endpoint::Completion => json!({"model": MODEL, "prompt": "once upon a time",
+                                        "max_tokens": max_tokens, "stub_delay_ms": delay_ms}),
+    };
+    Job {
+        v: PROTOCOL_VERSION,
+        id: id.into(),
+        model: MODEL.into(),
+        endpoint,
+        request,
+        prompt_tokens: 5,
+        max_tokens,
+        submitted_ms: metronome_protocol::time::unix_ms(),
+        deadline_ms: None,
+    }
+}
+
+/// Read a metric's value from exposition text (first sample whose line starts with `prefix`).
+pub fn metric_value(text: &str, prefix: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// Collect messages of a subscription into a shared list, in arrival order.
+pub fn collect(mut sub: async_nats::Subscriber) -> Arc<std::sync::Mutex<Vec<async_nats::Message>>> {
+    let list = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let l = list.clone();
+    tokio::spawn(async move {
+        while let Some(m) = sub.next().await {
+            l.lock().unwrap().push(m);
+        }
+    });
+    list
+}
