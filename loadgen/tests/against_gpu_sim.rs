@@ -1,0 +1,71 @@
+//! A short Poisson load against an in-process simulated GPU: the load generator and the
+//! simulator agree on every request's prompt and output token counts.
+
+use metronome_gpu_sim::{SimGpu, SimGpuConfig};
+use metronome_loadgen::{run_load, write_outputs, LengthDist, LoadSpec, Workload};
+use tokio_util::sync::CancellationToken;
+
+#[tokio::test]
+async fn poisson_load_against_the_simulator() {
+    let shutdown = CancellationToken::new();
+    let gpu = SimGpu::spawn(
+        SimGpuConfig {
+            base_step_ms: 1.0,
+            ..SimGpuConfig::new("sim-model")
+        },
+        shutdown.clone(),
+    )
+    .await
+    .expect("simulated GPU starts");
+    let spec = LoadSpec {
+        base_url: format!("{}/v1", gpu.base_url()),
+        model: "sim-model".into(),
+        limit: Some(20),
+        seed: 7,
+        workload: Workload::Poisson {
+            rate_rps: 40.0,
+            prompt_tokens: "uniform:16,256".parse::<LengthDist>().unwrap(),
+            output_tokens: "uniform:4,24".parse::<LengthDist>().unwrap(),
+        },
+        ..LoadSpec::default()
+    };
+    let result = run_load(spec, false).await.unwrap();
+    let s = &result.summary;
+    assert_eq!(
+        (s.count, s.ok, s.errors),
+        (20, 20, 0),
+        "{:#?}",
+        result.records
+    );
+    for r in &result.records {
+        assert_eq!(r.status, Some(200));
+        assert!(r.usage_reported, "the simulator reports usage");
+        assert_eq!(
+            r.output_tokens, r.max_tokens,
+            "ignore_eos gives exactly max_tokens"
+        );
+        assert!(r.ttft_ms.unwrap() <= r.e2e_ms.unwrap());
+    }
+    let stats = gpu.stats();
+    let prompt_sum: u64 = result
+        .records
+        .iter()
+        .map(|r| u64::from(r.prompt_tokens))
+        .sum();
+    let output_sum: u64 = result
+        .records
+        .iter()
+        .map(|r| u64::from(r.output_tokens))
+        .sum();
+    assert_eq!(
+        stats.prompt_tokens_total, prompt_sum,
+        "metronome_prompt_tokens is honoured"
+    );
+    assert_eq!(stats.generation_tokens_total, output_sum);
+    assert_eq!(s.tokens_per_s.n, 20);
+
+    let dir = tempfile::tempdir().unwrap();
+    write_outputs(dir.path(), &result).unwrap();
+    shutdown.cancel();
+    gpu.join().await;
+}
