@@ -1,0 +1,114 @@
+//! Requests through the whole chain: gateway → JetStream → dispatcher → worker-agent →
+//! simulated GPU, and back, streaming and not.
+
+use std::collections::BTreeSet;
+
+use metronome_e2e::{chat_body, sse_events, Cluster, ClusterSpec};
+use metronome_protocol::Outcome;
+
+const MODEL: &str = "e2e-model";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_and_completions_answer_streaming_and_not() {
+    let cluster = Cluster::start(ClusterSpec::uniform(2, MODEL)).await;
+    let http = reqwest::Client::new();
+
+    // Non-streaming chat.
+    let resp = http
+        .post(format!("{}/v1/chat/completions", cluster.gateway_url))
+        .json(&chat_body(MODEL, 12, false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "{}", cluster.logs());
+    let job_id = resp.headers()["x-metronome-job-id"].to_str().unwrap().to_string();
+    let worker = resp.headers()["x-metronome-worker"].to_str().unwrap().to_string();
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["usage"]["completion_tokens"], 12);
+    assert!(!body["choices"][0]["message"]["content"].as_str().unwrap().is_empty());
+    let decision = cluster.decision(&job_id).await;
+    assert_eq!(decision.outcome, Outcome::Assigned);
+    assert_eq!(decision.worker_id.as_deref(), Some(worker.as_str()));
+
+    // Streaming chat with usage.
+    let resp = http
+        .post(format!("{}/v1/chat/completions", cluster.gateway_url))
+        .json(&chat_body(MODEL, 9, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    assert!(resp.headers().contains_key("x-metronome-job-id"));
+    let events = sse_events(&resp.text().await.unwrap());
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<serde_json::Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert!(!text.is_empty());
+    let usage: Vec<_> = chunks.iter().filter(|c| c["usage"].is_object()).collect();
+    assert_eq!(usage.len(), 1, "exactly one usage chunk: {chunks:?}");
+    assert_eq!(usage[0]["usage"]["completion_tokens"], 9);
+
+    // Completions, non-streaming and streaming.
+    let resp = http
+        .post(format!("{}/v1/completions", cluster.gateway_url))
+        .json(&serde_json::json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 7}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(body["object"], "text_completion");
+    assert_eq!(body["usage"]["completion_tokens"], 7);
+
+    let resp = http
+        .post(format!("{}/v1/completions", cluster.gateway_url))
+        .json(&serde_json::json!({"model": MODEL, "prompt": "Once", "max_tokens": 5, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let events = sse_events(&resp.text().await.unwrap());
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let text: String = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<serde_json::Value>(e).unwrap())
+        .filter_map(|c| c["choices"][0]["text"].as_str().map(String::from))
+        .collect();
+    assert!(!text.is_empty());
+}
+
+/// The classic bug: four idle GPUs, four simultaneous requests, all on GPU 0. Several rounds,
+/// each on an idle cluster; the winners are read from the response headers and the decisions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_simultaneous_requests_land_on_four_gpus() {
+    let cluster = Cluster::start(ClusterSpec::uniform(4, MODEL)).await;
+    let http = reqwest::Client::new();
+    for round in 0..5 {
+        let requests = (0..4).map(|_| {
+            http.post(format!("{}/v1/chat/completions", cluster.gateway_url))
+                .json(&chat_body(MODEL, 8, false))
+                .send()
+        });
+        let responses = futures::future::join_all(requests).await;
+        let mut header_workers = BTreeSet::new();
+        let mut decision_workers = BTreeSet::new();
+        for resp in responses {
+            let resp = resp.unwrap();
+            assert_eq!(resp.status(), 200, "{}", cluster.logs());
+            let job = resp.headers()["x-metronome-job-id"].to_str().unwrap().to_string();
+            header_workers.insert(resp.headers()["x-metronome-worker"].to_str().unwrap().to_string());
+            let decision = cluster.decision(&job).await;
+            decision_workers.insert(decision.worker_id.unwrap());
+        }
+        assert_eq!(header_workers.len(), 4, "round {round}: {header_workers:?}");
+        assert_eq!(header_workers, decision_workers, "round {round}");
+    }
+}

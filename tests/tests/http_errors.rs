@@ -1,0 +1,146 @@
+//! Every HTTP error case returns its status and an OpenAI-shaped error body, and the system
+//! keeps serving afterwards.
+
+use std::time::Duration;
+
+use metronome_e2e::{chat_body, Cluster, ClusterSpec};
+
+const MODEL: &str = "e2e-model";
+
+async fn assert_openai_error(resp: reqwest::Response, status: u16) -> serde_json::Value {
+    assert_eq!(resp.status(), status);
+    let body: serde_json::Value = resp.json().await.unwrap();
+    let error = &body["error"];
+    assert!(error["message"].as_str().is_some_and(|m| !m.is_empty()), "{body}");
+    assert!(error["type"].is_string(), "{body}");
+    assert!(error.get("code").is_some() && error.get("param").is_some(), "{body}");
+    body
+}
+
+async fn assert_still_serving(http: &reqwest::Client, cluster: &Cluster) {
+    let resp = http
+        .post(format!("{}/v1/chat/completions", cluster.gateway_url))
+        .json(&chat_body(MODEL, 3, false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "{}", cluster.logs());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_error_is_openai_shaped_and_the_system_keeps_serving() {
+    // One slow-ish GPU taking one request at a time and a queue of one, so "busy", "queue
+    // full" and "no capacity before the deadline" can be produced on purpose.
+    let mut spec = ClusterSpec::uniform(1, MODEL);
+    spec.worker_max_concurrency = 1;
+    spec.dispatcher_knobs = vec!["queue_bound_per_model = 1".into()];
+    spec.gateway_knobs = vec!["body_limit_bytes = 65536".into()];
+    let mut cluster = Cluster::start(spec).await;
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", cluster.gateway_url);
+
+    // 400: not JSON.
+    let resp = http
+        .post(&url)
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_openai_error(resp, 400).await;
+    assert_still_serving(&http, &cluster).await;
+
+    // 400: wrong types.
+    let resp = http
+        .post(&url)
+        .json(&serde_json::json!({"model": MODEL, "messages": "hello", "max_tokens": -3}))
+        .send()
+        .await
+        .unwrap();
+    assert_openai_error(resp, 400).await;
+
+    // 404: unknown model.
+    let resp = http.post(&url).json(&chat_body("no-such-model", 4, false)).send().await.unwrap();
+    let body = assert_openai_error(resp, 404).await;
+    assert!(body["error"]["message"].as_str().unwrap().contains("no-such-model"));
+    assert_still_serving(&http, &cluster).await;
+
+    // 413: body over the limit.
+    let mut big = chat_body(MODEL, 4, false);
+    big["messages"][0]["content"] = serde_json::Value::String("x".repeat(200_000));
+    let resp = http.post(&url).json(&big).send().await.unwrap();
+    assert_openai_error(resp, 413).await;
+    assert_still_serving(&http, &cluster).await;
+
+    // Occupy the only GPU with a long generation, then fill the queue of one.
+    let long = {
+        let http = http.clone();
+        let url = url.clone();
+        tokio::spawn(async move { http.post(&url).json(&chat_body(MODEL, 300, false)).send().await })
+    };
+    let nats = cluster.nats_client().await;
+    let workers = async_nats::jetstream::new(nats)
+        .get_key_value(metronome_protocol::names::BUCKET_WORKERS)
+        .await
+        .unwrap();
+    metronome_testkit::wait_for("the GPU busy", Duration::from_secs(20), || {
+        let workers = workers.clone();
+        async move {
+            let entry = workers.get(metronome_e2e::worker_id(0)).await.ok()??;
+            let status: metronome_protocol::WorkerStatus = serde_json::from_slice(&entry).ok()?;
+            (!status.in_flight.is_empty()).then_some(())
+        }
+    })
+    .await;
+    let queued = {
+        let http = http.clone();
+        let url = url.clone();
+        tokio::spawn(async move { http.post(&url).json(&chat_body(MODEL, 2, false)).send().await })
+    };
+    // 429: the queue of one is full (retry until the queued request is in the queue).
+    let mut saw_429 = false;
+    for _ in 0..100 {
+        let resp = http.post(&url).json(&chat_body(MODEL, 2, false)).send().await.unwrap();
+        if resp.status() == 429 {
+            assert_openai_error(resp, 429).await;
+            saw_429 = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(saw_429, "no 429 while the queue was full: {}", cluster.logs());
+
+    // 503 with Retry-After: nothing can start before a 300 ms deadline.
+    let resp = http
+        .post(&url)
+        .header("x-metronome-deadline-ms", "300")
+        .json(&chat_body(MODEL, 2, false))
+        .send()
+        .await
+        .unwrap();
+    // The queue may still be full (429) or the deadline may pass in it (503); retry until
+    // the queued request has started so the deadline case is the one exercised.
+    let resp = if resp.status() == 429 {
+        assert_eq!(queued.await.unwrap().unwrap().status(), 200);
+        http.post(&url)
+            .header("x-metronome-deadline-ms", "300")
+            .json(&chat_body(MODEL, 2, false))
+            .send()
+            .await
+            .unwrap()
+    } else {
+        resp
+    };
+    assert!(resp.headers().contains_key("retry-after"), "{:?}", resp.headers());
+    assert_openai_error(resp, 503).await;
+    assert_eq!(long.await.unwrap().unwrap().status(), 200);
+    assert_still_serving(&http, &cluster).await;
+
+    // 503: NATS is down. Then NATS comes back and the system serves again.
+    cluster.nats.stop();
+    let resp = http.post(&url).json(&chat_body(MODEL, 2, false)).send().await.unwrap();
+    assert_openai_error(resp, 503).await;
+    cluster.nats.restart().expect("restart nats");
+    cluster.wait_ready().await;
+    assert_still_serving(&http, &cluster).await;
+}
