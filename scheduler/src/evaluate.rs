@@ -59,16 +59,11 @@ pub fn evaluate(
 ) -> Evaluation {
     let ranked = rank(&filter::ADMISSION, job, workers, ledger, config, now_ms);
     let weights = config.weights.as_array();
+    let winner = ranked.best().next().map(|c| c.worker_id().to_owned());
+    let candidates = ranked.best().map(|c| c.to_score(&weights)).collect();
     Evaluation {
-        winner: ranked
-            .candidates
-            .first()
-            .map(|c| c.view.status.worker_id.clone()),
-        candidates: ranked
-            .candidates
-            .iter()
-            .map(|c| c.to_score(&weights))
-            .collect(),
+        winner,
+        candidates,
         rejected: ranked.rejected,
         cost: job.cost_estimate(),
     }
@@ -119,10 +114,20 @@ impl Candidate<'_> {
 
 /// Filtered, scored, normalised and ranked workers.
 pub(crate) struct Ranked<'a> {
-    /// Best first.
+    /// Eligible workers, in the order of the input slice.
     pub candidates: Vec<Candidate<'a>>,
+    /// Indices into `candidates`, best first. Sorting small indices instead of the
+    /// candidates themselves keeps the sort cheap and allocation-free.
+    pub order: Vec<u32>,
     /// Ordered by worker id.
     pub rejected: Vec<Rejection>,
+}
+
+impl<'a> Ranked<'a> {
+    /// Candidates best first.
+    pub fn best(&self) -> impl Iterator<Item = &Candidate<'a>> + '_ {
+        self.order.iter().map(|&i| &self.candidates[i as usize])
+    }
 }
 
 pub(crate) fn rank<'a>(
@@ -173,15 +178,19 @@ pub(crate) fn rank<'a>(
             .map(|(n, w)| n * w)
             .sum();
     }
-    candidates.sort_by(Candidate::cmp_rank);
-    rejected.sort_by(|a, b| a.worker_id.cmp(&b.worker_id));
+    let mut order: Vec<u32> = (0..candidates.len() as u32).collect();
+    // The key is total (worker ids are unique), so an unstable sort is deterministic.
+    order.sort_unstable_by(|&a, &b| candidates[a as usize].cmp_rank(&candidates[b as usize]));
+    rejected.sort_unstable_by(|a, b| a.worker_id.cmp(&b.worker_id));
     Ranked {
         candidates,
+        order,
         rejected,
     }
 }
 
-/// Fixed-point scale for the order-independent mean (2^32: far finer than any weight).
+/// Fixed-point scale for the order-independent mean: 2^32, far finer than any weight, and
+/// a u64 sum of values <= 2^32 cannot overflow below 2^32 candidates.
 const FIXED_ONE: f64 = 4_294_967_296.0;
 
 fn normalise(candidates: &mut [Candidate<'_>]) {
@@ -193,7 +202,7 @@ fn normalise(candidates: &mut [Candidate<'_>]) {
         }
         let span = max - min;
         let invert = t.higher_is_better();
-        let mut sum_fixed: u128 = 0;
+        let mut sum_fixed: u64 = 0;
         let mut available: u64 = 0;
         for c in candidates.iter_mut() {
             if let Some(v) = c.raw[i] {
@@ -208,7 +217,8 @@ fn normalise(candidates: &mut [Candidate<'_>]) {
                     0.0
                 };
                 c.normalised[i] = n;
-                sum_fixed += (n * FIXED_ONE).round() as u128;
+                // `+ 0.5` then truncate: rounding without a libm call.
+                sum_fixed = sum_fixed.saturating_add((n * FIXED_ONE + 0.5) as u64);
                 available += 1;
             }
         }

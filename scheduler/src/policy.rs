@@ -14,7 +14,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::evaluate::{rank, Candidate, Evaluation};
+use crate::evaluate::{rank, Evaluation};
 use crate::{evaluate, filter, JobRequest, Ledger, SchedulerConfig, WorkerView};
 
 /// Which policy decides.
@@ -118,7 +118,7 @@ pub fn choose(
         return evaluate(job, workers, ledger, config, now_ms);
     }
     let ranked = rank(&filter::ELIGIBILITY, job, workers, ledger, config, now_ms);
-    let cands = ranked.candidates;
+    let cands = &ranked.candidates;
     let pick = if cands.is_empty() {
         None
     } else {
@@ -164,11 +164,12 @@ pub fn choose(
         candidates.push(cands[p].to_score(&weights));
     }
     candidates.extend(
-        cands
+        ranked
+            .order
             .iter()
-            .enumerate()
-            .filter(|(i, _)| Some(*i) != pick)
-            .map(|(_, c): (usize, &Candidate<'_>)| c.to_score(&weights)),
+            .map(|&i| i as usize)
+            .filter(|&i| Some(i) != pick)
+            .map(|i| cands[i].to_score(&weights)),
     );
     Evaluation {
         winner: pick.map(|p| cands[p].worker_id().to_owned()),

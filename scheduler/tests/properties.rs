@@ -1,0 +1,334 @@
+//! Invariants of the scheduling core, checked on generated pools:
+//! the winner passes every filter; the decision does not depend on the order of the
+//! workers; reserving only winners never takes a worker past its cap; an EWMA stays within
+//! the range of its samples; N simultaneous jobs on N idle equal workers land on N distinct
+//! workers.
+
+use metronome_protocol::{GpuStats, KvUsage, WorkerStatus};
+use metronome_scheduler::filter::{self, FilterContext};
+use metronome_scheduler::{
+    evaluate, ewma, EwmaSnapshot, JobRequest, Ledger, SchedulerConfig, WorkerLoad, WorkerView,
+};
+use proptest::prelude::*;
+
+const NOW: u64 = 10_000_000;
+
+#[derive(Debug, Clone)]
+struct WorkerSpec {
+    healthy: bool,
+    draining: bool,
+    other_model: bool,
+    max_concurrency: u32,
+    active: u32,
+    queued: u32,
+    kv: Option<(f64, Option<u64>)>,
+    gpu: Option<f64>,
+    ewma: Option<(f64, f64, u64)>,
+    heartbeat_age_ms: u64,
+    /// Reservations on this worker: (kv tokens, listed in the heartbeat's in_flight).
+    reservations: Vec<(u64, bool)>,
+}
+
+fn worker_spec() -> impl Strategy<Value = WorkerSpec> {
+    (
+        (
+            prop::bool::weighted(0.9),
+            prop::bool::weighted(0.1),
+            prop::bool::weighted(0.15),
+        ),
+        (0u32..8, 0u32..10, 0u32..5),
+        prop::option::of((0.0f64..1.0, prop::option::of(1_000u64..50_000))),
+        prop::option::of(0.0f64..1.0),
+        prop::option::of((1.0f64..2_000.0, 1.0f64..100.0, 0u64..3)),
+        prop_oneof![4 => 0u64..3_000, 1 => 3_000u64..10_000],
+        prop::collection::vec((1u64..5_000, any::<bool>()), 0..5),
+    )
+        .prop_map(
+            |(
+                (healthy, draining, other_model),
+                (max_concurrency, active, queued),
+                kv,
+                gpu,
+                ewma,
+                age,
+                reservations,
+            )| {
+                WorkerSpec {
+                    healthy,
+                    draining,
+                    other_model,
+                    max_concurrency,
+                    active,
+                    queued,
+                    kv,
+                    gpu,
+                    ewma,
+                    heartbeat_age_ms: age,
+                    reservations,
+                }
+            },
+        )
+}
+
+fn build(specs: &[WorkerSpec]) -> (Vec<WorkerView>, Ledger) {
+    let mut ledger = Ledger::new();
+    let workers = specs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let id = format!("w{i:02}");
+            let mut in_flight = Vec::new();
+            for (k, (kv, listed)) in s.reservations.iter().enumerate() {
+                let job = format!("{id}-r{k}");
+                ledger.reserve(&id, &job, *kv, NOW - 100).unwrap();
+                if *listed {
+                    in_flight.push(job);
+                }
+            }
+            WorkerView {
+                status: WorkerStatus {
+                    v: 1,
+                    worker_id: id,
+                    model: if s.other_model {
+                        "other".into()
+                    } else {
+                        "m".into()
+                    },
+                    node: None,
+                    gpu_index: None,
+                    healthy: s.healthy,
+                    draining: s.draining,
+                    max_concurrency: s.max_concurrency,
+                    active: s.active,
+                    queued: s.queued,
+                    in_flight,
+                    kv: s.kv.map(|(used_frac, capacity_tokens)| KvUsage {
+                        used_frac,
+                        capacity_tokens,
+                    }),
+                    gpu: s.gpu.map(|util_frac| GpuStats {
+                        util_frac,
+                        mem_used_bytes: 0,
+                        mem_total_bytes: 1,
+                    }),
+                    seq: 1,
+                    sent_ms: NOW,
+                },
+                last_seen_ms: NOW - s.heartbeat_age_ms,
+                ewma: s.ewma.map(|(ttft_ms, tpot_ms, samples)| EwmaSnapshot {
+                    ttft_ms,
+                    tpot_ms,
+                    tok_s: 1000.0 / tpot_ms,
+                    e2e_ms: ttft_ms + 100.0 * tpot_ms,
+                    samples,
+                    updated_ms: NOW,
+                }),
+            }
+        })
+        .collect();
+    (workers, ledger)
+}
+
+fn job_strategy() -> impl Strategy<Value = JobRequest> {
+    (1u32..4_000, 1u32..2_000, 0.0f64..3_000.0).prop_map(|(prompt_tokens, max_tokens, pred)| {
+        JobRequest {
+            job_id: "job".into(),
+            model: "m".into(),
+            prompt_tokens,
+            max_tokens,
+            predicted_output_tokens: pred,
+        }
+    })
+}
+
+fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
+    (
+        prop::option::of(1.0f64..200.0),
+        0.0f64..0.5,
+        0.0f64..0.3,
+        prop::array::uniform7(0.0f64..2.0),
+    )
+        .prop_map(|(slo, slowdown, headroom, w)| {
+            let mut c = SchedulerConfig {
+                slo_min_tok_s: slo,
+                batch_slowdown: slowdown,
+                kv_headroom_frac: headroom,
+                default_max_concurrency: 3,
+                ..SchedulerConfig::default()
+            };
+            c.weights.active_requests = w[0];
+            c.weights.queue_depth = w[1];
+            c.weights.latency_ewma = w[2];
+            c.weights.job_cost = w[3];
+            c.weights.throughput_ewma = w[4];
+            c.weights.kv_pressure = w[5];
+            c.weights.gpu_utilisation = w[6];
+            c
+        })
+}
+
+fn passes_admission(
+    job: &JobRequest,
+    view: &WorkerView,
+    ledger: &Ledger,
+    config: &SchedulerConfig,
+) -> bool {
+    let load = WorkerLoad::of(view, ledger, config);
+    let ctx = FilterContext {
+        job,
+        view,
+        load: &load,
+        config,
+        now_ms: NOW,
+    };
+    filter::apply(&filter::ADMISSION, &ctx).is_ok()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn the_winner_passes_every_filter(
+        specs in prop::collection::vec(worker_spec(), 0..12),
+        job in job_strategy(),
+        config in config_strategy(),
+    ) {
+        let (workers, ledger) = build(&specs);
+        let e = evaluate(&job, &workers, &ledger, &config, NOW);
+        prop_assert_eq!(e.candidates.len() + e.rejected.len(), workers.len());
+        prop_assert_eq!(e.winner.is_some(), !e.candidates.is_empty());
+        for w in &workers {
+            let eligible = passes_admission(&job, w, &ledger, &config);
+            let listed = e.candidates.iter().any(|c| c.worker_id == w.status.worker_id);
+            prop_assert_eq!(eligible, listed, "worker {}", w.status.worker_id);
+        }
+        if let Some(winner) = &e.winner {
+            prop_assert_eq!(&e.candidates[0].worker_id, winner);
+            let view = workers.iter().find(|w| &w.status.worker_id == winner).unwrap();
+            prop_assert!(passes_admission(&job, view, &ledger, &config));
+            for c in &e.candidates {
+                prop_assert!(c.total >= e.candidates[0].total);
+                for t in &c.terms {
+                    prop_assert!((0.0..=1.0).contains(&t.normalised), "{:?}", t);
+                    prop_assert_eq!(t.available, t.raw.is_some());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_decision_ignores_worker_order(
+        (specs, shuffled) in prop::collection::vec(worker_spec(), 1..12).prop_flat_map(|specs| {
+            let order: Vec<usize> = (0..specs.len()).collect();
+            (Just(specs), Just(order).prop_shuffle())
+        }),
+        job in job_strategy(),
+        config in config_strategy(),
+    ) {
+        let (workers, ledger) = build(&specs);
+        let permuted: Vec<WorkerView> = shuffled.iter().map(|&i| workers[i].clone()).collect();
+        let a = evaluate(&job, &workers, &ledger, &config, NOW);
+        let b = evaluate(&job, &permuted, &ledger, &config, NOW);
+        prop_assert_eq!(a, b);
+    }
+
+    #[test]
+    fn reserving_winners_never_overcommits(
+        specs in prop::collection::vec(worker_spec(), 1..8),
+        jobs in prop::collection::vec((job_strategy(), prop::option::of(any::<prop::sample::Index>())), 1..40),
+        config in config_strategy(),
+    ) {
+        // Start from workers within their caps (the property is about what the scheduler adds).
+        let specs: Vec<WorkerSpec> = specs
+            .into_iter()
+            .map(|mut s| {
+                let cap = config.max_concurrency(s.max_concurrency);
+                s.active = s.active.min(cap);
+                s.reservations.clear();
+                s
+            })
+            .collect();
+        let (workers, mut ledger) = build(&specs);
+        let mut booked: Vec<String> = Vec::new();
+        for (n, (mut job, release)) in jobs.into_iter().enumerate() {
+            // Interleave completions so capacity frees up and is reused.
+            if let Some(ix) = release {
+                if !booked.is_empty() {
+                    let j = booked.swap_remove(ix.index(booked.len()));
+                    prop_assert!(ledger.release(&j).is_some());
+                }
+            }
+            job.job_id = format!("job-{n}");
+            let e = evaluate(&job, &workers, &ledger, &config, NOW);
+            if let Some(w) = e.winner {
+                ledger.reserve(&w, &job.job_id, job.kv_tokens(), NOW).unwrap();
+                booked.push(job.job_id);
+            }
+            for w in &workers {
+                let load = WorkerLoad::of(w, &ledger, &config);
+                prop_assert!(
+                    load.effective_active <= load.max_concurrency,
+                    "{} at {} > cap {}", w.status.worker_id, load.effective_active, load.max_concurrency
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn ewma_stays_within_its_samples(
+        samples in prop::collection::vec((-1e6f64..1e6, 0.0f64..10_000.0), 1..50),
+        base_alpha in 0.0f64..=1.0,
+        half_life in prop_oneof![Just(0.0), 1.0f64..10_000.0],
+    ) {
+        let mut value: Option<f64> = None;
+        let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
+        for (sample, dt) in samples {
+            lo = lo.min(sample);
+            hi = hi.max(sample);
+            let alpha = ewma::decayed_alpha(base_alpha, half_life, dt);
+            prop_assert!((0.0..=1.0).contains(&alpha));
+            let next = ewma::update(value, sample, alpha);
+            if let Some(prev) = value {
+                prop_assert!(next >= prev.min(sample) && next <= prev.max(sample));
+            }
+            prop_assert!(next >= lo && next <= hi, "{} outside [{}, {}]", next, lo, hi);
+            value = Some(next);
+        }
+    }
+
+    #[test]
+    fn a_burst_lands_on_distinct_idle_workers(
+        n in 2usize..=16,
+        template in worker_spec(),
+        job in job_strategy(),
+        config in config_strategy(),
+        order in Just((0..16usize).collect::<Vec<_>>()).prop_shuffle(),
+    ) {
+        // N identical, idle, healthy workers with room for every job of the burst.
+        let mut spec = template;
+        spec.healthy = true;
+        spec.draining = false;
+        spec.other_model = false;
+        spec.active = 0;
+        spec.queued = 0;
+        spec.heartbeat_age_ms = 0;
+        spec.reservations.clear();
+        spec.max_concurrency = spec.max_concurrency.max(1);
+        if spec.kv.is_some() {
+            spec.kv = Some((0.0, Some(1_000_000)));
+        }
+        let config = SchedulerConfig { slo_min_tok_s: None, ..config };
+        let (workers, mut ledger) = build(&vec![spec; n]);
+        let workers: Vec<WorkerView> =
+            order.iter().filter(|&&i| i < n).map(|&i| workers[i].clone()).collect();
+        let mut winners = std::collections::BTreeSet::new();
+        for k in 0..n {
+            let job = JobRequest { job_id: format!("burst-{k}"), ..job.clone() };
+            let e = evaluate(&job, &workers, &ledger, &config, NOW);
+            let w = e.winner.expect("an idle worker is eligible");
+            ledger.reserve(&w, &job.job_id, job.kv_tokens(), NOW).unwrap();
+            prop_assert!(winners.insert(w.clone()), "{} chosen twice", w);
+        }
+        prop_assert_eq!(winners.len(), n);
+    }
+}
