@@ -1,0 +1,185 @@
+//! Decisions you can read: exactly one decision per job; each candidate shows all seven
+//! terms; each rejected worker shows its reason; the Assignment on `work.<id>` carries the
+//! per-attempt msg-id and the epoch. Also the rescue paths: a refused job and a job on a
+//! worker that died before reporting it are assigned again with the next attempt.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering::Relaxed;
+
+use common::*;
+use metronome_protocol::{names, CompletionOutcome, Outcome, RejectionCode, TermName};
+use metronome_testkit::wait_for;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_decision_per_job_with_every_term_and_every_reason() {
+    let env = Env::start().await;
+    env.workers("ok", 3, "model-d", 10).await;
+    let mut sick = worker("sick", "model-d", 8);
+    sick.healthy = false;
+    let mut drain = worker("drain", "model-d", 8);
+    drain.draining = true;
+    let other = worker("other", "model-x", 8);
+    let mut stale = worker("stale", "model-d", 8);
+    stale.sent_ms = metronome_protocol::time::unix_ms() - 3_600_000;
+    let mut tiny = worker("tiny", "model-d", 8);
+    tiny.kv = Some(metronome_protocol::KvUsage {
+        used_frac: 0.0,
+        capacity_tokens: Some(50),
+    });
+    for w in [&sick, &drain, &other, &tiny, &stale] {
+        env.heartbeat(w).await;
+    }
+    // Started after the heartbeats: the stale one is loaded with its own (old) time.
+    let (running, token) = env.dispatcher(env.config("decisions")).await;
+    assert_eq!(running.metrics.workers_known.load(Relaxed), 8);
+
+    let ids: Vec<String> = (0..30).map(|i| format!("d{i}")).collect();
+    for id in &ids {
+        env.submit(id, "model-d", 100, 100).await;
+    }
+    let decisions = env.decisions_for(&ids).await;
+    for (id, d) in &decisions {
+        assert_eq!(d.outcome, Outcome::Assigned, "{id}");
+        assert!(d.epoch > 0);
+        assert_eq!(d.dispatcher_id, "decisions");
+        assert_eq!(d.policy, "metronome");
+        assert!(d.cost.is_some());
+        let winner = d.worker_id.as_deref().unwrap();
+        assert!(winner.starts_with("ok-"), "{id} went to {winner}");
+        assert!(!d.candidates.is_empty());
+        assert_eq!(d.candidates[0].worker_id, winner, "winner first");
+        for c in &d.candidates {
+            let terms: Vec<TermName> = c.terms.iter().map(|t| t.term).collect();
+            assert_eq!(
+                terms,
+                TermName::ALL.to_vec(),
+                "{id}: all seven terms of {}",
+                c.worker_id
+            );
+            for t in &c.terms {
+                assert!(t.contribution.is_finite() && t.weight.is_finite());
+                assert_eq!(t.available, t.raw.is_some(), "{id}: {t:?}");
+            }
+        }
+        let reasons: HashMap<&str, RejectionCode> = d
+            .rejected
+            .iter()
+            .map(|r| (r.worker_id.as_str(), r.code))
+            .collect();
+        assert_eq!(
+            reasons.get("sick"),
+            Some(&RejectionCode::Unhealthy),
+            "{id}: {reasons:?}"
+        );
+        assert_eq!(reasons.get("drain"), Some(&RejectionCode::Draining));
+        assert_eq!(reasons.get("other"), Some(&RejectionCode::WrongModel));
+        assert_eq!(reasons.get("tiny"), Some(&RejectionCode::InsufficientKv));
+        assert_eq!(reasons.get("stale"), Some(&RejectionCode::StaleHeartbeat));
+        assert!(d.rejected.iter().all(|r| !r.reason.is_empty()));
+    }
+    // Exactly one decision per job in the whole stream, and one Assignment each.
+    let all = env.all_decisions().await;
+    assert_eq!(all.len(), ids.len(), "one decision per job");
+    let mut work = 0;
+    for i in 0..3 {
+        for (a, headers) in env.take_work(&format!("ok-{i}")).await {
+            work += 1;
+            assert_eq!(a.worker_id, format!("ok-{i}"));
+            assert_eq!(a.attempt, 1);
+            assert_eq!(
+                headers.get(names::HEADER_MSG_ID),
+                Some(&names::work_msg_id(&a.job.id, 1))
+            );
+            assert_eq!(headers.get(names::HEADER_EPOCH), Some(&a.epoch.to_string()));
+            assert_eq!(
+                headers.get(names::HEADER_MODEL).map(String::as_str),
+                Some("model-d")
+            );
+            assert_eq!(
+                decisions[&a.job.id].worker_id.as_deref(),
+                Some(a.worker_id.as_str())
+            );
+        }
+    }
+    assert_eq!(work, ids.len());
+    token.cancel();
+    running.join().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_and_orphaned_jobs_are_assigned_again_with_the_next_attempt() {
+    let env = Env::start().await;
+    let mut config = env.config("rescue");
+    config.scheduler.heartbeat_timeout_ms = 1500;
+    let (running, token) = env.dispatcher(config).await;
+    let mut live = worker("live", "model-r", 1);
+    let doomed = worker("doomed", "model-r", 1);
+    env.work_consumer("live").await;
+    env.work_consumer("doomed").await;
+    env.heartbeat(&live).await;
+    env.heartbeat(&doomed).await;
+    wait_for("workers registered", WAIT, || async {
+        (running.metrics.workers_known.load(Relaxed) == 2).then_some(())
+    })
+    .await;
+    // Keep `live` fresh while `doomed` goes silent.
+    let beat = tokio::spawn({
+        let workers = env.workers.clone();
+        async move {
+            loop {
+                live.seq += 1;
+                live.sent_ms = metronome_protocol::time::unix_ms();
+                let _ = workers
+                    .put("live", serde_json::to_vec(&live).unwrap().into())
+                    .await;
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        }
+    });
+
+    env.submit("j1", "model-r", 10, 10).await;
+    env.submit("j2", "model-r", 10, 10).await;
+    let first = env
+        .decisions_for(&["j1".to_string(), "j2".to_string()])
+        .await;
+    let on_live = if first["j1"].worker_id.as_deref() == Some("live") {
+        "j1"
+    } else {
+        "j2"
+    };
+    let on_doomed = if on_live == "j1" { "j2" } else { "j1" };
+    assert_eq!(first[on_doomed].worker_id.as_deref(), Some("doomed"));
+
+    // `live` refuses its job: it comes back as attempt 2 (on live again once free).
+    let (a, _) = env.take_work("live").await.remove(0);
+    env.complete(&a, CompletionOutcome::Refused).await;
+    let again = wait_for("attempt 2 of the refused job", WAIT, || async {
+        let w = env.take_work("live").await;
+        w.into_iter()
+            .map(|(a, _)| a)
+            .find(|a| a.job.id == on_live && a.attempt == 2)
+    })
+    .await;
+    env.complete(&again, CompletionOutcome::Done).await;
+
+    // `doomed` never heartbeats again and never reported its job: it is rescued.
+    let rescued = wait_for("the orphaned job on another worker", WAIT, || async {
+        let w = env.take_work("live").await;
+        w.into_iter()
+            .map(|(a, _)| a)
+            .find(|a| a.job.id == on_doomed)
+    })
+    .await;
+    assert_eq!(rescued.attempt, 2);
+    let d = wait_for("decision of attempt 2", WAIT, || async {
+        env.decision(on_doomed).await.filter(|d| d.attempt == 2)
+    })
+    .await;
+    assert_eq!(d.worker_id.as_deref(), Some("live"));
+    assert!(running.metrics.rescued_jobs_total.load(Relaxed) >= 1);
+    beat.abort();
+    token.cancel();
+    running.join().await.unwrap();
+}
