@@ -1,0 +1,151 @@
+//! Malformed and hostile inputs on `jobs.submit`: each is rejected with a reason (a
+//! rejected Decision plus an `invalid_job` final result when an id can be salvaged, a
+//! `deadletter.jobs` record otherwise, or a refusal by the server at publish time), and
+//! the dispatcher keeps dispatching.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::*;
+use futures::StreamExt;
+use metronome_protocol::{names, ErrorCode, Outcome};
+use serde_json::json;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_jobs_are_rejected_with_reasons_and_dispatching_continues() {
+    let env = Env::start().await;
+    let mut config = env.config("hostile");
+    config.job_limits.max_job_bytes = 64 * 1024;
+    let (running, token) = env.dispatcher(config).await;
+    env.workers("h", 2, "model-h", 8).await;
+    let mut dead_letters = env
+        .client
+        .subscribe(names::SUBJECT_DEAD_LETTER)
+        .await
+        .unwrap();
+    env.client.flush().await.unwrap();
+
+    let mut with_id: Vec<(&str, serde_json::Value, &str)> = Vec::new();
+    let mut j = job_json("h-types", "model-h", 10, 10);
+    j["max_tokens"] = json!("many");
+    with_id.push(("h-types", j, "malformed_job"));
+    let mut j = job_json("h-negative", "model-h", 10, 10);
+    j["prompt_tokens"] = json!(-5);
+    with_id.push(("h-negative", j, "malformed_job"));
+    let mut j = job_json("h-huge", "model-h", 10, 10);
+    j["max_tokens"] = json!(4_000_000_000u64);
+    with_id.push(("h-huge", j, "too_many_tokens"));
+    let mut j = job_json("h-zero", "model-h", 10, 10);
+    j["max_tokens"] = json!(0);
+    with_id.push(("h-zero", j, "zero_max_tokens"));
+    let mut j = job_json("h-version", "model-h", 10, 10);
+    j["v"] = json!(99);
+    with_id.push(("h-version", j, "unsupported_version"));
+    let mut j = job_json("h-request", "model-h", 10, 10);
+    j["request"] = json!("not an object");
+    with_id.push(("h-request", j, "request_not_object"));
+    with_id.push((
+        "h-unknown",
+        job_json("h-unknown", "no-such-model", 10, 10),
+        "unknown_model",
+    ));
+    for (id, body, _) in &with_id {
+        env.submit_raw(id, body.clone()).await;
+    }
+    // Larger than the dispatcher's job limit but under the server's payload limit.
+    let mut big = job_json("h-big", "model-h", 10, 10);
+    big["request"] = json!({ "messages": [{ "role": "user", "content": "x".repeat(200 * 1024) }] });
+    env.submit_raw("h-big", big).await;
+
+    // Without a usable id: dead-lettered.
+    env.submit_bytes("dl-1", b"this is not json".to_vec()).await;
+    env.submit_bytes(
+        "dl-2",
+        serde_json::to_vec(&json!({"id": "bad.id", "model": "m"})).unwrap(),
+    )
+    .await;
+    env.submit_bytes("dl-3", serde_json::to_vec(&json!([1, 2, 3])).unwrap())
+        .await;
+
+    // 10 MB: the server refuses it at publish time (its max payload / the stream's max
+    // message size), which the publisher sees as an error with the reason.
+    let huge = vec![b'{'; 10 * 1024 * 1024];
+    let refused = match env
+        .js
+        .publish(names::SUBJECT_JOBS_SUBMIT, huge.into())
+        .await
+    {
+        Err(e) => Some(e.to_string()),
+        Ok(ack) => ack.await.err().map(|e| e.to_string()),
+    };
+    assert!(refused.is_some(), "a 10 MB job must be refused");
+
+    // And valid work still flows.
+    let ok: Vec<String> = (0..5).map(|i| format!("h-ok-{i}")).collect();
+    for id in &ok {
+        env.submit(id, "model-h", 10, 10).await;
+    }
+
+    let mut ids: Vec<String> = with_id.iter().map(|(id, _, _)| id.to_string()).collect();
+    ids.push("h-big".into());
+    ids.extend(ok.iter().cloned());
+    let decisions = env.decisions_for(&ids).await;
+    let expected: HashMap<&str, &str> = with_id
+        .iter()
+        .map(|(id, _, code)| (*id, *code))
+        .chain([("h-big", "job_too_large")])
+        .collect();
+    for (id, code) in &expected {
+        let d = &decisions[*id];
+        assert_eq!(d.outcome, Outcome::Rejected, "{id}");
+        assert_eq!(
+            d.reason_code.as_deref(),
+            Some(*code),
+            "{id}: {:?}",
+            d.reason
+        );
+        assert!(d.reason.as_deref().is_some_and(|r| !r.is_empty()));
+        let fin = metronome_testkit::wait_for("final result", WAIT, || env.final_result(id)).await;
+        let want = if *code == "unknown_model" {
+            ErrorCode::UnknownModel
+        } else {
+            ErrorCode::InvalidJob
+        };
+        assert_eq!(fin.error.expect("error").code, want, "{id}");
+    }
+    for id in &ok {
+        assert_eq!(decisions[id].outcome, Outcome::Assigned, "{id}");
+    }
+
+    let mut reasons = Vec::new();
+    for _ in 0..3 {
+        let m = tokio::time::timeout(WAIT, dead_letters.next())
+            .await
+            .expect("dead letter")
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&m.payload).unwrap();
+        assert!(v["reason"].as_str().is_some_and(|r| !r.is_empty()), "{v}");
+        reasons.push(v["reason_code"].as_str().unwrap().to_string());
+    }
+    assert_eq!(
+        reasons,
+        ["malformed_job", "malformed_job", "malformed_job"],
+        "{reasons:?}"
+    );
+    assert!(
+        running
+            .metrics
+            .malformed_jobs_total
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 10
+    );
+    // Every JOBS message was settled (work-queue stream: acknowledged = removed).
+    metronome_testkit::wait_for("JOBS drained", WAIT, || async {
+        let mut s = env.js.get_stream(names::STREAM_JOBS).await.unwrap();
+        (s.info().await.unwrap().state.messages == 0).then_some(())
+    })
+    .await;
+    token.cancel();
+    running.join().await.unwrap();
+}
