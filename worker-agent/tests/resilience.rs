@@ -1,0 +1,135 @@
+//! The agent under pressure: a job longer than the consumer's ack wait is kept alive by
+//! progress acks, a drain that outlasts its timeout ends the job with a clear error, and a
+//! Redis outage costs only the EWMA updates.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+
+use common::*;
+use metronome_protocol::names::{
+    event_done_subject, results_subject_all, work_consumer, STREAM_WORK,
+};
+use metronome_protocol::{CompletionEvent, CompletionOutcome, Endpoint, ErrorCode, FinalResult};
+use metronome_testkit::wait_for;
+
+fn final_in(list: &std::sync::Mutex<Vec<async_nats::Message>>) -> Option<FinalResult> {
+    list.lock()
+        .unwrap()
+        .iter()
+        .find(|m| m.subject.ends_with(".final"))
+        .map(|m| serde_json::from_slice(&m.payload).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn progress_acks_keep_a_long_job_from_being_redelivered() {
+    let env = Env::start().await;
+    let worker = "r-gpu0";
+    let results = collect(
+        env.client
+            .subscribe(results_subject_all("job-slow"))
+            .await
+            .unwrap(),
+    );
+    env.client.flush().await.unwrap();
+    let mut config = env.config(worker);
+    config.ack_wait_ms = 500;
+    config.progress_ack_interval_ms = 100;
+    let (agent, shutdown) = env.start_agent(config).await;
+
+    // About 1.5 s of generation: three times the ack wait.
+    env.assign(worker, &job("job-slow", Endpoint::Chat, 30, 50), 1)
+        .await;
+    let fin = wait_for("final result of the slow job", WAIT, || async {
+        final_in(&results)
+    })
+    .await;
+    assert_eq!(fin.error, None);
+    assert_eq!(env.stub.stats.requests.load(Ordering::SeqCst), 1);
+    let stream = env.js.get_stream(STREAM_WORK).await.unwrap();
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer =
+        stream.get_consumer(&work_consumer(worker)).await.unwrap();
+    let info = consumer.info().await.unwrap();
+    assert_eq!(info.num_redelivered, 0, "{info:?}");
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_past_its_timeout_ends_the_job_with_an_error() {
+    let env = Env::start().await;
+    let worker = "r-gpu1";
+    let events = collect(
+        env.client
+            .subscribe(event_done_subject(worker))
+            .await
+            .unwrap(),
+    );
+    let results = collect(
+        env.client
+            .subscribe(results_subject_all("job-endless"))
+            .await
+            .unwrap(),
+    );
+    env.client.flush().await.unwrap();
+    let mut config = env.config(worker);
+    config.drain_timeout_ms = 200;
+    let (agent, shutdown) = env.start_agent(config).await;
+
+    env.assign(worker, &job("job-endless", Endpoint::Chat, 10_000, 50), 1)
+        .await;
+    wait_for("first chunks", WAIT, || async {
+        (results.lock().unwrap().len() >= 2).then_some(())
+    })
+    .await;
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+
+    let fin = final_in(&results).expect("a final result before exit");
+    let err = fin.error.expect("an error");
+    assert_eq!(err.code, ErrorCode::WorkerFailed);
+    assert!(err.message.contains("shut down"), "{}", err.message);
+    let ev: CompletionEvent = serde_json::from_slice(&events.lock().unwrap()[0].payload).unwrap();
+    assert_eq!(ev.outcome, CompletionOutcome::Failed);
+    assert!(
+        ev.streamed,
+        "tokens had reached the client: not to be rescued elsewhere"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_still_run_while_redis_is_down() {
+    let mut env = Env::start().await;
+    let worker = "r-gpu2";
+    let results = collect(
+        env.client
+            .subscribe(results_subject_all("job-noredis"))
+            .await
+            .unwrap(),
+    );
+    env.client.flush().await.unwrap();
+    let (agent, shutdown) = env.start_agent(env.config(worker)).await;
+    env.redis.stop();
+
+    env.assign(worker, &job("job-noredis", Endpoint::Completion, 3, 0), 1)
+        .await;
+    let fin = wait_for("final result without redis", WAIT, || async {
+        final_in(&results)
+    })
+    .await;
+    assert_eq!(fin.error, None);
+    let text = wait_for("the redis error to be counted", WAIT, || async {
+        let m = Env::agent_metrics(&agent).await;
+        (metric_value(&m, "metronome_worker_redis_errors_total") >= Some(1.0)).then_some(m)
+    })
+    .await;
+    assert_eq!(
+        metric_value(
+            &text,
+            "metronome_worker_jobs_total{worker_id=\"r-gpu2\",outcome=\"done\"}"
+        ),
+        Some(1.0)
+    );
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+}
