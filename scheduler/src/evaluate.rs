@@ -102,14 +102,6 @@ impl Candidate<'_> {
             terms,
         }
     }
-
-    /// Selection order: total, then effective active count, then worker id.
-    pub fn cmp_rank(&self, other: &Self) -> std::cmp::Ordering {
-        self.total
-            .total_cmp(&other.total)
-            .then(self.load.effective_active.cmp(&other.load.effective_active))
-            .then_with(|| self.worker_id().cmp(other.worker_id()))
-    }
 }
 
 /// Filtered, scored, normalised and ranked workers.
@@ -178,9 +170,22 @@ pub(crate) fn rank<'a>(
             .map(|(n, w)| n * w)
             .sum();
     }
-    let mut order: Vec<u32> = (0..candidates.len() as u32).collect();
-    // The key is total (worker ids are unique), so an unstable sort is deterministic.
-    order.sort_unstable_by(|&a, &b| candidates[a as usize].cmp_rank(&candidates[b as usize]));
+    // Sort compact keys, not the candidates: 16-byte moves and the id comparison only on
+    // exact ties. The order is total (worker ids are unique), so an unstable sort is
+    // deterministic.
+    let mut keys: Vec<(f64, u32, u32)> = candidates
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (c.total, c.load.effective_active, i as u32))
+        .collect();
+    keys.sort_unstable_by(|a, b| {
+        a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then_with(|| {
+            candidates[a.2 as usize]
+                .worker_id()
+                .cmp(candidates[b.2 as usize].worker_id())
+        })
+    });
+    let order: Vec<u32> = keys.into_iter().map(|k| k.2).collect();
     rejected.sort_unstable_by(|a, b| a.worker_id.cmp(&b.worker_id));
     Ranked {
         candidates,

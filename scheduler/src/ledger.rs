@@ -13,16 +13,38 @@
 //! - [`Ledger::release`] is idempotent.
 //! - Outputs never depend on map iteration order: per-worker reservations keep their
 //!   booking order and the job map is ordered, so replays are exact. The per-worker map,
-//!   read once per worker in every decision, is a hash map with a fixed-key hasher: a
-//!   lookup is one hash and one comparison instead of a dozen string comparisons in a
-//!   B-tree, and nothing is ever read from it in iteration order.
+//!   read once per worker in every decision, is a hash map with FNV-1a: a lookup is one
+//!   cheap hash of a short id and one comparison instead of a dozen string comparisons in
+//!   a B-tree; the hash is fixed, so runs are identical, and nothing is ever read from the
+//!   map in iteration order. (Worker ids come from operators' agents, not from clients, so
+//!   a non-keyed hash is no flooding risk.)
 
-use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, HashMap};
-use std::hash::BuildHasherDefault;
+use std::hash::{BuildHasherDefault, Hasher};
 
-/// `DefaultHasher::new()` has fixed keys: the same ids hash the same in every run.
-type FixedState = BuildHasherDefault<DefaultHasher>;
+/// FNV-1a, 64-bit: deterministic and fast on short keys such as worker ids.
+#[derive(Debug, Clone, Copy)]
+struct Fnv1a(u64);
+
+impl Default for Fnv1a {
+    fn default() -> Self {
+        Fnv1a(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Hasher for Fnv1a {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+}
+
+type FixedState = BuildHasherDefault<Fnv1a>;
 
 /// One booked job.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -16,8 +16,10 @@ impl Filter for ServesModel {
         if ctx.view.status.model == ctx.job.model {
             Ok(())
         } else {
+            // Display, not Debug: escaping every character of two names is most of the
+            // cost of a rejection, and model names are plain text.
             Err(format!(
-                "serves model {:?}, job needs {:?}",
+                "serves model '{}', job needs '{}'",
                 ctx.view.status.model, ctx.job.model
             ))
         }
@@ -35,7 +37,7 @@ mod tests {
         assert_eq!(check_default(&ServesModel, &job("m"), &w), Ok(()));
         assert_eq!(
             check_default(&ServesModel, &job("llama-3.1-8b"), &w),
-            Err("serves model \"m\", job needs \"llama-3.1-8b\"".into())
+            Err("serves model 'm', job needs 'llama-3.1-8b'".into())
         );
     }
 }
