@@ -132,7 +132,7 @@ pub fn poisson_plan(
     prompt: &LengthDist,
     output: &LengthDist,
 ) -> Vec<PlannedRequest> {
-    if limit.is_none() && duration_s.is_none() || !(rate_rps > 0.0) {
+    if (limit.is_none() && duration_s.is_none()) || !rate_rps.is_finite() || rate_rps <= 0.0 {
         return Vec::new();
     }
     let mut arrivals = ChaCha8Rng::seed_from_u64(seed);
