@@ -141,7 +141,8 @@ fn data(value: &Value) -> Event {
     Event::default().data(value.to_string())
 }
 
-/// The SSE response relaying `submission`, which has already delivered its worker.
+/// The SSE response relaying `submission`, whose first chunk (or final result) is
+/// waiting in its replay queue.
 pub fn sse_response(
     submission: Submission,
     endpoint: Endpoint,

@@ -4,7 +4,7 @@
 //! Per request: read and validate the body, refuse an unknown model (404) before
 //! publishing anything, build the job (cost from the prompt estimate and `max_tokens`,
 //! deadline from the configuration or the `x-metronome-deadline-ms` header), submit it,
-//! then answer with its final result, or stream its chunks once its worker is known.
+//! then answer with its final result, or stream its chunks from the first one on.
 //!
 //! Invariant: every response of these endpoints, error or not, carries
 //! `x-metronome-job-id`, and `x-metronome-worker` once a worker is known (when
@@ -143,16 +143,18 @@ async fn serve(
         "job submitted"
     );
     if request.stream {
-        // The worker header must go out with the headers: wait for the decision (or the
-        // first chunk, or an early final result). It comes before the first token, so
-        // this costs the client nothing; an error before it is a plain HTTP error.
+        // Headers go out with the first chunk: by then the worker is known (for
+        // `x-metronome-worker`), and every failure before the first token (queue full, no
+        // capacity, worker failure) is still a plain HTTP status rather than an error
+        // event inside a 200 stream. Waiting costs the client nothing: no byte could
+        // have been sent earlier.
         loop {
             let event = submission.next_event().await.inspect_err(|_| {
                 worker.clone_from(&submission.worker_id);
             })?;
             *worker = submission.worker_id.clone();
             match event {
-                JobEvent::Assigned(_) => break,
+                JobEvent::Assigned(_) => {}
                 JobEvent::Chunk(_) => {
                     submission.replay(event);
                     break;

@@ -1,0 +1,495 @@
+//! The gateway against a real nats-server, with the test playing the dispatcher and a
+//! worker over the NATS contract.
+
+mod support;
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use metronome_protocol::names::{cancel_subject, SUBJECT_JOBS_SUBMIT};
+use metronome_testkit::wait_for;
+use serde_json::{json, Value};
+use support::*;
+
+#[tokio::test]
+async fn non_streaming_chat_and_completion_return_the_response_with_both_headers() {
+    let h = Harness::start(|_| {}).await;
+    for (path, body, text) in [
+        (
+            "/v1/chat/completions",
+            chat_body("hello", false),
+            "/choices/0/message/content",
+        ),
+        (
+            "/v1/completions",
+            completion_body("hello", false),
+            "/choices/0/text",
+        ),
+    ] {
+        let resp = h.post(path, &body).await;
+        assert_eq!(resp.status(), 200, "{path}");
+        let job_id = resp.headers()["x-metronome-job-id"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        assert!(metronome_protocol::names::is_subject_token(&job_id));
+        assert_eq!(resp.headers()["x-metronome-worker"], WORKER);
+        let body: Value = resp.json().await.unwrap();
+        assert_eq!(body.pointer(text).unwrap(), "Hello", "{path}: {body}");
+        assert_eq!(body["usage"]["total_tokens"], 5);
+    }
+}
+
+#[tokio::test]
+async fn the_job_carries_model_header_msg_id_cost_and_deadline() {
+    let h = Harness::start(|c| c.default_max_tokens = 100).await;
+    // A second subscriber on jobs.submit sees exactly what the gateway published.
+    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT).await.unwrap();
+    sync_subscriptions(&h.client).await;
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "abcdefgh"}],
+        "temperature": 0.5});
+    let resp = h
+        .http
+        .post(h.url("/v1/chat/completions"))
+        .header("x-metronome-deadline-ms", "5000")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let job_id = resp.headers()["x-metronome-job-id"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let message = tokio::time::timeout(WAIT, submitted.next())
+        .await
+        .unwrap()
+        .unwrap();
+    let headers = message.headers.clone().unwrap();
+    assert_eq!(headers.get("Nats-Msg-Id").unwrap().as_str(), job_id);
+    assert_eq!(headers.get("Metronome-Model").unwrap().as_str(), MODEL);
+    let job: metronome_protocol::Job = serde_json::from_slice(&message.payload).unwrap();
+    assert_eq!(job.id, job_id);
+    assert_eq!(job.max_tokens, 100, "the configured default");
+    assert_eq!(
+        job.prompt_tokens,
+        3 + 4 + 2,
+        "priming + message + ceil(8 / 4)"
+    );
+    assert_eq!(job.request["temperature"], 0.5, "the body is forwarded");
+    assert_eq!(
+        job.request["max_tokens"], 100,
+        "the default is written into the body"
+    );
+    let deadline = job.deadline_ms.unwrap();
+    assert!(deadline > job.submitted_ms && deadline <= job.submitted_ms + 5000);
+    job.validate(&Default::default()).expect("a valid job");
+}
+
+#[tokio::test]
+async fn streaming_chat_relays_chunks_in_order_then_usage_then_done() {
+    let h = Harness::start(|_| {}).await;
+    let mut body = chat_body("hello", true);
+    body["stream_options"] = json!({"include_usage": true});
+    let resp = h.post("/v1/chat/completions", &body).await;
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    assert!(resp.headers().contains_key("x-metronome-job-id"));
+    assert_eq!(resp.headers()["x-metronome-worker"], WORKER);
+    let events = sse_data(&resp.text().await.unwrap());
+    assert_eq!(events.len(), 4, "{events:?}");
+    let first: Value = serde_json::from_str(&events[0]).unwrap();
+    let second: Value = serde_json::from_str(&events[1]).unwrap();
+    assert_eq!(first["choices"][0]["delta"]["content"], "Hel");
+    assert_eq!(second["choices"][0]["delta"]["content"], "lo");
+    let usage: Value = serde_json::from_str(&events[2]).unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["total_tokens"], 5);
+    assert_eq!(usage["object"], "chat.completion.chunk");
+    assert_eq!(events[3], "[DONE]");
+}
+
+#[tokio::test]
+async fn streaming_completion_without_include_usage_has_no_usage_chunk() {
+    let h = Harness::start(|_| {}).await;
+    let resp = h
+        .post("/v1/completions", &completion_body("hello", true))
+        .await;
+    assert_eq!(resp.status(), 200);
+    let events = sse_data(&resp.text().await.unwrap());
+    let texts: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"].clone())
+        .collect();
+    assert_eq!(texts, [json!("Hel"), json!("lo")]);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+}
+
+#[tokio::test]
+async fn an_error_after_the_stream_started_is_an_sse_error_event() {
+    let h = Harness::start(|_| {}).await;
+    let resp = h
+        .post("/v1/chat/completions", &chat_body("#lost", true))
+        .await;
+    assert_eq!(resp.status(), 200);
+    let events = sse_data(&resp.text().await.unwrap());
+    assert_eq!(events.len(), 2, "{events:?}");
+    let error: Value = serde_json::from_str(&events[1]).unwrap();
+    assert_eq!(error["error"]["code"], "worker_lost");
+    assert!(!events.contains(&"[DONE]".to_string()));
+    h.assert_serving().await;
+}
+
+#[tokio::test]
+async fn models_lists_each_served_model_once() {
+    let h = Harness::start(|_| {}).await;
+    h.register_worker("node1-gpu1", MODEL).await;
+    h.register_worker("node2-gpu0", "qwen2.5-7b").await;
+    h.wait_model_listed("qwen2.5-7b").await;
+    let body: Value = h
+        .http
+        .get(h.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(body["object"], "list");
+    let data = body["data"].as_array().unwrap();
+    assert_eq!(data.len(), 2, "{body}");
+    let llama = data.iter().find(|m| m["id"] == MODEL).unwrap();
+    assert_eq!(llama["object"], "model");
+    assert_eq!(llama["owned_by"], "metronome");
+    assert_eq!(llama["metronome"]["workers"], 2);
+    // A worker that leaves the registry takes its model with it.
+    h.buckets.workers.delete("node2-gpu0").await.unwrap();
+    wait_for("qwen2.5-7b gone", WAIT, || async {
+        (!h.listed_models().await.contains(&"qwen2.5-7b".to_string())).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn request_errors_are_openai_shaped_and_the_gateway_keeps_serving() {
+    let h = Harness::start(|_| {}).await;
+
+    // Malformed JSON: 400.
+    let resp = h
+        .http
+        .post(h.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body("{\"model\": ")
+        .send()
+        .await
+        .unwrap();
+    let e = assert_openai_error(resp, 400, "invalid_request_error").await;
+    assert_eq!(e["code"], "malformed_json");
+    h.assert_serving().await;
+
+    // Missing field: 400 naming it.
+    let resp = h
+        .post("/v1/chat/completions", &json!({"model": MODEL}))
+        .await;
+    let e = assert_openai_error(resp, 400, "invalid_request_error").await;
+    assert_eq!(e["param"], "messages");
+    h.assert_serving().await;
+
+    // Unknown model: 404 before anything is published.
+    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT).await.unwrap();
+    sync_subscriptions(&h.client).await;
+    let mut body = chat_body("hello", false);
+    body["model"] = json!("no-such-model");
+    let resp = h.post("/v1/chat/completions", &body).await;
+    let e = assert_openai_error(resp, 404, "invalid_request_error").await;
+    assert_eq!(e["code"], "model_not_found");
+    assert_eq!(e["param"], "model");
+    h.assert_serving().await;
+    // Only the normal request reached jobs.submit.
+    let first = submitted.next().await.unwrap();
+    let job: metronome_protocol::Job = serde_json::from_slice(&first.payload).unwrap();
+    assert_eq!(job.model, MODEL);
+
+    // Body over the limit (64 KiB in these tests): 413.
+    let big = "x".repeat(100 * 1024);
+    let resp = h
+        .post("/v1/chat/completions", &chat_body(&big, false))
+        .await;
+    let e = assert_openai_error(resp, 413, "invalid_request_error").await;
+    assert_eq!(e["code"], "payload_too_large");
+    h.assert_serving().await;
+
+    // Bad deadline header: 400 naming it.
+    let resp = h
+        .http
+        .post(h.url("/v1/completions"))
+        .header("x-metronome-deadline-ms", "soon")
+        .json(&completion_body("hi", false))
+        .send()
+        .await
+        .unwrap();
+    let e = assert_openai_error(resp, 400, "invalid_request_error").await;
+    assert_eq!(e["param"], "x-metronome-deadline-ms");
+
+    // Unknown path: OpenAI-shaped 404 too.
+    let resp = h.http.get(h.url("/v1/nothing")).send().await.unwrap();
+    assert_eq!(resp.status(), 404);
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "unknown_url");
+    h.assert_serving().await;
+}
+
+#[tokio::test]
+async fn dispatcher_and_worker_failures_map_to_their_statuses() {
+    let h = Harness::start(|c| c.retry_after_secs = 3).await;
+    for (marker, status, kind, code, retry_after) in [
+        ("#queue_full", 429, "rate_limit_error", "queue_full", true),
+        (
+            "#reject_queue_full",
+            429,
+            "rate_limit_error",
+            "queue_full",
+            true,
+        ),
+        ("#deadline", 503, "service_unavailable", "no_capacity", true),
+        (
+            "#worker_failed",
+            502,
+            "upstream_error",
+            "worker_failed",
+            false,
+        ),
+    ] {
+        for stream in [false, true] {
+            let resp = h
+                .post("/v1/chat/completions", &chat_body(marker, stream))
+                .await;
+            let retry = resp.headers().get("retry-after").cloned();
+            assert_eq!(retry.is_some(), retry_after, "{marker} stream={stream}");
+            if retry_after {
+                assert_eq!(retry.unwrap(), "3");
+            }
+            if code == "worker_failed" {
+                assert_eq!(resp.headers()["x-metronome-worker"], WORKER);
+            }
+            let e = assert_openai_error(resp, status, kind).await;
+            assert_eq!(e["code"], code, "{marker} stream={stream}");
+            h.assert_serving().await;
+        }
+    }
+}
+
+#[tokio::test]
+async fn no_result_in_time_is_a_504_and_cancels_the_job() {
+    let h = Harness::start(|c| {
+        c.queue_timeout_ms = 200;
+        c.max_generation_ms = 300;
+    })
+    .await;
+    let mut cancels = h.client.subscribe("cancel.*").await.unwrap();
+    sync_subscriptions(&h.client).await;
+    let resp = h
+        .post("/v1/completions", &completion_body("#hold", false))
+        .await;
+    let job_id = resp.headers()["x-metronome-job-id"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(resp.headers()["x-metronome-worker"], WORKER);
+    let e = assert_openai_error(resp, 504, "timeout").await;
+    assert_eq!(e["code"], "job_timeout");
+    let cancel = tokio::time::timeout(WAIT, cancels.next())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(cancel.subject.as_str(), cancel_subject(&job_id));
+    h.assert_serving().await;
+}
+
+#[tokio::test]
+async fn a_client_that_disconnects_cancels_its_job() {
+    let h = Harness::start(|_| {}).await;
+    let mut cancels = h.client.subscribe("cancel.*").await.unwrap();
+    sync_subscriptions(&h.client).await;
+
+    // Streaming: read the first chunk, then go away.
+    let resp = h
+        .post("/v1/chat/completions", &chat_body("#hold", true))
+        .await;
+    assert_eq!(resp.status(), 200);
+    let job_id = resp.headers()["x-metronome-job-id"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let mut body = resp.bytes_stream();
+    let first = body.next().await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&first).contains("Hel"));
+    drop(body);
+    let cancel = tokio::time::timeout(WAIT, cancels.next())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(cancel.subject.as_str(), cancel_subject(&job_id));
+    let payload: Value = serde_json::from_slice(&cancel.payload).unwrap();
+    assert_eq!(payload["job_id"], job_id.as_str());
+
+    // Not streaming: the client gives up while the job runs.
+    let pending = h
+        .http
+        .post(h.url("/v1/completions"))
+        .json(&completion_body("#hold", false))
+        .send();
+    assert!(tokio::time::timeout(Duration::from_millis(500), pending)
+        .await
+        .is_err());
+    let cancel = tokio::time::timeout(WAIT, cancels.next())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(cancel.subject.as_str().starts_with("cancel."));
+    assert_ne!(cancel.subject.as_str(), cancel_subject(&job_id));
+
+    // Finished jobs are never cancelled.
+    h.assert_serving().await;
+    let metrics = h
+        .http
+        .get(h.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("metronome_gateway_jobs_cancelled_total 2"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn nats_down_is_a_503_and_serving_resumes_after_it_returns() {
+    let mut h = Harness::start(|c| {
+        c.retry_after_secs = 1;
+        c.publish_timeout_ms = 1000;
+    })
+    .await;
+    h.assert_serving().await;
+    h.nats.stop();
+    let resp = h
+        .post("/v1/chat/completions", &chat_body("hello", false))
+        .await;
+    assert_eq!(resp.headers()["retry-after"], "1");
+    let e = assert_openai_error(resp, 503, "service_unavailable").await;
+    assert_eq!(e["code"], "nats_unavailable");
+    let ready = h.http.get(h.url("/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 503);
+    let healthy = h.http.get(h.url("/healthz")).send().await.unwrap();
+    assert_eq!(healthy.status(), 200);
+
+    h.nats.restart().expect("nats restarts");
+    wait_for("a request succeeds after NATS returns", WAIT, || async {
+        let resp = h
+            .post("/v1/chat/completions", &chat_body("hello", false))
+            .await;
+        (resp.status() == 200).then_some(())
+    })
+    .await;
+    let metrics = h
+        .http
+        .get(h.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        !metrics.contains("metronome_gateway_nats_publish_errors_total 0"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn readyz_needs_a_dispatcher_leader() {
+    let h = Harness::start(|_| {}).await;
+    let resp = h.http.get(h.url("/readyz")).send().await.unwrap();
+    assert_eq!(resp.status(), 503);
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["failed"], json!(["leader"]), "{body}");
+    assert_eq!(body["checks"]["nats"]["ok"], true);
+    assert_eq!(body["checks"]["streams"]["ok"], true);
+    h.put_leader().await;
+    let resp = h.http.get(h.url("/readyz")).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let health = h.http.get(h.url("/healthz")).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+}
+
+#[tokio::test]
+async fn metrics_count_requests_by_route_and_status() {
+    let h = Harness::start(|_| {}).await;
+    h.assert_serving().await;
+    let mut body = chat_body("hello", false);
+    body["model"] = json!("nope");
+    h.post("/v1/chat/completions", &body).await;
+    let resp = h
+        .post("/v1/chat/completions", &chat_body("hello", true))
+        .await;
+    resp.text().await.unwrap();
+    let resp = h.http.get(h.url("/metrics")).send().await.unwrap();
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/plain"));
+    let text = resp.text().await.unwrap();
+    for line in [
+        "metronome_gateway_http_requests_total{route=\"/v1/chat/completions\",status=\"200\"} 2",
+        "metronome_gateway_http_requests_total{route=\"/v1/chat/completions\",status=\"404\"} 1",
+        "metronome_gateway_http_request_duration_seconds_count{route=\"/v1/chat/completions\"} 3",
+        "metronome_gateway_http_time_to_first_byte_seconds_count{route=\"/v1/chat/completions\"} 3",
+        "metronome_gateway_jobs_submitted_total 2",
+    ] {
+        assert!(text.contains(line), "missing {line}:\n{text}");
+    }
+    // The in-flight gauge counts only this request while it is being answered.
+    assert!(
+        text.contains("metronome_gateway_http_requests_in_flight 1"),
+        "{text}"
+    );
+}
+
+#[test]
+fn check_config_prints_the_effective_config_or_every_field_error() {
+    let bin = env!("CARGO_BIN_EXE_metronome-gateway");
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good.toml");
+    std::fs::write(&good, "listen = \"127.0.0.1:9999\"\n").unwrap();
+    let out = std::process::Command::new(bin)
+        .args(["--config", good.to_str().unwrap(), "--check-config"])
+        .env("NATS_URL", "nats://127.0.0.1:4999")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("listen = \"127.0.0.1:9999\""), "{text}");
+    assert!(
+        text.contains("nats_url = \"nats://127.0.0.1:4999\""),
+        "{text}"
+    );
+
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "listen = \"nowhere\"\ndefault_max_tokens = 0\n").unwrap();
+    let out = std::process::Command::new(bin)
+        .args(["--config", bad.to_str().unwrap(), "--check-config"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        text.contains("listen:") && text.contains("default_max_tokens:"),
+        "{text}"
+    );
+}
