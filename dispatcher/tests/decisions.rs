@@ -183,3 +183,115 @@ async fn refused_and_orphaned_jobs_are_assigned_again_with_the_next_attempt() {
     token.cancel();
     running.join().await.unwrap();
 }
+
+/// Publish what a deposed leader left behind: the Assignment of attempt 1 (and maybe its
+/// Decision), but not the JOBS acknowledgement.
+async fn leftover_assignment(env: &Env, job_id: &str, worker_id: &str, with_decision: bool) {
+    let job: metronome_protocol::Job =
+        serde_json::from_value(job_json(job_id, "model-p", 10, 10)).unwrap();
+    let a = metronome_protocol::Assignment {
+        v: 1,
+        job: job.clone(),
+        worker_id: worker_id.into(),
+        epoch: 1,
+        attempt: 1,
+        assigned_ms: metronome_protocol::time::unix_ms(),
+    };
+    let mut h = async_nats::HeaderMap::new();
+    h.insert(names::HEADER_MSG_ID, names::work_msg_id(job_id, 1).as_str());
+    env.js
+        .publish_with_headers(
+            names::work_subject(worker_id),
+            h,
+            serde_json::to_vec(&a).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    if with_decision {
+        let mut h = async_nats::HeaderMap::new();
+        h.insert(
+            names::HEADER_MSG_ID,
+            names::decision_msg_id(job_id, 1).as_str(),
+        );
+        let d = serde_json::json!({
+            "v": 1, "job_id": job_id, "model": "model-p", "outcome": "assigned", "attempt": 1,
+            "worker_id": worker_id, "policy": "metronome", "queue_wait_ms": 0,
+            "decision_latency_us": 1, "epoch": 1, "dispatcher_id": "old-leader", "decided_ms": 1
+        });
+        env.js
+            .publish_with_headers(
+                names::decision_subject(job_id),
+                h,
+                serde_json::to_vec(&d).unwrap().into(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    env.submit(job_id, "model-p", 10, 10).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_an_earlier_leader_already_sent_is_not_sent_twice() {
+    let env = Env::start().await;
+    env.workers("p", 2, "model-p", 4).await;
+    leftover_assignment(&env, "dup-1", "p-1", false).await;
+    leftover_assignment(&env, "dup-2", "p-1", true).await;
+    // The new leader reads both jobs (unacknowledged) and decides them again.
+    let (running, token) = env.dispatcher(env.config("new-leader")).await;
+    let d = env
+        .decisions_for(&["dup-1".to_string(), "dup-2".to_string()])
+        .await;
+    // dup-2's record is the old leader's: the new one was dropped by its msg-id.
+    assert_eq!(d["dup-2"].dispatcher_id, "old-leader");
+    assert_eq!(d["dup-1"].outcome, Outcome::Assigned);
+    wait_for("both duplicates noticed", WAIT, || async {
+        (running.metrics.duplicate_assignments_total.load(Relaxed) == 2).then_some(())
+    })
+    .await;
+    wait_for("reservations rolled back", WAIT, || async {
+        (running.metrics.ledger_reservations.load(Relaxed) == 0).then_some(())
+    })
+    .await;
+    let all = env.all_decisions().await;
+    assert_eq!(all.len(), 2, "one decision per job: {all:?}");
+    let mut work = Vec::new();
+    for w in ["p-0", "p-1"] {
+        work.extend(
+            env.take_work(w)
+                .await
+                .into_iter()
+                .map(|(a, _)| (a.job.id, a.worker_id)),
+        );
+    }
+    work.sort();
+    assert_eq!(
+        work,
+        [
+            ("dup-1".to_string(), "p-1".to_string()),
+            ("dup-2".to_string(), "p-1".to_string())
+        ],
+        "only the earlier leader's Assignments exist"
+    );
+    wait_for("JOBS acknowledged", WAIT, || async {
+        let mut s = env.js.get_stream(names::STREAM_JOBS).await.unwrap();
+        (s.info().await.unwrap().state.messages == 0).then_some(())
+    })
+    .await;
+    token.cancel();
+    running.join().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_that_cannot_renew_stops_deciding() {
+    let mut env = Env::start().await;
+    let (running, _token) = env.dispatcher(env.config("fenced")).await;
+    env.nats.stop();
+    wait_for("the leader to fence itself", WAIT, || async {
+        (running.metrics.is_leader.load(Relaxed) == 0).then_some(())
+    })
+    .await;
+}
