@@ -33,7 +33,7 @@ pub use prompt::FIELD_PROMPT_TOKENS;
 pub use record::{ErrorKind, RequestRecord};
 pub use runner::{run_load, run_load_until, run_plan, RunResult};
 pub use spec::{Endpoint, LoadSpec, Slo, Workload};
-pub use summary::{meets_slo, summarize, Dist, Summary};
+pub use summary::{meets_slo, summarize, Dist, Summary, WorkerSummary};
 pub use trace::{load_trace, parse_trace, trace_stats, LengthStats, TraceRequest, TraceStats};
 
 /// The crate's configuration type, under the name every Metronome component uses.

@@ -63,8 +63,10 @@ struct Counters {
     done: AtomicUsize,
     errors: AtomicUsize,
     in_flight: AtomicUsize,
-    /// TTFTs (ms) completed since the last progress line.
+    /// TTFTs (ms) completed since the last progress line; only collected when progress
+    /// lines are printed (the printer drains it).
     recent_ttft: Mutex<Vec<f64>>,
+    track_ttft: bool,
 }
 
 /// Runs an explicit plan (e.g. a burst: every `at_s` = 0) with the spec's endpoint and
@@ -80,7 +82,10 @@ pub async fn run_plan(
         cancel: cancel.clone(),
         cutoff: CancellationToken::new(),
     };
-    let counters = Arc::new(Counters::default());
+    let counters = Arc::new(Counters {
+        track_ttft: progress,
+        ..Counters::default()
+    });
     let started_unix_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -143,7 +148,7 @@ pub async fn run_plan(
             counters.in_flight.fetch_sub(1, Ordering::SeqCst);
             counters.done.fetch_add(1, Ordering::Relaxed);
             if rec.ok {
-                if let Some(t) = rec.ttft_ms {
+                if let (Some(t), true) = (rec.ttft_ms, counters.track_ttft) {
                     counters.recent_ttft.lock().expect("ttft lock").push(t);
                 }
             } else {

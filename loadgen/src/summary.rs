@@ -90,6 +90,21 @@ pub struct Summary {
     pub goodput_share: f64,
     /// `good / duration_s`.
     pub goodput_rps: f64,
+    /// Per serving worker (the `x-metronome-worker` response header), when servers send it:
+    /// shows which GPU a slow tail came from.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub per_worker: BTreeMap<String, WorkerSummary>,
+}
+
+/// The figures of the requests one worker served.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct WorkerSummary {
+    pub count: usize,
+    pub ok: usize,
+    pub good: usize,
+    pub ttft_ms: Dist,
+    pub e2e_ms: Dist,
+    pub tokens_per_s: Dist,
 }
 
 /// True when a request meets the SLO.
@@ -145,6 +160,29 @@ pub fn summarize(records: &[RequestRecord], slo: Slo) -> Summary {
         ok.iter().filter_map(|r| f(r)).collect()
     };
     let good = records.iter().filter(|r| meets_slo(r, &slo)).count();
+    let mut by_worker: BTreeMap<String, Vec<&RequestRecord>> = BTreeMap::new();
+    for r in records {
+        if let Some(w) = &r.worker {
+            by_worker.entry(w.clone()).or_default().push(r);
+        }
+    }
+    let per_worker = by_worker
+        .into_iter()
+        .map(|(w, rs)| {
+            let okc = |f: fn(&RequestRecord) -> Option<f64>| -> Vec<f64> {
+                rs.iter().filter(|r| r.ok).filter_map(|r| f(r)).collect()
+            };
+            let summary = WorkerSummary {
+                count: rs.len(),
+                ok: rs.iter().filter(|r| r.ok).count(),
+                good: rs.iter().filter(|r| meets_slo(r, &slo)).count(),
+                ttft_ms: Dist::of(&okc(|r| r.ttft_ms)),
+                e2e_ms: Dist::of(&okc(|r| r.e2e_ms)),
+                tokens_per_s: Dist::of(&okc(|r| r.tokens_per_s)),
+            };
+            (w, summary)
+        })
+        .collect();
     let out_tokens: f64 = ok.iter().map(|r| f64::from(r.output_tokens)).sum();
     Summary {
         count: records.len(),
@@ -174,6 +212,7 @@ pub fn summarize(records: &[RequestRecord], slo: Slo) -> Summary {
             good as f64 / records.len() as f64
         },
         goodput_rps: per_s(good as f64, duration_s),
+        per_worker,
     }
 }
 
@@ -233,6 +272,18 @@ impl Summary {
                 f(d.mean),
                 d.cv.map(|v| format!("{v:.3}"))
                     .unwrap_or_else(|| "-".into())
+            );
+        }
+        for (w, ws) in &self.per_worker {
+            let _ = writeln!(
+                s,
+                "worker {w}: {} requests, {} ok, {} good, tokens/s p50 {} p1 {}, e2e p99 {} ms",
+                ws.count,
+                ws.ok,
+                ws.good,
+                f(ws.tokens_per_s.p50),
+                f(ws.tokens_per_s.p1),
+                f(ws.e2e_ms.p99)
             );
         }
         let _ = writeln!(
@@ -311,6 +362,23 @@ mod tests {
         assert_eq!(s.tpot_ms.p50, Some(20.0));
         assert!(s.tokens_per_s.cv.unwrap() > 0.0);
         assert!(s.table().contains("goodput"));
+        assert!(s.per_worker.is_empty());
+    }
+
+    #[test]
+    fn per_worker_breakdown() {
+        let mut a = ok(0, 0.0, 100.0, 300.0, 11);
+        a.worker = Some("gpu0".into());
+        let mut b = ok(1, 0.0, 100.0, 1100.0, 11);
+        b.worker = Some("gpu1".into());
+        let mut c = ok(2, 0.0, 100.0, 300.0, 11);
+        c.worker = Some("gpu0".into());
+        let s = summarize(&[a, b, c], Slo::default());
+        assert_eq!(s.per_worker.len(), 2);
+        assert_eq!(s.per_worker["gpu0"].good, 2);
+        assert_eq!(s.per_worker["gpu1"].good, 0);
+        assert_eq!(s.per_worker["gpu1"].tokens_per_s.p50, Some(11.0));
+        assert!(s.table().contains("worker gpu1"));
     }
 
     #[test]
