@@ -85,11 +85,21 @@ async fn a_drain_past_its_timeout_ends_the_job_with_an_error() {
     shutdown.cancel();
     agent.wait().await.unwrap();
 
-    let fin = final_in(&results).expect("a final result before exit");
+    let fin = wait_for("a final result published before exit", WAIT, || async {
+        final_in(&results)
+    })
+    .await;
     let err = fin.error.expect("an error");
     assert_eq!(err.code, ErrorCode::WorkerFailed);
     assert!(err.message.contains("shut down"), "{}", err.message);
-    let ev: CompletionEvent = serde_json::from_slice(&events.lock().unwrap()[0].payload).unwrap();
+    let ev: CompletionEvent = wait_for("the failed event", WAIT, || async {
+        events
+            .lock()
+            .unwrap()
+            .first()
+            .map(|m| serde_json::from_slice(&m.payload).unwrap())
+    })
+    .await;
     assert_eq!(ev.outcome, CompletionOutcome::Failed);
     assert!(
         ev.streamed,
