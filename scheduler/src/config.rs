@@ -23,10 +23,11 @@ pub struct Weights {
 }
 
 impl Default for Weights {
-    /// Tuned for predictability: the predicted service time of the job on the worker and
+    /// Chosen for predictability: the predicted service time of the job on the worker and
     /// the work already running there dominate; KV pressure comes next because a full KV
-    /// cache causes preemption (the worst latency cliff); the raw EWMAs and GPU utilisation
-    /// are partly redundant with `job_cost` and only break near-ties.
+    /// cache causes preemption (the worst latency cliff); queue depth is work that has not
+    /// even started; the raw EWMAs and GPU utilisation are partly redundant with `job_cost`
+    /// and mostly break near-ties. Re-tune against the simulator with the load generator.
     fn default() -> Self {
         Weights {
             active_requests: 1.0,

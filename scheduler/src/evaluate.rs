@@ -244,7 +244,7 @@ mod tests {
     use crate::testutil::*;
     use metronome_protocol::{GpuStats, RejectionCode};
 
-    fn term<'a>(c: &'a CandidateScore, name: TermName) -> &'a TermScore {
+    fn term(c: &CandidateScore, name: TermName) -> &TermScore {
         c.terms.iter().find(|t| t.term == name).unwrap()
     }
 

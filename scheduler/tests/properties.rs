@@ -2,10 +2,12 @@
 //! the winner passes every filter; the decision does not depend on the order of the
 //! workers; reserving only winners never takes a worker past its cap; an EWMA stays within
 //! the range of its samples; N simultaneous jobs on N idle equal workers land on N distinct
-//! workers.
+//! workers. Baseline policies pick a worker that passes the eligibility filters whenever
+//! one exists, whatever the order of the workers.
 
 use metronome_protocol::{GpuStats, KvUsage, WorkerStatus};
 use metronome_scheduler::filter::{self, FilterContext};
+use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
 use metronome_scheduler::{
     evaluate, ewma, EwmaSnapshot, JobRequest, Ledger, SchedulerConfig, WorkerLoad, WorkerView,
 };
@@ -218,7 +220,10 @@ proptest! {
 
     #[test]
     fn the_decision_ignores_worker_order(
-        (specs, shuffled) in prop::collection::vec(worker_spec(), 1..12).prop_flat_map(|specs| {
+        // Each generated worker appears 1 to 3 times, so exact ties (broken by active count
+        // and worker id) are common.
+        (specs, shuffled) in (prop::collection::vec(worker_spec(), 1..6), 1usize..4).prop_flat_map(|(base, copies)| {
+            let specs: Vec<WorkerSpec> = base.iter().flat_map(|s| std::iter::repeat_n(s.clone(), copies)).collect();
             let order: Vec<usize> = (0..specs.len()).collect();
             (Just(specs), Just(order).prop_shuffle())
         }),
@@ -330,5 +335,40 @@ proptest! {
             prop_assert!(winners.insert(w.clone()), "{} chosen twice", w);
         }
         prop_assert_eq!(winners.len(), n);
+    }
+
+    #[test]
+    fn baselines_pick_an_eligible_worker_whatever_the_order(
+        (specs, shuffled) in prop::collection::vec(worker_spec(), 1..12).prop_flat_map(|specs| {
+            let order: Vec<usize> = (0..specs.len()).collect();
+            (Just(specs), Just(order).prop_shuffle())
+        }),
+        job in job_strategy(),
+        config in config_strategy(),
+        seed in any::<u64>(),
+    ) {
+        let (workers, ledger) = build(&specs);
+        let permuted: Vec<WorkerView> = shuffled.iter().map(|&i| workers[i].clone()).collect();
+        for kind in PolicyKind::ALL {
+            let a = choose(kind, &mut PolicyState::new(seed), &job, &workers, &ledger, &config, NOW);
+            let b = choose(kind, &mut PolicyState::new(seed), &job, &permuted, &ledger, &config, NOW);
+            prop_assert_eq!(&a, &b, "{}", kind);
+            let eligible: Vec<&WorkerView> = workers
+                .iter()
+                .filter(|w| {
+                    let load = WorkerLoad::of(w, &ledger, &config);
+                    let ctx = FilterContext { job: &job, view: w, load: &load, config: &config, now_ms: NOW };
+                    filter::apply(&filter::ELIGIBILITY, &ctx).is_ok()
+                })
+                .collect();
+            if kind != PolicyKind::Metronome {
+                prop_assert_eq!(a.winner.is_some(), !eligible.is_empty(), "{}", kind);
+                prop_assert_eq!(a.candidates.len(), eligible.len(), "{}", kind);
+            }
+            if let Some(w) = &a.winner {
+                prop_assert!(eligible.iter().any(|e| &e.status.worker_id == w), "{}", kind);
+                prop_assert_eq!(&a.candidates[0].worker_id, w);
+            }
+        }
     }
 }

@@ -56,8 +56,10 @@ mod tests {
 
     #[test]
     fn zero_reported_cap_uses_the_default() {
-        let mut config = SchedulerConfig::default();
-        config.default_max_concurrency = 2;
+        let config = SchedulerConfig {
+            default_max_concurrency: 2,
+            ..SchedulerConfig::default()
+        };
         let mut w = worker("w1");
         w.status.max_concurrency = 0;
         w.status.active = 2;

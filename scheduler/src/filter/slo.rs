@@ -65,9 +65,11 @@ mod tests {
 
     #[test]
     fn rejects_when_admission_would_drop_below_the_floor() {
-        let mut config = SchedulerConfig::default();
-        config.batch_slowdown = 0.25;
-        config.slo_min_tok_s = Some(50.0);
+        let config = SchedulerConfig {
+            batch_slowdown: 0.25,
+            slo_min_tok_s: Some(50.0),
+            ..SchedulerConfig::default()
+        };
         let j = job("m");
         let mut w = worker("w1");
         w.ewma = Some(ewma(100.0, 10.0)); // 100 tok/s single stream
