@@ -29,6 +29,10 @@ use serde_json::json;
 use tokio::time::Instant;
 
 use crate::error::ApiError;
+
+/// How long a refusal in a decision waits for the final result that the dispatcher
+/// publishes right after it (the final result's error class is authoritative).
+const REFUSAL_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 use crate::openai::InferenceRequest;
 use crate::AppState;
 
@@ -121,6 +125,9 @@ pub struct Submission {
     /// Events read ahead (while waiting for the worker before the response headers).
     replay: VecDeque<JobEvent>,
     give_up_at: Instant,
+    /// A refusal read from the decision, returned if no final result follows it within
+    /// [`REFUSAL_GRACE`].
+    refused: Option<(ApiError, Instant)>,
     started: Instant,
     state: AppState,
 }
@@ -202,6 +209,7 @@ impl Submission {
             give_up_at: started
                 + std::time::Duration::from_millis(until_deadline)
                 + state.config.max_generation(),
+            refused: None,
             started,
             state: state.clone(),
         })
@@ -224,12 +232,18 @@ impl Submission {
     }
 
     /// The next event of the job. A refusal by the dispatcher, a lost connection or the
-    /// time limit end the job with the error to return.
+    /// time limit end the job with the error to return. A refusal read from a decision
+    /// waits up to [`REFUSAL_GRACE`] for the final result the dispatcher publishes after
+    /// it, whose error class wins; without one the decision's reason code decides.
     pub async fn next_event(&mut self) -> Result<JobEvent, ApiError> {
         if let Some(event) = self.replay.pop_front() {
             return Ok(event);
         }
         loop {
+            let wake_at = match &self.refused {
+                Some((_, at)) => (*at).min(self.give_up_at),
+                None => self.give_up_at,
+            };
             tokio::select! {
                 message = self.results.next() => {
                     let Some(message) = message else {
@@ -257,13 +271,17 @@ impl Submission {
                             return Ok(JobEvent::Assigned(worker));
                         }
                         Some(Err(error)) => {
+                            // The job is over for the dispatcher: nothing left to cancel.
                             self.finished();
-                            return Err(error);
+                            self.refused = Some((error, Instant::now() + REFUSAL_GRACE));
                         }
                         None => {}
                     }
                 }
-                _ = tokio::time::sleep_until(self.give_up_at) => {
+                _ = tokio::time::sleep_until(wake_at) => {
+                    if let Some((error, _)) = self.refused.take() {
+                        return Err(error);
+                    }
                     // The guard stays armed: the abandoned job is cancelled.
                     tracing::warn!(job_id = %self.job_id, "no final result in time");
                     return Err(ApiError::gateway_timeout(self.started.elapsed().as_millis() as u64));
@@ -330,6 +348,7 @@ pub fn refusal(decision: &Decision) -> ResultError {
         (_, Some("queue_full")) => ErrorCode::QueueFull,
         (_, Some("unknown_model")) => ErrorCode::UnknownModel,
         (_, Some("cancelled")) => ErrorCode::Cancelled,
+        (_, Some("max_attempts")) => ErrorCode::WorkerFailed,
         (_, Some("deadline_exceeded" | "expired" | "no_capacity")) => ErrorCode::DeadlineExceeded,
         (
             _,
@@ -410,6 +429,10 @@ mod tests {
         assert_eq!(
             refusal(&decision(Outcome::Rejected, Some("something_new"))).code,
             ErrorCode::DeadlineExceeded
+        );
+        assert_eq!(
+            refusal(&decision(Outcome::Rejected, Some("max_attempts"))).code,
+            ErrorCode::WorkerFailed
         );
         assert_eq!(refusal(&decision(Outcome::Rejected, None)).message, "why");
     }
