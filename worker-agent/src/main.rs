@@ -98,7 +98,9 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     if cli.check_config {
-        println!("{}", config.to_toml());
+        // A closed pipe (`| head`) is not an error worth a panic.
+        use std::io::Write;
+        let _ = writeln!(std::io::stdout(), "{}", config.to_toml());
         return ExitCode::SUCCESS;
     }
 
