@@ -15,7 +15,7 @@
 //! summed in fixed point so the result is exactly the same in any candidate order.
 //!
 //! **Selection.** The lowest total wins; ties break by effective active count, then by
-//! worker id, so the decision never depends on the order of `workers`. [`evaluate`] is
+//! worker id, so the decision never depends on the order of `workers`. [`evaluate()`] is
 //! pure: reservations in the ledger count as active work and as used KV, but the ledger is
 //! not touched; the caller reserves the winner.
 

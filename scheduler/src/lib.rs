@@ -11,9 +11,9 @@
 //! 2. *Score* ([`term`]): each eligible worker gets a raw value for each of the seven terms
 //!    of [`TermName::ALL`](metronome_protocol::TermName::ALL), in its own unit, or `None`
 //!    when the signal is unavailable.
-//! 3. *Normalise* ([`evaluate`]): each term is min-max scaled across the candidates of this
+//! 3. *Normalise* ([`mod@evaluate`]): each term is min-max scaled across the candidates of this
 //!    decision to [0, 1] (lower is better; throughput is inverted); an unavailable term gets
-//!    the neutral value described in [`evaluate`].
+//!    the neutral value described in [`mod@evaluate`].
 //! 4. *Select*: the lowest weighted total wins; ties break by effective active count, then
 //!    by worker id.
 //! 5. *Reserve* ([`Ledger`]): the caller books the winner in the ledger before it evaluates
@@ -24,7 +24,7 @@
 //! Invariants:
 //! - The core is pure and deterministic: no I/O, no clock, no randomness inside. Time
 //!   (`now_ms`) and seeds are arguments, so any decision can be replayed from its inputs.
-//! - [`evaluate`] has no side effects; only [`Ledger`] methods change state.
+//! - [`evaluate()`] has no side effects; only [`Ledger`] methods change state.
 //! - The result does not depend on the order of the workers slice (worker ids are assumed
 //!   unique).
 //! - The winner passes every filter; reserving only winners never takes a worker past its

@@ -21,7 +21,7 @@ use crate::{evaluate, filter, JobRequest, Ledger, SchedulerConfig, WorkerView};
 #[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[serde(rename_all = "snake_case")]
 pub enum PolicyKind {
-    /// Admission control and scored selection ([`evaluate`]).
+    /// Admission control and scored selection ([`evaluate()`]).
     Metronome,
     /// Each eligible worker in turn, by worker id.
     RoundRobin,
@@ -104,7 +104,7 @@ impl PolicyState {
     }
 }
 
-/// Decide with `kind`. For [`PolicyKind::Metronome`] this is exactly [`evaluate`].
+/// Decide with `kind`. For [`PolicyKind::Metronome`] this is exactly [`evaluate()`].
 pub fn choose(
     kind: PolicyKind,
     state: &mut PolicyState,

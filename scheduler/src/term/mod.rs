@@ -2,7 +2,7 @@
 //!
 //! Each term (one file each) turns one candidate into a raw value in its own unit, or
 //! `None` when the signal is unavailable for that worker (no EWMA samples yet, no KV
-//! metric, no NVML). Raw values are compared only within one decision: [`crate::evaluate`]
+//! metric, no NVML). Raw values are compared only within one decision: [`crate::evaluate()`]
 //! min-max normalises them across the candidates, so units never mix. Lower is better for
 //! every term except those whose [`Term::higher_is_better`] is true (throughput), which
 //! are inverted during normalisation.
