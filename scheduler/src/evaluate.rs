@@ -29,7 +29,7 @@ use crate::{JobRequest, Ledger, SchedulerConfig, WorkerLoad, WorkerView};
 const TERMS: usize = TermName::ALL.len();
 
 /// The outcome of one decision, with every number that led to it.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Evaluation {
     /// The chosen worker; `None` when no worker is eligible (the job waits).
     pub winner: Option<String>,
