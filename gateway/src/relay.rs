@@ -137,6 +137,29 @@ impl UsagePolicy {
     }
 }
 
+/// A whole response as one streaming chunk, for a final result that carries a response
+/// but came without chunks (a model server that does not stream).
+pub fn response_as_chunk(endpoint: Endpoint, response: &Value) -> Value {
+    let mut chunk = response.clone();
+    if let Some(object) = chunk.as_object_mut() {
+        let kind = match endpoint {
+            Endpoint::Chat => "chat.completion.chunk",
+            Endpoint::Completion => "text_completion",
+        };
+        object.insert("object".into(), Value::from(kind));
+        // Usage goes out in its own chunk, when asked for.
+        object.remove("usage");
+        if let Some(Value::Array(choices)) = object.get_mut("choices") {
+            for choice in choices.iter_mut().filter_map(Value::as_object_mut) {
+                if let Some(message) = choice.remove("message") {
+                    choice.insert("delta".into(), message);
+                }
+            }
+        }
+    }
+    chunk
+}
+
 fn data(value: &Value) -> Event {
     Event::default().data(value.to_string())
 }
@@ -191,6 +214,13 @@ fn events(
                         let error = ApiError::from_result_error(error, 0);
                         yield Ok(data(&error.body()));
                         break;
+                    }
+                    if last.is_none() {
+                        if let Some(response) = &result.response {
+                            let whole = response_as_chunk(endpoint, response);
+                            yield Ok(data(&whole));
+                            last = Some(whole);
+                        }
                     }
                     if let Some(closing) = usage.closing_chunk(endpoint, &model, last.as_ref(), &result) {
                         yield Ok(data(&closing));
@@ -279,6 +309,17 @@ mod tests {
         assert!(u
             .closing_chunk(Endpoint::Completion, "m", None, &final_result())
             .is_none());
+    }
+
+    #[test]
+    fn a_whole_response_becomes_one_chunk() {
+        let r = json!({"id": "c", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+            "usage": {"total_tokens": 3}});
+        let c = response_as_chunk(Endpoint::Chat, &r);
+        assert_eq!(c["object"], "chat.completion.chunk");
+        assert_eq!(c["choices"][0]["delta"]["content"], "hi");
+        assert!(c.get("usage").is_none());
     }
 
     #[test]

@@ -410,6 +410,9 @@ async fn nats_down_is_a_503_and_serving_resumes_after_it_returns() {
         !metrics.contains("metronome_gateway_nats_publish_errors_total 0"),
         "{metrics}"
     );
+    // The registry follows the workers bucket again after the outage.
+    h.register_worker("node3-gpu0", "mistral-7b").await;
+    h.wait_model_listed("mistral-7b").await;
 }
 
 #[tokio::test]
