@@ -2,7 +2,8 @@
 //! [`WorkerStatus`] and puts it in the `workers` KV bucket under its id, and publishes it on
 //! `workers.<id>.heartbeat`.
 //!
-//! Invariants: `seq` strictly increases per agent, so readers can drop reordered
+//! Invariants: `seq` strictly increases per worker id (a restarted agent continues from
+//! the seq of its previous heartbeat still in the bucket), so readers can drop reordered
 //! heartbeats; `in_flight` lists exactly the jobs the agent holds; a signal the agent could
 //! not read (no metrics, no NVML) is `None`, never a made-up zero. `active`/`queued` come
 //! from the server's own metrics when it exports them (they include requests the agent did

@@ -190,11 +190,19 @@ pub async fn start(
         });
     }
 
+    // Continue the sequence of a previous run of this worker still in the bucket, so a
+    // reader that drops out-of-order heartbeats does not drop those of a restarted agent.
+    let last_seq = match buckets.workers.get(&shared.config.worker_id).await {
+        Ok(Some(bytes)) => serde_json::from_slice::<metronome_protocol::WorkerStatus>(&bytes)
+            .map(|s| s.seq)
+            .unwrap_or(0),
+        _ => 0,
+    };
     let mut hb = Heartbeat {
         shared: shared.clone(),
         bucket: buckets.workers,
         gpu: deps.gpu,
-        seq: 0,
+        seq: last_seq,
     };
     // The first heartbeat goes out before any work is pulled, so the dispatcher sees the
     // worker as soon as it can run something.

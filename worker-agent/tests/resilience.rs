@@ -143,3 +143,61 @@ async fn jobs_still_run_while_redis_is_down() {
     shutdown.cancel();
     agent.wait().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_agent_continues_the_heartbeat_sequence() {
+    let env = Env::start().await;
+    let worker = "r-gpu3";
+    let (agent, shutdown) = env.start_agent(env.config(worker)).await;
+    let bucket = env.buckets.workers.clone();
+    let seen = wait_for("a few heartbeats", WAIT, || {
+        let bucket = bucket.clone();
+        async move {
+            let s: metronome_protocol::WorkerStatus =
+                serde_json::from_slice(&bucket.get(worker).await.ok()??).ok()?;
+            (s.seq >= 3).then_some(s.seq)
+        }
+    })
+    .await;
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+    // As after a crash: the previous run's heartbeat is still in the bucket.
+    let mut last = env.config(worker);
+    last.max_concurrency = 2;
+    let stale = metronome_protocol::WorkerStatus {
+        v: 1,
+        worker_id: worker.into(),
+        model: MODEL.into(),
+        node: None,
+        gpu_index: None,
+        healthy: true,
+        draining: false,
+        max_concurrency: 4,
+        active: 0,
+        queued: 0,
+        in_flight: vec![],
+        kv: None,
+        gpu: None,
+        seq: seen + 1000,
+        sent_ms: 0,
+    };
+    bucket
+        .put(worker, serde_json::to_vec(&stale).unwrap().into())
+        .await
+        .unwrap();
+    let (agent, shutdown) = env.start_agent(last).await;
+    let s: metronome_protocol::WorkerStatus =
+        serde_json::from_slice(&bucket.get(worker).await.unwrap().unwrap()).unwrap();
+    assert_eq!(
+        s.max_concurrency, 2,
+        "the new agent's first heartbeat is in the bucket"
+    );
+    assert!(
+        s.seq > seen + 1000,
+        "seq {} continues after {}",
+        s.seq,
+        seen + 1000
+    );
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+}
