@@ -117,6 +117,16 @@ impl ApiError {
         .with_code("payload_too_large")
     }
 
+    /// 413: the job is larger than NATS accepts in one message.
+    pub fn job_too_large(max_payload_bytes: usize) -> Self {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("the request is larger than the job queue accepts ({max_payload_bytes} bytes per message)"),
+        )
+        .with_code("payload_too_large")
+    }
+
     /// 503: NATS is not reachable, or did not acknowledge the job.
     pub fn nats_unavailable(detail: impl std::fmt::Display, retry_after_secs: u64) -> Self {
         ApiError::new(

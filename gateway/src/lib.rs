@@ -79,7 +79,13 @@ pub fn app(state: AppState) -> Router {
         .fallback(|uri: axum::http::Uri| async move { ApiError::no_route(uri.path()) })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
         .layer(DefaultBodyLimit::max(body_limit))
-        .layer(tower_http::trace::TraceLayer::new_for_http())
+        // Failures are logged where they are understood (with the job id); the HTTP trace
+        // stays at debug so readiness probes answering 503 do not flood the log.
+        .layer(
+            tower_http::trace::TraceLayer::new_for_http().on_failure(
+                tower_http::trace::DefaultOnFailure::new().level(tracing::Level::DEBUG),
+            ),
+        )
         .with_state(state)
 }
 
@@ -106,6 +112,14 @@ pub async fn bind(config: Config) -> Result<Gateway, GatewayError> {
             url: config.nats_url.clone(),
             source,
         })?;
+    let max_payload = client.server_info().max_payload;
+    if config.body_limit_bytes > max_payload {
+        tracing::warn!(
+            body_limit_bytes = config.body_limit_bytes,
+            nats_max_payload_bytes = max_payload,
+            "body_limit_bytes is above the NATS server's max_payload: bodies in between get 413 after the publish is refused"
+        );
+    }
     let settings = StreamSettings {
         storage: match config.stream_storage {
             config::StreamStorage::File => jetstream::stream::StorageType::File,

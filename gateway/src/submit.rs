@@ -174,7 +174,7 @@ impl Submission {
                 tracing::warn!(job_id = %job.id, kind = ?error.kind(), %error, "publishing the job failed");
                 return Err(match error.kind() {
                     async_nats::jetstream::context::PublishErrorKind::MaxPayloadExceeded => {
-                        ApiError::payload_too_large(state.config.body_limit_bytes)
+                        ApiError::job_too_large(state.client.server_info().max_payload)
                     }
                     _ => ApiError::nats_unavailable(
                         format!("publishing the job failed: {error}"),

@@ -496,3 +496,17 @@ fn check_config_prints_the_effective_config_or_every_field_error() {
         "{text}"
     );
 }
+
+#[tokio::test]
+async fn a_job_larger_than_nats_accepts_is_a_413() {
+    // The body limit is above the test server's 1 MiB max_payload.
+    let h = Harness::start(|c| c.body_limit_bytes = 4 * 1024 * 1024).await;
+    let big = "x".repeat(1536 * 1024);
+    let resp = h
+        .post("/v1/chat/completions", &chat_body(&big, false))
+        .await;
+    let e = assert_openai_error(resp, 413, "invalid_request_error").await;
+    assert_eq!(e["code"], "payload_too_large");
+    assert!(e["message"].as_str().unwrap().contains("job queue"), "{e}");
+    h.assert_serving().await;
+}
