@@ -77,6 +77,11 @@ impl Stub {
         let addr = listener.local_addr().unwrap();
         let stop = CancellationToken::new();
         let s = stop.clone();
+        // Without TCP_NODELAY small SSE writes wait for the client's delayed ACK (~40 ms),
+        // which real servers (uvicorn) avoid: set it, as they do.
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         tokio::spawn(async move {
             axum::serve(listener, app)
                 .with_graceful_shutdown(async move { s.cancelled().await })
