@@ -1,0 +1,393 @@
+#!/usr/bin/env bash
+# Provisioning suite: lints ansible/, runs site.yml for real (local connection) on the
+# two-host example inventory into a temporary staging root, and checks what it rendered:
+# the inventory's GPU -> model -> port mapping, idempotence (second run changed=0), check
+# and diff mode, removal of exactly one retired GPU's files, `systemd-analyze verify` on
+# every unit, each config accepted by its own binary's --check-config, broken inventories
+# refused before anything is written, drain.yml, and `docker-compose config` on
+# compose.yaml. Nothing outside the temporary folder is touched; no service is started.
+#
+# Run by `./dev test` after the workspace binaries are built into target/debug.
+# Prints one line per check and ends with "N passed, M failed"; exits non-zero on any
+# failure.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+# shellcheck source=../../scripts/lib.sh
+source "$ROOT/scripts/lib.sh"
+VENV="$ROOT/.venv"
+ANSIBLE_DIR="$ROOT/ansible"
+BINARIES=(metronome-dispatcher metronome-gateway metronome-worker-agent metronome-gpu-sim)
+declare -A PACKAGE_OF=(
+  [metronome-dispatcher]=metronome-dispatcher
+  [metronome-gateway]=metronome-gateway
+  [metronome-worker-agent]=metronome-worker-agent
+  [metronome-gpu-sim]=metronome-gpu-sim
+)
+
+PASSED=0
+FAILED=0
+pass() { PASSED=$((PASSED + 1)); printf '  ok    %s\n' "$1"; }
+fail() {
+  FAILED=$((FAILED + 1))
+  printf '  FAIL  %s\n' "$1"
+  if [ -n "${2:-}" ]; then printf '%s\n' "$2" | tail -n 40 | sed 's/^/        /'; fi
+}
+finish() {
+  echo "$PASSED passed, $FAILED failed"
+  [ "$FAILED" -eq 0 ]
+  exit $?
+}
+
+# --- tools -------------------------------------------------------------------------
+# ansible-core and ansible-lint come from ansible/requirements.txt via the shared venv;
+# docker-compose (v1, no engine needed for `config`) and systemd-analyze from Debian.
+[ -x "$VENV/bin/ansible-playbook" ] && [ -x "$VENV/bin/ansible-lint" ] || ensure_venv
+command -v docker-compose >/dev/null 2>&1 || apt_install docker-compose
+command -v systemd-analyze >/dev/null 2>&1 || apt_install systemd
+export PATH="$VENV/bin:$PATH:/usr/sbin"
+for tool in ansible-playbook ansible-lint docker-compose systemd-analyze; do
+  command -v "$tool" >/dev/null 2>&1 || die "$tool is missing after installation (see ansible/requirements.txt, apt-get install docker-compose systemd)"
+done
+PY="$VENV/bin/python"
+
+export ANSIBLE_CONFIG="$ANSIBLE_DIR/ansible.cfg"
+export ANSIBLE_NOCOLOR=1
+export ANSIBLE_FORCE_COLOR=0
+export ANSIBLE_RETRY_FILES_ENABLED=0
+export ANSIBLE_PIPELINING=1
+
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/metronome-ansible.XXXXXX")"
+trap 'rm -rf "$WORK"' EXIT
+cd "$ANSIBLE_DIR"
+
+# --- binaries ------------------------------------------------------------------------
+# The playbook installs the binaries from a folder and validates every rendered config
+# with them. They are copied once, so a rebuild of target/debug while the suite runs
+# cannot look like a change between two runs. A missing binary is a failed check (with
+# the build command), and a stub that accepts anything stands in for it so the rest of
+# the suite still says something.
+mkdir -p "$WORK/bin"
+MISSING=()
+for b in "${BINARIES[@]}"; do
+  if [ -x "$ROOT/target/debug/$b" ]; then
+    cp "$ROOT/target/debug/$b" "$WORK/bin/$b"
+  else
+    MISSING+=("$b")
+    printf '#!/bin/sh\nexit 0\n' > "$WORK/bin/$b"
+    chmod +x "$WORK/bin/$b"
+  fi
+done
+if [ ${#MISSING[@]} -eq 0 ]; then
+  pass "workspace binaries present in target/debug"
+else
+  for b in "${MISSING[@]}"; do
+    fail "binary $b is missing from target/debug (build it: cargo build -p ${PACKAGE_OF[$b]}); a stub stands in below"
+  done
+fi
+
+# Extra vars of every run: local connection, one staging root per inventory host.
+vars_file() { # $1 = staging base folder
+  cat > "$WORK/vars-$(basename "$1").yml" <<EOF
+ansible_connection: local
+ansible_python_interpreter: "{{ ansible_playbook_python }}"
+metronome_root: "$1/{{ inventory_hostname }}"
+metronome_binaries_dir: "$WORK/bin"
+EOF
+  echo "$WORK/vars-$(basename "$1").yml"
+}
+
+# Runs a playbook; output in $WORK/last.log, exit status returned.
+play() { # $1 = inventory, $2 = staging base, rest = ansible-playbook arguments
+  local inv=$1 stage=$2
+  shift 2
+  ansible-playbook -i "$inv" -e "@$(vars_file "$stage")" "$@" > "$WORK/last.log" 2>&1
+}
+
+recap_changed() { # prints "host changed=N" for every host of the last run
+  grep -E '^[A-Za-z0-9_.-]+ +: ok=' "$WORK/last.log" | sed -E 's/^([^ ]+) +:.* changed=([0-9]+).*/\1 changed=\2/'
+}
+
+# --- static checks ---------------------------------------------------------------------
+if out=$(ansible-playbook -i inventories/example --syntax-check site.yml drain.yml 2>&1); then
+  pass "ansible-playbook --syntax-check site.yml drain.yml"
+else
+  fail "ansible-playbook --syntax-check site.yml drain.yml" "$out"
+fi
+
+if out=$(ansible-lint --offline 2>&1); then
+  pass "ansible-lint (production profile, ansible/.ansible-lint)"
+else
+  fail "ansible-lint (production profile, ansible/.ansible-lint)" "$out"
+fi
+
+if out=$(docker-compose -f "$ROOT/compose.yaml" --project-directory "$ROOT" config -q 2>&1); then
+  pass "docker-compose config accepts compose.yaml"
+else
+  fail "docker-compose config accepts compose.yaml" "$out"
+fi
+
+# --- a real run into a staging root ----------------------------------------------------
+INV="$WORK/inventory"
+cp -r "$ANSIBLE_DIR/inventories/example" "$INV"
+STAGE="$WORK/stage"
+
+if play "$INV" "$STAGE" site.yml; then
+  pass "site.yml runs on the example inventory (2 hosts, 8 GPUs) into a staging root"
+else
+  fail "site.yml runs on the example inventory (2 hosts, 8 GPUs) into a staging root" "$(cat "$WORK/last.log")"
+  finish
+fi
+
+# The rendered files against the inventory: every assigned GPU has its two units, the
+# model server listens on the GPU's port with the GPU pinned, the worker-agent config
+# names the model, port, kind and GPU, the agent is bound to its own model server only,
+# and unassigned GPUs have nothing.
+check_mapping() { # $1 = inventory, $2 = staging base
+  "$PY" - "$1" "$2" <<'PYEOF'
+import pathlib, re, sys, tomllib, yaml
+
+inv, stage = map(pathlib.Path, sys.argv[1:3])
+errors = []
+def expect(cond, msg):
+    if not cond:
+        errors.append(msg)
+
+for host_file in sorted((inv / "host_vars").glob("*.yml")):
+    host = host_file.stem
+    gpus = yaml.safe_load(host_file.read_text()).get("metronome_gpus", [])
+    root = stage / host
+    units = root / "etc/systemd/system"
+    for g in gpus:
+        n, port, model, server = g["gpu"], g["port"], g["model"], g["server"]
+        where = f"{host} gpu{n}"
+        mu_path = units / f"metronome-model-gpu{n}.service"
+        au_path = units / f"metronome-worker-agent-gpu{n}.service"
+        cfg_path = root / f"etc/metronome/worker-agent/gpu{n}.toml"
+        for p in (mu_path, au_path, cfg_path):
+            expect(p.is_file(), f"{where}: {p.relative_to(root)} missing")
+        if errors:
+            continue
+        mu, au = mu_path.read_text(), au_path.read_text()
+        expect(f"Environment=CUDA_VISIBLE_DEVICES={n}\n" in mu, f"{where}: model unit does not pin CUDA_VISIBLE_DEVICES={n}")
+        expect(f"Environment=CUDA_VISIBLE_DEVICES={n}\n" in au, f"{where}: agent unit does not pin CUDA_VISIBLE_DEVICES={n}")
+        expect("Restart=on-failure\n" in mu and "Restart=on-failure\n" in au, f"{where}: Restart=on-failure missing")
+        for key in ("NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes", "User=metronome"):
+            expect(key in mu and key in au, f"{where}: {key} missing")
+        if server == "simulator":
+            sim = tomllib.loads((root / f"etc/metronome/model-server/gpu{n}.toml").read_text())
+            expect(sim["gpu"][0]["port"] == port and sim["gpu"][0]["model"] == model,
+                   f"{where}: simulator config does not serve {model} on {port}: {sim}")
+            expect(f"/etc/metronome/model-server/gpu{n}.toml" in mu, f"{where}: simulator unit does not read its config")
+        else:
+            expect(f'"--port" "{port}"' in mu, f"{where}: model unit does not listen on port {port}")
+            expect(f'"{model}"' in mu, f"{where}: model unit does not load {model}")
+        # The agent is bound to its own model server and references no neighbour.
+        expect(f"BindsTo=metronome-model-gpu{n}.service\n" in au, f"{where}: agent not bound to its model server")
+        refs = set(re.findall(r"metronome-model-gpu(\d+)", au))
+        expect(refs == {str(n)}, f"{where}: agent unit references model servers {sorted(refs)}")
+        refs = set(re.findall(r"metronome-worker-agent-gpu(\d+)", mu))
+        expect(refs <= {str(n)}, f"{where}: model unit references agents {sorted(refs)}")
+        cfg = tomllib.loads(cfg_path.read_text())
+        want = {
+            "worker_id": f"{host}-gpu{n}",
+            "model": model,
+            "model_server_url": f"http://127.0.0.1:{port}",
+            "model_server_kind": server,
+            "gpu_index": n,
+        }
+        if "max_concurrency" in g:
+            want["max_concurrency"] = g["max_concurrency"]
+        for k, v in want.items():
+            expect(cfg.get(k) == v, f"{where}: worker-agent {k} = {cfg.get(k)!r}, want {v!r}")
+    listed = {g["gpu"] for g in gpus}
+    present = {int(m) for p in root.rglob("*gpu*") for m in re.findall(r"gpu(\d+)", p.name)}
+    expect(present == listed, f"{host}: files exist for GPUs {sorted(present)}, inventory lists {sorted(listed)}")
+
+for e in errors:
+    print(e)
+sys.exit(1 if errors else 0)
+PYEOF
+}
+
+if out=$(check_mapping "$INV" "$STAGE"); then
+  pass "units and configs match the inventory's GPU -> model -> port mapping (spare GPU has none)"
+else
+  fail "units and configs match the inventory's GPU -> model -> port mapping (spare GPU has none)" "$out"
+fi
+
+# Control plane files on the control host only.
+ctl="$STAGE/gpu-node-1"
+missing=""
+for f in etc/systemd/system/metronome-nats.service etc/systemd/system/metronome-redis.service \
+  etc/systemd/system/metronome-gateway.service "etc/systemd/system/metronome-dispatcher@.service" \
+  etc/metronome/nats/nats-server.conf etc/metronome/redis/redis.conf etc/metronome/gateway.toml \
+  etc/metronome/dispatcher/a.toml etc/metronome/dispatcher/b.toml; do
+  [ -f "$ctl/$f" ] || missing+=" $f"
+done
+[ -d "$STAGE/gpu-node-2/etc/metronome/dispatcher" ] && missing+=" (dispatcher files on gpu-node-2)"
+if [ -z "$missing" ]; then
+  pass "control plane (NATS, Redis, dispatcher a+b, gateway) rendered on the control host only"
+else
+  fail "control plane (NATS, Redis, dispatcher a+b, gateway) rendered on the control host only" "missing:$missing"
+fi
+
+# --- each config accepted by its own binary -------------------------------------------
+config_check() { # $1 = binary, rest = config files
+  local bin=$1 f out
+  shift
+  if [[ " ${MISSING[*]} " == *" $bin "* ]]; then
+    fail "$bin --check-config accepts the rendered configs" "target/debug/$bin is missing: cargo build -p ${PACKAGE_OF[$bin]}"
+    return
+  fi
+  for f in "$@"; do
+    if ! out=$("$WORK/bin/$bin" --check-config --config "$f" 2>&1); then
+      fail "$bin --check-config accepts the rendered configs" "${f#"$STAGE"/}:"$'\n'"$out"
+      return
+    fi
+  done
+  pass "$bin --check-config accepts the $# rendered config(s)"
+}
+shopt -s nullglob
+config_check metronome-worker-agent "$STAGE"/*/etc/metronome/worker-agent/*.toml
+config_check metronome-dispatcher "$STAGE"/*/etc/metronome/dispatcher/*.toml
+config_check metronome-gateway "$STAGE"/*/etc/metronome/gateway.toml
+config_check metronome-gpu-sim "$STAGE"/*/etc/metronome/model-server/*.toml
+shopt -u nullglob
+
+# --- systemd-analyze verify ------------------------------------------------------------
+# Each host's staging root is copied into a verify root that also holds the system's own
+# units (for multi-user.target and friends) and stand-ins for executables the playbook
+# does not install (nats-server, redis-server, vLLM, SGLang: packages or images).
+verify_host() { # $1 = host
+  local host=$1 v="$WORK/verify/$1" units=() u exe
+  mkdir -p "$WORK/verify"
+  cp -a "$STAGE/$host" "$v"
+  mkdir -p "$v/usr/lib/systemd"
+  cp -a /usr/lib/systemd/system "$v/usr/lib/systemd/"
+  for u in "$v"/etc/systemd/system/metronome-*.service; do
+    for exe in $(sed -n 's/^Exec[A-Za-z]*=[-@+!]*\([^ ]*\).*/\1/p' "$u"); do
+      if [ ! -e "$v$exe" ]; then
+        mkdir -p "$(dirname "$v$exe")"
+        printf '#!/bin/sh\nexit 0\n' > "$v$exe"
+        chmod +x "$v$exe"
+      fi
+    done
+    case "$(basename "$u")" in
+      *@.service) # a template: verify its configured instances
+        for i in "$v"/etc/metronome/dispatcher/*.toml; do
+          units+=("$(basename "$u" .service | sed 's/@$//')@$(basename "$i" .toml).service")
+        done ;;
+      *) units+=("$(basename "$u")") ;;
+    esac
+  done
+  local out rc
+  out=$(systemd-analyze verify --root="$v" "${units[@]}" 2>&1)
+  rc=$?
+  # Warnings (an unknown or misspelt key, an ignored line) fail the check too.
+  if [ $rc -eq 0 ] && ! grep -qiE 'unknown|ignoring|invalid|failed' <<<"$out"; then
+    pass "systemd-analyze verify: ${#units[@]} units of $host"
+  else
+    fail "systemd-analyze verify: units of $host" "$out"
+  fi
+}
+verify_host gpu-node-1
+verify_host gpu-node-2
+
+# --- idempotence, check mode, diff mode -----------------------------------------------
+if play "$INV" "$STAGE" site.yml; then
+  if recap_changed | grep -qv 'changed=0'; then
+    fail "second run reports changed=0" "$(recap_changed)"
+  else
+    pass "second run reports changed=0 on every host"
+  fi
+else
+  fail "second run reports changed=0" "$(tail -n 40 "$WORK/last.log")"
+fi
+
+if play "$INV" "$STAGE" site.yml --check --diff && ! recap_changed | grep -qv 'changed=0'; then
+  pass "--check --diff on the built nodes succeeds with changed=0"
+else
+  fail "--check --diff on the built nodes succeeds with changed=0" "$(tail -n 40 "$WORK/last.log")"
+fi
+
+if play "$INV" "$WORK/stage-check" site.yml --check --diff && [ ! -e "$WORK/stage-check" ] \
+  && grep -q '^+Environment=CUDA_VISIBLE_DEVICES=' "$WORK/last.log"; then
+  pass "--check --diff on new nodes shows the units as diffs and writes nothing"
+else
+  fail "--check --diff on new nodes shows the units as diffs and writes nothing" "$(tail -n 40 "$WORK/last.log")"
+fi
+
+# --- removing one GPU from the inventory ----------------------------------------------
+snapshot() { (cd "$STAGE" && find . -type f -print0 | sort -z | xargs -0 md5sum); }
+snapshot > "$WORK/before.txt"
+"$PY" - "$INV/host_vars/gpu-node-2.yml" <<'PYEOF'
+import sys, yaml
+path = sys.argv[1]
+data = yaml.safe_load(open(path))
+data["metronome_gpus"] = [g for g in data["metronome_gpus"] if g["gpu"] != 1]
+yaml.safe_dump(data, open(path, "w"), sort_keys=False)
+PYEOF
+if play "$INV" "$STAGE" site.yml; then
+  snapshot > "$WORK/after.txt"
+  removed=$(diff "$WORK/before.txt" "$WORK/after.txt" | sed -n 's/^< [0-9a-f]*  \.\///p' | sort | tr '\n' ' ')
+  added=$(diff "$WORK/before.txt" "$WORK/after.txt" | sed -n 's/^> [0-9a-f]*  \.\///p' | sort | tr '\n' ' ')
+  want="gpu-node-2/etc/metronome/worker-agent/gpu1.toml gpu-node-2/etc/systemd/system/metronome-model-gpu1.service gpu-node-2/etc/systemd/system/metronome-worker-agent-gpu1.service "
+  if [ "$removed" = "$want" ] && [ -z "$added" ]; then
+    pass "removing gpu-node-2's GPU 1 removes exactly its two units and its config"
+  else
+    fail "removing gpu-node-2's GPU 1 removes exactly its two units and its config" "removed: $removed"$'\n'"added/changed: $added"$'\n'"want removed: $want"
+  fi
+  if recap_changed | grep -q '^gpu-node-1 changed=0$'; then
+    pass "removing a GPU of gpu-node-2 changes nothing on gpu-node-1"
+  else
+    fail "removing a GPU of gpu-node-2 changes nothing on gpu-node-1" "$(recap_changed)"
+  fi
+  if out=$(check_mapping "$INV" "$STAGE"); then
+    pass "after the removal the files still match the inventory"
+  else
+    fail "after the removal the files still match the inventory" "$out"
+  fi
+else
+  fail "site.yml after removing a GPU from the inventory" "$(tail -n 40 "$WORK/last.log")"
+fi
+
+# --- drain.yml ---------------------------------------------------------------------------
+if play "$INV" "$STAGE" drain.yml --limit gpu-node-2 -e gpu=2 && grep -q 'drained GPU(s) 2' "$WORK/last.log"; then
+  pass "drain.yml --limit gpu-node-2 -e gpu=2 runs (no systemd here: it reports, stops nothing)"
+else
+  fail "drain.yml --limit gpu-node-2 -e gpu=2 runs" "$(tail -n 40 "$WORK/last.log")"
+fi
+if ! play "$INV" "$STAGE" drain.yml --limit gpu-node-2 -e gpu=3 && grep -q 'GPU 3 is not assigned' "$WORK/last.log"; then
+  pass "drain.yml refuses a GPU that is not assigned"
+else
+  fail "drain.yml refuses a GPU that is not assigned" "$(tail -n 40 "$WORK/last.log")"
+fi
+
+# --- broken inventories fail before anything is written ----------------------------------
+broken() { # $1 = name, $2 = expected message, $3 = Python edit of gpu-node-2's GPU list `g`
+  local name=$1 msg=$2 edit=$3 inv="$WORK/broken-$1" stage="$WORK/broken-stage-$1"
+  cp -r "$ANSIBLE_DIR/inventories/example" "$inv"
+  "$PY" - "$inv/host_vars/gpu-node-2.yml" "$edit" <<'PYEOF'
+import sys, yaml
+path, edit = sys.argv[1:3]
+data = yaml.safe_load(open(path))
+g = data["metronome_gpus"]
+exec(edit)
+yaml.safe_dump(data, open(path, "w"), sort_keys=False)
+PYEOF
+  if play "$inv" "$stage" site.yml; then
+    fail "broken inventory ($name) fails the play" "the play succeeded"
+  elif ! grep -qF "$msg" "$WORK/last.log"; then
+    fail "broken inventory ($name) fails with a clear message" "expected \"$msg\" in:"$'\n'"$(grep -E 'fatal|msg' "$WORK/last.log")"
+  elif [ -e "$stage" ]; then
+    fail "broken inventory ($name) writes nothing" "$(find "$stage" | head)"
+  else
+    pass "broken inventory ($name) fails before anything is written: \"$msg\""
+  fi
+}
+broken port-out-of-range "got 70000" 'g[0]["port"] = 70000'
+broken duplicate-gpu "GPU 0 is listed more than once" 'g[1]["gpu"] = 0'
+broken unknown-server-kind "got vllmx" 'g[0]["server"] = "vllmx"'
+broken duplicate-port "port 8000 is used by more than one GPU" 'g[1]["port"] = 8000'
+
+finish
