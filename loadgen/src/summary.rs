@@ -59,7 +59,7 @@ impl Dist {
 /// Everything `summary.json` holds about a run's requests.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct Summary {
-    /// Requests planned (sent + dropped).
+    /// Requests planned (sent, dropped, or cancelled before being sent).
     pub count: usize,
     pub ok: usize,
     pub errors: usize,
@@ -132,10 +132,9 @@ pub fn summarize(records: &[RequestRecord], slo: Slo) -> Summary {
             *errors_by_status.entry(s.to_string()).or_insert(0) += 1;
         }
     }
-    let sent: Vec<&RequestRecord> = records
-        .iter()
-        .filter(|r| r.error_kind != Some(crate::ErrorKind::Dropped))
-        .collect();
+    // Requests actually sent have an e2e time (failed ones too); dropped requests and
+    // those cancelled before their arrival time have none.
+    let sent: Vec<&RequestRecord> = records.iter().filter(|r| r.e2e_ms.is_some()).collect();
     let first_send = sent.iter().map(|r| r.sent_s).fold(f64::INFINITY, f64::min);
     let last_send = sent
         .iter()
