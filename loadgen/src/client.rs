@@ -161,7 +161,9 @@ impl Client {
             url: spec.request_url(),
             api_key: spec.api_key.clone(),
             spec: std::sync::Arc::new(spec.clone()),
-            nonce: spec.seed % 1_000_000,
+            // Random per run, not derived from the seed: two runs with the same seed
+            // against the same server must not hit each other's prefix cache.
+            nonce: rand::random::<u64>() % 1_000_000,
             timeout: Duration::from_secs_f64(spec.request_timeout_s),
         })
     }
@@ -194,7 +196,7 @@ impl Client {
         let t0 = Instant::now();
         rec.sent_s = (t0 - run_start).as_secs_f64();
         let outcome = tokio::select! {
-            r = tokio::time::timeout(self.timeout, self.exchange(&body, t0, &mut rec, &mut m)) => match r {
+            r = tokio::time::timeout(self.timeout, self.exchange(&body, &mut rec, &mut m)) => match r {
                 Ok(r) => r,
                 Err(_) => Err((ErrorKind::Timeout, format!("request timed out after {:?}", self.timeout))),
             },
@@ -209,7 +211,7 @@ impl Client {
         match outcome {
             Ok(()) => {
                 rec.ok = true;
-                rec.e2e_ms = Some(ms(m.last_event.unwrap_or(end) - t0));
+                rec.e2e_ms = Some(ms(m.done_at.unwrap_or(end) - t0));
             }
             Err((kind, msg)) => {
                 rec.ok = false;
@@ -228,11 +230,9 @@ impl Client {
     async fn exchange(
         &self,
         body: &Value,
-        t0: Instant,
         rec: &mut RequestRecord,
         m: &mut Measure,
     ) -> Result<(), (ErrorKind, String)> {
-        let _ = t0;
         let mut builder = self.http.post(&self.url).json(body);
         if let Some(key) = &self.api_key {
             builder = builder.bearer_auth(key);
@@ -308,7 +308,8 @@ impl Client {
 #[derive(Debug, Default)]
 struct Measure {
     first_token: Option<Instant>,
-    last_event: Option<Instant>,
+    /// When `[DONE]` arrived.
+    done_at: Option<Instant>,
     chunks: u32,
     usage_tokens: Option<u32>,
     done: bool,
@@ -322,13 +323,12 @@ impl Measure {
         }
         if info.done {
             self.done = true;
-            self.last_event.get_or_insert(now);
+            self.done_at.get_or_insert(now);
             return Ok(());
         }
         if info.text_chars > 0 {
             self.chunks += 1;
             self.first_token.get_or_insert(now);
-            self.last_event = Some(now);
         }
         if let Some(n) = info.completion_tokens {
             self.usage_tokens = Some(n);

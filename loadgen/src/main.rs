@@ -76,7 +76,7 @@ struct Cli {
     /// Send only requests arriving within S seconds of the start.
     #[arg(long, value_name = "S")]
     duration: Option<f64>,
-    /// Seed of arrivals, lengths and prompt nonces [default: 42].
+    /// Seed of arrivals and lengths [default: 42].
     #[arg(long)]
     seed: Option<u64>,
 

@@ -3,7 +3,8 @@
 //! Definitions (all times measured on the client with a monotonic clock, from just before
 //! the request is written to the connection):
 //! - **TTFT**: until the first streamed chunk carrying non-empty generated text.
-//! - **e2e**: until the stream ends (`[DONE]` or the connection closes after the last chunk).
+//! - **e2e**: until `[DONE]` arrives, or until the connection closes when a server sends no
+//!   `[DONE]`.
 //! - **output tokens**: `usage.completion_tokens` of the final usage chunk when the server
 //!   sends one (`stream_options.include_usage`), else the number of text-bearing chunks.
 //! - **TPOT** (time per output token): `(e2e - ttft) / (output_tokens - 1)`; needs >= 2 tokens.

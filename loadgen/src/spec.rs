@@ -121,7 +121,7 @@ pub struct LoadSpec {
     /// Only requests arriving within this many seconds of the start are sent.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub duration_s: Option<f64>,
-    /// Seeds Poisson arrivals, sampled lengths and the prompts' run nonce.
+    /// Seeds Poisson arrivals and sampled lengths.
     pub seed: u64,
     /// Cap on outstanding requests; an arrival finding the cap reached is dropped and
     /// recorded as an error of kind `dropped` (open loop: never delayed).
@@ -134,8 +134,9 @@ pub struct LoadSpec {
     /// Send the non-standard body fields `ignore_eos` (vLLM) and `metronome_prompt_tokens`.
     /// Turn off for servers that reject unknown fields.
     pub extensions: bool,
-    /// Start each prompt with the run nonce and the request id, so servers with prefix
-    /// caching cannot reuse one request's prefill for another.
+    /// Start each prompt with a random per-run nonce and the request id, so servers with
+    /// prefix caching cannot reuse one request's prefill for another (nor a previous
+    /// run's).
     pub unique_prompts: bool,
     /// Seconds between progress lines on stderr.
     pub progress_interval_s: f64,
