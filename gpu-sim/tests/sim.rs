@@ -552,6 +552,30 @@ async fn client_disconnect_aborts_the_sequence_and_frees_kv() {
         Some(1.0)
     );
     assert!(h.gpu.stats().generation_tokens_total < 5000);
+
+    // A non-streaming client that goes away is noticed too: the server drops its handler.
+    let http = h.http.clone();
+    let url = h.url("/v1/completions");
+    let pending = tokio::spawn(async move {
+        let body = json!({"model": MODEL, "prompt": "x", "max_tokens": 5000});
+        http.post(url).json(&body).send().await
+    });
+    wait_for("the non-streaming request to run", WAIT, || async {
+        (h.metric("vllm:num_requests_running").await == 1.0).then_some(())
+    })
+    .await;
+    pending.abort();
+    wait_for("the second abort", WAIT, || async {
+        let text = h.metrics().await;
+        let aborted = sample(
+            &text,
+            "vllm:request_success_total",
+            &[("finished_reason", "abort")],
+        )?;
+        let kv = sample(&text, "vllm:kv_cache_usage_perc", &[("model_name", MODEL)])?;
+        (aborted == 2.0 && kv == 0.0).then_some(())
+    })
+    .await;
 }
 
 #[tokio::test]
