@@ -45,6 +45,15 @@ pub async fn run_load(spec: LoadSpec, progress: bool) -> Result<RunResult, LoadE
     run_load_until(spec, progress, CancellationToken::new()).await
 }
 
+/// The entry point shared by every Metronome component: run `config` until its end or
+/// until `shutdown` is cancelled, without progress lines.
+pub async fn run(
+    config: crate::Config,
+    shutdown: CancellationToken,
+) -> Result<RunResult, LoadError> {
+    run_load_until(config, false, shutdown).await
+}
+
 /// Plans and runs a spec; `cancel` stops it early (outstanding requests are recorded as
 /// `cancelled` and the partial result is returned).
 pub async fn run_load_until(

@@ -18,6 +18,9 @@ use crate::record::RequestRecord;
 use crate::spec::Slo;
 use crate::stats;
 
+/// A p99 send lag above this is flagged in the table.
+const SEND_LAG_WARN_MS: f64 = 50.0;
+
 /// Distribution of one measure.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
 pub struct Dist {
@@ -271,6 +274,17 @@ impl Summary {
                 f(d.mean),
                 d.cv.map(|v| format!("{v:.3}"))
                     .unwrap_or_else(|| "-".into())
+            );
+        }
+        if let (Some(p50), Some(p99)) = (self.send_lag_ms.p50, self.send_lag_ms.p99) {
+            let _ = writeln!(
+                s,
+                "send lag (actual - planned send time): p50 {p50:.1} ms, p99 {p99:.1} ms{}",
+                if p99 > SEND_LAG_WARN_MS {
+                    "  <- the generator fell behind its plan; offered load was lower than planned"
+                } else {
+                    ""
+                }
             );
         }
         for (w, ws) in &self.per_worker {
