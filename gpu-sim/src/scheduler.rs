@@ -285,3 +285,76 @@ impl Submission {
         event
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(speed: f64) -> SimGpuConfig {
+        SimGpuConfig {
+            speed,
+            kv_read_ms_per_token: 0.0,
+            ..SimGpuConfig::new("m")
+        }
+    }
+
+    /// Run one request to completion on tokio's paused clock; returns the time it took.
+    async fn timed_request(speed: f64, prompt: u32, output: u32) -> (Duration, EngineStats) {
+        let gpu = Gpu::new(config(speed));
+        let shutdown = CancellationToken::new();
+        let driver = tokio::spawn(Arc::clone(&gpu).drive(shutdown.clone()));
+        let started = Instant::now();
+        let mut submission = gpu.submit(prompt, output, false).unwrap();
+        let mut tokens = 0;
+        while let Some(SeqEvent::Token { finished, .. }) = submission.next().await {
+            tokens += 1;
+            if finished {
+                break;
+            }
+        }
+        assert_eq!(tokens, output);
+        let elapsed = started.elapsed();
+        shutdown.cancel();
+        driver.await.unwrap();
+        (elapsed, gpu.stats())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn steps_are_paced_by_their_simulated_duration() {
+        // Prefill step: 16.7 + 100 * 0.16 = 32.7 ms; then 59 decode steps of 16.7 ms.
+        let (elapsed, stats) = timed_request(1.0, 100, 60).await;
+        let simulated = Duration::from_secs_f64(stats.busy_seconds_total);
+        assert!((stats.busy_seconds_total - (0.0327 + 59.0 * 0.0167)).abs() < 1e-9);
+        // The running clock does not accumulate the timer's 1 ms rounding.
+        assert!(
+            elapsed >= simulated && elapsed <= simulated + Duration::from_millis(1),
+            "{elapsed:?} vs {simulated:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn half_speed_takes_twice_as_long() {
+        let (fast, _) = timed_request(1.0, 500, 200).await;
+        let (slow, _) = timed_request(0.5, 500, 200).await;
+        let ratio = slow.as_secs_f64() / fast.as_secs_f64();
+        assert!((ratio - 2.0).abs() < 0.01, "{ratio}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn dropping_a_submission_aborts_it() {
+        let gpu = Gpu::new(config(1.0));
+        let shutdown = CancellationToken::new();
+        let driver = tokio::spawn(Arc::clone(&gpu).drive(shutdown.clone()));
+        let mut submission = gpu.submit(100, 1000, false).unwrap();
+        submission.next().await.unwrap();
+        assert_eq!(gpu.stats().running, 1);
+        assert!(gpu.stats().used_blocks > 0);
+        drop(submission);
+        assert_eq!(gpu.stats().running, 0);
+        assert_eq!(gpu.stats().used_blocks, 0);
+        gpu.with_metrics(|_, requests| assert_eq!(requests.aborted, 1));
+        shutdown.cancel();
+        driver.await.unwrap();
+        assert!(matches!(gpu.submit(1, 1, false), Err(SubmitError::Closed)));
+    }
+}
