@@ -30,24 +30,34 @@ const FILLER: [&str; 32] = [
     "had", "they", "you", "were", "their",
 ];
 
-/// A prompt of exactly `tokens` words (at least one).
+/// A prompt of exactly `tokens` words (at least one). Built straight into one string:
+/// bursts of long prompts are built on the sending path.
 pub fn prompt_text(tokens: u32, unique: bool, nonce: u64, id: u64) -> String {
+    fn push(out: &mut String, words: &mut usize, w: &str) {
+        if *words > 0 {
+            out.push(' ');
+        }
+        out.push_str(w);
+        *words += 1;
+    }
     let n = tokens.max(1) as usize;
-    let mut words: Vec<&str> = Vec::with_capacity(n);
+    let mut out = String::with_capacity(n * 5);
+    let mut words = 0;
     if unique {
         for part in [nonce, id] {
             for d in part.to_string().bytes() {
-                words.push(DIGITS[usize::from(d - b'0')]);
+                if words < n {
+                    push(&mut out, &mut words, DIGITS[usize::from(d - b'0')]);
+                }
             }
         }
     }
-    words.truncate(n);
     let mut i = 0;
-    while words.len() < n {
-        words.push(FILLER[i % FILLER.len()]);
+    while words < n {
+        push(&mut out, &mut words, FILLER[i % FILLER.len()]);
         i += 1;
     }
-    words.join(" ")
+    out
 }
 
 /// What one request asks for.
