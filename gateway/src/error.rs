@@ -235,6 +235,13 @@ impl IntoResponse for ApiError {
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
+        if self.status == StatusCode::PAYLOAD_TOO_LARGE {
+            // The rest of an oversized body is never read, so the server drops the
+            // connection after answering; saying so keeps pooled clients from reusing it.
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         response
     }
 }

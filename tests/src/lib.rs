@@ -180,11 +180,8 @@ impl Cluster {
             self.spec.policy
         );
         append_lines(&mut config, &self.spec.dispatcher_knobs);
-        self.dispatchers[i] = Some(self.spawn(
-            &format!("dispatcher-{i}"),
-            "metronome-dispatcher",
-            &config,
-        ));
+        self.dispatchers[i] =
+            Some(self.spawn(&format!("dispatcher-{i}"), "metronome-dispatcher", &config));
     }
 
     /// Start (or restart) the worker-agent of GPU `i`.
@@ -259,7 +256,10 @@ impl Cluster {
         let url = self.gateway_url.clone();
         let logs_dir = self.dir.path().to_path_buf();
         wait_for(
-            &format!("gateway ready with models {models:?} (logs in {})", logs_dir.display()),
+            &format!(
+                "gateway ready with models {models:?} (logs in {})",
+                logs_dir.display()
+            ),
             Duration::from_secs(60),
             || {
                 let http = http.clone();
@@ -270,8 +270,14 @@ impl Cluster {
                     if !ready.status().is_success() {
                         return None;
                     }
-                    let list: serde_json::Value =
-                        http.get(format!("{url}/v1/models")).send().await.ok()?.json().await.ok()?;
+                    let list: serde_json::Value = http
+                        .get(format!("{url}/v1/models"))
+                        .send()
+                        .await
+                        .ok()?
+                        .json()
+                        .await
+                        .ok()?;
                     let served: std::collections::BTreeSet<String> = list["data"]
                         .as_array()?
                         .iter()
@@ -287,22 +293,33 @@ impl Cluster {
             .map(worker_id)
             .collect();
         let js = self.jetstream().await;
-        let kv = js.get_key_value(names::BUCKET_WORKERS).await.expect("workers bucket");
-        wait_for("every worker's heartbeat", Duration::from_secs(30), || {
-            let kv = kv.clone();
-            let live = live.clone();
-            async move {
+        let kv = js
+            .get_key_value(names::BUCKET_WORKERS)
+            .await
+            .expect("workers bucket");
+        let all_beating = tokio::time::timeout(Duration::from_secs(30), async {
+            'poll: loop {
                 for id in &live {
-                    kv.get(id.as_str()).await.ok()??;
+                    if !matches!(kv.get(id.as_str()).await, Ok(Some(_))) {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue 'poll;
+                    }
                 }
-                Some(())
+                break;
             }
         })
         .await;
+        assert!(
+            all_beating.is_ok(),
+            "not every worker of {live:?} sent a heartbeat within 30 s:\n{}",
+            self.logs()
+        );
     }
 
     pub async fn nats_client(&self) -> async_nats::Client {
-        async_nats::connect(self.nats.url()).await.expect("connect to nats")
+        async_nats::connect(self.nats.url())
+            .await
+            .expect("connect to nats")
     }
 
     pub async fn jetstream(&self) -> async_nats::jetstream::Context {
@@ -312,23 +329,36 @@ impl Cluster {
     /// The latest decision of `job_id`, waiting for it to be recorded.
     pub async fn decision(&self, job_id: &str) -> Decision {
         let js = self.jetstream().await;
-        let stream = js.get_stream(names::STREAM_DECISIONS).await.expect("DECISIONS");
+        let stream = js
+            .get_stream(names::STREAM_DECISIONS)
+            .await
+            .expect("DECISIONS");
         let subject = names::decision_subject(job_id);
-        wait_for(&format!("decision of {job_id}"), Duration::from_secs(30), || {
-            let stream = stream.clone();
-            let subject = subject.clone();
-            async move {
-                let msg = stream.get_last_raw_message_by_subject(&subject).await.ok()?;
-                serde_json::from_slice(&msg.payload).ok()
-            }
-        })
+        wait_for(
+            &format!("decision of {job_id}"),
+            Duration::from_secs(30),
+            || {
+                let stream = stream.clone();
+                let subject = subject.clone();
+                async move {
+                    let msg = stream
+                        .get_last_raw_message_by_subject(&subject)
+                        .await
+                        .ok()?;
+                    serde_json::from_slice(&msg.payload).ok()
+                }
+            },
+        )
         .await
     }
 
     /// Every decision recorded so far, in stream order.
     pub async fn all_decisions(&self) -> Vec<Decision> {
         let js = self.jetstream().await;
-        let mut stream = js.get_stream(names::STREAM_DECISIONS).await.expect("DECISIONS");
+        let mut stream = js
+            .get_stream(names::STREAM_DECISIONS)
+            .await
+            .expect("DECISIONS");
         let last = stream.info().await.expect("info").state.last_sequence;
         let mut out = Vec::new();
         for seq in 1..=last {

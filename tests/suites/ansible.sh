@@ -300,6 +300,11 @@ if play "$INV" "$STAGE" site.yml; then
   else
     pass "second run reports changed=0 on every host"
   fi
+  if [ "$(grep -cE 'gpu-node-[12]: restart (model servers|worker-agents) \[\]' "$WORK/last.log")" -eq 4 ]; then
+    pass "second run restarts nothing"
+  else
+    fail "second run restarts nothing" "$(grep -E ': restart ' "$WORK/last.log")"
+  fi
 else
   fail "second run reports changed=0" "$(tail -n 40 "$WORK/last.log")"
 fi
@@ -349,6 +354,35 @@ if play "$INV" "$STAGE" site.yml; then
   fi
 else
   fail "site.yml after removing a GPU from the inventory" "$(tail -n 40 "$WORK/last.log")"
+fi
+
+# --- restarts limited to what changed -------------------------------------------------
+# gpu-node-1's GPU 2 gets another model-server argument (its model server restarts, its
+# agent comes back with it); gpu-node-2's GPU 0 gets another concurrency cap (only that
+# agent restarts). Nothing else restarts.
+"$PY" - "$INV/host_vars" <<'PYEOF'
+import sys, yaml
+base = sys.argv[1]
+def edit(host, fn):
+    path = f"{base}/{host}.yml"
+    data = yaml.safe_load(open(path))
+    fn({g["gpu"]: g for g in data["metronome_gpus"]})
+    yaml.safe_dump(data, open(path, "w"), sort_keys=False)
+edit("gpu-node-1", lambda g: g[2]["args"].append("--enforce-eager"))
+edit("gpu-node-2", lambda g: g[0].update(max_concurrency=12))
+PYEOF
+if play "$INV" "$STAGE" site.yml; then
+  want=("gpu-node-1: restart model servers [2]" "gpu-node-1: restart worker-agents []"
+    "gpu-node-2: restart model servers []" "gpu-node-2: restart worker-agents [0]")
+  bad=""
+  for w in "${want[@]}"; do grep -qF "$w" "$WORK/last.log" || bad+="missing \"$w\""$'\n'; done
+  if [ -z "$bad" ]; then
+    pass "only the instances whose files changed restart (model server gpu-node-1/2, agent gpu-node-2/0)"
+  else
+    fail "only the instances whose files changed restart" "$bad$(grep -E ': restart ' "$WORK/last.log")"
+  fi
+else
+  fail "site.yml after changing two GPU entries" "$(tail -n 40 "$WORK/last.log")"
 fi
 
 # --- drain.yml ---------------------------------------------------------------------------

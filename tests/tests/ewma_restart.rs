@@ -12,7 +12,10 @@ async fn ewmas_survive_a_restart_and_keep_the_fast_gpu_preferred() {
     // GPU 0 is slow. Worker ids break ties in GPU 0's favour, so a dispatcher that forgot the
     // averages would pick the slow one.
     let mut spec = ClusterSpec::uniform(2, MODEL);
-    spec.gpus[0] = GpuSpec { model: MODEL.into(), speed: 0.5 };
+    spec.gpus[0] = GpuSpec {
+        model: MODEL.into(),
+        speed: 0.5,
+    };
     let mut cluster = Cluster::start(spec).await;
     let http = reqwest::Client::new();
 
@@ -28,11 +31,20 @@ async fn ewmas_survive_a_restart_and_keep_the_fast_gpu_preferred() {
         }
     }
 
-    let (slow, fast) = (cluster.ewma(&worker_id(0)).await, cluster.ewma(&worker_id(1)).await);
+    let (slow, fast) = (
+        cluster.ewma(&worker_id(0)).await,
+        cluster.ewma(&worker_id(1)).await,
+    );
     for field in ["ttft_ms", "tpot_ms", "tok_s", "samples", "updated_ms"] {
-        assert!(slow.contains_key(field) && fast.contains_key(field), "{field}: {slow:?} {fast:?}");
+        assert!(
+            slow.contains_key(field) && fast.contains_key(field),
+            "{field}: {slow:?} {fast:?}"
+        );
     }
-    assert!(slow["tpot_ms"] > fast["tpot_ms"], "slow {slow:?} fast {fast:?}");
+    assert!(
+        slow["tpot_ms"] > fast["tpot_ms"],
+        "slow {slow:?} fast {fast:?}"
+    );
     assert!(slow["tok_s"] < fast["tok_s"], "slow {slow:?} fast {fast:?}");
 
     cluster.restart_metronome().await;
@@ -44,10 +56,17 @@ async fn ewmas_survive_a_restart_and_keep_the_fast_gpu_preferred() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 200, "{}", cluster.logs());
-    let job = resp.headers()["x-metronome-job-id"].to_str().unwrap().to_string();
+    let job = resp.headers()["x-metronome-job-id"]
+        .to_str()
+        .unwrap()
+        .to_string();
     let decision = cluster.decision(&job).await;
     assert_eq!(decision.outcome, Outcome::Assigned);
-    assert_eq!(decision.worker_id.as_deref(), Some(worker_id(1).as_str()), "{decision:#?}");
+    assert_eq!(
+        decision.worker_id.as_deref(),
+        Some(worker_id(1).as_str()),
+        "{decision:#?}"
+    );
     let slow_candidate = decision
         .candidates
         .iter()
@@ -58,5 +77,8 @@ async fn ewmas_survive_a_restart_and_keep_the_fast_gpu_preferred() {
         .iter()
         .find(|t| t.term == metronome_protocol::TermName::ThroughputEwma)
         .unwrap();
-    assert!(latency.available, "EWMA known right after restart: {decision:#?}");
+    assert!(
+        latency.available,
+        "EWMA known right after restart: {decision:#?}"
+    );
 }

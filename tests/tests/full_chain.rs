@@ -21,12 +21,21 @@ async fn chat_and_completions_answer_streaming_and_not() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 200, "{}", cluster.logs());
-    let job_id = resp.headers()["x-metronome-job-id"].to_str().unwrap().to_string();
-    let worker = resp.headers()["x-metronome-worker"].to_str().unwrap().to_string();
+    let job_id = resp.headers()["x-metronome-job-id"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let worker = resp.headers()["x-metronome-worker"]
+        .to_str()
+        .unwrap()
+        .to_string();
     let body: serde_json::Value = resp.json().await.unwrap();
     assert_eq!(body["object"], "chat.completion");
     assert_eq!(body["usage"]["completion_tokens"], 12);
-    assert!(!body["choices"][0]["message"]["content"].as_str().unwrap().is_empty());
+    assert!(!body["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .is_empty());
     let decision = cluster.decision(&job_id).await;
     assert_eq!(decision.outcome, Outcome::Assigned);
     assert_eq!(decision.worker_id.as_deref(), Some(worker.as_str()));
@@ -39,7 +48,10 @@ async fn chat_and_completions_answer_streaming_and_not() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);
-    assert!(resp.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
     assert!(resp.headers().contains_key("x-metronome-job-id"));
     let events = sse_events(&resp.text().await.unwrap());
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
@@ -70,7 +82,9 @@ async fn chat_and_completions_answer_streaming_and_not() {
 
     let resp = http
         .post(format!("{}/v1/completions", cluster.gateway_url))
-        .json(&serde_json::json!({"model": MODEL, "prompt": "Once", "max_tokens": 5, "stream": true}))
+        .json(
+            &serde_json::json!({"model": MODEL, "prompt": "Once", "max_tokens": 5, "stream": true}),
+        )
         .send()
         .await
         .unwrap();
@@ -103,8 +117,16 @@ async fn four_simultaneous_requests_land_on_four_gpus() {
         for resp in responses {
             let resp = resp.unwrap();
             assert_eq!(resp.status(), 200, "{}", cluster.logs());
-            let job = resp.headers()["x-metronome-job-id"].to_str().unwrap().to_string();
-            header_workers.insert(resp.headers()["x-metronome-worker"].to_str().unwrap().to_string());
+            let job = resp.headers()["x-metronome-job-id"]
+                .to_str()
+                .unwrap()
+                .to_string();
+            header_workers.insert(
+                resp.headers()["x-metronome-worker"]
+                    .to_str()
+                    .unwrap()
+                    .to_string(),
+            );
             let decision = cluster.decision(&job).await;
             decision_workers.insert(decision.worker_id.unwrap());
         }

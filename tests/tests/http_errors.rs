@@ -11,9 +11,15 @@ async fn assert_openai_error(resp: reqwest::Response, status: u16) -> serde_json
     assert_eq!(resp.status(), status);
     let body: serde_json::Value = resp.json().await.unwrap();
     let error = &body["error"];
-    assert!(error["message"].as_str().is_some_and(|m| !m.is_empty()), "{body}");
+    assert!(
+        error["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{body}"
+    );
     assert!(error["type"].is_string(), "{body}");
-    assert!(error.get("code").is_some() && error.get("param").is_some(), "{body}");
+    assert!(
+        error.get("code").is_some() && error.get("param").is_some(),
+        "{body}"
+    );
     body
 }
 
@@ -60,9 +66,17 @@ async fn every_error_is_openai_shaped_and_the_system_keeps_serving() {
     assert_openai_error(resp, 400).await;
 
     // 404: unknown model.
-    let resp = http.post(&url).json(&chat_body("no-such-model", 4, false)).send().await.unwrap();
+    let resp = http
+        .post(&url)
+        .json(&chat_body("no-such-model", 4, false))
+        .send()
+        .await
+        .unwrap();
     let body = assert_openai_error(resp, 404).await;
-    assert!(body["error"]["message"].as_str().unwrap().contains("no-such-model"));
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("no-such-model"));
     assert_still_serving(&http, &cluster).await;
 
     // 413: body over the limit.
@@ -72,11 +86,16 @@ async fn every_error_is_openai_shaped_and_the_system_keeps_serving() {
     assert_openai_error(resp, 413).await;
     assert_still_serving(&http, &cluster).await;
 
-    // Occupy the only GPU with a long generation, then fill the queue of one.
+    // Occupy the only GPU with a long generation.
     let long = {
         let http = http.clone();
         let url = url.clone();
-        tokio::spawn(async move { http.post(&url).json(&chat_body(MODEL, 300, false)).send().await })
+        tokio::spawn(async move {
+            http.post(&url)
+                .json(&chat_body(MODEL, 600, false))
+                .send()
+                .await
+        })
     };
     let nats = cluster.nats_client().await;
     let workers = async_nats::jetstream::new(nats)
@@ -92,23 +111,6 @@ async fn every_error_is_openai_shaped_and_the_system_keeps_serving() {
         }
     })
     .await;
-    let queued = {
-        let http = http.clone();
-        let url = url.clone();
-        tokio::spawn(async move { http.post(&url).json(&chat_body(MODEL, 2, false)).send().await })
-    };
-    // 429: the queue of one is full (retry until the queued request is in the queue).
-    let mut saw_429 = false;
-    for _ in 0..100 {
-        let resp = http.post(&url).json(&chat_body(MODEL, 2, false)).send().await.unwrap();
-        if resp.status() == 429 {
-            assert_openai_error(resp, 429).await;
-            saw_429 = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(saw_429, "no 429 while the queue was full: {}", cluster.logs());
 
     // 503 with Retry-After: nothing can start before a 300 ms deadline.
     let resp = http
@@ -118,27 +120,64 @@ async fn every_error_is_openai_shaped_and_the_system_keeps_serving() {
         .send()
         .await
         .unwrap();
-    // The queue may still be full (429) or the deadline may pass in it (503); retry until
-    // the queued request has started so the deadline case is the one exercised.
-    let resp = if resp.status() == 429 {
-        assert_eq!(queued.await.unwrap().unwrap().status(), 200);
-        http.post(&url)
-            .header("x-metronome-deadline-ms", "300")
-            .json(&chat_body(MODEL, 2, false))
-            .send()
-            .await
-            .unwrap()
-    } else {
-        resp
-    };
-    assert!(resp.headers().contains_key("retry-after"), "{:?}", resp.headers());
+    assert!(
+        resp.headers().contains_key("retry-after"),
+        "{:?}",
+        resp.headers()
+    );
     assert_openai_error(resp, 503).await;
+
+    // 429: several at once while the GPU is busy; the queue holds one, the rest are refused.
+    let fillers: Vec<_> = (0..4)
+        .map(|_| {
+            let http = http.clone();
+            let url = url.clone();
+            tokio::spawn(async move {
+                http.post(&url)
+                    .json(&chat_body(MODEL, 2, false))
+                    .send()
+                    .await
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    let mut filler_jobs = Vec::new();
+    for filler in fillers {
+        let resp = filler.await.unwrap().unwrap();
+        let status = resp.status().as_u16();
+        filler_jobs.push(
+            resp.headers()["x-metronome-job-id"]
+                .to_str()
+                .unwrap()
+                .to_string(),
+        );
+        if status == 429 {
+            assert_openai_error(resp, 429).await;
+        }
+        statuses.push(status);
+    }
+    statuses.sort();
+    if statuses != vec![200, 429, 429, 429] {
+        let mut decisions = Vec::new();
+        for job in &filler_jobs {
+            decisions.push(cluster.decision(job).await);
+        }
+        panic!(
+            "statuses {statuses:?}\ndecisions {decisions:#?}\n{}",
+            cluster.logs()
+        );
+    }
     assert_eq!(long.await.unwrap().unwrap().status(), 200);
     assert_still_serving(&http, &cluster).await;
 
     // 503: NATS is down. Then NATS comes back and the system serves again.
     cluster.nats.stop();
-    let resp = http.post(&url).json(&chat_body(MODEL, 2, false)).send().await.unwrap();
+    let resp = http
+        .post(&url)
+        .json(&chat_body(MODEL, 2, false))
+        .send()
+        .await
+        .unwrap();
     assert_openai_error(resp, 503).await;
     cluster.nats.restart().expect("restart nats");
     cluster.wait_ready().await;

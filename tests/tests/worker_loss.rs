@@ -20,15 +20,30 @@ async fn a_killed_workers_jobs_finish_elsewhere_or_fail_clearly() {
     let url = format!("{}/v1/chat/completions", cluster.gateway_url);
 
     // A long streaming job; wait for some of its tokens.
-    let resp = http.post(&url).json(&chat_body(MODEL, 1500, true)).send().await.unwrap();
+    let resp = http
+        .post(&url)
+        .json(&chat_body(MODEL, 1500, true))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 200);
-    let long_job = resp.headers()["x-metronome-job-id"].to_str().unwrap().to_string();
-    let victim_id = resp.headers()["x-metronome-worker"].to_str().unwrap().to_string();
-    let victim = (0..2).find(|i| worker_id(*i) == victim_id).expect("known worker");
+    let long_job = resp.headers()["x-metronome-job-id"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let victim_id = resp.headers()["x-metronome-worker"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let victim = (0..2)
+        .find(|i| worker_id(*i) == victim_id)
+        .expect("known worker");
     let mut body = resp.bytes_stream();
     let mut received = String::new();
     while received.matches("data:").count() < 5 {
-        received.push_str(&String::from_utf8_lossy(&body.next().await.unwrap().unwrap()));
+        received.push_str(&String::from_utf8_lossy(
+            &body.next().await.unwrap().unwrap(),
+        ));
     }
 
     // Crash the victim's agent, then submit short jobs at once: while its heartbeat still
@@ -41,11 +56,19 @@ async fn a_killed_workers_jobs_finish_elsewhere_or_fail_clearly() {
     for resp in shorts {
         let resp = resp.unwrap();
         assert_eq!(resp.status(), 200, "{}", cluster.logs());
-        short_workers.insert(resp.headers()["x-metronome-worker"].to_str().unwrap().to_string());
+        short_workers.insert(
+            resp.headers()["x-metronome-worker"]
+                .to_str()
+                .unwrap()
+                .to_string(),
+        );
         let body: serde_json::Value = resp.json().await.unwrap();
         assert_eq!(body["usage"]["completion_tokens"], 4);
     }
-    assert!(!short_workers.contains(&victim_id), "a job reported success from the dead worker");
+    assert!(
+        !short_workers.contains(&victim_id),
+        "a job reported success from the dead worker"
+    );
 
     // The streamed job ends with an error event, not with [DONE], and nothing repeats.
     let rest = tokio::time::timeout(Duration::from_secs(60), async {
@@ -59,14 +82,24 @@ async fn a_killed_workers_jobs_finish_elsewhere_or_fail_clearly() {
     .await;
     assert!(rest.is_ok(), "stream of the lost job never ended");
     let events = metronome_e2e::sse_events(&received);
-    assert!(!events.iter().any(|e| e == "[DONE]"), "lost job claimed success");
+    assert!(
+        !events.iter().any(|e| e == "[DONE]"),
+        "lost job claimed success"
+    );
     let last: serde_json::Value = serde_json::from_str(events.last().unwrap()).unwrap();
-    assert!(last["error"]["message"].is_string(), "last event is an error: {last}");
+    assert!(
+        last["error"]["message"].is_string(),
+        "last event is an error: {last}"
+    );
     let ids: Vec<String> = events
         .iter()
         .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok())
         .filter(|v| v.get("error").is_none())
-        .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(String::from))
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
         .collect();
     assert!(ids.len() < 1500, "no more tokens than one generation");
 
