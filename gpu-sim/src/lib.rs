@@ -37,6 +37,9 @@ use tokio_util::sync::CancellationToken;
 pub use config::{ConfigError, FieldError, SimConfig, SimGpuConfig, DEFAULT_MODEL};
 pub use engine::EngineStats;
 
+/// The component's configuration under the name every Metronome binary uses.
+pub type Config = SimConfig;
+
 /// Errors of the simulator as a whole.
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {
