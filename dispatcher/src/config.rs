@@ -67,6 +67,13 @@ pub struct Config {
     pub metrics_addr: Option<String>,
     /// Storage of the streams this dispatcher creates when they do not exist yet.
     pub storage: Storage,
+    /// Most candidates listed in a decision, best first (0 = every candidate). The
+    /// record is the largest cost of a decision: 64 candidates with seven terms each is
+    /// about 50 kB of JSON.
+    pub decision_max_candidates: usize,
+    /// List workers that serve another model among a decision's rejected workers
+    /// (false = leave them out and count them in the decision's note).
+    pub decision_list_wrong_model: bool,
     /// Size limits a job must respect.
     pub job_limits: JobLimits,
     /// Filters, weights and timeouts of the scheduling core.
@@ -96,6 +103,8 @@ impl Default for Config {
             tick_ms: 100,
             metrics_addr: None,
             storage: Storage::File,
+            decision_max_candidates: 0,
+            decision_list_wrong_model: true,
             job_limits: JobLimits::default(),
             scheduler: SchedulerConfig::default(),
         }

@@ -76,6 +76,8 @@ pub struct EngineSettings {
     pub adopt_kv_tokens: u64,
     pub ack_wait_ms: u64,
     pub tick: Duration,
+    pub decision_max_candidates: usize,
+    pub decision_list_wrong_model: bool,
 }
 
 /// A job this leader assigned and has not seen finish.
@@ -93,6 +95,9 @@ pub struct Engine {
     ledger: Ledger,
     workers: Vec<WorkerView>,
     index: HashMap<String, usize>,
+    /// Workers of each model, when decisions leave other models' workers out: the scoring
+    /// core then only looks at the model's own workers. Cleared on every worker change.
+    per_model: HashMap<String, Vec<WorkerView>>,
     dead: HashSet<String>,
     ewmas: HashMap<String, EwmaSnapshot>,
     output_len: HashMap<String, f64>,
@@ -116,6 +121,7 @@ impl Engine {
             ledger: Ledger::new(),
             workers: Vec::new(),
             index: HashMap::new(),
+            per_model: HashMap::new(),
             dead: HashSet::new(),
             ewmas: HashMap::new(),
             output_len: HashMap::new(),
@@ -279,6 +285,7 @@ impl Engine {
 
     fn on_worker(&mut self, update: WorkerUpdate) {
         let now = metronome_protocol::time::unix_ms();
+        self.per_model.clear();
         match update {
             WorkerUpdate::Put { status, seen_ms } => {
                 let id = status.worker_id.clone();
@@ -338,6 +345,7 @@ impl Engine {
     }
 
     fn on_redis(&mut self, snapshot: RedisSnapshot) {
+        self.per_model.clear();
         for view in &mut self.workers {
             view.ewma = snapshot.ewmas.get(&view.status.worker_id).copied();
         }
@@ -537,11 +545,27 @@ impl Engine {
                 .copied()
                 .unwrap_or(f64::from(front.job.max_tokens));
             let request = JobRequest::from_job(&front.job, predicted);
+            let all_workers = self.s.decision_list_wrong_model;
+            if !all_workers && !self.per_model.contains_key(model) {
+                let views = self
+                    .workers
+                    .iter()
+                    .filter(|w| w.status.model == model)
+                    .cloned()
+                    .collect();
+                self.per_model.insert(model.to_string(), views);
+            }
+            let workers: &[WorkerView] = if all_workers {
+                &self.workers
+            } else {
+                &self.per_model[model]
+            };
+            let other_models = self.workers.len() - workers.len();
             let evaluation = choose(
                 self.s.policy,
                 &mut self.policy_state,
                 &request,
-                &self.workers,
+                workers,
                 &self.ledger,
                 &self.s.scheduler,
                 now,
@@ -572,8 +596,25 @@ impl Engine {
             decision.cost = Some(evaluation.cost);
             decision.candidates = evaluation.candidates;
             decision.rejected = evaluation.rejected;
+            let mut notes = Vec::new();
             if job.attempt > 1 {
-                decision.reason = Some(format!("attempt {} (assigned again)", job.attempt));
+                notes.push(format!("attempt {} (assigned again)", job.attempt));
+            }
+            if !all_workers && other_models > 0 {
+                notes.push(format!(
+                    "{other_models} workers serving other models not listed"
+                ));
+            }
+            let max = self.s.decision_max_candidates;
+            if max > 0 && decision.candidates.len() > max {
+                notes.push(format!(
+                    "{} more candidates not listed (decision_max_candidates = {max})",
+                    decision.candidates.len() - max
+                ));
+                decision.candidates.truncate(max);
+            }
+            if !notes.is_empty() {
+                decision.reason = Some(notes.join("; "));
             }
             self.assigned.insert(
                 job.job.id.clone(),

@@ -229,6 +229,8 @@ async fn run_term(
         adopt_kv_tokens: c.adopt_kv_tokens,
         ack_wait_ms: c.ack_wait_ms,
         tick: Duration::from_millis(c.tick_ms),
+        decision_max_candidates: c.decision_max_candidates,
+        decision_list_wrong_model: c.decision_list_wrong_model,
     };
     let mut engine = engine::Engine::new(settings, publisher.clone(), ctx.metrics.clone(), fence);
     engine.load(workers, redis);

@@ -7,7 +7,7 @@
 //! head-of-line blocking exists only inside one model's queue, because each model is
 //! dispatched independently.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use async_nats::jetstream::message::Acker;
@@ -42,6 +42,8 @@ pub struct Queues {
     by_model: BTreeMap<String, VecDeque<QueuedJob>>,
     bound: usize,
     total: usize,
+    /// Ids of every waiting job, so redelivery and cancellation checks are O(1).
+    ids: HashSet<String>,
 }
 
 impl Queues {
@@ -50,6 +52,7 @@ impl Queues {
             by_model: BTreeMap::new(),
             bound: bound_per_model,
             total: 0,
+            ids: HashSet::new(),
         }
     }
 
@@ -60,6 +63,7 @@ impl Queues {
         if q.len() >= bound {
             return Err((job, QueueRefusal::Full { bound }));
         }
+        self.ids.insert(job.job.id.clone());
         insert_by_seq(q, job);
         self.total += 1;
         Ok(())
@@ -68,6 +72,7 @@ impl Queues {
     /// Put a job back at its place (by sequence), whatever the bound.
     pub fn put_back(&mut self, job: QueuedJob) {
         let q = self.by_model.entry(job.job.model.clone()).or_default();
+        self.ids.insert(job.job.id.clone());
         insert_by_seq(q, job);
         self.total += 1;
     }
@@ -79,6 +84,7 @@ impl Queues {
     pub fn pop_front(&mut self, model: &str) -> Option<QueuedJob> {
         let job = self.by_model.get_mut(model)?.pop_front()?;
         self.total -= 1;
+        self.ids.remove(&job.job.id);
         Some(job)
     }
 
@@ -103,8 +109,11 @@ impl Queues {
             .collect()
     }
 
-    /// Remove a job by id (cancellation); linear, cancellations are rare.
+    /// Remove a job by id (cancellation); linear in its queue, cancellations are rare.
     pub fn remove(&mut self, job_id: &str) -> Option<QueuedJob> {
+        if !self.ids.remove(job_id) {
+            return None;
+        }
         for q in self.by_model.values_mut() {
             if let Some(pos) = q.iter().position(|j| j.job.id == job_id) {
                 self.total -= 1;
@@ -116,9 +125,7 @@ impl Queues {
 
     /// True when a job with this id is waiting.
     pub fn contains(&self, job_id: &str) -> bool {
-        self.by_model
-            .values()
-            .any(|q| q.iter().any(|j| j.job.id == job_id))
+        self.ids.contains(job_id)
     }
 
     /// Remove and return every job whose deadline is before `now_ms`.
@@ -134,6 +141,9 @@ impl Queues {
             out.extend(gone);
         }
         self.total -= out.len();
+        for j in &out {
+            self.ids.remove(&j.job.id);
+        }
         out
     }
 

@@ -295,3 +295,34 @@ async fn a_leader_that_cannot_renew_stops_deciding() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compact_decisions_list_the_best_candidates_and_say_what_they_leave_out() {
+    let env = Env::start().await;
+    let mut config = env.config("compact");
+    config.decision_max_candidates = 2;
+    config.decision_list_wrong_model = false;
+    env.workers("k", 4, "model-k", 8).await;
+    env.workers("other", 3, "model-other", 8).await;
+    let (running, token) = env.dispatcher(config).await;
+    env.submit("k1", "model-k", 10, 10).await;
+    let d = env
+        .decisions_for(&["k1".to_string()])
+        .await
+        .remove("k1")
+        .unwrap();
+    assert_eq!(d.outcome, Outcome::Assigned);
+    assert_eq!(d.candidates.len(), 2);
+    assert_eq!(d.candidates[0].worker_id, d.worker_id.clone().unwrap());
+    assert!(d
+        .rejected
+        .iter()
+        .all(|r| r.code != RejectionCode::WrongModel));
+    let note = d.reason.unwrap();
+    assert!(
+        note.contains("3 workers serving other models") && note.contains("2 more candidates"),
+        "{note}"
+    );
+    token.cancel();
+    running.join().await.unwrap();
+}
