@@ -103,6 +103,10 @@ pub(crate) struct Shared {
     pub heartbeat_now: Notify,
     /// Fired when the drain timeout passes: running jobs end with an error.
     pub abort: CancellationToken,
+    /// Bumped (under the `in_flight` lock) each time a job is accepted.
+    pub accepted_generation: AtomicU64,
+    /// Highest `accepted_generation` a successfully stored heartbeat has covered.
+    pub reported_generation: tokio::sync::watch::Sender<u64>,
 }
 
 impl Shared {
@@ -278,11 +282,30 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
         );
         shared.metrics.running_jobs.set(map.len() as u64);
     }
+    let generation = shared.accepted_generation.fetch_add(1, Ordering::SeqCst) + 1;
     let shared = shared.clone();
     tokio::spawn(async move {
+        wait_until_reported(&shared, &job_id, generation).await;
         run_job(shared.clone(), assignment, msg, cancel, start).await;
         shared.release(&job_id);
     });
+}
+
+/// How long a job waits for the heartbeat that reports it before starting anyway.
+const REPORT_WAIT: Duration = Duration::from_secs(2);
+
+/// Start a job only once a stored heartbeat lists it. The dispatcher re-dispatches the
+/// jobs of a dead worker that it never saw reported, so a job must not produce a token
+/// before it is reported: otherwise a crash right after the first tokens would run it
+/// twice and duplicate its output. One heartbeat covers every job accepted before it, so
+/// under load many jobs share one put.
+async fn wait_until_reported(shared: &Shared, job_id: &str, generation: u64) {
+    let mut reported = shared.reported_generation.subscribe();
+    shared.heartbeat_now.notify_one();
+    let waited = tokio::time::timeout(REPORT_WAIT, reported.wait_for(|g| *g >= generation)).await;
+    if !matches!(waited, Ok(Ok(_))) {
+        tracing::warn!(%job_id, "no heartbeat stored in time: starting the job unreported");
+    }
 }
 
 /// Refuse without running: the dispatcher will decide again.

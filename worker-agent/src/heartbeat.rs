@@ -30,6 +30,8 @@ pub(crate) struct Heartbeat {
     pub bucket: kv::Store,
     pub gpu: Arc<dyn GpuProbe>,
     pub seq: u64,
+    /// `accepted_generation` covered by the status being built.
+    pub generation: u64,
 }
 
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -56,6 +58,8 @@ impl Heartbeat {
             .await
             .ok()
             .flatten();
+        // Read before the job list: every job accepted up to this generation is in it.
+        self.generation = shared.accepted_generation.load(Ordering::SeqCst);
         let in_flight = shared.in_flight_ids();
         let own = in_flight.len() as u32;
         self.seq += 1;
@@ -100,6 +104,10 @@ impl Heartbeat {
         match (put, publish) {
             (Ok(_), Ok(())) => {
                 shared.metrics.heartbeats.inc();
+                let generation = self.generation;
+                shared
+                    .reported_generation
+                    .send_modify(|g| *g = (*g).max(generation));
                 Some(status)
             }
             (put, publish) => {

@@ -157,6 +157,8 @@ pub async fn start(
         slot_freed: Notify::new(),
         heartbeat_now: Notify::new(),
         abort: CancellationToken::new(),
+        accepted_generation: std::sync::atomic::AtomicU64::new(0),
+        reported_generation: tokio::sync::watch::channel(0).0,
     });
 
     let metrics_stop = CancellationToken::new();
@@ -203,6 +205,7 @@ pub async fn start(
         bucket: buckets.workers,
         gpu: deps.gpu,
         seq: last_seq,
+        generation: 0,
     };
     // The first heartbeat goes out before any work is pulled, so the dispatcher sees the
     // worker as soon as it can run something.

@@ -469,3 +469,44 @@ async fn malformed_messages_are_terminated_and_the_agent_keeps_serving() {
     shutdown.cancel();
     agent.wait().await.unwrap();
 }
+
+/// The dispatcher re-dispatches a dead worker's jobs that no heartbeat ever listed, so a job
+/// must be listed in a stored heartbeat before its first token, or a crash right after the
+/// first tokens would run it twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_is_reported_in_a_heartbeat_before_its_first_token() {
+    let env = Env::start().await;
+    let worker = "n1-gpu0";
+    // One subscription for both subjects keeps their relative order.
+    let all = collect(env.client.subscribe(">").await.unwrap());
+    env.client.flush().await.unwrap();
+    let (_agent, _shutdown) = env.start_agent(env.config(worker)).await;
+    for i in 0..5 {
+        let id = format!("job-early-{i}");
+        env.assign(worker, &job(&id, Endpoint::Chat, 3, 0), 1).await;
+    }
+    wait_for("every job's final result", WAIT, || async {
+        let n = all
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|m| m.subject.ends_with(".final"))
+            .count();
+        (n == 5).then_some(())
+    })
+    .await;
+    let messages = all.lock().unwrap().clone();
+    for i in 0..5 {
+        let id = format!("job-early-{i}");
+        let first_chunk = messages
+            .iter()
+            .position(|m| m.subject.as_str() == results_subject_all(&id).replace(">", "chunk"))
+            .expect("a chunk");
+        let reported = messages[..first_chunk].iter().any(|m| {
+            m.subject.as_str() == metronome_protocol::names::heartbeat_subject(worker)
+                && serde_json::from_slice::<metronome_protocol::WorkerStatus>(&m.payload)
+                    .is_ok_and(|s| s.in_flight.contains(&id))
+        });
+        assert!(reported, "{id} streamed before any heartbeat listed it");
+    }
+}
