@@ -165,7 +165,11 @@ impl Gateway {
         );
         tracing::info!(addr = %self.local_addr, nats = %self.state.config.nats_url, "gateway listening");
         let client = self.state.client.clone();
-        let result = axum::serve(self.listener, app(self.state))
+        // Without TCP_NODELAY small SSE writes wait for the client's delayed ACK (~40 ms).
+        let listener = axum::serve::ListenerExt::tap_io(self.listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+        let result = axum::serve(listener, app(self.state))
             .with_graceful_shutdown(shutdown.cancelled_owned())
             .await
             .map_err(GatewayError::Serve);

@@ -160,6 +160,29 @@ pub fn response_as_chunk(endpoint: Endpoint, response: &Value) -> Value {
     chunk
 }
 
+/// The error to end a stream with when output arrives from a worker other than the one
+/// that already streamed to the client; records the first streaming worker.
+fn moved_worker(streaming_from: &mut Option<String>, worker: Option<&str>) -> Option<ApiError> {
+    let worker = worker?;
+    match streaming_from {
+        None => {
+            *streaming_from = Some(worker.to_string());
+            None
+        }
+        Some(first) if first == worker => None,
+        Some(first) => Some(ApiError::from_result_error(
+            &metronome_protocol::ResultError {
+                code: metronome_protocol::ErrorCode::WorkerLost,
+                message: format!(
+                    "worker {first} was lost after streaming part of the output; the rest \
+                     came from {worker} and was not relayed, so no output is duplicated"
+                ),
+            },
+            0,
+        )),
+    }
+}
+
 fn data(value: &Value) -> Event {
     Event::default().data(value.to_string())
 }
@@ -187,10 +210,17 @@ fn events(
         let mut order = Reorder::default();
         let mut usage = UsagePolicy::new(include_usage);
         let mut last: Option<Value> = None;
+        // The worker whose tokens the client has. Output from any other worker would be a
+        // second run of the job: the client would see its text twice.
+        let mut streaming_from: Option<String> = None;
         loop {
             match submission.next_event().await {
                 Ok(JobEvent::Assigned(_)) => {}
                 Ok(JobEvent::Chunk(chunk)) => {
+                    if let Some(moved) = moved_worker(&mut streaming_from, Some(&chunk.worker_id)) {
+                        yield Ok(data(&moved.body()));
+                        break;
+                    }
                     for ready in order.push(chunk.seq, chunk.data) {
                         if let Some(out) = usage.filter(ready) {
                             yield Ok(data(&out));
@@ -200,6 +230,10 @@ fn events(
                 }
                 Ok(JobEvent::Final(result)) => {
                     submission.finished();
+                    if let Some(moved) = moved_worker(&mut streaming_from, result.worker_id.as_deref()) {
+                        yield Ok(data(&moved.body()));
+                        break;
+                    }
                     let (rest, gaps) = order.finish(result.chunks);
                     if gaps > 0 {
                         submission.stream_gap(gaps);
@@ -234,6 +268,21 @@ fn events(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod moved_worker_tests {
+    use super::*;
+
+    #[test]
+    fn output_from_a_second_worker_ends_the_stream() {
+        let mut from = None;
+        assert!(moved_worker(&mut from, Some("a")).is_none());
+        assert!(moved_worker(&mut from, Some("a")).is_none());
+        assert!(moved_worker(&mut from, None).is_none());
+        let err = moved_worker(&mut from, Some("b")).expect("moved");
+        assert_eq!(err.code, Some("worker_lost"));
     }
 }
 

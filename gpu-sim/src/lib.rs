@@ -86,6 +86,11 @@ impl SimGpu {
         let app = api::router(Arc::clone(&gpu));
         let server_shutdown = shutdown.clone();
         let server_task = tokio::spawn(async move {
+            // Without TCP_NODELAY one-token SSE writes wait for the client's delayed ACK
+            // (~40 ms), which would show up as latency no real GPU has.
+            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
             let server = axum::serve(listener, app)
                 .with_graceful_shutdown(server_shutdown.cancelled_owned());
             if let Err(e) = server.await {
