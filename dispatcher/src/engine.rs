@@ -457,6 +457,13 @@ impl Engine {
             reservations = reservations.len(),
             "worker is dead"
         );
+        if !reservations.is_empty() {
+            // Before anything is assigned again: a worker that comes back must not find
+            // (and run) the Assignments that are now going elsewhere.
+            self.publisher.send(publish::Outcome::PurgeWork {
+                worker_id: worker_id.to_string(),
+            });
+        }
         for r in reservations {
             let assigned = self.assigned.remove(&r.job_id);
             if r.is_confirmed() {

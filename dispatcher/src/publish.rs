@@ -54,6 +54,9 @@ pub enum Outcome {
         decision: Box<Decision>,
         acker: Option<Arc<Acker>>,
     },
+    /// Remove every Assignment still waiting on a dead worker's subject: its unreported
+    /// jobs are being assigned elsewhere, so a worker that comes back must not run them too.
+    PurgeWork { worker_id: String },
     /// A message that could not be attributed to a job id.
     DeadLetter {
         body: Bytes,
@@ -231,6 +234,32 @@ async fn publish_loop(
                     finish(d, "decision").await;
                     if let Some(acker) = acker {
                         let _ = acker.ack().await;
+                    }
+                    in_flight.fetch_sub(1, Ordering::AcqRel);
+                });
+            }
+            Outcome::PurgeWork { worker_id } => {
+                let js = js.clone();
+                let in_flight = in_flight.clone();
+                tokio::spawn(async move {
+                    let purged = match js.get_stream(names::STREAM_WORK).await {
+                        Ok(stream) => stream
+                            .purge()
+                            .filter(names::work_subject(&worker_id))
+                            .await
+                            .map(|p| p.purged)
+                            .map_err(|e| e.to_string()),
+                        Err(e) => Err(e.to_string()),
+                    };
+                    match purged {
+                        Ok(n) => tracing::info!(
+                            worker_id,
+                            purged = n,
+                            "removed the dead worker's pending assignments"
+                        ),
+                        Err(error) => {
+                            tracing::warn!(worker_id, %error, "could not purge the dead worker's assignments")
+                        }
                     }
                     in_flight.fetch_sub(1, Ordering::AcqRel);
                 });

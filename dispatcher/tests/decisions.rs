@@ -179,6 +179,15 @@ async fn refused_and_orphaned_jobs_are_assigned_again_with_the_next_attempt() {
     .await;
     assert_eq!(d.worker_id.as_deref(), Some("live"));
     assert!(running.metrics.rescued_jobs_total.load(Relaxed) >= 1);
+    // The dead worker's pending Assignment is gone: if it came back it would not run it.
+    wait_for("the dead worker's assignments purged", WAIT, || async {
+        let stream = env.js.get_stream(names::STREAM_WORK).await.unwrap();
+        let r = stream
+            .get_last_raw_message_by_subject(&names::work_subject("doomed"))
+            .await;
+        r.is_err().then_some(())
+    })
+    .await;
     beat.abort();
     token.cancel();
     running.join().await.unwrap();
