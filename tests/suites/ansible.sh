@@ -309,12 +309,6 @@ else
   fail "second run reports changed=0" "$(tail -n 40 "$WORK/last.log")"
 fi
 
-if play "$INV" "$STAGE" site.yml --check --diff && ! recap_changed | grep -qv 'changed=0'; then
-  pass "--check --diff on the built nodes succeeds with changed=0"
-else
-  fail "--check --diff on the built nodes succeeds with changed=0" "$(tail -n 40 "$WORK/last.log")"
-fi
-
 if play "$INV" "$WORK/stage-check" site.yml --check --diff && [ ! -e "$WORK/stage-check" ] \
   && grep -q '^+Environment=CUDA_VISIBLE_DEVICES=' "$WORK/last.log"; then
   pass "--check --diff on new nodes shows the units as diffs and writes nothing"
@@ -322,56 +316,56 @@ else
   fail "--check --diff on new nodes shows the units as diffs and writes nothing" "$(tail -n 40 "$WORK/last.log")"
 fi
 
-# --- removing one GPU from the inventory ----------------------------------------------
+# --- changing the inventory: check mode first, then for real ---------------------------
+# Three edits at once: gpu-node-2's GPU 1 leaves the inventory (drained, its units and
+# config removed), gpu-node-1's GPU 2 gets another model-server argument (its model
+# server restarts and its agent comes back with it), gpu-node-2's GPU 0 gets another
+# concurrency cap (only that agent restarts). Nothing else may change or restart.
 snapshot() { (cd "$STAGE" && find . -type f -print0 | sort -z | xargs -0 md5sum); }
 snapshot > "$WORK/before.txt"
-"$PY" - "$INV/host_vars/gpu-node-2.yml" <<'PYEOF'
-import sys, yaml
-path = sys.argv[1]
-data = yaml.safe_load(open(path))
-data["metronome_gpus"] = [g for g in data["metronome_gpus"] if g["gpu"] != 1]
-yaml.safe_dump(data, open(path, "w"), sort_keys=False)
-PYEOF
-if play "$INV" "$STAGE" site.yml; then
-  snapshot > "$WORK/after.txt"
-  removed=$(diff "$WORK/before.txt" "$WORK/after.txt" | sed -n 's/^< [0-9a-f]*  \.\///p' | sort | tr '\n' ' ')
-  added=$(diff "$WORK/before.txt" "$WORK/after.txt" | sed -n 's/^> [0-9a-f]*  \.\///p' | sort | tr '\n' ' ')
-  want="gpu-node-2/etc/metronome/worker-agent/gpu1.toml gpu-node-2/etc/systemd/system/metronome-model-gpu1.service gpu-node-2/etc/systemd/system/metronome-worker-agent-gpu1.service "
-  if [ "$removed" = "$want" ] && [ -z "$added" ]; then
-    pass "removing gpu-node-2's GPU 1 removes exactly its two units and its config"
-  else
-    fail "removing gpu-node-2's GPU 1 removes exactly its two units and its config" "removed: $removed"$'\n'"added/changed: $added"$'\n'"want removed: $want"
-  fi
-  if recap_changed | grep -q '^gpu-node-1 changed=0$'; then
-    pass "removing a GPU of gpu-node-2 changes nothing on gpu-node-1"
-  else
-    fail "removing a GPU of gpu-node-2 changes nothing on gpu-node-1" "$(recap_changed)"
-  fi
-  if out=$(check_mapping "$INV" "$STAGE"); then
-    pass "after the removal the files still match the inventory"
-  else
-    fail "after the removal the files still match the inventory" "$out"
-  fi
-else
-  fail "site.yml after removing a GPU from the inventory" "$(tail -n 40 "$WORK/last.log")"
-fi
-
-# --- restarts limited to what changed -------------------------------------------------
-# gpu-node-1's GPU 2 gets another model-server argument (its model server restarts, its
-# agent comes back with it); gpu-node-2's GPU 0 gets another concurrency cap (only that
-# agent restarts). Nothing else restarts.
 "$PY" - "$INV/host_vars" <<'PYEOF'
 import sys, yaml
 base = sys.argv[1]
 def edit(host, fn):
     path = f"{base}/{host}.yml"
     data = yaml.safe_load(open(path))
-    fn({g["gpu"]: g for g in data["metronome_gpus"]})
+    data["metronome_gpus"] = fn(data["metronome_gpus"])
     yaml.safe_dump(data, open(path, "w"), sort_keys=False)
-edit("gpu-node-1", lambda g: g[2]["args"].append("--enforce-eager"))
-edit("gpu-node-2", lambda g: g[0].update(max_concurrency=12))
+def node1(gpus):
+    next(g for g in gpus if g["gpu"] == 2)["args"].append("--enforce-eager")
+    return gpus
+def node2(gpus):
+    next(g for g in gpus if g["gpu"] == 0)["max_concurrency"] = 12
+    return [g for g in gpus if g["gpu"] != 1]
+edit("gpu-node-1", node1)
+edit("gpu-node-2", node2)
 PYEOF
+
+if play "$INV" "$STAGE" site.yml --check --diff && grep -q '^+.*"--enforce-eager"' "$WORK/last.log" \
+  && grep -q '^+max_concurrency = 12' "$WORK/last.log"; then
+  snapshot > "$WORK/after-check.txt"
+  if cmp -s "$WORK/before.txt" "$WORK/after-check.txt"; then
+    pass "--check --diff shows the inventory edits as diffs and writes nothing"
+  else
+    fail "--check --diff writes nothing" "$(diff "$WORK/before.txt" "$WORK/after-check.txt")"
+  fi
+else
+  fail "--check --diff shows the inventory edits as diffs" "$(tail -n 60 "$WORK/last.log")"
+fi
+
 if play "$INV" "$STAGE" site.yml; then
+  snapshot > "$WORK/after.txt"
+  removed=$(diff "$WORK/before.txt" "$WORK/after.txt" | sed -n 's/^< [0-9a-f]*  \.\///p' | sort | tr '\n' ' ')
+  added=$(diff "$WORK/before.txt" "$WORK/after.txt" | sed -n 's/^> [0-9a-f]*  \.\///p' | sort | tr '\n' ' ')
+  edited="gpu-node-1/etc/systemd/system/metronome-model-gpu2.service gpu-node-2/etc/metronome/worker-agent/gpu0.toml "
+  gone="gpu-node-2/etc/metronome/worker-agent/gpu1.toml gpu-node-2/etc/systemd/system/metronome-model-gpu1.service gpu-node-2/etc/systemd/system/metronome-worker-agent-gpu1.service "
+  want_removed=$(printf '%s\n' $edited $gone | sort | tr '\n' ' ')
+  if [ "$removed" = "$want_removed" ] && [ "$added" = "$edited" ]; then
+    pass "removing gpu-node-2's GPU 1 removes exactly its two units and its config; the edits change exactly their two files"
+  else
+    fail "removing a GPU removes exactly its files; edits change exactly their files" \
+      "removed or changed: $removed"$'\n'"want:               $want_removed"$'\n'"written: $added"$'\n'"want:    $edited"
+  fi
   want=("gpu-node-1: restart model servers [2]" "gpu-node-1: restart worker-agents []"
     "gpu-node-2: restart model servers []" "gpu-node-2: restart worker-agents [0]")
   bad=""
@@ -381,8 +375,13 @@ if play "$INV" "$STAGE" site.yml; then
   else
     fail "only the instances whose files changed restart" "$bad$(grep -E ': restart ' "$WORK/last.log")"
   fi
+  if out=$(check_mapping "$INV" "$STAGE"); then
+    pass "after the edits the files still match the inventory"
+  else
+    fail "after the edits the files still match the inventory" "$out"
+  fi
 else
-  fail "site.yml after changing two GPU entries" "$(tail -n 40 "$WORK/last.log")"
+  fail "site.yml after editing the inventory" "$(tail -n 40 "$WORK/last.log")"
 fi
 
 # --- drain.yml ---------------------------------------------------------------------------
