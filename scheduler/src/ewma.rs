@@ -1,27 +1,25 @@
 //! Exponentially weighted moving averages over irregularly spaced samples.
 //!
-//! Samples (one per completed request) arrive at uneven intervals, so a fixed alpha would
-//! make a busy worker's average forget faster than an idle one's. The effective weight of a
-//! sample therefore depends on the time `dt` since the previous one:
+//! Samples (one per completed request) arrive at uneven intervals. The weight of a new
+//! sample depends on the time `dt` since the previous one:
 //!
-//! `alpha_eff = 1 - (1 - base_alpha) ^ (dt / half_life)`
+//! `alpha_eff = 1 - (1 - base_alpha) * 0.5 ^ (dt / half_life)`
 //!
-//! This is the standard exponential form `1 - exp(-dt / tau)` with
-//! `tau = -half_life / ln(1 - base_alpha)`: the old value keeps weight `(1 - base_alpha)`
-//! per `half_life` of elapsed time, whatever the number of samples in between, so two
-//! updates `dt1` and `dt2` apart decay the old value exactly as one update `dt1 + dt2`
-//! apart would. With `base_alpha = 0.5`, `half_life` is a true half-life. The same form is
-//! used by linkerd's and tower's peak-EWMA load estimators.
+//! Back-to-back samples (`dt = 0`) move the average by exactly `base_alpha`, so a busy
+//! worker's average follows its recent requests; after a silence the old value has lost
+//! half of its remaining weight per `half_life`, so a worker idle for a long time is judged
+//! mostly on its next sample rather than on stale history. The first sample sets the
+//! average. This is the formula the worker-agent's Redis script applies (it writes the
+//! averages the dispatcher reads; a test there checks both agree).
 //!
-//! Invariants: `decayed_alpha` is in [0, 1]; [`update`] returns a value within
-//! `[min(prev, sample), max(prev, sample)]`, so an average never leaves the range of the
-//! samples it has seen.
+//! Invariants: `decayed_alpha` is in `[base_alpha, 1]` (clamped to [0, 1]); [`update`]
+//! returns a value within `[min(prev, sample), max(prev, sample)]`, so an average never
+//! leaves the range of the samples it has seen.
 
 /// Effective alpha for a sample arriving `dt_ms` after the previous one.
 ///
-/// `dt_ms <= 0` (two samples in the same millisecond) gives 0: no time has passed, so the
-/// old value has not decayed. A non-positive or non-finite `half_life_ms` disables time
-/// decay and returns `base_alpha` (clamped to [0, 1]).
+/// A negative or NaN `dt_ms` counts as 0. A non-positive or non-finite `half_life_ms`
+/// disables time decay and returns `base_alpha` (clamped to [0, 1]).
 pub fn decayed_alpha(base_alpha: f64, half_life_ms: f64, dt_ms: f64) -> f64 {
     let base = if base_alpha.is_finite() {
         base_alpha.clamp(0.0, 1.0)
@@ -31,14 +29,12 @@ pub fn decayed_alpha(base_alpha: f64, half_life_ms: f64, dt_ms: f64) -> f64 {
     if !half_life_ms.is_finite() || half_life_ms <= 0.0 {
         return base;
     }
-    if dt_ms.is_nan() || dt_ms <= 0.0 {
-        return 0.0;
+    let dt = if dt_ms.is_nan() { 0.0 } else { dt_ms.max(0.0) };
+    if dt.is_infinite() {
+        return 1.0;
     }
-    if dt_ms.is_infinite() || base >= 1.0 {
-        return if base > 0.0 { 1.0 } else { 0.0 };
-    }
-    let keep = (1.0 - base).powf(dt_ms / half_life_ms);
-    (1.0 - keep).clamp(0.0, 1.0)
+    let kept = (1.0 - base) * 0.5f64.powf(dt / half_life_ms);
+    (1.0 - kept).clamp(base, 1.0)
 }
 
 /// Fold `sample` into `prev` with weight `alpha` (clamped to [0, 1]).
@@ -68,29 +64,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn half_life_with_base_half_halves_the_old_weight() {
-        assert!((decayed_alpha(0.5, 1000.0, 1000.0) - 0.5).abs() < 1e-12);
-        assert!((decayed_alpha(0.5, 1000.0, 2000.0) - 0.75).abs() < 1e-12);
-        assert!((decayed_alpha(0.2, 1000.0, 1000.0) - 0.2).abs() < 1e-12);
+    fn back_to_back_samples_move_by_base_alpha() {
+        assert!((decayed_alpha(0.2, 1000.0, 0.0) - 0.2).abs() < 1e-12);
+        assert!((decayed_alpha(0.2, 1000.0, -5.0) - 0.2).abs() < 1e-12);
     }
 
     #[test]
-    fn two_short_steps_equal_one_long_step() {
-        let (a, h) = (0.3, 500.0);
-        let keep_two = (1.0 - decayed_alpha(a, h, 120.0)) * (1.0 - decayed_alpha(a, h, 380.0));
-        let keep_one = 1.0 - decayed_alpha(a, h, 500.0);
-        assert!((keep_two - keep_one).abs() < 1e-12);
+    fn each_half_life_halves_the_old_weight() {
+        // kept = 0.8 * 0.5 after one half-life, 0.8 * 0.25 after two.
+        assert!((decayed_alpha(0.2, 1000.0, 1000.0) - 0.6).abs() < 1e-12);
+        assert!((decayed_alpha(0.2, 1000.0, 2000.0) - 0.8).abs() < 1e-12);
     }
 
     #[test]
     fn edge_cases_stay_in_unit_interval() {
-        assert_eq!(decayed_alpha(0.5, 1000.0, 0.0), 0.0);
-        assert_eq!(decayed_alpha(0.5, 1000.0, -5.0), 0.0);
         assert_eq!(decayed_alpha(0.5, 0.0, 10.0), 0.5);
         assert_eq!(decayed_alpha(0.5, 1000.0, f64::INFINITY), 1.0);
         assert_eq!(decayed_alpha(1.0, 1000.0, 1.0), 1.0);
         assert_eq!(decayed_alpha(1.5, f64::NAN, 1.0), 1.0);
-        assert_eq!(decayed_alpha(0.0, 1000.0, 1.0), 0.0);
+        assert_eq!(decayed_alpha(0.0, 1000.0, 0.0), 0.0);
+        assert!(decayed_alpha(0.0, 1000.0, 1000.0) > 0.0);
     }
 
     #[test]

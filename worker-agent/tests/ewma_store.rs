@@ -157,3 +157,47 @@ async fn concurrent_updates_are_all_counted() {
         );
     }
 }
+
+/// The Redis script and the scheduling core's EWMA maths are one formula: the agent writes
+/// what the dispatcher's model of the average says it should.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_script_applies_the_cores_ewma_formula() {
+    use metronome_scheduler::ewma::{decayed_alpha, update};
+    let redis = RedisServer::start().expect("redis-server");
+    let (alpha, half_life) = (0.3, 2_000u64);
+    let store = EwmaStore::new(
+        &redis.url(),
+        PREFIX,
+        alpha,
+        half_life,
+        Arc::new(AgentMetrics::default()),
+    )
+    .unwrap();
+    let samples = [
+        (1_000u64, 40.0),
+        (1_000, 10.0),
+        (1_500, 25.0),
+        (9_000, 70.0),
+        (9_100, 5.0),
+    ];
+    let mut expected: Option<f64> = None;
+    let mut last_ms: Option<u64> = None;
+    for (now_ms, ttft) in samples {
+        store
+            .record("w-formula", "m", &sample(ttft, 1.0, 1.0, 1.0, 1), now_ms)
+            .await
+            .expect("record");
+        let a = match last_ms {
+            None => 1.0,
+            Some(prev) => decayed_alpha(alpha, half_life as f64, now_ms as f64 - prev as f64),
+        };
+        expected = Some(update(expected, ttft, a));
+        last_ms = Some(now_ms);
+        let got = hash(&redis.url(), &ewma_key(PREFIX, "w-formula")).await["ttft_ms"];
+        let want = expected.unwrap();
+        assert!(
+            (got - want).abs() < 1e-9,
+            "at {now_ms}: redis {got}, core {want}"
+        );
+    }
+}
