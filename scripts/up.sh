@@ -105,7 +105,11 @@ wait_tcp() { # port, what
   done
 }
 
-start nats nats-server -a 127.0.0.1 -p "$NATS_PORT" -js -sd "$STATE_DIR/nats"
+# Jobs carry whole prompts: allow messages up to the gateway's 4 MiB body limit and more.
+cat > "$STATE_DIR/config/nats.conf" <<CONF
+max_payload: 8MB
+CONF
+start nats nats-server -c "$STATE_DIR/config/nats.conf" -a 127.0.0.1 -p "$NATS_PORT" -js -sd "$STATE_DIR/nats"
 start redis redis-server --bind 127.0.0.1 --port "$REDIS_PORT" --dir "$STATE_DIR/redis" --appendonly yes --save ""
 wait_tcp "$NATS_PORT" nats-server
 wait_tcp "$REDIS_PORT" redis-server

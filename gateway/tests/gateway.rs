@@ -499,9 +499,9 @@ fn check_config_prints_the_effective_config_or_every_field_error() {
 
 #[tokio::test]
 async fn a_job_larger_than_nats_accepts_is_a_413() {
-    // The body limit is above the test server's 1 MiB max_payload.
-    let h = Harness::start(|c| c.body_limit_bytes = 4 * 1024 * 1024).await;
-    let big = "x".repeat(1536 * 1024);
+    // The body limit is above the test server's 8 MiB max_payload.
+    let h = Harness::start(|c| c.body_limit_bytes = 16 * 1024 * 1024).await;
+    let big = "x".repeat(9 * 1024 * 1024);
     let resp = h
         .post("/v1/chat/completions", &chat_body(&big, false))
         .await;

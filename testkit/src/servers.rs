@@ -56,15 +56,13 @@ fn read_log(path: &Path) -> String {
 }
 
 fn http_get_ok(port: u16, path: &str) -> bool {
-    let Ok(mut s) = TcpStream::connect_timeout(
-        &([127, 0, 0, 1], port).into(),
-        Duration::from_millis(200),
-    ) else {
+    let Ok(mut s) =
+        TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200))
+    else {
         return false;
     };
     let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
-    if s
-        .write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
+    if s.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
         .is_err()
     {
         return false;
@@ -75,10 +73,9 @@ fn http_get_ok(port: u16, path: &str) -> bool {
 }
 
 fn redis_ping(port: u16) -> bool {
-    let Ok(mut s) = TcpStream::connect_timeout(
-        &([127, 0, 0, 1], port).into(),
-        Duration::from_millis(200),
-    ) else {
+    let Ok(mut s) =
+        TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200))
+    else {
         return false;
     };
     let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
@@ -169,7 +166,15 @@ impl NatsServer {
     fn spawn(&mut self) -> Result<(), TestkitError> {
         let log = self.dir.path().join("nats.log");
         let store = self.dir.path().join("js");
+        // As in production: jobs carry whole prompts, larger than NATS's 1 MiB default.
+        let conf = self.dir.path().join("nats.conf");
+        std::fs::write(&conf, "max_payload: 8MB\n").map_err(|source| TestkitError::Io {
+            what: "nats.conf".into(),
+            source,
+        })?;
         let mut child = Command::new(&self.binary)
+            .arg("-c")
+            .arg(&conf)
             .args(["-a", "127.0.0.1", "-p", &self.port.to_string()])
             .args(["-m", &self.monitor_port.to_string()])
             .arg("-js")
@@ -348,6 +353,9 @@ mod tests {
     #[test]
     fn missing_binary_names_the_package_to_install() {
         let err = find_binary("metronome-no-such-binary", "some-package").unwrap_err();
-        assert!(err.to_string().contains("apt-get install -y some-package"), "{err}");
+        assert!(
+            err.to_string().contains("apt-get install -y some-package"),
+            "{err}"
+        );
     }
 }

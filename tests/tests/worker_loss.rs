@@ -80,12 +80,25 @@ async fn a_killed_workers_jobs_finish_elsewhere_or_fail_clearly() {
         }
     })
     .await;
-    assert!(rest.is_ok(), "stream of the lost job never ended");
-    let events = metronome_e2e::sse_events(&received);
     assert!(
-        !events.iter().any(|e| e == "[DONE]"),
-        "lost job claimed success"
+        rest.is_ok(),
+        "stream of the lost job never ended:\n{}",
+        cluster.logs()
     );
+    let events = metronome_e2e::sse_events(&received);
+    if events.iter().any(|e| e == "[DONE]") {
+        let decisions: Vec<_> = cluster
+            .all_decisions()
+            .await
+            .into_iter()
+            .filter(|d| d.job_id == long_job)
+            .collect();
+        panic!(
+            "lost job claimed success after {} events on {victim_id}; decisions {decisions:#?}\n{}",
+            events.len(),
+            cluster.logs()
+        );
+    }
     let last: serde_json::Value = serde_json::from_str(events.last().unwrap()).unwrap();
     assert!(
         last["error"]["message"].is_string(),
@@ -105,6 +118,17 @@ async fn a_killed_workers_jobs_finish_elsewhere_or_fail_clearly() {
 
     // Exactly one assigned decision for the lost job: it was not dispatched again.
     let decisions = cluster.all_decisions().await;
+    let rescued: Vec<_> = decisions
+        .iter()
+        .filter(|d| d.job_id != long_job && d.outcome == Outcome::Assigned && d.attempt > 1)
+        .collect();
+    assert!(
+        !rescued.is_empty(),
+        "no short job was assigned to the dead worker and rescued: {decisions:#?}"
+    );
+    assert!(rescued
+        .iter()
+        .all(|d| d.worker_id.as_deref() != Some(victim_id.as_str())));
     let assigned: Vec<_> = decisions
         .iter()
         .filter(|d| d.job_id == long_job && d.outcome == Outcome::Assigned)
