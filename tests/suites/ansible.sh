@@ -384,6 +384,21 @@ else
   fail "site.yml after editing the inventory" "$(tail -n 40 "$WORK/last.log")"
 fi
 
+# --- installing from a release archive ---------------------------------------------------
+# The same binaries packed as a release (with ./-prefixed members, as `tar -C dir .` makes
+# them), installed on a new gpu-node-2, twice: the second run changes nothing.
+tar -C "$WORK/bin" -czf "$WORK/release.tar.gz" .
+archive_run() {
+  play "$INV" "$WORK/stage-archive" site.yml --limit gpu-node-2 \
+    -e metronome_binaries_dir= -e "metronome_release_archive=$WORK/release.tar.gz"
+}
+if archive_run && cmp -s "$WORK/bin/metronome-worker-agent" "$WORK/stage-archive/gpu-node-2/usr/local/bin/metronome-worker-agent" \
+  && archive_run && recap_changed | grep -q '^gpu-node-2 changed=0$'; then
+  pass "binaries install from a release archive (metronome_release_archive), idempotently"
+else
+  fail "binaries install from a release archive (metronome_release_archive), idempotently" "$(tail -n 40 "$WORK/last.log")"
+fi
+
 # --- drain.yml ---------------------------------------------------------------------------
 if play "$INV" "$STAGE" drain.yml --limit gpu-node-2 -e gpu=2 && grep -q 'drained GPU(s) 2' "$WORK/last.log"; then
   pass "drain.yml --limit gpu-node-2 -e gpu=2 runs (no systemd here: it reports, stops nothing)"
