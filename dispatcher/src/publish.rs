@@ -4,7 +4,7 @@
 //! channel and moves on; the publisher writes messages in commit order (one buffered
 //! write each, no round trip) and a spawned tail awaits each job's acknowledgements:
 //!
-//! - assigned: Assignment on `work.<worker>` (`Nats-Msg-Id` = job:attempt, epoch and
+//! - assigned: [`metronome_protocol::Assignment`] on `work.<worker>` (`Nats-Msg-Id` = job:attempt, epoch and
 //!   model headers) → PubAck → acknowledge the JOBS message → Decision on
 //!   `decisions.<job>` (`Nats-Msg-Id` = job:attempt).
 //! - a failed Assignment publish is reported back ([`Event::PublishFailed`]) so the engine
@@ -27,7 +27,7 @@ use async_nats::jetstream::message::{Acker, PublishMessage};
 use async_nats::jetstream::{self, context::PublishAckFuture};
 use bytes::Bytes;
 use metronome_protocol::names::{self, HEADER_EPOCH, HEADER_MODEL};
-use metronome_protocol::{Assignment, Decision, ErrorCode, FinalResult, ResultError, Usage};
+use metronome_protocol::{Decision, ErrorCode, FinalResult, ResultError, Usage};
 use tokio::sync::mpsc;
 
 use crate::engine::Event;
@@ -134,10 +134,10 @@ async fn publish_loop(
                 epoch,
                 decision,
             } => {
-                let assignment = Assignment {
+                let assignment = AssignmentRef {
                     v: metronome_protocol::PROTOCOL_VERSION,
-                    job: (*job.job).clone(),
-                    worker_id: worker_id.clone(),
+                    job: &job.job,
+                    worker_id: &worker_id,
                     epoch,
                     attempt: job.attempt,
                     assigned_ms: decision.decided_ms,
@@ -288,6 +288,18 @@ async fn publish_loop(
             }
         }
     }
+}
+
+/// The wire form of [`Assignment`], serialised from borrowed parts so the job (and its
+/// request body) is not cloned on the hot path. Same fields, same order.
+#[derive(serde::Serialize)]
+struct AssignmentRef<'a> {
+    v: u32,
+    job: &'a metronome_protocol::Job,
+    worker_id: &'a str,
+    epoch: u64,
+    attempt: u32,
+    assigned_ms: u64,
 }
 
 type Started = Result<PublishAckFuture, String>;

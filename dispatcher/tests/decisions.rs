@@ -33,7 +33,10 @@ async fn one_decision_per_job_with_every_term_and_every_reason() {
     }
     // Started after the heartbeats: the stale one is loaded with its own (old) time.
     let (running, token) = env.dispatcher(env.config("decisions")).await;
-    assert_eq!(running.metrics.workers_known.load(Relaxed), 8);
+    wait_for("workers loaded", WAIT, || async {
+        (running.metrics.workers_known.load(Relaxed) == 8).then_some(())
+    })
+    .await;
 
     let ids: Vec<String> = (0..30).map(|i| format!("d{i}")).collect();
     for id in &ids {
