@@ -11,6 +11,7 @@
 //! [`run_plan`], [`summarize`], [`write_outputs`], [`load_trace`] and [`trace_stats`]
 //! (a trace's mean rate and length statistics, to scale it to a fraction of capacity).
 
+pub mod bench;
 pub mod client;
 pub mod dist;
 pub mod error;

@@ -1,0 +1,269 @@
+//! One Metronome system under test, started with `./dev up --no-build` as a child process in
+//! its own process group and stopped with SIGTERM (which `./dev up` turns into a graceful
+//! stop of everything it started), plus the probes the benchmark needs: the simulated GPUs'
+//! Prometheus metrics, their idleness, and every process's resident memory.
+//!
+//! Invariant: a [`System`] is stopped when dropped, so a failed benchmark never leaves a
+//! cluster running; `stop` waits for `./dev up` to exit.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+/// How to start a system.
+#[derive(Debug, Clone)]
+pub struct SystemSpec {
+    pub repo: PathBuf,
+    pub gpus: usize,
+    pub model: String,
+    /// Speed factor per GPU (`--speeds`).
+    pub speeds: Vec<String>,
+    pub policy: String,
+    pub state_dir: PathBuf,
+    /// Extra `--sim-arg` values.
+    pub sim_args: Vec<String>,
+    /// `WORKER_MAX_CONCURRENCY` for the worker-agents, when set.
+    pub worker_max_concurrency: Option<u32>,
+}
+
+/// A running system.
+pub struct System {
+    child: Option<tokio::process::Child>,
+    pub state_dir: PathBuf,
+    pub gateway_url: String,
+    /// Base URL of each simulated GPU's OpenAI API (`http://127.0.0.1:PORT`), GPU order.
+    pub sim_urls: Vec<String>,
+    http: reqwest::Client,
+}
+
+/// A free TCP port on 127.0.0.1 (bound then released).
+pub fn free_port() -> anyhow::Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
+
+fn read_env_file(path: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("METRONOME_GATEWAY_URL="))
+        .map(str::to_string)
+}
+
+fn sim_urls(state_dir: &Path, gpus: usize) -> anyhow::Result<Vec<String>> {
+    (0..gpus)
+        .map(|g| {
+            let path = state_dir.join(format!("config/worker-gpu{g}.toml"));
+            let text = std::fs::read_to_string(&path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let table: toml::Table = toml::from_str(&text)?;
+            table
+                .get("model_server_url")
+                .and_then(|v| v.as_str())
+                .map(str::to_string)
+                .with_context(|| format!("no model_server_url in {}", path.display()))
+        })
+        .collect()
+}
+
+impl System {
+    /// Starts `./dev up` and waits (up to 120 s) until it has written `<state>/env`.
+    pub async fn up(spec: &SystemSpec) -> anyhow::Result<System> {
+        let port = free_port()?;
+        let _ = std::fs::remove_dir_all(&spec.state_dir);
+        std::fs::create_dir_all(&spec.state_dir)?;
+        let log = std::fs::File::create(spec.state_dir.with_extension("up.log"))?;
+        let mut cmd = tokio::process::Command::new(spec.repo.join("dev"));
+        cmd.current_dir(&spec.repo)
+            .args(["up", "--no-build", "--profile", "release"])
+            .args(["--gpus", &spec.gpus.to_string()])
+            .args(["--models", &spec.model])
+            .args(["--speeds", &spec.speeds.join(",")])
+            .args(["--policy", &spec.policy])
+            .arg("--state-dir")
+            .arg(&spec.state_dir)
+            .args(["--gateway-port", &port.to_string()])
+            // Components log at warn: info-level per-request logs would cost CPU the
+            // measured system needs on a small machine.
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .process_group(0)
+            .kill_on_drop(false);
+        for a in &spec.sim_args {
+            cmd.args(["--sim-arg", a]);
+        }
+        if let Some(c) = spec.worker_max_concurrency {
+            cmd.env("WORKER_MAX_CONCURRENCY", c.to_string());
+        }
+        let mut child = cmd.spawn().context("starting ./dev up")?;
+        let env_file = spec.state_dir.join("env");
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let gateway_url = loop {
+            if let Some(url) = read_env_file(&env_file) {
+                break url;
+            }
+            if let Some(status) = child.try_wait()? {
+                bail!(
+                    "./dev up exited with {status} before the system was ready: see {}",
+                    spec.state_dir.with_extension("up.log").display()
+                );
+            }
+            if Instant::now() > deadline {
+                let mut s = System::from_child(child, spec, String::new(), Vec::new());
+                s.stop().await;
+                bail!("./dev up not ready after 120 s");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        let urls = sim_urls(&spec.state_dir, spec.gpus)?;
+        Ok(System::from_child(child, spec, gateway_url, urls))
+    }
+
+    fn from_child(
+        child: tokio::process::Child,
+        spec: &SystemSpec,
+        gateway_url: String,
+        sim_urls: Vec<String>,
+    ) -> System {
+        System {
+            child: Some(child),
+            state_dir: spec.state_dir.clone(),
+            gateway_url,
+            sim_urls,
+            http: reqwest::Client::new(),
+        }
+    }
+
+    /// The gateway's OpenAI base URL.
+    pub fn base_url(&self) -> String {
+        format!("{}/v1", self.gateway_url.trim_end_matches('/'))
+    }
+
+    /// Sum of a metric's samples over every simulated GPU.
+    pub async fn sim_metric_sum(&self, name: &str) -> anyhow::Result<f64> {
+        let mut total = 0.0;
+        for url in &self.sim_urls {
+            let text = self
+                .http
+                .get(format!("{url}/metrics"))
+                .timeout(Duration::from_secs(5))
+                .send()
+                .await?
+                .text()
+                .await?;
+            total += prometheus_sum(&text, name);
+        }
+        Ok(total)
+    }
+
+    /// Waits until no simulated GPU has a running or waiting request.
+    pub async fn wait_idle(&self, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let busy = self.sim_metric_sum("vllm:num_requests_running").await?
+                + self.sim_metric_sum("vllm:num_requests_waiting").await?;
+            if busy == 0.0 {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("simulated GPUs still busy ({busy} requests) after {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// `(process name, pid)` from `<state>/run/*.pid`.
+    pub fn pids(&self) -> Vec<(String, u32)> {
+        let mut out = Vec::new();
+        if let Ok(dir) = std::fs::read_dir(self.state_dir.join("run")) {
+            for e in dir.flatten() {
+                let path = e.path();
+                let Some(name) = path.file_stem().and_then(|s| s.to_str()) else {
+                    continue;
+                };
+                if let Some(pid) = std::fs::read_to_string(&path)
+                    .ok()
+                    .and_then(|t| t.trim().parse().ok())
+                {
+                    out.push((name.to_string(), pid));
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// SIGTERM to `./dev up` and wait for it (it stops everything it started).
+    pub async fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            if let Some(pid) = child.id() {
+                let _ = std::process::Command::new("kill")
+                    .args(["-TERM", &pid.to_string()])
+                    .status();
+            }
+            if tokio::time::timeout(Duration::from_secs(40), child.wait())
+                .await
+                .is_err()
+            {
+                let _ = child.kill().await;
+            }
+        }
+    }
+}
+
+impl Drop for System {
+    fn drop(&mut self) {
+        if let Some(child) = self.child.take() {
+            if let Some(pid) = child.id() {
+                let _ = std::process::Command::new("kill")
+                    .args(["-TERM", &pid.to_string()])
+                    .status();
+            }
+        }
+    }
+}
+
+/// Sum of every sample of `name` (any labels) in Prometheus text.
+pub fn prometheus_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// VmRSS of a process in KiB, from `/proc/<pid>/status`.
+pub fn rss_kib(pid: u32) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sums_samples_of_one_metric_only() {
+        let text = "# HELP vllm:num_preemptions_total x\n\
+                    vllm:num_preemptions_total{model_name=\"m\"} 3\n\
+                    vllm:num_preemptions_total_other 100\n\
+                    vllm:num_preemptions_total{model_name=\"n\"} 4.5\n\
+                    vllm:num_requests_running 2\n";
+        assert_eq!(prometheus_sum(text, "vllm:num_preemptions_total"), 7.5);
+        assert_eq!(prometheus_sum(text, "vllm:num_requests_running"), 2.0);
+        assert_eq!(prometheus_sum(text, "absent"), 0.0);
+    }
+
+    #[test]
+    fn reads_own_rss() {
+        assert!(rss_kib(std::process::id()).unwrap() > 0);
+    }
+}
