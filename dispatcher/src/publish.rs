@@ -196,10 +196,10 @@ async fn publish_loop(
                             tracing::warn!(job_id = %job.job.id, %error, "acknowledging the JOBS message failed");
                         }
                     }
+                    publish_decision(&decision_js, &decision).await;
                     metrics
                         .decisions_assigned_total
                         .fetch_add(1, Ordering::Relaxed);
-                    publish_decision(&decision_js, &decision).await;
                     in_flight.fetch_sub(1, Ordering::AcqRel);
                 });
             }
