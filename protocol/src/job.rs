@@ -82,7 +82,9 @@ pub enum JobError {
     Malformed(String),
     #[error("unsupported job schema version {0} (this dispatcher reads version 1)")]
     UnsupportedVersion(u32),
-    #[error("job id {0:?} is not a subject-safe token (letters, digits, '-' and '_', at most 128)")]
+    #[error(
+        "job id {0:?} is not a subject-safe token (letters, digits, '-' and '_', at most 128)"
+    )]
     BadId(String),
     #[error("job has an empty model name")]
     EmptyModel,
@@ -200,14 +202,70 @@ mod tests {
     fn rejects_each_bad_field_with_its_reason() {
         let cases: Vec<(Value, &str)> = vec![
             (json!("not an object"), "malformed_job"),
-            ({ let mut v = job_json(); v["prompt_tokens"] = json!(-5); v }, "malformed_job"),
-            ({ let mut v = job_json(); v["max_tokens"] = json!("many"); v }, "malformed_job"),
-            ({ let mut v = job_json(); v["v"] = json!(9); v }, "unsupported_version"),
-            ({ let mut v = job_json(); v["id"] = json!("a.b"); v }, "bad_job_id"),
-            ({ let mut v = job_json(); v["model"] = json!(" "); v }, "empty_model"),
-            ({ let mut v = job_json(); v["max_tokens"] = json!(0); v }, "zero_max_tokens"),
-            ({ let mut v = job_json(); v["max_tokens"] = json!(4_000_000_000u64); v }, "too_many_tokens"),
-            ({ let mut v = job_json(); v["request"] = json!([1]); v }, "request_not_object"),
+            (
+                {
+                    let mut v = job_json();
+                    v["prompt_tokens"] = json!(-5);
+                    v
+                },
+                "malformed_job",
+            ),
+            (
+                {
+                    let mut v = job_json();
+                    v["max_tokens"] = json!("many");
+                    v
+                },
+                "malformed_job",
+            ),
+            (
+                {
+                    let mut v = job_json();
+                    v["v"] = json!(9);
+                    v
+                },
+                "unsupported_version",
+            ),
+            (
+                {
+                    let mut v = job_json();
+                    v["id"] = json!("a.b");
+                    v
+                },
+                "bad_job_id",
+            ),
+            (
+                {
+                    let mut v = job_json();
+                    v["model"] = json!(" ");
+                    v
+                },
+                "empty_model",
+            ),
+            (
+                {
+                    let mut v = job_json();
+                    v["max_tokens"] = json!(0);
+                    v
+                },
+                "zero_max_tokens",
+            ),
+            (
+                {
+                    let mut v = job_json();
+                    v["max_tokens"] = json!(4_000_000_000u64);
+                    v
+                },
+                "too_many_tokens",
+            ),
+            (
+                {
+                    let mut v = job_json();
+                    v["request"] = json!([1]);
+                    v
+                },
+                "request_not_object",
+            ),
         ];
         for (v, code) in cases {
             assert_eq!(parse(&v).unwrap_err().code(), code, "for {v}");
@@ -223,7 +281,10 @@ mod tests {
 
     #[test]
     fn salvages_the_id_of_a_partly_valid_job() {
-        assert_eq!(Job::salvage_id(br#"{"id":"j-9","max_tokens":"x"}"#), Some("j-9".into()));
+        assert_eq!(
+            Job::salvage_id(br#"{"id":"j-9","max_tokens":"x"}"#),
+            Some("j-9".into())
+        );
         assert_eq!(Job::salvage_id(br#"{"id":"a.b"}"#), None);
         assert_eq!(Job::salvage_id(b"garbage"), None);
     }

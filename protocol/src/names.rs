@@ -111,8 +111,7 @@ pub fn decision_msg_id(job_id: &str, attempt: u32) -> String {
 pub fn is_subject_token(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 128
-        && s
-            .bytes()
+        && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }
 

@@ -127,13 +127,37 @@ pub async fn ensure_all(
     ];
     for config in streams {
         let name = static_name(&config.name);
-        js.get_or_create_stream(config)
-            .await
-            .map_err(|source| SetupError::Stream { name, source })?;
+        ensure_stream(js, name, config).await?;
     }
     let workers = ensure_bucket(js, BUCKET_WORKERS, s.workers_max_age, s.storage).await?;
     let leader = ensure_bucket(js, BUCKET_LEADER, s.leader_ttl, s.storage).await?;
     Ok(Buckets { workers, leader })
+}
+
+/// Create a stream unless it exists. Components start together, so two may race to create
+/// the same stream; the loser's error (e.g. "subjects overlap") means the winner made it,
+/// which a second lookup confirms.
+async fn ensure_stream(
+    js: &jetstream::Context,
+    name: &'static str,
+    config: stream::Config,
+) -> Result<(), SetupError> {
+    let mut attempt = 0;
+    loop {
+        match js.get_or_create_stream(config.clone()).await {
+            Ok(_) => return Ok(()),
+            Err(source) => {
+                if js.get_stream(name).await.is_ok() {
+                    return Ok(());
+                }
+                attempt += 1;
+                if attempt >= 5 {
+                    return Err(SetupError::Stream { name, source });
+                }
+                tokio::time::sleep(Duration::from_millis(50 * attempt)).await;
+            }
+        }
+    }
 }
 
 async fn ensure_bucket(
@@ -199,8 +223,14 @@ pub async fn create_bucket_stream(
 }
 
 fn static_name(name: &str) -> &'static str {
-    [STREAM_JOBS, STREAM_WORK, STREAM_DECISIONS, STREAM_RESULTS, STREAM_EVENTS]
-        .into_iter()
-        .find(|n| *n == name)
-        .unwrap_or("?")
+    [
+        STREAM_JOBS,
+        STREAM_WORK,
+        STREAM_DECISIONS,
+        STREAM_RESULTS,
+        STREAM_EVENTS,
+    ]
+    .into_iter()
+    .find(|n| *n == name)
+    .unwrap_or("?")
 }

@@ -1,8 +1,6 @@
 //! Every HTTP error case returns its status and an OpenAI-shaped error body, and the system
 //! keeps serving afterwards.
 
-use std::time::Duration;
-
 use metronome_e2e::{chat_body, Cluster, ClusterSpec};
 
 const MODEL: &str = "e2e-model";
@@ -86,31 +84,15 @@ async fn every_error_is_openai_shaped_and_the_system_keeps_serving() {
     assert_openai_error(resp, 413).await;
     assert_still_serving(&http, &cluster).await;
 
-    // Occupy the only GPU with a long generation.
-    let long = {
-        let http = http.clone();
-        let url = url.clone();
-        tokio::spawn(async move {
-            http.post(&url)
-                .json(&chat_body(MODEL, 600, false))
-                .send()
-                .await
-        })
-    };
-    let nats = cluster.nats_client().await;
-    let workers = async_nats::jetstream::new(nats)
-        .get_key_value(metronome_protocol::names::BUCKET_WORKERS)
+    // Occupy the only GPU with a long generation. A streaming response starts when the
+    // first token exists, so once its headers are here the job is running.
+    let long = http
+        .post(&url)
+        .json(&chat_body(MODEL, 600, true))
+        .send()
         .await
         .unwrap();
-    metronome_testkit::wait_for("the GPU busy", Duration::from_secs(20), || {
-        let workers = workers.clone();
-        async move {
-            let entry = workers.get(metronome_e2e::worker_id(0)).await.ok()??;
-            let status: metronome_protocol::WorkerStatus = serde_json::from_slice(&entry).ok()?;
-            (!status.in_flight.is_empty()).then_some(())
-        }
-    })
-    .await;
+    assert_eq!(long.status(), 200, "{}", cluster.logs());
 
     // 503 with Retry-After: nothing can start before a 300 ms deadline.
     let resp = http
@@ -167,7 +149,8 @@ async fn every_error_is_openai_shaped_and_the_system_keeps_serving() {
             cluster.logs()
         );
     }
-    assert_eq!(long.await.unwrap().unwrap().status(), 200);
+    let events = metronome_e2e::sse_events(&long.text().await.unwrap());
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     assert_still_serving(&http, &cluster).await;
 
     // 503: NATS is down. Then NATS comes back and the system serves again.
