@@ -70,7 +70,8 @@ def system():
     sys_ = System(state, port)
     deadline = time.time() + 120
     try:
-        while not _ready(sys_.gateway_url):
+        # `./dev up` writes its env file once everything is ready.
+        while not ((state / "env").exists() and _ready(sys_.gateway_url)):
             if proc.poll() is not None:
                 raise RuntimeError(f"./dev up exited with {proc.returncode}:\n{(state / 'up.log').read_text()}")
             if time.time() > deadline:
