@@ -3,11 +3,18 @@
 //! the worker below the promised rate.
 //!
 //! Prediction: `rate(n) = single_stream_rate / (1 + batch_slowdown * (n - 1))` with `n` the
-//! effective active count plus this job, and `single_stream_rate` the worker's tok/s EWMA
-//! (or `1000 / tpot_ms`). The EWMA was measured under the load of its day, so it tends to
-//! underestimate the single-stream rate: the filter errs on the safe side. A worker with no
-//! EWMA samples cannot be judged and passes (the latency and job-cost terms say they are
-//! unavailable), otherwise a fresh worker could never earn its first sample.
+//! effective active count plus this job, and `single_stream_rate` the worker's decode rate
+//! `1000 / tpot_ms` (or its tok/s EWMA when no TPOT was measured). The decode rate is what
+//! the SLO promises (tokens per second *after* the first token); the tok/s EWMA also counts
+//! the time to the first token, so for long prompts it would judge even an idle card too
+//! slow. The EWMA was measured under the load of its day, so it tends to underestimate the
+//! single-stream rate: the filter errs on the safe side.
+//!
+//! Two cases always pass. A worker with no EWMA samples cannot be judged (the latency and
+//! job-cost terms say they are unavailable), otherwise a fresh worker could never earn its
+//! first sample. An idle worker (`n = 1`) slows nobody down by taking the job and gives it
+//! the best rate it has; refusing it would also starve it for good, since only completions
+//! refresh an EWMA that a burst of interference pushed below the floor.
 
 use metronome_protocol::RejectionCode;
 
@@ -30,14 +37,17 @@ impl Filter for SloFloor {
         let Some(floor) = ctx.config.slo_min_tok_s else {
             return Ok(());
         };
-        let Some(single) = ctx
-            .view
-            .ewma_with_samples()
-            .and_then(|e| e.rate_estimate_tok_s())
-        else {
+        let n = ctx.load.after_admission();
+        if n <= 1 {
+            return Ok(());
+        }
+        let Some(single) = ctx.view.ewma_with_samples().and_then(|e| {
+            e.tpot_estimate_ms()
+                .map(|tpot| 1000.0 / tpot)
+                .or_else(|| e.rate_estimate_tok_s())
+        }) else {
             return Ok(());
         };
-        let n = ctx.load.after_admission();
         let rate = predicted_rate(single, ctx.config.batch_slowdown, n);
         if rate < floor {
             Err(format!(
@@ -87,9 +97,13 @@ mod tests {
 
     #[test]
     fn passes_when_disabled_or_unknown() {
-        let mut config = SchedulerConfig::default();
+        let mut config = SchedulerConfig {
+            slo_min_tok_s: None,
+            ..SchedulerConfig::default()
+        };
         let mut w = worker("w1");
         w.ewma = Some(ewma(100.0, 1000.0)); // 1 tok/s
+        w.status.active = 1; // an idle worker always passes; this one is not idle
         assert_eq!(
             check(&SloFloor, &job("m"), &w, &Ledger::new(), &config),
             Ok(())
@@ -97,6 +111,43 @@ mod tests {
         config.slo_min_tok_s = Some(10.0);
         assert!(check(&SloFloor, &job("m"), &w, &Ledger::new(), &config).is_err());
         w.ewma = None;
+        assert_eq!(
+            check(&SloFloor, &job("m"), &w, &Ledger::new(), &config),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn an_idle_worker_always_passes() {
+        let config = SchedulerConfig {
+            slo_min_tok_s: Some(30.0),
+            ..SchedulerConfig::default()
+        };
+        let mut w = worker("w1");
+        w.ewma = Some(ewma(100.0, 50.0)); // 20 tok/s, below the floor even alone
+        w.status.active = 0;
+        assert_eq!(
+            check(&SloFloor, &job("m"), &w, &Ledger::new(), &config),
+            Ok(())
+        );
+        w.status.active = 1;
+        assert!(check(&SloFloor, &job("m"), &w, &Ledger::new(), &config).is_err());
+    }
+
+    #[test]
+    fn judges_the_decode_rate_not_the_rate_including_the_first_token() {
+        let config = SchedulerConfig {
+            slo_min_tok_s: Some(30.0),
+            batch_slowdown: 0.1,
+            ..SchedulerConfig::default()
+        };
+        let mut w = worker("w1");
+        // Long prompts: 13 tokens in 0.5 s including a 0.3 s TTFT is 26 tok/s overall,
+        // but the decode runs at 60 tok/s.
+        let mut e = ewma(300.0, 1000.0 / 60.0);
+        e.tok_s = 26.0;
+        w.ewma = Some(e);
+        w.status.active = 1; // admission makes 2: 60 / 1.1 = 54.5
         assert_eq!(
             check(&SloFloor, &job("m"), &w, &Ledger::new(), &config),
             Ok(())
