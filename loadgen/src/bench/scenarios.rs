@@ -69,6 +69,8 @@ pub struct BenchPlan {
     pub overhead_ramp_s: f64,
     pub dispatch_jobs: usize,
     pub skip_overhead: bool,
+    /// Use these capacities (trace, Poisson; req/s) instead of measuring them.
+    pub given_capacity: Option<(f64, f64)>,
     pub analysis: Option<PathBuf>,
     pub command: String,
 }
@@ -85,13 +87,13 @@ impl BenchPlan {
             policies: POLICIES.iter().map(|s| s.to_string()).collect(),
             loads: vec![0.5, 0.7, 0.9],
             speeds: ["1", "1", "1", "0.5"].map(String::from).to_vec(),
-            worker_max_concurrency: None,
-            run_requests: if quick { 80 } else { 600 },
-            ramp_requests: if quick { 60 } else { 300 },
+            worker_max_concurrency: Some(32),
+            run_requests: if quick { 40 } else { 600 },
+            ramp_requests: if quick { 40 } else { 300 },
             ramp_initial_rps: 3.0,
             ramp_growth: 1.4,
             ramp_bisections: if quick { 1 } else { 2 },
-            ramp_max_steps: if quick { 6 } else { 9 },
+            ramp_max_steps: if quick { 4 } else { 9 },
             poisson_prompt: LengthDist::LogNormal {
                 mean: 800.0,
                 sigma: 1.0,
@@ -109,6 +111,7 @@ impl BenchPlan {
             overhead_ramp_s: if quick { 3.0 } else { 10.0 },
             dispatch_jobs: if quick { 10_000 } else { 50_000 },
             skip_overhead: false,
+            given_capacity: None,
             analysis: None,
             command: String::new(),
         }
@@ -343,40 +346,17 @@ pub async fn run_bench(plan: &BenchPlan) -> anyhow::Result<Report> {
     ];
 
     // 1. Capacity, with policy metronome.
-    progress(start, "starting the capacity system (policy metronome)");
-    let mut sys = System::up(&system_spec(
-        plan,
-        "metronome",
-        plan.speeds.clone(),
-        "capacity",
-    ))
-    .await?;
-    let keep = KeepUp::default();
-    let new_search = || {
-        CapacitySearch::new(
-            plan.ramp_initial_rps,
-            plan.ramp_growth,
-            plan.ramp_bisections,
-            plan.ramp_max_steps,
-        )
+    let (cap_trace, cap_poisson) = match plan.given_capacity {
+        Some((t, p)) => {
+            report.notes.push(format!(
+                "Capacities given on the command line (--capacity {t},{p}), not measured in this run."
+            ));
+            report.capacity_trace_rps = Some(t);
+            report.capacity_poisson_rps = Some(p);
+            (t, p)
+        }
+        None => measure_capacity(plan, start, &mut report).await?,
     };
-    let url = sys.base_url();
-    let (cap_trace, ramp) = search(&sys, start, "trace", new_search(), keep, |r| {
-        trace_spec(plan, url.clone(), r, plan.ramp_requests)
-    })
-    .await?;
-    report.ramp_trace = ramp;
-    report.capacity_trace_rps = cap_trace;
-    let (cap_poisson, ramp) = search(&sys, start, "poisson", new_search(), keep, |r| {
-        poisson_spec(plan, url.clone(), r, plan.ramp_requests)
-    })
-    .await?;
-    report.ramp_poisson = ramp;
-    report.capacity_poisson_rps = cap_poisson;
-    sys.stop().await;
-    let cap_trace =
-        cap_trace.context("no trace rate kept up: the system is broken or overloaded")?;
-    let cap_poisson = cap_poisson.unwrap_or(cap_trace);
     progress(
         start,
         format!("capacity: trace {cap_trace:.2} req/s, poisson {cap_poisson:.2} req/s"),
@@ -507,6 +487,47 @@ pub async fn run_bench(plan: &BenchPlan) -> anyhow::Result<Report> {
         ),
     );
     Ok(report)
+}
+
+async fn measure_capacity(
+    plan: &BenchPlan,
+    start: Instant,
+    report: &mut Report,
+) -> anyhow::Result<(f64, f64)> {
+    progress(start, "starting the capacity system (policy metronome)");
+    let mut sys = System::up(&system_spec(
+        plan,
+        "metronome",
+        plan.speeds.clone(),
+        "capacity",
+    ))
+    .await?;
+    let keep = KeepUp::default();
+    let new_search = || {
+        CapacitySearch::new(
+            plan.ramp_initial_rps,
+            plan.ramp_growth,
+            plan.ramp_bisections,
+            plan.ramp_max_steps,
+        )
+    };
+    let url = sys.base_url();
+    let (cap_trace, ramp) = search(&sys, start, "trace", new_search(), keep, |r| {
+        trace_spec(plan, url.clone(), r, plan.ramp_requests)
+    })
+    .await?;
+    report.ramp_trace = ramp;
+    report.capacity_trace_rps = cap_trace;
+    let (cap_poisson, ramp) = search(&sys, start, "poisson", new_search(), keep, |r| {
+        poisson_spec(plan, url.clone(), r, plan.ramp_requests)
+    })
+    .await?;
+    report.ramp_poisson = ramp;
+    report.capacity_poisson_rps = cap_poisson;
+    sys.stop().await;
+    let cap_trace =
+        cap_trace.context("no trace rate kept up: the system is broken or overloaded")?;
+    Ok((cap_trace, cap_poisson.unwrap_or(cap_trace)))
 }
 
 fn rel(report: &Path, dir: &Path) -> String {

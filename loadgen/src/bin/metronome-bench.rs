@@ -47,21 +47,26 @@ struct Cli {
     /// Loads as fractions of the measured capacity, comma-separated [default: 0.5,0.7,0.9].
     #[arg(long, value_delimiter = ',')]
     loads: Vec<f64>,
-    /// Requests per load run (the first N of the trace) [default: 80 quick, 600 full].
+    /// Requests per load run (the first N of the trace) [default: 40 quick, 600 full].
     #[arg(long, value_name = "N")]
     requests: Option<usize>,
     /// Burst rounds per policy [default: 20 quick, 50 full].
     #[arg(long, value_name = "N")]
     burst_rounds: Option<usize>,
-    /// WORKER_MAX_CONCURRENCY for every worker-agent [default: ./dev up's].
-    #[arg(long, value_name = "N")]
-    worker_max_concurrency: Option<u32>,
+    /// WORKER_MAX_CONCURRENCY for every worker-agent: high, so the baselines hand every job
+    /// to the model server at once as conventional balancers do [default: 32].
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    worker_max_concurrency: u32,
     /// Poisson prompt length distribution [default: lognormal:mean=800,sigma=1,max=7000].
     #[arg(long, value_name = "DIST")]
     poisson_prompt: Option<LengthDist>,
     /// Poisson output length distribution [default: lognormal:mean=120,sigma=0.8,max=1000].
     #[arg(long, value_name = "DIST")]
     poisson_output: Option<LengthDist>,
+    /// Skip the capacity search and use these capacities: TRACE,POISSON in req/s (for
+    /// quick comparisons while tuning; the report says they were given).
+    #[arg(long, value_delimiter = ',', value_name = "TRACE,POISSON")]
+    capacity: Vec<f64>,
     /// Skip the zero-delay overhead runs and the dispatcher benchmark.
     #[arg(long)]
     skip_overhead: bool,
@@ -112,7 +117,7 @@ fn main() -> ExitCode {
     if let Some(n) = cli.burst_rounds {
         plan.burst_rounds = n;
     }
-    plan.worker_max_concurrency = cli.worker_max_concurrency;
+    plan.worker_max_concurrency = Some(cli.worker_max_concurrency);
     if let Some(d) = cli.poisson_prompt {
         plan.poisson_prompt = d;
     }
@@ -120,6 +125,14 @@ fn main() -> ExitCode {
         plan.poisson_output = d;
     }
     plan.skip_overhead = cli.skip_overhead;
+    match cli.capacity[..] {
+        [] => {}
+        [t, p] if t > 0.0 && p > 0.0 => plan.given_capacity = Some((t, p)),
+        _ => {
+            eprintln!("error: --capacity wants two rates > 0: TRACE,POISSON");
+            return ExitCode::from(2);
+        }
+    }
     plan.analysis = cli.analysis;
     plan.command = format!(
         "cargo build --release --bins && cargo build --release -p metronome-dispatcher --example dispatch_bench\ncargo run --release -p metronome-loadgen --bin metronome-bench --{}{}",
