@@ -270,6 +270,7 @@ fn system_spec(plan: &BenchPlan, policy: &str, speeds: Vec<String>, tag: &str) -
 /// (`None` when a request failed or carried no worker header), and the workers, sorted.
 async fn burst_round(sys: &System, n: usize) -> anyhow::Result<(Option<bool>, String)> {
     sys.wait_idle(Duration::from_secs(60)).await?;
+    sys.wait_workers_idle(Duration::from_secs(30)).await?;
     let plan: Vec<PlannedRequest> = (0..n as u64)
         .map(|id| PlannedRequest {
             id,

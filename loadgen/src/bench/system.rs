@@ -36,6 +36,8 @@ pub struct System {
     /// Base URL of each simulated GPU's OpenAI API (`http://127.0.0.1:PORT`), GPU order.
     pub sim_urls: Vec<String>,
     http: reqwest::Client,
+    /// The `workers` KV bucket (latest heartbeat per worker): the dispatcher's view.
+    workers: Option<async_nats::jetstream::kv::Store>,
 }
 
 /// A free TCP port on 127.0.0.1 (bound then released).
@@ -44,10 +46,11 @@ pub fn free_port() -> anyhow::Result<u16> {
     Ok(l.local_addr()?.port())
 }
 
-fn read_env_file(path: &Path) -> Option<String> {
+fn read_env_file(path: &Path, key: &str) -> Option<String> {
     let text = std::fs::read_to_string(path).ok()?;
+    let prefix = format!("{key}=");
     text.lines()
-        .find_map(|l| l.strip_prefix("METRONOME_GATEWAY_URL="))
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
         .map(str::to_string)
 }
 
@@ -102,7 +105,7 @@ impl System {
         let env_file = spec.state_dir.join("env");
         let deadline = Instant::now() + Duration::from_secs(120);
         let gateway_url = loop {
-            if let Some(url) = read_env_file(&env_file) {
+            if let Some(url) = read_env_file(&env_file, "METRONOME_GATEWAY_URL") {
                 break url;
             }
             if let Some(status) = child.try_wait()? {
@@ -119,7 +122,19 @@ impl System {
             tokio::time::sleep(Duration::from_millis(200)).await;
         };
         let urls = sim_urls(&spec.state_dir, spec.gpus)?;
-        Ok(System::from_child(child, spec, gateway_url, urls))
+        let mut sys = System::from_child(child, spec, gateway_url, urls);
+        if let Some(nats_url) = read_env_file(&env_file, "NATS_URL") {
+            let client = async_nats::connect(nats_url.as_str())
+                .await
+                .context("connecting to the system's NATS")?;
+            let js = async_nats::jetstream::new(client);
+            sys.workers = Some(
+                js.get_key_value(metronome_protocol::names::BUCKET_WORKERS)
+                    .await
+                    .context("opening the workers bucket")?,
+            );
+        }
+        Ok(sys)
     }
 
     fn from_child(
@@ -134,6 +149,7 @@ impl System {
             gateway_url,
             sim_urls,
             http: reqwest::Client::new(),
+            workers: None,
         }
     }
 
@@ -172,6 +188,41 @@ impl System {
                 bail!("simulated GPUs still busy ({busy} requests) after {timeout:?}");
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits until every worker's latest heartbeat reports nothing active, queued or in
+    /// flight, so the dispatcher sees the GPUs idle too (a heartbeat comes every ~1 s; the
+    /// simulators are idle a moment earlier).
+    pub async fn wait_workers_idle(&self, timeout: Duration) -> anyhow::Result<()> {
+        let Some(kv) = &self.workers else {
+            return Ok(());
+        };
+        let deadline = Instant::now() + timeout;
+        loop {
+            let mut busy = 0usize;
+            let mut seen = 0usize;
+            let mut keys = kv.keys().await?;
+            let mut names = Vec::new();
+            while let Some(k) = futures::StreamExt::next(&mut keys).await {
+                names.push(k?);
+            }
+            for key in names {
+                if let Some(bytes) = kv.get(&key).await? {
+                    seen += 1;
+                    match serde_json::from_slice::<metronome_protocol::WorkerStatus>(&bytes) {
+                        Ok(s) if s.active == 0 && s.queued == 0 && s.in_flight.is_empty() => {}
+                        _ => busy += 1,
+                    }
+                }
+            }
+            if busy == 0 && seen >= self.sim_urls.len() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("{busy} workers still report work after {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
