@@ -5,8 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use metronome_dispatcher::{Config, ConfigError};
-use tokio_util::sync::CancellationToken;
+use metronome_dispatcher::Config;
 
 /// Metronome's dispatcher: admits, scores, reserves and assigns every job on
 /// `jobs.submit` to one GPU worker, and publishes each decision on `decisions.<job_id>`.
@@ -42,8 +41,7 @@ fn main() -> ExitCode {
         }
     };
     if let Err(errors) = config.validate() {
-        eprintln!("metronome-dispatcher: {}", ConfigError::Invalid(errors));
-        return ExitCode::from(2);
+        return metronome_runtime::report_invalid_config("metronome-dispatcher: ", &errors);
     }
     if cli.check_config {
         match toml::to_string_pretty(&config) {
@@ -57,12 +55,7 @@ fn main() -> ExitCode {
             }
         }
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
+    metronome_runtime::init_tracing(metronome_runtime::LogOutput::Stdout);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -74,8 +67,7 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(async move {
-        let shutdown = CancellationToken::new();
-        tokio::spawn(wait_for_signal(shutdown.clone()));
+        let shutdown = metronome_runtime::shutdown_on_signals(|| tracing::info!("shutting down"));
         match metronome_dispatcher::run(config, shutdown).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -84,23 +76,4 @@ fn main() -> ExitCode {
             }
         }
     })
-}
-
-async fn wait_for_signal(shutdown: CancellationToken) {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot listen for SIGTERM");
-            let _ = tokio::signal::ctrl_c().await;
-            shutdown.cancel();
-            return;
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
-    tracing::info!("shutting down");
-    shutdown.cancel();
 }

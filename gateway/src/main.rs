@@ -5,8 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use metronome_gateway::{Config, ConfigError};
-use tokio_util::sync::CancellationToken;
+use metronome_gateway::Config;
 
 /// Metronome's OpenAI-compatible HTTP gateway.
 ///
@@ -42,19 +41,13 @@ fn main() -> ExitCode {
         config.listen = listen;
     }
     if let Err(errors) = config.validate() {
-        eprintln!("metronome-gateway: {}", ConfigError::Invalid(errors));
-        return ExitCode::from(2);
+        return metronome_runtime::report_invalid_config("metronome-gateway: ", &errors);
     }
     if args.check_config {
         print!("{}", config.to_toml());
         return ExitCode::SUCCESS;
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
+    metronome_runtime::init_tracing(metronome_runtime::LogOutput::Stdout);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {
@@ -63,8 +56,9 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(async move {
-        let shutdown = CancellationToken::new();
-        tokio::spawn(stop_on_signal(shutdown.clone()));
+        let shutdown = metronome_runtime::shutdown_on_signals(|| {
+            tracing::info!("shutdown requested; finishing in-flight requests")
+        });
         match metronome_gateway::run(config, shutdown).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -73,29 +67,4 @@ fn main() -> ExitCode {
             }
         }
     })
-}
-
-async fn stop_on_signal(shutdown: CancellationToken) {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot listen for SIGTERM");
-                    let _ = ctrl_c.await;
-                    shutdown.cancel();
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
-    tracing::info!("shutdown requested; finishing in-flight requests");
-    shutdown.cancel();
 }

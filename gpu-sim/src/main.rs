@@ -7,8 +7,6 @@ use anyhow::Context;
 use clap::Parser;
 use metronome_gpu_sim::config::parse_specs;
 use metronome_gpu_sim::SimConfig;
-use tokio_util::sync::CancellationToken;
-use tracing_subscriber::EnvFilter;
 
 /// Simulated GPUs: OpenAI-compatible model servers that behave like vLLM on one GPU each.
 ///
@@ -84,11 +82,7 @@ fn main() -> ExitCode {
             }
         }
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .init();
+    metronome_runtime::init_tracing(metronome_runtime::LogOutput::Stdout);
     match serve(config) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -100,33 +94,10 @@ fn main() -> ExitCode {
 
 #[tokio::main]
 async fn serve(config: SimConfig) -> anyhow::Result<()> {
-    let shutdown = CancellationToken::new();
-    tokio::spawn(stop_on_signal(shutdown.clone()));
+    let shutdown = metronome_runtime::shutdown_on_signals(|| {
+        tracing::info!("shutdown signal received, stopping simulated GPUs")
+    });
     metronome_gpu_sim::run(config, shutdown)
         .await
         .context("simulated GPUs")
-}
-
-async fn stop_on_signal(shutdown: CancellationToken) {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = terminate => {}
-    }
-    tracing::info!("shutdown signal received, stopping simulated GPUs");
-    shutdown.cancel();
 }

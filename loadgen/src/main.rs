@@ -10,7 +10,6 @@ use metronome_loadgen::{
     load_trace, run_load_until, trace_stats, write_outputs, Endpoint, FieldError, LengthDist,
     LoadSpec, Workload,
 };
-use tokio_util::sync::CancellationToken;
 
 /// Open-loop OpenAI-API load generator measuring per-request predictability.
 ///
@@ -209,23 +208,10 @@ impl Cli {
     }
 }
 
-fn print_errors(errs: &[FieldError]) {
-    eprintln!("invalid configuration:");
-    for e in errs {
-        eprintln!("  {e}");
-    }
-}
-
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    metronome_runtime::init_tracing(metronome_runtime::LogOutput::Stderr);
 
     if cli.trace_stats {
         let path = cli.trace.as_ref().expect("clap requires --trace");
@@ -261,19 +247,19 @@ async fn main() -> ExitCode {
     }
     if cli.check_config {
         if !errs.is_empty() {
-            print_errors(&errs);
-            return ExitCode::from(2);
+            return metronome_runtime::report_invalid_config("", &errs);
         }
         print!("{}", toml::to_string(&spec).expect("spec serialises"));
         return ExitCode::SUCCESS;
     }
     if !errs.is_empty() {
-        print_errors(&errs);
-        return ExitCode::from(2);
+        return metronome_runtime::report_invalid_config("", &errs);
     }
 
-    let cancel = CancellationToken::new();
-    tokio::spawn(cancel_on_signal(cancel.clone()));
+    // SIGINT or SIGTERM cancels the run; the partial results are still written.
+    let cancel = metronome_runtime::shutdown_on_signals(|| {
+        tracing::warn!("signal received, stopping the run")
+    });
     tracing::info!(url = %spec.request_url(), model = %spec.model, out = %cli.out.display(), "starting load run");
     let result = match run_load_until(spec, !cli.quiet, cancel).await {
         Ok(r) => r,
@@ -293,29 +279,4 @@ async fn main() -> ExitCode {
         eprintln!("run was cancelled: the figures cover a partial run");
     }
     ExitCode::SUCCESS
-}
-
-/// Cancels the run on SIGINT or SIGTERM; the partial results are still written.
-async fn cancel_on_signal(cancel: CancellationToken) {
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot listen for SIGTERM");
-                    let _ = tokio::signal::ctrl_c().await;
-                    cancel.cancel();
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = tokio::signal::ctrl_c().await;
-    tracing::warn!("signal received, stopping the run");
-    cancel.cancel();
 }

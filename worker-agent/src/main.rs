@@ -6,7 +6,6 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use metronome_worker_agent::{run, Config};
-use tokio_util::sync::CancellationToken;
 
 /// Runs the jobs the Metronome dispatcher assigns to one GPU/model instance.
 ///
@@ -91,11 +90,7 @@ fn main() -> ExitCode {
         }
     };
     if let Err(errors) = config.validate() {
-        eprintln!("invalid configuration:");
-        for e in &errors {
-            eprintln!("  {e}");
-        }
-        return ExitCode::from(2);
+        return metronome_runtime::report_invalid_config("", &errors);
     }
     if cli.check_config {
         // A closed pipe (`| head`) is not an error worth a panic.
@@ -104,12 +99,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
 
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
+    metronome_runtime::init_tracing(metronome_runtime::LogOutput::Stdout);
 
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -122,8 +112,8 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(async move {
-        let shutdown = CancellationToken::new();
-        tokio::spawn(signals(shutdown.clone()));
+        let shutdown =
+            metronome_runtime::shutdown_on_signals(|| tracing::info!("signal received: draining"));
         match run(config, shutdown).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -132,30 +122,4 @@ fn main() -> ExitCode {
             }
         }
     })
-}
-
-/// Cancel `shutdown` on SIGINT or SIGTERM.
-async fn signals(shutdown: CancellationToken) {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot listen for SIGTERM; Ctrl-C still works");
-                    let _ = ctrl_c.await;
-                    shutdown.cancel();
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
-    tracing::info!("signal received: draining");
-    shutdown.cancel();
 }
