@@ -21,7 +21,7 @@ use tracing_subscriber::EnvFilter;
 ///
 /// Examples:
 ///   metronome-bench --quick                      # a few minutes, reduced scale
-///   metronome-bench                              # full scale (about 30-40 minutes)
+///   metronome-bench                              # full scale (about 1.5 hours on 2 cores)
 ///   metronome-bench --quick --policies metronome,least_connections --skip-overhead
 #[derive(Debug, Parser)]
 #[command(name = "metronome-bench", version, verbatim_doc_comment)]
@@ -47,7 +47,7 @@ struct Cli {
     /// Loads as fractions of the measured capacity, comma-separated [default: 0.5,0.7,0.9].
     #[arg(long, value_delimiter = ',')]
     loads: Vec<f64>,
-    /// Requests per load run (the first N of the trace) [default: 40 quick, 600 full].
+    /// Requests per load run (the first N of the trace) [default: 40 quick, 150 full].
     #[arg(long, value_name = "N")]
     requests: Option<usize>,
     /// Burst rounds per policy [default: 20 quick, 50 full].
