@@ -67,9 +67,9 @@ mod tests {
         let mut l = Ledger::new();
         l.reserve("w1", "x", 1, 0).unwrap();
         l.reserve("w1", "y", 1, 0).unwrap();
-        // default batch_slowdown 1.0, two running: x 3
+        // default batch_slowdown 0.1, two running: x 1.2
         let got = raw(&JobCost, &j, &w, &l).unwrap();
-        assert!((got - 3_300.0).abs() < 1e-9, "{got}");
+        assert!((got - 1_320.0).abs() < 1e-9, "{got}");
     }
 
     #[test]
