@@ -10,6 +10,11 @@ redis_url = "$REDIS_URL"
 dispatcher_id = "$1"
 policy = "$POLICY"
 TOML
+  # Extra dispatcher settings (TOML appended after the keys above, e.g. a [scheduler]
+  # table), so benchmarks can run a tuned scheduler without editing defaults.
+  if [ -n "${METRONOME_DISPATCHER_EXTRA_TOML:-}" ]; then
+    printf '%s\n' "$METRONOME_DISPATCHER_EXTRA_TOML"
+  fi
 }
 
 render_worker_config() { # worker id, model, model server port, gpu index
