@@ -23,7 +23,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::AckKind;
-use metronome_protocol::{CompletionEvent, CompletionOutcome, Decision, ErrorCode, Job, Outcome};
+use metronome_protocol::{
+    CompletionEvent, CompletionOutcome, Decision, ErrorCode, Job, Outcome, WorkerStatus,
+};
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
 use metronome_scheduler::{EwmaSnapshot, JobRequest, Ledger, SchedulerConfig, WorkerView};
 use tokio::sync::mpsc;
@@ -99,6 +101,9 @@ pub struct Engine {
     /// core then only looks at the model's own workers. Cleared on every worker change.
     per_model: HashMap<String, Vec<WorkerView>>,
     dead: HashSet<String>,
+    /// Jobs whose completion event arrived, with when: a heartbeat sent before the event may
+    /// still list them, and must neither re-adopt them nor count them as running.
+    finished: HashMap<String, u64>,
     ewmas: HashMap<String, EwmaSnapshot>,
     output_len: HashMap<String, f64>,
     assigned: HashMap<String, AssignedJob>,
@@ -123,6 +128,7 @@ impl Engine {
             index: HashMap::new(),
             per_model: HashMap::new(),
             dead: HashSet::new(),
+            finished: HashMap::new(),
             ewmas: HashMap::new(),
             output_len: HashMap::new(),
             assigned: HashMap::new(),
@@ -287,8 +293,12 @@ impl Engine {
         let now = metronome_protocol::time::unix_ms();
         self.per_model.clear();
         match update {
-            WorkerUpdate::Put { status, seen_ms } => {
+            WorkerUpdate::Put {
+                mut status,
+                seen_ms,
+            } => {
                 let id = status.worker_id.clone();
+                self.drop_finished(&mut status);
                 let rec = self.ledger.reconcile(
                     &id,
                     &status.in_flight,
@@ -354,7 +364,32 @@ impl Engine {
         self.capacity_changed = true;
     }
 
+    /// Remove from a heartbeat the jobs whose completion this leader has already seen: the
+    /// heartbeat was sent before they finished. Without this a burst right after another
+    /// sees busy workers that are idle, and re-adopts finished jobs as leaked reservations.
+    fn drop_finished(&mut self, status: &mut WorkerStatus) {
+        let before = status.in_flight.len();
+        status
+            .in_flight
+            .retain(|id| !self.finished.contains_key(id));
+        let gone = (before - status.in_flight.len()) as u32;
+        status.active = status.active.saturating_sub(gone);
+    }
+
     fn on_completion(&mut self, event: CompletionEvent) {
+        if event.outcome != CompletionOutcome::Refused {
+            let now = metronome_protocol::time::unix_ms();
+            // Heartbeats come every second; a minute covers any that were in flight.
+            self.finished
+                .retain(|_, at| now.saturating_sub(*at) < 60_000);
+            self.finished.insert(event.job_id.clone(), now);
+            if let Some(&i) = self.index.get(&event.worker_id) {
+                let mut patched = self.workers[i].status.clone();
+                self.drop_finished(&mut patched);
+                self.workers[i].status = patched;
+                self.per_model.clear();
+            }
+        }
         if self.ledger.worker_of(&event.job_id) == Some(event.worker_id.as_str()) {
             self.ledger.release(&event.job_id);
             self.capacity_changed = true;
