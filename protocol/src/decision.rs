@@ -86,6 +86,9 @@ pub struct CandidateScore {
     pub total: f64,
     /// All seven terms, in [`TermName::ALL`] order.
     pub terms: Vec<TermScore>,
+    /// What the dispatcher predicted for the job on this worker.
+    #[serde(default)]
+    pub prediction: Option<crate::Prediction>,
 }
 
 /// Why a worker was not eligible.
@@ -98,7 +101,11 @@ pub enum RejectionCode {
     Draining,
     AtConcurrencyCap,
     InsufficientKv,
+    /// The job's own predicted decode rate, or that of a job already running there, would
+    /// fall below its SLO floor.
     BelowSloFloor,
+    /// The job's predicted time to first token would exceed what is left of its TTFT target.
+    TtftOverBudget,
 }
 
 /// A worker that was filtered out, with the reason in words and numbers.
@@ -107,6 +114,9 @@ pub struct Rejection {
     pub worker_id: String,
     pub code: RejectionCode,
     pub reason: String,
+    /// The prediction that decided an SLO rejection.
+    #[serde(default)]
+    pub prediction: Option<crate::Prediction>,
 }
 
 /// The job's size as the dispatcher saw it.
@@ -147,6 +157,9 @@ pub struct Decision {
     /// Every ineligible worker with its reason.
     #[serde(default)]
     pub rejected: Vec<Rejection>,
+    /// The SLO the job was held to (its model's, tightened by the job's own request).
+    #[serde(default)]
+    pub slo: Option<crate::Slo>,
     /// Scheduling policy that decided (`metronome`, `least_connections`…).
     pub policy: String,
     /// Time the job spent in the admission queue.

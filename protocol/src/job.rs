@@ -52,7 +52,15 @@ pub struct Job {
     /// Absolute deadline to *start* the job (Unix ms). Past it a queued job is rejected.
     #[serde(default)]
     pub deadline_ms: Option<u64>,
+    /// A tighter SLO than the model's, asked for by the client (bounded by the model's:
+    /// a job can only ask for better service, never excuse itself from it).
+    #[serde(default)]
+    pub slo: Option<crate::SloRequest>,
 }
+
+/// Highest decode-rate floor a job may ask for: far above any GPU's single-stream rate, so
+/// only nonsense is refused.
+pub const MAX_SLO_TOK_S: f64 = 10_000.0;
 
 /// Bounds a job must respect to be accepted. Values outside them are rejected with a
 /// reason rather than clamped, so a client learns its request was wrong.
@@ -94,6 +102,8 @@ pub enum JobError {
     TooManyTokens { total: u64, limit: u32 },
     #[error("job request body must be a JSON object")]
     RequestNotObject,
+    #[error("job slo: {0}")]
+    BadSlo(String),
 }
 
 impl JobError {
@@ -108,6 +118,7 @@ impl JobError {
             JobError::ZeroMaxTokens => "zero_max_tokens",
             JobError::TooManyTokens { .. } => "too_many_tokens",
             JobError::RequestNotObject => "request_not_object",
+            JobError::BadSlo(_) => "bad_slo",
         }
     }
 }
@@ -150,6 +161,18 @@ impl Job {
         }
         if !self.request.is_object() {
             return Err(JobError::RequestNotObject);
+        }
+        if let Some(slo) = &self.slo {
+            if slo.ttft_ms == Some(0) {
+                return Err(JobError::BadSlo("ttft_ms must be at least 1".into()));
+            }
+            if let Some(r) = slo.min_tok_s {
+                if !(r.is_finite() && r > 0.0 && r <= MAX_SLO_TOK_S) {
+                    return Err(JobError::BadSlo(format!(
+                        "min_tok_s must be a number in (0, {MAX_SLO_TOK_S}], got {r}"
+                    )));
+                }
+            }
         }
         Ok(())
     }

@@ -11,6 +11,7 @@ pub mod decision;
 pub mod event;
 pub mod job;
 pub mod names;
+pub mod perf;
 pub mod redis_keys;
 pub mod result;
 #[cfg(feature = "nats")]
@@ -24,6 +25,7 @@ pub use decision::{
 };
 pub use event::{CompletionEvent, CompletionOutcome};
 pub use job::{Endpoint, Job, JobError, JobLimits};
+pub use perf::{PerfCoefficients, Prediction, Slo, SloRequest};
 pub use result::{ErrorCode, FinalResult, ResultChunk, ResultError, Usage};
 pub use worker::{GpuStats, KvUsage, WorkerStatus};
 

@@ -20,6 +20,12 @@ pub fn output_len_key(prefix: &str, model: &str) -> String {
     format!("{prefix}:outlen:{model}")
 }
 
+/// `<prefix>:perf:<worker_id>`: JSON of the worker's fitted performance model (the
+/// recursive-least-squares state), so a restarted agent resumes where it stopped.
+pub fn perf_key(prefix: &str, worker_id: &str) -> String {
+    format!("{prefix}:perf:{worker_id}")
+}
+
 pub const FIELD_TTFT_MS: &str = "ttft_ms";
 pub const FIELD_TPOT_MS: &str = "tpot_ms";
 pub const FIELD_TOK_S: &str = "tok_s";

@@ -56,6 +56,13 @@ pub struct WorkerStatus {
     /// `None` when NVML is not available on the host.
     #[serde(default)]
     pub gpu: Option<GpuStats>,
+    /// Prompt tokens of held jobs that have not produced their first token yet: prefill
+    /// work queued ahead of the next admission.
+    #[serde(default)]
+    pub prefill_pending_tokens: u64,
+    /// The worker's fitted performance model; `None` from an agent that fits none.
+    #[serde(default)]
+    pub perf: Option<crate::PerfCoefficients>,
     /// Monotonic per-agent counter, to ignore heartbeats that arrive out of order.
     pub seq: u64,
     /// When the heartbeat was sent (Unix ms).

@@ -17,6 +17,11 @@ fn decision(c: &mut Criterion) {
         prompt_tokens: 500,
         max_tokens: 512,
         predicted_output_tokens: 200.0,
+        slo: metronome_protocol::Slo {
+            ttft_ms: 2_000,
+            min_tok_s: 30.0,
+        },
+        ttft_remaining_ms: Some(2_000.0),
     };
     let mut group = c.benchmark_group("decision");
     for n in [8usize, 64, 512] {

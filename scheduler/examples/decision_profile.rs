@@ -28,6 +28,11 @@ fn main() {
         prompt_tokens: 500,
         max_tokens: 512,
         predicted_output_tokens: 200.0,
+        slo: metronome_protocol::Slo {
+            ttft_ms: 2_000,
+            min_tok_s: 30.0,
+        },
+        ttft_remaining_ms: Some(2_000.0),
     };
     let (workers, mut ledger) = pool(64);
     for _ in 0..n {

@@ -5,7 +5,12 @@
 //! are refused so a typo never silently falls back to a default. [`SchedulerConfig::validate`]
 //! returns every field error at once, each naming its field by its TOML path.
 
+use std::collections::BTreeMap;
+
+use metronome_protocol::{Slo, SloRequest};
 use serde::{Deserialize, Serialize};
+
+use crate::perf::PerfPrior;
 
 /// Weight of each score term. Every term is normalised to [0, 1] before weighting, so a
 /// weight is the term's relative importance: a term at weight 1 can move a worker's total
@@ -62,6 +67,36 @@ impl Weights {
     }
 }
 
+/// A model's service level objective in configuration.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct SloConfig {
+    /// Longest acceptable time to first token, ms, counted from submission.
+    pub ttft_ms: u64,
+    /// Lowest acceptable decode rate per request, tokens/s.
+    pub min_tok_s: f64,
+}
+
+impl Default for SloConfig {
+    /// An interactive chat service: first token within 2 s, then at least 30 tokens/s
+    /// (faster than people read), the SLO DistServe-style goodput studies use for chat.
+    fn default() -> Self {
+        SloConfig {
+            ttft_ms: 2_000,
+            min_tok_s: 30.0,
+        }
+    }
+}
+
+impl From<SloConfig> for Slo {
+    fn from(c: SloConfig) -> Slo {
+        Slo {
+            ttft_ms: c.ttft_ms,
+            min_tok_s: c.min_tok_s,
+        }
+    }
+}
+
 /// Limits of the admission filters and the scoring weights.
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -69,17 +104,20 @@ pub struct SchedulerConfig {
     pub weights: Weights,
     /// A worker whose last heartbeat is older than this is ineligible.
     pub heartbeat_timeout_ms: u64,
-    /// Concurrency cap for a worker that reports `max_concurrency = 0`.
+    /// Concurrency ceiling for a worker that reports `max_concurrency = 0`. A safety
+    /// ceiling, not the admission mechanism: the SLO predictions decide how many jobs a
+    /// worker takes.
     pub default_max_concurrency: u32,
     /// Share of a worker's KV capacity kept free (0.05 = admit only while 95 % would
     /// remain enough).
     pub kv_headroom_frac: f64,
-    /// Floor on the predicted per-request tokens/s after admitting the job; `None` disables
-    /// the SLO filter.
-    pub slo_min_tok_s: Option<f64>,
-    /// Batching slowdown: the per-request rate at `n` concurrent requests is
-    /// `single_stream_rate / (1 + batch_slowdown * (n - 1))`.
-    pub batch_slowdown: f64,
+    /// The SLO of every model without its own entry in `model_slo`.
+    pub slo: SloConfig,
+    /// Per-model SLOs, by model name.
+    pub model_slo: BTreeMap<String, SloConfig>,
+    /// The performance model a worker is predicted with until its agent reports a fitted
+    /// one (an agent that fits none, or a leader that has not heard from it yet).
+    pub perf_prior: PerfPrior,
     /// A reservation that no heartbeat has confirmed for this long expires.
     pub reservation_ttl_ms: u64,
 }
@@ -90,16 +128,12 @@ impl Default for SchedulerConfig {
             weights: Weights::default(),
             // Heartbeats come every ~1 s: three missed in a row means gone.
             heartbeat_timeout_ms: 3_000,
-            default_max_concurrency: 8,
+            // vLLM's default `max_num_seqs`: the batch the model server itself allows.
+            default_max_concurrency: 256,
             kv_headroom_frac: 0.05,
-            // Off by default. The benchmark's tuned values (BENCHMARKS.md) are
-            // `slo_min_tok_s = Some(30.0)` with `batch_slowdown = 1.0` (one admission's
-            // prefill halves a short generation's rate); they are not the default yet because
-            // a busy-looking worker is then refused while its heartbeat still lists finished
-            // jobs, which breaks back-to-back bursts (tests/full_chain.rs).
-            slo_min_tok_s: None,
-            // Decode step time grows ~10 % per extra sequence in the batch on a busy GPU.
-            batch_slowdown: 0.1,
+            slo: SloConfig::default(),
+            model_slo: BTreeMap::new(),
+            perf_prior: PerfPrior::default(),
             // Several heartbeats' worth, so one late heartbeat never drops live work.
             reservation_ttl_ms: 10_000,
         }
@@ -149,19 +183,24 @@ impl SchedulerConfig {
                 format!("must be in [0, 1), got {}", self.kv_headroom_frac),
             ));
         }
-        if let Some(floor) = self.slo_min_tok_s {
-            if !floor.is_finite() || floor <= 0.0 {
+        let slos = std::iter::once(("slo".to_string(), &self.slo)).chain(
+            self.model_slo
+                .iter()
+                .map(|(m, s)| (format!("model_slo.{m:?}"), s)),
+        );
+        for (path, slo) in slos {
+            if slo.ttft_ms == 0 {
+                errors.push(ConfigError::new(format!("{path}.ttft_ms"), "must be > 0"));
+            }
+            if !(slo.min_tok_s.is_finite() && slo.min_tok_s > 0.0) {
                 errors.push(ConfigError::new(
-                    "slo_min_tok_s",
-                    format!("must be a finite number > 0 when set, got {floor}"),
+                    format!("{path}.min_tok_s"),
+                    format!("must be a finite number > 0, got {}", slo.min_tok_s),
                 ));
             }
         }
-        if !self.batch_slowdown.is_finite() || self.batch_slowdown < 0.0 {
-            errors.push(ConfigError::new(
-                "batch_slowdown",
-                format!("must be a finite number >= 0, got {}", self.batch_slowdown),
-            ));
+        for e in self.perf_prior.validate("perf_prior") {
+            errors.push(ConfigError::new(e.field, e.message));
         }
         if self.reservation_ttl_ms == 0 {
             errors.push(ConfigError::new("reservation_ttl_ms", "must be > 0"));
@@ -171,6 +210,22 @@ impl SchedulerConfig {
         } else {
             Err(errors)
         }
+    }
+
+    /// The SLO a job of `model` is held to: the model's (or the default), tightened field
+    /// by field by the job's own request; a looser request is ignored.
+    pub fn slo_for(&self, model: &str, request: Option<&SloRequest>) -> Slo {
+        let base = self.model_slo.get(model).copied().unwrap_or(self.slo);
+        let mut slo = Slo::from(base);
+        if let Some(r) = request {
+            if let Some(t) = r.ttft_ms.filter(|t| *t > 0) {
+                slo.ttft_ms = slo.ttft_ms.min(t);
+            }
+            if let Some(f) = r.min_tok_s.filter(|f| f.is_finite() && *f > 0.0) {
+                slo.min_tok_s = slo.min_tok_s.max(f);
+            }
+        }
+        slo
     }
 
     /// Concurrency cap of a worker that reports `reported` (0 = not reported).
@@ -200,8 +255,15 @@ mod tests {
         c.heartbeat_timeout_ms = 0;
         c.default_max_concurrency = 0;
         c.kv_headroom_frac = 1.0;
-        c.slo_min_tok_s = Some(0.0);
-        c.batch_slowdown = f64::INFINITY;
+        c.slo.min_tok_s = 0.0;
+        c.model_slo.insert(
+            "m".into(),
+            SloConfig {
+                ttft_ms: 0,
+                min_tok_s: 1.0,
+            },
+        );
+        c.perf_prior.step_base_ms = f64::NAN;
         c.reservation_ttl_ms = 0;
         let errors = c.validate().unwrap_err();
         let fields: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
@@ -213,8 +275,10 @@ mod tests {
                 "heartbeat_timeout_ms",
                 "default_max_concurrency",
                 "kv_headroom_frac",
-                "slo_min_tok_s",
-                "batch_slowdown",
+                "slo.min_tok_s",
+                "model_slo.\"m\".ttft_ms",
+                "perf_prior.step_base_ms",
+                "perf_prior.step_base_ms",
                 "reservation_ttl_ms"
             ]
         );
@@ -236,6 +300,72 @@ mod tests {
         );
         assert!(toml::from_str::<SchedulerConfig>("kv_headroom = 0.1").is_err());
         assert!(toml::from_str::<SchedulerConfig>("[weights]\njobcost = 1.0").is_err());
+    }
+
+    #[test]
+    fn a_job_can_tighten_its_slo_but_never_loosen_it() {
+        let mut c = SchedulerConfig::default();
+        c.model_slo.insert(
+            "fast".into(),
+            SloConfig {
+                ttft_ms: 500,
+                min_tok_s: 50.0,
+            },
+        );
+        assert_eq!(
+            c.slo_for("other", None),
+            Slo {
+                ttft_ms: 2_000,
+                min_tok_s: 30.0
+            }
+        );
+        assert_eq!(
+            c.slo_for("fast", None),
+            Slo {
+                ttft_ms: 500,
+                min_tok_s: 50.0
+            }
+        );
+        let tighter = SloRequest {
+            ttft_ms: Some(300),
+            min_tok_s: Some(60.0),
+        };
+        assert_eq!(
+            c.slo_for("fast", Some(&tighter)),
+            Slo {
+                ttft_ms: 300,
+                min_tok_s: 60.0
+            }
+        );
+        let looser = SloRequest {
+            ttft_ms: Some(9_000),
+            min_tok_s: Some(1.0),
+        };
+        assert_eq!(
+            c.slo_for("fast", Some(&looser)),
+            Slo {
+                ttft_ms: 500,
+                min_tok_s: 50.0
+            }
+        );
+        let parsed: SchedulerConfig = toml::from_str(
+            "[slo]\nttft_ms = 1000\n[model_slo.\"llama-3.1-8b\"]\nmin_tok_s = 40.0\n",
+        )
+        .unwrap();
+        assert_eq!(
+            parsed.slo_for("llama-3.1-8b", None),
+            Slo {
+                ttft_ms: 2_000,
+                min_tok_s: 40.0
+            }
+        );
+        assert_eq!(
+            parsed.slo_for("x", None),
+            Slo {
+                ttft_ms: 1_000,
+                min_tok_s: 30.0
+            }
+        );
     }
 
     #[test]

@@ -23,6 +23,7 @@ use metronome_protocol::decision::JobCostEstimate;
 use metronome_protocol::{CandidateScore, Rejection, TermName, TermScore};
 
 use crate::filter::{self, Filter, FilterContext};
+use crate::forecast::Forecast;
 use crate::term::{self, TermContext};
 use crate::{JobRequest, Ledger, SchedulerConfig, WorkerLoad, WorkerView};
 
@@ -74,6 +75,7 @@ pub fn evaluate(
 pub(crate) struct Candidate<'a> {
     pub view: &'a WorkerView,
     pub load: WorkerLoad,
+    pub forecast: Forecast,
     raw: [Option<f64>; TERMS],
     normalised: [f64; TERMS],
     pub total: f64,
@@ -100,6 +102,7 @@ impl Candidate<'_> {
             worker_id: self.view.status.worker_id.clone(),
             total: self.total,
             terms,
+            prediction: Some(self.forecast.prediction()),
         }
     }
 }
@@ -134,10 +137,12 @@ pub(crate) fn rank<'a>(
     let mut rejected = Vec::new();
     for view in workers {
         let load = WorkerLoad::of(view, ledger, config);
+        let forecast = Forecast::of(job, view, &load, ledger, config);
         let fctx = FilterContext {
             job,
             view,
             load: &load,
+            forecast: &forecast,
             config,
             now_ms,
         };
@@ -149,12 +154,14 @@ pub(crate) fn rank<'a>(
             job,
             view,
             load: &load,
+            forecast: &forecast,
             config,
         };
         let raw = term::ALL.map(|t| t.raw(&tctx).filter(|v| v.is_finite()));
         candidates.push(Candidate {
             view,
             load,
+            forecast,
             raw,
             normalised: [0.0; TERMS],
             total: 0.0,

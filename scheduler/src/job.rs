@@ -5,7 +5,7 @@
 //! per-model output-length EWMA, never more than `max_tokens`).
 
 use metronome_protocol::decision::JobCostEstimate;
-use metronome_protocol::Job;
+use metronome_protocol::{Job, Slo};
 use serde::{Deserialize, Serialize};
 
 /// One job to place.
@@ -17,19 +17,36 @@ pub struct JobRequest {
     pub max_tokens: u32,
     /// Output tokens expected; capped at `max_tokens` wherever it is used.
     pub predicted_output_tokens: f64,
+    /// The SLO the job is held to.
+    pub slo: Slo,
+    /// What is left of its TTFT target after the time it already waited, ms; `None` once
+    /// that budget is spent (the job can no longer meet its TTFT anywhere, so only the
+    /// jobs it would join are protected).
+    pub ttft_remaining_ms: Option<f64>,
 }
 
 impl JobRequest {
     /// Build from a wire job and a prediction of its output length (pass `max_tokens as
-    /// f64` when no prediction exists: the worst case).
-    pub fn from_job(job: &Job, predicted_output_tokens: f64) -> Self {
+    /// f64` when no prediction exists: the worst case), held to `slo` with its whole TTFT
+    /// budget left (see [`JobRequest::waited`]).
+    pub fn from_job(job: &Job, predicted_output_tokens: f64, slo: Slo) -> Self {
         JobRequest {
             job_id: job.id.clone(),
             model: job.model.clone(),
             prompt_tokens: job.prompt_tokens,
             max_tokens: job.max_tokens,
             predicted_output_tokens,
+            slo,
+            ttft_remaining_ms: Some(slo.ttft_ms as f64),
         }
+    }
+
+    /// The same job after waiting `waited_ms` since submission: its TTFT budget shrinks,
+    /// and is gone (`None`) once the wait alone reaches the target.
+    pub fn waited(mut self, waited_ms: u64) -> Self {
+        self.ttft_remaining_ms =
+            (waited_ms < self.slo.ttft_ms).then(|| (self.slo.ttft_ms - waited_ms) as f64);
+        self
     }
 
     /// KV-cache tokens the job can occupy at its largest: prompt plus every output token.
@@ -71,7 +88,20 @@ mod tests {
             prompt_tokens: 100,
             max_tokens: 50,
             predicted_output_tokens: pred,
+            slo: Slo {
+                ttft_ms: 2_000,
+                min_tok_s: 30.0,
+            },
+            ttft_remaining_ms: Some(2_000.0),
         }
+    }
+
+    #[test]
+    fn waiting_spends_the_ttft_budget() {
+        let j = job(1.0);
+        assert_eq!(j.clone().waited(500).ttft_remaining_ms, Some(1_500.0));
+        assert_eq!(j.clone().waited(2_000).ttft_remaining_ms, None);
+        assert_eq!(j.waited(u64::MAX).ttft_remaining_ms, None);
     }
 
     #[test]

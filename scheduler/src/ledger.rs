@@ -46,8 +46,20 @@ impl Hasher for Fnv1a {
 
 type FixedState = BuildHasherDefault<Fnv1a>;
 
+/// What admission control needs to know about a booked job to protect its SLO while it
+/// runs: its prompt (prefill still to come while unreported), its expected output and the
+/// decode-rate floor it was promised.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct JobProfile {
+    pub prompt_tokens: u32,
+    /// Output tokens expected (never more than its `max_tokens`).
+    pub predicted_output: f64,
+    /// Its decode-rate floor, tokens/s.
+    pub min_tok_s: f64,
+}
+
 /// One booked job.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Reservation {
     pub job_id: String,
     pub worker_id: String,
@@ -57,6 +69,12 @@ pub struct Reservation {
     pub reserved_ms: u64,
     /// Last time a heartbeat of the worker listed the job; 0 until the first one does.
     pub confirmed_ms: u64,
+    /// The job's size and SLO; `None` for a job adopted from a heartbeat (its size is not
+    /// in a heartbeat).
+    pub profile: Option<JobProfile>,
+    /// Prefill stall charged to this job by admissions made on its worker after it (ms):
+    /// the time its decode is predicted to stand still while their prompts are prefilled.
+    pub stall_ms: f64,
 }
 
 impl Reservation {
@@ -126,7 +144,51 @@ impl Ledger {
         kv_tokens: u64,
         now_ms: u64,
     ) -> Result<(), LedgerError> {
-        self.insert(worker_id, job_id, kv_tokens, now_ms, 0)
+        self.insert(worker_id, job_id, kv_tokens, now_ms, 0, None)
+    }
+
+    /// Book `job_id` on `worker_id` with its profile, so later admissions on the worker can
+    /// predict what they do to it.
+    pub fn reserve_profiled(
+        &mut self,
+        worker_id: &str,
+        job_id: &str,
+        kv_tokens: u64,
+        profile: JobProfile,
+        now_ms: u64,
+    ) -> Result<(), LedgerError> {
+        self.insert(worker_id, job_id, kv_tokens, now_ms, 0, Some(profile))
+    }
+
+    /// Charge `stall_ms` of prefill stall to every job booked on `worker_id` except
+    /// `except_job` (the job whose prefill causes it). Non-finite or negative charges are
+    /// ignored.
+    pub fn charge_stall(&mut self, worker_id: &str, except_job: &str, stall_ms: f64) {
+        if !(stall_ms.is_finite() && stall_ms > 0.0) {
+            return;
+        }
+        let Some(book) = self.workers.get(worker_id) else {
+            return;
+        };
+        for (job, _) in &book.jobs {
+            if job != except_job {
+                if let Some(r) = self.jobs.get_mut(job) {
+                    r.stall_ms += stall_ms;
+                }
+            }
+        }
+    }
+
+    /// The reservations on the worker, in booking order.
+    pub fn reservations_on<'a>(
+        &'a self,
+        worker_id: &str,
+    ) -> impl Iterator<Item = &'a Reservation> + 'a {
+        self.workers
+            .get(worker_id)
+            .into_iter()
+            .flat_map(|b| b.jobs.iter())
+            .filter_map(|(j, _)| self.jobs.get(j))
     }
 
     fn insert(
@@ -136,6 +198,7 @@ impl Ledger {
         kv_tokens: u64,
         reserved_ms: u64,
         confirmed_ms: u64,
+        profile: Option<JobProfile>,
     ) -> Result<(), LedgerError> {
         if let Some(existing) = self.jobs.get(job_id) {
             return Err(LedgerError::AlreadyReserved {
@@ -151,6 +214,8 @@ impl Ledger {
                 kv_tokens,
                 reserved_ms,
                 confirmed_ms,
+                profile,
+                stall_ms: 0.0,
             },
         );
         let book = match self.workers.get_mut(worker_id) {
@@ -265,7 +330,7 @@ impl Ledger {
                 Some(_) => out.conflicting.push(job_id.clone()),
                 None => {
                     if self
-                        .insert(worker_id, job_id, adopt_kv_tokens, now_ms, now_ms)
+                        .insert(worker_id, job_id, adopt_kv_tokens, now_ms, now_ms, None)
                         .is_ok()
                     {
                         out.adopted.push(job_id.clone());
@@ -342,6 +407,28 @@ mod tests {
         );
         assert_eq!(l.reserved_count("w2"), 0);
         assert_eq!(l.len(), 2);
+    }
+
+    #[test]
+    fn stalls_are_charged_to_the_other_jobs_of_the_worker_only() {
+        let profile = JobProfile {
+            prompt_tokens: 100,
+            predicted_output: 50.0,
+            min_tok_s: 30.0,
+        };
+        let mut l = Ledger::new();
+        l.reserve_profiled("w1", "a", 100, profile, 10).unwrap();
+        l.reserve("w1", "b", 100, 10).unwrap();
+        l.reserve("w2", "c", 100, 10).unwrap();
+        l.charge_stall("w1", "b", 40.0);
+        l.charge_stall("w1", "b", f64::NAN);
+        l.charge_stall("w1", "b", -5.0);
+        assert_eq!(l.get("a").unwrap().stall_ms, 40.0);
+        assert_eq!(l.get("b").unwrap().stall_ms, 0.0);
+        assert_eq!(l.get("c").unwrap().stall_ms, 0.0);
+        assert_eq!(l.get("a").unwrap().profile, Some(profile));
+        let on: Vec<&str> = l.reservations_on("w1").map(|r| r.job_id.as_str()).collect();
+        assert_eq!(on, ["a", "b"]);
     }
 
     #[test]

@@ -5,7 +5,10 @@
 //!
 //! 1. *Filter* ([`filter`]): every worker is checked against the eligibility filters
 //!    (fresh heartbeat, serves the model, healthy, not draining) and the admission filters
-//!    (under its concurrency cap, enough KV headroom, SLO floor). The first filter a worker
+//!    (under its concurrency ceiling, enough KV headroom, and the SLO predictions of
+//!    [`forecast`]: the job's TTFT within its budget, the decode rate of the job and of
+//!    every job already running there above their floors). The predictions come from
+//!    each worker's own performance model ([`perf`]), learned online by its agent. The first filter a worker
 //!    fails becomes its [`Rejection`](metronome_protocol::Rejection), with a reason in
 //!    numbers.
 //! 2. *Score* ([`term`]): each eligible worker gets a raw value for each of the seven terms
@@ -35,9 +38,11 @@ pub mod config;
 pub mod evaluate;
 pub mod ewma;
 pub mod filter;
+pub mod forecast;
 pub mod job;
 pub mod ledger;
 pub mod load;
+pub mod perf;
 pub mod policy;
 pub mod term;
 #[cfg(test)]
@@ -46,8 +51,9 @@ pub mod view;
 
 pub use config::{ConfigError, SchedulerConfig, Weights};
 pub use evaluate::{evaluate, Evaluation};
+pub use forecast::Forecast;
 pub use job::JobRequest;
-pub use ledger::{Ledger, LedgerError, Reconciliation, Reservation};
+pub use ledger::{JobProfile, Ledger, LedgerError, Reconciliation, Reservation};
 pub use load::WorkerLoad;
 pub use policy::{choose, PolicyKind, PolicyState};
 pub use view::{EwmaSnapshot, WorkerView};

@@ -14,6 +14,11 @@ pub fn job(model: &str) -> JobRequest {
         prompt_tokens: 100,
         max_tokens: 100,
         predicted_output_tokens: 50.0,
+        slo: metronome_protocol::Slo {
+            ttft_ms: 2_000,
+            min_tok_s: 30.0,
+        },
+        ttft_remaining_ms: Some(2_000.0),
     }
 }
 
@@ -38,6 +43,8 @@ pub fn worker(id: &str) -> WorkerView {
                 capacity_tokens: Some(10_000),
             }),
             gpu: None,
+            prefill_pending_tokens: 0,
+            perf: None,
             seq: 1,
             sent_ms: NOW,
         },
@@ -66,10 +73,12 @@ pub fn check(
     config: &SchedulerConfig,
 ) -> Result<(), String> {
     let load = WorkerLoad::of(view, ledger, config);
+    let forecast = crate::forecast::Forecast::of(job, view, &load, ledger, config);
     f.check(&FilterContext {
         job,
         view,
         load: &load,
+        forecast: &forecast,
         config,
         now_ms: NOW,
     })
@@ -89,10 +98,12 @@ pub fn raw(
 ) -> Option<f64> {
     let config = SchedulerConfig::default();
     let load = WorkerLoad::of(view, ledger, &config);
+    let forecast = crate::forecast::Forecast::of(job, view, &load, ledger, &config);
     t.raw(&crate::term::TermContext {
         job,
         view,
         load: &load,
+        forecast: &forecast,
         config: &config,
     })
 }

@@ -9,7 +9,8 @@ use metronome_protocol::{GpuStats, KvUsage, WorkerStatus};
 use metronome_scheduler::filter::{self, FilterContext};
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
 use metronome_scheduler::{
-    evaluate, ewma, EwmaSnapshot, JobRequest, Ledger, SchedulerConfig, WorkerLoad, WorkerView,
+    evaluate, ewma, EwmaSnapshot, Forecast, JobRequest, Ledger, SchedulerConfig, WorkerLoad,
+    WorkerView,
 };
 use proptest::prelude::*;
 
@@ -113,6 +114,8 @@ fn build(specs: &[WorkerSpec]) -> (Vec<WorkerView>, Ledger) {
                         mem_used_bytes: 0,
                         mem_total_bytes: 1,
                     }),
+                    prefill_pending_tokens: 0,
+                    perf: None,
                     seq: 1,
                     sent_ms: NOW,
                 },
@@ -139,25 +142,30 @@ fn job_strategy() -> impl Strategy<Value = JobRequest> {
             prompt_tokens,
             max_tokens,
             predicted_output_tokens: pred,
+            slo: metronome_protocol::Slo {
+                ttft_ms: 2_000,
+                min_tok_s: 30.0,
+            },
+            ttft_remaining_ms: Some(2_000.0),
         }
     })
 }
 
 fn config_strategy() -> impl Strategy<Value = SchedulerConfig> {
     (
-        prop::option::of(1.0f64..200.0),
-        0.0f64..0.5,
+        1.0f64..200.0,
+        0.0f64..2.0,
         0.0f64..0.3,
         prop::array::uniform7(0.0f64..2.0),
     )
-        .prop_map(|(slo, slowdown, headroom, w)| {
+        .prop_map(|(slo, per_stream, headroom, w)| {
             let mut c = SchedulerConfig {
-                slo_min_tok_s: slo,
-                batch_slowdown: slowdown,
                 kv_headroom_frac: headroom,
                 default_max_concurrency: 3,
                 ..SchedulerConfig::default()
             };
+            c.slo.min_tok_s = slo;
+            c.perf_prior.step_per_stream_ms = per_stream;
             c.weights.active_requests = w[0];
             c.weights.queue_depth = w[1];
             c.weights.latency_ewma = w[2];
@@ -176,10 +184,12 @@ fn passes_admission(
     config: &SchedulerConfig,
 ) -> bool {
     let load = WorkerLoad::of(view, ledger, config);
+    let forecast = Forecast::of(job, view, &load, ledger, config);
     let ctx = FilterContext {
         job,
         view,
         load: &load,
+        forecast: &forecast,
         config,
         now_ms: NOW,
     };
@@ -322,7 +332,6 @@ proptest! {
         if spec.kv.is_some() {
             spec.kv = Some((0.0, Some(1_000_000)));
         }
-        let config = SchedulerConfig { slo_min_tok_s: None, ..config };
         let (workers, mut ledger) = build(&vec![spec; n]);
         let workers: Vec<WorkerView> =
             order.iter().filter(|&&i| i < n).map(|&i| workers[i].clone()).collect();
@@ -357,7 +366,8 @@ proptest! {
                 .iter()
                 .filter(|w| {
                     let load = WorkerLoad::of(w, &ledger, &config);
-                    let ctx = FilterContext { job: &job, view: w, load: &load, config: &config, now_ms: NOW };
+                    let forecast = Forecast::of(&job, w, &load, &ledger, &config);
+                    let ctx = FilterContext { job: &job, view: w, load: &load, forecast: &forecast, config: &config, now_ms: NOW };
                     filter::apply(&filter::ELIGIBILITY, &ctx).is_ok()
                 })
                 .collect();

@@ -49,6 +49,8 @@ pub fn pool(n: usize) -> (Vec<WorkerView>, Ledger) {
                         mem_used_bytes: 1,
                         mem_total_bytes: 2,
                     }),
+                    prefill_pending_tokens: 0,
+                    perf: None,
                     seq: 1,
                     sent_ms: NOW,
                 },

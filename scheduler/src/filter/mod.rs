@@ -6,11 +6,13 @@
 //!
 //! Two sets exist. [`ELIGIBILITY`] is what any balancer applies (fresh heartbeat, serves
 //! the model, healthy, not draining); [`ADMISSION`] adds Metronome's admission control
-//! (concurrency cap including reservations, KV headroom, SLO floor). Baseline policies use
+//! (concurrency ceiling including reservations, KV headroom, and the two SLO predictions:
+//! the job's TTFT budget and the decode-rate floor of the job and of those it would join). Baseline policies use
 //! only the first set so comparisons show what admission control buys.
 
 use metronome_protocol::{Rejection, RejectionCode};
 
+use crate::forecast::Forecast;
 use crate::{JobRequest, SchedulerConfig, WorkerLoad, WorkerView};
 
 mod concurrency;
@@ -20,6 +22,7 @@ mod heartbeat;
 mod kv_headroom;
 mod model;
 mod slo;
+mod ttft;
 
 pub use concurrency::UnderConcurrencyCap;
 pub use draining::NotDraining;
@@ -27,7 +30,8 @@ pub use healthy::Healthy;
 pub use heartbeat::FreshHeartbeat;
 pub use kv_headroom::KvHeadroom;
 pub use model::ServesModel;
-pub use slo::{predicted_rate, SloFloor};
+pub use slo::SloFloor;
+pub use ttft::TtftBudget;
 
 pub(crate) use kv_headroom::kv_tokens_in_use;
 
@@ -37,6 +41,8 @@ pub struct FilterContext<'a> {
     pub job: &'a JobRequest,
     pub view: &'a WorkerView,
     pub load: &'a WorkerLoad,
+    /// What admitting the job here would do.
+    pub forecast: &'a Forecast,
     pub config: &'a SchedulerConfig,
     pub now_ms: u64,
 }
@@ -53,7 +59,7 @@ pub trait Filter: Sync {
 pub static ELIGIBILITY: [&dyn Filter; 4] = [&FreshHeartbeat, &ServesModel, &Healthy, &NotDraining];
 
 /// Eligibility plus Metronome's admission control, in evaluation order.
-pub static ADMISSION: [&dyn Filter; 7] = [
+pub static ADMISSION: [&dyn Filter; 8] = [
     &FreshHeartbeat,
     &ServesModel,
     &Healthy,
@@ -61,16 +67,23 @@ pub static ADMISSION: [&dyn Filter; 7] = [
     &UnderConcurrencyCap,
     &KvHeadroom,
     &SloFloor,
+    &TtftBudget,
 ];
 
 /// Run `filters` in order; the first failure becomes the rejection.
 pub fn apply(filters: &[&dyn Filter], ctx: &FilterContext<'_>) -> Result<(), Rejection> {
     for f in filters {
         if let Err(reason) = f.check(ctx) {
+            let code = f.code();
+            let predicted = matches!(
+                code,
+                RejectionCode::BelowSloFloor | RejectionCode::TtftOverBudget
+            );
             return Err(Rejection {
                 worker_id: ctx.view.status.worker_id.clone(),
-                code: f.code(),
+                code,
                 reason,
+                prediction: predicted.then(|| ctx.forecast.prediction()),
             });
         }
     }
@@ -91,10 +104,12 @@ mod tests {
         let config = SchedulerConfig::default();
         let load = WorkerLoad::of(&w, &Ledger::new(), &config);
         let j = job("m");
+        let forecast = Forecast::of(&j, &w, &load, &Ledger::new(), &config);
         let ctx = FilterContext {
             job: &j,
             view: &w,
             load: &load,
+            forecast: &forecast,
             config: &config,
             now_ms: NOW,
         };
@@ -107,7 +122,7 @@ mod tests {
     fn admission_codes_are_distinct_and_cover_every_code() {
         let mut codes: Vec<RejectionCode> = ADMISSION.iter().map(|f| f.code()).collect();
         codes.dedup();
-        assert_eq!(codes.len(), 7);
+        assert_eq!(codes.len(), 8);
         assert!(ELIGIBILITY.iter().all(|e| codes.contains(&e.code())));
     }
 }

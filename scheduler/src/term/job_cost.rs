@@ -1,13 +1,12 @@
-//! Job cost: the predicted service time of *this* job on *this* worker, in ms.
+//! Job cost: the predicted time this job costs the system on this worker, in ms.
 //!
-//! `(ttft_ms + predicted_output_tokens * tpot_ms) * (1 + batch_slowdown * active)`
-//!
-//! The bracket is the job's time on the worker running alone (first token, then one step
-//! per output token); the factor is the batching slowdown at `active + 1` concurrent
-//! requests, the same model the SLO filter uses. This is what lets a long generation prefer
-//! a fast idle card while a short completion may still go to a busier one. Requests differ
-//! in cost by orders of magnitude, which connection counting cannot see. Unavailable until
-//! the worker has EWMA samples.
+//! `ttft + predicted_output × step + running × stall`, all from the worker's performance
+//! model ([`crate::forecast`]): the job's own time on the worker (first token, then one
+//! step per expected output token at the batch it joins), plus the time its prefill takes
+//! from every stream already running there. Requests differ in cost by orders of magnitude,
+//! which connection counting cannot see; this term lets a long generation prefer a fast
+//! idle card while a short completion may still join a busier one. Always available: a
+//! worker without a fitted model is predicted with the configured prior.
 
 use metronome_protocol::TermName;
 
@@ -15,38 +14,14 @@ use super::{Term, TermContext};
 
 pub struct JobCost;
 
-/// Predicted service time in ms of a job with `predicted_output_tokens` on a worker with
-/// these averages and `active` requests already running.
-pub fn predicted_service_ms(
-    ttft_ms: f64,
-    tpot_ms: f64,
-    predicted_output_tokens: f64,
-    batch_slowdown: f64,
-    active: u32,
-) -> f64 {
-    (ttft_ms + predicted_output_tokens * tpot_ms) * (1.0 + batch_slowdown * f64::from(active))
-}
-
 impl Term for JobCost {
     fn name(&self) -> TermName {
         TermName::JobCost
     }
 
     fn raw(&self, ctx: &TermContext<'_>) -> Option<f64> {
-        let e = ctx.view.ewma_with_samples()?;
-        let tpot = e.tpot_estimate_ms()?;
-        let ttft = if e.ttft_ms.is_finite() && e.ttft_ms >= 0.0 {
-            e.ttft_ms
-        } else {
-            0.0
-        };
-        let cost = predicted_service_ms(
-            ttft,
-            tpot,
-            ctx.job.predicted_output(),
-            ctx.config.batch_slowdown,
-            ctx.load.effective_active,
-        );
+        let f = ctx.forecast;
+        let cost = f.service_ms(ctx.job) + f64::from(f.streams_before) * f.stall_ms;
         cost.is_finite().then_some(cost)
     }
 }
@@ -56,20 +31,39 @@ mod tests {
     use super::*;
     use crate::testutil::*;
     use crate::Ledger;
+    use metronome_protocol::PerfCoefficients;
+
+    fn perf() -> PerfCoefficients {
+        PerfCoefficients {
+            step_base_ms: 20.0,
+            step_per_stream_ms: 2.0,
+            step_per_ktok_ms: 0.0,
+            stall_per_prefill_token_ms: 0.5,
+            ttft_base_ms: 0.0,
+            prefill_per_token_ms: 1.0,
+            ttft_per_stream_ms: 0.0,
+            samples: 3,
+        }
+    }
 
     #[test]
-    fn scales_the_single_stream_time_by_load() {
-        let j = job("m"); // 50 predicted output tokens
+    fn counts_own_time_and_the_stall_inflicted_on_running_streams() {
+        let j = job("m"); // 100 prompt tokens, 50 predicted output
         let mut w = worker("w1");
-        assert_eq!(raw(&JobCost, &j, &w, &Ledger::new()), None);
-        w.ewma = Some(ewma(100.0, 20.0));
+        w.status.perf = Some(perf());
+        w.status.kv = None;
+        // Idle: 100 ms to first token, 50 × 20 ms.
         assert_eq!(raw(&JobCost, &j, &w, &Ledger::new()), Some(1_100.0));
         let mut l = Ledger::new();
         l.reserve("w1", "x", 1, 0).unwrap();
         l.reserve("w1", "y", 1, 0).unwrap();
-        // default batch_slowdown 0.1, two running: x 1.2
+        // Two running (unreported, no profile: nothing pending to prefill): step 24 ms,
+        // ttft 100, stall 50 ms on each of the two.
         let got = raw(&JobCost, &j, &w, &l).unwrap();
-        assert!((got - 1_320.0).abs() < 1e-9, "{got}");
+        assert!(
+            (got - (100.0 + 50.0 * 24.0 + 2.0 * 50.0)).abs() < 1e-9,
+            "{got}"
+        );
     }
 
     #[test]
@@ -77,16 +71,11 @@ mod tests {
         let mut j = job("m");
         j.predicted_output_tokens = 1e9;
         let mut w = worker("w1");
-        w.ewma = Some(ewma(0.0, 10.0));
-        assert_eq!(raw(&JobCost, &j, &w, &Ledger::new()), Some(1_000.0));
-    }
-
-    #[test]
-    fn falls_back_to_the_token_rate() {
-        let mut w = worker("w1");
-        let mut e = ewma(100.0, 0.0);
-        e.tok_s = 50.0; // 20 ms per token
-        w.ewma = Some(e);
-        assert_eq!(raw(&JobCost, &job("m"), &w, &Ledger::new()), Some(1_100.0));
+        w.status.perf = Some(perf());
+        w.status.kv = None;
+        assert_eq!(
+            raw(&JobCost, &j, &w, &Ledger::new()),
+            Some(100.0 + 100.0 * 20.0)
+        );
     }
 }

@@ -11,6 +11,7 @@
 
 use metronome_protocol::TermName;
 
+use crate::forecast::Forecast;
 use crate::{JobRequest, SchedulerConfig, WorkerLoad, WorkerView};
 
 mod active_requests;
@@ -23,7 +24,7 @@ mod throughput_ewma;
 
 pub use active_requests::ActiveRequests;
 pub use gpu_utilisation::GpuUtilisation;
-pub use job_cost::{predicted_service_ms, JobCost};
+pub use job_cost::JobCost;
 pub use kv_pressure::KvPressure;
 pub use latency_ewma::LatencyEwma;
 pub use queue_depth::QueueDepth;
@@ -35,6 +36,8 @@ pub struct TermContext<'a> {
     pub job: &'a JobRequest,
     pub view: &'a WorkerView,
     pub load: &'a WorkerLoad,
+    /// What admitting the job here would do.
+    pub forecast: &'a Forecast,
     pub config: &'a SchedulerConfig,
 }
 

@@ -1,0 +1,74 @@
+//! The per-worker performance model on the wire: the coefficients a worker-agent has fitted
+//! from its own measurements (sent in every heartbeat), the SLO a job is held to, and the
+//! predictions a decision records for every candidate.
+//!
+//! The model is linear in signals every OpenAI-compatible server lets an agent measure:
+//!
+//! - decode step (time per output token of one stream) with `s` streams decoding over
+//!   `c` context tokens: `step_base_ms + step_per_stream_ms * (s - 1) + step_per_ktok_ms * c / 1000`;
+//! - stall of every decoding stream while `p` prompt tokens are prefilled beside it:
+//!   `stall_per_prefill_token_ms * p`;
+//! - time to first token of a job with `p` prompt tokens behind `q` prompt tokens still
+//!   waiting for their prefill, with `s` streams running:
+//!   `ttft_base_ms + prefill_per_token_ms * (p + q) + ttft_per_stream_ms * s`.
+//!
+//! The fitting (recursive least squares) lives in `metronome-scheduler`'s `perf` module.
+
+use serde::{Deserialize, Serialize};
+
+/// Fitted coefficients of one worker's performance model, all in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PerfCoefficients {
+    /// Decode step time of a single stream with an empty context.
+    pub step_base_ms: f64,
+    /// Extra decode step time per additional decoding stream.
+    pub step_per_stream_ms: f64,
+    /// Extra decode step time per 1,000 tokens of context held by the decoding streams.
+    pub step_per_ktok_ms: f64,
+    /// Time every decoding stream loses per prompt token prefilled beside it.
+    pub stall_per_prefill_token_ms: f64,
+    /// Time to first token of a one-token prompt on an idle worker.
+    pub ttft_base_ms: f64,
+    /// Time to first token per prompt token (its own and those waiting ahead of it).
+    pub prefill_per_token_ms: f64,
+    /// Extra time to first token per stream already running.
+    pub ttft_per_stream_ms: f64,
+    /// Completed jobs the coefficients were fitted on (0: the configured prior).
+    pub samples: u64,
+}
+
+/// The service level a job is held to: both parts must hold for the job to count as
+/// served well.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Slo {
+    /// Longest acceptable time from submission to the first token, ms.
+    pub ttft_ms: u64,
+    /// Lowest acceptable decode rate (output tokens per second after the first token).
+    pub min_tok_s: f64,
+}
+
+/// A client's request to hold its job to a tighter SLO than its model's (per field; a
+/// looser value than the model's is ignored).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct SloRequest {
+    #[serde(default)]
+    pub ttft_ms: Option<u64>,
+    #[serde(default)]
+    pub min_tok_s: Option<f64>,
+}
+
+/// What the dispatcher predicted for a job on one worker.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Prediction {
+    /// Time to first token once assigned (excluding the time already waited in the queue).
+    pub ttft_ms: f64,
+    /// The job's own decode rate, tokens/s.
+    pub decode_tok_s: f64,
+    /// Lowest predicted decode rate over the jobs already running on the worker once this
+    /// one is admitted (their whole-life average); `None` when nothing runs there.
+    pub worst_running_tok_s: Option<f64>,
+    /// Streams running there once the job is admitted.
+    pub streams_after: u32,
+    /// Samples behind the worker's model (0: predicted from the prior alone).
+    pub model_samples: u64,
+}

@@ -1,0 +1,301 @@
+//! What admitting one job on one worker would do, predicted from the worker's performance
+//! model ([`crate::perf`]) and what the ledger knows of the jobs running there.
+//!
+//! With `s` streams on the worker before admission (its reported work plus unreported
+//! reservations), `c` context tokens held by them, `q` prompt tokens still waiting for
+//! prefill and a job of `p` prompt tokens expected to write `L` tokens:
+//!
+//! - the job's TTFT is `ttft_base + prefill_per_token · (p + q) + ttft_per_stream · s`;
+//! - every stream then decodes at one token per
+//!   `step = step_base + step_per_stream · s + step_per_ktok · (c + p + L/2) / 1000`;
+//! - the job's prefill stalls every running stream for `stall_per_prefill_token · p`.
+//!
+//! A running job `i` with expected output `Lᵢ`, already charged `σᵢ` ms of stall by
+//! admissions after it, is predicted to average `1000 · Lᵢ / (Lᵢ · step + σᵢ + stall)`
+//! tokens/s over its decode: the step is the one after admission (conservative: the batch
+//! is at its largest for the rest of its life) and its whole stall history counts, because
+//! its SLO judges its whole decode, not the next token.
+//!
+//! Context: the worker's reported KV usage when it reports capacity in tokens (its own
+//! count of cached tokens), otherwise the ledger's estimate `prompt + L/2` per job. Either
+//! way unreported reservations are added from the ledger.
+
+use metronome_protocol::{PerfCoefficients, Prediction};
+
+use crate::filter::kv_tokens_in_use;
+use crate::{JobRequest, Ledger, SchedulerConfig, WorkerLoad, WorkerView};
+
+/// The effect on one running job.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunningImpact {
+    pub job_id: String,
+    /// Predicted whole-decode average rate once the new job is admitted.
+    pub tok_s: f64,
+    /// The floor it was promised.
+    pub min_tok_s: f64,
+}
+
+/// The forecast for one job on one worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Forecast {
+    /// The coefficients predicted with (the worker's fitted ones, or the prior).
+    pub coefficients: PerfCoefficients,
+    /// Streams before admission.
+    pub streams_before: u32,
+    /// Context tokens held by those streams.
+    pub context_tokens: f64,
+    /// Prompt tokens waiting for prefill ahead of the job.
+    pub pending_prefill_tokens: f64,
+    /// Predicted time to first token once assigned, ms.
+    pub ttft_ms: f64,
+    /// Predicted decode step after admission, ms.
+    pub step_ms: f64,
+    /// The job's own predicted decode rate, tokens/s.
+    pub decode_tok_s: f64,
+    /// Stall the job's prefill imposes on each running stream, ms.
+    pub stall_ms: f64,
+    /// The running job with the lowest predicted rate after admission.
+    pub worst_running: Option<RunningImpact>,
+    /// The running job whose rate falls furthest below its own floor, if any does.
+    pub worst_violation: Option<RunningImpact>,
+}
+
+impl Forecast {
+    pub fn of(
+        job: &JobRequest,
+        view: &WorkerView,
+        load: &WorkerLoad,
+        ledger: &Ledger,
+        config: &SchedulerConfig,
+    ) -> Forecast {
+        let status = &view.status;
+        let coefficients = status
+            .perf
+            .filter(coefficients_usable)
+            .unwrap_or_else(|| config.perf_prior.coefficients());
+        let default_output = job.predicted_output();
+        let mut ledger_context = 0.0;
+        let mut unreported_context = 0.0;
+        let mut unreported_prompt = 0.0;
+        for r in ledger.reservations_on(&status.worker_id) {
+            let (prompt, out) = r.profile.map_or((0.0, default_output), |p| {
+                (f64::from(p.prompt_tokens), p.predicted_output)
+            });
+            let context = prompt + out / 2.0;
+            ledger_context += context;
+            if !status.in_flight.iter().any(|j| *j == r.job_id) {
+                unreported_context += context;
+                unreported_prompt += prompt;
+            }
+        }
+        let context_tokens = match status.kv.and_then(|kv| kv.capacity_tokens.map(|c| (kv, c))) {
+            Some((kv, capacity)) => {
+                kv_tokens_in_use(kv.used_frac, capacity, 0) + unreported_context
+            }
+            None => ledger_context,
+        };
+        let pending_prefill_tokens = status.prefill_pending_tokens as f64 + unreported_prompt;
+        let streams_before = load.effective_active;
+        let s = f64::from(streams_before);
+        let p = f64::from(job.prompt_tokens);
+        let c = &coefficients;
+        let ttft_ms = c.ttft_base_ms
+            + c.prefill_per_token_ms * (p + pending_prefill_tokens)
+            + c.ttft_per_stream_ms * s;
+        let step_ms = (c.step_base_ms
+            + c.step_per_stream_ms * s
+            + c.step_per_ktok_ms * (context_tokens + p + default_output / 2.0) / 1000.0)
+            .max(1e-3);
+        let stall_ms = c.stall_per_prefill_token_ms * p;
+        let mut worst_running: Option<RunningImpact> = None;
+        let mut worst_violation: Option<(f64, RunningImpact)> = None;
+        for r in ledger.reservations_on(&status.worker_id) {
+            if r.job_id == job.job_id {
+                continue;
+            }
+            let (out, floor) = r.profile.map_or((default_output, job.slo.min_tok_s), |p| {
+                (p.predicted_output, p.min_tok_s)
+            });
+            let out = out.max(1.0);
+            let tok_s = 1000.0 * out / (out * step_ms + r.stall_ms + stall_ms);
+            let impact = RunningImpact {
+                job_id: r.job_id.clone(),
+                tok_s,
+                min_tok_s: floor,
+            };
+            if worst_running.as_ref().is_none_or(|w| tok_s < w.tok_s) {
+                worst_running = Some(impact.clone());
+            }
+            let shortfall = floor - tok_s;
+            if shortfall > 0.0 && worst_violation.as_ref().is_none_or(|(s, _)| shortfall > *s) {
+                worst_violation = Some((shortfall, impact));
+            }
+        }
+        Forecast {
+            coefficients,
+            streams_before,
+            context_tokens,
+            pending_prefill_tokens,
+            ttft_ms,
+            step_ms,
+            decode_tok_s: 1000.0 / step_ms,
+            stall_ms,
+            worst_running,
+            worst_violation: worst_violation.map(|(_, i)| i),
+        }
+    }
+
+    /// The prediction as a decision records it.
+    pub fn prediction(&self) -> Prediction {
+        Prediction {
+            ttft_ms: self.ttft_ms,
+            decode_tok_s: self.decode_tok_s,
+            worst_running_tok_s: self.worst_running.as_ref().map(|w| w.tok_s),
+            streams_after: self.streams_before.saturating_add(1),
+            model_samples: self.coefficients.samples,
+        }
+    }
+
+    /// Predicted time the job occupies the worker: first token, then every expected
+    /// output token at the predicted step.
+    pub fn service_ms(&self, job: &JobRequest) -> f64 {
+        self.ttft_ms + job.predicted_output() * self.step_ms
+    }
+}
+
+/// A heartbeat's coefficients are used only when every one is a finite number >= 0 and
+/// the step takes time; anything else (a buggy or hostile agent) falls back to the prior.
+fn coefficients_usable(c: &PerfCoefficients) -> bool {
+    let all = [
+        c.step_base_ms,
+        c.step_per_stream_ms,
+        c.step_per_ktok_ms,
+        c.stall_per_prefill_token_ms,
+        c.ttft_base_ms,
+        c.prefill_per_token_ms,
+        c.ttft_per_stream_ms,
+    ];
+    all.iter().all(|v| v.is_finite() && *v >= 0.0) && c.step_base_ms > 0.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ledger::JobProfile;
+    use crate::testutil::*;
+
+    fn coefficients() -> PerfCoefficients {
+        PerfCoefficients {
+            step_base_ms: 20.0,
+            step_per_stream_ms: 1.0,
+            step_per_ktok_ms: 0.0,
+            stall_per_prefill_token_ms: 0.2,
+            ttft_base_ms: 10.0,
+            prefill_per_token_ms: 0.1,
+            ttft_per_stream_ms: 2.0,
+            samples: 12,
+        }
+    }
+
+    fn forecast(view: &WorkerView, ledger: &Ledger, j: &JobRequest) -> Forecast {
+        let config = SchedulerConfig::default();
+        let load = WorkerLoad::of(view, ledger, &config);
+        Forecast::of(j, view, &load, ledger, &config)
+    }
+
+    #[test]
+    fn an_idle_worker_gives_the_job_its_single_stream_speed() {
+        let mut w = worker("w1");
+        w.status.perf = Some(coefficients());
+        w.status.kv = None;
+        let f = forecast(&w, &Ledger::new(), &job("m")); // 100 prompt tokens, 50 out
+        assert_eq!(f.streams_before, 0);
+        assert!((f.ttft_ms - 20.0).abs() < 1e-9, "{f:?}"); // 10 + 0.1 * 100
+        assert!((f.step_ms - 20.0).abs() < 1e-9);
+        assert!((f.decode_tok_s - 50.0).abs() < 1e-9);
+        assert!((f.stall_ms - 20.0).abs() < 1e-9);
+        assert_eq!(f.worst_running, None);
+        assert_eq!(f.prediction().model_samples, 12);
+        assert_eq!(f.prediction().streams_after, 1);
+    }
+
+    #[test]
+    fn running_jobs_pay_for_the_batch_and_the_stall() {
+        let mut w = worker("w1");
+        w.status.perf = Some(coefficients());
+        w.status.kv = None;
+        let mut l = Ledger::new();
+        let short = JobProfile {
+            prompt_tokens: 500,
+            predicted_output: 10.0,
+            min_tok_s: 30.0,
+        };
+        let long = JobProfile {
+            prompt_tokens: 500,
+            predicted_output: 400.0,
+            min_tok_s: 30.0,
+        };
+        l.reserve_profiled("w1", "short", 1_000, short, NOW)
+            .unwrap();
+        l.reserve_profiled("w1", "long", 1_000, long, NOW).unwrap();
+        l.charge_stall("w1", "long", 100.0); // short already stalled by long's prefill
+        let f = forecast(&w, &l, &job("m"));
+        assert_eq!(f.streams_before, 2);
+        // Unreported reservations: their prompts are still to prefill.
+        assert_eq!(f.pending_prefill_tokens, 1_000.0);
+        assert!((f.ttft_ms - (10.0 + 0.1 * 1_100.0 + 4.0)).abs() < 1e-9);
+        assert!((f.step_ms - 22.0).abs() < 1e-9);
+        // short: 1000 * 10 / (10 * 22 + 100 + 20) = 29.4 < 30; long: 1000*400/(8800+20) = 45.4
+        let v = f.worst_violation.as_ref().unwrap();
+        assert_eq!(v.job_id, "short");
+        assert!((v.tok_s - 10_000.0 / 340.0).abs() < 1e-9);
+        assert_eq!(f.worst_running.as_ref().unwrap().job_id, "short");
+    }
+
+    #[test]
+    fn reported_jobs_are_not_pending_and_kv_usage_is_the_context() {
+        let mut w = worker("w1"); // 10 000 KV tokens
+        w.status.perf = Some(PerfCoefficients {
+            step_per_ktok_ms: 1.0,
+            ..coefficients()
+        });
+        w.status.kv.as_mut().unwrap().used_frac = 0.3;
+        w.status.in_flight = vec!["a".into()];
+        w.status.active = 1;
+        w.status.prefill_pending_tokens = 40;
+        let mut l = Ledger::new();
+        let profile = JobProfile {
+            prompt_tokens: 500,
+            predicted_output: 100.0,
+            min_tok_s: 30.0,
+        };
+        l.reserve_profiled("w1", "a", 600, profile, NOW).unwrap();
+        let f = forecast(&w, &l, &job("m"));
+        assert_eq!(f.pending_prefill_tokens, 40.0);
+        assert!((f.context_tokens - 3_000.0).abs() < 1e-9);
+        // step: 20 + 1 * 1 + 1.0 * (3000 + 100 + 25) / 1000
+        assert!((f.step_ms - 24.125).abs() < 1e-9, "{f:?}");
+    }
+
+    #[test]
+    fn unusable_coefficients_fall_back_to_the_prior() {
+        let mut w = worker("w1");
+        w.status.perf = Some(PerfCoefficients {
+            step_per_stream_ms: f64::NAN,
+            ..coefficients()
+        });
+        let f = forecast(&w, &Ledger::new(), &job("m"));
+        assert_eq!(
+            f.coefficients,
+            SchedulerConfig::default().perf_prior.coefficients()
+        );
+        w.status.perf = Some(PerfCoefficients {
+            step_base_ms: 0.0,
+            ..coefficients()
+        });
+        assert_eq!(
+            forecast(&w, &Ledger::new(), &job("m")).coefficients.samples,
+            0
+        );
+    }
+}

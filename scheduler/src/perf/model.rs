@@ -1,0 +1,444 @@
+//! One worker's performance model: two regressions fitted online from the worker's own
+//! completed jobs.
+//!
+//! - **Decode** (`tpot_ms`, the mean time per output token after the first):
+//!   `tpot = step_base + step_per_stream · (streams − 1) + step_per_ktok · context/1000
+//!          + stall_per_ktok · (prefill tokens beside it / (output − 1)) / 1000`.
+//!   The first three terms are the decode step of a continuous-batching server (weights
+//!   read once per step, per-sequence compute, attention over the cached context); the
+//!   last is the time its decode stood still while other jobs' prompts were prefilled,
+//!   spread over its output tokens.
+//! - **Prefill** (`ttft_ms`, from the agent taking the job to its first token):
+//!   `ttft = ttft_base + prefill_per_ktok · (prompt + prompt tokens ahead)/1000
+//!          + ttft_per_stream · streams running`.
+//!
+//! Features are the time averages the agent measured over the job's own life (see
+//! [`PerfSample`]); tokens are scaled to thousands inside the fit so every feature is of
+//! order one. The fit starts from [`PerfPrior`] and forgets with factor
+//! [`PerfPrior::forgetting`] (an effective memory of `1 / (1 − λ)` jobs), so a worker whose
+//! speed changes (thermal throttling, a neighbour on the PCIe switch) is re-learnt.
+//!
+//! Invariants: [`PerfModel::coefficients`] never returns a negative or non-finite
+//! coefficient (a fitted negative slope is physically meaningless noise and is read as 0);
+//! a persisted model whose shape does not match is replaced by the prior, never trusted.
+
+use metronome_protocol::PerfCoefficients;
+use serde::{Deserialize, Serialize};
+
+use super::rls::Rls;
+
+/// Features of the decode regression: 1, streams − 1, context (k tokens), stall (k tokens
+/// per output interval).
+const DECODE_FEATURES: usize = 4;
+/// Features of the prefill regression: 1, prompt + ahead (k tokens), running streams.
+const PREFILL_FEATURES: usize = 3;
+
+/// The starting point of every worker's model, and how far to trust it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PerfPrior {
+    pub step_base_ms: f64,
+    pub step_per_stream_ms: f64,
+    pub step_per_ktok_ms: f64,
+    pub stall_per_prefill_token_ms: f64,
+    pub ttft_base_ms: f64,
+    pub prefill_per_token_ms: f64,
+    pub ttft_per_stream_ms: f64,
+    /// Forgetting factor λ of the fit, in [0.5, 1]: 0.98 remembers about the last 50 jobs.
+    pub forgetting: f64,
+    /// How many completed jobs' worth of evidence the prior is worth (its weight against
+    /// the data): small, so data replaces it within a few dozen jobs.
+    pub prior_jobs: f64,
+}
+
+impl Default for PerfPrior {
+    /// A generic single-GPU server of an ~8B model (order of magnitude from vLLM's published
+    /// decode and prefill speeds on one data-centre GPU). Deliberately *optimistic* about
+    /// batching (small per-stream and context slopes, a small stall): admission control can
+    /// only learn how a worker behaves at a batch it has admitted, so an optimistic prior
+    /// explores and the data corrects it, while a pessimistic one would never test it.
+    fn default() -> Self {
+        PerfPrior {
+            step_base_ms: 20.0,
+            step_per_stream_ms: 0.1,
+            step_per_ktok_ms: 0.05,
+            stall_per_prefill_token_ms: 0.1,
+            ttft_base_ms: 50.0,
+            prefill_per_token_ms: 0.1,
+            ttft_per_stream_ms: 1.0,
+            forgetting: 0.98,
+            prior_jobs: 2.0,
+        }
+    }
+}
+
+/// What a field of [`PerfPrior`] failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct PriorError {
+    pub field: String,
+    pub message: String,
+}
+
+impl PerfPrior {
+    /// Every invalid field, with its name under `prefix` (e.g. `perf_prior`).
+    pub fn validate(&self, prefix: &str) -> Vec<PriorError> {
+        let mut errors = Vec::new();
+        for (name, v) in [
+            ("step_base_ms", self.step_base_ms),
+            ("step_per_stream_ms", self.step_per_stream_ms),
+            ("step_per_ktok_ms", self.step_per_ktok_ms),
+            (
+                "stall_per_prefill_token_ms",
+                self.stall_per_prefill_token_ms,
+            ),
+            ("ttft_base_ms", self.ttft_base_ms),
+            ("prefill_per_token_ms", self.prefill_per_token_ms),
+            ("ttft_per_stream_ms", self.ttft_per_stream_ms),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                errors.push(PriorError {
+                    field: format!("{prefix}.{name}"),
+                    message: format!("must be a finite number >= 0, got {v}"),
+                });
+            }
+        }
+        if !(self.step_base_ms > 0.0) {
+            errors.push(PriorError {
+                field: format!("{prefix}.step_base_ms"),
+                message: "must be > 0 (a decode step takes time)".into(),
+            });
+        }
+        if !(self.forgetting.is_finite() && (0.5..=1.0).contains(&self.forgetting)) {
+            errors.push(PriorError {
+                field: format!("{prefix}.forgetting"),
+                message: format!("must be in [0.5, 1], got {}", self.forgetting),
+            });
+        }
+        if !(self.prior_jobs.is_finite() && self.prior_jobs > 0.0) {
+            errors.push(PriorError {
+                field: format!("{prefix}.prior_jobs"),
+                message: format!("must be a finite number > 0, got {}", self.prior_jobs),
+            });
+        }
+        errors
+    }
+
+    /// The prior as coefficients (what a worker with no data is predicted with).
+    pub fn coefficients(&self) -> PerfCoefficients {
+        PerfCoefficients {
+            step_base_ms: self.step_base_ms,
+            step_per_stream_ms: self.step_per_stream_ms,
+            step_per_ktok_ms: self.step_per_ktok_ms,
+            stall_per_prefill_token_ms: self.stall_per_prefill_token_ms,
+            ttft_base_ms: self.ttft_base_ms,
+            prefill_per_token_ms: self.prefill_per_token_ms,
+            ttft_per_stream_ms: self.ttft_per_stream_ms,
+            samples: 0,
+        }
+    }
+
+    /// Prior standard deviation of a coefficient: as large as the coefficient itself plus a
+    /// floor (a slope believed to be 0 may still be anything of the order of the floor),
+    /// shrunk by the prior's weight in jobs (`sd / sqrt(prior_jobs)` is what `prior_jobs`
+    /// samples of unit noise would leave).
+    fn sd(&self, value: f64, floor: f64) -> f64 {
+        (value.abs() + floor) * 4.0 / self.prior_jobs.sqrt()
+    }
+
+    fn decode_fit(&self) -> Rls {
+        Rls::new(
+            &[
+                self.step_base_ms,
+                self.step_per_stream_ms,
+                self.step_per_ktok_ms,
+                self.stall_per_prefill_token_ms * 1000.0,
+            ],
+            &[
+                self.sd(self.step_base_ms, 5.0),
+                self.sd(self.step_per_stream_ms, 0.5),
+                self.sd(self.step_per_ktok_ms, 0.5),
+                self.sd(self.stall_per_prefill_token_ms * 1000.0, 100.0),
+            ],
+        )
+    }
+
+    fn prefill_fit(&self) -> Rls {
+        Rls::new(
+            &[
+                self.ttft_base_ms,
+                self.prefill_per_token_ms * 1000.0,
+                self.ttft_per_stream_ms,
+            ],
+            &[
+                self.sd(self.ttft_base_ms, 50.0),
+                self.sd(self.prefill_per_token_ms * 1000.0, 100.0),
+                self.sd(self.ttft_per_stream_ms, 10.0),
+            ],
+        )
+    }
+}
+
+/// What a worker-agent measured about one completed job, all from its own timings and the
+/// jobs it held at the time (no model-server internals).
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct PerfSample {
+    pub prompt_tokens: u32,
+    pub output_tokens: u32,
+    /// From taking the job to its first token.
+    pub ttft_ms: Option<f64>,
+    /// Mean time per output token after the first.
+    pub tpot_ms: Option<f64>,
+    /// Other jobs streaming on the worker when this one was sent to the model server.
+    pub streams_at_start: f64,
+    /// Prompt tokens of held jobs still waiting for their first token when it was sent.
+    pub prefill_ahead_tokens: f64,
+    /// Time-averaged decoding streams during its decode, itself included (≥ 1).
+    pub mean_decode_streams: f64,
+    /// Time-averaged context tokens (prompt + generated) of the decoding streams during
+    /// its decode.
+    pub mean_context_tokens: f64,
+    /// Prompt tokens of jobs sent to the model server during its decode.
+    pub stall_prefill_tokens: f64,
+}
+
+impl PerfSample {
+    fn decode_features(&self) -> Option<([f64; DECODE_FEATURES], f64)> {
+        let tpot = self.tpot_ms.filter(|t| t.is_finite() && *t > 0.0)?;
+        if self.output_tokens < 2 {
+            return None;
+        }
+        let intervals = f64::from(self.output_tokens - 1);
+        let x = [
+            1.0,
+            (self.mean_decode_streams - 1.0).max(0.0),
+            self.mean_context_tokens.max(0.0) / 1000.0,
+            self.stall_prefill_tokens.max(0.0) / intervals / 1000.0,
+        ];
+        Some((x, tpot))
+    }
+
+    fn prefill_features(&self) -> Option<([f64; PREFILL_FEATURES], f64)> {
+        let ttft = self.ttft_ms.filter(|t| t.is_finite() && *t >= 0.0)?;
+        let x = [
+            1.0,
+            (f64::from(self.prompt_tokens) + self.prefill_ahead_tokens.max(0.0)) / 1000.0,
+            self.streams_at_start.max(0.0),
+        ];
+        Some((x, ttft))
+    }
+}
+
+/// The fitted model of one worker: plain data, persisted as JSON beside its EWMAs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PerfModel {
+    pub decode: Rls,
+    pub prefill: Rls,
+    /// Forgetting factor used for every update.
+    pub forgetting: f64,
+}
+
+impl PerfModel {
+    /// A model that knows only the prior.
+    pub fn new(prior: &PerfPrior) -> PerfModel {
+        PerfModel {
+            decode: prior.decode_fit(),
+            prefill: prior.prefill_fit(),
+            forgetting: prior.forgetting,
+        }
+    }
+
+    /// A persisted model, or the prior when it does not have this version's shape.
+    pub fn resume(persisted: Option<PerfModel>, prior: &PerfPrior) -> PerfModel {
+        match persisted {
+            Some(m)
+                if m.decode.is_well_formed(DECODE_FEATURES)
+                    && m.prefill.is_well_formed(PREFILL_FEATURES) =>
+            {
+                PerfModel {
+                    forgetting: prior.forgetting,
+                    ..m
+                }
+            }
+            _ => PerfModel::new(prior),
+        }
+    }
+
+    /// Fold in one completed job.
+    pub fn observe(&mut self, sample: &PerfSample) {
+        if let Some((x, y)) = sample.decode_features() {
+            self.decode.update(&x, y, self.forgetting);
+        }
+        if let Some((x, y)) = sample.prefill_features() {
+            self.prefill.update(&x, y, self.forgetting);
+        }
+    }
+
+    /// Jobs folded in (the larger of the two fits' counts: a one-token job feeds only the
+    /// prefill fit).
+    pub fn samples(&self) -> u64 {
+        self.decode.samples.max(self.prefill.samples)
+    }
+
+    /// The coefficients in milliseconds per unit, clamped to be physically meaningful.
+    pub fn coefficients(&self) -> PerfCoefficients {
+        let d = &self.decode.theta;
+        let p = &self.prefill.theta;
+        let nn = |v: f64| if v.is_finite() { v.max(0.0) } else { 0.0 };
+        PerfCoefficients {
+            // A step always takes time: a fit that says otherwise is read as 0.1 ms.
+            step_base_ms: nn(d[0]).max(0.1),
+            step_per_stream_ms: nn(d[1]),
+            step_per_ktok_ms: nn(d[2]),
+            stall_per_prefill_token_ms: nn(d[3]) / 1000.0,
+            ttft_base_ms: nn(p[0]),
+            prefill_per_token_ms: nn(p[1]) / 1000.0,
+            ttft_per_stream_ms: nn(p[2]),
+            samples: self.samples(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A worker that behaves exactly like the model with these coefficients.
+    fn truth() -> PerfCoefficients {
+        PerfCoefficients {
+            step_base_ms: 16.7,
+            step_per_stream_ms: 0.17,
+            step_per_ktok_ms: 0.13,
+            stall_per_prefill_token_ms: 0.16,
+            ttft_base_ms: 25.0,
+            prefill_per_token_ms: 0.16,
+            ttft_per_stream_ms: 0.5,
+            samples: 0,
+        }
+    }
+
+    fn sample(i: u64, c: &PerfCoefficients) -> PerfSample {
+        let streams = 1.0 + (i % 17) as f64;
+        let context = streams * (800.0 + (i % 5) as f64 * 300.0);
+        let stall = ((i * 7) % 11) as f64 * 400.0;
+        let prompt = 200 + ((i * 13) % 23) as u32 * 80;
+        let ahead = ((i * 3) % 4) as f64 * 500.0;
+        let output = 50 + (i % 9) as u32 * 40;
+        let tpot = c.step_base_ms
+            + c.step_per_stream_ms * (streams - 1.0)
+            + c.step_per_ktok_ms * context / 1000.0
+            + c.stall_per_prefill_token_ms * stall / f64::from(output - 1);
+        let ttft = c.ttft_base_ms
+            + c.prefill_per_token_ms * (f64::from(prompt) + ahead)
+            + c.ttft_per_stream_ms * (streams - 1.0);
+        PerfSample {
+            prompt_tokens: prompt,
+            output_tokens: output,
+            ttft_ms: Some(ttft),
+            tpot_ms: Some(tpot),
+            streams_at_start: streams - 1.0,
+            prefill_ahead_tokens: ahead,
+            mean_decode_streams: streams,
+            mean_context_tokens: context,
+            stall_prefill_tokens: stall,
+        }
+    }
+
+    #[test]
+    fn learns_a_worker_from_its_jobs() {
+        let t = truth();
+        let mut m = PerfModel::new(&PerfPrior::default());
+        for i in 0..60 {
+            m.observe(&sample(i, &t));
+        }
+        let c = m.coefficients();
+        let close = |got: f64, want: f64, tol: f64| (got - want).abs() <= tol * want.abs();
+        // The coefficients that carry most of the time are learnt closely...
+        assert!(close(c.step_base_ms, t.step_base_ms, 0.02), "{c:?}");
+        assert!(
+            close(c.step_per_stream_ms, t.step_per_stream_ms, 0.1),
+            "{c:?}"
+        );
+        assert!(close(c.step_per_ktok_ms, t.step_per_ktok_ms, 0.1), "{c:?}");
+        assert!(
+            close(
+                c.stall_per_prefill_token_ms,
+                t.stall_per_prefill_token_ms,
+                0.05
+            ),
+            "{c:?}"
+        );
+        assert!(
+            close(c.prefill_per_token_ms, t.prefill_per_token_ms, 0.05),
+            "{c:?}"
+        );
+        assert_eq!(c.samples, 60);
+        // ...and what matters, the predictions of jobs it has not seen, are within 3 %.
+        for i in 1_000..1_040 {
+            let s = sample(i, &t);
+            let decode = m.decode.predict(&s.decode_features().unwrap().0);
+            let ttft = m.prefill.predict(&s.prefill_features().unwrap().0);
+            assert!(close(decode, s.tpot_ms.unwrap(), 0.03), "{decode} vs {s:?}");
+            assert!(close(ttft, s.ttft_ms.unwrap(), 0.03), "{ttft} vs {s:?}");
+        }
+    }
+
+    #[test]
+    fn a_slower_worker_learns_its_own_speed() {
+        let mut slow = truth();
+        slow.step_base_ms *= 2.0;
+        slow.prefill_per_token_ms *= 2.0;
+        let mut m = PerfModel::new(&PerfPrior::default());
+        for i in 0..40 {
+            m.observe(&sample(i, &slow));
+        }
+        let c = m.coefficients();
+        assert!((c.step_base_ms - 33.4).abs() < 1.0, "{c:?}");
+        assert!((c.prefill_per_token_ms - 0.32).abs() < 0.02, "{c:?}");
+    }
+
+    #[test]
+    fn the_prior_stands_until_data_arrives_and_a_bad_persisted_model_is_replaced() {
+        let prior = PerfPrior::default();
+        let m = PerfModel::new(&prior);
+        assert_eq!(m.coefficients(), prior.coefficients());
+        let mut broken = m.clone();
+        broken.decode.theta.pop();
+        assert_eq!(PerfModel::resume(Some(broken), &prior), m);
+        let mut learnt = m.clone();
+        learnt.observe(&sample(3, &truth()));
+        assert_eq!(PerfModel::resume(Some(learnt.clone()), &prior), learnt);
+    }
+
+    #[test]
+    fn coefficients_are_never_negative() {
+        let mut m = PerfModel::new(&PerfPrior::default());
+        m.decode.theta[1] = -3.0;
+        m.prefill.theta[2] = f64::NAN;
+        let c = m.coefficients();
+        assert_eq!(c.step_per_stream_ms, 0.0);
+        assert_eq!(c.ttft_per_stream_ms, 0.0);
+    }
+
+    #[test]
+    fn default_prior_is_valid_and_bad_fields_are_named() {
+        assert!(PerfPrior::default().validate("perf_prior").is_empty());
+        let bad = PerfPrior {
+            step_base_ms: 0.0,
+            forgetting: 1.5,
+            prior_jobs: 0.0,
+            prefill_per_token_ms: -1.0,
+            ..PerfPrior::default()
+        };
+        let fields: Vec<String> = bad.validate("p").into_iter().map(|e| e.field).collect();
+        assert_eq!(
+            fields,
+            [
+                "p.prefill_per_token_ms",
+                "p.step_base_ms",
+                "p.forgetting",
+                "p.prior_jobs"
+            ]
+        );
+    }
+}

@@ -1,0 +1,246 @@
+//! Recursive least squares with a Gaussian prior, exponential forgetting and a bounded
+//! covariance: the online fit behind each worker's performance model.
+//!
+//! Algorithm (Ljung & Söderström, "Theory and Practice of Recursive Identification", 1983):
+//! for a sample `(x, y)` with gain `k = P x / (λ + xᵀ P x)`, the coefficients move by
+//! `k (y − xᵀ θ)` and the covariance becomes `(P − k xᵀ P) / λ`. Starting from
+//! `θ = prior`, `P = diag(prior_sd²)` this is Bayesian linear regression with the prior as
+//! the first "observation", so a coefficient no sample has excited yet stays at its prior
+//! (e.g. the per-stream slope of a worker that has only ever run one job at a time) while
+//! excited ones follow the data within a few dozen samples.
+//!
+//! Two guards keep the fit usable on a live system:
+//! - *Bounded covariance.* Forgetting (λ < 1) inflates `P` in directions no sample excites,
+//!   until one odd sample swings the coefficient wildly ("covariance wind-up"). Each
+//!   diagonal entry is capped at its prior variance by a symmetric rescaling of its row and
+//!   column, which keeps `P` positive semi-definite.
+//! - *Clipped residuals.* A sample whose residual exceeds `OUTLIER_SCALES` times the running
+//!   mean absolute residual plus a tenth of the prediction (a job stalled by a GC pause, a
+//!   network hiccup) moves the fit only as far as that bound.
+//!
+//! Invariants: dimensions never change after construction; non-finite samples are ignored;
+//! the state is plain data (serde), so it can be persisted and resumed exactly.
+
+use serde::{Deserialize, Serialize};
+
+/// Residuals beyond this many mean absolute residuals are clipped.
+const OUTLIER_SCALES: f64 = 4.0;
+
+/// The state of one regression.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Rls {
+    /// Current coefficients.
+    pub theta: Vec<f64>,
+    /// Covariance, row-major `n × n`.
+    pub p: Vec<f64>,
+    /// Prior variances: the cap of each diagonal entry of `p`.
+    pub p_max: Vec<f64>,
+    /// Running mean absolute residual (0 until the first sample).
+    pub residual_scale: f64,
+    /// Samples folded in.
+    pub samples: u64,
+}
+
+impl Rls {
+    /// A fit that knows only its prior: coefficients `prior`, standard deviations `sd`.
+    pub fn new(prior: &[f64], sd: &[f64]) -> Rls {
+        assert_eq!(
+            prior.len(),
+            sd.len(),
+            "prior and sd must have one entry per feature"
+        );
+        let n = prior.len();
+        let mut p = vec![0.0; n * n];
+        let p_max: Vec<f64> = sd.iter().map(|s| (s * s).max(f64::MIN_POSITIVE)).collect();
+        for i in 0..n {
+            p[i * n + i] = p_max[i];
+        }
+        Rls {
+            theta: prior.to_vec(),
+            p,
+            p_max,
+            residual_scale: 0.0,
+            samples: 0,
+        }
+    }
+
+    /// Number of features.
+    pub fn len(&self) -> usize {
+        self.theta.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.theta.is_empty()
+    }
+
+    /// True when the state has the shape of a fit with `n` features and finite numbers.
+    pub fn is_well_formed(&self, n: usize) -> bool {
+        self.theta.len() == n
+            && self.p.len() == n * n
+            && self.p_max.len() == n
+            && self
+                .theta
+                .iter()
+                .chain(&self.p)
+                .chain(&self.p_max)
+                .all(|v| v.is_finite())
+            && self.residual_scale.is_finite()
+    }
+
+    /// `xᵀ θ`.
+    pub fn predict(&self, x: &[f64]) -> f64 {
+        x.iter().zip(&self.theta).map(|(a, b)| a * b).sum()
+    }
+
+    /// Fold in one sample with forgetting factor `lambda` in (0, 1].
+    pub fn update(&mut self, x: &[f64], y: f64, lambda: f64) {
+        let n = self.len();
+        if x.len() != n || !y.is_finite() || x.iter().any(|v| !v.is_finite()) {
+            return;
+        }
+        let lambda = if lambda.is_finite() {
+            lambda.clamp(0.5, 1.0)
+        } else {
+            1.0
+        };
+        // P x
+        let mut px = vec![0.0; n];
+        for (i, out) in px.iter_mut().enumerate() {
+            *out = (0..n).map(|j| self.p[i * n + j] * x[j]).sum();
+        }
+        let denom = lambda + x.iter().zip(&px).map(|(a, b)| a * b).sum::<f64>();
+        if !(denom.is_finite() && denom > 0.0) {
+            return;
+        }
+        let predicted = self.predict(x);
+        let mut error = y - predicted;
+        if self.samples > 0 {
+            // A tenth of the prediction is never an outlier: while a noise-free fit
+            // converges its residual scale shrinks towards 0, and samples from a region it
+            // has not seen yet must still move it.
+            let bound = OUTLIER_SCALES * self.residual_scale + 0.1 * predicted.abs();
+            error = error.clamp(-bound, bound);
+        }
+        // Mean absolute residual over roughly the last 1 / (1 - 0.9) = 10 samples; the first
+        // sample sets it.
+        self.residual_scale = if self.samples == 0 {
+            error.abs()
+        } else {
+            0.9 * self.residual_scale + 0.1 * error.abs()
+        };
+        let k: Vec<f64> = px.iter().map(|v| v / denom).collect();
+        for (t, ki) in self.theta.iter_mut().zip(&k) {
+            *t += ki * error;
+        }
+        // P ← (P − k (P x)ᵀ) / λ ; P is symmetric so xᵀ P = (P x)ᵀ.
+        for i in 0..n {
+            for j in 0..n {
+                self.p[i * n + j] = (self.p[i * n + j] - k[i] * px[j]) / lambda;
+            }
+        }
+        self.bound_covariance();
+        self.samples += 1;
+    }
+
+    /// Cap each diagonal entry at its prior variance, rescaling its row and column so the
+    /// matrix stays symmetric and positive semi-definite (`D P D` with `D` diagonal).
+    fn bound_covariance(&mut self) {
+        let n = self.len();
+        for i in 0..n {
+            let d = self.p[i * n + i];
+            if !(d.is_finite() && d > 0.0) {
+                // Numerical breakdown: restart this direction from the prior.
+                for j in 0..n {
+                    self.p[i * n + j] = 0.0;
+                    self.p[j * n + i] = 0.0;
+                }
+                self.p[i * n + i] = self.p_max[i];
+                continue;
+            }
+            if d > self.p_max[i] {
+                let s = (self.p_max[i] / d).sqrt();
+                for j in 0..n {
+                    self.p[i * n + j] *= s;
+                    self.p[j * n + i] *= s;
+                }
+            }
+        }
+        // Symmetrise away rounding drift.
+        for i in 0..n {
+            for j in (i + 1)..n {
+                let m = 0.5 * (self.p[i * n + j] + self.p[j * n + i]);
+                self.p[i * n + j] = m;
+                self.p[j * n + i] = m;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recovers_a_linear_law_from_noise_free_samples() {
+        // y = 3 + 2 a − 0.5 b, prior far off.
+        let mut f = Rls::new(&[0.0, 0.0, 0.0], &[10.0, 10.0, 10.0]);
+        let mut seed = 7u64;
+        for _ in 0..200 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let a = (seed >> 33) as f64 / (1u64 << 31) as f64 * 10.0;
+            let b = (seed >> 13 & 0xffff) as f64 / 65536.0 * 5.0;
+            f.update(&[1.0, a, b], 3.0 + 2.0 * a - 0.5 * b, 0.98);
+        }
+        for (got, want) in f.theta.iter().zip([3.0, 2.0, -0.5]) {
+            assert!((got - want).abs() < 1e-3, "{:?}", f.theta);
+        }
+        assert_eq!(f.samples, 200);
+    }
+
+    #[test]
+    fn an_unexcited_coefficient_stays_at_its_prior() {
+        // The second feature is always 0: nothing can be learnt about it.
+        let mut f = Rls::new(&[10.0, 0.7], &[5.0, 1.0]);
+        for _ in 0..500 {
+            f.update(&[1.0, 0.0], 20.0, 0.95);
+        }
+        assert!((f.theta[0] - 20.0).abs() < 1e-6);
+        assert!((f.theta[1] - 0.7).abs() < 1e-12);
+        // Wind-up guard: its variance never exceeds the prior's.
+        assert!(f.p[3] <= 1.0 + 1e-12, "{:?}", f.p);
+    }
+
+    #[test]
+    fn the_data_replaces_the_prior_within_a_few_dozen_samples() {
+        let mut f = Rls::new(&[50.0], &[20.0]);
+        for _ in 0..30 {
+            f.update(&[1.0], 17.0, 0.98);
+        }
+        assert!((f.theta[0] - 17.0).abs() < 0.5, "{}", f.theta[0]);
+    }
+
+    #[test]
+    fn an_outlier_moves_the_fit_only_so_far() {
+        let mut f = Rls::new(&[0.0], &[100.0]);
+        for i in 0..50 {
+            f.update(&[1.0], 20.0 + if i % 2 == 0 { 1.0 } else { -1.0 }, 0.98);
+        }
+        let before = f.theta[0];
+        f.update(&[1.0], 10_000.0, 0.98);
+        assert!(f.theta[0] - before < 1.0, "{before} -> {}", f.theta[0]);
+    }
+
+    #[test]
+    fn non_finite_or_misshapen_samples_are_ignored() {
+        let mut f = Rls::new(&[1.0, 2.0], &[1.0, 1.0]);
+        let before = f.clone();
+        f.update(&[1.0, f64::NAN], 3.0, 0.98);
+        f.update(&[1.0], 3.0, 0.98);
+        f.update(&[1.0, 1.0], f64::INFINITY, 0.98);
+        assert_eq!(f, before);
+        assert!(f.is_well_formed(2));
+        assert!(!f.is_well_formed(3));
+    }
+}
