@@ -34,6 +34,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
 use crate::ewma_store::EwmaStore;
+use crate::load_tracker::LoadTracker;
 use crate::metrics::AgentMetrics;
 use crate::model_client::ModelClient;
 use crate::runner::{publish_js, run_job};
@@ -94,6 +95,12 @@ pub(crate) struct Shared {
     pub model: Arc<dyn ModelClient>,
     pub ewma: Option<EwmaStore>,
     pub metrics: Arc<AgentMetrics>,
+    /// What the model server is running for this agent (the performance model's features).
+    pub load: Mutex<LoadTracker>,
+    /// This worker's performance model, fitted from its completed jobs.
+    pub perf: Mutex<metronome_scheduler::perf::PerfModel>,
+    /// The performance model changed: the persister saves it.
+    pub perf_changed: Notify,
     pub in_flight: Mutex<BTreeMap<String, Held>>,
     pub max_epoch: AtomicU64,
     pub draining: AtomicBool,
@@ -121,6 +128,18 @@ impl Shared {
             .keys()
             .cloned()
             .collect()
+    }
+
+    /// Prompt tokens of held jobs that have not produced their first token.
+    pub fn prefill_pending_tokens(&self) -> u64 {
+        self.load
+            .lock()
+            .expect("load lock")
+            .pending_prefill_tokens()
+    }
+
+    pub fn perf_coefficients(&self) -> metronome_protocol::PerfCoefficients {
+        self.perf.lock().expect("perf lock").coefficients()
     }
 
     fn release(&self, job_id: &str) {

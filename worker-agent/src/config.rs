@@ -5,13 +5,15 @@
 //! `METRONOME_WORKER_*`), then validated into field-level errors. The environment is read
 //! through a lookup function so tests never touch the process environment.
 //! Invariant: a `Config` that passed [`Config::validate`] has a subject-safe `worker_id`,
-//! a non-empty model, a parseable model-server URL and every interval above zero.
+//! a non-empty model, a parseable model-server URL, every interval above zero and a valid
+//! performance-model prior.
 
 use std::fmt;
 use std::path::Path;
 use std::time::Duration;
 
 use metronome_protocol::names::is_subject_token;
+use metronome_scheduler::perf::PerfPrior;
 use serde::{Deserialize, Serialize};
 
 /// Which family of model server the agent talks to. It selects the Prometheus metric names
@@ -59,7 +61,9 @@ pub struct Config {
     pub health_path: String,
     /// Path of the model server's Prometheus endpoint.
     pub metrics_path: String,
-    /// Most jobs run at once; the agent never pulls more than the free slots.
+    /// Most jobs run at once; the agent never pulls more than the free slots. A safety
+    /// ceiling (vLLM's default `max_num_seqs`): the dispatcher's predictions from the
+    /// worker's performance model decide admission below it.
     pub max_concurrency: u32,
     pub heartbeat_interval_ms: u64,
     pub nats_url: String,
@@ -83,6 +87,9 @@ pub struct Config {
     pub metrics_port: Option<u16>,
     /// Address the metrics endpoint binds to.
     pub metrics_bind: String,
+    /// Where this worker's performance model starts (`[perf_prior]`); `None`: the
+    /// scheduler's generic prior. Last, as TOML writes tables after plain values.
+    pub perf_prior: Option<PerfPrior>,
 }
 
 impl Default for Config {
@@ -96,7 +103,7 @@ impl Default for Config {
             model_server_kind: ServerKind::Vllm,
             health_path: "/health".into(),
             metrics_path: "/metrics".into(),
-            max_concurrency: 4,
+            max_concurrency: 256,
             heartbeat_interval_ms: 1_000,
             nats_url: "nats://127.0.0.1:4222".into(),
             redis_url: "redis://127.0.0.1:6379/".into(),
@@ -109,6 +116,7 @@ impl Default for Config {
             drain_timeout_ms: 60_000,
             metrics_port: None,
             metrics_bind: "127.0.0.1".into(),
+            perf_prior: None,
         }
     }
 }
@@ -116,7 +124,8 @@ impl Default for Config {
 /// One invalid field and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FieldError {
-    pub field: &'static str,
+    /// The field's path (`max_concurrency`, `perf_prior.forgetting`).
+    pub field: String,
     pub message: String,
 }
 
@@ -211,8 +220,12 @@ impl Config {
     /// Every field error at once, so an operator fixes the file in one go.
     pub fn validate(&self) -> Result<(), Vec<FieldError>> {
         let mut errors = Vec::new();
-        let mut err =
-            |field: &'static str, message: String| errors.push(FieldError { field, message });
+        let mut err = |field: &str, message: String| {
+            errors.push(FieldError {
+                field: field.to_string(),
+                message,
+            })
+        };
         if !is_subject_token(&self.worker_id) {
             err(
                 "worker_id",
@@ -301,11 +314,21 @@ impl Config {
                 format!("{:?} is not an IP address", self.metrics_bind),
             );
         }
+        if let Some(prior) = &self.perf_prior {
+            for e in prior.validate("perf_prior") {
+                err(&e.field, e.message);
+            }
+        }
         if errors.is_empty() {
             Ok(())
         } else {
             Err(errors)
         }
+    }
+
+    /// The prior of the performance model: the configured one, else the generic one.
+    pub fn perf_prior(&self) -> PerfPrior {
+        self.perf_prior.unwrap_or_default()
     }
 
     pub fn heartbeat_interval(&self) -> Duration {
@@ -388,7 +411,8 @@ mod tests {
             progress_ack_interval_ms: 40_000,
             ..Config::default()
         };
-        let fields: Vec<&str> = c.validate().unwrap_err().iter().map(|e| e.field).collect();
+        let errors = c.validate().unwrap_err();
+        let fields: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
         for f in [
             "worker_id",
             "model",
@@ -401,6 +425,50 @@ mod tests {
             assert!(fields.contains(&f), "{f} missing from {fields:?}");
         }
         assert_eq!(valid().validate(), Ok(()));
+    }
+
+    #[test]
+    fn a_perf_prior_table_is_read_validated_and_printed() {
+        assert_eq!(valid().perf_prior(), PerfPrior::default());
+        let c = Config::from_toml_str(
+            r#"
+            worker_id = "n1-gpu0"
+            model = "m"
+            [perf_prior]
+            step_base_ms = 12.5
+            forgetting = 0.95
+            "#,
+            "test",
+        )
+        .unwrap();
+        let prior = c.perf_prior();
+        assert_eq!((prior.step_base_ms, prior.forgetting), (12.5, 0.95));
+        assert_eq!(prior.ttft_base_ms, PerfPrior::default().ttft_base_ms);
+        assert_eq!(c.validate(), Ok(()));
+        let printed = Config::from_toml_str(&c.to_toml(), "printed").unwrap();
+        assert_eq!(printed, c);
+
+        assert!(
+            Config::from_toml_str("[perf_prior]\nstep_base = 1.0\n", "test").is_err(),
+            "unknown prior keys are refused"
+        );
+        let bad = Config {
+            perf_prior: Some(PerfPrior {
+                forgetting: 2.0,
+                step_base_ms: -1.0,
+                ..PerfPrior::default()
+            }),
+            ..valid()
+        };
+        let errors = bad.validate().unwrap_err();
+        let fields: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
+        assert!(fields.contains(&"perf_prior.forgetting"), "{fields:?}");
+        assert!(fields.contains(&"perf_prior.step_base_ms"), "{fields:?}");
+    }
+
+    #[test]
+    fn max_concurrency_defaults_to_a_safety_ceiling() {
+        assert_eq!(Config::default().max_concurrency, 256);
     }
 
     #[test]

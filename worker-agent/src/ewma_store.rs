@@ -145,6 +145,11 @@ impl EwmaStore {
         })
     }
 
+    /// The store's Redis connection (it reconnects by itself), for the agent's other keys.
+    pub fn connection(&self) -> ConnectionManager {
+        self.conn.clone()
+    }
+
     /// Fold one job's measurements into the averages of `worker_id` and `model`.
     pub async fn record(
         &self,

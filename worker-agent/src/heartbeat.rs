@@ -77,6 +77,8 @@ impl Heartbeat {
             in_flight,
             kv: load.kv,
             gpu,
+            prefill_pending_tokens: shared.prefill_pending_tokens(),
+            perf: Some(shared.perf_coefficients()),
             seq: self.seq,
             sent_ms: unix_ms(),
         }

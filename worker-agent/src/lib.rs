@@ -15,9 +15,11 @@ pub mod config;
 pub mod ewma_store;
 pub mod gpu_probe;
 mod heartbeat;
+pub mod load_tracker;
 pub mod metrics;
 pub mod metrics_scrape;
 pub mod model_client;
+pub mod perf_store;
 pub mod runner;
 
 use std::collections::BTreeMap;
@@ -120,6 +122,14 @@ pub async fn start(
         config.ewma_half_life_ms,
         metrics.clone(),
     )?;
+    let perf_store = perf_store::PerfStore::new(
+        ewma.connection(),
+        &config.redis_prefix,
+        &config.worker_id,
+        metrics.clone(),
+    );
+    // Loaded before the first heartbeat, which already carries the resumed coefficients.
+    let perf = perf_store.load(&config.perf_prior()).await;
 
     let metrics_listener = match config.metrics_port {
         Some(port) => {
@@ -151,6 +161,9 @@ pub async fn start(
         model: deps.model,
         ewma: Some(ewma),
         metrics: metrics.clone(),
+        load: Mutex::new(load_tracker::LoadTracker::new()),
+        perf: Mutex::new(perf),
+        perf_changed: Notify::new(),
         in_flight: Mutex::new(BTreeMap::new()),
         max_epoch: AtomicU64::new(0),
         draining: AtomicBool::new(false),
@@ -226,6 +239,12 @@ pub async fn start(
         cancel_sub,
         cancel_stop.clone(),
     ));
+    let perf_stop = CancellationToken::new();
+    let perf_task = tokio::spawn(perf_store::persist(
+        shared.clone(),
+        perf_store.clone(),
+        perf_stop.clone(),
+    ));
 
     let handle = tokio::spawn(async move {
         shutdown.cancelled().await;
@@ -237,6 +256,10 @@ pub async fn start(
         let _ = intake_task.await;
 
         drain(&shared).await;
+        // Every job has been folded in: save the final state for the next run.
+        perf_stop.cancel();
+        let _ = perf_task.await;
+        perf_store::save_latest(&shared, &perf_store).await;
 
         hb_stop.cancel();
         if let Ok(mut hb) = hb_task.await {

@@ -53,6 +53,8 @@ pub struct AgentMetrics {
     pub heartbeats: Counter,
     pub heartbeat_errors: Counter,
     pub metrics_scrape_errors: Counter,
+    /// Completed jobs folded into the performance model.
+    pub perf_samples: Counter,
     /// Sum of measured times to first token, in microseconds (with `ttft_count`, a mean).
     pub ttft_us_sum: Counter,
     pub ttft_count: Counter,
@@ -112,8 +114,13 @@ impl AgentMetrics {
         );
         counter(
             "metronome_worker_redis_errors_total",
-            "EWMA updates that failed because Redis was unreachable or erred.",
+            "Redis reads and writes (EWMAs, performance model) that failed because Redis was unreachable or erred.",
             &[("", self.redis_errors.get())],
+        );
+        counter(
+            "metronome_worker_perf_samples_total",
+            "Completed jobs folded into the worker's performance model.",
+            &[("", self.perf_samples.get())],
         );
         counter(
             "metronome_worker_nats_publish_errors_total",

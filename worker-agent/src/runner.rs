@@ -9,13 +9,17 @@
 //!    late readers), published before the WORK ack so an acknowledged job always has a
 //!    final result;
 //! 3. the WORK ack; 4. the completion event on `events.done.<worker>` through JetStream
-//!    (it releases the reservation); 5. the EWMA update (off the job's slot).
+//!    (it releases the reservation); 5. the EWMA update and the performance model's
+//!    update (both off the job's slot).
 //!
 //! Measurements: TTFT from the moment the agent took the assignment to the first chunk
 //! carrying text; TPOT the mean gap between text arrivals after the first, per output
 //! token; tokens/s the output tokens over the time from start to the last token; e2e from
 //! start to the final result. A job that fails before any token says `streamed: false`, so
-//! the dispatcher knows no output reached the client.
+//! the dispatcher knows no output reached the client. The same token arrivals feed the
+//! agent's [`LoadTracker`](crate::load_tracker::LoadTracker) (one token per chunk carrying
+//! text, as the usage estimate counts them), whose sample of a completed job updates the
+//! worker's performance model.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -38,6 +42,7 @@ use tracing::Instrument;
 use crate::agent::Shared;
 use crate::assemble::Assembler;
 use crate::ewma_store::JobSample;
+use crate::load_tracker::Measured;
 
 /// How a running job ended, before it is published.
 #[derive(Debug)]
@@ -90,6 +95,7 @@ pub(crate) async fn run_job(
         let job = &assignment.job;
         let cfg = &shared.config;
         tracing::info!(endpoint = ?job.endpoint, max_tokens = job.max_tokens, "job started");
+        shared.load.lock().expect("load lock").started(&job.id, job.prompt_tokens, Instant::now());
         let mut chunks = shared.model.stream_completion(job.endpoint, job.request.clone());
         let mut asm = Assembler::new(job.endpoint);
         let mut timing = Timing { start, first_token: None, last_token: None };
@@ -128,8 +134,13 @@ pub(crate) async fn run_job(
                     Some(Ok(data)) => {
                         let now = Instant::now();
                         if asm.push(&data) {
-                            timing.first_token.get_or_insert(now);
+                            let mut load = shared.load.lock().expect("load lock");
+                            if timing.first_token.is_none() {
+                                timing.first_token = Some(now);
+                                load.first_token(&job.id, now);
+                            }
                             timing.last_token = Some(now);
+                            load.tokens(&job.id, 1, now);
                         }
                         let chunk = ResultChunk {
                             v: PROTOCOL_VERSION,
@@ -158,6 +169,21 @@ pub(crate) async fn run_job(
         let streamed = seq > 0;
         let usage: Usage = asm.usage(job.prompt_tokens);
         let sample = measure(&timing, usage.completion_tokens, end);
+        let perf_sample = {
+            let mut load = shared.load.lock().expect("load lock");
+            if matches!(ending, Ending::Done) {
+                let measured = Measured {
+                    prompt_tokens: usage.prompt_tokens,
+                    output_tokens: usage.completion_tokens,
+                    ttft_ms: sample.ttft_ms,
+                    tpot_ms: sample.tpot_ms,
+                };
+                load.finished(&job.id, &measured, end)
+            } else {
+                load.remove(&job.id, end);
+                None
+            }
+        };
 
         let (outcome, error) = match &ending {
             Ending::Done => (CompletionOutcome::Done, None),
@@ -227,6 +253,11 @@ pub(crate) async fn run_job(
         );
 
         // Only complete runs are representative of the worker's speed.
+        if let Some(s) = perf_sample {
+            shared.perf.lock().expect("perf lock").observe(&s);
+            shared.metrics.perf_samples.inc();
+            shared.perf_changed.notify_one();
+        }
         if matches!(ending, Ending::Done) {
             if let Some(store) = shared.ewma.clone() {
                 let (worker, model) = (cfg.worker_id.clone(), job.model.clone());

@@ -287,7 +287,8 @@ async fn heartbeats_list_running_jobs_and_shutdown_drains_then_leaves_the_regist
     assert!(status.healthy);
     assert!(!status.draining);
     assert_eq!(status.model, MODEL);
-    assert_eq!(status.max_concurrency, 4);
+    assert_eq!(status.max_concurrency, 256, "the default ceiling");
+    assert!(status.perf.is_some(), "the agent fits a performance model");
     assert_eq!(status.gpu, None, "no GPU probe: unavailable, not zero");
     let kv = status
         .kv

@@ -178,6 +178,8 @@ async fn a_restarted_agent_continues_the_heartbeat_sequence() {
         in_flight: vec![],
         kv: None,
         gpu: None,
+        prefill_pending_tokens: 0,
+        perf: None,
         seq: seen + 1000,
         sent_ms: 0,
     };

@@ -281,6 +281,7 @@ pub fn job(id: &str, endpoint: Endpoint, max_tokens: u32, delay_ms: u64) -> Job 
         max_tokens,
         submitted_ms: metronome_protocol::time::unix_ms(),
         deadline_ms: None,
+        slo: None,
     }
 }
 

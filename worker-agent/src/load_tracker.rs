@@ -1,0 +1,401 @@
+//! What this agent has sent to its model server, as the features of its performance model.
+//!
+//! The tracker knows every job the agent has started on the model server: its prompt
+//! tokens, whether it has produced its first token and how many tokens it has generated
+//! since. From the event sequence (`started` when the request is sent, `first_token`,
+//! `tokens` per relayed chunk, `finished` or `remove`) it keeps:
+//!
+//! - the time integrals of the number of decoding streams (jobs past their first token, not
+//!   finished) and of their context tokens (prompt + generated): each integral accumulates
+//!   `value × dt` before every change, so it is exact for the piecewise-constant load;
+//! - a cumulative counter of the prompt tokens of the jobs started.
+//!
+//! A job's features are then differences of these between two marks of its own life, the
+//! job's decode window being its first token → its last token (or its end, if it streamed
+//! one token): the time-averaged streams beside it (itself included, so ≥ 1), their
+//! time-averaged context, and the prompt tokens started during the window (prefills its
+//! decode stood still for). At start it records the streams decoding and the prompt tokens
+//! still waiting for their prefill (what its own first token waits behind). These are the
+//! signals [`PerfSample`] describes; the measured latencies come from the runner's
+//! `measure` and are passed in.
+//!
+//! Pure: no I/O, no clock (every event takes `now`), so every sequence replays exactly.
+//! Invariants: the running totals (decoding streams, their context, pending prefill) are
+//! the sums over the jobs tracked, whatever the order of `finished`/`remove`; time never
+//! runs backwards (an event older than the last one counts as happening at the last one,
+//! as two runners may take the tracker's lock out of order).
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use metronome_scheduler::perf::PerfSample;
+
+/// What the runner measured about a finished job (see `runner::measure`).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Measured {
+    /// The server's prompt token count (the job's estimate when it sent none).
+    pub prompt_tokens: u32,
+    pub output_tokens: u32,
+    /// From the agent taking the job to its first token.
+    pub ttft_ms: Option<f64>,
+    /// (last token − first token) / (output − 1).
+    pub tpot_ms: Option<f64>,
+}
+
+/// The integrals and counters at one instant.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Mark {
+    at_ms: f64,
+    streams_integral: f64,
+    context_integral: f64,
+    prefill_started: u64,
+    /// Instantaneous values, for a window of zero length.
+    streams: u64,
+    context: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Tracked {
+    prompt_tokens: u64,
+    generated: u64,
+    streams_at_start: u64,
+    prefill_ahead_tokens: u64,
+    first: Option<Mark>,
+    last: Option<Mark>,
+}
+
+/// The load this agent put on its model server, and each job's share of it.
+#[derive(Debug, Default)]
+pub struct LoadTracker {
+    /// Times are ms since the first event.
+    origin: Option<Instant>,
+    last_ms: f64,
+    /// Jobs past their first token, not finished.
+    decoding: u64,
+    /// Prompt + generated tokens of the decoding jobs.
+    context: u64,
+    /// Prompt tokens of jobs without a first token.
+    pending_prefill: u64,
+    /// ∫ decoding dt, stream·ms.
+    streams_integral: f64,
+    /// ∫ context dt, token·ms.
+    context_integral: f64,
+    /// Prompt tokens of every job started so far.
+    prefill_started: u64,
+    jobs: HashMap<String, Tracked>,
+}
+
+impl LoadTracker {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The job's request was sent to the model server.
+    pub fn started(&mut self, job: &str, prompt_tokens: u32, now: Instant) {
+        self.advance(now);
+        if self.jobs.contains_key(job) {
+            self.forget(job);
+        }
+        let prompt = u64::from(prompt_tokens);
+        self.jobs.insert(
+            job.to_string(),
+            Tracked {
+                prompt_tokens: prompt,
+                generated: 0,
+                streams_at_start: self.decoding,
+                prefill_ahead_tokens: self.pending_prefill,
+                first: None,
+                last: None,
+            },
+        );
+        self.pending_prefill += prompt;
+        self.prefill_started += prompt;
+    }
+
+    /// The job produced its first token: its prefill is over, it decodes from now on.
+    pub fn first_token(&mut self, job: &str, now: Instant) {
+        self.advance(now);
+        let Some(t) = self.jobs.get_mut(job) else {
+            return;
+        };
+        if t.first.is_some() {
+            return;
+        }
+        self.pending_prefill -= t.prompt_tokens;
+        self.decoding += 1;
+        self.context += t.prompt_tokens + t.generated;
+        t.first = Some(Mark {
+            at_ms: self.last_ms,
+            streams_integral: self.streams_integral,
+            context_integral: self.context_integral,
+            prefill_started: self.prefill_started,
+            streams: self.decoding,
+            context: self.context,
+        });
+    }
+
+    /// A relayed chunk carried `n` generated tokens (the first one implies `first_token`).
+    pub fn tokens(&mut self, job: &str, n: u32, now: Instant) {
+        if self.jobs.get(job).is_some_and(|t| t.first.is_none()) {
+            self.first_token(job, now);
+        }
+        self.advance(now);
+        let mark = self.mark();
+        let Some(t) = self.jobs.get_mut(job) else {
+            return;
+        };
+        t.generated += u64::from(n);
+        self.context += u64::from(n);
+        t.last = Some(Mark {
+            context: self.context,
+            ..mark
+        });
+    }
+
+    /// The job completed: forget it and return its sample (`None` for a job that never
+    /// produced a token, or one this tracker never saw start).
+    pub fn finished(&mut self, job: &str, measured: &Measured, now: Instant) -> Option<PerfSample> {
+        self.advance(now);
+        let end_now = self.mark();
+        let t = self.forget(job)?;
+        let first = t.first?;
+        let end = t.last.unwrap_or(end_now);
+        let span = end.at_ms - first.at_ms;
+        let (streams, context) = if span > 0.0 {
+            (
+                (end.streams_integral - first.streams_integral) / span,
+                (end.context_integral - first.context_integral) / span,
+            )
+        } else {
+            (end.streams as f64, end.context as f64)
+        };
+        Some(PerfSample {
+            prompt_tokens: measured.prompt_tokens,
+            output_tokens: measured.output_tokens,
+            ttft_ms: measured.ttft_ms,
+            tpot_ms: measured.tpot_ms,
+            streams_at_start: t.streams_at_start as f64,
+            prefill_ahead_tokens: t.prefill_ahead_tokens as f64,
+            mean_decode_streams: streams.max(1.0),
+            mean_context_tokens: context.max(0.0),
+            stall_prefill_tokens: (end.prefill_started - first.prefill_started) as f64,
+        })
+    }
+
+    /// The job failed or was cancelled: forget it without a sample.
+    pub fn remove(&mut self, job: &str, now: Instant) {
+        self.advance(now);
+        self.forget(job);
+    }
+
+    /// Prompt tokens of the held jobs still waiting for their first token.
+    pub fn pending_prefill_tokens(&self) -> u64 {
+        self.pending_prefill
+    }
+
+    /// Jobs decoding now.
+    pub fn decoding_streams(&self) -> u64 {
+        self.decoding
+    }
+
+    /// Context tokens (prompt + generated) of the jobs decoding now.
+    pub fn decoding_context_tokens(&self) -> u64 {
+        self.context
+    }
+
+    /// Jobs tracked (started, not finished).
+    pub fn len(&self) -> usize {
+        self.jobs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.jobs.is_empty()
+    }
+
+    fn mark(&self) -> Mark {
+        Mark {
+            at_ms: self.last_ms,
+            streams_integral: self.streams_integral,
+            context_integral: self.context_integral,
+            prefill_started: self.prefill_started,
+            streams: self.decoding,
+            context: self.context,
+        }
+    }
+
+    /// Take a job out of the running totals.
+    fn forget(&mut self, job: &str) -> Option<Tracked> {
+        let t = self.jobs.remove(job)?;
+        if t.first.is_some() {
+            self.decoding -= 1;
+            self.context -= t.prompt_tokens + t.generated;
+        } else {
+            self.pending_prefill -= t.prompt_tokens;
+        }
+        Some(t)
+    }
+
+    /// Accumulate the integrals up to `now`.
+    fn advance(&mut self, now: Instant) {
+        let origin = *self.origin.get_or_insert(now);
+        let since = now.saturating_duration_since(origin);
+        // Whole milliseconds stay exact (as_secs_f64() * 1e3 would round 55 ms).
+        let now_ms = (since.as_secs() as f64 * 1e3 + f64::from(since.subsec_nanos()) / 1e6)
+            .max(self.last_ms);
+        let dt = now_ms - self.last_ms;
+        self.streams_integral += self.decoding as f64 * dt;
+        self.context_integral += self.context as f64 * dt;
+        self.last_ms = now_ms;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    struct Clock(Instant);
+    impl Clock {
+        fn at(&self, ms: u64) -> Instant {
+            self.0 + Duration::from_millis(ms)
+        }
+    }
+
+    fn measured(prompt: u32, output: u32) -> Measured {
+        Measured {
+            prompt_tokens: prompt,
+            output_tokens: output,
+            ttft_ms: Some(10.0),
+            tpot_ms: Some(5.0),
+        }
+    }
+
+    #[test]
+    fn two_overlapping_jobs_give_the_exact_integrals() {
+        let c = Clock(Instant::now());
+        let mut t = LoadTracker::new();
+        // A: prompt 100, first token at 10, then one token every 10 ms up to 50 (5 tokens).
+        t.started("a", 100, c.at(0));
+        t.tokens("a", 1, c.at(10));
+        // B: prompt 200, sent at 20 while A decodes, first token at 30, last at 60.
+        t.started("b", 200, c.at(20));
+        assert_eq!(t.pending_prefill_tokens(), 200);
+        t.tokens("a", 1, c.at(20));
+        t.tokens("a", 1, c.at(30));
+        t.tokens("b", 1, c.at(30));
+        t.tokens("a", 1, c.at(40));
+        t.tokens("b", 1, c.at(40));
+        t.tokens("a", 1, c.at(50));
+        let a = t.finished("a", &measured(100, 5), c.at(55)).unwrap();
+        t.tokens("b", 1, c.at(60));
+        let b = t.finished("b", &measured(200, 3), c.at(70)).unwrap();
+
+        // A's window 10..50 (40 ms): streams 1 on 10..30, 2 on 30..50 → (20 + 40) / 40.
+        assert_eq!(a.mean_decode_streams, 1.5);
+        // A's context: 101 on 10..20, 102 on 20..30; from 30 A + B: 103+201 on 30..40,
+        // 104+202 on 40..50 → (1010 + 1020 + 3040 + 3060) / 40.
+        assert_eq!(
+            a.mean_context_tokens,
+            (1010.0 + 1020.0 + 3040.0 + 3060.0) / 40.0
+        );
+        assert_eq!(a.streams_at_start, 0.0);
+        assert_eq!(a.prefill_ahead_tokens, 0.0);
+        assert_eq!(
+            a.stall_prefill_tokens, 200.0,
+            "B's prompt was prefilled during A's decode"
+        );
+        assert_eq!(
+            (a.prompt_tokens, a.output_tokens, a.ttft_ms, a.tpot_ms),
+            (100, 5, Some(10.0), Some(5.0))
+        );
+
+        // B's window 30..60: streams 2 on 30..55 (A finished at 55), 1 on 55..60.
+        assert_eq!(b.mean_decode_streams, (2.0 * 25.0 + 5.0) / 30.0);
+        // B's context: 304 on 30..40, 306 on 40..50, 307 on 50..55 (A's 5th token), then
+        // 202 alone on 55..60.
+        assert_eq!(
+            b.mean_context_tokens,
+            (3040.0 + 3060.0 + 307.0 * 5.0 + 202.0 * 5.0) / 30.0
+        );
+        assert_eq!(b.streams_at_start, 1.0, "A was decoding when B was sent");
+        assert_eq!(b.prefill_ahead_tokens, 0.0);
+        assert_eq!(b.stall_prefill_tokens, 0.0);
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn a_job_waits_behind_the_prompts_ahead_and_stalls_a_decoding_one() {
+        let c = Clock(Instant::now());
+        let mut t = LoadTracker::new();
+        t.started("long", 50, c.at(0));
+        t.first_token("long", c.at(5));
+        t.tokens("long", 1, c.at(5));
+        t.started("p1", 300, c.at(10));
+        t.started("p2", 700, c.at(11));
+        assert_eq!(t.pending_prefill_tokens(), 1_000);
+        t.tokens("long", 1, c.at(20));
+        t.tokens("p1", 1, c.at(25));
+        t.tokens("p2", 1, c.at(30));
+        let p2 = t.finished("p2", &measured(700, 1), c.at(31)).unwrap();
+        assert_eq!(p2.prefill_ahead_tokens, 300.0, "p1 was still waiting");
+        assert_eq!(p2.streams_at_start, 1.0);
+        // One token: a zero-length window, read at that token (long, p1, p2 decode).
+        assert_eq!(p2.mean_decode_streams, 3.0);
+        assert_eq!(p2.mean_context_tokens, (52 + 301 + 701) as f64);
+        t.tokens("long", 1, c.at(40));
+        // A job started after the window is not a stall of `long`.
+        t.started("late", 10_000, c.at(45));
+        let long = t.finished("long", &measured(50, 3), c.at(50)).unwrap();
+        assert_eq!(long.stall_prefill_tokens, 1_000.0);
+        assert_eq!(t.pending_prefill_tokens(), 10_000);
+    }
+
+    #[test]
+    fn removal_keeps_totals_consistent() {
+        let c = Clock(Instant::now());
+        let mut t = LoadTracker::new();
+        t.started("a", 100, c.at(0));
+        t.started("b", 40, c.at(1));
+        t.tokens("a", 3, c.at(2));
+        assert_eq!(
+            (t.decoding_streams(), t.decoding_context_tokens()),
+            (1, 103)
+        );
+        assert_eq!(t.pending_prefill_tokens(), 40);
+        // A failed job without a token and a cancelled one while decoding: no sample, and
+        // every total returns to what the remaining jobs hold.
+        t.started("c", 7, c.at(3));
+        t.remove("b", c.at(4));
+        assert_eq!(t.pending_prefill_tokens(), 7);
+        t.remove("a", c.at(5));
+        assert_eq!((t.decoding_streams(), t.decoding_context_tokens()), (0, 0));
+        assert_eq!(t.len(), 1);
+        assert_eq!(t.finished("a", &measured(100, 3), c.at(6)), None);
+        // A job that finished without a token has no sample either.
+        assert_eq!(t.finished("c", &measured(7, 0), c.at(6)), None);
+        assert_eq!(t.pending_prefill_tokens(), 0);
+        assert!(t.is_empty());
+        // Events of unknown jobs change nothing.
+        t.tokens("ghost", 1, c.at(7));
+        t.first_token("ghost", c.at(7));
+        t.remove("ghost", c.at(7));
+        assert_eq!((t.decoding_streams(), t.pending_prefill_tokens()), (0, 0));
+    }
+
+    #[test]
+    fn a_restarted_job_replaces_its_earlier_run_and_time_never_runs_backwards() {
+        let c = Clock(Instant::now());
+        let mut t = LoadTracker::new();
+        t.started("a", 100, c.at(10));
+        t.tokens("a", 1, c.at(20));
+        t.started("a", 100, c.at(30));
+        assert_eq!((t.decoding_streams(), t.pending_prefill_tokens()), (0, 100));
+        t.tokens("a", 1, c.at(40));
+        // An event stamped before the last one counts at the last one.
+        t.tokens("a", 1, c.at(35));
+        t.tokens("a", 1, c.at(50));
+        let s = t.finished("a", &measured(100, 3), c.at(50)).unwrap();
+        assert_eq!(s.mean_decode_streams, 1.0);
+        assert_eq!(s.mean_context_tokens, (101.0 * 0.0 + 102.0 * 10.0) / 10.0);
+    }
+}
