@@ -25,7 +25,7 @@ node = "$(hostname -s 2>/dev/null || echo local)"
 gpu_index = $4
 model_server_url = "http://127.0.0.1:$3"
 model_server_kind = "simulator"
-max_concurrency = ${WORKER_MAX_CONCURRENCY:-8}
+max_concurrency = ${WORKER_MAX_CONCURRENCY:-256}
 nats_url = "$NATS_URL"
 redis_url = "$REDIS_URL"
 TOML

@@ -27,7 +27,9 @@ use metronome_protocol::{
     CompletionEvent, CompletionOutcome, Decision, ErrorCode, Job, Outcome, WorkerStatus,
 };
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
-use metronome_scheduler::{EwmaSnapshot, JobRequest, Ledger, SchedulerConfig, WorkerView};
+use metronome_scheduler::{
+    EwmaSnapshot, JobProfile, JobRequest, Ledger, SchedulerConfig, WorkerView,
+};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -268,11 +270,9 @@ impl Engine {
             progress_ms: inc.received_ms,
         };
         match self.queues.push(queued) {
-            Ok(()) => {
-                if self.queues.len(&model) == 1 {
-                    self.dispatch_model(&model);
-                }
-            }
+            // Every arrival gets a look: even behind waiting jobs it may be the first that
+            // can still meet its TTFT target.
+            Ok(()) => self.dispatch_model(&model),
             Err((job, crate::queue::QueueRefusal::Full { bound })) => {
                 let reason = format!("admission queue of model {model:?} is full ({bound} jobs)");
                 self.reject(
@@ -570,23 +570,47 @@ impl Engine {
         }
     }
 
-    /// Place the model's queue head after head until one cannot be placed.
+    /// How long a queued job has waited since its client submitted it. The client's
+    /// `submitted_ms` is trusted only within [read − TTFT target, read]: a skewed clock
+    /// can neither hand a job extra budget nor spend it all.
+    fn waited_ms(job: &QueuedJob, ttft_ms: u64, now_ms: u64) -> u64 {
+        let since = job
+            .job
+            .submitted_ms
+            .clamp(job.enqueued_ms.saturating_sub(ttft_ms), job.enqueued_ms);
+        now_ms.saturating_sub(since)
+    }
+
+    /// Place the model's jobs until the next one cannot be placed. The oldest job that can
+    /// still meet its TTFT target goes first; jobs already past it ("late": they will miss
+    /// their TTFT wherever they go) only when no such job waits, so in overload capacity
+    /// goes to the jobs it can still serve well. Among the jobs that can, the order is
+    /// FIFO and the first that cannot be placed holds the others back (head-of-line
+    /// blocking within a model only).
     fn dispatch_model(&mut self, model: &str) {
         loop {
             if !self.fence.is_fresh() {
                 return;
             }
-            let Some(front) = self.queues.front(model) else {
+            let now = metronome_protocol::time::unix_ms();
+            let scheduler = &self.s.scheduler;
+            let (fresh, late) = self.queues.first_fresh_and_late(model, |j| {
+                let ttft = scheduler.slo_for(model, j.job.slo.as_ref()).ttft_ms;
+                Self::waited_ms(j, ttft, now) >= ttft
+            });
+            let Some(pos) = fresh.or(late) else {
                 return;
             };
+            let front = self.queues.get(model, pos).expect("position exists");
             let started = Instant::now();
-            let now = metronome_protocol::time::unix_ms();
             let predicted = self
                 .output_len
                 .get(model)
                 .copied()
                 .unwrap_or(f64::from(front.job.max_tokens));
-            let request = JobRequest::from_job(&front.job, predicted);
+            let slo = scheduler.slo_for(model, front.job.slo.as_ref());
+            let waited = Self::waited_ms(front, slo.ttft_ms, now);
+            let request = JobRequest::from_job(&front.job, predicted, slo).waited(waited);
             let all_workers = self.s.decision_list_wrong_model;
             if !all_workers && !self.per_model.contains_key(model) {
                 let views = self
@@ -615,14 +639,24 @@ impl Engine {
             let Some(winner) = evaluation.winner.clone() else {
                 return;
             };
-            let job = self.queues.pop_front(model).expect("front exists");
-            if let Err(error) = self
-                .ledger
-                .reserve(&winner, &job.job.id, request.kv_tokens(), now)
-            {
+            let job = self.queues.take(model, pos).expect("position exists");
+            let profile = JobProfile {
+                prompt_tokens: request.prompt_tokens,
+                predicted_output: request.predicted_output(),
+                min_tok_s: slo.min_tok_s,
+            };
+            if let Err(error) = self.ledger.reserve_profiled(
+                &winner,
+                &job.job.id,
+                request.kv_tokens(),
+                profile,
+                now,
+            ) {
                 tracing::error!(job_id = %job.job.id, %error, "reservation refused: job dropped from the queue");
                 continue;
             }
+            self.ledger
+                .charge_stall(&winner, &job.job.id, evaluation.winner_stall_ms);
             let latency = started.elapsed();
             self.metrics
                 .observe_decision_latency(latency.as_nanos() as u64);
@@ -635,10 +669,17 @@ impl Engine {
                 now,
             );
             decision.worker_id = Some(winner.clone());
+            decision.slo = Some(slo);
             decision.cost = Some(evaluation.cost);
             decision.candidates = evaluation.candidates;
             decision.rejected = evaluation.rejected;
             let mut notes = Vec::new();
+            if request.ttft_remaining_ms.is_none() {
+                notes.push(format!(
+                    "late: waited {waited} ms, past its {} ms TTFT target",
+                    slo.ttft_ms
+                ));
+            }
             if job.attempt > 1 {
                 notes.push(format!("attempt {} (assigned again)", job.attempt));
             }
@@ -697,6 +738,7 @@ impl Engine {
             cost: None,
             candidates: Vec::new(),
             rejected: Vec::new(),
+            slo: None,
             policy: self.s.policy.as_str().to_string(),
             queue_wait_ms,
             decision_latency_us: latency_us,
@@ -723,8 +765,10 @@ impl Engine {
         let mut decision = self.decision(job, outcome, attempt, queue_wait_ms, 0, now);
         decision.reason = Some(reason.to_string());
         decision.reason_code = Some(code.to_string());
-        let request = JobRequest::from_job(job, f64::from(job.max_tokens));
+        let slo = self.s.scheduler.slo_for(&job.model, job.slo.as_ref());
+        let request = JobRequest::from_job(job, f64::from(job.max_tokens), slo);
         decision.cost = Some(request.cost_estimate());
+        decision.slo = Some(slo);
         self.publisher.send(publish::Outcome::Reject {
             decision: Box::new(decision),
             error,

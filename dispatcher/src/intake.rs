@@ -159,6 +159,7 @@ impl RejectContext {
                     cost: None,
                     candidates: Vec::new(),
                     rejected: Vec::new(),
+                    slo: None,
                     policy: self.policy.clone(),
                     queue_wait_ms: 0,
                     decision_latency_us: 0,

@@ -1,6 +1,10 @@
 //! Admission queues: one bounded FIFO per model, holding jobs that are read but not yet
 //! assigned (their JOBS messages stay unacknowledged meanwhile).
 //!
+//! Within a model, the engine serves the oldest job that can still meet its TTFT target
+//! first, and jobs past it ("late") only when none is waiting
+//! ([`Queues::first_fresh_and_late`]).
+//!
 //! Invariants: each queue is ordered by the job's JOBS stream sequence, so a job that
 //! comes back (failed publish, refusal, rescue) goes back to its place, ahead of later
 //! jobs; the bound applies only to new arrivals (a returning job is never dropped);
@@ -79,6 +83,42 @@ impl Queues {
 
     pub fn front(&self, model: &str) -> Option<&QueuedJob> {
         self.by_model.get(model).and_then(|q| q.front())
+    }
+
+    /// The first job of the model's queue that `late` says is not late, and the first that
+    /// it says is, as positions in the queue.
+    pub fn first_fresh_and_late(
+        &self,
+        model: &str,
+        late: impl Fn(&QueuedJob) -> bool,
+    ) -> (Option<usize>, Option<usize>) {
+        let (mut fresh, mut first_late) = (None, None);
+        if let Some(q) = self.by_model.get(model) {
+            for (i, j) in q.iter().enumerate() {
+                if late(j) {
+                    first_late.get_or_insert(i);
+                } else {
+                    fresh.get_or_insert(i);
+                }
+                if fresh.is_some() && first_late.is_some() {
+                    break;
+                }
+            }
+        }
+        (fresh, first_late)
+    }
+
+    /// The job at `pos` in the model's queue.
+    pub fn get(&self, model: &str, pos: usize) -> Option<&QueuedJob> {
+        self.by_model.get(model).and_then(|q| q.get(pos))
+    }
+
+    /// Remove and return the job at `pos` in the model's queue.
+    pub fn take(&mut self, model: &str, pos: usize) -> Option<QueuedJob> {
+        let job = self.by_model.get_mut(model)?.remove(pos)?;
+        self.total -= 1;
+        self.ids.remove(&job.job.id);
+        Some(job)
     }
 
     pub fn pop_front(&mut self, model: &str) -> Option<QueuedJob> {
@@ -199,6 +239,7 @@ mod tests {
                 max_tokens: 1,
                 submitted_ms: 0,
                 deadline_ms: None,
+                slo: None,
             }),
             attempt: 1,
             acker: None,
@@ -227,6 +268,24 @@ mod tests {
             .collect();
         assert_eq!(order, ["a", "b", "c"]);
         assert_eq!(q.total(), 1);
+    }
+
+    #[test]
+    fn finds_the_first_fresh_and_the_first_late_job() {
+        let mut q = Queues::new(10);
+        for (i, id) in ["late-a", "late-b", "fresh-c", "fresh-d"]
+            .iter()
+            .enumerate()
+        {
+            q.push(job(id, "m", i as u64 + 1)).ok().unwrap();
+        }
+        let late = |j: &QueuedJob| j.job.id.starts_with("late");
+        assert_eq!(q.first_fresh_and_late("m", late), (Some(2), Some(0)));
+        assert_eq!(q.take("m", 2).unwrap().job.id, "fresh-c");
+        assert_eq!(q.get("m", 2).unwrap().job.id, "fresh-d");
+        assert_eq!(q.total(), 3);
+        assert!(!q.contains("fresh-c"));
+        assert_eq!(q.first_fresh_and_late("other", late), (None, None));
     }
 
     #[test]

@@ -15,8 +15,9 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use metronome_protocol::job::MAX_SLO_TOK_S;
 use metronome_protocol::time::unix_ms;
-use metronome_protocol::Endpoint;
+use metronome_protocol::{Endpoint, SloRequest};
 use serde_json::{json, Value};
 use tracing::Instrument;
 
@@ -34,6 +35,11 @@ pub const HEADER_WORKER: &str = "x-metronome-worker";
 /// Request header: the job's queueing deadline, either a budget in milliseconds from now
 /// (`5000`) or, from 10^12 on, an absolute Unix time in milliseconds.
 pub const HEADER_DEADLINE_MS: &str = "x-metronome-deadline-ms";
+
+/// Request header: a tighter time-to-first-token target than the model's, in ms.
+pub const HEADER_SLO_TTFT_MS: &str = "x-metronome-slo-ttft-ms";
+/// Request header: a higher decode-rate floor than the model's, in tokens/s.
+pub const HEADER_SLO_MIN_TOK_S: &str = "x-metronome-slo-min-tok-s";
 
 /// Values from this on in [`HEADER_DEADLINE_MS`] are absolute Unix milliseconds
 /// (10^12 ms is September 2001; no budget is that long).
@@ -113,6 +119,39 @@ fn deadline_ms(state: &AppState, headers: &HeaderMap, now_ms: u64) -> Result<u64
     Ok(now_ms + budget.min(max))
 }
 
+/// The client's SLO request from [`HEADER_SLO_TTFT_MS`] and [`HEADER_SLO_MIN_TOK_S`]. The
+/// dispatcher applies it only where it is tighter than the model's SLO.
+fn slo_request(headers: &HeaderMap) -> Result<Option<SloRequest>, ApiError> {
+    fn parse<T: std::str::FromStr>(headers: &HeaderMap, name: &str) -> Result<Option<T>, ApiError> {
+        let Some(value) = headers.get(name) else {
+            return Ok(None);
+        };
+        value
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<T>().ok())
+            .map(Some)
+            .ok_or_else(|| ApiError::invalid_field(name, format!("`{name}` must be a number")))
+    }
+    let ttft_ms: Option<u64> = parse(headers, HEADER_SLO_TTFT_MS)?;
+    let min_tok_s: Option<f64> = parse(headers, HEADER_SLO_MIN_TOK_S)?;
+    if ttft_ms == Some(0) {
+        return Err(ApiError::invalid_field(
+            HEADER_SLO_TTFT_MS,
+            format!("`{HEADER_SLO_TTFT_MS}` must be at least 1"),
+        ));
+    }
+    if let Some(r) = min_tok_s {
+        if !(r.is_finite() && r > 0.0 && r <= MAX_SLO_TOK_S) {
+            return Err(ApiError::invalid_field(
+                HEADER_SLO_MIN_TOK_S,
+                format!("`{HEADER_SLO_MIN_TOK_S}` must be in (0, {MAX_SLO_TOK_S}]"),
+            ));
+        }
+    }
+    Ok((ttft_ms.is_some() || min_tok_s.is_some()).then_some(SloRequest { ttft_ms, min_tok_s }))
+}
+
 async fn serve(
     state: &AppState,
     endpoint: Endpoint,
@@ -134,7 +173,8 @@ async fn serve(
         return Err(ApiError::unknown_model(&request.model));
     }
     let deadline = deadline_ms(state, headers, now_ms)?;
-    let job = build_job(job_id, &request, now_ms, deadline);
+    let mut job = build_job(job_id, &request, now_ms, deadline);
+    job.slo = slo_request(headers)?;
     let mut submission = Submission::submit(state, &job).await?;
     tracing::debug!(
         prompt_tokens = job.prompt_tokens,

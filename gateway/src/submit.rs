@@ -54,6 +54,7 @@ pub fn build_job(id: &str, request: &InferenceRequest, now_ms: u64, deadline_ms:
         max_tokens: request.total_max_tokens(),
         submitted_ms: now_ms,
         deadline_ms: Some(deadline_ms),
+        slo: None,
     }
 }
 
@@ -391,6 +392,7 @@ mod tests {
             cost: None,
             candidates: vec![],
             rejected: vec![],
+            slo: None,
             policy: "metronome".into(),
             queue_wait_ms: 0,
             decision_latency_us: 0,

@@ -40,6 +40,9 @@ pub struct Evaluation {
     pub rejected: Vec<Rejection>,
     /// The job's size as the decision saw it.
     pub cost: JobCostEstimate,
+    /// Prefill stall the job is predicted to impose on each job already running on the
+    /// winner, ms (0 without a winner): the caller charges it to them in the ledger.
+    pub winner_stall_ms: f64,
 }
 
 impl Evaluation {
@@ -60,13 +63,16 @@ pub fn evaluate(
 ) -> Evaluation {
     let ranked = rank(&filter::ADMISSION, job, workers, ledger, config, now_ms);
     let weights = config.weights.as_array();
-    let winner = ranked.best().next().map(|c| c.worker_id().to_owned());
+    let best = ranked.best().next();
+    let winner = best.map(|c| c.worker_id().to_owned());
+    let winner_stall_ms = best.map_or(0.0, |c| c.forecast.stall_ms);
     let candidates = ranked.best().map(|c| c.to_score(&weights)).collect();
     Evaluation {
         winner,
         candidates,
         rejected: ranked.rejected,
         cost: job.cost_estimate(),
+        winner_stall_ms,
     }
 }
 

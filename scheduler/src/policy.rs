@@ -176,6 +176,7 @@ pub fn choose(
         candidates,
         rejected: ranked.rejected,
         cost: job.cost_estimate(),
+        winner_stall_ms: pick.map_or(0.0, |p| cands[p].forecast.stall_ms),
     }
 }
 

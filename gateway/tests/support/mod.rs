@@ -350,6 +350,7 @@ fn decision(job: &Job, outcome: Outcome, reason_code: Option<&str>) -> Decision 
         cost: None,
         candidates: vec![],
         rejected: vec![],
+        slo: None,
         policy: "test".into(),
         queue_wait_ms: 0,
         decision_latency_us: 0,
