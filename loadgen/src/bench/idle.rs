@@ -35,6 +35,9 @@ pub struct IdleStats {
     pub total_gpu_s: f64,
     /// `idle_gpu_s / total_gpu_s` (0 when nothing was observed).
     pub share: f64,
+    /// Deepest dispatcher queue seen (all models), to show the queue was observed at all.
+    #[serde(default)]
+    pub max_queued: f64,
 }
 
 /// Idle accounting over samples in time order (see module docs).
@@ -54,7 +57,12 @@ pub fn idle_stats(samples: &[ClusterSample]) -> IdleStats {
             .count();
         idle += dt * idle_gpus as f64;
     }
+    let max_queued = samples
+        .iter()
+        .map(|s| s.queued.values().sum::<f64>())
+        .fold(0.0, f64::max);
     IdleStats {
+        max_queued,
         samples: samples.len(),
         idle_gpu_s: idle,
         total_gpu_s: total,
@@ -115,6 +123,7 @@ mod tests {
         assert!((st.idle_gpu_s - 0.3).abs() < 1e-9, "{st:?}");
         assert!((st.total_gpu_s - 1.0).abs() < 1e-9, "{st:?}");
         assert!((st.share - 0.3).abs() < 1e-9);
+        assert_eq!(st.max_queued, 5.0);
     }
 
     #[test]

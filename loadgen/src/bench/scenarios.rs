@@ -180,7 +180,7 @@ impl BenchPlan {
 /// Nominal capacity of a workload on a cluster: the planned requests' lengths do not depend
 /// on the rate (the trace window is fixed; Poisson lengths have their own random streams).
 pub fn nominal_for(plan: &BenchPlan, workload: &str, speeds: &[f64]) -> anyhow::Result<Nominal> {
-    let requests = plan_requests(&plan.spec(workload, String::new(), 1.0))
+    let requests = plan_requests(&plan.spec(workload, "http://127.0.0.1/v1".into(), 1.0))
         .with_context(|| format!("planning the {workload} workload"))?;
     nominal_capacity(
         &CostModel::simulator_defaults(),
@@ -523,7 +523,7 @@ pub async fn run_bench(plan: &BenchPlan) -> anyhow::Result<Report> {
                     progress(
                         start,
                         format!(
-                            "{c}/{w}/{policy} at {load} %: SLO attainment {:.1} %, goodput {goodput_rps:.2} req/s, TTFT p50 {:.0} ms p99 {:.0} ms, tok/s p1 {:.1} CV {:.2}, idle {:.1} GPU-s ({:.2} %), {} errors{}",
+                            "{c}/{w}/{policy} at {load} %: SLO attainment {:.1} %, goodput {goodput_rps:.2} req/s, TTFT p50 {:.0} ms p99 {:.0} ms, tok/s p1 {:.1} CV {:.2}, idle {:.1} GPU-s ({:.2} %, {} samples, max queue {:.0}), {} errors{}",
                             s.goodput_share * 100.0,
                             s.ttft_ms.p50.unwrap_or(0.0),
                             s.ttft_ms.p99.unwrap_or(0.0),
@@ -531,6 +531,8 @@ pub async fn run_bench(plan: &BenchPlan) -> anyhow::Result<Report> {
                             s.tokens_per_s.cv.unwrap_or(0.0),
                             m.idle.idle_gpu_s,
                             m.idle.share * 100.0,
+                            m.idle.samples,
+                            m.idle.max_queued,
                             s.errors,
                             prediction.as_ref().map_or(String::new(), |p| format!(
                                 ", prediction error p50 TTFT {:.0} % decode {:.0} %",
@@ -810,4 +812,51 @@ async fn overhead(plan: &BenchPlan, start: Instant, report: &mut Report) -> anyh
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan() -> BenchPlan {
+        BenchPlan::new(false, PathBuf::from("/nonexistent"))
+    }
+
+    #[test]
+    fn chat_lengths_do_not_depend_on_the_rate() {
+        let p = plan();
+        let lengths = |rate: f64| -> Vec<(u32, u32)> {
+            plan_requests(&p.spec("chat", "http://127.0.0.1/v1".into(), rate))
+                .unwrap()
+                .iter()
+                .map(|r| (r.prompt_tokens, r.output_tokens))
+                .collect()
+        };
+        assert_eq!(lengths(1.0), lengths(17.3));
+        assert_eq!(lengths(1.0).len(), 300);
+    }
+
+    #[test]
+    fn chat_nominal_capacity_is_about_three_requests_per_full_speed_gpu() {
+        let p = plan();
+        let equal = nominal_for(&p, "chat", &cluster_speeds("equal").unwrap()).unwrap();
+        let mixed = nominal_for(&p, "chat", &cluster_speeds("mixed").unwrap()).unwrap();
+        assert!((10.0..15.0).contains(&equal.capacity_rps), "{equal:?}");
+        assert!((mixed.capacity_rps / equal.capacity_rps - 3.5 / 4.0).abs() < 1e-9);
+        assert!((900.0..1200.0).contains(&equal.mean_prompt), "{equal:?}");
+    }
+
+    #[test]
+    fn defaults_follow_the_method() {
+        let full = plan();
+        assert_eq!(full.loads, LOADS.to_vec());
+        assert!(
+            full.loads.len() >= 6 && full.loads[0] <= 0.3 && *full.loads.last().unwrap() >= 1.5
+        );
+        assert_eq!(full.requests, 300);
+        assert_eq!(full.worker_max_concurrency, None);
+        assert_eq!(BenchPlan::new(true, PathBuf::new()).requests, 60);
+        assert_eq!(cluster_speeds("mixed"), Some(vec![1.0, 1.0, 1.0, 0.5]));
+        assert_eq!(cluster_speeds("other"), None);
+    }
 }

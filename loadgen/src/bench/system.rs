@@ -250,6 +250,9 @@ impl System {
         // The leader's queues; a standby keeps none (or a stale copy), so only when no
         // instance says it leads are all of them summed.
         let texts: Vec<String> = disp.into_iter().filter_map(Result::ok).collect();
+        if texts.is_empty() && !self.dispatcher_metrics.is_empty() {
+            bail!("no dispatcher metrics endpoint answered");
+        }
         let leaders: Vec<&String> = texts
             .iter()
             .filter(|t| prometheus_sum(t, "metronome_dispatcher_leader") > 0.0)
