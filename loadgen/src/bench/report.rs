@@ -43,6 +43,9 @@ pub struct RunRow {
     /// Prediction errors, when the decisions carried predictions.
     #[serde(default)]
     pub prediction: Option<PredictionErrors>,
+    /// Decisions read from the DECISIONS stream after the run (Metronome runs only).
+    #[serde(default)]
+    pub decisions_read: usize,
     /// Folder of the run's CSV, summary and plots, relative to the report.
     pub dir: String,
 }
@@ -784,6 +787,18 @@ pub fn render(report: &Report) -> String {
         }
         o.push_str("SLO attainment = share of all requests with TTFT ≤ 2 s and ≥ 30 tok/s (failures count as misses); goodput = requests meeting the SLO per second of offered time; output tok/s over first send → last completion; tok/s per request (tokens after the first / time after the first); idle = GPU-seconds a GPU had no running or waiting request while the dispatcher queued a job for its model; prediction error = |predicted − actual| / actual (metronome decisions that carry predictions).\n\n");
         o.push_str(&points_table(&report.rows(w, c, None)));
+        let read: usize = report
+            .rows(w, c, Some(METRONOME))
+            .iter()
+            .filter(|r| r.prediction.is_none())
+            .map(|r| r.decisions_read)
+            .sum();
+        if read > 0 {
+            let _ = writeln!(
+                o,
+                "\n{read} Metronome decisions were read from the DECISIONS stream whose winner carried no `prediction`: their error is not measured."
+            );
+        }
         if let Some(p) = pooled_prediction(report, w, c) {
             let _ = writeln!(
                 o,
@@ -874,6 +889,7 @@ mod tests {
                 max_queued: 3.0,
             },
             prediction: None,
+            decisions_read: 0,
             dir: format!("bench-results/equal/chat/{policy}/{:.0}", frac * 100.0),
         }
     }

@@ -290,24 +290,32 @@ async fn measured_run(sys: &System, spec: LoadSpec, dir: &Path) -> anyhow::Resul
     })
 }
 
-/// Prediction errors of a run from its decisions; `None` when no decision carried one.
-async fn prediction_errors(sys: &System, result: &RunResult) -> Option<PredictionErrors> {
+/// Decisions read after a run (successful jobs with a job id) and the prediction errors;
+/// the errors are `None` when no decision carried a prediction.
+async fn prediction_errors(sys: &System, result: &RunResult) -> (usize, Option<PredictionErrors>) {
     let jobs: Vec<(String, Option<f64>, Option<f64>)> = result
         .records
         .iter()
         .filter(|r| r.ok)
         .filter_map(|r| Some((r.job_id.clone()?, r.ttft_ms, r.tokens_per_s)))
         .collect();
-    let pairs: Vec<_> = futures::stream::iter(jobs)
+    let found: Vec<_> = futures::stream::iter(jobs)
         .map(|(job, ttft, tok_s)| async move {
             let d = sys.decision_json(&job).await?;
-            Some((predicted(&d)?, ttft, tok_s))
+            Some((predicted(&d), ttft, tok_s))
         })
         .buffer_unordered(16)
         .filter_map(|x| async move { x })
         .collect()
         .await;
-    (!pairs.is_empty()).then(|| PredictionErrors::of(&pairs))
+    let pairs: Vec<_> = found
+        .iter()
+        .filter_map(|(p, ttft, tok_s)| Some(((*p)?, *ttft, *tok_s)))
+        .collect();
+    (
+        found.len(),
+        (!pairs.is_empty()).then(|| PredictionErrors::of(&pairs)),
+    )
 }
 
 fn system_spec(plan: &BenchPlan, policy: &str, speeds: Vec<String>, tag: &str) -> SystemSpec {
@@ -513,10 +521,10 @@ pub async fn run_bench(plan: &BenchPlan) -> anyhow::Result<Report> {
                             cluster_title(c)
                         );
                     }
-                    let prediction = if policy == METRONOME {
+                    let (decisions_read, prediction) = if policy == METRONOME {
                         prediction_errors(&sys, &m.result).await
                     } else {
-                        None
+                        (0, None)
                     };
                     let s = &m.result.summary;
                     let goodput_rps = goodput_rate(s.good, s.count, rate);
@@ -534,11 +542,17 @@ pub async fn run_bench(plan: &BenchPlan) -> anyhow::Result<Report> {
                             m.idle.samples,
                             m.idle.max_queued,
                             s.errors,
-                            prediction.as_ref().map_or(String::new(), |p| format!(
-                                ", prediction error p50 TTFT {:.0} % decode {:.0} %",
-                                p.ttft.p50.unwrap_or(f64::NAN) * 100.0,
-                                p.decode.p50.unwrap_or(f64::NAN) * 100.0
-                            ))
+                            match (&prediction, policy == METRONOME) {
+                                (Some(p), _) => format!(
+                                    ", {decisions_read} decisions read, prediction error p50 TTFT {:.0} % decode {:.0} %",
+                                    p.ttft.p50.unwrap_or(f64::NAN) * 100.0,
+                                    p.decode.p50.unwrap_or(f64::NAN) * 100.0
+                                ),
+                                (None, true) => format!(
+                                    ", {decisions_read} decisions read, none with a prediction"
+                                ),
+                                (None, false) => String::new(),
+                            }
                         ),
                     );
                     report.runs.push(RunRow {
@@ -552,6 +566,7 @@ pub async fn run_bench(plan: &BenchPlan) -> anyhow::Result<Report> {
                         preemptions: m.preemptions,
                         idle: m.idle,
                         prediction,
+                        decisions_read,
                         dir: rel(&plan.report_path, &dir),
                     });
                     write_json(plan, &report)?;
