@@ -3,12 +3,13 @@
 # README's configuration reference.
 # shellcheck shell=bash
 
-render_dispatcher_config() { # dispatcher id
+render_dispatcher_config() { # dispatcher id, metrics port
   cat <<TOML
 nats_url = "$NATS_URL"
 redis_url = "$REDIS_URL"
 dispatcher_id = "$1"
 policy = "$POLICY"
+metrics_addr = "127.0.0.1:$2"
 TOML
   # Extra dispatcher settings (TOML appended after the keys above, e.g. a [scheduler]
   # table), so benchmarks can run a tuned scheduler without editing defaults.

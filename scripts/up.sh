@@ -128,8 +128,10 @@ done
 start gpu-sim "${SIM_CMD[@]}" ${SIM_ARGS[@]+"${SIM_ARGS[@]}"}
 for ((g=0; g<GPUS; g++)); do wait_tcp "${GPU_PORTS[$g]}" "simulated GPU $g"; done
 
+# Each dispatcher serves Prometheus /metrics (queue depth, decisions) on its own free port;
+# its config file under $STATE_DIR/config/ names it (metrics_addr).
 for id in a b; do
-  render_dispatcher_config "dispatcher-$id" > "$STATE_DIR/config/dispatcher-$id.toml"
+  render_dispatcher_config "dispatcher-$id" "$(free_port)" > "$STATE_DIR/config/dispatcher-$id.toml"
   start "dispatcher-$id" "$BIN/metronome-dispatcher" --config "$STATE_DIR/config/dispatcher-$id.toml"
 done
 

@@ -1,5 +1,6 @@
 //! SVG plots of a run (plotters, SVG backend): latency CDF (e2e and TTFT), the per-request
-//! tokens/s CDF with the SLO floor, and e2e latency over time by send time.
+//! tokens/s CDF with the SLO floor, and e2e latency over time by send time; and the
+//! benchmark's goodput-versus-offered-load curves, one line per policy.
 //!
 //! Only successful requests are plotted as latencies; failed ones appear as red marks on
 //! the over-time plot so bursts of errors are visible where they happened. An empty run
@@ -15,6 +16,7 @@ use crate::spec::Slo;
 use crate::stats;
 
 const SIZE: (u32, u32) = (960, 600);
+const WIDE: (u32, u32) = (1280, 560);
 
 fn plot_err(path: &Path) -> impl Fn(String) -> LoadError + '_ {
     move |reason| LoadError::Plot {
@@ -186,12 +188,150 @@ pub fn latency_over_time(path: &Path, records: &[RequestRecord]) -> Result<(), L
     .map_err(plot_err(path))
 }
 
+/// One line of a goodput curve: a policy and its points (offered load as a share of nominal
+/// capacity, SLO attainment 0..1, goodput req/s), in load order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CurveSeries {
+    pub name: String,
+    pub points: Vec<(f64, f64, f64)>,
+}
+
+const PALETTE: [RGBColor; 8] = [
+    RGBColor(214, 39, 40),
+    RGBColor(31, 119, 180),
+    RGBColor(44, 160, 44),
+    RGBColor(255, 127, 14),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(127, 127, 127),
+    RGBColor(23, 190, 207),
+];
+
+/// Goodput vs offered load: left, SLO attainment (with the 90 % line that defines capacity
+/// at SLO); right, goodput in requests/s. x is the offered load in % of nominal capacity.
+pub fn goodput_curves(path: &Path, title: &str, series: &[CurveSeries]) -> Result<(), LoadError> {
+    let all = || series.iter().flat_map(|s| s.points.iter());
+    let xmax = upper(all().map(|p| p.0 * 100.0).max_by(f64::total_cmp));
+    let ymax_rate = upper(all().map(|p| p.2).max_by(f64::total_cmp));
+    draw_sized(path, WIDE, |root| {
+        let (title_area, body) = root.split_vertically(40);
+        title_area
+            .titled(title, ("sans-serif", 22))
+            .map_err(|e| e.to_string())?;
+        let panels = body.split_evenly((1, 2));
+        for (k, panel) in panels.iter().enumerate() {
+            let (ymax, ydesc, caption) = if k == 0 {
+                (1.0, "share of requests meeting the SLO", "SLO attainment")
+            } else {
+                (ymax_rate, "requests/s meeting the SLO", "goodput rate")
+            };
+            let mut chart = ChartBuilder::on(panel)
+                .caption(caption, ("sans-serif", 18))
+                .margin(15)
+                .x_label_area_size(45)
+                .y_label_area_size(60)
+                .build_cartesian_2d(0f64..xmax, 0f64..ymax)
+                .map_err(|e| e.to_string())?;
+            chart
+                .configure_mesh()
+                .x_desc("offered load (% of nominal capacity)")
+                .y_desc(ydesc)
+                .draw()
+                .map_err(|e| e.to_string())?;
+            if k == 0 {
+                chart
+                    .draw_series(LineSeries::new(
+                        vec![(0.0, 0.9), (xmax, 0.9)],
+                        BLACK.mix(0.4).stroke_width(1),
+                    ))
+                    .map_err(|e| e.to_string())?
+                    .label("90 % (capacity at SLO)")
+                    .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.mix(0.4)));
+            }
+            for (i, s) in series.iter().enumerate() {
+                let color = PALETTE[i % PALETTE.len()];
+                let pts: Vec<(f64, f64)> = s
+                    .points
+                    .iter()
+                    .map(|p| (p.0 * 100.0, if k == 0 { p.1 } else { p.2 }))
+                    .filter(|(x, y)| x.is_finite() && y.is_finite())
+                    .collect();
+                chart
+                    .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+                    .map_err(|e| e.to_string())?
+                    .label(s.name.clone())
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+                    });
+                chart
+                    .draw_series(pts.iter().map(|&p| Circle::new(p, 3, color.filled())))
+                    .map_err(|e| e.to_string())?;
+            }
+            chart
+                .configure_series_labels()
+                .position(if k == 0 {
+                    SeriesLabelPosition::LowerLeft
+                } else {
+                    SeriesLabelPosition::UpperLeft
+                })
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK)
+                .draw()
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    })
+    .map_err(plot_err(path))
+}
+
 fn draw(
     path: &Path,
     body: impl FnOnce(&DrawingArea<SVGBackend<'_>, plotters::coord::Shift>) -> Result<(), String>,
 ) -> Result<(), String> {
-    let root = SVGBackend::new(path, SIZE).into_drawing_area();
+    draw_sized(path, SIZE, body)
+}
+
+fn draw_sized(
+    path: &Path,
+    size: (u32, u32),
+    body: impl FnOnce(&DrawingArea<SVGBackend<'_>, plotters::coord::Shift>) -> Result<(), String>,
+) -> Result<(), String> {
+    let root = SVGBackend::new(path, size).into_drawing_area();
     root.fill(&WHITE).map_err(|e| e.to_string())?;
     body(&root)?;
     root.present().map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn goodput_curves_write_an_svg_with_every_policy() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("goodput.svg");
+        let series = vec![
+            CurveSeries {
+                name: "metronome".into(),
+                points: vec![(0.3, 1.0, 3.0), (0.9, 0.95, 8.5), (1.5, 0.4, 6.0)],
+            },
+            CurveSeries {
+                name: "least_connections".into(),
+                points: vec![(0.3, 0.98, 2.9), (0.9, 0.7, 6.3), (1.5, 0.2, 3.0)],
+            },
+        ];
+        goodput_curves(&path, "chat on 4 equal GPUs", &series).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        assert!(svg.starts_with("<svg"));
+        for text in [
+            "metronome",
+            "least_connections",
+            "SLO attainment",
+            "goodput rate",
+        ] {
+            assert!(svg.contains(text), "{text}");
+        }
+        // No data still draws valid axes.
+        goodput_curves(&path, "empty", &[]).unwrap();
+    }
 }

@@ -5,7 +5,7 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use super::report::{checks_for, Report};
+use super::report::{cluster_title, sections, target_checks, workload_title, Report, METRONOME};
 
 fn command_line(program: &str, args: &[&str], dir: &Path) -> Option<String> {
     let out = std::process::Command::new(program)
@@ -63,25 +63,32 @@ pub fn describe(repo: &Path) -> Vec<(String, String)> {
 /// Which targets were met or missed and by how much, from the report's own figures.
 pub fn auto_analysis(report: &Report) -> String {
     let mut o = String::new();
-    for (workload, label) in [("trace", "Trace at 70 %"), ("poisson", "Poisson at 70 %")] {
-        let Some(checks) = checks_for(report, workload, 0.7) else {
-            continue;
-        };
-        let _ = writeln!(o, "{label}:\n");
-        for c in checks {
-            let verdict = match (c.met, c.ratio) {
-                (Some(true), Some(r)) => format!("met (ratio {r:.2}, wanted {})", c.target),
-                (Some(false), Some(r)) => format!("**missed** (ratio {r:.2}, wanted {})", c.target),
-                _ => "not comparable (no data)".into(),
-            };
-            let _ = writeln!(o, "- {}: {verdict}", c.name);
-        }
-        o.push('\n');
-    }
-    if let Some(b) = report.burst.iter().find(|b| b.policy == "metronome") {
+    for (w, c) in sections(report) {
+        let checks = target_checks(report, &w, &c);
+        let met = checks.iter().filter(|c| c.met == Some(true)).count();
+        let missed: Vec<_> = checks.iter().filter(|c| c.met == Some(false)).collect();
+        let undecided = checks.iter().filter(|c| c.met.is_none()).count();
         let _ = writeln!(
             o,
-            "- Burst: {} of {} rounds one job per GPU ({}).",
+            "- {} on {}: {met} of {} targets met, {} missed, {undecided} not decidable from this run.",
+            workload_title(&w),
+            cluster_title(&c),
+            checks.len(),
+            missed.len()
+        );
+        for m in missed {
+            let _ = writeln!(
+                o,
+                "  - missed: {} ({}; margin {}).",
+                m.name, m.measured, m.margin
+            );
+        }
+    }
+    for b in report.burst.iter().filter(|b| b.policy == METRONOME) {
+        let _ = writeln!(
+            o,
+            "- Burst on {}: {} of {} rounds one job per GPU ({}).",
+            cluster_title(&b.cluster),
             b.distinct_rounds,
             b.rounds,
             if b.distinct_rounds == b.rounds {

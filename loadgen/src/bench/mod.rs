@@ -1,17 +1,25 @@
 //! The scenario runner behind the `metronome-bench` binary: starts whole Metronome systems
-//! with `./dev up`, measures capacity, compares the dispatch policies on the same trace and
-//! load, runs the burst case and the overhead runs, and writes `BENCHMARKS.md`.
+//! with `./dev up`, offers every policy the same loads (multiples of the cluster's nominal
+//! capacity) on two workloads and two clusters, records goodput-versus-offered-load curves,
+//! capacity at SLO, idle GPU-seconds and prediction errors, runs the burst case and the
+//! overhead runs, and writes `BENCHMARKS.md`.
 //!
-//! Split by concept: [`capacity`] (when a rate keeps up, the search for the highest one),
-//! [`report`] (rows, target ratios, Markdown), [`system`] (one system under test and its
-//! probes), [`machine`] (machine facts, factual analysis), [`scenarios`] (the order of
-//! runs and the fairness rules). The first two and the parsing helpers are pure and
-//! unit-tested; the rest is exercised by running the benchmark.
+//! Split by concept: [`nominal`] (nominal capacity from the simulator's calibration),
+//! [`curve`] (capacity at SLO from a curve, goodput rate), [`idle`] (idle GPU-seconds from
+//! samples), [`prediction`] (prediction error from decisions), [`report`] (rows, targets,
+//! Markdown), [`capacity`] (the keep-up search the overhead runs use), [`system`] (one
+//! system under test and its probes), [`machine`] (machine facts, factual analysis),
+//! [`scenarios`] (the order of runs and the fairness rules). All but the last two and
+//! `system` are pure and unit-tested; the rest is exercised by running the benchmark.
 
 pub mod capacity;
+pub mod curve;
+pub mod idle;
 pub mod machine;
+pub mod nominal;
+pub mod prediction;
 pub mod report;
 pub mod scenarios;
 pub mod system;
 
-pub use scenarios::{run_bench, BenchPlan, POLICIES};
+pub use scenarios::{run_bench, BenchPlan, CLUSTERS, LOADS, POLICIES, WORKLOADS};

@@ -1,37 +1,68 @@
-//! The benchmark report: result rows, the ratios against least connections that the
-//! targets are judged by, and their rendering as Markdown (`BENCHMARKS.md`).
+//! The benchmark report: result rows, the goodput curves and capacity at SLO derived from
+//! them, the issue's targets judged against least connections, and their rendering as
+//! Markdown (`BENCHMARKS.md`).
 //!
 //! Pure: no I/O, no clock. Every figure printed comes from a [`Summary`] or a measured
 //! value held in [`Report`], so the document is a function of the run's data. A ratio with
 //! a zero denominator is rendered as `∞` (or `n/a` when both sides are zero) rather than
-//! hidden.
+//! hidden; a target that the data cannot decide (e.g. both capacities only bounded) is
+//! `n/a`, never `met`.
 
 use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
+use super::curve::{capacity_at_slo, CurvePoint, SloCapacity, ATTAINMENT_TARGET};
+use super::idle::IdleStats;
+use super::nominal::Nominal;
+use super::prediction::PredictionErrors;
 use crate::Summary;
 
-/// One load run of one policy.
+/// The policy under test and the baseline the targets are judged against.
+pub const METRONOME: &str = "metronome";
+pub const BASELINE: &str = "least_connections";
+
+/// One load point of one policy on one workload and cluster.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RunRow {
     pub policy: String,
-    /// e.g. `trace` or `poisson`.
+    /// `trace` or `chat`.
     pub workload: String,
-    /// Share of the measured capacity offered (0.7 = 70 %).
+    /// `equal` or `mixed`.
+    pub cluster: String,
+    /// Offered load as a share of the nominal capacity (0.7 = 70 %).
     pub load_frac: f64,
     /// Planned mean arrival rate, requests/s.
     pub rate_rps: f64,
     pub summary: Summary,
+    /// Requests meeting the SLO per second of offered time (see `curve::goodput_rate`).
+    pub goodput_rps: f64,
     /// `vllm:num_preemptions_total` summed over the simulated GPUs, after minus before.
     pub preemptions: f64,
+    pub idle: IdleStats,
+    /// Prediction errors, when the decisions carried predictions.
+    #[serde(default)]
+    pub prediction: Option<PredictionErrors>,
+    /// Decisions read from the DECISIONS stream after the run (Metronome runs only).
+    #[serde(default)]
+    pub decisions_read: usize,
     /// Folder of the run's CSV, summary and plots, relative to the report.
     pub dir: String,
 }
 
-/// The burst case for one policy.
+/// The nominal capacity of one workload on one cluster.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NominalRow {
+    pub workload: String,
+    pub cluster: String,
+    pub speeds: Vec<f64>,
+    pub nominal: Nominal,
+}
+
+/// The burst case for one policy on one cluster.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BurstRow {
+    pub cluster: String,
     pub policy: String,
     pub rounds: usize,
     /// Rounds whose N jobs landed on N distinct workers.
@@ -51,7 +82,7 @@ pub struct OverheadRow {
     pub gateway: Summary,
 }
 
-/// One measured step of a capacity search.
+/// One measured step of a capacity search (the overhead's zero-delay ramp).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RampStep {
     pub rate_rps: f64,
@@ -59,6 +90,15 @@ pub struct RampStep {
     pub completion_rps: f64,
     pub ok: usize,
     pub count: usize,
+}
+
+/// The goodput curve plot of one workload × cluster.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PlotRef {
+    pub workload: String,
+    pub cluster: String,
+    /// Relative to the report.
+    pub path: String,
 }
 
 /// Everything the report shows.
@@ -69,11 +109,12 @@ pub struct Report {
     pub date_utc: String,
     pub machine: Vec<(String, String)>,
     pub setup: Vec<String>,
-    pub capacity_trace_rps: Option<f64>,
-    pub capacity_poisson_rps: Option<f64>,
-    pub ramp_trace: Vec<RampStep>,
-    pub ramp_poisson: Vec<RampStep>,
+    /// Workloads and clusters in run order (`trace`, `chat`; `equal`, `mixed`).
+    pub workloads: Vec<String>,
+    pub clusters: Vec<String>,
+    pub nominal: Vec<NominalRow>,
     pub runs: Vec<RunRow>,
+    pub plots: Vec<PlotRef>,
     pub burst: Vec<BurstRow>,
     pub overhead: Vec<OverheadRow>,
     pub max_sustained_rps: Option<f64>,
@@ -88,19 +129,6 @@ pub struct Report {
     pub analysis: String,
 }
 
-/// The four predictability targets, judged at one workload and load.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TargetCheck {
-    pub name: &'static str,
-    pub metronome: Option<f64>,
-    pub baseline: Option<f64>,
-    /// `metronome / baseline`.
-    pub ratio: Option<f64>,
-    /// `>= 1.5` or `<= 0.5` etc.
-    pub target: &'static str,
-    pub met: Option<bool>,
-}
-
 /// `a / b`, infinite when only `b` is zero, `None` when either is unknown or both are zero.
 pub fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     let (a, b) = (a?, b?);
@@ -113,64 +141,6 @@ pub fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     } else {
         Some(a / b)
     }
-}
-
-fn check(
-    name: &'static str,
-    m: Option<f64>,
-    b: Option<f64>,
-    target: &'static str,
-    at_least: Option<f64>,
-    at_most: Option<f64>,
-) -> TargetCheck {
-    let r = ratio(m, b);
-    let met = r.map(|r| at_least.is_none_or(|x| r >= x) && at_most.is_none_or(|x| r <= x));
-    TargetCheck {
-        name,
-        metronome: m,
-        baseline: b,
-        ratio: r,
-        target,
-        met,
-    }
-}
-
-/// The issue's targets: Metronome against the baseline (least connections).
-pub fn target_checks(m: &Summary, b: &Summary) -> Vec<TargetCheck> {
-    vec![
-        check(
-            "goodput (share meeting the SLO)",
-            Some(m.goodput_share),
-            Some(b.goodput_share),
-            ">= 1.5",
-            Some(1.5),
-            None,
-        ),
-        check(
-            "CV of per-request tok/s",
-            m.tokens_per_s.cv,
-            b.tokens_per_s.cv,
-            "<= 0.5",
-            None,
-            Some(0.5),
-        ),
-        check(
-            "p1 tok/s",
-            m.tokens_per_s.p1,
-            b.tokens_per_s.p1,
-            ">= 1.5",
-            Some(1.5),
-            None,
-        ),
-        check(
-            "p99 e2e latency",
-            m.e2e_ms.p99,
-            b.e2e_ms.p99,
-            "<= 0.7",
-            None,
-            Some(0.7),
-        ),
-    ]
 }
 
 fn num(x: Option<f64>, digits: usize) -> String {
@@ -189,30 +159,381 @@ fn ms(x: Option<f64>) -> String {
     }
 }
 
-/// The per-policy table of one workload.
-pub fn runs_table(rows: &[&RunRow]) -> String {
+fn pct(x: Option<f64>) -> String {
+    match x {
+        None => "–".into(),
+        Some(v) => format!("{:.0} %", v * 100.0),
+    }
+}
+
+fn same(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-9
+}
+
+impl Report {
+    /// Runs of one workload × cluster (× policy when given), by load.
+    pub fn rows(&self, workload: &str, cluster: &str, policy: Option<&str>) -> Vec<&RunRow> {
+        let mut v: Vec<&RunRow> = self
+            .runs
+            .iter()
+            .filter(|r| r.workload == workload && r.cluster == cluster)
+            .filter(|r| policy.is_none_or(|p| r.policy == p))
+            .collect();
+        v.sort_by(|a, b| a.load_frac.total_cmp(&b.load_frac));
+        v
+    }
+
+    /// Policies that ran, in run order.
+    pub fn policies(&self) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for r in &self.runs {
+            if !out.contains(&r.policy) {
+                out.push(r.policy.clone());
+            }
+        }
+        out
+    }
+
+    /// The nominal capacity of a workload × cluster.
+    pub fn nominal_of(&self, workload: &str, cluster: &str) -> Option<&Nominal> {
+        self.nominal
+            .iter()
+            .find(|n| n.workload == workload && n.cluster == cluster)
+            .map(|n| &n.nominal)
+    }
+
+    /// Capacity at SLO of one policy on one workload × cluster.
+    pub fn slo_capacity(&self, workload: &str, cluster: &str, policy: &str) -> Option<SloCapacity> {
+        let pts: Vec<CurvePoint> = self
+            .rows(workload, cluster, Some(policy))
+            .iter()
+            .map(|r| CurvePoint {
+                rate_rps: r.rate_rps,
+                attainment: r.summary.goodput_share,
+            })
+            .collect();
+        capacity_at_slo(&pts, ATTAINMENT_TARGET)
+    }
+}
+
+/// One target of the issue, judged on one workload × cluster.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TargetCheck {
+    pub name: String,
+    pub wanted: String,
+    /// The measured figures, in words.
+    pub measured: String,
+    /// How far from the threshold, signed so that ≥ 0 is met.
+    pub margin: String,
+    pub met: Option<bool>,
+}
+
+fn verdict(met: Option<bool>) -> &'static str {
+    match met {
+        Some(true) => "met",
+        Some(false) => "**missed**",
+        None => "n/a",
+    }
+}
+
+/// `m / b ≥ want` for capacities that may only be bounded: undecidable when the bound
+/// points the wrong way.
+fn capacity_ratio_check(
+    name: &str,
+    m: Option<SloCapacity>,
+    b: Option<(String, SloCapacity)>,
+    want: f64,
+) -> TargetCheck {
+    let wanted = format!("≥ {want}×");
+    let (Some(m), Some((bname, b))) = (m, b) else {
+        return TargetCheck {
+            name: name.into(),
+            wanted,
+            measured: "not measured".into(),
+            margin: "–".into(),
+            met: None,
+        };
+    };
+    let r = ratio(Some(m.rate()), Some(b.rate()));
+    let met = r.and_then(|r| {
+        let ok = r >= want - 1e-9;
+        // A lower bound on metronome's capacity can only prove "met"; a lower bound on the
+        // baseline's only "missed".
+        let m_bound = matches!(m, SloCapacity::AtLeast(_));
+        let b_bound = matches!(b, SloCapacity::AtLeast(_));
+        match (ok, m_bound, b_bound) {
+            (true, _, false) | (false, false, _) => Some(ok),
+            _ => None,
+        }
+    });
+    TargetCheck {
+        name: name.into(),
+        wanted,
+        measured: format!(
+            "{} vs {} ({bname}) req/s: ratio {}",
+            m.display(),
+            b.display(),
+            num(r, 2)
+        ),
+        margin: r.map_or("–".into(), |r| {
+            if r.is_infinite() {
+                "∞".into()
+            } else {
+                format!("{:+.2}×", r - want)
+            }
+        }),
+        met,
+    }
+}
+
+/// The issue's targets on one workload × cluster: Metronome against least connections
+/// (and the best other baseline), same run.
+pub fn target_checks(report: &Report, workload: &str, cluster: &str) -> Vec<TargetCheck> {
+    let mut out = Vec::new();
+    let m_cap = report.slo_capacity(workload, cluster, METRONOME);
+    let lc_cap = report
+        .slo_capacity(workload, cluster, BASELINE)
+        .map(|c| (BASELINE.to_string(), c));
+    out.push(capacity_ratio_check(
+        "capacity at SLO vs least connections",
+        m_cap,
+        lc_cap,
+        1.3,
+    ));
+    let best_other = report
+        .policies()
+        .into_iter()
+        .filter(|p| p != METRONOME && p != BASELINE)
+        .filter_map(|p| report.slo_capacity(workload, cluster, &p).map(|c| (p, c)))
+        .max_by(|a, b| a.1.rate().total_cmp(&b.1.rate()));
+    out.push(capacity_ratio_check(
+        "capacity at SLO vs the best other baseline",
+        m_cap,
+        best_other,
+        1.0,
+    ));
+
+    let m_rows = report.rows(workload, cluster, Some(METRONOME));
+    let b_rows = report.rows(workload, cluster, Some(BASELINE));
+    let pairs: Vec<(&RunRow, &RunRow)> = m_rows
+        .iter()
+        .filter_map(|m| {
+            b_rows
+                .iter()
+                .find(|b| same(b.load_frac, m.load_frac))
+                .map(|b| (*m, *b))
+        })
+        .collect();
+
+    // Goodput share at every load: m ≥ b − 0.02.
+    let worst = pairs
+        .iter()
+        .map(|(m, b)| {
+            (
+                m,
+                b,
+                m.summary.goodput_share - b.summary.goodput_share + 0.02,
+            )
+        })
+        .min_by(|x, y| x.2.total_cmp(&y.2));
+    out.push(match worst {
+        Some((m, b, margin)) => TargetCheck {
+            name: "goodput share at every load point".into(),
+            wanted: "≥ least connections' − 0.02".into(),
+            measured: format!(
+                "worst at {:.0} %: {:.3} vs {:.3}",
+                m.load_frac * 100.0,
+                m.summary.goodput_share,
+                b.summary.goodput_share
+            ),
+            margin: format!("{margin:+.3}"),
+            met: Some(margin >= -1e-9),
+        },
+        None => not_measured(
+            "goodput share at every load point",
+            "≥ least connections' − 0.02",
+        ),
+    });
+
+    // Goodput rate in the two highest loads: m ≥ 1.2 × b.
+    let top: Vec<&(&RunRow, &RunRow)> = pairs.iter().rev().take(2).collect();
+    let worst = top
+        .iter()
+        .map(|(m, b)| (m, b, ratio(Some(m.goodput_rps), Some(b.goodput_rps))))
+        .min_by(|x, y| {
+            x.2.unwrap_or(f64::NEG_INFINITY)
+                .total_cmp(&y.2.unwrap_or(f64::NEG_INFINITY))
+        });
+    out.push(match worst {
+        Some((m, b, r)) => TargetCheck {
+            name: "goodput rate in the two highest load points".into(),
+            wanted: "≥ 1.2× least connections'".into(),
+            measured: format!(
+                "worst at {:.0} %: {:.2} vs {:.2} req/s, ratio {}",
+                m.load_frac * 100.0,
+                m.goodput_rps,
+                b.goodput_rps,
+                num(r, 2)
+            ),
+            margin: r.map_or("–".into(), |r| {
+                if r.is_infinite() {
+                    "∞".into()
+                } else {
+                    format!("{:+.2}×", r - 1.2)
+                }
+            }),
+            met: r.map(|r| r >= 1.2 - 1e-9),
+        },
+        None => not_measured(
+            "goodput rate in the two highest load points",
+            "≥ 1.2× least connections'",
+        ),
+    });
+
+    // Idle GPU-seconds while jobs waited, at every load.
+    let worst_idle = m_rows
+        .iter()
+        .filter(|r| r.idle.samples > 1)
+        .max_by(|a, b| a.idle.share.total_cmp(&b.idle.share));
+    out.push(match worst_idle {
+        Some(r) => TargetCheck {
+            name: "idle GPU-seconds while a job waited".into(),
+            wanted: "< 1 % of GPU-seconds at every load".into(),
+            measured: format!(
+                "worst at {:.0} %: {:.1} of {:.0} GPU-s = {:.2} %",
+                r.load_frac * 100.0,
+                r.idle.idle_gpu_s,
+                r.idle.total_gpu_s,
+                r.idle.share * 100.0
+            ),
+            margin: format!("{:+.2} pp", 1.0 - r.idle.share * 100.0),
+            met: Some(r.idle.share < 0.01),
+        },
+        None => not_measured("idle GPU-seconds while a job waited", "< 1 % at every load"),
+    });
+
+    // Prediction error up to capacity.
+    let pooled = pooled_prediction(report, workload, cluster);
+    for (name, stats) in [
+        (
+            "prediction error p50, TTFT (loads ≤ 100 %)",
+            pooled.as_ref().map(|p| p.ttft),
+        ),
+        (
+            "prediction error p50, decode rate (loads ≤ 100 %)",
+            pooled.as_ref().map(|p| p.decode),
+        ),
+    ] {
+        out.push(match stats.and_then(|s| s.p50.map(|p50| (s, p50))) {
+            Some((s, p50)) => TargetCheck {
+                name: name.into(),
+                wanted: "≤ 15 %".into(),
+                measured: format!(
+                    "p50 {:.1} %, p90 {} over {} jobs",
+                    p50 * 100.0,
+                    s.p90.map_or("–".into(), |v| format!("{:.1} %", v * 100.0)),
+                    s.n
+                ),
+                margin: format!("{:+.1} pp", 15.0 - p50 * 100.0),
+                met: Some(p50 <= 0.15 + 1e-12),
+            },
+            None => TargetCheck {
+                name: name.into(),
+                wanted: "≤ 15 %".into(),
+                measured: "no decision carried a prediction".into(),
+                margin: "–".into(),
+                met: None,
+            },
+        });
+    }
+    out
+}
+
+fn not_measured(name: &str, wanted: &str) -> TargetCheck {
+    TargetCheck {
+        name: name.into(),
+        wanted: wanted.into(),
+        measured: "not measured".into(),
+        margin: "–".into(),
+        met: None,
+    }
+}
+
+/// Metronome's prediction errors pooled over its runs at loads ≤ 100 % of nominal.
+pub fn pooled_prediction(
+    report: &Report,
+    workload: &str,
+    cluster: &str,
+) -> Option<PredictionErrors> {
+    let runs: Vec<&PredictionErrors> = report
+        .rows(workload, cluster, Some(METRONOME))
+        .into_iter()
+        .filter(|r| r.load_frac <= 1.0 + 1e-9)
+        .filter_map(|r| r.prediction.as_ref())
+        .collect();
+    (!runs.is_empty()).then(|| PredictionErrors::pooled(runs))
+}
+
+/// The targets table.
+pub fn targets_table(checks: &[TargetCheck]) -> String {
     let mut out = String::from(
-        "| policy | load | rate (req/s) | requests | goodput | tok/s p1 | p5 | p50 | CV | TTFT p50 (ms) | TTFT p99 | e2e p50 (ms) | e2e p99 | preemptions | errors | plots |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| target | wanted | measured (metronome vs baseline) | margin | verdict |\n|---|---|---|---|---|\n",
+    );
+    for c in checks {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} |",
+            c.name,
+            c.wanted,
+            c.measured,
+            c.margin,
+            verdict(c.met)
+        );
+    }
+    out
+}
+
+fn pred_cell(p: &Option<PredictionErrors>, decode: bool) -> String {
+    match p {
+        Some(p) => {
+            let s = if decode { p.decode } else { p.ttft };
+            if s.n == 0 {
+                "–".into()
+            } else {
+                format!("{} / {}", pct(s.p50), pct(s.p90))
+            }
+        }
+        None => "–".into(),
+    }
+}
+
+/// Every point × policy of one workload × cluster.
+pub fn points_table(rows: &[&RunRow]) -> String {
+    let mut out = String::from(
+        "| load | rate (req/s) | policy | requests | SLO attainment | goodput (req/s) | output tok/s | TTFT p50 (ms) | TTFT p99 | tok/s p1 | tok/s CV | idle GPU-s (share) | max queue | pred. err TTFT p50/p90 | pred. err decode p50/p90 | preemptions | errors | plots |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let s = &r.summary;
         let _ = writeln!(
             out,
-            "| {} | {:.0} % | {:.2} | {} | {:.1} % | {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {} | [cdf]({}/tokens_per_s_cdf.svg) [time]({}/latency_over_time.svg) |",
-            r.policy,
+            "| {:.0} % | {:.2} | {} | {} | {:.1} % | {:.2} | {:.0} | {} | {} | {} | {} | {:.1} ({:.2} %) | {:.0} | {} | {} | {:.0} | {} | [cdf]({}/tokens_per_s_cdf.svg) [time]({}/latency_over_time.svg) |",
             r.load_frac * 100.0,
             r.rate_rps,
+            r.policy,
             s.count,
             s.goodput_share * 100.0,
-            num(s.tokens_per_s.p1, 1),
-            num(s.tokens_per_s.p5, 1),
-            num(s.tokens_per_s.p50, 1),
-            num(s.tokens_per_s.cv, 2),
+            r.goodput_rps,
+            s.output_tokens_per_s,
             ms(s.ttft_ms.p50),
             ms(s.ttft_ms.p99),
-            ms(s.e2e_ms.p50),
-            ms(s.e2e_ms.p99),
+            num(s.tokens_per_s.p1, 1),
+            num(s.tokens_per_s.cv, 2),
+            r.idle.idle_gpu_s,
+            r.idle.share * 100.0,
+            r.idle.max_queued,
+            pred_cell(&r.prediction, false),
+            pred_cell(&r.prediction, true),
             r.preemptions,
             s.errors,
             r.dir,
@@ -222,25 +543,53 @@ pub fn runs_table(rows: &[&RunRow]) -> String {
     out
 }
 
-/// The target table: Metronome against least connections.
-pub fn targets_table(checks: &[TargetCheck]) -> String {
+/// Capacity at SLO of every policy on one workload × cluster.
+pub fn slo_capacity_table(report: &Report, workload: &str, cluster: &str) -> String {
+    let nominal = report.nominal_of(workload, cluster).map(|n| n.capacity_rps);
     let mut out = String::from(
-        "| target | metronome | least connections | ratio | wanted | met |\n|---|---|---|---|---|---|\n",
+        "| policy | capacity at SLO (req/s) | share of nominal | how |\n|---|---|---|---|\n",
     );
-    for c in checks {
+    for p in report.policies() {
+        let Some(c) = report.slo_capacity(workload, cluster, &p) else {
+            continue;
+        };
+        let how = match c {
+            SloCapacity::Interpolated(_) => "interpolated between the two points bracketing 90 %",
+            SloCapacity::AtLeast(_) => "every point ≥ 90 %: at least the highest point",
+            SloCapacity::Below(_) => "no point ≥ 90 %: below the lowest point",
+        };
+        let share = match (c, nominal) {
+            (SloCapacity::Below(_), _) | (_, None) => "–".to_string(),
+            (c, Some(n)) => format!("{:.0} %", c.rate() / n * 100.0),
+        };
+        let _ = writeln!(out, "| {p} | {} | {share} | {how} |", c.display());
+    }
+    out
+}
+
+/// The nominal capacities.
+pub fn nominal_table(rows: &[NominalRow]) -> String {
+    let mut out = String::from(
+        "| workload | cluster (speeds) | mean prompt | mean output | batch b* | step at b* (ms) | t_req (GPU-s) | nominal capacity (req/s) |\n|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        let n = &r.nominal;
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} |",
-            c.name,
-            num(c.metronome, 3),
-            num(c.baseline, 3),
-            num(c.ratio, 2),
-            c.target,
-            match c.met {
-                Some(true) => "yes",
-                Some(false) => "**no**",
-                None => "n/a",
-            }
+            "| {} | {} ({}) | {:.0} | {:.0} | {} | {:.2} | {:.3} | **{:.2}** |",
+            r.workload,
+            r.cluster,
+            r.speeds
+                .iter()
+                .map(|s| format!("{s}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            n.mean_prompt,
+            n.mean_output,
+            n.batch,
+            n.step_ms,
+            n.t_req_s,
+            n.capacity_rps
         );
     }
     out
@@ -249,7 +598,7 @@ pub fn targets_table(checks: &[TargetCheck]) -> String {
 /// The burst table.
 pub fn burst_table(rows: &[BurstRow]) -> String {
     let mut out = String::from(
-        "| policy | rounds | one job per GPU | share | rounds with errors | workers of the first rounds that doubled up |\n|---|---|---|---|---|---|\n",
+        "| cluster | policy | rounds | one job per GPU | share | rounds with errors | workers of the first rounds that doubled up |\n|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let share = if r.rounds == 0 {
@@ -259,7 +608,8 @@ pub fn burst_table(rows: &[BurstRow]) -> String {
         };
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {:.0} % | {} | {} |",
+            "| {} | {} | {} | {} | {:.0} % | {} | {} |",
+            r.cluster,
             r.policy,
             r.rounds,
             r.distinct_rounds,
@@ -332,16 +682,35 @@ pub fn rss_table(rows: &[(String, u64)]) -> String {
     out
 }
 
-fn find<'a>(runs: &'a [RunRow], policy: &str, workload: &str, frac: f64) -> Option<&'a RunRow> {
-    runs.iter()
-        .find(|r| r.policy == policy && r.workload == workload && (r.load_frac - frac).abs() < 1e-9)
+/// Human title of a workload.
+pub fn workload_title(w: &str) -> &str {
+    match w {
+        "trace" => "trace (Azure LLM 2023, code)",
+        "chat" => "chat-like Poisson",
+        other => other,
+    }
 }
 
-/// The target checks for one workload at one load, when both policies ran.
-pub fn checks_for(report: &Report, workload: &str, frac: f64) -> Option<Vec<TargetCheck>> {
-    let m = find(&report.runs, "metronome", workload, frac)?;
-    let b = find(&report.runs, "least_connections", workload, frac)?;
-    Some(target_checks(&m.summary, &b.summary))
+/// Human title of a cluster.
+pub fn cluster_title(c: &str) -> &str {
+    match c {
+        "equal" => "4 equal GPUs",
+        "mixed" => "4 mixed GPUs (1, 1, 1, 0.5)",
+        other => other,
+    }
+}
+
+/// Workload × cluster pairs that have runs, in report order.
+pub fn sections(report: &Report) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for c in &report.clusters {
+        for w in &report.workloads {
+            if !report.rows(w, c, None).is_empty() {
+                out.push((w.clone(), c.clone()));
+            }
+        }
+    }
+    out
 }
 
 /// The whole `BENCHMARKS.md`.
@@ -354,7 +723,7 @@ pub fn render(report: &Report) -> String {
         report.date_utc
     );
     let _ = writeln!(o, "Command:\n\n```sh\n{}\n```\n", report.command);
-    o.push_str("How to run, what each figure means and how the simulator is calibrated: [docs/BENCHMARKING.md](docs/BENCHMARKING.md).\n\n");
+    o.push_str("How to run, what each figure means, how nominal capacity is derived and how the simulator is calibrated: [docs/BENCHMARKING.md](docs/BENCHMARKING.md).\n\n");
     o.push_str("## Machine\n\n| | |\n|---|---|\n");
     for (k, v) in &report.machine {
         let _ = writeln!(o, "| {k} | {v} |");
@@ -363,84 +732,122 @@ pub fn render(report: &Report) -> String {
     for s in &report.setup {
         let _ = writeln!(o, "- {s}");
     }
-    o.push_str("\n## Targets (trace at 70 % of capacity, same run)\n\n");
-    match checks_for(report, "trace", 0.7) {
-        Some(c) => o.push_str(&targets_table(&c)),
-        None => o.push_str(
-            "Not measured in this run (needs metronome and least_connections at 70 %).\n",
-        ),
+
+    o.push_str("\n## Nominal capacity\n\n");
+    o.push_str("What the GPUs could serve at the SLO's rate floor with perfect packing and no queueing, from the simulator's calibrated cost model (derivation in docs/BENCHMARKING.md). Every policy is offered the same absolute rates: multiples of this figure.\n\n");
+    o.push_str(&nominal_table(&report.nominal));
+
+    o.push_str("\n## Targets (metronome vs least connections, same run)\n\n");
+    let secs = sections(report);
+    if secs.is_empty() {
+        o.push_str("No load points were measured.\n");
     }
-    if let Some(c) = checks_for(report, "poisson", 0.7) {
-        o.push_str("\nThe same targets on the synthetic Poisson workload (70 %, different length distribution):\n\n");
-        o.push_str(&targets_table(&c));
-    }
-    if let Some(b) = report.burst.iter().find(|b| b.policy == "metronome") {
-        let _ = writeln!(
-            o,
-            "\nBurst: metronome put one job per GPU in {} of {} rounds (target: all).",
-            b.distinct_rounds, b.rounds
-        );
-    }
-    o.push_str("\n## Analysis\n\n");
-    o.push_str(&report.analysis);
-    o.push_str("\n\n## Capacity\n\n");
-    let _ = writeln!(
-        o,
-        "Trace workload: **{} req/s**; Poisson workload: **{} req/s** (policy metronome; definition in docs/BENCHMARKING.md).\n",
-        num(report.capacity_trace_rps, 2),
-        num(report.capacity_poisson_rps, 2)
-    );
-    if !report.ramp_trace.is_empty() {
-        o.push_str("Trace ramp:\n\n");
-        o.push_str(&ramp_table(&report.ramp_trace));
-    }
-    if !report.ramp_poisson.is_empty() {
-        o.push_str("\nPoisson ramp:\n\n");
-        o.push_str(&ramp_table(&report.ramp_poisson));
-    }
-    for (workload, title) in [
-        ("trace", "Trace replay (Azure LLM 2023, code)"),
-        (
-            "poisson",
-            "Synthetic Poisson (different length distribution)",
-        ),
-    ] {
-        let rows: Vec<&RunRow> = report
-            .runs
-            .iter()
-            .filter(|r| r.workload == workload)
-            .collect();
-        if rows.is_empty() {
-            continue;
-        }
-        let _ = writeln!(o, "\n## {title}\n");
-        o.push_str("Goodput = share of all requests with TTFT ≤ 2 s and ≥ 30 tok/s. tok/s is per request (tokens after the first / time after the first). Latencies in ms.\n\n");
-        o.push_str(&runs_table(&rows));
-    }
-    o.push_str("\n## Burst: N simultaneous jobs on N idle GPUs\n\n");
-    o.push_str(&burst_table(&report.burst));
-    o.push_str("\n## Overhead (zero-delay simulator)\n\n");
-    let _ = writeln!(
-        o,
-        "Maximum sustained jobs/s through gateway → dispatcher → worker: **{}** req/s.\n",
-        num(report.max_sustained_rps, 0)
-    );
-    if !report.ramp_overhead.is_empty() {
-        o.push_str(&ramp_table(&report.ramp_overhead));
+    for (w, c) in &secs {
+        let _ = writeln!(o, "### {} on {}\n", workload_title(w), cluster_title(c));
+        o.push_str(&targets_table(&target_checks(report, w, c)));
         o.push('\n');
     }
-    o.push_str(&overhead_table(&report.overhead));
-    o.push_str("\nAdded = percentile via Metronome minus the same percentile directly to the simulator, same system, same run, one after the other.\n\n");
-    let _ = writeln!(
-        o,
-        "Dispatcher decisions/s with 64 workers: {}\n",
-        report
-            .dispatch_bench
-            .clone()
-            .unwrap_or_else(|| "not measured (see notes)".into())
-    );
-    let _ = writeln!(o, "## Memory\n\nPeak RSS ({}):\n", report.rss_under);
-    o.push_str(&rss_table(&report.rss_kib));
+    let bursts: Vec<&BurstRow> = report
+        .burst
+        .iter()
+        .filter(|b| b.policy == METRONOME)
+        .collect();
+    for b in bursts {
+        let _ = writeln!(
+            o,
+            "Burst ({}): metronome put one job per GPU in {} of {} rounds (target: all).\n",
+            cluster_title(&b.cluster),
+            b.distinct_rounds,
+            b.rounds
+        );
+    }
+    o.push_str("## Analysis\n\n");
+    o.push_str(&report.analysis);
+    o.push('\n');
+
+    o.push_str("\n## Capacity at SLO\n\n");
+    o.push_str("The highest offered rate at which ≥ 90 % of requests meet the SLO (DistServe's definition), linearly interpolated between the two measured load points that bracket 90 %. When every point attains 90 % it is reported as \"≥ the highest point\"; when none does, \"< the lowest point\" (counted as 0 in ratios).\n\n");
+    for (w, c) in &secs {
+        let _ = writeln!(o, "{} on {}:\n", workload_title(w), cluster_title(c));
+        o.push_str(&slo_capacity_table(report, w, c));
+        o.push('\n');
+    }
+
+    for (w, c) in &secs {
+        let _ = writeln!(o, "## {} on {}\n", workload_title(w), cluster_title(c));
+        if let Some(n) = report.nominal_of(w, c) {
+            let _ = writeln!(o, "Nominal capacity {:.2} req/s.", n.capacity_rps);
+        }
+        if let Some(p) = report
+            .plots
+            .iter()
+            .find(|p| &p.workload == w && &p.cluster == c)
+        {
+            let _ = writeln!(o, "\n![goodput vs offered load]({})\n", p.path);
+        }
+        o.push_str("SLO attainment = share of all requests with TTFT ≤ 2 s and ≥ 30 tok/s (failures count as misses); goodput = requests meeting the SLO per second of offered time; output tok/s over first send → last completion; tok/s per request (tokens after the first / time after the first); idle = GPU-seconds a GPU had no running or waiting request while the dispatcher queued a job for its model; prediction error = |predicted − actual| / actual (metronome decisions that carry predictions).\n\n");
+        o.push_str(&points_table(&report.rows(w, c, None)));
+        let read: usize = report
+            .rows(w, c, Some(METRONOME))
+            .iter()
+            .filter(|r| r.prediction.is_none())
+            .map(|r| r.decisions_read)
+            .sum();
+        if read > 0 {
+            let _ = writeln!(
+                o,
+                "\n{read} Metronome decisions were read from the DECISIONS stream whose winner carried no `prediction`: their error is not measured."
+            );
+        }
+        if let Some(p) = pooled_prediction(report, w, c) {
+            let _ = writeln!(
+                o,
+                "\nMetronome prediction error pooled over loads ≤ 100 %: TTFT p50 {} p90 {} (n = {}), decode rate p50 {} p90 {} (n = {}).",
+                pct(p.ttft.p50),
+                pct(p.ttft.p90),
+                p.ttft.n,
+                pct(p.decode.p50),
+                pct(p.decode.p90),
+                p.decode.n
+            );
+        }
+        o.push('\n');
+    }
+
+    o.push_str("## Burst: N simultaneous jobs on N idle GPUs\n\n");
+    if report.burst.is_empty() {
+        o.push_str("Not run.\n");
+    } else {
+        o.push_str(&burst_table(&report.burst));
+    }
+    if !report.overhead.is_empty() || report.max_sustained_rps.is_some() {
+        o.push_str("\n## Overhead (zero-delay simulator)\n\n");
+        let _ = writeln!(
+            o,
+            "Maximum sustained jobs/s through gateway → dispatcher → worker: **{}** req/s.\n",
+            num(report.max_sustained_rps, 0)
+        );
+        if !report.ramp_overhead.is_empty() {
+            o.push_str(&ramp_table(&report.ramp_overhead));
+            o.push('\n');
+        }
+        o.push_str(&overhead_table(&report.overhead));
+        o.push_str("\nAdded = percentile via Metronome minus the same percentile directly to the simulator, same system, same run, one after the other.\n\n");
+        let _ = writeln!(
+            o,
+            "Dispatcher decisions/s with 64 workers: {}",
+            report
+                .dispatch_bench
+                .clone()
+                .unwrap_or_else(|| "not measured (see notes)".into())
+        );
+    } else {
+        o.push_str("\nOverhead runs skipped (`--skip-overhead`).\n");
+    }
+    if !report.rss_kib.is_empty() {
+        let _ = writeln!(o, "\n## Memory\n\nPeak RSS ({}):\n", report.rss_under);
+        o.push_str(&rss_table(&report.rss_kib));
+    }
     if !report.rss_overhead_kib.is_empty() {
         o.push_str("\nPeak RSS of the zero-delay system during the overhead runs:\n\n");
         o.push_str(&rss_table(&report.rss_overhead_kib));
@@ -457,23 +864,55 @@ pub fn render(report: &Report) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::summary::Dist;
+    use crate::bench::prediction::ErrorStats;
 
-    fn s(goodput: f64, cv: f64, p1: f64, p99: f64) -> Summary {
-        Summary {
-            count: 100,
-            ok: 100,
-            goodput_share: goodput,
-            tokens_per_s: Dist {
-                cv: Some(cv),
-                p1: Some(p1),
-                ..Dist::default()
+    fn row(policy: &str, frac: f64, rate: f64, share: f64) -> RunRow {
+        RunRow {
+            policy: policy.into(),
+            workload: "chat".into(),
+            cluster: "equal".into(),
+            load_frac: frac,
+            rate_rps: rate,
+            summary: Summary {
+                count: 100,
+                ok: 100,
+                goodput_share: share,
+                ..Summary::default()
             },
-            e2e_ms: Dist {
-                p99: Some(p99),
-                ..Dist::default()
+            goodput_rps: share * rate,
+            preemptions: 0.0,
+            idle: IdleStats {
+                samples: 100,
+                idle_gpu_s: 0.1,
+                total_gpu_s: 100.0,
+                share: 0.001,
+                max_queued: 3.0,
             },
-            ..Summary::default()
+            prediction: None,
+            decisions_read: 0,
+            dir: format!("bench-results/equal/chat/{policy}/{:.0}", frac * 100.0),
+        }
+    }
+
+    fn report(m: &[f64], lc: &[f64], rr: &[f64]) -> Report {
+        let loads = [0.5, 1.0, 1.5];
+        let mut runs = Vec::new();
+        for (p, shares) in [
+            ("metronome", m),
+            ("least_connections", lc),
+            ("round_robin", rr),
+        ] {
+            for (i, s) in shares.iter().enumerate() {
+                runs.push(row(p, loads[i], loads[i] * 10.0, *s));
+            }
+        }
+        Report {
+            title_scale: "quick scale".into(),
+            command: "metronome-bench --quick".into(),
+            workloads: vec!["chat".into()],
+            clusters: vec!["equal".into()],
+            runs,
+            ..Report::default()
         }
     }
 
@@ -486,96 +925,126 @@ mod tests {
     }
 
     #[test]
-    fn targets_are_judged_in_the_right_direction() {
-        let m = s(0.9, 0.1, 45.0, 1000.0);
-        let b = s(0.5, 0.4, 20.0, 2000.0);
-        let c = target_checks(&m, &b);
-        assert_eq!(c.len(), 4);
-        assert!(c.iter().all(|c| c.met == Some(true)), "{c:?}");
-        // Swapped: every target missed.
-        let c = target_checks(&b, &m);
-        assert!(c.iter().all(|c| c.met == Some(false)), "{c:?}");
-        // Exactly on the boundary counts as met.
-        let c = target_checks(&s(0.75, 0.2, 30.0, 700.0), &s(0.5, 0.4, 20.0, 1000.0));
-        assert!(c.iter().all(|c| c.met == Some(true)), "{c:?}");
+    fn capacity_at_slo_comes_from_the_curve() {
+        let r = report(&[1.0, 0.95, 0.5], &[0.95, 0.5, 0.2], &[0.9, 0.6, 0.1]);
+        // metronome: 0.95 at 10 → 0.5 at 15: 10 + 0.05/0.45 × 5.
+        match r.slo_capacity("chat", "equal", "metronome") {
+            Some(SloCapacity::Interpolated(c)) => assert!((c - (10.0 + 5.0 / 9.0)).abs() < 1e-9),
+            other => panic!("{other:?}"),
+        }
+        // least connections: 0.95 at 5 → 0.5 at 10: 5 + 0.05/0.45 × 5.
+        let checks = target_checks(&r, "chat", "equal");
+        assert_eq!(checks[0].met, Some(true), "{checks:?}");
+        assert_eq!(checks[1].met, Some(true), "{checks:?}");
+        assert!(checks[1].measured.contains("round_robin"), "{checks:?}");
     }
 
     #[test]
-    fn baseline_with_no_good_requests_is_an_infinite_ratio() {
-        let c = target_checks(&s(0.5, 0.1, 10.0, 1.0), &s(0.0, 0.3, 0.0, 2.0));
-        assert_eq!(c[0].ratio, Some(f64::INFINITY));
-        assert_eq!(c[0].met, Some(true));
-        assert!(targets_table(&c).contains("∞"));
+    fn share_and_overload_targets_are_judged_per_point() {
+        // Metronome loses 0.03 at 50 %: the no-regression target is missed by 0.01.
+        let r = report(&[0.92, 0.95, 0.6], &[0.95, 0.9, 0.4], &[0.9, 0.5, 0.1]);
+        let c = target_checks(&r, "chat", "equal");
+        assert_eq!(c[2].met, Some(false), "{c:?}");
+        assert_eq!(c[2].margin, "-0.010");
+        // Two highest loads: ratios 0.95/0.9 = 1.06 at 100 %, 1.5 at 150 %: missed at 100 %.
+        assert_eq!(c[3].met, Some(false), "{c:?}");
+        assert!(c[3].measured.starts_with("worst at 100 %"), "{c:?}");
+        // Idle 0.1 % everywhere: met.
+        assert_eq!(c[4].met, Some(true));
+        // No predictions: n/a, never met.
+        assert_eq!(c[5].met, None);
+        assert_eq!(c[6].met, None);
+    }
+
+    #[test]
+    fn bounded_capacities_do_not_decide_the_ratio() {
+        // Both ≥ 90 % everywhere: both only bounded below: n/a.
+        let r = report(&[1.0, 1.0, 0.95], &[1.0, 0.95, 0.92], &[1.0, 1.0, 1.0]);
+        let c = target_checks(&r, "chat", "equal");
+        assert_eq!(c[0].met, None, "{c:?}");
+        assert_eq!(c[1].met, None, "{c:?}");
+    }
+
+    #[test]
+    fn prediction_error_is_pooled_up_to_nominal_capacity() {
+        let mut r = report(&[1.0, 0.95, 0.5], &[0.95, 0.5, 0.2], &[0.9, 0.6, 0.1]);
+        for run in r.runs.iter_mut().filter(|x| x.policy == "metronome") {
+            let e = if run.load_frac > 1.0 { 0.9 } else { 0.1 };
+            run.prediction = Some(PredictionErrors {
+                predicted_jobs: 2,
+                ttft: ErrorStats::of(&[e, e]),
+                decode: ErrorStats::of(&[e, e]),
+                ttft_errors: vec![e, e],
+                decode_errors: vec![e, e],
+            });
+        }
+        let p = pooled_prediction(&r, "chat", "equal").unwrap();
+        assert_eq!(p.ttft.n, 4);
+        assert_eq!(p.ttft.p50, Some(0.1));
+        let c = target_checks(&r, "chat", "equal");
+        assert_eq!(c[5].met, Some(true), "{c:?}");
+        assert_eq!(c[5].margin, "+5.0 pp");
     }
 
     #[test]
     fn report_renders_every_section_with_figures() {
-        let row = |policy: &str, g: f64| RunRow {
-            policy: policy.into(),
-            workload: "trace".into(),
-            load_frac: 0.7,
-            rate_rps: 5.25,
-            summary: s(g, 0.2, 40.0, 1500.0),
-            preemptions: 3.0,
-            dir: format!("bench-results/{policy}/trace-70"),
-        };
-        let report = Report {
-            title_scale: "quick scale".into(),
-            command: "metronome-bench --quick".into(),
-            date_utc: "2026-01-01".into(),
-            machine: vec![("cores".into(), "2".into())],
-            capacity_trace_rps: Some(7.5),
-            runs: vec![row("metronome", 0.9), row("least_connections", 0.5)],
-            burst: vec![BurstRow {
-                policy: "metronome".into(),
-                rounds: 20,
-                distinct_rounds: 20,
-                failed_rounds: 0,
-                examples: Vec::new(),
-            }],
-            overhead: vec![OverheadRow {
-                rate_rps: 500.0,
-                direct: Summary {
-                    e2e_ms: Dist {
-                        p50: Some(1.0),
-                        p99: Some(2.0),
-                        ..Dist::default()
-                    },
-                    ..Summary::default()
-                },
-                gateway: Summary {
-                    e2e_ms: Dist {
-                        p50: Some(2.5),
-                        p99: Some(6.0),
-                        ..Dist::default()
-                    },
-                    ..Summary::default()
-                },
-            }],
-            rss_kib: vec![("gateway".into(), 20480)],
-            ..Report::default()
-        };
-        let md = render(&report);
+        let mut r = report(&[1.0, 0.95, 0.5], &[0.95, 0.5, 0.2], &[0.9, 0.6, 0.1]);
+        r.nominal = vec![NominalRow {
+            workload: "chat".into(),
+            cluster: "equal".into(),
+            speeds: vec![1.0; 4],
+            nominal: Nominal {
+                mean_prompt: 1000.0,
+                mean_output: 200.0,
+                batch: 33,
+                step_ms: 26.77,
+                t_req_s: 0.322,
+                speed_sum: 4.0,
+                capacity_rps: 10.0,
+            },
+        }];
+        r.plots = vec![PlotRef {
+            workload: "chat".into(),
+            cluster: "equal".into(),
+            path: "bench-results/equal/chat/goodput.svg".into(),
+        }];
+        r.burst = vec![BurstRow {
+            cluster: "mixed".into(),
+            policy: "metronome".into(),
+            rounds: 20,
+            distinct_rounds: 19,
+            failed_rounds: 0,
+            examples: vec!["g0 g0 g1 g2".into()],
+        }];
+        let md = render(&r);
         assert!(md.contains("# Metronome benchmarks (quick scale)"));
         assert!(
             md.contains(
-                "| goodput (share meeting the SLO) | 0.900 | 0.500 | 1.80 | >= 1.5 | yes |"
+                "| chat | equal (1, 1, 1, 1) | 1000 | 200 | 33 | 26.77 | 0.322 | **10.00** |"
             ),
             "{md}"
         );
+        assert!(md.contains("### chat-like Poisson on 4 equal GPUs"), "{md}");
         assert!(
-            md.contains("| metronome | 70 % | 5.25 | 100 | 90.0 % |"),
+            md.contains("| capacity at SLO vs least connections | ≥ 1.3× |"),
             "{md}"
         );
         assert!(
-            md.contains("| metronome | 20 | 20 | 100 % | 0 |  |"),
+            md.contains("| metronome | 10.56 | 106 % | interpolated"),
             "{md}"
         );
         assert!(
-            md.contains("| 500 | 1.00 | 2.00 | 2.50 | 6.00 | 1.50 | 4.00 |"),
+            md.contains("| 150 % | 15.00 | metronome | 100 | 50.0 % | 7.50 |"),
             "{md}"
         );
-        assert!(md.contains("| gateway | 20.0 |"));
-        assert!(md.contains("7.50 req/s"));
+        assert!(md.contains("![goodput vs offered load](bench-results/equal/chat/goodput.svg)"));
+        assert!(
+            md.contains("| mixed | metronome | 20 | 19 | 95 % | 0 | `g0 g0 g1 g2` |"),
+            "{md}"
+        );
+        assert!(md.contains(
+            "Burst (4 mixed GPUs (1, 1, 1, 0.5)): metronome put one job per GPU in 19 of 20"
+        ));
+        assert!(md.contains("Overhead runs skipped"));
     }
 }

@@ -1,11 +1,22 @@
-//! The scenario runner behind `metronome-bench`: capacity search, trace and Poisson runs per
-//! policy and load, the burst case, and the overhead runs against a zero-delay simulator.
+//! The scenario runner behind `metronome-bench`: goodput-versus-offered-load curves per
+//! policy, workload and cluster, the burst case, and the overhead runs against a zero-delay
+//! simulator.
 //!
-//! Fairness invariants: every policy runs on a fresh system with the same GPUs, speeds,
-//! model-server settings and worker caps; at a given load every policy replays exactly the
-//! same planned requests (same trace window, same Poisson seed); only `--policy` differs.
-//! Runs are separated by waiting until every simulated GPU is idle, so one run's backlog
-//! never leaks into the next.
+//! Method: for each workload (the trace's first N requests; a chat-like Poisson mix) and
+//! cluster (4 equal GPUs; 4 mixed), the offered loads are fixed multiples of the cluster's
+//! **nominal capacity** ([`super::nominal`]), computed from the simulator's calibration and
+//! the planned requests alone, so every policy is offered the same absolute rates and no
+//! policy's behaviour sets the load levels. Each point records SLO attainment, goodput,
+//! throughput, TTFT and tok/s figures, idle GPU-seconds while jobs waited
+//! ([`super::idle`], sampled every ~100 ms) and, for Metronome, the prediction error of
+//! its decisions ([`super::prediction`]).
+//!
+//! Fairness invariants: every policy runs on a fresh system per cluster with the same GPUs,
+//! speeds, model-server settings and `./dev up` defaults (no dispatcher TOML appended; the
+//! worker cap only when `--worker-max-concurrency` asks, and then the report says so); at
+//! a given point every policy replays exactly the same planned requests (same trace window,
+//! same Poisson seed); only `--policy` differs. Runs are separated by waiting until every
+//! simulated GPU is idle, so one run's backlog never leaks into the next.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -13,14 +24,23 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 use super::capacity::{completion_rate, keeps_up, CapacitySearch, KeepUp};
-use super::report::{BurstRow, OverheadRow, RampStep, Report, RunRow};
-use super::system::{rss_kib, System, SystemSpec};
+use super::curve::goodput_rate;
+use super::idle::{idle_stats, ClusterSample, IdleStats};
+use super::nominal::{nominal_capacity, CostModel, Nominal};
+use super::prediction::{predicted, PredictionErrors};
+use super::report::{
+    cluster_title, sections, workload_title, BurstRow, NominalRow, OverheadRow, PlotRef, RampStep,
+    Report, RunRow, METRONOME,
+};
+use super::system::{rss_kib, System, SystemSpec, EXTRA_TOML_ENV};
+use crate::plots::{goodput_curves, CurveSeries};
 use crate::{
-    run_load, run_plan, write_outputs, LengthDist, LoadSpec, PlannedRequest, RunResult, Summary,
-    Workload,
+    plan_requests, run_load, run_plan, write_outputs, LengthDist, LoadSpec, PlannedRequest,
+    RunResult, Slo, Summary, Workload,
 };
 
 /// Policies compared, Metronome first, then the conventional balancers.
@@ -32,13 +52,37 @@ pub const POLICIES: [&str; 5] = [
     "power_of_two",
 ];
 
+/// Workloads: the shared trace and a chat-like Poisson mix.
+pub const WORKLOADS: [&str; 2] = ["trace", "chat"];
+
+/// Clusters: 4 equal GPUs and 4 of mixed speed.
+pub const CLUSTERS: [&str; 2] = ["equal", "mixed"];
+
+/// Speed factors of a named cluster.
+pub fn cluster_speeds(name: &str) -> Option<Vec<f64>> {
+    match name {
+        "equal" => Some(vec![1.0, 1.0, 1.0, 1.0]),
+        "mixed" => Some(vec![1.0, 1.0, 1.0, 0.5]),
+        _ => None,
+    }
+}
+
+/// Default offered loads, as shares of nominal capacity: light load to clear overload.
+pub const LOADS: [f64; 7] = [0.3, 0.5, 0.7, 0.9, 1.1, 1.3, 1.5];
+
 /// Model name every simulated GPU serves.
 pub const MODEL: &str = "bench-model";
+
+/// Seed of the chat workload (arrivals and lengths).
+pub const CHAT_SEED: u64 = 7;
 
 /// Speed factor that makes every simulated step round to zero duration (zero-delay mode):
 /// the largest step (a full prefill budget over a full cache, ≈ 340 ms) divided by it is far
 /// below a nanosecond.
 pub const ZERO_DELAY_SPEED: &str = "1e15";
+
+/// Period of the idle-check samples.
+pub const SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Everything a benchmark run is parameterised by.
 #[derive(Debug, Clone)]
@@ -49,28 +93,22 @@ pub struct BenchPlan {
     pub report_path: PathBuf,
     pub trace: PathBuf,
     pub policies: Vec<String>,
+    pub workloads: Vec<String>,
+    pub clusters: Vec<String>,
+    /// Offered loads as shares of nominal capacity.
     pub loads: Vec<f64>,
-    pub speeds: Vec<String>,
+    /// Requests per load point.
+    pub requests: usize,
+    pub chat_prompt: LengthDist,
+    pub chat_output: LengthDist,
+    /// `WORKER_MAX_CONCURRENCY` override (experiments; `None` = `./dev up`'s default).
     pub worker_max_concurrency: Option<u32>,
-    /// Trace requests per load run (the first N of the trace).
-    pub run_requests: usize,
-    /// Requests per capacity-search step.
-    pub ramp_requests: usize,
-    pub ramp_initial_rps: f64,
-    pub ramp_growth: f64,
-    pub ramp_bisections: u32,
-    pub ramp_max_steps: u32,
-    pub poisson_prompt: LengthDist,
-    pub poisson_output: LengthDist,
-    pub poisson_load: f64,
     pub burst_rounds: usize,
     pub overhead_rates: Vec<f64>,
     pub overhead_run_s: f64,
     pub overhead_ramp_s: f64,
     pub dispatch_jobs: usize,
     pub skip_overhead: bool,
-    /// Use these capacities (trace, Poisson; req/s) instead of measuring them.
-    pub given_capacity: Option<(f64, f64)>,
     pub analysis: Option<PathBuf>,
     pub command: String,
 }
@@ -85,37 +123,72 @@ impl BenchPlan {
             trace: repo.join("../shared/traces/azure_llm_2023_code.csv"),
             repo,
             policies: POLICIES.iter().map(|s| s.to_string()).collect(),
-            loads: vec![0.5, 0.7, 0.9],
-            speeds: ["1", "1", "1", "0.5"].map(String::from).to_vec(),
-            worker_max_concurrency: Some(32),
-            run_requests: if quick { 40 } else { 150 },
-            ramp_requests: if quick { 40 } else { 150 },
-            ramp_initial_rps: 3.0,
-            ramp_growth: 1.4,
-            ramp_bisections: if quick { 1 } else { 2 },
-            ramp_max_steps: if quick { 4 } else { 9 },
-            poisson_prompt: LengthDist::LogNormal {
-                mean: 800.0,
-                sigma: 1.0,
-                max: 7000,
+            workloads: WORKLOADS.iter().map(|s| s.to_string()).collect(),
+            clusters: CLUSTERS.iter().map(|s| s.to_string()).collect(),
+            loads: LOADS.to_vec(),
+            requests: if quick { 60 } else { 300 },
+            chat_prompt: LengthDist::LogNormal {
+                mean: 1000.0,
+                sigma: 0.6,
+                max: 8000,
             },
-            poisson_output: LengthDist::LogNormal {
-                mean: 120.0,
-                sigma: 0.8,
-                max: 1000,
+            chat_output: LengthDist::LogNormal {
+                mean: 200.0,
+                sigma: 0.6,
+                max: 1500,
             },
-            poisson_load: 0.7,
+            worker_max_concurrency: None,
             burst_rounds: if quick { 20 } else { 50 },
             overhead_rates: vec![100.0, 500.0],
             overhead_run_s: if quick { 4.0 } else { 15.0 },
             overhead_ramp_s: if quick { 3.0 } else { 10.0 },
             dispatch_jobs: if quick { 10_000 } else { 50_000 },
             skip_overhead: false,
-            given_capacity: None,
             analysis: None,
             command: String::new(),
         }
     }
+
+    /// The load spec of one workload at one mean rate.
+    pub fn spec(&self, workload: &str, base_url: String, rate: f64) -> LoadSpec {
+        let base = base_spec(base_url);
+        match workload {
+            "trace" => LoadSpec {
+                workload: Workload::Trace {
+                    path: self.trace.clone(),
+                    time_scale: None,
+                    rate_rps: Some(rate),
+                    start_offset_s: 0.0,
+                },
+                limit: Some(self.requests),
+                ..base
+            },
+            _ => LoadSpec {
+                workload: Workload::Poisson {
+                    rate_rps: rate,
+                    prompt_tokens: self.chat_prompt,
+                    output_tokens: self.chat_output,
+                },
+                limit: Some(self.requests),
+                seed: CHAT_SEED,
+                ..base
+            },
+        }
+    }
+}
+
+/// Nominal capacity of a workload on a cluster: the planned requests' lengths do not depend
+/// on the rate (the trace window is fixed; Poisson lengths have their own random streams).
+pub fn nominal_for(plan: &BenchPlan, workload: &str, speeds: &[f64]) -> anyhow::Result<Nominal> {
+    let requests = plan_requests(&plan.spec(workload, "http://127.0.0.1/v1".into(), 1.0))
+        .with_context(|| format!("planning the {workload} workload"))?;
+    nominal_capacity(
+        &CostModel::simulator_defaults(),
+        &requests,
+        speeds,
+        Slo::default().tok_s,
+    )
+    .with_context(|| format!("the {workload} workload has no requests"))
 }
 
 fn progress(start: Instant, msg: impl AsRef<str>) {
@@ -135,32 +208,6 @@ fn base_spec(base_url: String) -> LoadSpec {
         drain_timeout_s: 120.0,
         progress_interval_s: 10.0,
         ..LoadSpec::default()
-    }
-}
-
-fn trace_spec(plan: &BenchPlan, base_url: String, rate: f64, n: usize) -> LoadSpec {
-    LoadSpec {
-        workload: Workload::Trace {
-            path: plan.trace.clone(),
-            time_scale: None,
-            rate_rps: Some(rate),
-            start_offset_s: 0.0,
-        },
-        limit: Some(n),
-        ..base_spec(base_url)
-    }
-}
-
-fn poisson_spec(plan: &BenchPlan, base_url: String, rate: f64, n: usize) -> LoadSpec {
-    LoadSpec {
-        workload: Workload::Poisson {
-            rate_rps: rate,
-            prompt_tokens: plan.poisson_prompt,
-            output_tokens: plan.poisson_output,
-        },
-        limit: Some(n),
-        seed: 7,
-        ..base_spec(base_url)
     }
 }
 
@@ -195,61 +242,80 @@ fn peaks_vec(p: &Arc<Mutex<BTreeMap<String, u64>>>) -> Vec<(String, u64)> {
         .collect()
 }
 
-/// Runs one load spec on a system: waits for idle GPUs, scrapes preemptions around it,
-/// writes the outputs. Returns the result and the preemptions it caused.
-async fn measured_run(
-    sys: &System,
-    spec: LoadSpec,
-    dir: &Path,
-) -> anyhow::Result<(RunResult, f64)> {
-    sys.wait_idle(Duration::from_secs(180)).await?;
+/// What one measured load point produced.
+struct Measured {
+    result: RunResult,
+    preemptions: f64,
+    idle: IdleStats,
+}
+
+/// Runs one load spec on a system: waits for idle GPUs, samples the cluster every ~100 ms
+/// while it runs (idle check), scrapes preemptions around it, writes the outputs.
+async fn measured_run(sys: &System, spec: LoadSpec, dir: &Path) -> anyhow::Result<Measured> {
+    sys.wait_idle(Duration::from_secs(600)).await?;
     let before = sys.sim_metric_sum("vllm:num_preemptions_total").await?;
-    let result = run_load(spec, true).await?;
-    sys.wait_idle(Duration::from_secs(180)).await.ok();
+    let stop = CancellationToken::new();
+    let sampler = async {
+        let t0 = Instant::now();
+        let mut samples: Vec<ClusterSample> = Vec::new();
+        let mut tick = tokio::time::interval(SAMPLE_INTERVAL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => break,
+                _ = tick.tick() => {}
+            }
+            let t_s = t0.elapsed().as_secs_f64();
+            if let Ok(mut s) = sys.sample().await {
+                s.t_s = t_s;
+                samples.push(s);
+            }
+        }
+        samples
+    };
+    let run = async {
+        let r = run_load(spec, true).await;
+        stop.cancel();
+        r
+    };
+    let (samples, result) = tokio::join!(sampler, run);
+    let result = result?;
+    sys.wait_idle(Duration::from_secs(600)).await.ok();
     let after = sys.sim_metric_sum("vllm:num_preemptions_total").await?;
     write_outputs(dir, &result).with_context(|| format!("writing {}", dir.display()))?;
-    Ok((result, after - before))
+    Ok(Measured {
+        result,
+        preemptions: after - before,
+        idle: idle_stats(&samples),
+    })
 }
 
-fn ramp_step(rate: f64, s: &Summary, kept_up: bool) -> RampStep {
-    RampStep {
-        rate_rps: rate,
-        kept_up,
-        completion_rps: completion_rate(s),
-        ok: s.ok,
-        count: s.count,
-    }
-}
-
-/// A capacity search with `make(rate)` building each step's spec.
-async fn search(
-    sys: &System,
-    start: Instant,
-    label: &str,
-    mut s: CapacitySearch,
-    keep: KeepUp,
-    make: impl Fn(f64) -> LoadSpec,
-) -> anyhow::Result<(Option<f64>, Vec<RampStep>)> {
-    let mut steps = Vec::new();
-    while let Some(rate) = s.next_rate() {
-        sys.wait_idle(Duration::from_secs(300)).await?;
-        progress(start, format!("capacity ({label}): trying {rate:.2} req/s"));
-        let result = run_load(make(rate), false).await?;
-        let ok = keeps_up(&result.summary, keep);
-        progress(
-            start,
-            format!(
-                "capacity ({label}): {rate:.2} req/s -> completions {:.2} req/s, {} / {} ok: {}",
-                completion_rate(&result.summary),
-                result.summary.ok,
-                result.summary.count,
-                if ok { "kept up" } else { "did not keep up" }
-            ),
-        );
-        steps.push(ramp_step(rate, &result.summary, ok));
-        s.record(rate, ok);
-    }
-    Ok((s.capacity(), steps))
+/// Decisions read after a run (successful jobs with a job id) and the prediction errors;
+/// the errors are `None` when no decision carried a prediction.
+async fn prediction_errors(sys: &System, result: &RunResult) -> (usize, Option<PredictionErrors>) {
+    let jobs: Vec<(String, Option<f64>, Option<f64>)> = result
+        .records
+        .iter()
+        .filter(|r| r.ok)
+        .filter_map(|r| Some((r.job_id.clone()?, r.ttft_ms, r.tokens_per_s)))
+        .collect();
+    let found: Vec<_> = futures::stream::iter(jobs)
+        .map(|(job, ttft, tok_s)| async move {
+            let d = sys.decision_json(&job).await?;
+            Some((predicted(&d), ttft, tok_s))
+        })
+        .buffer_unordered(16)
+        .filter_map(|x| async move { x })
+        .collect()
+        .await;
+    let pairs: Vec<_> = found
+        .iter()
+        .filter_map(|(p, ttft, tok_s)| Some(((*p)?, *ttft, *tok_s)))
+        .collect();
+    (
+        found.len(),
+        (!pairs.is_empty()).then(|| PredictionErrors::of(&pairs)),
+    )
 }
 
 fn system_spec(plan: &BenchPlan, policy: &str, speeds: Vec<String>, tag: &str) -> SystemSpec {
@@ -264,6 +330,61 @@ fn system_spec(plan: &BenchPlan, policy: &str, speeds: Vec<String>, tag: &str) -
         sim_args: Vec::new(),
         worker_max_concurrency: plan.worker_max_concurrency,
     }
+}
+
+fn speeds_str(speeds: &[f64]) -> Vec<String> {
+    speeds.iter().map(|s| format!("{s}")).collect()
+}
+
+fn write_json(plan: &BenchPlan, report: &Report) -> anyhow::Result<()> {
+    std::fs::write(
+        plan.out.join("report.json"),
+        serde_json::to_string_pretty(report)?,
+    )?;
+    Ok(())
+}
+
+fn setup_lines(plan: &BenchPlan) -> Vec<String> {
+    let mut v = vec![
+        format!(
+            "Clusters: {}; every GPU a simulated Llama-3.1-8B on a 24 GB card with the simulator's defaults (≈60 tok/s single stream, 40k-token KV cache, chunked prefill 2048, recompute preemption), one model (`{MODEL}`).",
+            plan.clusters
+                .iter()
+                .map(|c| format!("`{c}` = {}", cluster_title(c)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        match plan.worker_max_concurrency {
+            None => "Every component as `./dev up` configures it by default: no dispatcher settings appended, worker-agent cap not overridden (`WORKER_MAX_CONCURRENCY` unset). A fresh system per policy and cluster; GPUs idle before every run.".into(),
+            Some(c) => format!(
+                "**Not the defaults:** worker-agent `max_concurrency` overridden to {c} (`--worker-max-concurrency`, sets `WORKER_MAX_CONCURRENCY`); everything else as `./dev up` configures it. A fresh system per policy and cluster; GPUs idle before every run."
+            ),
+        },
+        format!(
+            "Offered loads: {} × nominal capacity, the same absolute rates for every policy; {} requests per point.",
+            plan.loads
+                .iter()
+                .map(|l| format!("{l}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            plan.requests
+        ),
+    ];
+    if plan.workloads.iter().any(|w| w == "trace") {
+        v.push(format!(
+            "Workload `trace`: `{}`, the first {} requests, inter-arrival gaps rescaled to the target mean rate (shape and burstiness kept).",
+            plan.trace.display(),
+            plan.requests
+        ));
+    }
+    if plan.workloads.iter().any(|w| w == "chat") {
+        v.push(format!(
+            "Workload `chat`: Poisson arrivals, prompt `{}`, output `{}`, seed {CHAT_SEED}.",
+            plan.chat_prompt, plan.chat_output
+        ));
+    }
+    v.push("SLO: TTFT ≤ 2 s and ≥ 30 tok/s per request; failed requests count as misses.".into());
+    v
 }
 
 /// One burst round: N simultaneous requests; whether they landed on N distinct workers
@@ -318,149 +439,168 @@ pub async fn run_bench(plan: &BenchPlan) -> anyhow::Result<Report> {
         command: plan.command.clone(),
         date_utc: super::machine::date_utc(),
         machine: super::machine::describe(&plan.repo),
+        setup: setup_lines(plan),
+        workloads: plan.workloads.clone(),
+        clusters: plan.clusters.clone(),
         ..Report::default()
     };
-    let gpus = plan.speeds.len();
-    report.setup = vec![
-        format!(
-            "{gpus} simulated GPUs (speeds {}), one model (`{MODEL}`), simulator defaults (Llama-3.1-8B on a 24 GB card: ≈60 tok/s single stream, 40k-token KV cache, chunked prefill 2048, recompute preemption).",
-            plan.speeds.join(", ")
-        ),
-        format!(
-            "Worker-agent `max_concurrency` {} (`WORKER_MAX_CONCURRENCY`); everything else as `./dev up` configures it. A fresh system per policy; GPUs idle before every run.",
-            plan.worker_max_concurrency
-                .map_or("8 (./dev up default)".to_string(), |c| c.to_string())
-        ),
-        format!(
-            "Trace: `{}` — the first {} requests, inter-arrival gaps rescaled to the target mean rate (same requests for every policy and load).",
-            plan.trace.display(),
-            plan.run_requests
-        ),
-        format!(
-            "Poisson: {} requests at {:.0} % of the Poisson capacity, prompt `{}`, output `{}`, seed 7.",
-            plan.run_requests,
-            plan.poisson_load * 100.0,
-            plan.poisson_prompt,
-            plan.poisson_output
-        ),
-        "SLO for goodput: TTFT ≤ 2 s and ≥ 30 tok/s per request; failed requests count as misses.".into(),
-    ];
+    if std::env::var_os(EXTRA_TOML_ENV).is_some() {
+        report.notes.push(format!(
+            "`{EXTRA_TOML_ENV}` was set in the environment and was removed from every system this run started: the figures are from the defaults."
+        ));
+    }
 
-    // 1. Capacity, with policy metronome.
-    let (cap_trace, cap_poisson) = match plan.given_capacity {
-        Some((t, p)) => {
-            report.notes.push(format!(
-                "Capacities given on the command line (--capacity {t},{p}), not measured in this run."
-            ));
-            report.capacity_trace_rps = Some(t);
-            report.capacity_poisson_rps = Some(p);
-            (t, p)
-        }
-        None => measure_capacity(plan, start, &mut report).await?,
-    };
-    progress(
-        start,
-        format!("capacity: trace {cap_trace:.2} req/s, poisson {cap_poisson:.2} req/s"),
-    );
-
-    // 2. Every policy: trace at each load, Poisson at one load, burst.
-    for policy in &plan.policies {
-        progress(start, format!("starting the system with policy {policy}"));
-        let mut sys = System::up(&system_spec(plan, policy, plan.speeds.clone(), policy)).await?;
-        for &frac in &plan.loads {
-            let rate = cap_trace * frac;
-            let name = format!("trace-{:.0}", frac * 100.0);
-            progress(start, format!("{policy}: {name} at {rate:.2} req/s"));
-            let rss = (policy == "metronome" && (frac - 0.7).abs() < 1e-9)
-                .then(|| sample_rss(sys.pids()));
-            let dir = plan.out.join(policy).join(&name);
-            let (res, pre) = measured_run(
-                &sys,
-                trace_spec(plan, sys.base_url(), rate, plan.run_requests),
-                &dir,
-            )
-            .await?;
-            if let Some((stop, peaks)) = rss {
-                stop.cancel();
-                report.rss_kib = peaks_vec(&peaks);
-                report.rss_under = format!("policy metronome, trace at 70 % = {rate:.2} req/s");
-            }
+    // 1. Nominal capacity per workload and cluster (pure arithmetic, no system).
+    let mut nominal: BTreeMap<(String, String), f64> = BTreeMap::new();
+    for c in &plan.clusters {
+        let speeds = cluster_speeds(c).with_context(|| format!("unknown cluster {c}"))?;
+        for w in &plan.workloads {
+            let n = nominal_for(plan, w, &speeds)?;
             progress(
                 start,
                 format!(
-                    "{policy}: {name}: goodput {:.1} %, tok/s p1 {:.1} CV {:.2}, e2e p99 {:.0} ms, {} errors, {pre} preemptions",
-                    res.summary.goodput_share * 100.0,
-                    res.summary.tokens_per_s.p1.unwrap_or(0.0),
-                    res.summary.tokens_per_s.cv.unwrap_or(0.0),
-                    res.summary.e2e_ms.p99.unwrap_or(0.0),
-                    res.summary.errors
+                    "nominal capacity of {w} on {c}: {:.2} req/s (batch {} at {:.1} ms/step, {:.3} GPU-s per request)",
+                    n.capacity_rps, n.batch, n.step_ms, n.t_req_s
                 ),
             );
-            report.runs.push(RunRow {
-                policy: policy.clone(),
-                workload: "trace".into(),
-                load_frac: frac,
-                rate_rps: rate,
-                summary: res.summary,
-                preemptions: pre,
-                dir: rel(&plan.report_path, &dir),
+            nominal.insert((w.clone(), c.clone()), n.capacity_rps);
+            report.nominal.push(NominalRow {
+                workload: w.clone(),
+                cluster: c.clone(),
+                speeds: speeds.clone(),
+                nominal: n,
             });
         }
-        let rate = cap_poisson * plan.poisson_load;
-        let name = format!("poisson-{:.0}", plan.poisson_load * 100.0);
-        progress(start, format!("{policy}: {name} at {rate:.2} req/s"));
-        let dir = plan.out.join(policy).join(&name);
-        let (res, pre) = measured_run(
-            &sys,
-            poisson_spec(plan, sys.base_url(), rate, plan.run_requests),
-            &dir,
-        )
-        .await?;
-        progress(
-            start,
-            format!(
-                "{policy}: {name}: goodput {:.1} %, tok/s p1 {:.1} CV {:.2}, e2e p99 {:.0} ms, {} errors",
-                res.summary.goodput_share * 100.0,
-                res.summary.tokens_per_s.p1.unwrap_or(0.0),
-                res.summary.tokens_per_s.cv.unwrap_or(0.0),
-                res.summary.e2e_ms.p99.unwrap_or(0.0),
-                res.summary.errors
-            ),
-        );
-        report.runs.push(RunRow {
-            policy: policy.clone(),
-            workload: "poisson".into(),
-            load_frac: plan.poisson_load,
-            rate_rps: rate,
-            summary: res.summary,
-            preemptions: pre,
-            dir: rel(&plan.report_path, &dir),
-        });
+    }
 
-        let mut row = BurstRow {
-            policy: policy.clone(),
-            rounds: plan.burst_rounds,
-            distinct_rounds: 0,
-            failed_rounds: 0,
-            examples: Vec::new(),
-        };
-        for _ in 0..plan.burst_rounds {
-            let (verdict, workers) = burst_round(&sys, gpus).await?;
-            match verdict {
-                Some(true) => row.distinct_rounds += 1,
-                Some(false) => row.examples.push(workers),
-                None => row.failed_rounds += 1,
+    // 2. Per cluster and policy, one fresh system: every workload at every load, then the
+    //    burst case.
+    let mut rss_done = false;
+    let total = plan.clusters.len() * plan.policies.len() * plan.workloads.len() * plan.loads.len();
+    let mut done = 0usize;
+    for c in &plan.clusters {
+        let speeds = cluster_speeds(c).unwrap_or_default();
+        for policy in &plan.policies {
+            progress(
+                start,
+                format!("{c}: starting the system with policy {policy}"),
+            );
+            let mut sys = System::up(&system_spec(
+                plan,
+                policy,
+                speeds_str(&speeds),
+                &format!("{c}-{policy}"),
+            ))
+            .await?;
+            if sys.dispatcher_metrics.is_empty() {
+                report.notes.push(format!(
+                    "{c}/{policy}: no dispatcher metrics_addr in the state dir's configs: idle check without queue depth (always 0)."
+                ));
             }
+            for w in &plan.workloads {
+                let cap = nominal[&(w.clone(), c.clone())];
+                for &frac in &plan.loads {
+                    let rate = cap * frac;
+                    let load = format!("{:.0}", frac * 100.0);
+                    done += 1;
+                    progress(
+                        start,
+                        format!("[{done}/{total}] {c}/{w}/{policy} at {load} % = {rate:.2} req/s"),
+                    );
+                    let rss = (!rss_done && policy == METRONOME && frac >= 0.7 - 1e-9)
+                        .then(|| sample_rss(sys.pids()));
+                    let dir = plan.out.join(c).join(w).join(policy).join(&load);
+                    let m = measured_run(&sys, plan.spec(w, sys.base_url(), rate), &dir).await?;
+                    if let Some((stop, peaks)) = rss {
+                        stop.cancel();
+                        rss_done = true;
+                        report.rss_kib = peaks_vec(&peaks);
+                        report.rss_under = format!(
+                            "policy metronome, {} on {}, {load} % = {rate:.2} req/s",
+                            workload_title(w),
+                            cluster_title(c)
+                        );
+                    }
+                    let (decisions_read, prediction) = if policy == METRONOME {
+                        prediction_errors(&sys, &m.result).await
+                    } else {
+                        (0, None)
+                    };
+                    let s = &m.result.summary;
+                    let goodput_rps = goodput_rate(s.good, s.count, rate);
+                    progress(
+                        start,
+                        format!(
+                            "{c}/{w}/{policy} at {load} %: SLO attainment {:.1} %, goodput {goodput_rps:.2} req/s, TTFT p50 {:.0} ms p99 {:.0} ms, tok/s p1 {:.1} CV {:.2}, idle {:.1} GPU-s ({:.2} %, {} samples, max queue {:.0}), {} errors{}",
+                            s.goodput_share * 100.0,
+                            s.ttft_ms.p50.unwrap_or(0.0),
+                            s.ttft_ms.p99.unwrap_or(0.0),
+                            s.tokens_per_s.p1.unwrap_or(0.0),
+                            s.tokens_per_s.cv.unwrap_or(0.0),
+                            m.idle.idle_gpu_s,
+                            m.idle.share * 100.0,
+                            m.idle.samples,
+                            m.idle.max_queued,
+                            s.errors,
+                            match (&prediction, policy == METRONOME) {
+                                (Some(p), _) => format!(
+                                    ", {decisions_read} decisions read, prediction error p50 TTFT {:.0} % decode {:.0} %",
+                                    p.ttft.p50.unwrap_or(f64::NAN) * 100.0,
+                                    p.decode.p50.unwrap_or(f64::NAN) * 100.0
+                                ),
+                                (None, true) => format!(
+                                    ", {decisions_read} decisions read, none with a prediction"
+                                ),
+                                (None, false) => String::new(),
+                            }
+                        ),
+                    );
+                    report.runs.push(RunRow {
+                        policy: policy.clone(),
+                        workload: w.clone(),
+                        cluster: c.clone(),
+                        load_frac: frac,
+                        rate_rps: rate,
+                        goodput_rps,
+                        summary: m.result.summary,
+                        preemptions: m.preemptions,
+                        idle: m.idle,
+                        prediction,
+                        decisions_read,
+                        dir: rel(&plan.report_path, &dir),
+                    });
+                    write_json(plan, &report)?;
+                }
+            }
+
+            if plan.burst_rounds > 0 {
+                let mut row = BurstRow {
+                    cluster: c.clone(),
+                    policy: policy.clone(),
+                    rounds: plan.burst_rounds,
+                    distinct_rounds: 0,
+                    failed_rounds: 0,
+                    examples: Vec::new(),
+                };
+                for _ in 0..plan.burst_rounds {
+                    let (verdict, workers) = burst_round(&sys, speeds.len()).await?;
+                    match verdict {
+                        Some(true) => row.distinct_rounds += 1,
+                        Some(false) => row.examples.push(workers),
+                        None => row.failed_rounds += 1,
+                    }
+                }
+                progress(
+                    start,
+                    format!(
+                        "{c}/{policy}: burst: {} of {} rounds one job per GPU",
+                        row.distinct_rounds, row.rounds
+                    ),
+                );
+                report.burst.push(row);
+            }
+            sys.stop().await;
         }
-        progress(
-            start,
-            format!(
-                "{policy}: burst: {} of {} rounds one job per GPU",
-                row.distinct_rounds, row.rounds
-            ),
-        );
-        report.burst.push(row);
-        sys.stop().await;
     }
 
     // 3. Overhead with a zero-delay simulator.
@@ -468,16 +608,47 @@ pub async fn run_bench(plan: &BenchPlan) -> anyhow::Result<Report> {
         overhead(plan, start, &mut report).await?;
     }
 
+    // 4. Curves, report.
+    for (w, c) in sections(&report) {
+        let series: Vec<CurveSeries> = report
+            .policies()
+            .into_iter()
+            .map(|p| CurveSeries {
+                points: report
+                    .rows(&w, &c, Some(&p))
+                    .iter()
+                    .map(|r| (r.load_frac, r.summary.goodput_share, r.goodput_rps))
+                    .collect(),
+                name: p,
+            })
+            .collect();
+        let path = plan.out.join(&c).join(&w).join("goodput.svg");
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let title = format!(
+            "{} on {}: goodput vs offered load (nominal capacity {:.2} req/s)",
+            workload_title(&w),
+            cluster_title(&c),
+            report.nominal_of(&w, &c).map_or(0.0, |n| n.capacity_rps)
+        );
+        goodput_curves(&path, &title, &series)?;
+        report.plots.push(PlotRef {
+            workload: w,
+            cluster: c,
+            path: rel(&plan.report_path, &path),
+        });
+    }
     if let Some(path) = &plan.analysis {
         report.analysis =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     } else {
         report.analysis = super::machine::auto_analysis(&report);
     }
-    std::fs::write(
-        plan.out.join("report.json"),
-        serde_json::to_string_pretty(&report)?,
-    )?;
+    write_json(plan, &report)?;
+    if let Some(dir) = plan.report_path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
     std::fs::write(&plan.report_path, super::report::render(&report))?;
     progress(
         start,
@@ -490,50 +661,50 @@ pub async fn run_bench(plan: &BenchPlan) -> anyhow::Result<Report> {
     Ok(report)
 }
 
-async fn measure_capacity(
-    plan: &BenchPlan,
-    start: Instant,
-    report: &mut Report,
-) -> anyhow::Result<(f64, f64)> {
-    progress(start, "starting the capacity system (policy metronome)");
-    let mut sys = System::up(&system_spec(
-        plan,
-        "metronome",
-        plan.speeds.clone(),
-        "capacity",
-    ))
-    .await?;
-    let keep = KeepUp::default();
-    let new_search = || {
-        CapacitySearch::new(
-            plan.ramp_initial_rps,
-            plan.ramp_growth,
-            plan.ramp_bisections,
-            plan.ramp_max_steps,
-        )
-    };
-    let url = sys.base_url();
-    let (cap_trace, ramp) = search(&sys, start, "trace", new_search(), keep, |r| {
-        trace_spec(plan, url.clone(), r, plan.ramp_requests)
-    })
-    .await?;
-    report.ramp_trace = ramp;
-    report.capacity_trace_rps = cap_trace;
-    let (cap_poisson, ramp) = search(&sys, start, "poisson", new_search(), keep, |r| {
-        poisson_spec(plan, url.clone(), r, plan.ramp_requests)
-    })
-    .await?;
-    report.ramp_poisson = ramp;
-    report.capacity_poisson_rps = cap_poisson;
-    sys.stop().await;
-    let cap_trace =
-        cap_trace.context("no trace rate kept up: the system is broken or overloaded")?;
-    Ok((cap_trace, cap_poisson.unwrap_or(cap_trace)))
-}
-
 fn rel(report: &Path, dir: &Path) -> String {
     let base = report.parent().unwrap_or(Path::new("."));
     dir.strip_prefix(base).unwrap_or(dir).display().to_string()
+}
+
+fn ramp_step(rate: f64, s: &Summary, kept_up: bool) -> RampStep {
+    RampStep {
+        rate_rps: rate,
+        kept_up,
+        completion_rps: completion_rate(s),
+        ok: s.ok,
+        count: s.count,
+    }
+}
+
+/// A capacity search with `make(rate)` building each step's spec (overhead runs only).
+async fn search(
+    sys: &System,
+    start: Instant,
+    label: &str,
+    mut s: CapacitySearch,
+    keep: KeepUp,
+    make: impl Fn(f64) -> LoadSpec,
+) -> anyhow::Result<(Option<f64>, Vec<RampStep>)> {
+    let mut steps = Vec::new();
+    while let Some(rate) = s.next_rate() {
+        sys.wait_idle(Duration::from_secs(300)).await?;
+        progress(start, format!("capacity ({label}): trying {rate:.2} req/s"));
+        let result = run_load(make(rate), false).await?;
+        let ok = keeps_up(&result.summary, keep);
+        progress(
+            start,
+            format!(
+                "capacity ({label}): {rate:.2} req/s -> completions {:.2} req/s, {} / {} ok: {}",
+                completion_rate(&result.summary),
+                result.summary.ok,
+                result.summary.count,
+                if ok { "kept up" } else { "did not keep up" }
+            ),
+        );
+        steps.push(ramp_step(rate, &result.summary, ok));
+        s.record(rate, ok);
+    }
+    Ok((s.capacity(), steps))
 }
 
 fn tiny_spec(base_url: String, rate: f64, secs: f64) -> LoadSpec {
@@ -552,7 +723,7 @@ fn tiny_spec(base_url: String, rate: f64, secs: f64) -> LoadSpec {
 }
 
 async fn overhead(plan: &BenchPlan, start: Instant, report: &mut Report) -> anyhow::Result<()> {
-    let speeds = vec![ZERO_DELAY_SPEED.to_string(); plan.speeds.len()];
+    let speeds = vec![ZERO_DELAY_SPEED.to_string(); 4];
     progress(start, "starting the zero-delay system (policy metronome)");
     let mut sys = System::up(&system_spec(plan, "metronome", speeds, "overhead")).await?;
     let direct_url = format!("{}/v1", sys.sim_urls[0]);
@@ -656,4 +827,51 @@ async fn overhead(plan: &BenchPlan, start: Instant, report: &mut Report) -> anyh
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan() -> BenchPlan {
+        BenchPlan::new(false, PathBuf::from("/nonexistent"))
+    }
+
+    #[test]
+    fn chat_lengths_do_not_depend_on_the_rate() {
+        let p = plan();
+        let lengths = |rate: f64| -> Vec<(u32, u32)> {
+            plan_requests(&p.spec("chat", "http://127.0.0.1/v1".into(), rate))
+                .unwrap()
+                .iter()
+                .map(|r| (r.prompt_tokens, r.output_tokens))
+                .collect()
+        };
+        assert_eq!(lengths(1.0), lengths(17.3));
+        assert_eq!(lengths(1.0).len(), 300);
+    }
+
+    #[test]
+    fn chat_nominal_capacity_is_about_three_requests_per_full_speed_gpu() {
+        let p = plan();
+        let equal = nominal_for(&p, "chat", &cluster_speeds("equal").unwrap()).unwrap();
+        let mixed = nominal_for(&p, "chat", &cluster_speeds("mixed").unwrap()).unwrap();
+        assert!((10.0..15.0).contains(&equal.capacity_rps), "{equal:?}");
+        assert!((mixed.capacity_rps / equal.capacity_rps - 3.5 / 4.0).abs() < 1e-9);
+        assert!((900.0..1200.0).contains(&equal.mean_prompt), "{equal:?}");
+    }
+
+    #[test]
+    fn defaults_follow_the_method() {
+        let full = plan();
+        assert_eq!(full.loads, LOADS.to_vec());
+        assert!(
+            full.loads.len() >= 6 && full.loads[0] <= 0.3 && *full.loads.last().unwrap() >= 1.5
+        );
+        assert_eq!(full.requests, 300);
+        assert_eq!(full.worker_max_concurrency, None);
+        assert_eq!(BenchPlan::new(true, PathBuf::new()).requests, 60);
+        assert_eq!(cluster_speeds("mixed"), Some(vec![1.0, 1.0, 1.0, 0.5]));
+        assert_eq!(cluster_speeds("other"), None);
+    }
 }

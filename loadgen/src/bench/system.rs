@@ -1,7 +1,9 @@
 //! One Metronome system under test, started with `./dev up --no-build` as a child process in
 //! its own process group and stopped with SIGTERM (which `./dev up` turns into a graceful
 //! stop of everything it started), plus the probes the benchmark needs: the simulated GPUs'
-//! Prometheus metrics, their idleness, and every process's resident memory.
+//! Prometheus metrics, their idleness, the dispatchers' queue depth (each dispatcher's
+//! `metrics_addr`, which `./dev up` writes to `<state>/config/dispatcher-*.toml`), the
+//! decisions on the record, and every process's resident memory.
 //!
 //! Invariant: a [`System`] is stopped when dropped, so a failed benchmark never leaves a
 //! cluster running; `stop` waits for `./dev up` to exit.
@@ -11,6 +13,8 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+
+use super::idle::{parse_queue_depths, ClusterSample};
 
 /// How to start a system.
 #[derive(Debug, Clone)]
@@ -24,9 +28,14 @@ pub struct SystemSpec {
     pub state_dir: PathBuf,
     /// Extra `--sim-arg` values.
     pub sim_args: Vec<String>,
-    /// `WORKER_MAX_CONCURRENCY` for the worker-agents, when set.
+    /// `WORKER_MAX_CONCURRENCY` for the worker-agents, when set (experiments only: the
+    /// published figures use `./dev up`'s default).
     pub worker_max_concurrency: Option<u32>,
 }
+
+/// Environment variable of `./dev up` that appends TOML to every dispatcher config. The
+/// runner removes it from the systems it starts so published figures come from defaults.
+pub const EXTRA_TOML_ENV: &str = "METRONOME_DISPATCHER_EXTRA_TOML";
 
 /// A running system.
 pub struct System {
@@ -35,9 +44,15 @@ pub struct System {
     pub gateway_url: String,
     /// Base URL of each simulated GPU's OpenAI API (`http://127.0.0.1:PORT`), GPU order.
     pub sim_urls: Vec<String>,
+    /// Model each simulated GPU serves, GPU order.
+    pub sim_models: Vec<String>,
+    /// Each dispatcher's `/metrics` URL.
+    pub dispatcher_metrics: Vec<String>,
     http: reqwest::Client,
     /// The `workers` KV bucket (latest heartbeat per worker): the dispatcher's view.
     workers: Option<async_nats::jetstream::kv::Store>,
+    /// The DECISIONS stream, for direct gets by job id.
+    decisions: Option<async_nats::jetstream::stream::Stream>,
 }
 
 /// A free TCP port on 127.0.0.1 (bound then released).
@@ -54,20 +69,52 @@ fn read_env_file(path: &Path, key: &str) -> Option<String> {
         .map(str::to_string)
 }
 
-fn sim_urls(state_dir: &Path, gpus: usize) -> anyhow::Result<Vec<String>> {
+fn config_str(path: &Path, key: &str) -> anyhow::Result<String> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let table: toml::Table = toml::from_str(&text)?;
+    table
+        .get(key)
+        .and_then(|v| v.as_str())
+        .map(str::to_string)
+        .with_context(|| format!("no {key} in {}", path.display()))
+}
+
+/// `(model server URL, model)` of each GPU, from the worker configs `./dev up` wrote.
+fn sim_urls(state_dir: &Path, gpus: usize) -> anyhow::Result<Vec<(String, String)>> {
     (0..gpus)
         .map(|g| {
             let path = state_dir.join(format!("config/worker-gpu{g}.toml"));
-            let text = std::fs::read_to_string(&path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            let table: toml::Table = toml::from_str(&text)?;
-            table
-                .get("model_server_url")
-                .and_then(|v| v.as_str())
-                .map(str::to_string)
-                .with_context(|| format!("no model_server_url in {}", path.display()))
+            Ok((
+                config_str(&path, "model_server_url")?,
+                config_str(&path, "model")?,
+            ))
         })
         .collect()
+}
+
+/// Each dispatcher's `/metrics` URL, from `metrics_addr` in the configs `./dev up` wrote
+/// (none when this `./dev up` predates it).
+fn dispatcher_metrics(state_dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Ok(dir) = std::fs::read_dir(state_dir.join("config")) {
+        let mut paths: Vec<PathBuf> = dir
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("dispatcher-") && n.ends_with(".toml"))
+            })
+            .collect();
+        paths.sort();
+        for p in paths {
+            if let Ok(addr) = config_str(&p, "metrics_addr") {
+                out.push(format!("http://{addr}/metrics"));
+            }
+        }
+    }
+    out
 }
 
 impl System {
@@ -98,6 +145,8 @@ impl System {
         for a in &spec.sim_args {
             cmd.args(["--sim-arg", a]);
         }
+        cmd.env_remove(EXTRA_TOML_ENV);
+        cmd.env_remove("WORKER_MAX_CONCURRENCY");
         if let Some(c) = spec.worker_max_concurrency {
             cmd.env("WORKER_MAX_CONCURRENCY", c.to_string());
         }
@@ -123,6 +172,7 @@ impl System {
         };
         let urls = sim_urls(&spec.state_dir, spec.gpus)?;
         let mut sys = System::from_child(child, spec, gateway_url, urls);
+        sys.dispatcher_metrics = dispatcher_metrics(&spec.state_dir);
         if let Some(nats_url) = read_env_file(&env_file, "NATS_URL") {
             let client = async_nats::connect(nats_url.as_str())
                 .await
@@ -133,6 +183,10 @@ impl System {
                     .await
                     .context("opening the workers bucket")?,
             );
+            sys.decisions = js
+                .get_stream(metronome_protocol::names::STREAM_DECISIONS)
+                .await
+                .ok();
         }
         Ok(sys)
     }
@@ -141,16 +195,94 @@ impl System {
         child: tokio::process::Child,
         spec: &SystemSpec,
         gateway_url: String,
-        sim_urls: Vec<String>,
+        sims: Vec<(String, String)>,
     ) -> System {
+        let (sim_urls, sim_models) = sims.into_iter().unzip();
         System {
             child: Some(child),
             state_dir: spec.state_dir.clone(),
             gateway_url,
             sim_urls,
+            sim_models,
+            dispatcher_metrics: Vec::new(),
             http: reqwest::Client::new(),
             workers: None,
+            decisions: None,
         }
+    }
+
+    async fn get_text(&self, url: &str) -> anyhow::Result<String> {
+        Ok(self
+            .http
+            .get(url)
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await?
+            .error_for_status()?
+            .text()
+            .await?)
+    }
+
+    /// One sample of every GPU's running/waiting requests and the leader dispatcher's
+    /// queue depth per model (`t_s` is left at 0 for the caller to set). Every endpoint is
+    /// scraped concurrently so the sample is close to one instant.
+    pub async fn sample(&self) -> anyhow::Result<ClusterSample> {
+        let gpus = futures::future::join_all(
+            self.sim_urls
+                .iter()
+                .map(|u| self.get_text_owned(format!("{u}/metrics"))),
+        );
+        let disp = futures::future::join_all(
+            self.dispatcher_metrics
+                .iter()
+                .map(|u| self.get_text_owned(u.clone())),
+        );
+        let (gpus, disp) = tokio::join!(gpus, disp);
+        let mut sample = ClusterSample::default();
+        for (text, model) in gpus.into_iter().zip(&self.sim_models) {
+            let text = text?;
+            sample.gpus.push((
+                model.clone(),
+                prometheus_sum(&text, "vllm:num_requests_running"),
+                prometheus_sum(&text, "vllm:num_requests_waiting"),
+            ));
+        }
+        // The leader's queues; a standby keeps none (or a stale copy), so only when no
+        // instance says it leads are all of them summed.
+        let texts: Vec<String> = disp.into_iter().filter_map(Result::ok).collect();
+        if texts.is_empty() && !self.dispatcher_metrics.is_empty() {
+            bail!("no dispatcher metrics endpoint answered");
+        }
+        let leaders: Vec<&String> = texts
+            .iter()
+            .filter(|t| prometheus_sum(t, "metronome_dispatcher_leader") > 0.0)
+            .collect();
+        let chosen: Vec<&String> = if leaders.is_empty() {
+            texts.iter().collect()
+        } else {
+            leaders
+        };
+        for t in chosen {
+            for (m, q) in parse_queue_depths(t) {
+                *sample.queued.entry(m).or_insert(0.0) += q;
+            }
+        }
+        Ok(sample)
+    }
+
+    async fn get_text_owned(&self, url: String) -> anyhow::Result<String> {
+        self.get_text(&url).await
+    }
+
+    /// The last decision recorded for `job_id` (direct get on `decisions.<job_id>`), as
+    /// untyped JSON so fields newer than this build are kept.
+    pub async fn decision_json(&self, job_id: &str) -> Option<serde_json::Value> {
+        let stream = self.decisions.as_ref()?;
+        let msg = stream
+            .get_last_raw_message_by_subject(&metronome_protocol::names::decision_subject(job_id))
+            .await
+            .ok()?;
+        serde_json::from_slice(&msg.payload).ok()
     }
 
     /// The gateway's OpenAI base URL.
@@ -162,14 +294,7 @@ impl System {
     pub async fn sim_metric_sum(&self, name: &str) -> anyhow::Result<f64> {
         let mut total = 0.0;
         for url in &self.sim_urls {
-            let text = self
-                .http
-                .get(format!("{url}/metrics"))
-                .timeout(Duration::from_secs(5))
-                .send()
-                .await?
-                .text()
-                .await?;
+            let text = self.get_text(&format!("{url}/metrics")).await?;
             total += prometheus_sum(&text, name);
         }
         Ok(total)

@@ -6,27 +6,30 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use metronome_loadgen::bench::{run_bench, BenchPlan, POLICIES};
+use metronome_loadgen::bench::{run_bench, BenchPlan, CLUSTERS, POLICIES, WORKLOADS};
 use metronome_loadgen::LengthDist;
 use tracing_subscriber::EnvFilter;
 
-/// Compares Metronome with conventional balancers on 4 simulated GPUs (one at half speed).
+/// Goodput versus offered load: Metronome against conventional balancers on simulated GPUs.
 ///
 /// Builds nothing: run `cargo build --release --bins` (and, for the dispatcher figure,
 /// `cargo build --release -p metronome-dispatcher --example dispatch_bench`) first. Needs
-/// nats-server and redis-server on PATH. Starts a fresh `./dev up` per policy, measures
-/// capacity, replays the trace at 50/70/90 % of it per policy, a Poisson run at 70 %, the
-/// burst case, and the overhead runs with a zero-delay simulator; writes BENCHMARKS.md and
-/// bench-results/ (CSV, JSON, SVG plots per run). See docs/BENCHMARKING.md.
+/// nats-server and redis-server on PATH. For each cluster (4 equal GPUs; 4 mixed, one at
+/// half speed) and policy it starts a fresh `./dev up` with its defaults and offers each
+/// workload (the shared trace; a chat-like Poisson mix) at 30-150 % of the cluster's nominal
+/// capacity (the same absolute rates for every policy), then runs the burst case; then the
+/// overhead runs with a zero-delay simulator. Writes BENCHMARKS.md and bench-results/
+/// (per-run CSV, JSON, SVG plots; goodput curves; report.json). See docs/BENCHMARKING.md.
 ///
 /// Examples:
-///   metronome-bench --quick                      # a few minutes, reduced scale
-///   metronome-bench                              # full scale (about 1.5 hours on 2 cores)
-///   metronome-bench --quick --policies metronome,least_connections --skip-overhead
+///   metronome-bench                              # full scale (hours on 2 cores)
+///   metronome-bench --quick                      # 60 requests per point
+///   metronome-bench --quick --policies metronome,least_connections --workloads chat \
+///     --clusters equal --loads 0.5,1.5 --skip-overhead --out /tmp/b --report /tmp/b/B.md
 #[derive(Debug, Parser)]
 #[command(name = "metronome-bench", version, verbatim_doc_comment)]
 struct Cli {
-    /// Reduced scale: fewer requests per run, fewer burst rounds, shorter overhead runs.
+    /// Reduced scale: 60 requests per point, 20 burst rounds, shorter overhead runs.
     #[arg(long)]
     quick: bool,
     /// Folder for per-run results (CSV, summary.json, SVG plots) [default: <repo>/bench-results].
@@ -44,29 +47,32 @@ struct Cli {
     /// Policies to compare, comma-separated.
     #[arg(long, value_delimiter = ',', default_values_t = POLICIES.map(String::from))]
     policies: Vec<String>,
-    /// Loads as fractions of the measured capacity, comma-separated [default: 0.5,0.7,0.9].
+    /// Workloads, comma-separated: trace, chat.
+    #[arg(long, value_delimiter = ',', default_values_t = WORKLOADS.map(String::from))]
+    workloads: Vec<String>,
+    /// Clusters, comma-separated: equal (speeds 1,1,1,1), mixed (1,1,1,0.5).
+    #[arg(long, value_delimiter = ',', default_values_t = CLUSTERS.map(String::from))]
+    clusters: Vec<String>,
+    /// Offered loads as shares of nominal capacity, comma-separated
+    /// [default: 0.3,0.5,0.7,0.9,1.1,1.3,1.5].
     #[arg(long, value_delimiter = ',')]
     loads: Vec<f64>,
-    /// Requests per load run (the first N of the trace) [default: 40 quick, 150 full].
+    /// Requests per load point [default: 60 quick, 300 full].
     #[arg(long, value_name = "N")]
     requests: Option<usize>,
-    /// Burst rounds per policy [default: 20 quick, 50 full].
+    /// Burst rounds per policy and cluster; 0 skips the burst case [default: 20 quick, 50 full].
     #[arg(long, value_name = "N")]
     burst_rounds: Option<usize>,
-    /// WORKER_MAX_CONCURRENCY for every worker-agent: high, so the baselines hand every job
-    /// to the model server at once as conventional balancers do [default: 32].
-    #[arg(long, value_name = "N", default_value_t = 32)]
-    worker_max_concurrency: u32,
-    /// Poisson prompt length distribution [default: lognormal:mean=800,sigma=1,max=7000].
+    /// Experiments only: WORKER_MAX_CONCURRENCY for every worker-agent. Unset, `./dev up`'s
+    /// default applies; set, the report says the figures are not from the defaults.
+    #[arg(long, value_name = "N")]
+    worker_max_concurrency: Option<u32>,
+    /// Chat workload prompt lengths [default: lognormal:mean=1000,sigma=0.6,max=8000].
     #[arg(long, value_name = "DIST")]
-    poisson_prompt: Option<LengthDist>,
-    /// Poisson output length distribution [default: lognormal:mean=120,sigma=0.8,max=1000].
+    chat_prompt: Option<LengthDist>,
+    /// Chat workload output lengths [default: lognormal:mean=200,sigma=0.6,max=1500].
     #[arg(long, value_name = "DIST")]
-    poisson_output: Option<LengthDist>,
-    /// Skip the capacity search and use these capacities: TRACE,POISSON in req/s (for
-    /// quick comparisons while tuning; the report says they were given).
-    #[arg(long, value_delimiter = ',', value_name = "TRACE,POISSON")]
-    capacity: Vec<f64>,
+    chat_output: Option<LengthDist>,
     /// Skip the zero-delay overhead runs and the dispatcher benchmark.
     #[arg(long)]
     skip_overhead: bool,
@@ -74,6 +80,11 @@ struct Cli {
     /// summary of targets met and missed is generated).
     #[arg(long, value_name = "FILE")]
     analysis: Option<PathBuf>,
+}
+
+fn invalid(msg: String) -> ExitCode {
+    eprintln!("error: {msg}");
+    ExitCode::from(2)
 }
 
 fn main() -> ExitCode {
@@ -107,32 +118,50 @@ fn main() -> ExitCode {
         plan.trace = t;
     }
     plan.trace = plan.trace.canonicalize().unwrap_or(plan.trace);
+    for p in &cli.policies {
+        if !POLICIES.contains(&p.as_str()) {
+            return invalid(format!(
+                "unknown policy {p:?} (one of {})",
+                POLICIES.join(", ")
+            ));
+        }
+    }
+    for w in &cli.workloads {
+        if !WORKLOADS.contains(&w.as_str()) {
+            return invalid(format!("unknown workload {w:?} (trace, chat)"));
+        }
+    }
+    for c in &cli.clusters {
+        if !CLUSTERS.contains(&c.as_str()) {
+            return invalid(format!("unknown cluster {c:?} (equal, mixed)"));
+        }
+    }
+    if cli.loads.iter().any(|l| !l.is_finite() || *l <= 0.0) {
+        return invalid("--loads wants shares of nominal capacity > 0, e.g. 0.3,0.9,1.5".into());
+    }
+    if cli.requests == Some(0) {
+        return invalid("--requests wants at least 1".into());
+    }
     plan.policies = cli.policies;
+    plan.workloads = cli.workloads;
+    plan.clusters = cli.clusters;
     if !cli.loads.is_empty() {
         plan.loads = cli.loads;
     }
     if let Some(n) = cli.requests {
-        plan.run_requests = n;
+        plan.requests = n;
     }
     if let Some(n) = cli.burst_rounds {
         plan.burst_rounds = n;
     }
-    plan.worker_max_concurrency = Some(cli.worker_max_concurrency);
-    if let Some(d) = cli.poisson_prompt {
-        plan.poisson_prompt = d;
+    plan.worker_max_concurrency = cli.worker_max_concurrency;
+    if let Some(d) = cli.chat_prompt {
+        plan.chat_prompt = d;
     }
-    if let Some(d) = cli.poisson_output {
-        plan.poisson_output = d;
+    if let Some(d) = cli.chat_output {
+        plan.chat_output = d;
     }
     plan.skip_overhead = cli.skip_overhead;
-    match cli.capacity[..] {
-        [] => {}
-        [t, p] if t > 0.0 && p > 0.0 => plan.given_capacity = Some((t, p)),
-        _ => {
-            eprintln!("error: --capacity wants two rates > 0: TRACE,POISSON");
-            return ExitCode::from(2);
-        }
-    }
     plan.analysis = cli.analysis;
     plan.command = format!(
         "cargo build --release --bins && cargo build --release -p metronome-dispatcher --example dispatch_bench\ncargo run --release -p metronome-loadgen --bin metronome-bench --{}{}",

@@ -1,0 +1,160 @@
+//! Idle check: GPU-seconds a simulated GPU sat idle while a job for its model waited in the
+//! dispatcher's queue — capacity that admission control left unused.
+//!
+//! Sampled every ~100 ms during a run: per GPU, `vllm:num_requests_running` and
+//! `vllm:num_requests_waiting` from its own metrics; per model, the leader dispatcher's
+//! `metronome_dispatcher_queue_depth`. A sample's state holds until the next sample
+//! (left-endpoint rule), so the idle time is
+//! `Σ_k (t_{k+1} - t_k) · #{gpu idle at k with queue(model(gpu)) > 0 at k}` and the
+//! total is `#gpus · (t_last - t_first)`. The queue gauge is refreshed on the dispatcher's
+//! tick (100 ms by default), so a short idle spell right after a completion can be
+//! counted; that bias is the same for every policy. Pure.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// One sample of the cluster.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ClusterSample {
+    /// Seconds since the run's start.
+    pub t_s: f64,
+    /// Per GPU: (model, running, waiting).
+    pub gpus: Vec<(String, f64, f64)>,
+    /// Dispatcher queue depth per model.
+    pub queued: BTreeMap<String, f64>,
+}
+
+/// Idle GPU-seconds of one run.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct IdleStats {
+    pub samples: usize,
+    /// GPU-seconds idle while a job for the GPU's model was queued.
+    pub idle_gpu_s: f64,
+    /// GPU-seconds observed (`#gpus × sampled span`).
+    pub total_gpu_s: f64,
+    /// `idle_gpu_s / total_gpu_s` (0 when nothing was observed).
+    pub share: f64,
+    /// Deepest dispatcher queue seen (all models), to show the queue was observed at all.
+    #[serde(default)]
+    pub max_queued: f64,
+}
+
+/// Idle accounting over samples in time order (see module docs).
+pub fn idle_stats(samples: &[ClusterSample]) -> IdleStats {
+    let mut idle = 0.0;
+    let mut total = 0.0;
+    for w in samples.windows(2) {
+        let dt = (w[1].t_s - w[0].t_s).max(0.0);
+        let s = &w[0];
+        total += dt * s.gpus.len() as f64;
+        let idle_gpus = s
+            .gpus
+            .iter()
+            .filter(|(model, running, waiting)| {
+                *running <= 0.0 && *waiting <= 0.0 && s.queued.get(model).is_some_and(|q| *q > 0.0)
+            })
+            .count();
+        idle += dt * idle_gpus as f64;
+    }
+    let max_queued = samples
+        .iter()
+        .map(|s| s.queued.values().sum::<f64>())
+        .fold(0.0, f64::max);
+    IdleStats {
+        max_queued,
+        samples: samples.len(),
+        idle_gpu_s: idle,
+        total_gpu_s: total,
+        share: if total > 0.0 { idle / total } else { 0.0 },
+    }
+}
+
+/// Queue depth per model from a dispatcher's Prometheus text
+/// (`metronome_dispatcher_queue_depth{model="m"} 3`).
+pub fn parse_queue_depths(text: &str) -> BTreeMap<String, f64> {
+    const NAME: &str = "metronome_dispatcher_queue_depth{";
+    let mut out = BTreeMap::new();
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some(rest) = line.strip_prefix(NAME) else {
+            continue;
+        };
+        let Some((labels, value)) = rest.rsplit_once('}') else {
+            continue;
+        };
+        let model = labels
+            .split(',')
+            .find_map(|kv| kv.trim().strip_prefix("model="))
+            .map(|v| v.trim_matches('"').to_string());
+        if let (Some(model), Ok(v)) = (model, value.trim().parse::<f64>()) {
+            *out.entry(model).or_insert(0.0) += v;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(t: f64, gpus: &[(f64, f64)], queued: f64) -> ClusterSample {
+        ClusterSample {
+            t_s: t,
+            gpus: gpus.iter().map(|&(r, w)| ("m".to_string(), r, w)).collect(),
+            queued: [("m".to_string(), queued)].into_iter().collect(),
+        }
+    }
+
+    #[test]
+    fn counts_idle_gpus_only_while_jobs_wait() {
+        let s = [
+            // 0–0.1 s: GPU 1 idle, 2 jobs queued: 0.1 GPU-s idle.
+            sample(0.0, &[(1.0, 0.0), (0.0, 0.0)], 2.0),
+            // 0.1–0.3 s: GPU 1 idle but nothing queued: not idle time.
+            sample(0.1, &[(1.0, 0.0), (0.0, 0.0)], 0.0),
+            // 0.3–0.4 s: both idle, queue 1: 0.2 GPU-s.
+            sample(0.3, &[(0.0, 0.0), (0.0, 0.0)], 1.0),
+            // 0.4–0.5 s: a waiting request means the GPU has work: not idle.
+            sample(0.4, &[(0.0, 1.0), (2.0, 0.0)], 1.0),
+            sample(0.5, &[(0.0, 0.0), (0.0, 0.0)], 5.0),
+        ];
+        let st = idle_stats(&s);
+        assert_eq!(st.samples, 5);
+        assert!((st.idle_gpu_s - 0.3).abs() < 1e-9, "{st:?}");
+        assert!((st.total_gpu_s - 1.0).abs() < 1e-9, "{st:?}");
+        assert!((st.share - 0.3).abs() < 1e-9);
+        assert_eq!(st.max_queued, 5.0);
+    }
+
+    #[test]
+    fn a_queue_for_another_model_does_not_count() {
+        let mut s = sample(0.0, &[(0.0, 0.0)], 0.0);
+        s.queued = [("other".to_string(), 3.0)].into_iter().collect();
+        let st = idle_stats(&[s, sample(1.0, &[(0.0, 0.0)], 0.0)]);
+        assert_eq!(st.idle_gpu_s, 0.0);
+        assert_eq!(st.total_gpu_s, 1.0);
+    }
+
+    #[test]
+    fn fewer_than_two_samples_observe_nothing() {
+        assert_eq!(idle_stats(&[]).share, 0.0);
+        assert_eq!(
+            idle_stats(&[sample(0.0, &[(0.0, 0.0)], 9.0)]).total_gpu_s,
+            0.0
+        );
+    }
+
+    #[test]
+    fn parses_queue_depth_per_model() {
+        let text = "# HELP metronome_dispatcher_queue_depth x\n\
+                    # TYPE metronome_dispatcher_queue_depth gauge\n\
+                    metronome_dispatcher_queue_depth{model=\"llama-3.1-8b\"} 4\n\
+                    metronome_dispatcher_queue_depth{model=\"bench-model\"} 0\n\
+                    metronome_dispatcher_queue_depth_other{model=\"x\"} 9\n\
+                    metronome_dispatcher_leader 1\n";
+        let q = parse_queue_depths(text);
+        assert_eq!(q.len(), 2);
+        assert_eq!(q["llama-3.1-8b"], 4.0);
+        assert_eq!(q["bench-model"], 0.0);
+    }
+}
