@@ -18,6 +18,7 @@ mod heartbeat;
 pub mod metrics;
 pub mod metrics_scrape;
 pub mod model_client;
+mod probe;
 pub mod runner;
 
 use std::collections::BTreeMap;
@@ -200,10 +201,14 @@ pub async fn start(
             .unwrap_or(0),
         _ => 0,
     };
+    let probes = Arc::new(probe::ProbeCache::default());
+    probe::probe_once(&shared, &deps.gpu, &probes).await;
+    let probe_stop = CancellationToken::new();
+    let probe_task = probe::spawn(shared.clone(), deps.gpu, probes.clone(), probe_stop.clone());
     let mut hb = Heartbeat {
         shared: shared.clone(),
         bucket: buckets.workers,
-        gpu: deps.gpu,
+        probes,
         seq: last_seq,
         generation: 0,
     };
@@ -243,6 +248,8 @@ pub async fn start(
             hb.beat().await;
             hb.withdraw().await;
         }
+        probe_stop.cancel();
+        let _ = probe_task.await;
         cancel_stop.cancel();
         let _ = cancel_task.await;
         metrics_stop.cancel();
