@@ -320,8 +320,7 @@ mod tests {
     fn a_model_name_with_control_characters_or_too_long_is_refused() {
         for model in ["a\r\nb".to_string(), "a\u{0}b".to_string(), "m".repeat(257)] {
             let err = chat(json!({"model": model, "messages": [{"role": "user", "content": "x"}]}))
-                .err()
-                .expect("refused");
+                .expect_err("refused");
             assert_eq!(err.status, axum::http::StatusCode::BAD_REQUEST, "{model:?}");
             assert_eq!(err.param.as_deref(), Some("model"));
         }
