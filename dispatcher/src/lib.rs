@@ -5,7 +5,9 @@
 //! it stands by until it holds the lease ([`leader`]), then runs a *term*: it rebuilds its
 //! state (workers bucket, Redis EWMAs, in-flight jobs from heartbeats), recreates the JOBS
 //! consumer so unacknowledged jobs come back in order ([`intake`]), and decides in one
-//! loop ([`engine`]) until shutdown or until the lease is lost, when it stands by again.
+//! loop ([`engine`]) until shutdown or until the lease is lost, when it stands by again. If
+//! an internal task of the term dies ([`supervise`]), the term ends too and the leader
+//! steps down, rather than hold the lease while deciding nothing.
 //! A term never carries state into the next: everything is rebuilt from NATS and Redis.
 
 pub mod config;

@@ -7,8 +7,12 @@
 //! - assigned: [`metronome_protocol::Assignment`] on `work.<worker>` (`Nats-Msg-Id` = job:attempt, epoch and
 //!   model headers) → PubAck → acknowledge the JOBS message → Decision on
 //!   `decisions.<job>` (`Nats-Msg-Id` = job:attempt).
-//! - a failed Assignment publish is reported back ([`Event::PublishFailed`]) so the engine
-//!   rolls the reservation back and puts the job back at its place; nothing else happens.
+//! - a failed Assignment publish (a NATS error, or a header that cannot be written) is
+//!   reported back ([`Event::PublishFailed`]) so the engine rolls the reservation back and
+//!   puts the job back at its place with the next attempt (or rejects it after
+//!   `max_attempts`); nothing else happens.
+//! - headers are built with [`metronome_protocol::headers::headers`], which reports a bad
+//!   value instead of panicking: nothing taken from a message can stop this task.
 //! - a PubAck flagged `duplicate` means an earlier leader already sent this attempt: the
 //!   engine drops the reservation ([`Event::AlreadyAssigned`]); the JOBS message is still
 //!   acknowledged and the Decision still published (its own msg-id drops it if the
