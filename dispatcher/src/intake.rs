@@ -26,8 +26,8 @@ use async_nats::jetstream::{self, consumer};
 use bytes::Bytes;
 use futures::StreamExt;
 use metronome_protocol::names::{
-    decision_subject, is_subject_token, CONSUMER_DISPATCHER, STREAM_EVENTS, STREAM_JOBS,
-    SUBJECT_CANCEL_ALL, SUBJECT_EVENTS_DONE_ALL,
+    decision_subject, event_done_subject, is_subject_token, CONSUMER_DISPATCHER, STREAM_EVENTS,
+    STREAM_JOBS, SUBJECT_CANCEL_ALL, SUBJECT_EVENTS_DONE_ALL,
 };
 use metronome_protocol::{CompletionEvent, Decision, ErrorCode, Job, JobLimits, Outcome};
 use tokio::sync::mpsc;
@@ -81,11 +81,14 @@ pub struct SeenBefore {
     pub takeover_seq: u64,
 }
 
-impl SeenBefore {
-    fn may_be_decided(&self, delivered: i64, stream_seq: u64) -> bool {
-        delivered > 1 || stream_seq <= self.takeover_seq
-    }
+/// Whether a JOBS message may already have been decided: delivered before, or stored
+/// before this term's consumer existed (a recreated consumer starts counting deliveries
+/// from one again).
+fn may_be_decided(delivered: i64, stream_seq: u64, takeover_seq: u64) -> bool {
+    delivered > 1 || stream_seq <= takeover_seq
+}
 
+impl SeenBefore {
     /// The latest stored decision of `job_id`, if any.
     async fn stored_decision(&self, job_id: &str) -> Result<Option<Decision>, String> {
         match self
@@ -146,7 +149,7 @@ async fn read_job(
             }
         }
     };
-    if seen.may_be_decided(delivered, seq) {
+    if may_be_decided(delivered, seq, seen.takeover_seq) {
         match seen.stored_decision(&job.id).await {
             Ok(Some(decision)) => {
                 return Step::AlreadyDecided {
@@ -399,7 +402,7 @@ fn untrusted_event(event: &CompletionEvent, subject: &str) -> Option<&'static st
     if !is_subject_token(&event.worker_id) {
         return Some("worker id is not a subject token");
     }
-    if subject.strip_prefix("events.done.") != Some(event.worker_id.as_str()) {
+    if subject != event_done_subject(&event.worker_id) {
         return Some("worker id differs from the subject's worker");
     }
     None
@@ -433,4 +436,48 @@ pub async fn spawn_cancels(
         }
         let _ = sub.unsubscribe().await;
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use metronome_protocol::CompletionOutcome;
+
+    fn event(job_id: &str, worker_id: &str) -> CompletionEvent {
+        CompletionEvent {
+            v: 1,
+            job_id: job_id.into(),
+            worker_id: worker_id.into(),
+            model: "m".into(),
+            epoch: 1,
+            attempt: 1,
+            outcome: CompletionOutcome::Done,
+            streamed: true,
+            error: None,
+            prompt_tokens: 1,
+            output_tokens: 1,
+            ttft_ms: None,
+            tpot_ms: None,
+            e2e_ms: 1.0,
+            finished_ms: 1,
+        }
+    }
+
+    #[test]
+    fn completion_events_need_token_ids_and_their_own_subject() {
+        assert_eq!(untrusted_event(&event("j1", "w1"), "events.done.w1"), None);
+        assert!(untrusted_event(&event("j.1", "w1"), "events.done.w1").is_some());
+        assert!(untrusted_event(&event("j1", "w.1"), "events.done.w").is_some());
+        assert!(untrusted_event(&event("j1", "victim"), "events.done.w1").is_some());
+    }
+
+    #[test]
+    fn redelivered_or_pre_takeover_jobs_may_be_decided() {
+        assert!(may_be_decided(2, 100, 10), "redelivered in this term");
+        assert!(may_be_decided(1, 10, 10), "stored before the takeover");
+        assert!(
+            !may_be_decided(1, 11, 10),
+            "new in this term, first delivery"
+        );
+    }
 }
