@@ -85,6 +85,8 @@ async fn main() -> anyhow::Result<()> {
                 capacity_tokens: Some(u64::MAX / 4),
             }),
             gpu: None,
+            prefill_pending_tokens: 0,
+            perf: None,
             seq: 1,
             sent_ms: metronome_protocol::time::unix_ms(),
         };

@@ -194,8 +194,7 @@ impl Engine {
                     self.ledger.release(&job.job.id);
                 }
                 self.assigned.remove(job.job.id.as_str());
-                self.queues.put_back(*job);
-                self.capacity_changed = true;
+                self.publish_failed(*job, &worker_id);
             }
             Event::AlreadyAssigned { job_id, worker_id } => {
                 if self.ledger.worker_of(&job_id) == Some(worker_id.as_str()) {
@@ -462,6 +461,33 @@ impl Engine {
         self.capacity_changed = true;
     }
 
+    /// A failed Assignment publish is an attempt: the job goes back to its place with the
+    /// next attempt (and so a new WORK msg-id), and `max_attempts` ends a job that can never
+    /// be published (e.g. to a subject no stream captures) instead of cycling forever.
+    fn publish_failed(&mut self, mut job: QueuedJob, worker_id: &str) {
+        if job.attempt >= self.s.max_attempts {
+            let reason = format!(
+                "gave up after {} attempts (last: publishing the assignment to {worker_id} failed)",
+                job.attempt
+            );
+            let now = metronome_protocol::time::unix_ms();
+            self.reject(
+                &job.job,
+                job.attempt + 1,
+                Outcome::Rejected,
+                "max_attempts",
+                &reason,
+                ErrorCode::WorkerFailed,
+                job.acker.take(),
+                now.saturating_sub(job.enqueued_ms),
+            );
+            return;
+        }
+        job.attempt += 1;
+        self.queues.put_back(job);
+        self.capacity_changed = true;
+    }
+
     fn on_cancel(&mut self, job_id: &str) {
         if let Some(job) = self.queues.remove(job_id) {
             let now = metronome_protocol::time::unix_ms();
@@ -485,6 +511,7 @@ impl Engine {
         if !self.dead.insert(worker_id.to_string()) {
             return;
         }
+        self.metrics.workers_lost_total.fetch_add(1, Relaxed);
         let reservations = self.ledger.release_worker(worker_id);
         tracing::warn!(
             worker_id,

@@ -8,6 +8,15 @@
 //! rejected Decision on `decisions.<salvaged id>` (with the parse error as reason) or,
 //! without a usable id, a record on `deadletter.jobs`; then it is acknowledged so it
 //! never comes back.
+//!
+//! A job an earlier leader (or this one) may already have decided is checked against the
+//! DECISIONS stream before it reaches the engine: JOBS redelivers after its ack wait
+//! (300 s), longer than its de-duplication window (120 s), so a lost ack or a restart
+//! would otherwise run a finished job again. "May already have decided" means delivered
+//! more than once, or stored before this term's consumer was created (a takeover resets
+//! the delivery count). When `decisions.<id>` holds a record (assigned, rejected or
+//! expired), the message is acknowledged and logged, and nothing is assigned. The lookup
+//! is a direct get (nats-server 2.9), pipelined in stream order.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -17,7 +26,8 @@ use async_nats::jetstream::{self, consumer};
 use bytes::Bytes;
 use futures::StreamExt;
 use metronome_protocol::names::{
-    CONSUMER_DISPATCHER, STREAM_EVENTS, STREAM_JOBS, SUBJECT_CANCEL_ALL, SUBJECT_EVENTS_DONE_ALL,
+    decision_subject, event_done_subject, is_subject_token, CONSUMER_DISPATCHER, STREAM_EVENTS,
+    STREAM_JOBS, SUBJECT_CANCEL_ALL, SUBJECT_EVENTS_DONE_ALL,
 };
 use metronome_protocol::{CompletionEvent, Decision, ErrorCode, Job, JobLimits, Outcome};
 use tokio::sync::mpsc;
@@ -28,19 +38,27 @@ use crate::metrics::Metrics;
 use crate::publish::{self, Publisher};
 use crate::DispatcherError;
 
-/// Recreate the durable JOBS consumer so unacknowledged jobs are redelivered now.
+/// Recreate the durable JOBS consumer so unacknowledged jobs are redelivered now. Also
+/// returns the stream's last sequence before the consumer was recreated: the messages up to
+/// it may have been seen by an earlier leader.
 pub async fn recreate_jobs_consumer(
     js: &jetstream::Context,
     ack_wait: Duration,
     max_ack_pending: i64,
-) -> Result<consumer::PullConsumer, DispatcherError> {
-    let stream = js
+) -> Result<(consumer::PullConsumer, u64), DispatcherError> {
+    let mut stream = js
         .get_stream(STREAM_JOBS)
         .await
         .map_err(|e| DispatcherError::Nats(format!("JOBS stream: {e}")))?;
+    let takeover_seq = stream
+        .info()
+        .await
+        .map_err(|e| DispatcherError::Nats(format!("JOBS stream info: {e}")))?
+        .state
+        .last_sequence;
     // Absent on the very first start: not an error.
     let _ = stream.delete_consumer(CONSUMER_DISPATCHER).await;
-    stream
+    let consumer = stream
         .create_consumer(consumer::pull::Config {
             durable_name: Some(CONSUMER_DISPATCHER.into()),
             deliver_policy: consumer::DeliverPolicy::All,
@@ -51,7 +69,109 @@ pub async fn recreate_jobs_consumer(
             ..Default::default()
         })
         .await
-        .map_err(|e| DispatcherError::Nats(format!("creating the JOBS consumer: {e}")))
+        .map_err(|e| DispatcherError::Nats(format!("creating the JOBS consumer: {e}")))?;
+    Ok((consumer, takeover_seq))
+}
+
+/// How the intake recognises a job that may already have been decided.
+pub struct SeenBefore {
+    /// The DECISIONS stream, for direct gets of `decisions.<job_id>`.
+    pub decisions: jetstream::stream::Stream,
+    /// JOBS messages up to this stream sequence existed before this term's consumer.
+    pub takeover_seq: u64,
+}
+
+/// Whether a JOBS message may already have been decided: delivered before, or stored
+/// before this term's consumer existed (a recreated consumer starts counting deliveries
+/// from one again).
+fn may_be_decided(delivered: i64, stream_seq: u64, takeover_seq: u64) -> bool {
+    delivered > 1 || stream_seq <= takeover_seq
+}
+
+impl SeenBefore {
+    /// The latest stored decision of `job_id`, if any.
+    async fn stored_decision(&self, job_id: &str) -> Result<Option<Decision>, String> {
+        match self
+            .decisions
+            .direct_get_last_for_subject(decision_subject(job_id))
+            .await
+        {
+            Ok(m) => serde_json::from_slice::<Decision>(&m.payload)
+                .map(Some)
+                .map_err(|e| format!("stored decision does not decode: {e}")),
+            Err(e) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
+/// One JOBS message, read and checked off the deciding loop.
+enum Step {
+    Job(Box<Incoming>),
+    Malformed {
+        payload: Bytes,
+        error: metronome_protocol::JobError,
+        acker: Arc<jetstream::message::Acker>,
+        seq: u64,
+    },
+    AlreadyDecided {
+        job_id: String,
+        decision: Box<Decision>,
+        acker: Arc<jetstream::message::Acker>,
+        seq: u64,
+    },
+    Error(String),
+}
+
+async fn read_job(
+    next: Result<jetstream::message::Message, consumer::pull::MessagesError>,
+    limits: JobLimits,
+    seen: Arc<SeenBefore>,
+) -> Step {
+    let message = match next {
+        Ok(m) => m,
+        Err(error) => return Step::Error(error.to_string()),
+    };
+    let (seq, delivered) = message
+        .info()
+        .map(|i| (i.stream_sequence, i.delivered))
+        .unwrap_or((0, 1));
+    let (msg, acker) = message.split();
+    let acker = Arc::new(acker);
+    let job = match Job::parse(&msg.payload, &limits) {
+        Ok(job) => job,
+        Err(error) => {
+            return Step::Malformed {
+                payload: msg.payload,
+                error,
+                acker,
+                seq,
+            }
+        }
+    };
+    if may_be_decided(delivered, seq, seen.takeover_seq) {
+        match seen.stored_decision(&job.id).await {
+            Ok(Some(decision)) => {
+                return Step::AlreadyDecided {
+                    job_id: job.id,
+                    decision: Box::new(decision),
+                    acker,
+                    seq,
+                }
+            }
+            Ok(None) => {}
+            // Fail open: the WORK stream's msg-id still catches a recent duplicate.
+            Err(error) => {
+                tracing::warn!(job_id = %job.id, %error, "could not check for an earlier decision")
+            }
+        }
+    }
+    Step::Job(Box::new(Incoming {
+        job: Arc::new(job),
+        acker,
+        seq,
+        received_ms: metronome_protocol::time::unix_ms(),
+    }))
 }
 
 /// Read jobs until `token` is cancelled.
@@ -59,11 +179,13 @@ pub fn spawn_jobs(
     consumer: consumer::PullConsumer,
     limits: JobLimits,
     context: RejectContext,
+    seen: SeenBefore,
     tx: mpsc::Sender<Event>,
     token: CancellationToken,
-) {
+) -> tokio::task::JoinHandle<()> {
+    let seen = Arc::new(seen);
     tokio::spawn(async move {
-        let mut messages = match consumer
+        let messages = match consumer
             .stream()
             .max_messages_per_batch(2000)
             .heartbeat(Duration::from_secs(5))
@@ -78,42 +200,58 @@ pub fn spawn_jobs(
                 return;
             }
         };
+        // Lookups overlap, outcomes keep stream order.
+        let mut steps = messages
+            .map(|next| read_job(next, limits, seen.clone()))
+            .buffered(64);
         loop {
             let next = tokio::select! {
                 _ = token.cancelled() => return,
-                m = messages.next() => m,
+                s = steps.next() => s,
             };
-            let message = match next {
-                Some(Ok(m)) => m,
-                Some(Err(error)) => {
-                    tracing::warn!(%error, "JOBS consumer error");
-                    continue;
+            match next {
+                Some(Step::Job(incoming)) => {
+                    if tx.send(Event::Job(incoming)).await.is_err() {
+                        return;
+                    }
                 }
+                Some(Step::Malformed {
+                    payload,
+                    error,
+                    acker,
+                    seq,
+                }) => context.reject_malformed(&payload, &error, Some(acker), seq),
+                Some(Step::AlreadyDecided {
+                    job_id,
+                    decision,
+                    acker,
+                    seq,
+                }) => {
+                    context
+                        .metrics
+                        .redelivered_already_decided_total
+                        .fetch_add(1, Relaxed);
+                    tracing::info!(
+                        job_id,
+                        stream_seq = seq,
+                        outcome = ?decision.outcome,
+                        attempt = decision.attempt,
+                        epoch = decision.epoch,
+                        "redelivered job already has a decision: acknowledged, not assigned again"
+                    );
+                    if let Err(error) = acker.ack().await {
+                        tracing::warn!(job_id, %error, "acknowledging the JOBS message failed");
+                    }
+                }
+                Some(Step::Error(error)) => tracing::warn!(%error, "JOBS consumer error"),
                 None => {
                     tracing::error!("JOBS consumer ended");
                     token.cancel();
                     return;
                 }
-            };
-            let seq = message.info().map(|i| i.stream_sequence).unwrap_or(0);
-            let (msg, acker) = message.split();
-            let acker = Arc::new(acker);
-            match Job::parse(&msg.payload, &limits) {
-                Ok(job) => {
-                    let incoming = Incoming {
-                        job: Arc::new(job),
-                        acker,
-                        seq,
-                        received_ms: metronome_protocol::time::unix_ms(),
-                    };
-                    if tx.send(Event::Job(Box::new(incoming))).await.is_err() {
-                        return;
-                    }
-                }
-                Err(error) => context.reject_malformed(&msg.payload, &error, Some(acker), seq),
             }
         }
-    });
+    })
 }
 
 /// What a rejection of a malformed message needs.
@@ -198,8 +336,9 @@ impl RejectContext {
 pub async fn spawn_completions(
     js: &jetstream::Context,
     tx: mpsc::Sender<Event>,
+    metrics: Arc<Metrics>,
     token: CancellationToken,
-) -> Result<(), DispatcherError> {
+) -> Result<tokio::task::JoinHandle<()>, DispatcherError> {
     let stream = js
         .get_stream(STREAM_EVENTS)
         .await
@@ -216,7 +355,7 @@ pub async fn spawn_completions(
         .messages()
         .await
         .map_err(|e| DispatcherError::Nats(format!("EVENTS consumer: {e}")))?;
-    tokio::spawn(async move {
+    Ok(tokio::spawn(async move {
         loop {
             let next = tokio::select! {
                 _ = token.cancelled() => return,
@@ -235,18 +374,39 @@ pub async fn spawn_completions(
                 }
             };
             match serde_json::from_slice::<CompletionEvent>(&message.payload) {
-                Ok(event) => {
-                    if tx.send(Event::Completion(Box::new(event))).await.is_err() {
-                        return;
+                Ok(event) => match untrusted_event(&event, message.subject.as_str()) {
+                    None => {
+                        if tx.send(Event::Completion(Box::new(event))).await.is_err() {
+                            return;
+                        }
                     }
-                }
+                    Some(reason) => {
+                        metrics.ignored_worker_messages_total.fetch_add(1, Relaxed);
+                        tracing::warn!(subject = %message.subject, reason, "completion event ignored");
+                    }
+                },
                 Err(error) => {
+                    metrics.ignored_worker_messages_total.fetch_add(1, Relaxed);
                     tracing::warn!(subject = %message.subject, %error, "malformed completion event ignored")
                 }
             }
         }
-    });
-    Ok(())
+    }))
+}
+
+/// Why a completion event cannot be trusted, if it cannot: its ids must be subject tokens
+/// and its worker must be the one whose subject it came on.
+fn untrusted_event(event: &CompletionEvent, subject: &str) -> Option<&'static str> {
+    if !is_subject_token(&event.job_id) {
+        return Some("job id is not a subject token");
+    }
+    if !is_subject_token(&event.worker_id) {
+        return Some("worker id is not a subject token");
+    }
+    if subject != event_done_subject(&event.worker_id) {
+        return Some("worker id differs from the subject's worker");
+    }
+    None
 }
 
 /// Forward `cancel.<job_id>` requests until `token`.
@@ -254,12 +414,12 @@ pub async fn spawn_cancels(
     client: &async_nats::Client,
     tx: mpsc::Sender<Event>,
     token: CancellationToken,
-) -> Result<(), DispatcherError> {
+) -> Result<tokio::task::JoinHandle<()>, DispatcherError> {
     let mut sub = client
         .subscribe(SUBJECT_CANCEL_ALL)
         .await
         .map_err(|e| DispatcherError::Nats(format!("subscribing to cancellations: {e}")))?;
-    tokio::spawn(async move {
+    Ok(tokio::spawn(async move {
         loop {
             let next = tokio::select! {
                 _ = token.cancelled() => break,
@@ -267,12 +427,58 @@ pub async fn spawn_cancels(
             };
             let Some(message) = next else { break };
             if let Some(job_id) = message.subject.as_str().strip_prefix("cancel.") {
+                if !is_subject_token(job_id) {
+                    continue;
+                }
                 if tx.send(Event::Cancel(job_id.to_string())).await.is_err() {
                     break;
                 }
             }
         }
         let _ = sub.unsubscribe().await;
-    });
-    Ok(())
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use metronome_protocol::CompletionOutcome;
+
+    fn event(job_id: &str, worker_id: &str) -> CompletionEvent {
+        CompletionEvent {
+            v: 1,
+            job_id: job_id.into(),
+            worker_id: worker_id.into(),
+            model: "m".into(),
+            epoch: 1,
+            attempt: 1,
+            outcome: CompletionOutcome::Done,
+            streamed: true,
+            error: None,
+            prompt_tokens: 1,
+            output_tokens: 1,
+            ttft_ms: None,
+            tpot_ms: None,
+            e2e_ms: 1.0,
+            finished_ms: 1,
+        }
+    }
+
+    #[test]
+    fn completion_events_need_token_ids_and_their_own_subject() {
+        assert_eq!(untrusted_event(&event("j1", "w1"), "events.done.w1"), None);
+        assert!(untrusted_event(&event("j.1", "w1"), "events.done.w1").is_some());
+        assert!(untrusted_event(&event("j1", "w.1"), "events.done.w").is_some());
+        assert!(untrusted_event(&event("j1", "victim"), "events.done.w1").is_some());
+    }
+
+    #[test]
+    fn redelivered_or_pre_takeover_jobs_may_be_decided() {
+        assert!(may_be_decided(2, 100, 10), "redelivered in this term");
+        assert!(may_be_decided(1, 10, 10), "stored before the takeover");
+        assert!(
+            !may_be_decided(1, 11, 10),
+            "new in this term, first delivery"
+        );
+    }
 }

@@ -5,7 +5,9 @@
 //! it stands by until it holds the lease ([`leader`]), then runs a *term*: it rebuilds its
 //! state (workers bucket, Redis EWMAs, in-flight jobs from heartbeats), recreates the JOBS
 //! consumer so unacknowledged jobs come back in order ([`intake`]), and decides in one
-//! loop ([`engine`]) until shutdown or until the lease is lost, when it stands by again.
+//! loop ([`engine`]) until shutdown or until the lease is lost, when it stands by again. If
+//! an internal task of the term dies ([`supervise`]), the term ends too and the leader
+//! steps down, rather than hold the lease while deciding nothing.
 //! A term never carries state into the next: everything is rebuilt from NATS and Redis.
 
 pub mod config;
@@ -16,6 +18,7 @@ pub mod metrics;
 pub mod publish;
 pub mod queue;
 pub mod registry;
+pub mod supervise;
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
@@ -45,6 +48,8 @@ pub enum DispatcherError {
     Setup(#[from] metronome_protocol::setup::SetupError),
     #[error("metrics endpoint: {0}")]
     Metrics(std::io::Error),
+    #[error("an internal task of the term died: {0}")]
+    TaskDied(String),
 }
 
 impl DispatcherError {
@@ -205,16 +210,25 @@ async fn run_term(
 ) -> Result<(), DispatcherError> {
     let c = &ctx.config;
     let (tx, rx) = mpsc::channel(65_536);
-    let publisher = publish::Publisher::start(
+    let tasks = supervise::TermTasks::new(term.clone(), ctx.metrics.clone());
+    let (publisher, publisher_task) = publish::Publisher::start(
         ctx.js.clone(),
         ctx.client.clone(),
         tx.clone(),
         ctx.metrics.clone(),
     );
+    tasks.watch("publisher", publisher_task);
     // Completions first, so none that happens after the workers are loaded is missed.
-    intake::spawn_completions(&ctx.js, tx.clone(), term.clone()).await?;
-    intake::spawn_cancels(&ctx.client, tx.clone(), term.clone()).await?;
-    let (workers, last_revision) = registry::load_workers(&ctx.buckets.workers).await?;
+    tasks.watch(
+        "completions",
+        intake::spawn_completions(&ctx.js, tx.clone(), ctx.metrics.clone(), term.clone()).await?,
+    );
+    tasks.watch(
+        "cancellations",
+        intake::spawn_cancels(&ctx.client, tx.clone(), term.clone()).await?,
+    );
+    let (workers, last_revision) =
+        registry::load_workers(&ctx.buckets.workers, &ctx.metrics).await?;
     let mut reader = registry::EwmaReader::new(&c.redis_url, &c.redis_prefix)?;
     let redis = registry::refresh_once(&mut reader, &ctx.metrics).await;
     let settings = engine::EngineSettings {
@@ -234,20 +248,27 @@ async fn run_term(
     };
     let mut engine = engine::Engine::new(settings, publisher.clone(), ctx.metrics.clone(), fence);
     engine.load(workers, redis);
-    registry::spawn_watch(
-        ctx.buckets.workers.clone(),
-        last_revision + 1,
-        tx.clone(),
-        term.clone(),
+    tasks.watch(
+        "workers watch",
+        registry::spawn_watch(
+            ctx.buckets.workers.clone(),
+            last_revision + 1,
+            ctx.metrics.clone(),
+            tx.clone(),
+            term.clone(),
+        ),
     );
-    registry::spawn_ewma_refresher(
-        reader,
-        Duration::from_millis(c.ewma_refresh_ms),
-        ctx.metrics.clone(),
-        tx.clone(),
-        term.clone(),
+    tasks.watch(
+        "EWMA refresher",
+        registry::spawn_ewma_refresher(
+            reader,
+            Duration::from_millis(c.ewma_refresh_ms),
+            ctx.metrics.clone(),
+            tx.clone(),
+            term.clone(),
+        ),
     );
-    let consumer = intake::recreate_jobs_consumer(
+    let (consumer, takeover_seq) = intake::recreate_jobs_consumer(
         &ctx.js,
         Duration::from_millis(c.ack_wait_ms),
         c.max_ack_pending,
@@ -260,9 +281,30 @@ async fn run_term(
         epoch,
         policy: c.policy.as_str().to_string(),
     };
-    intake::spawn_jobs(consumer, c.job_limits, reject, tx, term.clone());
+    let seen_before = intake::SeenBefore {
+        decisions: ctx
+            .js
+            .get_stream(metronome_protocol::names::STREAM_DECISIONS)
+            .await
+            .map_err(|e| DispatcherError::Nats(format!("DECISIONS stream: {e}")))?,
+        takeover_seq,
+    };
+    tasks.watch(
+        "JOBS intake",
+        intake::spawn_jobs(
+            consumer,
+            c.job_limits,
+            reject,
+            seen_before,
+            tx,
+            term.clone(),
+        ),
+    );
     tracing::info!(epoch, dispatcher_id = %ctx.dispatcher_id, "leading: deciding");
     engine.run(rx, term).await;
     publisher.drain(Duration::from_secs(3)).await;
-    Ok(())
+    match tasks.failure() {
+        Some(why) => Err(DispatcherError::TaskDied(why)),
+        None => Ok(()),
+    }
 }

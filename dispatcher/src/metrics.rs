@@ -27,6 +27,16 @@ pub struct Metrics {
     pub publish_failures_total: AtomicU64,
     pub duplicate_assignments_total: AtomicU64,
     pub rescued_jobs_total: AtomicU64,
+    /// Internal tasks of a term (publisher, intake, watches) that died and ended the term.
+    pub term_task_failures_total: AtomicU64,
+    /// Heartbeats and completion events ignored because they could not be trusted
+    /// (malformed, or an id that is not a subject token).
+    pub ignored_worker_messages_total: AtomicU64,
+    /// Workers declared dead (heartbeat timeout or key removed).
+    pub workers_lost_total: AtomicU64,
+    /// Redelivered jobs acknowledged without a new assignment because a decision for them
+    /// was already stored.
+    pub redelivered_already_decided_total: AtomicU64,
     pub is_leader: AtomicU64,
     pub epoch: AtomicU64,
     pub ledger_reservations: AtomicU64,
@@ -114,6 +124,30 @@ impl Metrics {
             "metronome_dispatcher_rescued_jobs_total",
             "Jobs dispatched again after their worker died.",
             self.rescued_jobs_total.load(Relaxed),
+        );
+        counter(
+            &mut out,
+            "metronome_dispatcher_term_task_failures_total",
+            "Internal tasks of a leadership term that died; each ends the term.",
+            self.term_task_failures_total.load(Relaxed),
+        );
+        counter(
+            &mut out,
+            "metronome_dispatcher_ignored_worker_messages_total",
+            "Heartbeats and completion events ignored as malformed or with a bad id.",
+            self.ignored_worker_messages_total.load(Relaxed),
+        );
+        counter(
+            &mut out,
+            "metronome_dispatcher_workers_lost_total",
+            "Workers declared dead.",
+            self.workers_lost_total.load(Relaxed),
+        );
+        counter(
+            &mut out,
+            "metronome_dispatcher_redelivered_already_decided_total",
+            "Redelivered jobs acknowledged without assigning them again (a decision existed).",
+            self.redelivered_already_decided_total.load(Relaxed),
         );
         counter(
             &mut out,

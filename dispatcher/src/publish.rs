@@ -7,8 +7,12 @@
 //! - assigned: [`metronome_protocol::Assignment`] on `work.<worker>` (`Nats-Msg-Id` = job:attempt, epoch and
 //!   model headers) → PubAck → acknowledge the JOBS message → Decision on
 //!   `decisions.<job>` (`Nats-Msg-Id` = job:attempt).
-//! - a failed Assignment publish is reported back ([`Event::PublishFailed`]) so the engine
-//!   rolls the reservation back and puts the job back at its place; nothing else happens.
+//! - a failed Assignment publish (a NATS error, or a header that cannot be written) is
+//!   reported back ([`Event::PublishFailed`]) so the engine rolls the reservation back and
+//!   puts the job back at its place with the next attempt (or rejects it after
+//!   `max_attempts`); nothing else happens.
+//! - headers are built with [`metronome_protocol::headers::headers`], which reports a bad
+//!   value instead of panicking: nothing taken from a message can stop this task.
 //! - a PubAck flagged `duplicate` means an earlier leader already sent this attempt: the
 //!   engine drops the reservation ([`Event::AlreadyAssigned`]); the JOBS message is still
 //!   acknowledged and the Decision still published (its own msg-id drops it if the
@@ -26,7 +30,8 @@ use std::time::Duration;
 use async_nats::jetstream::message::{Acker, PublishMessage};
 use async_nats::jetstream::{self, context::PublishAckFuture};
 use bytes::Bytes;
-use metronome_protocol::names::{self, HEADER_EPOCH, HEADER_MODEL};
+use metronome_protocol::headers::headers;
+use metronome_protocol::names::{self, HEADER_EPOCH, HEADER_MODEL, HEADER_MSG_ID};
 use metronome_protocol::{Decision, ErrorCode, FinalResult, ResultError, Usage};
 use tokio::sync::mpsc;
 
@@ -80,15 +85,16 @@ pub struct Publisher {
 
 impl Publisher {
     /// Start the publisher task; events (rollbacks) go back to the engine on `events`.
+    /// The task's handle is for the term's supervisor ([`crate::supervise`]).
     pub fn start(
         js: jetstream::Context,
         client: async_nats::Client,
         events: mpsc::Sender<Event>,
         metrics: Arc<Metrics>,
-    ) -> Publisher {
+    ) -> (Publisher, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let in_flight = Arc::new(AtomicUsize::new(0));
-        tokio::spawn(publish_loop(
+        let handle = tokio::spawn(publish_loop(
             rx,
             js,
             client,
@@ -96,7 +102,7 @@ impl Publisher {
             metrics,
             in_flight.clone(),
         ));
-        Publisher { tx, in_flight }
+        (Publisher { tx, in_flight }, handle)
     }
 
     pub fn send(&self, outcome: Outcome) {
@@ -143,12 +149,23 @@ async fn publish_loop(
                     assigned_ms: decision.decided_ms,
                 };
                 let payload = Bytes::from(serde_json::to_vec(&assignment).unwrap_or_default());
-                let msg = PublishMessage::build()
-                    .payload(payload)
-                    .message_id(names::work_msg_id(&job.job.id, job.attempt))
-                    .header(HEADER_EPOCH, epoch.to_string().as_str())
-                    .header(HEADER_MODEL, job.job.model.as_str());
-                let work = js.send_publish(names::work_subject(&worker_id), msg).await;
+                let msg_id = names::work_msg_id(&job.job.id, job.attempt);
+                let epoch_text = epoch.to_string();
+                // A header that cannot be written fails this publish like a NATS error
+                // would (rolled back, counted as an attempt), never the publisher task.
+                let work = match headers([
+                    (HEADER_MSG_ID, msg_id.as_str()),
+                    (HEADER_EPOCH, epoch_text.as_str()),
+                    (HEADER_MODEL, job.job.model.as_str()),
+                ]) {
+                    Ok(h) => {
+                        let msg = PublishMessage::build().payload(payload).headers(h);
+                        js.send_publish(names::work_subject(&worker_id), msg)
+                            .await
+                            .map_err(|e| e.to_string())
+                    }
+                    Err(e) => Err(e.to_string()),
+                };
                 let decision_js = js.clone();
                 let events = events.clone();
                 let metrics = metrics.clone();
@@ -156,7 +173,7 @@ async fn publish_loop(
                 tokio::spawn(async move {
                     let acked = match work {
                         Ok(fut) => fut.await.map_err(|e| e.to_string()),
-                        Err(e) => Err(e.to_string()),
+                        Err(e) => Err(e),
                     };
                     let mut decision = decision;
                     match acked {
@@ -306,12 +323,20 @@ type Started = Result<PublishAckFuture, String>;
 
 async fn publish_decision_start(js: &jetstream::Context, decision: &Decision) -> Started {
     let payload = Bytes::from(serde_json::to_vec(decision).unwrap_or_default());
-    let mut msg = PublishMessage::build()
-        .payload(payload)
-        .message_id(names::decision_msg_id(&decision.job_id, decision.attempt));
+    let msg_id = names::decision_msg_id(&decision.job_id, decision.attempt);
+    let mut pairs = vec![(HEADER_MSG_ID, msg_id.as_str())];
     if let Some(model) = &decision.model {
-        msg = msg.header(HEADER_MODEL, model.as_str());
+        pairs.push((HEADER_MODEL, model.as_str()));
     }
+    let h = match headers(pairs) {
+        Ok(h) => h,
+        Err(error) => {
+            // The decision matters more than its model header (the body carries the model).
+            tracing::warn!(job_id = %decision.job_id, %error, "decision published without its model header");
+            headers([(HEADER_MSG_ID, msg_id.as_str())]).map_err(|e| e.to_string())?
+        }
+    };
+    let msg = PublishMessage::build().payload(payload).headers(h);
     js.send_publish(names::decision_subject(&decision.job_id), msg)
         .await
         .map_err(|e| e.to_string())
@@ -344,9 +369,9 @@ async fn publish_final_start(
         e2e_ms: None,
     };
     let payload = Bytes::from(serde_json::to_vec(&result).unwrap_or_default());
-    let msg = PublishMessage::build()
-        .payload(payload)
-        .message_id(format!("{job_id}:final"));
+    let msg_id = format!("{job_id}:final");
+    let h = headers([(HEADER_MSG_ID, msg_id.as_str())]).map_err(|e| e.to_string())?;
+    let msg = PublishMessage::build().payload(payload).headers(h);
     js.send_publish(names::result_final_subject(job_id), msg)
         .await
         .map_err(|e| e.to_string())

@@ -4,7 +4,15 @@
 //! The bucket is loaded whole before a leader decides anything (so "unknown model" is
 //! never said just because the registry was still empty), then followed with a watch
 //! that starts right after the loaded revision, so no update falls in between. A
-//! heartbeat that does not parse is logged with its reason and skipped.
+//! heartbeat that does not parse, or whose worker id is not a subject token (work for it
+//! would go to a subject no stream captures), is logged with its reason, counted and
+//! skipped.
+//!
+//! A heartbeat is aged by when *this* leader received it, never by the worker's own
+//! `sent_ms`: clocks differ between hosts, and a leader that takes over (or reconnects)
+//! before the agents' next beat must not declare live workers dead. A loaded heartbeat
+//! counts as received at load time; a worker that really died is declared dead one
+//! heartbeat timeout later, and its key leaves the bucket at the bucket's max age.
 //!
 //! Redis is read only (worker-agents write the EWMAs). The refresher re-reads every
 //! EWMA hash periodically; when Redis is down it keeps the last values, counts the error
@@ -17,6 +25,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::kv;
 use futures::StreamExt;
+use metronome_protocol::names::is_subject_token;
 use metronome_protocol::redis_keys::{self, ewma_pattern};
 use metronome_protocol::WorkerStatus;
 use metronome_scheduler::EwmaSnapshot;
@@ -40,7 +49,10 @@ pub enum WorkerUpdate {
 }
 
 /// Everything in the bucket now, and the revision to watch from.
-pub async fn load_workers(store: &kv::Store) -> Result<(Vec<WorkerUpdate>, u64), DispatcherError> {
+pub async fn load_workers(
+    store: &kv::Store,
+    metrics: &Metrics,
+) -> Result<(Vec<WorkerUpdate>, u64), DispatcherError> {
     let mut stream = store.stream.clone();
     let last = stream
         .info()
@@ -58,13 +70,10 @@ pub async fn load_workers(store: &kv::Store) -> Result<(Vec<WorkerUpdate>, u64),
         let Ok(key) = key else { continue };
         match store.entry(key.clone()).await {
             Ok(Some(entry)) if entry.operation == kv::Operation::Put => {
-                if let Some(status) = parse_status(&key, &entry.value) {
-                    // A loaded heartbeat is as old as the worker says (never in the future),
-                    // so a worker that died before this leader started looks stale at once.
-                    let seen_ms = status.sent_ms.min(now);
+                if let Some(status) = parse_status(&key, &entry.value, metrics) {
                     out.push(WorkerUpdate::Put {
                         status: Box::new(status),
-                        seen_ms,
+                        seen_ms: now,
                     });
                 }
             }
@@ -79,9 +88,10 @@ pub async fn load_workers(store: &kv::Store) -> Result<(Vec<WorkerUpdate>, u64),
 pub fn spawn_watch(
     store: kv::Store,
     from_revision: u64,
+    metrics: Arc<Metrics>,
     tx: mpsc::Sender<Event>,
     token: CancellationToken,
-) {
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut watch = match store.watch_all_from_revision(from_revision.max(1)).await {
             Ok(w) => w,
@@ -109,36 +119,50 @@ pub fn spawn_watch(
                 }
             };
             let update = match entry.operation {
-                kv::Operation::Put => match parse_status(&entry.key, &entry.value) {
+                kv::Operation::Put => match parse_status(&entry.key, &entry.value, &metrics) {
                     Some(status) => WorkerUpdate::Put {
                         status: Box::new(status),
                         seen_ms: metronome_protocol::time::unix_ms(),
                     },
                     None => continue,
                 },
-                kv::Operation::Delete | kv::Operation::Purge => WorkerUpdate::Gone {
-                    worker_id: entry.key.clone(),
-                },
+                kv::Operation::Delete | kv::Operation::Purge => {
+                    if !is_subject_token(&entry.key) {
+                        continue;
+                    }
+                    WorkerUpdate::Gone {
+                        worker_id: entry.key.clone(),
+                    }
+                }
             };
             if tx.send(Event::Worker(update)).await.is_err() {
                 return;
             }
         }
-    });
+    })
 }
 
-fn parse_status(key: &str, value: &[u8]) -> Option<WorkerStatus> {
-    match serde_json::from_slice::<WorkerStatus>(value) {
-        Ok(status) if status.worker_id == key => Some(status),
-        Ok(status) => {
-            tracing::warn!(key, worker_id = %status.worker_id, "heartbeat stored under another worker's key: ignored");
-            None
+/// The heartbeat stored under `key`, when it can be trusted; otherwise log why, count it,
+/// and ignore it.
+fn parse_status(key: &str, value: &[u8], metrics: &Metrics) -> Option<WorkerStatus> {
+    let reason = match serde_json::from_slice::<WorkerStatus>(value) {
+        Ok(status) if !is_subject_token(&status.worker_id) => {
+            "worker id is not a subject token (letters, digits, '-' and '_', at most 128)"
+                .to_string()
         }
-        Err(error) => {
-            tracing::warn!(key, %error, "malformed heartbeat in the workers bucket: ignored");
-            None
+        Ok(status) if metronome_protocol::check_model_name(&status.model).is_err() => {
+            "model name is empty, too long or has control characters".to_string()
         }
-    }
+        Ok(status) if status.worker_id != key => {
+            format!("stored under another worker's key ({:?})", status.worker_id)
+        }
+        Ok(status) => return Some(status),
+        Err(error) => format!("malformed: {error}"),
+    };
+    metrics.ignored_worker_messages_total.fetch_add(1, Relaxed);
+    let key: String = key.chars().take(160).collect();
+    tracing::warn!(key, reason, "heartbeat in the workers bucket ignored");
+    None
 }
 
 /// What one Redis read found.
@@ -296,7 +320,7 @@ pub fn spawn_ewma_refresher(
     metrics: Arc<Metrics>,
     tx: mpsc::Sender<Event>,
     token: CancellationToken,
-) {
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut interval = tokio::time::interval(period);
         interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -312,7 +336,7 @@ pub fn spawn_ewma_refresher(
                 }
             }
         }
-    });
+    })
 }
 
 #[cfg(test)]

@@ -31,10 +31,39 @@ async fn one_decision_per_job_with_every_term_and_every_reason() {
     for w in [&sick, &drain, &other, &tiny, &stale] {
         env.heartbeat(w).await;
     }
-    // Started after the heartbeats: the stale one is loaded with its own (old) time.
-    let (running, token) = env.dispatcher(env.config("decisions")).await;
+    // Heartbeats are aged by when the leader received them (never by the worker's own
+    // `sent_ms`), so "stale" goes stale by falling silent while the others keep beating.
+    let mut config = env.config("decisions");
+    config.scheduler.heartbeat_timeout_ms = 2_000;
+    let (running, token) = env.dispatcher(config).await;
     wait_for("workers loaded", WAIT, || async {
         (running.metrics.workers_known.load(Relaxed) == 8).then_some(())
+    })
+    .await;
+    let mut alive: Vec<metronome_protocol::WorkerStatus> = (0..3)
+        .map(|i| worker(&format!("ok-{i}"), "model-d", 10))
+        .collect();
+    alive.extend([sick.clone(), drain.clone(), other.clone(), tiny.clone()]);
+    let beating = tokio_util::sync::CancellationToken::new();
+    let beater = {
+        let (store, stop) = (env.workers.clone(), beating.clone());
+        tokio::spawn(async move {
+            loop {
+                for w in &mut alive {
+                    w.seq += 1;
+                    w.sent_ms = metronome_protocol::time::unix_ms();
+                    let body = serde_json::to_vec(&*w).unwrap();
+                    store.put(w.worker_id.as_str(), body.into()).await.unwrap();
+                }
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
+                }
+            }
+        })
+    };
+    wait_for("the silent worker declared dead", WAIT, || async {
+        (running.metrics.workers_lost_total.load(Relaxed) >= 1).then_some(())
     })
     .await;
 
@@ -107,6 +136,8 @@ async fn one_decision_per_job_with_every_term_and_every_reason() {
         }
     }
     assert_eq!(work, ids.len());
+    beating.cancel();
+    beater.await.unwrap();
     token.cancel();
     running.join().await.unwrap();
 }
@@ -252,18 +283,26 @@ async fn an_attempt_an_earlier_leader_already_sent_is_not_sent_twice() {
     env.workers("p", 2, "model-p", 4).await;
     leftover_assignment(&env, "dup-1", "p-1", false).await;
     leftover_assignment(&env, "dup-2", "p-1", true).await;
-    // The new leader reads both jobs (unacknowledged) and decides them again.
+    // The new leader reads both jobs (unacknowledged). dup-2's decision is stored: it is
+    // acknowledged without deciding it again. dup-1 has none: it is decided again, and the
+    // WORK stream's msg-id reports its Assignment as a duplicate.
     let (running, token) = env.dispatcher(env.config("new-leader")).await;
     let d = env
         .decisions_for(&["dup-1".to_string(), "dup-2".to_string()])
         .await;
-    // dup-2's record is the old leader's: the new one was dropped by its msg-id.
     assert_eq!(d["dup-2"].dispatcher_id, "old-leader");
     assert_eq!(d["dup-1"].outcome, Outcome::Assigned);
-    wait_for("both duplicates noticed", WAIT, || async {
-        (running.metrics.duplicate_assignments_total.load(Relaxed) == 2).then_some(())
+    wait_for("the duplicate noticed", WAIT, || async {
+        (running.metrics.duplicate_assignments_total.load(Relaxed) == 1).then_some(())
     })
     .await;
+    assert_eq!(
+        running
+            .metrics
+            .redelivered_already_decided_total
+            .load(Relaxed),
+        1
+    );
     wait_for("reservations rolled back", WAIT, || async {
         (running.metrics.ledger_reservations.load(Relaxed) == 0).then_some(())
     })

@@ -149,3 +149,64 @@ async fn malformed_jobs_are_rejected_with_reasons_and_dispatching_continues() {
     token.cancel();
     running.join().await.unwrap();
 }
+
+/// A model name with CR/LF used to pass validation; the publisher then built a NATS header
+/// from it, async-nats panicked, the publisher task died and every later outcome was
+/// dropped while the leader kept its lease. Now it is rejected with its reason, and the
+/// same leader goes on assigning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_with_cr_lf_is_rejected_and_the_same_leader_keeps_assigning() {
+    let env = Env::start().await;
+    let (running, token) = env.dispatcher(env.config("crlf")).await;
+    let epoch = running
+        .metrics
+        .epoch
+        .load(std::sync::atomic::Ordering::Relaxed);
+    env.workers("c", 1, "model-c", 8).await;
+
+    // Straight to NATS, as any client could.
+    env.submit_raw("c-bad", job_json("c-bad", "a\r\nb", 10, 10))
+        .await;
+    let mut long = job_json("c-long", "model-c", 10, 10);
+    long["model"] = json!("m".repeat(300));
+    env.submit_raw("c-long", long).await;
+    env.submit("c-ok", "model-c", 10, 10).await;
+
+    let ids = [
+        "c-bad".to_string(),
+        "c-long".to_string(),
+        "c-ok".to_string(),
+    ];
+    let decisions = env.decisions_for(&ids).await;
+    let bad = &decisions["c-bad"];
+    assert_eq!(bad.outcome, Outcome::Rejected, "{bad:?}");
+    assert_eq!(bad.reason_code.as_deref(), Some("model_control_char"));
+    assert!(
+        bad.reason
+            .as_deref()
+            .is_some_and(|r| r.contains("control character")),
+        "{:?}",
+        bad.reason
+    );
+    let fin = metronome_testkit::wait_for("final result", WAIT, || env.final_result("c-bad")).await;
+    assert_eq!(fin.error.expect("error").code, ErrorCode::InvalidJob);
+    assert_eq!(
+        decisions["c-long"].reason_code.as_deref(),
+        Some("model_too_long")
+    );
+
+    let ok = &decisions["c-ok"];
+    assert_eq!(ok.outcome, Outcome::Assigned, "{ok:?}");
+    assert_eq!(ok.dispatcher_id, "crlf");
+    assert_eq!(ok.epoch, epoch, "the same term assigned it");
+    assert_eq!(env.take_work("c-0").await.len(), 1);
+    let m = &running.metrics;
+    assert_eq!(m.is_leader.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert_eq!(
+        m.term_task_failures_total
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    token.cancel();
+    running.join().await.unwrap();
+}

@@ -70,7 +70,13 @@ pub fn parse_request(
         ));
     };
     let model = match object.get("model") {
-        Some(Value::String(m)) if !m.trim().is_empty() => m.clone(),
+        Some(Value::String(m)) if !m.trim().is_empty() => {
+            // Control characters or an unbounded length are refused here with the same
+            // rule the dispatcher applies, before the name reaches a header or a log.
+            metronome_protocol::check_model_name(m)
+                .map_err(|e| ApiError::invalid_field("model", e.to_string()))?;
+            m.clone()
+        }
         Some(Value::String(_)) => {
             return Err(ApiError::invalid_field(
                 "model",
@@ -308,6 +314,16 @@ mod tests {
         assert_eq!(text_tokens("abcde"), 2);
         // Characters, not bytes: four two-byte characters are one token.
         assert_eq!(text_tokens("éééé"), 1);
+    }
+
+    #[test]
+    fn a_model_name_with_control_characters_or_too_long_is_refused() {
+        for model in ["a\r\nb".to_string(), "a\u{0}b".to_string(), "m".repeat(257)] {
+            let err = chat(json!({"model": model, "messages": [{"role": "user", "content": "x"}]}))
+                .expect_err("refused");
+            assert_eq!(err.status, axum::http::StatusCode::BAD_REQUEST, "{model:?}");
+            assert_eq!(err.param.as_deref(), Some("model"));
+        }
     }
 
     #[test]

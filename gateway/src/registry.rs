@@ -108,7 +108,17 @@ impl Registry {
             u64::try_from(entry.created.unix_timestamp_nanos() / 1_000_000).unwrap_or(0);
         match entry.operation {
             kv::Operation::Put => match serde_json::from_slice::<WorkerStatus>(&entry.value) {
-                Ok(status) => self.apply(&entry.key, Some(&status), updated_ms),
+                Ok(status) => match untrusted(&entry.key, &status) {
+                    None => self.apply(&entry.key, Some(&status), updated_ms),
+                    Some(reason) => {
+                        metrics.malformed_message("workers_bucket");
+                        tracing::warn!(
+                            revision = entry.revision,
+                            reason,
+                            "ignoring a worker status in the workers bucket"
+                        );
+                    }
+                },
                 Err(error) => {
                     metrics.malformed_message("workers_bucket");
                     tracing::warn!(
@@ -165,6 +175,21 @@ impl Registry {
     }
 }
 
+/// Why a stored heartbeat cannot be trusted, if it cannot (the same rules as the
+/// dispatcher's: a subject-token id matching its key, a printable model name).
+fn untrusted(key: &str, status: &WorkerStatus) -> Option<&'static str> {
+    if !metronome_protocol::names::is_subject_token(&status.worker_id) {
+        return Some("worker id is not a subject token");
+    }
+    if status.worker_id != key {
+        return Some("stored under another worker's key");
+    }
+    if metronome_protocol::check_model_name(&status.model).is_err() {
+        return Some("model name is empty, too long or has control characters");
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -184,6 +209,8 @@ mod tests {
             in_flight: vec![],
             kv: None,
             gpu: None,
+            prefill_pending_tokens: 0,
+            perf: None,
             seq: 1,
             sent_ms: 0,
         }
@@ -230,5 +257,13 @@ mod tests {
         r.apply("w0", Some(&status("w0", "b")), 2_000);
         assert!(!r.serves("a", 2_000));
         assert!(r.serves("b", 2_000));
+    }
+
+    #[test]
+    fn untrusted_heartbeats_are_recognised() {
+        assert_eq!(untrusted("n1-gpu0", &status("n1-gpu0", "org/model")), None);
+        assert!(untrusted("bad.id", &status("bad.id", "m")).is_some());
+        assert!(untrusted("n1-gpu0", &status("n1-gpu1", "m")).is_some());
+        assert!(untrusted("n1-gpu0", &status("n1-gpu0", "a\r\nb")).is_some());
     }
 }

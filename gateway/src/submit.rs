@@ -155,9 +155,11 @@ impl Submission {
         let decisions = subscribe(decision_subject(&job.id)).await?;
         let payload = serde_json::to_vec(job)
             .map_err(|e| ApiError::internal(format!("cannot encode the job: {e}")))?;
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert(HEADER_MSG_ID, job.id.as_str());
-        headers.insert(HEADER_MODEL, job.model.as_str());
+        let headers = metronome_protocol::headers::headers([
+            (HEADER_MSG_ID, job.id.as_str()),
+            (HEADER_MODEL, job.model.as_str()),
+        ])
+        .map_err(|e| ApiError::invalid_field("model", e.to_string()))?;
         let publish = async {
             state
                 .js

@@ -96,6 +96,10 @@ pub enum JobError {
     BadId(String),
     #[error("job has an empty model name")]
     EmptyModel,
+    #[error("model name contains a control character (U+{code:04X} at byte {at}); model names are printable text")]
+    ModelControlChar { code: u32, at: usize },
+    #[error("model name is {len} bytes, longer than the limit of {limit} bytes")]
+    ModelTooLong { len: usize, limit: usize },
     #[error("job asks for max_tokens = 0")]
     ZeroMaxTokens,
     #[error("job needs {total} tokens (prompt + max_tokens), more than the limit of {limit}")]
@@ -115,12 +119,40 @@ impl JobError {
             JobError::UnsupportedVersion(_) => "unsupported_version",
             JobError::BadId(_) => "bad_job_id",
             JobError::EmptyModel => "empty_model",
+            JobError::ModelControlChar { .. } => "model_control_char",
+            JobError::ModelTooLong { .. } => "model_too_long",
             JobError::ZeroMaxTokens => "zero_max_tokens",
             JobError::TooManyTokens { .. } => "too_many_tokens",
             JobError::RequestNotObject => "request_not_object",
             JobError::BadSlo(_) => "bad_slo",
         }
     }
+}
+
+/// Longest accepted model name, in bytes.
+pub const MAX_MODEL_NAME_BYTES: usize = 256;
+
+/// A model name travels in a NATS header ([`crate::names::HEADER_MODEL`]) and in logs: it
+/// must be non-empty printable text of bounded length. A CR or LF in a header value makes
+/// the NATS client refuse the message (older clients panic), so one hostile job could
+/// otherwise stop whoever builds that header.
+pub fn check_model_name(model: &str) -> Result<(), JobError> {
+    if model.trim().is_empty() {
+        return Err(JobError::EmptyModel);
+    }
+    if model.len() > MAX_MODEL_NAME_BYTES {
+        return Err(JobError::ModelTooLong {
+            len: model.len(),
+            limit: MAX_MODEL_NAME_BYTES,
+        });
+    }
+    if let Some((at, c)) = model.char_indices().find(|(_, c)| c.is_control()) {
+        return Err(JobError::ModelControlChar {
+            code: u32::from(c),
+            at,
+        });
+    }
+    Ok(())
 }
 
 impl Job {
@@ -146,9 +178,7 @@ impl Job {
         if !is_subject_token(&self.id) {
             return Err(JobError::BadId(self.id.clone()));
         }
-        if self.model.trim().is_empty() {
-            return Err(JobError::EmptyModel);
-        }
+        check_model_name(&self.model)?;
         if self.max_tokens == 0 {
             return Err(JobError::ZeroMaxTokens);
         }
@@ -264,6 +294,30 @@ mod tests {
                     v
                 },
                 "empty_model",
+            ),
+            (
+                {
+                    let mut v = job_json();
+                    v["model"] = json!("a\r\nb");
+                    v
+                },
+                "model_control_char",
+            ),
+            (
+                {
+                    let mut v = job_json();
+                    v["model"] = json!("tab\there");
+                    v
+                },
+                "model_control_char",
+            ),
+            (
+                {
+                    let mut v = job_json();
+                    v["model"] = json!("m".repeat(MAX_MODEL_NAME_BYTES + 1));
+                    v
+                },
+                "model_too_long",
             ),
             (
                 {

@@ -9,6 +9,8 @@
 pub mod assignment;
 pub mod decision;
 pub mod event;
+#[cfg(feature = "nats")]
+pub mod headers;
 pub mod job;
 pub mod names;
 pub mod perf;
@@ -24,7 +26,7 @@ pub use decision::{
     CandidateScore, Decision, Outcome, Rejection, RejectionCode, TermName, TermScore,
 };
 pub use event::{CompletionEvent, CompletionOutcome};
-pub use job::{Endpoint, Job, JobError, JobLimits};
+pub use job::{check_model_name, Endpoint, Job, JobError, JobLimits};
 pub use perf::{PerfCoefficients, Prediction, Slo, SloRequest};
 pub use result::{ErrorCode, FinalResult, ResultChunk, ResultError, Usage};
 pub use worker::{GpuStats, KvUsage, WorkerStatus};

@@ -240,6 +240,8 @@ impl Config {
                 "model",
                 "must name the model the model server has loaded".into(),
             );
+        } else if let Err(e) = metronome_protocol::check_model_name(&self.model) {
+            err("model", e.to_string());
         }
         match reqwest::Url::parse(&self.model_server_url) {
             Ok(u) if u.scheme() == "http" || u.scheme() == "https" => {}

@@ -9,10 +9,14 @@
 //! from the server's own metrics when it exports them (they include requests the agent did
 //! not send), else from the agent's count. `healthy` means the model server answered its
 //! health endpoint within the probe timeout.
+//!
+//! The heartbeat never waits for a probe: the probes run in their own loops
+//! ([`crate::probe`]) and a heartbeat sends the latest results they stored, so a model server
+//! slow to answer `/metrics` (or a stalled NVML) cannot delay heartbeats past the
+//! dispatcher's death timeout.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 
 use async_nats::jetstream::kv;
 use metronome_protocol::names::heartbeat_subject;
@@ -21,43 +25,25 @@ use metronome_protocol::{WorkerStatus, PROTOCOL_VERSION};
 use tokio_util::sync::CancellationToken;
 
 use crate::agent::Shared;
-use crate::gpu_probe::GpuProbe;
-use crate::metrics_scrape::{scrape, ServerLoad};
+use crate::probe::{ProbeCache, Probed};
 
 /// Builds and sends heartbeats.
 pub(crate) struct Heartbeat {
     pub shared: Arc<Shared>,
     pub bucket: kv::Store,
-    pub gpu: Arc<dyn GpuProbe>,
+    /// Latest probe results, kept fresh by [`crate::probe::spawn`].
+    pub probes: Arc<ProbeCache>,
     pub seq: u64,
     /// `accepted_generation` covered by the status being built.
     pub generation: u64,
 }
 
-const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
-
 impl Heartbeat {
-    /// Read the model server and the GPU, and build the status.
+    /// Build the status from the latest probe results and the agent's own state.
     pub async fn build(&mut self) -> WorkerStatus {
         let shared = &self.shared;
         let cfg = &shared.config;
-        let (health, metrics) = tokio::join!(
-            tokio::time::timeout(PROBE_TIMEOUT, shared.model.health()),
-            tokio::time::timeout(PROBE_TIMEOUT, shared.model.metrics()),
-        );
-        let healthy = matches!(health, Ok(Ok(())));
-        let load = match metrics {
-            Ok(Ok(text)) => scrape(cfg.model_server_kind, &text),
-            _ => {
-                shared.metrics.metrics_scrape_errors.inc();
-                ServerLoad::default()
-            }
-        };
-        let gpu_probe = self.gpu.clone();
-        let gpu = tokio::task::spawn_blocking(move || gpu_probe.sample())
-            .await
-            .ok()
-            .flatten();
+        let Probed { healthy, load, gpu } = self.probes.latest();
         // Read before the job list: every job accepted up to this generation is in it.
         self.generation = shared.accepted_generation.load(Ordering::SeqCst);
         let in_flight = shared.in_flight_ids();

@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod metrics_scrape;
 pub mod model_client;
 pub mod perf_store;
+mod probe;
 pub mod runner;
 
 use std::collections::BTreeMap;
@@ -213,10 +214,14 @@ pub async fn start(
             .unwrap_or(0),
         _ => 0,
     };
+    let probes = Arc::new(probe::ProbeCache::default());
+    probe::probe_once(&shared, &deps.gpu, &probes).await;
+    let probe_stop = CancellationToken::new();
+    let probe_task = probe::spawn(shared.clone(), deps.gpu, probes.clone(), probe_stop.clone());
     let mut hb = Heartbeat {
         shared: shared.clone(),
         bucket: buckets.workers,
-        gpu: deps.gpu,
+        probes,
         seq: last_seq,
         generation: 0,
     };
@@ -266,6 +271,8 @@ pub async fn start(
             hb.beat().await;
             hb.withdraw().await;
         }
+        probe_stop.cancel();
+        let _ = probe_task.await;
         cancel_stop.cancel();
         let _ = cancel_task.await;
         metrics_stop.cancel();

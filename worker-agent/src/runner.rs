@@ -289,9 +289,26 @@ pub(crate) async fn publish_js<T: serde::Serialize>(
             return false;
         }
     };
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert(HEADER_MSG_ID, msg_id);
-    headers.insert(HEADER_MODEL, model);
+    // The model comes from the assignment: a value that cannot be a header (CR/LF) must
+    // not panic the job's task, and the message still matters more than that header (the
+    // body carries the model too), so it goes without it.
+    let headers = match metronome_protocol::headers::headers([
+        (HEADER_MSG_ID, msg_id),
+        (HEADER_MODEL, model),
+    ]) {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::warn!(error = %e, %subject, "publishing without the model header");
+            match metronome_protocol::headers::headers([(HEADER_MSG_ID, msg_id)]) {
+                Ok(h) => h,
+                Err(e) => {
+                    shared.metrics.nats_publish_errors.inc();
+                    tracing::error!(error = %e, %subject, "cannot build the message headers");
+                    return false;
+                }
+            }
+        }
+    };
     for attempt in 1..=5u32 {
         let result = match shared
             .js

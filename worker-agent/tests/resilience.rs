@@ -12,6 +12,7 @@ use metronome_protocol::names::{
 };
 use metronome_protocol::{CompletionEvent, CompletionOutcome, Endpoint, ErrorCode, FinalResult};
 use metronome_testkit::wait_for;
+use tokio_util::sync::CancellationToken;
 
 fn final_in(list: &std::sync::Mutex<Vec<async_nats::Message>>) -> Option<FinalResult> {
     list.lock()
@@ -202,4 +203,133 @@ async fn a_restarted_agent_continues_the_heartbeat_sequence() {
     );
     shutdown.cancel();
     agent.wait().await.unwrap();
+}
+
+/// An assignment whose job has a CR/LF in its model (a hostile or buggy publisher on
+/// `work.<id>`) used to run, then panic the job's task when its final result's model header
+/// was built. It is refused with the reason, and the agent keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_assignment_with_a_cr_lf_model_fails_with_its_reason_and_the_agent_keeps_serving() {
+    let env = Env::start().await;
+    let worker = "r-gpu7";
+    let bad_results = collect(
+        env.client
+            .subscribe(results_subject_all("job-crlf"))
+            .await
+            .unwrap(),
+    );
+    let ok_results = collect(
+        env.client
+            .subscribe(results_subject_all("job-fine"))
+            .await
+            .unwrap(),
+    );
+    env.client.flush().await.unwrap();
+    let (agent, shutdown) = env.start_agent(env.config(worker)).await;
+
+    let mut bad = job("job-crlf", Endpoint::Chat, 3, 0);
+    bad.model = "a\r\nb".into();
+    env.assign(worker, &bad, 1).await;
+    env.assign(worker, &job("job-fine", Endpoint::Completion, 3, 0), 1)
+        .await;
+
+    let fin = wait_for("final result of the bad job", WAIT, || async {
+        final_in(&bad_results)
+    })
+    .await;
+    let error = fin.error.expect("an error result");
+    assert_eq!(error.code, ErrorCode::InvalidJob);
+    assert!(error.message.contains("control character"), "{error:?}");
+    let fin = wait_for("final result of the good job", WAIT, || async {
+        final_in(&ok_results)
+    })
+    .await;
+    assert!(fin.error.is_none(), "{fin:?}");
+    assert_eq!(env.stub.stats.requests.load(Ordering::SeqCst), 1);
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+}
+
+/// What a model server whose `/metrics` never answers has seen.
+#[derive(Default)]
+struct HangingStats {
+    metrics_requests: std::sync::atomic::AtomicU64,
+}
+
+/// A model server that answers `/health` but never `/metrics` (as a server stuck in a long
+/// prefill can). Dropped with the test.
+async fn hanging_metrics_server() -> (String, std::sync::Arc<HangingStats>, CancellationToken) {
+    use axum::routing::get;
+    let stats = std::sync::Arc::new(HangingStats::default());
+    let s = stats.clone();
+    let app = axum::Router::new()
+        .route("/health", get(|| async { "ok" }))
+        .route(
+            "/metrics",
+            get(move || {
+                let s = s.clone();
+                async move {
+                    s.metrics_requests.fetch_add(1, Ordering::SeqCst);
+                    std::future::pending::<String>().await
+                }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move { s.cancelled().await })
+            .await
+            .unwrap();
+    });
+    (url, stats, stop)
+}
+
+/// Heartbeats used to wait for the metrics probe (up to its 2 s timeout) before each put,
+/// against a 3 s death timeout. Now the probes run on their own and a heartbeat sends the
+/// latest results at once: many heartbeats go out per (hanging) metrics request, where
+/// before each heartbeat needed one request to time out first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_do_not_wait_for_a_hanging_metrics_endpoint() {
+    let env = Env::start().await;
+    let worker = "r-gpu8";
+    let (url, stats, stop) = hanging_metrics_server().await;
+    let beats = collect(
+        env.client
+            .subscribe(metronome_protocol::names::heartbeat_subject(worker))
+            .await
+            .unwrap(),
+    );
+    env.client.flush().await.unwrap();
+    let mut config = env.config(worker);
+    config.model_server_url = url;
+    let (agent, shutdown) = env.start_agent(config).await;
+
+    let heartbeats = 6;
+    let seen: Vec<metronome_protocol::WorkerStatus> =
+        wait_for("heartbeats while /metrics hangs", WAIT, || async {
+            let list = beats.lock().unwrap();
+            (list.len() >= heartbeats).then(|| {
+                list.iter()
+                    .map(|m| serde_json::from_slice(&m.payload).unwrap())
+                    .collect()
+            })
+        })
+        .await;
+    let requests = stats.metrics_requests.load(Ordering::SeqCst);
+    assert!(
+        requests < heartbeats as u64,
+        "{} heartbeats needed {requests} metrics requests: heartbeats waited for the probe",
+        seen.len()
+    );
+    for s in &seen {
+        assert!(s.healthy, "health answers, so the worker is healthy: {s:?}");
+        assert_eq!(s.kv, None, "no metrics, no KV figure");
+    }
+    assert!(seen.windows(2).all(|w| w[0].seq < w[1].seq));
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+    stop.cancel();
 }

@@ -347,6 +347,8 @@ pub fn worker(id: &str, model: &str, cap: u32) -> WorkerStatus {
             capacity_tokens: Some(1_000_000),
         }),
         gpu: None,
+        prefill_pending_tokens: 0,
+        perf: None,
         seq: 1,
         sent_ms: metronome_protocol::time::unix_ms(),
     }

@@ -112,6 +112,8 @@ impl Harness {
             in_flight: vec![],
             kv: None,
             gpu: None,
+            prefill_pending_tokens: 0,
+            perf: None,
             seq: 1,
             sent_ms: metronome_protocol::time::unix_ms(),
         };

@@ -1,0 +1,247 @@
+//! Failure paths of the leader against real servers: heartbeats aged by this leader's
+//! receipt (not the worker's clock), untrusted worker ids, publish failures that count as
+//! attempts, and redelivered jobs that an earlier leader already decided.
+
+mod common;
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use common::*;
+use metronome_protocol::names;
+use metronome_protocol::{CompletionEvent, CompletionOutcome, Decision, ErrorCode, Outcome};
+use metronome_testkit::wait_for;
+use tokio_util::sync::CancellationToken;
+
+/// A worker whose clock lags 5 s behind (its `sent_ms` is 5 s old on arrival) but whose
+/// heartbeats keep coming is alive: a leader taking over must not declare it dead (that
+/// used to fail its running job with `worker_lost` and purge its work).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_clock_lags_stays_alive_across_a_takeover_and_gets_work() {
+    let env = Env::start().await;
+    let lag_ms = 5_000;
+    let mut status = worker("lag-0", "model-l", 4);
+    status.sent_ms = metronome_protocol::time::unix_ms() - lag_ms;
+    status.in_flight = vec!["l-running".into()];
+    status.active = 1;
+    env.work_consumer("lag-0").await;
+    env.heartbeat(&status).await;
+
+    let mut config = env.config("lag");
+    config.scheduler.heartbeat_timeout_ms = 3_000;
+    let (running, token) = env.dispatcher(config).await;
+    let metrics = running.metrics.clone();
+    wait_for("the worker loaded", WAIT, || {
+        let m = metrics.clone();
+        async move { (m.workers_known.load(Relaxed) == 1).then_some(()) }
+    })
+    .await;
+
+    // The worker keeps beating, every beat stamped by its lagging clock.
+    let beating = CancellationToken::new();
+    let beater = {
+        let (workers, stop, mut status) = (env.workers.clone(), beating.clone(), status.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_millis(300)) => {}
+                }
+                status.seq += 1;
+                status.sent_ms = metronome_protocol::time::unix_ms() - lag_ms;
+                let body = serde_json::to_vec(&status).unwrap();
+                workers.put("lag-0", body.into()).await.unwrap();
+            }
+        })
+    };
+
+    env.submit("l-new", "model-l", 10, 10).await;
+    let d = env.decisions_for(&["l-new".to_string()]).await;
+    assert_eq!(d["l-new"].outcome, Outcome::Assigned, "{:?}", d["l-new"]);
+    assert_eq!(d["l-new"].worker_id.as_deref(), Some("lag-0"));
+    let work = env.take_work("lag-0").await;
+    assert_eq!(work.len(), 1);
+    assert_eq!(work[0].0.job.id, "l-new");
+    assert_eq!(metrics.workers_lost_total.load(Relaxed), 0);
+    assert!(
+        env.final_result("l-running").await.is_none(),
+        "the running job was failed as lost"
+    );
+    beating.cancel();
+    beater.await.unwrap();
+    token.cancel();
+    running.join().await.unwrap();
+}
+
+/// A heartbeat whose worker id is not a subject token would route work to `work.bad.id`,
+/// which no stream captures: the job used to cycle forever with the same attempt. The
+/// heartbeat is ignored (and counted), as is a completion event forged for another worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_and_events_with_untrusted_ids_are_ignored() {
+    let env = Env::start().await;
+    // Valid as a KV key, not as a subject token.
+    env.heartbeat(&worker("bad.id", "model-b", 4)).await;
+    let (running, token) = env.dispatcher(env.config("ids")).await;
+    let metrics = running.metrics.clone();
+    wait_for("the bad heartbeat ignored", WAIT, || {
+        let m = metrics.clone();
+        async move { (m.ignored_worker_messages_total.load(Relaxed) == 1).then_some(()) }
+    })
+    .await;
+
+    env.submit("b-1", "model-b", 10, 10).await;
+    let d = env.decisions_for(&["b-1".to_string()]).await;
+    assert_eq!(d["b-1"].outcome, Outcome::Rejected, "{:?}", d["b-1"]);
+    assert_eq!(d["b-1"].reason_code.as_deref(), Some("unknown_model"));
+
+    // A completion event on one worker's subject naming another worker.
+    let forged = CompletionEvent {
+        v: 1,
+        job_id: "b-2".into(),
+        worker_id: "victim-0".into(),
+        model: "model-b".into(),
+        epoch: 1,
+        attempt: 1,
+        outcome: CompletionOutcome::Done,
+        streamed: true,
+        error: None,
+        prompt_tokens: 1,
+        output_tokens: 1,
+        ttft_ms: None,
+        tpot_ms: None,
+        e2e_ms: 1.0,
+        finished_ms: 0,
+    };
+    env.js
+        .publish(
+            names::event_done_subject("attacker-0"),
+            serde_json::to_vec(&forged).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    wait_for("the forged event ignored", WAIT, || {
+        let m = metrics.clone();
+        async move { (m.ignored_worker_messages_total.load(Relaxed) == 2).then_some(()) }
+    })
+    .await;
+    token.cancel();
+    running.join().await.unwrap();
+}
+
+/// An Assignment that cannot be published is an attempt: after `max_attempts` the job gets
+/// a rejected decision instead of cycling forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_assignment_publishes_count_as_attempts() {
+    let env = Env::start().await;
+    env.workers("p", 1, "model-p", 8).await;
+    let mut config = env.config("attempts");
+    config.max_attempts = 3;
+    let (running, token) = env.dispatcher(config).await;
+    // No stream captures work.* any more: every Assignment publish fails.
+    env.js.delete_stream(names::STREAM_WORK).await.unwrap();
+
+    env.submit("p-1", "model-p", 10, 10).await;
+    let d = env.decisions_for(&["p-1".to_string()]).await;
+    let d = &d["p-1"];
+    assert_eq!(d.outcome, Outcome::Rejected, "{d:?}");
+    assert_eq!(d.reason_code.as_deref(), Some("max_attempts"));
+    assert!(
+        d.reason
+            .as_deref()
+            .is_some_and(|r| r.contains("publishing")),
+        "{:?}",
+        d.reason
+    );
+    let fin = wait_for("final result", WAIT, || env.final_result("p-1")).await;
+    assert_eq!(fin.error.expect("error").code, ErrorCode::WorkerFailed);
+    assert_eq!(running.metrics.publish_failures_total.load(Relaxed), 3);
+    token.cancel();
+    running.join().await.unwrap();
+}
+
+fn stored_decision(job_id: &str, outcome: Outcome) -> Decision {
+    Decision {
+        v: 1,
+        job_id: job_id.into(),
+        model: Some("model-d".into()),
+        outcome,
+        attempt: 1,
+        reason: None,
+        reason_code: None,
+        worker_id: (outcome == Outcome::Assigned).then(|| "d-0".to_string()),
+        cost: None,
+        candidates: Vec::new(),
+        rejected: Vec::new(),
+        slo: None,
+        policy: "metronome".into(),
+        queue_wait_ms: 0,
+        decision_latency_us: 0,
+        epoch: 1,
+        dispatcher_id: "earlier".into(),
+        decided_ms: metronome_protocol::time::unix_ms(),
+    }
+}
+
+/// JOBS redelivers after 300 s but de-duplicates for 120 s, so a lost ack (or a restart
+/// after two minutes) brings back a job an earlier leader already decided. It is
+/// acknowledged without a second assignment; other jobs flow as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivered_job_with_a_stored_decision_is_not_assigned_again() {
+    let env = Env::start().await;
+    env.workers("d", 1, "model-d", 8).await;
+    // What an earlier leader left: its decisions stored, the JOBS messages not acknowledged.
+    for (id, outcome) in [("d-done", Outcome::Assigned), ("d-rej", Outcome::Rejected)] {
+        let decision = stored_decision(id, outcome);
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(names::HEADER_MSG_ID, names::decision_msg_id(id, 1).as_str());
+        env.js
+            .publish_with_headers(
+                names::decision_subject(id),
+                headers,
+                serde_json::to_vec(&decision).unwrap().into(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        env.submit(id, "model-d", 10, 10).await;
+    }
+    // A job no one decided yet, stored before the takeover too.
+    env.submit("d-pending", "model-d", 10, 10).await;
+
+    let (running, token) = env.dispatcher(env.config("dedup")).await;
+    env.submit("d-new", "model-d", 10, 10).await;
+    let ids = ["d-pending".to_string(), "d-new".to_string()];
+    let d = env.decisions_for(&ids).await;
+    for id in &ids {
+        assert_eq!(d[id].outcome, Outcome::Assigned, "{id}: {:?}", d[id]);
+    }
+    wait_for("JOBS drained", WAIT, || async {
+        let mut s = env.js.get_stream(names::STREAM_JOBS).await.unwrap();
+        (s.info().await.unwrap().state.messages == 0).then_some(())
+    })
+    .await;
+    let mut assigned: Vec<String> = env
+        .take_work("d-0")
+        .await
+        .into_iter()
+        .map(|(a, _)| a.job.id)
+        .collect();
+    assigned.sort();
+    assert_eq!(assigned, ["d-new", "d-pending"]);
+    for id in ["d-done", "d-rej"] {
+        let d = env.decision(id).await.expect("stored decision");
+        assert_eq!(d.dispatcher_id, "earlier", "{id} was decided again: {d:?}");
+    }
+    assert_eq!(
+        running
+            .metrics
+            .redelivered_already_decided_total
+            .load(Relaxed),
+        2
+    );
+    token.cancel();
+    running.join().await.unwrap();
+}
