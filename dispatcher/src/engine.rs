@@ -26,6 +26,7 @@ use async_nats::jetstream::AckKind;
 use metronome_protocol::{
     CompletionEvent, CompletionOutcome, Decision, ErrorCode, Job, Outcome, WorkerStatus,
 };
+use metronome_scheduler::least_harm;
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
 use metronome_scheduler::{
     EwmaSnapshot, JobProfile, JobRequest, Ledger, SchedulerConfig, WorkerView,
@@ -654,7 +655,7 @@ impl Engine {
                 &self.per_model[model]
             };
             let other_models = self.workers.len() - workers.len();
-            let evaluation = choose(
+            let mut evaluation = choose(
                 self.s.policy,
                 &mut self.policy_state,
                 &request,
@@ -663,6 +664,30 @@ impl Engine {
                 &self.s.scheduler,
                 now,
             );
+            let mut least_harm_note = None;
+            if evaluation.winner.is_none() && self.s.policy == PolicyKind::Metronome {
+                // No worker admits it without a predicted miss. Wait while waiting can
+                // still pay off; at the last moment its predicted TTFT still fits its
+                // budget (the next look may come a tick later), place it where it does
+                // least harm.
+                if let Some(remaining) = request.ttft_remaining_ms {
+                    let fallback =
+                        least_harm(&request, workers, &self.ledger, &self.s.scheduler, now);
+                    let ttft = fallback
+                        .candidates
+                        .first()
+                        .filter(|c| fallback.winner.as_deref() == Some(c.worker_id.as_str()))
+                        .and_then(|c| c.prediction)
+                        .map(|p| p.ttft_ms);
+                    let margin = 2.0 * self.s.tick.as_secs_f64() * 1000.0;
+                    if let Some(ttft) = ttft.filter(|t| remaining - t <= margin) {
+                        least_harm_note = Some(format!(
+                            "placed where it does least harm: no worker admitted it without a predicted miss, and {remaining:.0} ms were left of its TTFT budget (predicted TTFT {ttft:.0} ms)"
+                        ));
+                        evaluation = fallback;
+                    }
+                }
+            }
             let Some(winner) = evaluation.winner.clone() else {
                 return;
             };
@@ -701,6 +726,12 @@ impl Engine {
             decision.candidates = evaluation.candidates;
             decision.rejected = evaluation.rejected;
             let mut notes = Vec::new();
+            if let Some(note) = least_harm_note {
+                self.metrics
+                    .least_harm_placements_total
+                    .fetch_add(1, Relaxed);
+                notes.push(note);
+            }
             if request.ttft_remaining_ms.is_none() {
                 notes.push(format!(
                     "late: waited {waited} ms, past its {} ms TTFT target",

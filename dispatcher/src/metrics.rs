@@ -27,6 +27,9 @@ pub struct Metrics {
     pub publish_failures_total: AtomicU64,
     pub duplicate_assignments_total: AtomicU64,
     pub rescued_jobs_total: AtomicU64,
+    /// Jobs placed where they do least harm: no worker admitted them without a predicted
+    /// SLO miss and their TTFT budget was running out.
+    pub least_harm_placements_total: AtomicU64,
     /// Internal tasks of a term (publisher, intake, watches) that died and ended the term.
     pub term_task_failures_total: AtomicU64,
     /// Heartbeats and completion events ignored because they could not be trusted
@@ -124,6 +127,12 @@ impl Metrics {
             "metronome_dispatcher_rescued_jobs_total",
             "Jobs dispatched again after their worker died.",
             self.rescued_jobs_total.load(Relaxed),
+        );
+        counter(
+            &mut out,
+            "metronome_dispatcher_least_harm_placements_total",
+            "Jobs placed where they do least harm because their TTFT budget ran out while no worker admitted them without a predicted SLO miss.",
+            self.least_harm_placements_total.load(Relaxed),
         );
         counter(
             &mut out,

@@ -58,6 +58,10 @@ pub struct Forecast {
     pub worst_running: Option<RunningImpact>,
     /// The running job whose rate falls furthest below its own floor, if any does.
     pub worst_violation: Option<RunningImpact>,
+    /// Running jobs predicted to fall below their floor.
+    pub violations: u32,
+    /// Sum of their shortfalls below their floors, tokens/s.
+    pub shortfall_tok_s: f64,
 }
 
 impl Forecast {
@@ -83,7 +87,7 @@ impl Forecast {
             });
             let context = prompt + out / 2.0;
             ledger_context += context;
-            if !status.in_flight.iter().any(|j| *j == r.job_id) {
+            if !status.in_flight.contains(&r.job_id) {
                 unreported_context += context;
                 unreported_prompt += prompt;
             }
@@ -109,6 +113,8 @@ impl Forecast {
         let stall_ms = c.stall_per_prefill_token_ms * p;
         let mut worst_running: Option<RunningImpact> = None;
         let mut worst_violation: Option<(f64, RunningImpact)> = None;
+        let mut violations = 0u32;
+        let mut shortfall_tok_s = 0.0;
         for r in ledger.reservations_on(&status.worker_id) {
             if r.job_id == job.job_id {
                 continue;
@@ -127,6 +133,10 @@ impl Forecast {
                 worst_running = Some(impact.clone());
             }
             let shortfall = floor - tok_s;
+            if shortfall > 0.0 {
+                violations += 1;
+                shortfall_tok_s += shortfall;
+            }
             if shortfall > 0.0 && worst_violation.as_ref().is_none_or(|(s, _)| shortfall > *s) {
                 worst_violation = Some((shortfall, impact));
             }
@@ -142,6 +152,8 @@ impl Forecast {
             stall_ms,
             worst_running,
             worst_violation: worst_violation.map(|(_, i)| i),
+            violations,
+            shortfall_tok_s,
         }
     }
 
@@ -250,6 +262,8 @@ mod tests {
         assert_eq!(v.job_id, "short");
         assert!((v.tok_s - 10_000.0 / 340.0).abs() < 1e-9);
         assert_eq!(f.worst_running.as_ref().unwrap().job_id, "short");
+        assert_eq!(f.violations, 1);
+        assert!((f.shortfall_tok_s - (30.0 - 10_000.0 / 340.0)).abs() < 1e-9);
     }
 
     #[test]

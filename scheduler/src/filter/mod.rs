@@ -30,7 +30,7 @@ pub use healthy::Healthy;
 pub use heartbeat::FreshHeartbeat;
 pub use kv_headroom::KvHeadroom;
 pub use model::ServesModel;
-pub use slo::SloFloor;
+pub use slo::{OwnRateFloor, SloFloor};
 pub use ttft::TtftBudget;
 
 pub(crate) use kv_headroom::kv_tokens_in_use;
@@ -67,6 +67,19 @@ pub static ADMISSION: [&dyn Filter; 8] = [
     &UnderConcurrencyCap,
     &KvHeadroom,
     &SloFloor,
+    &TtftBudget,
+];
+
+/// Admission without the protection of running jobs: what a job may be placed through when
+/// it is placed where it does least harm ([`crate::least_harm`]).
+pub static LEAST_HARM: [&dyn Filter; 8] = [
+    &FreshHeartbeat,
+    &ServesModel,
+    &Healthy,
+    &NotDraining,
+    &UnderConcurrencyCap,
+    &KvHeadroom,
+    &OwnRateFloor,
     &TtftBudget,
 ];
 

@@ -14,6 +14,29 @@ use super::{Filter, FilterContext};
 
 pub struct SloFloor;
 
+/// The job's own half of [`SloFloor`]: its own predicted decode rate at or above its floor
+/// (idle workers pass). Used alone when a job is placed where it does least harm
+/// ([`crate::least_harm`]), which weighs the running jobs' shortfalls instead of refusing.
+pub struct OwnRateFloor;
+
+impl Filter for OwnRateFloor {
+    fn code(&self) -> RejectionCode {
+        RejectionCode::BelowSloFloor
+    }
+
+    fn check(&self, ctx: &FilterContext<'_>) -> Result<(), String> {
+        let f = ctx.forecast;
+        let floor = ctx.job.slo.min_tok_s;
+        if f.streams_before == 0 || f.decode_tok_s >= floor {
+            return Ok(());
+        }
+        Err(format!(
+            "below SLO: the job would decode at {:.1} tok/s beside {} streams (step {:.1} ms) < floor {floor} tok/s",
+            f.decode_tok_s, f.streams_before, f.step_ms
+        ))
+    }
+}
+
 impl Filter for SloFloor {
     fn code(&self) -> RejectionCode {
         RejectionCode::BelowSloFloor
@@ -21,16 +44,7 @@ impl Filter for SloFloor {
 
     fn check(&self, ctx: &FilterContext<'_>) -> Result<(), String> {
         let f = ctx.forecast;
-        if f.streams_before == 0 {
-            return Ok(());
-        }
-        let floor = ctx.job.slo.min_tok_s;
-        if f.decode_tok_s < floor {
-            return Err(format!(
-                "below SLO: the job would decode at {:.1} tok/s beside {} streams (step {:.1} ms) < floor {floor} tok/s",
-                f.decode_tok_s, f.streams_before, f.step_ms
-            ));
-        }
+        OwnRateFloor.check(ctx)?;
         if let Some(v) = &f.worst_violation {
             return Err(format!(
                 "below SLO: running job {} would fall to {:.1} tok/s < its floor {} tok/s (this prefill stalls it {:.0} ms, step {:.1} ms)",

@@ -44,7 +44,7 @@ pub struct PerfPrior {
     pub ttft_base_ms: f64,
     pub prefill_per_token_ms: f64,
     pub ttft_per_stream_ms: f64,
-    /// Forgetting factor λ of the fit, in [0.5, 1]: 0.98 remembers about the last 50 jobs.
+    /// Forgetting factor λ of the fit, in [0.5, 1]: 0.99 remembers about the last 100 jobs.
     pub forgetting: f64,
     /// How many completed jobs' worth of evidence the prior is worth (its weight against
     /// the data): small, so data replaces it within a few dozen jobs.
@@ -61,12 +61,12 @@ impl Default for PerfPrior {
         PerfPrior {
             step_base_ms: 20.0,
             step_per_stream_ms: 0.1,
-            step_per_ktok_ms: 0.05,
+            step_per_ktok_ms: 0.1,
             stall_per_prefill_token_ms: 0.1,
             ttft_base_ms: 50.0,
             prefill_per_token_ms: 0.1,
             ttft_per_stream_ms: 1.0,
-            forgetting: 0.98,
+            forgetting: 0.99,
             prior_jobs: 2.0,
         }
     }
@@ -146,6 +146,11 @@ impl PerfPrior {
         (value.abs() + floor) * 4.0 / self.prior_jobs.sqrt()
     }
 
+    /// The decode fit. The batch and context slopes get a tight prior (a few tenths of a
+    /// millisecond): on a live worker the streams, their context and the prefills beside
+    /// them rise and fall together, so a loose prior lets the fit trade one for another on
+    /// noise (a stall read as a steep batch slope makes every later prediction at a large
+    /// batch pessimistic). Sustained evidence still moves them; a few noisy jobs do not.
     fn decode_fit(&self) -> Rls {
         Rls::new(
             &[
@@ -156,11 +161,16 @@ impl PerfPrior {
             ],
             &[
                 self.sd(self.step_base_ms, 5.0),
-                self.sd(self.step_per_stream_ms, 0.5),
-                self.sd(self.step_per_ktok_ms, 0.5),
+                self.slope_sd(self.step_per_stream_ms),
+                self.slope_sd(self.step_per_ktok_ms),
                 self.sd(self.stall_per_prefill_token_ms * 1000.0, 100.0),
             ],
         )
+    }
+
+    /// Prior standard deviation of a decode slope: its prior value, at least 0.1 ms.
+    fn slope_sd(&self, value: f64) -> f64 {
+        value.abs().max(0.1) / self.prior_jobs.sqrt()
     }
 
     fn prefill_fit(&self) -> Rls {

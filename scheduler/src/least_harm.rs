@@ -1,0 +1,160 @@
+//! Placing a job where it does least harm, when no worker can admit it without predicting a
+//! running job below its floor and waiting any longer would spend its TTFT budget.
+//!
+//! Waiting then costs the job its SLO for certain, while placing it costs the running jobs
+//! only what the forecast predicts, and the forecast is an upper bound on that harm (it
+//! charges every running job the largest batch for the rest of its life and its whole stall
+//! history). So the job is placed, through every filter except the protection of running
+//! jobs ([`filter::LEAST_HARM`]), on the worker where the fewest running jobs are predicted
+//! below their floor, then the smallest total shortfall, then the best score, but never
+//! where more than [`MAX_TRADED_MISSES`] would be: trading two predicted misses for one
+//! saved job is a loss even when the forecast is pessimistic.
+//!
+//! When to do it is the caller's call (the engine does it at the last moment the job's
+//! predicted TTFT still fits its budget); this module only chooses.
+
+use crate::evaluate::{rank, Evaluation};
+use crate::{filter, JobRequest, Ledger, SchedulerConfig, WorkerView};
+
+/// Most running jobs a least-harm placement may predict below their floor.
+pub const MAX_TRADED_MISSES: u32 = 1;
+
+/// The least-harm placement of `job`, with every candidate scored; `winner` is `None` when
+/// every candidate would predict more than [`MAX_TRADED_MISSES`] misses.
+pub fn least_harm(
+    job: &JobRequest,
+    workers: &[WorkerView],
+    ledger: &Ledger,
+    config: &SchedulerConfig,
+    now_ms: u64,
+) -> Evaluation {
+    let ranked = rank(&filter::LEAST_HARM, job, workers, ledger, config, now_ms);
+    let weights = config.weights.as_array();
+    // Best score first, so the stable minimum below breaks harm ties by score.
+    let pick = ranked
+        .order
+        .iter()
+        .map(|&i| i as usize)
+        .filter(|&i| ranked.candidates[i].forecast.violations <= MAX_TRADED_MISSES)
+        .min_by(|&a, &b| {
+            let (fa, fb) = (
+                &ranked.candidates[a].forecast,
+                &ranked.candidates[b].forecast,
+            );
+            fa.violations
+                .cmp(&fb.violations)
+                .then(fa.shortfall_tok_s.total_cmp(&fb.shortfall_tok_s))
+        });
+    let mut candidates = Vec::with_capacity(ranked.candidates.len());
+    if let Some(p) = pick {
+        candidates.push(ranked.candidates[p].to_score(&weights));
+    }
+    candidates.extend(
+        ranked
+            .order
+            .iter()
+            .map(|&i| i as usize)
+            .filter(|&i| Some(i) != pick)
+            .map(|i| ranked.candidates[i].to_score(&weights)),
+    );
+    Evaluation {
+        winner: pick.map(|p| ranked.candidates[p].worker_id().to_owned()),
+        candidates,
+        rejected: ranked.rejected,
+        cost: job.cost_estimate(),
+        winner_stall_ms: pick.map_or(0.0, |p| ranked.candidates[p].forecast.stall_ms),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::evaluate;
+    use crate::ledger::JobProfile;
+    use crate::testutil::*;
+    use metronome_protocol::PerfCoefficients;
+
+    fn perf() -> PerfCoefficients {
+        PerfCoefficients {
+            step_base_ms: 20.0,
+            step_per_stream_ms: 0.0,
+            step_per_ktok_ms: 0.0,
+            stall_per_prefill_token_ms: 0.2,
+            ttft_base_ms: 10.0,
+            prefill_per_token_ms: 0.1,
+            ttft_per_stream_ms: 0.0,
+            samples: 50,
+        }
+    }
+
+    /// A worker running `short` jobs of 8 tokens (slack 107 ms each) beside nothing else.
+    fn busy(id: &str, short: usize, ledger: &mut Ledger) -> WorkerView {
+        let mut w = worker(id);
+        w.status.perf = Some(perf());
+        w.status.max_concurrency = 64;
+        for k in 0..short {
+            let p = JobProfile {
+                prompt_tokens: 10,
+                predicted_output: 8.0,
+                min_tok_s: 30.0,
+            };
+            ledger
+                .reserve_profiled(id, &format!("{id}-{k}"), 20, p, NOW)
+                .unwrap();
+        }
+        w
+    }
+
+    #[test]
+    fn picks_the_worker_with_the_fewest_predicted_misses_and_never_more_than_one() {
+        let mut l = Ledger::new();
+        let workers = [
+            busy("a", 2, &mut l),
+            busy("b", 1, &mut l),
+            busy("c", 3, &mut l),
+        ];
+        let mut j = job("m");
+        j.prompt_tokens = 2_000; // a 400 ms stall: every short job would miss
+        assert_eq!(
+            evaluate(&j, &workers, &l, &SchedulerConfig::default(), NOW).winner,
+            None
+        );
+        let e = least_harm(&j, &workers, &l, &SchedulerConfig::default(), NOW);
+        assert_eq!(e.winner.as_deref(), Some("b"));
+        assert_eq!(e.candidates[0].worker_id, "b");
+        assert_eq!(e.candidates.len(), 3);
+        assert!(e.winner_stall_ms > 0.0);
+        let workers = [
+            busy("a", 2, &mut Ledger::new()),
+            busy("c", 3, &mut Ledger::new()),
+        ];
+        let mut l = Ledger::new();
+        let workers: Vec<WorkerView> = workers
+            .iter()
+            .map(|w| {
+                busy(
+                    w.worker_id(),
+                    if w.worker_id() == "a" { 2 } else { 3 },
+                    &mut l,
+                )
+            })
+            .collect();
+        assert_eq!(
+            least_harm(&j, &workers, &l, &SchedulerConfig::default(), NOW).winner,
+            None
+        );
+    }
+
+    #[test]
+    fn still_refuses_a_worker_that_would_start_the_job_too_late_or_too_slowly() {
+        let mut l = Ledger::new();
+        let mut w = busy("a", 1, &mut l);
+        w.status.prefill_pending_tokens = 50_000; // 5 s of prefill ahead
+        let e = least_harm(&job("m"), &[w], &l, &SchedulerConfig::default(), NOW);
+        assert_eq!(e.winner, None);
+        assert_eq!(
+            e.rejected[0].code,
+            metronome_protocol::RejectionCode::TtftOverBudget
+        );
+    }
+}
