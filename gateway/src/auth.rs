@@ -11,9 +11,11 @@
 //! id and the tenant, never the key.
 //!
 //! Invariants: the key text is never logged, echoed in an error, or kept after hashing;
-//! without `allow_anonymous`, a request without `Authorization` is refused with 401; a
-//! wrong or revoked key is refused with 401 even when anonymous access is on (a typo must
-//! not silently fall back to another tenant's budget).
+//! without `allow_anonymous`, a request without a configured key is refused with 401. With
+//! it, a request without `Authorization` or with a bearer token that is no configured key
+//! is served as tenant `anonymous` (OpenAI clients always send some key, `api_key="unused"`
+//! in a demo), never as another tenant; a revoked key or a header that is not `Bearer` is
+//! refused with 401 either way.
 
 use std::sync::Mutex;
 use std::time::Instant;
@@ -225,10 +227,12 @@ impl Auth {
         for (i, stored) in self.keys.iter().enumerate() {
             found.conditional_assign(&(i as u64), stored.hash.ct_eq(&presented));
         }
-        let stored = self
-            .keys
-            .get(usize::try_from(found).unwrap_or(usize::MAX))
-            .ok_or(AuthFailure::Invalid)?;
+        let Some(stored) = self.keys.get(usize::try_from(found).unwrap_or(usize::MAX)) else {
+            return match self.anonymous {
+                Some(tenant) => Ok(self.caller(tenant, None)),
+                None => Err(AuthFailure::Invalid),
+            };
+        };
         if stored.revoked {
             return Err(AuthFailure::Revoked);
         }
@@ -466,9 +470,19 @@ mod tests {
         assert_eq!(anon.key_id, None);
         assert!(auth.allows_model(&anon, "anything"));
         assert_eq!(
-            auth.authenticate(&bearer("wrong")).unwrap_err(),
-            AuthFailure::Invalid,
-            "a wrong key does not fall back to anonymous"
+            auth.authenticate(&bearer("unused")).unwrap().tenant_name,
+            ANONYMOUS_TENANT,
+            "an unknown key is anonymous, never another tenant"
+        );
+        assert_eq!(
+            auth.authenticate(&bearer("k-a")).unwrap().tenant_name,
+            "acme"
+        );
+        let auth = Auth::new(&config(&[("acme", "k-old", true)], true));
+        assert_eq!(
+            auth.authenticate(&bearer("k-old")).unwrap_err(),
+            AuthFailure::Revoked,
+            "a revoked key is refused even with anonymous access"
         );
         let closed = Auth::new(&config(&[], false));
         assert!(!closed.admits_anyone());

@@ -66,9 +66,10 @@ pub struct Config {
     pub worker_stale_after_ms: u64,
     /// Storage type of streams created at start when they do not exist yet.
     pub stream_storage: StreamStorage,
-    /// Serve requests without an `Authorization` header as tenant `anonymous` (whose
-    /// models and limits a `[[tenants]]` entry named `anonymous` may set). Off by default:
-    /// then every OpenAI endpoint needs an API key. A wrong key is refused either way.
+    /// Serve requests without a configured key (no `Authorization`, or a bearer token that
+    /// is no configured key, as OpenAI clients always send one) as tenant `anonymous`, whose
+    /// models and limits a `[[tenants]]` entry named `anonymous` may set. Off by default:
+    /// then every OpenAI endpoint needs an API key. A revoked key is refused either way.
     pub allow_anonymous: bool,
     /// Tenants: the models each may use and its limits.
     #[serde(skip_serializing_if = "Vec::is_empty")]

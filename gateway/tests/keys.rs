@@ -283,7 +283,7 @@ async fn over_the_tenants_limits_is_429_with_retry_after() {
 }
 
 #[tokio::test]
-async fn anonymous_access_when_enabled_runs_as_tenant_anonymous_with_its_limits() {
+async fn anonymous_access_when_enabled_runs_as_tenant_anonymous() {
     let h = Harness::start(|c| {
         tenants(c);
         c.allow_anonymous = true;
@@ -303,9 +303,21 @@ async fn anonymous_access_when_enabled_runs_as_tenant_anonymous_with_its_limits(
         .unwrap();
     let job: metronome_protocol::Job = serde_json::from_slice(&message.payload).unwrap();
     assert_eq!(job.tenant.as_deref(), Some("anonymous"));
-    // A wrong key is still refused: no silent fallback to anonymous.
-    let resp = post_as(&h, Some("mtk_wrong"), &chat_body("hello", false)).await;
+    // OpenAI clients always send a key: an unknown one is anonymous too, a revoked one
+    // is refused, a configured one keeps its tenant.
+    let resp = post_as(&h, Some("unused"), &chat_body("hello", false)).await;
+    assert_eq!(resp.status(), 200);
+    let message = tokio::time::timeout(WAIT, submitted.next())
+        .await
+        .unwrap()
+        .unwrap();
+    let job: metronome_protocol::Job = serde_json::from_slice(&message.payload).unwrap();
+    assert_eq!(job.tenant.as_deref(), Some("anonymous"));
+    let resp = post_as(&h, Some(REVOKED_KEY), &chat_body("hello", false)).await;
     assert_openai_error(resp, 401, "invalid_request_error").await;
+    let resp = post_as(&h, Some(BETA_KEY), &chat_body("hello", false)).await;
+    let error = assert_openai_error(resp, 403, "invalid_request_error").await;
+    assert_eq!(error["code"], "model_not_allowed");
 }
 
 /// Runs `metronome-gateway keys create` and returns its standard output.
