@@ -36,5 +36,7 @@ render_gateway_config() {
   cat <<TOML
 listen = "127.0.0.1:$GATEWAY_PORT"
 nats_url = "$NATS_URL"
+# Loopback demo: requests without an API key are served as tenant "anonymous".
+allow_anonymous = true
 TOML
 }

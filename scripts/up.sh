@@ -161,6 +161,7 @@ cat <<MSG
   Metronome is up: $GPUS simulated GPUs serving ${MODELS}, policy $POLICY.
 
     gateway      $GATEWAY_URL   (OpenAI API; /metrics, /readyz)
+                 anonymous access ON (loopback demo): no API key needed
     NATS         $NATS_URL
     Redis        $REDIS_URL
     logs         $STATE_DIR/logs/

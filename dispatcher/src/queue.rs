@@ -240,6 +240,7 @@ mod tests {
                 submitted_ms: 0,
                 deadline_ms: None,
                 slo: None,
+                tenant: None,
             }),
             attempt: 1,
             acker: None,

@@ -2,7 +2,11 @@
 //! variables, then validated into field-level errors.
 //!
 //! Invariant: a `Config` that passed [`Config::validate`] can be served without further
-//! checks (every duration is positive, every limit non-zero, the address parses).
+//! checks (every duration is positive, every limit non-zero, the address parses, every
+//! API key is a well-formed SHA-256 of a known tenant and no two keys share a hash).
+//!
+//! Tenants and API keys live here too (`[[tenants]]`, `[[keys]]`): a key is stored only as
+//! the SHA-256 of its text, so the configuration file holds no secret.
 //! Environment overrides are read through a caller-supplied lookup so tests never touch
 //! the process environment.
 
@@ -62,6 +66,98 @@ pub struct Config {
     pub worker_stale_after_ms: u64,
     /// Storage type of streams created at start when they do not exist yet.
     pub stream_storage: StreamStorage,
+    /// Serve requests without a configured key (no `Authorization`, or a bearer token that
+    /// is no configured key, as OpenAI clients always send one) as tenant `anonymous`, whose
+    /// models and limits a `[[tenants]]` entry named `anonymous` may set. Off by default:
+    /// then every OpenAI endpoint needs an API key. A revoked key is refused either way.
+    pub allow_anonymous: bool,
+    /// Tenants: the models each may use and its limits.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<TenantConfig>,
+    /// API keys, each mapped to a tenant, stored as the SHA-256 of the key.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub keys: Vec<KeyConfig>,
+}
+
+/// Models a tenant may use: `"*"` (every model, the default) or a list of names.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ModelList {
+    /// A list of model names.
+    Only(Vec<String>),
+    /// `"*"`; any other text is a configuration error (a comma-separated string is the
+    /// usual mistake).
+    Text(String),
+}
+
+impl Default for ModelList {
+    fn default() -> Self {
+        ModelList::Text(ALL_MODELS.into())
+    }
+}
+
+/// The [`ModelList`] text meaning every model.
+pub const ALL_MODELS: &str = "*";
+
+impl ModelList {
+    /// Whether the list lets `model` through (only meaningful once validated).
+    pub fn allows(&self, model: &str) -> bool {
+        match self {
+            ModelList::Only(names) => names.iter().any(|m| m == model),
+            ModelList::Text(t) => t == ALL_MODELS,
+        }
+    }
+}
+
+/// One tenant (`[[tenants]]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    /// A token of ASCII letters, digits, `-` and `_` (at most 64 bytes); it is written into
+    /// each job (`Job.tenant`) and labels the per-tenant metrics.
+    pub name: String,
+    #[serde(default)]
+    pub models: ModelList,
+    /// Sustained requests per second (token bucket); absent: no request limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests_per_second: Option<f64>,
+    /// Requests that may arrive at once above the sustained rate (bucket size); defaults to
+    /// the rate rounded up, at least 1. Needs `requests_per_second`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u32>,
+    /// Tokens per minute, charged at admission as prompt estimate + `max_tokens`; absent:
+    /// no token limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens_per_minute: Option<u64>,
+}
+
+impl TenantConfig {
+    /// A tenant allowed every model, without limits.
+    pub fn unlimited(name: &str) -> TenantConfig {
+        TenantConfig {
+            name: name.into(),
+            models: ModelList::default(),
+            requests_per_second: None,
+            burst: None,
+            tokens_per_minute: None,
+        }
+    }
+}
+
+/// One API key (`[[keys]]`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeyConfig {
+    /// The tenant the key acts for; must have a `[[tenants]]` entry.
+    pub tenant: String,
+    /// SHA-256 of the key's text, 64 lowercase hex digits (`keys create` prints it).
+    pub sha256: String,
+    /// A note for operators (who holds the key, when it was made); never checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+    /// A revoked key is refused with 401 like an unknown one.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub revoked: bool,
 }
 
 impl Default for Config {
@@ -81,6 +177,9 @@ impl Default for Config {
             expose_worker_header: true,
             worker_stale_after_ms: 15_000,
             stream_storage: StreamStorage::File,
+            allow_anonymous: false,
+            tenants: Vec::new(),
+            keys: Vec::new(),
         }
     }
 }
@@ -218,10 +317,104 @@ impl Config {
             "worker_stale_after_ms",
             "must be at least 1".into(),
         );
+        self.validate_tenants(&mut errors);
         if errors.is_empty() {
             Ok(())
         } else {
             Err(errors)
+        }
+    }
+
+    fn validate_tenants(&self, errors: &mut Vec<FieldError>) {
+        let mut error = |field: &'static str, message: String| {
+            errors.push(FieldError { field, message });
+        };
+        let mut names = std::collections::HashSet::new();
+        for (i, t) in self.tenants.iter().enumerate() {
+            let at = format!("tenants[{i}] ({:?})", t.name);
+            if let Err(e) = metronome_protocol::check_tenant(&t.name) {
+                let message = match e {
+                    metronome_protocol::JobError::BadTenant(m) => m,
+                    e => e.to_string(),
+                };
+                error("tenants.name", format!("{at}: {message}"));
+            }
+            if !names.insert(t.name.as_str()) {
+                error("tenants.name", format!("{at}: duplicate tenant"));
+            }
+            match &t.models {
+                ModelList::Text(text) if text == ALL_MODELS => {}
+                ModelList::Text(text) => error(
+                    "tenants.models",
+                    format!("{at}: {text:?} is not a model list: write a list such as [\"a\", \"b\"], or \"*\" for every model"),
+                ),
+                ModelList::Only(list) if list.is_empty() => error(
+                    "tenants.models",
+                    format!("{at}: the list is empty; name at least one model, or \"*\" for every model"),
+                ),
+                ModelList::Only(list) => {
+                    for m in list {
+                        if let Err(e) = metronome_protocol::check_model_name(m) {
+                            error("tenants.models", format!("{at}: {m:?}: {e}"));
+                        }
+                    }
+                }
+            }
+            if let Some(r) = t.requests_per_second {
+                if !(r.is_finite() && r > 0.0) {
+                    error(
+                        "tenants.requests_per_second",
+                        format!("{at}: must be a positive number, got {r}"),
+                    );
+                }
+            }
+            match (t.burst, t.requests_per_second) {
+                (Some(0), _) => error("tenants.burst", format!("{at}: must be at least 1")),
+                (Some(_), None) => {
+                    error("tenants.burst", format!("{at}: needs requests_per_second"))
+                }
+                _ => {}
+            }
+            if t.tokens_per_minute == Some(0) {
+                error(
+                    "tenants.tokens_per_minute",
+                    format!("{at}: must be at least 1"),
+                );
+            }
+        }
+        let mut hashes = std::collections::HashMap::new();
+        for (i, k) in self.keys.iter().enumerate() {
+            let at = format!("keys[{i}]");
+            if !crate::auth::is_sha256_hex(&k.sha256) {
+                let hint = if k.sha256.starts_with(crate::auth::KEY_PREFIX) {
+                    "this looks like the key itself: store only its SHA-256 (`keys create` prints it)"
+                } else {
+                    "must be 64 lowercase hex digits, the SHA-256 of the key (`keys create` prints it)"
+                };
+                error("keys.sha256", format!("{at}: {hint}"));
+            } else if let Some(first) = hashes.insert(k.sha256.as_str(), i) {
+                error(
+                    "keys.sha256",
+                    format!("{at}: duplicate key (same hash as keys[{first}])"),
+                );
+            }
+            if k.tenant == metronome_protocol::ANONYMOUS_TENANT {
+                error(
+                    "keys.tenant",
+                    format!(
+                        "{at}: tenant {:?} is reserved for requests without a key",
+                        k.tenant
+                    ),
+                );
+            } else if !names.contains(k.tenant.as_str()) {
+                error(
+                    "keys.tenant",
+                    format!(
+                        "{at}: unknown tenant {:?}: add a [[tenants]] entry for it",
+                        k.tenant
+                    ),
+                );
+            }
         }
     }
 
@@ -330,5 +523,159 @@ mod tests {
     fn effective_config_round_trips_through_toml() {
         let c = Config::default();
         assert_eq!(Config::from_toml(&c.to_toml(), "t").unwrap(), c);
+        let with_keys = Config::from_toml(TENANTS, "t").unwrap();
+        assert_eq!(with_keys.validate(), Ok(()));
+        assert_eq!(
+            Config::from_toml(&with_keys.to_toml(), "t").unwrap(),
+            with_keys
+        );
+    }
+
+    const HASH_A: &str = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
+    const HASH_B: &str = "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824";
+
+    const TENANTS: &str = r#"
+allow_anonymous = false
+
+[[tenants]]
+name = "acme"
+models = ["llama-3.1-8b", "qwen-7b"]
+requests_per_second = 5.0
+burst = 10
+tokens_per_minute = 100000
+
+[[tenants]]
+name = "beta"
+
+[[keys]]
+tenant = "acme"
+sha256 = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+note = "ci"
+
+[[keys]]
+tenant = "beta"
+sha256 = "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"
+revoked = true
+"#;
+
+    #[test]
+    fn tenants_and_keys_parse_with_defaults() {
+        let c = Config::from_toml(TENANTS, "t").unwrap();
+        assert!(!c.allow_anonymous && !Config::default().allow_anonymous);
+        assert_eq!(c.tenants.len(), 2);
+        assert_eq!(c.tenants[1].models, ModelList::default());
+        assert!(c.tenants[1].models.allows("anything"));
+        assert!(c.tenants[0].models.allows("qwen-7b") && !c.tenants[0].models.allows("x"));
+        assert!(c.keys[1].revoked && !c.keys[0].revoked);
+        assert!(
+            matches!(
+                Config::from_toml(
+                    "[[keys]]\ntenant = \"a\"\nsha256 = \"x\"\nkey = \"mtk_x\"\n",
+                    "t"
+                ),
+                Err(ConfigError::Parse { .. })
+            ),
+            "unknown key fields are refused"
+        );
+    }
+
+    fn fields(c: &Config) -> Vec<(&'static str, String)> {
+        c.validate()
+            .unwrap_err()
+            .into_iter()
+            .map(|e| (e.field, e.message))
+            .collect()
+    }
+
+    #[test]
+    fn bad_hashes_and_duplicate_keys_are_field_errors() {
+        let key = |tenant: &str, sha256: &str| KeyConfig {
+            tenant: tenant.into(),
+            sha256: sha256.into(),
+            note: None,
+            revoked: false,
+        };
+        let c = Config {
+            tenants: vec![TenantConfig::unlimited("acme")],
+            keys: vec![
+                key("acme", HASH_A),
+                key("acme", "abc"),
+                key("acme", &HASH_B.to_uppercase()),
+                key("acme", "mtk_0123"),
+                key("acme", HASH_A),
+                key("nobody", HASH_B),
+                key("anonymous", &HASH_B.replace('2', "3")),
+            ],
+            ..Config::default()
+        };
+        let errors = fields(&c);
+        let names: Vec<_> = errors.iter().map(|e| e.0).collect();
+        assert_eq!(
+            names,
+            [
+                "keys.sha256",
+                "keys.sha256",
+                "keys.sha256",
+                "keys.sha256",
+                "keys.tenant",
+                "keys.tenant"
+            ],
+            "{errors:?}"
+        );
+        assert!(errors[0].1.starts_with("keys[1]: must be 64 lowercase hex"));
+        assert!(
+            errors[2].1.contains("looks like the key itself"),
+            "{errors:?}"
+        );
+        assert_eq!(errors[3].1, "keys[4]: duplicate key (same hash as keys[0])");
+        assert!(errors[4].1.contains("unknown tenant \"nobody\""));
+        assert!(errors[5].1.contains("reserved"));
+    }
+
+    #[test]
+    fn bad_tenants_are_field_errors() {
+        let text = r#"
+[[tenants]]
+name = "acme"
+models = "llama-3.1-8b,qwen-7b"
+requests_per_second = 0.0
+
+[[tenants]]
+name = "acme"
+models = []
+burst = 5
+
+[[tenants]]
+name = "has space"
+models = ["ok", "bad\nname"]
+tokens_per_minute = 0
+"#;
+        let c = Config::from_toml(text, "t").unwrap();
+        let errors = fields(&c);
+        let names: Vec<_> = errors.iter().map(|e| e.0).collect();
+        assert_eq!(
+            names,
+            [
+                "tenants.models",
+                "tenants.requests_per_second",
+                "tenants.name",
+                "tenants.models",
+                "tenants.burst",
+                "tenants.name",
+                "tenants.models",
+                "tenants.tokens_per_minute",
+            ],
+            "{errors:?}"
+        );
+        assert!(
+            errors[0]
+                .1
+                .contains("is not a model list: write a list such as [\"a\", \"b\"]"),
+            "{errors:?}"
+        );
+        assert_eq!(errors[2].1, "tenants[1] (\"acme\"): duplicate tenant");
+        assert!(errors[4].1.ends_with("needs requests_per_second"));
+        assert!(errors[5].1.contains("not a token"), "{errors:?}");
+        assert!(errors[6].1.contains("control character"), "{errors:?}");
     }
 }

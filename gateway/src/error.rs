@@ -87,6 +87,51 @@ impl ApiError {
         .with_code("model_not_found")
     }
 
+    /// 401: no API key, a malformed `Authorization` header, or a key that is unknown or
+    /// revoked. The message never repeats the key.
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        ApiError::new(StatusCode::UNAUTHORIZED, "invalid_request_error", message)
+            .with_code("invalid_api_key")
+    }
+
+    /// 403: the key's tenant may not use this model.
+    pub fn model_not_allowed(model: &str) -> Self {
+        ApiError::new(
+            StatusCode::FORBIDDEN,
+            "invalid_request_error",
+            format!("this API key may not use the model `{model}`; GET /v1/models lists the models it may use"),
+        )
+        .with_param("model")
+        .with_code("model_not_allowed")
+    }
+
+    /// 429: over the tenant's requests per second or tokens per minute. `Retry-After` is
+    /// when enough budget is back, absent when the request can never fit.
+    pub fn rate_limited(refusal: &crate::limits::Refusal) -> Self {
+        use crate::limits::Refusal;
+        let message = match refusal {
+            Refusal::Requests { .. } => {
+                "rate limit reached for requests per second; retry after the time in Retry-After".to_string()
+            }
+            Refusal::Tokens { needed, .. } => format!(
+                "rate limit reached for tokens per minute (this request needs {needed} tokens: prompt estimate + max_tokens); retry after the time in Retry-After"
+            ),
+            Refusal::TooLarge {
+                needed,
+                tokens_per_minute,
+            } => format!(
+                "this request needs {needed} tokens (prompt estimate + max_tokens), more than the limit of {tokens_per_minute} tokens per minute; lower max_tokens"
+            ),
+        };
+        let mut e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
+            .with_code("rate_limit_exceeded");
+        if let Refusal::TooLarge { .. } = refusal {
+            e = e.with_param("max_tokens");
+        }
+        e.retry_after_secs = refusal.retry_after_secs();
+        e
+    }
+
     /// 404 for paths that do not exist.
     pub fn no_route(path: &str) -> Self {
         ApiError::new(
@@ -234,6 +279,12 @@ impl IntoResponse for ApiError {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if self.status == StatusCode::UNAUTHORIZED {
+            response.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"metronome\""),
+            );
         }
         if self.status == StatusCode::PAYLOAD_TOO_LARGE {
             // The rest of an oversized body is never read, so the server drops the

@@ -3,13 +3,17 @@
 //!
 //! The gateway holds no scheduling state: it validates a request, refuses models no live
 //! worker serves, publishes the job to `jobs.submit` and relays what the dispatcher
-//! (`decisions.<id>`) and the worker (`results.<id>.>`) publish back. Tests and the binary
+//! (`decisions.<id>`) and the worker (`results.<id>.>`) publish back. The OpenAI endpoints
+//! need an API key (`Authorization: Bearer`) mapped to a tenant, whose allowed models and
+//! limits are checked before anything is published ([`auth`], [`limits`]). Tests and the binary
 //! share [`bind`] / [`Gateway::serve`] (or [`run`]); [`app`] builds the router alone.
 
+pub mod auth;
 pub mod config;
 pub mod error;
 pub mod extract;
 pub mod health;
+pub mod limits;
 pub mod metrics;
 pub mod openai;
 pub mod registry;
@@ -28,7 +32,7 @@ use axum::Router;
 use metronome_protocol::setup::{ensure_all, Buckets, StreamSettings};
 use tokio_util::sync::CancellationToken;
 
-pub use config::{Config, ConfigError, FieldError};
+pub use config::{Config, ConfigError, FieldError, KeyConfig, ModelList, TenantConfig};
 pub use error::{ApiError, GatewayError};
 pub use metrics::Metrics;
 pub use registry::Registry;
@@ -43,6 +47,8 @@ pub struct AppState {
     pub buckets: Buckets,
     pub registry: Registry,
     pub metrics: Arc<Metrics>,
+    /// API keys, tenants and their limiters.
+    pub auth: Arc<auth::Auth>,
 }
 
 impl AppState {
@@ -50,7 +56,9 @@ impl AppState {
     pub fn new(config: Config, client: async_nats::Client, buckets: Buckets) -> AppState {
         let js = jetstream::new(client.clone());
         let registry = Registry::new(Duration::from_millis(config.worker_stale_after_ms));
+        let auth = Arc::new(auth::Auth::new(&config));
         AppState {
+            auth,
             config: Arc::new(config),
             client,
             js,
@@ -164,6 +172,13 @@ impl Gateway {
             watcher_stop.clone(),
         );
         tracing::info!(addr = %self.local_addr, nats = %self.state.config.nats_url, "gateway listening");
+        if self.state.config.allow_anonymous {
+            tracing::warn!(
+                "anonymous access is on: requests without an API key are served as tenant `anonymous`"
+            );
+        } else if !self.state.auth.admits_anyone() {
+            tracing::warn!("no API key is configured and anonymous access is off: every OpenAI request will get 401 (create a key with `metronome-gateway keys create --tenant NAME`)");
+        }
         let client = self.state.client.clone();
         // Without TCP_NODELAY small SSE writes wait for the client's delayed ACK (~40 ms).
         let listener = axum::serve::ListenerExt::tap_io(self.listener, |tcp| {

@@ -31,6 +31,26 @@ pub const JOBS_SUBMITTED_TOTAL: &str = "metronome_gateway_jobs_submitted_total";
 pub const JOBS_CANCELLED_TOTAL: &str = "metronome_gateway_jobs_cancelled_total";
 pub const STREAM_GAPS_TOTAL: &str = "metronome_gateway_stream_gaps_total";
 pub const MALFORMED_MESSAGES_TOTAL: &str = "metronome_gateway_malformed_messages_total";
+pub const AUTH_FAILURES_TOTAL: &str = "metronome_gateway_auth_failures_total";
+pub const TENANT_REQUESTS_TOTAL: &str = "metronome_gateway_tenant_requests_total";
+pub const TENANT_REJECTIONS_TOTAL: &str = "metronome_gateway_tenant_rejections_total";
+pub const TENANT_ADMITTED_TOKENS_TOTAL: &str = "metronome_gateway_tenant_admitted_tokens_total";
+
+/// A Prometheus label value: backslash, double quote and line feed escaped, as the text
+/// format requires (tenant names are validated tokens, but the exposition must stay
+/// parseable whatever a label holds).
+pub fn escape_label(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for c in value.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
+}
 
 /// Upper bounds of the latency histograms, in seconds: from a cached error (ms) to a long
 /// generation (minutes).
@@ -73,6 +93,11 @@ pub struct Metrics {
     durations: Mutex<BTreeMap<String, Histogram>>,
     ttfb: Mutex<BTreeMap<String, Histogram>>,
     malformed: Mutex<BTreeMap<&'static str, u64>>,
+    auth_failures: Mutex<BTreeMap<&'static str, u64>>,
+    /// Per tenant; the tenants are the configured ones, so the label set is bounded.
+    tenant_requests: Mutex<BTreeMap<String, u64>>,
+    tenant_rejections: Mutex<BTreeMap<(String, &'static str), u64>>,
+    tenant_tokens: Mutex<BTreeMap<String, u64>>,
     in_flight: AtomicI64,
     nats_publish_errors: AtomicU64,
     jobs_submitted: AtomicU64,
@@ -124,6 +149,33 @@ impl Metrics {
     /// A NATS message or KV entry that could not be read, by where it came from.
     pub fn malformed_message(&self, source: &'static str) {
         *lock(&self.malformed).entry(source).or_default() += 1;
+    }
+
+    /// A request refused with 401, by reason (`missing`, `malformed`, `invalid`, `revoked`).
+    pub fn auth_failure(&self, reason: &'static str) {
+        *lock(&self.auth_failures).entry(reason).or_default() += 1;
+    }
+
+    /// An authenticated chat or completion request (the model list is not counted).
+    pub fn tenant_request(&self, tenant: &str) {
+        *lock(&self.tenant_requests)
+            .entry(tenant.to_string())
+            .or_default() += 1;
+    }
+
+    /// A request refused for its tenant (`model_not_allowed`, `requests_per_second`,
+    /// `tokens_per_minute`, `request_too_large`).
+    pub fn tenant_rejection(&self, tenant: &str, reason: &'static str) {
+        *lock(&self.tenant_rejections)
+            .entry((tenant.to_string(), reason))
+            .or_default() += 1;
+    }
+
+    /// Tokens (prompt estimate + `max_tokens`) charged to a tenant at admission.
+    pub fn tenant_tokens_admitted(&self, tenant: &str, tokens: u64) {
+        *lock(&self.tenant_tokens)
+            .entry(tenant.to_string())
+            .or_default() += tokens;
     }
 
     /// Prometheus text exposition.
@@ -199,6 +251,47 @@ impl Metrics {
         let _ = writeln!(out, "# TYPE {MALFORMED_MESSAGES_TOTAL} counter");
         for (source, n) in lock(&self.malformed).iter() {
             let _ = writeln!(out, "{MALFORMED_MESSAGES_TOTAL}{{source=\"{source}\"}} {n}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP {AUTH_FAILURES_TOTAL} Requests refused with 401, by reason."
+        );
+        let _ = writeln!(out, "# TYPE {AUTH_FAILURES_TOTAL} counter");
+        for (reason, n) in lock(&self.auth_failures).iter() {
+            let _ = writeln!(out, "{AUTH_FAILURES_TOTAL}{{reason=\"{reason}\"}} {n}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP {TENANT_REQUESTS_TOTAL} Authenticated chat and completion requests, by tenant."
+        );
+        let _ = writeln!(out, "# TYPE {TENANT_REQUESTS_TOTAL} counter");
+        for (tenant, n) in lock(&self.tenant_requests).iter() {
+            let tenant = escape_label(tenant);
+            let _ = writeln!(out, "{TENANT_REQUESTS_TOTAL}{{tenant=\"{tenant}\"}} {n}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP {TENANT_REJECTIONS_TOTAL} Requests refused by their tenant's allowed models or limits, by tenant and reason."
+        );
+        let _ = writeln!(out, "# TYPE {TENANT_REJECTIONS_TOTAL} counter");
+        for ((tenant, reason), n) in lock(&self.tenant_rejections).iter() {
+            let tenant = escape_label(tenant);
+            let _ = writeln!(
+                out,
+                "{TENANT_REJECTIONS_TOTAL}{{tenant=\"{tenant}\",reason=\"{reason}\"}} {n}"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP {TENANT_ADMITTED_TOKENS_TOTAL} Tokens (prompt estimate + max_tokens) charged at admission, by tenant."
+        );
+        let _ = writeln!(out, "# TYPE {TENANT_ADMITTED_TOKENS_TOTAL} counter");
+        for (tenant, n) in lock(&self.tenant_tokens).iter() {
+            let tenant = escape_label(tenant);
+            let _ = writeln!(
+                out,
+                "{TENANT_ADMITTED_TOKENS_TOTAL}{{tenant=\"{tenant}\"}} {n}"
+            );
         }
         out
     }
@@ -292,5 +385,29 @@ mod tests {
         ));
         assert!(text.contains("metronome_gateway_nats_publish_errors_total 1"));
         assert!(text.contains("metronome_gateway_http_requests_in_flight 0"));
+    }
+
+    #[test]
+    fn tenant_counters_have_escaped_labels() {
+        let m = Metrics::default();
+        m.tenant_request("acme");
+        m.tenant_request("acme");
+        m.tenant_rejection("acme", "tokens_per_minute");
+        m.tenant_tokens_admitted("acme", 120);
+        m.auth_failure("invalid");
+        m.tenant_request("we\"ird\\na\nme");
+        let text = m.render();
+        assert!(text.contains("metronome_gateway_tenant_requests_total{tenant=\"acme\"} 2"));
+        assert!(text.contains(
+            "metronome_gateway_tenant_rejections_total{tenant=\"acme\",reason=\"tokens_per_minute\"} 1"
+        ));
+        assert!(
+            text.contains("metronome_gateway_tenant_admitted_tokens_total{tenant=\"acme\"} 120")
+        );
+        assert!(text.contains("metronome_gateway_auth_failures_total{reason=\"invalid\"} 1"));
+        assert!(text.contains(
+            "metronome_gateway_tenant_requests_total{tenant=\"we\\\"ird\\\\na\\nme\"} 1"
+        ));
+        assert_eq!(escape_label("plain"), "plain");
     }
 }

@@ -1,10 +1,12 @@
 //! The OpenAI endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (both also
 //! streaming) and `GET /v1/models`.
 //!
-//! Per request: read and validate the body, refuse an unknown model (404) before
-//! publishing anything, build the job (cost from the prompt estimate and `max_tokens`,
-//! deadline from the configuration or the `x-metronome-deadline-ms` header), submit it,
-//! then answer with its final result, or stream its chunks from the first one on.
+//! Per request: authenticate the API key (401), read and validate the body, refuse a model
+//! the tenant may not use (403) or that no worker serves (404), charge the tenant's limits
+//! (429), all before publishing anything; then build the job (tenant from the key, cost
+//! from the prompt estimate and `max_tokens`, deadline from the configuration or the
+//! `x-metronome-deadline-ms` header), submit it, then answer with its final result, or
+//! stream its chunks from the first one on.
 //!
 //! Invariant: every response of these endpoints, error or not, carries
 //! `x-metronome-job-id`, and `x-metronome-worker` once a worker is known (when
@@ -68,7 +70,14 @@ async fn handle(
     body: Result<OpenAiJson<Value>, ApiError>,
 ) -> Response {
     let job_id = new_job_id();
-    let span = tracing::info_span!("job", job_id = %job_id, endpoint = ?endpoint, model = tracing::field::Empty);
+    let span = tracing::info_span!(
+        "job",
+        job_id = %job_id,
+        endpoint = ?endpoint,
+        model = tracing::field::Empty,
+        tenant = tracing::field::Empty,
+        key_id = tracing::field::Empty,
+    );
     let mut worker = None;
     let result = serve(&state, endpoint, &headers, body, &job_id, &mut worker)
         .instrument(span)
@@ -160,6 +169,13 @@ async fn serve(
     job_id: &str,
     worker: &mut Option<String>,
 ) -> Result<Response, ApiError> {
+    let caller = crate::auth::authenticate(&state.auth, &state.metrics, headers)?;
+    state.metrics.tenant_request(&caller.tenant_name);
+    let span = tracing::Span::current();
+    span.record("tenant", caller.tenant_name.as_str());
+    if let Some(key_id) = &caller.key_id {
+        span.record("key_id", key_id.as_str());
+    }
     let OpenAiJson(body) = body?;
     let policy = RequestPolicy {
         default_max_tokens: state.config.default_max_tokens,
@@ -168,13 +184,20 @@ async fn serve(
     };
     let request: InferenceRequest = parse_request(endpoint, body, &policy)?;
     tracing::Span::current().record("model", request.model.as_str());
+    // 403 before 404: a tenant learns nothing about models outside its list.
+    crate::auth::check_model(&state.auth, &state.metrics, &caller, &request.model)?;
     let now_ms = unix_ms();
     if !state.registry.serves(&request.model, now_ms) {
         return Err(ApiError::unknown_model(&request.model));
     }
     let deadline = deadline_ms(state, headers, now_ms)?;
-    let mut job = build_job(job_id, &request, now_ms, deadline);
-    job.slo = slo_request(headers)?;
+    let slo = slo_request(headers)?;
+    // Charged last, once the request is known to be acceptable, so a refused request
+    // costs the tenant nothing.
+    let tokens = u64::from(request.prompt_tokens) + u64::from(request.total_max_tokens());
+    crate::auth::charge(&state.auth, &state.metrics, &caller, tokens)?;
+    let mut job = build_job(job_id, &request, &caller.tenant_name, now_ms, deadline);
+    job.slo = slo;
     let mut submission = Submission::submit(state, &job).await?;
     tracing::debug!(
         prompt_tokens = job.prompt_tokens,
@@ -253,27 +276,34 @@ fn model_object(id: &str, created_s: u64, workers: usize) -> Value {
     })
 }
 
-/// `GET /v1/models`: every model a live worker serves.
-pub async fn list_models(State(state): State<AppState>) -> Json<Value> {
+/// `GET /v1/models`: every model a live worker serves that the caller's tenant may use.
+pub async fn list_models(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
+    let caller = crate::auth::authenticate(&state.auth, &state.metrics, &headers)?;
     let data: Vec<Value> = state
         .registry
         .models(unix_ms())
         .iter()
+        .filter(|m| state.auth.allows_model(&caller, &m.id))
         .map(|m| model_object(&m.id, m.created_s, m.workers))
         .collect();
-    Json(json!({ "object": "list", "data": data }))
+    Ok(Json(json!({ "object": "list", "data": data })))
 }
 
-/// `GET /v1/models/{model}`.
+/// `GET /v1/models/{model}`: 404 for a model the tenant may not use, as for one not served.
 pub async fn get_model(
     State(state): State<AppState>,
+    headers: HeaderMap,
     Path(model): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
+    let caller = crate::auth::authenticate(&state.auth, &state.metrics, &headers)?;
     state
         .registry
         .models(unix_ms())
         .iter()
-        .find(|m| m.id == model)
+        .find(|m| m.id == model && state.auth.allows_model(&caller, &m.id))
         .map(|m| Json(model_object(&m.id, m.created_s, m.workers)))
         .ok_or_else(|| ApiError::unknown_model(&model))
 }

@@ -42,8 +42,14 @@ pub fn new_job_id() -> String {
     uuid::Uuid::now_v7().hyphenated().to_string()
 }
 
-/// The job for `request`.
-pub fn build_job(id: &str, request: &InferenceRequest, now_ms: u64, deadline_ms: u64) -> Job {
+/// The job for `request`, submitted for `tenant`.
+pub fn build_job(
+    id: &str,
+    request: &InferenceRequest,
+    tenant: &str,
+    now_ms: u64,
+    deadline_ms: u64,
+) -> Job {
     Job {
         v: PROTOCOL_VERSION,
         id: id.to_string(),
@@ -55,6 +61,7 @@ pub fn build_job(id: &str, request: &InferenceRequest, now_ms: u64, deadline_ms:
         submitted_ms: now_ms,
         deadline_ms: Some(deadline_ms),
         slo: None,
+        tenant: Some(tenant.to_string()),
     }
 }
 
@@ -363,7 +370,11 @@ pub fn refusal(decision: &Decision) -> ResultError {
                 | "empty_model"
                 | "zero_max_tokens"
                 | "too_many_tokens"
-                | "request_not_object",
+                | "request_not_object"
+                | "model_control_char"
+                | "model_too_long"
+                | "bad_slo"
+                | "bad_tenant",
             ),
         ) => ErrorCode::InvalidJob,
         // A refusal the gateway does not know: no capacity is the safe reading (retryable).

@@ -56,6 +56,45 @@ pub struct Job {
     /// a job can only ask for better service, never excuse itself from it).
     #[serde(default)]
     pub slo: Option<crate::SloRequest>,
+    /// The tenant the job is submitted for (the gateway sets the tenant of the API key, or
+    /// [`ANONYMOUS_TENANT`] when anonymous access is enabled). `None` for clients that
+    /// submit on NATS directly without naming one. A short token (see [`check_tenant`]).
+    #[serde(default)]
+    pub tenant: Option<String>,
+}
+
+/// Longest accepted tenant name, in bytes.
+pub const MAX_TENANT_BYTES: usize = 64;
+
+/// The tenant of requests the gateway accepts without an API key (only when its
+/// `allow_anonymous` is on).
+pub const ANONYMOUS_TENANT: &str = "anonymous";
+
+/// A tenant name ends up in metric labels, logs and, later, in keys of the fairness
+/// counters: it must be a short token of ASCII letters, digits, `-` and `_` (a subject
+/// token, so it can also name a subject), at most [`MAX_TENANT_BYTES`] bytes.
+pub fn check_tenant(tenant: &str) -> Result<(), JobError> {
+    if tenant.is_empty() {
+        return Err(JobError::BadTenant("the tenant is empty".into()));
+    }
+    if tenant.len() > MAX_TENANT_BYTES {
+        return Err(JobError::BadTenant(format!(
+            "the tenant is {} bytes, longer than the limit of {MAX_TENANT_BYTES} bytes",
+            tenant.len()
+        )));
+    }
+    if let Some((at, c)) = tenant.char_indices().find(|(_, c)| c.is_control()) {
+        return Err(JobError::BadTenant(format!(
+            "the tenant contains a control character (U+{:04X} at byte {at})",
+            u32::from(c)
+        )));
+    }
+    if !is_subject_token(tenant) {
+        return Err(JobError::BadTenant(format!(
+            "{tenant:?} is not a token of ASCII letters, digits, '-' and '_'"
+        )));
+    }
+    Ok(())
 }
 
 /// Highest decode-rate floor a job may ask for: far above any GPU's single-stream rate, so
@@ -108,6 +147,8 @@ pub enum JobError {
     RequestNotObject,
     #[error("job slo: {0}")]
     BadSlo(String),
+    #[error("job tenant: {0}")]
+    BadTenant(String),
 }
 
 impl JobError {
@@ -125,6 +166,7 @@ impl JobError {
             JobError::TooManyTokens { .. } => "too_many_tokens",
             JobError::RequestNotObject => "request_not_object",
             JobError::BadSlo(_) => "bad_slo",
+            JobError::BadTenant(_) => "bad_tenant",
         }
     }
 }
@@ -192,6 +234,9 @@ impl Job {
         if !self.request.is_object() {
             return Err(JobError::RequestNotObject);
         }
+        if let Some(tenant) = &self.tenant {
+            check_tenant(tenant)?;
+        }
         if let Some(slo) = &self.slo {
             if slo.ttft_ms == Some(0) {
                 return Err(JobError::BadSlo("ttft_ms must be at least 1".into()));
@@ -249,6 +294,29 @@ mod tests {
         assert_eq!(job.model, "llama-3.1-8b");
         assert_eq!(job.kv_tokens(), 30);
         assert_eq!(job.deadline_ms, None);
+        assert_eq!(job.tenant, None, "a job without a tenant is valid");
+    }
+
+    #[test]
+    fn tenant_is_a_short_token() {
+        let mut v = job_json();
+        v["tenant"] = json!("acme-prod_2");
+        assert_eq!(parse(&v).unwrap().tenant.as_deref(), Some("acme-prod_2"));
+        for bad in [
+            "",
+            "a\nb",
+            "tab\there",
+            "has space",
+            "a.b",
+            &"t".repeat(MAX_TENANT_BYTES + 1),
+        ] {
+            v["tenant"] = json!(bad);
+            assert_eq!(parse(&v).unwrap_err().code(), "bad_tenant", "for {bad:?}");
+        }
+        assert!(check_tenant("a\u{7f}b")
+            .unwrap_err()
+            .to_string()
+            .contains("control character"));
     }
 
     #[test]

@@ -26,7 +26,10 @@ pub use decision::{
     CandidateScore, Decision, Outcome, Rejection, RejectionCode, TermName, TermScore,
 };
 pub use event::{CompletionEvent, CompletionOutcome};
-pub use job::{check_model_name, Endpoint, Job, JobError, JobLimits};
+pub use job::{
+    check_model_name, check_tenant, Endpoint, Job, JobError, JobLimits, ANONYMOUS_TENANT,
+    MAX_TENANT_BYTES,
+};
 pub use perf::{PerfCoefficients, Prediction, Slo, SloRequest};
 pub use result::{ErrorCode, FinalResult, ResultChunk, ResultError, Usage};
 pub use worker::{GpuStats, KvUsage, WorkerStatus};

@@ -200,8 +200,9 @@ impl Cluster {
 
     /// Start (or restart) the gateway.
     pub fn start_gateway(&mut self) {
+        // Loopback test cluster: no API keys, requests are served as tenant `anonymous`.
         let mut config = format!(
-            "listen = \"127.0.0.1:{}\"\nnats_url = \"{}\"\n",
+            "listen = \"127.0.0.1:{}\"\nnats_url = \"{}\"\nallow_anonymous = true\n",
             self.gateway_port,
             self.nats.url()
         );

@@ -35,20 +35,29 @@ pub struct Harness {
     pub buckets: Buckets,
     pub base: String,
     pub http: reqwest::Client,
+    /// Sent as `Authorization: Bearer` by the helpers ([`Harness::post`], the model list).
+    pub api_key: Option<String>,
     shutdown: CancellationToken,
     server: Option<tokio::task::JoinHandle<()>>,
     fake: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Harness {
-    /// NATS, the gateway (with `tweak` applied to its test configuration), the fake
-    /// dispatcher+worker, and one registered worker serving [`MODEL`].
+    /// NATS, the gateway (with `tweak` applied to its test configuration, which allows
+    /// anonymous access unless `tweak` turns it off), the fake dispatcher+worker, and one
+    /// registered worker serving [`MODEL`].
     pub async fn start(tweak: impl FnOnce(&mut Config)) -> Harness {
+        Harness::start_with_key(tweak, None).await
+    }
+
+    /// [`Harness::start`], the helpers sending `api_key` as a bearer token.
+    pub async fn start_with_key(tweak: impl FnOnce(&mut Config), api_key: Option<&str>) -> Harness {
         let nats = NatsServer::start().expect("nats-server");
         let mut config = Config {
             listen: "127.0.0.1:0".into(),
             nats_url: nats.url(),
             body_limit_bytes: 64 * 1024,
+            allow_anonymous: true,
             ..Config::default()
         };
         tweak(&mut config);
@@ -79,6 +88,7 @@ impl Harness {
             buckets,
             base,
             http,
+            api_key: api_key.map(String::from),
             shutdown,
             server: Some(server),
             fake: None,
@@ -124,10 +134,17 @@ impl Harness {
             .expect("worker status put");
     }
 
+    /// `request` with the harness's API key, when it has one.
+    pub fn authorized(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.api_key {
+            Some(key) => request.bearer_auth(key),
+            None => request,
+        }
+    }
+
     pub async fn listed_models(&self) -> Vec<String> {
         let body: Value = self
-            .http
-            .get(self.url("/v1/models"))
+            .authorized(self.http.get(self.url("/v1/models")))
             .send()
             .await
             .expect("GET /v1/models")
@@ -164,8 +181,7 @@ impl Harness {
     }
 
     pub async fn post(&self, path: &str, body: &Value) -> reqwest::Response {
-        self.http
-            .post(self.url(path))
+        self.authorized(self.http.post(self.url(path)))
             .json(body)
             .send()
             .await

@@ -282,6 +282,7 @@ pub fn job(id: &str, endpoint: Endpoint, max_tokens: u32, delay_ms: u64) -> Job 
         submitted_ms: metronome_protocol::time::unix_ms(),
         deadline_ms: None,
         slo: None,
+        tenant: None,
     }
 }
 

@@ -1,0 +1,539 @@
+//! API keys and tenants: who is calling, what they may use, and whether their limits admit
+//! one more request.
+//!
+//! A key is `mtk_` followed by 64 hex digits (32 bytes from the operating system's CSPRNG,
+//! `ring::rand::SystemRandom`). The configuration stores only its SHA-256 (`[[keys]]
+//! sha256 = ...`): a plain hash suffices because the key has 256 bits of entropy, so it
+//! cannot be guessed from its hash (a slow password hash protects only guessable secrets).
+//! A presented key is hashed and compared with every stored hash in constant time
+//! (`subtle`), with no early exit, so the time taken says nothing about which stored hash
+//! is nearest. A key's public id is the first 12 hex digits of its hash: logs carry that
+//! id and the tenant, never the key.
+//!
+//! Invariants: the key text is never logged, echoed in an error, or kept after hashing;
+//! without `allow_anonymous`, a request without a configured key is refused with 401. With
+//! it, a request without `Authorization` or with a bearer token that is no configured key
+//! is served as tenant `anonymous` (OpenAI clients always send some key, `api_key="unused"`
+//! in a demo), never as another tenant; a revoked key or a header that is not `Bearer` is
+//! refused with 401 either way.
+
+use std::sync::Mutex;
+use std::time::Instant;
+
+use axum::http::{header, HeaderMap};
+use metronome_protocol::ANONYMOUS_TENANT;
+use ring::rand::SecureRandom;
+use subtle::{ConditionallySelectable, ConstantTimeEq};
+
+use crate::config::{Config, TenantConfig};
+use crate::error::ApiError;
+use crate::limits::{Refusal, TenantLimiter};
+use crate::metrics::Metrics;
+
+/// Prefix of every key: recognisable in a leaked-secret scan, and in a config file where
+/// the key was pasted instead of its hash.
+pub const KEY_PREFIX: &str = "mtk_";
+/// Random bytes in a key.
+const KEY_RANDOM_BYTES: usize = 32;
+/// Hex digits of the hash that make a key's public id.
+const KEY_ID_HEX: usize = 12;
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A new key from the operating system's CSPRNG.
+pub fn generate_key() -> Result<String, ring::error::Unspecified> {
+    let mut bytes = [0u8; KEY_RANDOM_BYTES];
+    ring::rand::SystemRandom::new().fill(&mut bytes)?;
+    Ok(format!("{KEY_PREFIX}{}", hex(&bytes)))
+}
+
+fn digest(key: &str) -> [u8; 32] {
+    let d = ring::digest::digest(&ring::digest::SHA256, key.as_bytes());
+    let mut out = [0u8; 32];
+    out.copy_from_slice(d.as_ref());
+    out
+}
+
+/// The SHA-256 of `key`, as stored in `[[keys]] sha256`.
+pub fn key_sha256(key: &str) -> String {
+    hex(&digest(key))
+}
+
+/// Whether `s` is 64 lowercase hex digits.
+pub fn is_sha256_hex(s: &str) -> bool {
+    s.len() == 64
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+fn parse_sha256(s: &str) -> Option<[u8; 32]> {
+    if !is_sha256_hex(s) {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
+/// The public id of a key, from its hash: safe to log.
+pub fn key_id(sha256_hex: &str) -> &str {
+    &sha256_hex[..KEY_ID_HEX.min(sha256_hex.len())]
+}
+
+/// Why a request could not be authenticated (the metric's `reason` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuthFailure {
+    /// No `Authorization` header, and anonymous access is off.
+    Missing,
+    /// An `Authorization` header that is not `Bearer <key>`.
+    Malformed,
+    /// No configured key has this hash.
+    Invalid,
+    /// The key is configured but revoked.
+    Revoked,
+}
+
+impl AuthFailure {
+    pub fn reason(self) -> &'static str {
+        match self {
+            AuthFailure::Missing => "missing",
+            AuthFailure::Malformed => "malformed",
+            AuthFailure::Invalid => "invalid",
+            AuthFailure::Revoked => "revoked",
+        }
+    }
+
+    /// The 401; it never contains the presented key.
+    pub fn into_api_error(self) -> ApiError {
+        ApiError::unauthorized(match self {
+            AuthFailure::Missing => "missing API key: send `Authorization: Bearer <key>`",
+            AuthFailure::Malformed => "malformed Authorization header: expected `Bearer <key>`",
+            AuthFailure::Invalid => "incorrect API key provided",
+            AuthFailure::Revoked => "this API key has been revoked",
+        })
+    }
+}
+
+/// A tenant as served: its configuration and its buckets.
+#[derive(Debug)]
+struct Tenant {
+    config: TenantConfig,
+    limiter: Mutex<TenantLimiter>,
+}
+
+#[derive(Debug)]
+struct StoredKey {
+    hash: [u8; 32],
+    tenant: usize,
+    revoked: bool,
+    id: String,
+}
+
+/// The authenticated caller of one request.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    tenant: usize,
+    /// The tenant's name (written into the job).
+    pub tenant_name: String,
+    /// Public id of the key used; `None` for an anonymous caller.
+    pub key_id: Option<String>,
+}
+
+/// Keys, tenants and their limiters, built once from a validated configuration.
+#[derive(Debug)]
+pub struct Auth {
+    tenants: Vec<Tenant>,
+    keys: Vec<StoredKey>,
+    /// The tenant of requests without a key, when anonymous access is on.
+    anonymous: Option<usize>,
+    /// Origin of the monotonic milliseconds the limiters run on.
+    origin: Instant,
+}
+
+impl Auth {
+    /// From a configuration that passed [`Config::validate`] (keys of unknown tenants and
+    /// malformed hashes are skipped, which validation makes impossible).
+    pub fn new(config: &Config) -> Auth {
+        let mut tenants: Vec<TenantConfig> = config.tenants.clone();
+        let mut anonymous = None;
+        if config.allow_anonymous {
+            anonymous = Some(
+                match tenants.iter().position(|t| t.name == ANONYMOUS_TENANT) {
+                    Some(i) => i,
+                    None => {
+                        tenants.push(TenantConfig::unlimited(ANONYMOUS_TENANT));
+                        tenants.len() - 1
+                    }
+                },
+            );
+        }
+        let keys = config
+            .keys
+            .iter()
+            .filter_map(|k| {
+                Some(StoredKey {
+                    hash: parse_sha256(&k.sha256)?,
+                    tenant: tenants.iter().position(|t| t.name == k.tenant)?,
+                    revoked: k.revoked,
+                    id: key_id(&k.sha256).to_string(),
+                })
+            })
+            .collect();
+        Auth {
+            tenants: tenants
+                .into_iter()
+                .map(|config| Tenant {
+                    limiter: Mutex::new(TenantLimiter::new(&config, 0)),
+                    config,
+                })
+                .collect(),
+            keys,
+            anonymous,
+            origin: Instant::now(),
+        }
+    }
+
+    /// Milliseconds since this `Auth` was built (monotonic).
+    pub fn now_ms(&self) -> u64 {
+        self.origin.elapsed().as_millis() as u64
+    }
+
+    /// Whether any request can be served at all (a key or anonymous access).
+    pub fn admits_anyone(&self) -> bool {
+        self.anonymous.is_some() || self.keys.iter().any(|k| !k.revoked)
+    }
+
+    /// Who sends `headers`.
+    pub fn authenticate(&self, headers: &HeaderMap) -> Result<Caller, AuthFailure> {
+        let Some(value) = headers.get(header::AUTHORIZATION) else {
+            return match self.anonymous {
+                Some(tenant) => Ok(self.caller(tenant, None)),
+                None => Err(AuthFailure::Missing),
+            };
+        };
+        let value = value.to_str().map_err(|_| AuthFailure::Malformed)?.trim();
+        let (scheme, key) = value.split_once(' ').ok_or(AuthFailure::Malformed)?;
+        if !scheme.eq_ignore_ascii_case("bearer") {
+            return Err(AuthFailure::Malformed);
+        }
+        let presented = digest(key.trim());
+        // Every stored hash is compared, whatever matches, so the time taken does not
+        // depend on where (or whether) the key is found.
+        let mut found = u64::MAX;
+        for (i, stored) in self.keys.iter().enumerate() {
+            found.conditional_assign(&(i as u64), stored.hash.ct_eq(&presented));
+        }
+        let Some(stored) = self.keys.get(usize::try_from(found).unwrap_or(usize::MAX)) else {
+            return match self.anonymous {
+                Some(tenant) => Ok(self.caller(tenant, None)),
+                None => Err(AuthFailure::Invalid),
+            };
+        };
+        if stored.revoked {
+            return Err(AuthFailure::Revoked);
+        }
+        Ok(self.caller(stored.tenant, Some(stored.id.clone())))
+    }
+
+    fn caller(&self, tenant: usize, key_id: Option<String>) -> Caller {
+        Caller {
+            tenant,
+            tenant_name: self.tenants[tenant].config.name.clone(),
+            key_id,
+        }
+    }
+
+    /// Whether `caller`'s tenant may use `model`.
+    pub fn allows_model(&self, caller: &Caller, model: &str) -> bool {
+        self.tenants[caller.tenant].config.models.allows(model)
+    }
+
+    /// Charge one request of `tokens` to `caller`'s tenant at `now_ms`.
+    pub fn admit(&self, caller: &Caller, now_ms: u64, tokens: u64) -> Result<(), Refusal> {
+        self.tenants[caller.tenant]
+            .limiter
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .admit(now_ms, tokens)
+    }
+}
+
+/// [`Auth::authenticate`] as an HTTP answer, counting failures.
+pub fn authenticate(
+    auth: &Auth,
+    metrics: &Metrics,
+    headers: &HeaderMap,
+) -> Result<Caller, ApiError> {
+    match auth.authenticate(headers) {
+        Ok(caller) => Ok(caller),
+        Err(failure) => {
+            metrics.auth_failure(failure.reason());
+            tracing::debug!(reason = failure.reason(), "request not authenticated");
+            Err(failure.into_api_error())
+        }
+    }
+}
+
+/// The tenant's model check as an HTTP answer (403), counted.
+pub fn check_model(
+    auth: &Auth,
+    metrics: &Metrics,
+    caller: &Caller,
+    model: &str,
+) -> Result<(), ApiError> {
+    if auth.allows_model(caller, model) {
+        return Ok(());
+    }
+    metrics.tenant_rejection(&caller.tenant_name, "model_not_allowed");
+    Err(ApiError::model_not_allowed(model))
+}
+
+/// Charge one request of `tokens` to the caller's tenant now, or the 429, counted.
+pub fn charge(
+    auth: &Auth,
+    metrics: &Metrics,
+    caller: &Caller,
+    tokens: u64,
+) -> Result<(), ApiError> {
+    auth.admit(caller, auth.now_ms(), tokens).map_err(|refusal| {
+        metrics.tenant_rejection(&caller.tenant_name, refusal.reason());
+        tracing::debug!(tenant = %caller.tenant_name, reason = refusal.reason(), "tenant limit reached");
+        ApiError::rate_limited(&refusal)
+    })?;
+    metrics.tenant_tokens_admitted(&caller.tenant_name, tokens);
+    Ok(())
+}
+
+/// What `keys create` produces: the key (shown once) and the configuration to add.
+#[derive(Debug, Clone)]
+pub struct NewKey {
+    pub key: String,
+    pub sha256: String,
+    /// A `[[keys]]` entry.
+    pub key_toml: String,
+    /// A `[[tenants]]` entry, for a tenant not configured yet.
+    pub tenant_toml: String,
+}
+
+/// A new key for `tenant` and the configuration lines for it. `tenant` is validated as a
+/// whole configuration would be, so what is printed is accepted when added.
+pub fn create_key(tenant: &TenantConfig, note: Option<&str>) -> Result<NewKey, String> {
+    let key = generate_key().map_err(|_| "the operating system's random source failed")?;
+    let sha256 = key_sha256(&key);
+    let entry = crate::config::KeyConfig {
+        tenant: tenant.name.clone(),
+        sha256: sha256.clone(),
+        note: note.map(String::from),
+        revoked: false,
+    };
+    let config = Config {
+        tenants: vec![tenant.clone()],
+        keys: vec![entry.clone()],
+        ..Config::default()
+    };
+    if let Err(errors) = config.validate() {
+        return Err(errors
+            .iter()
+            .map(|e| e.to_string())
+            .collect::<Vec<_>>()
+            .join("; "));
+    }
+    #[derive(serde::Serialize)]
+    struct Tenants<'a> {
+        tenants: [&'a TenantConfig; 1],
+    }
+    #[derive(serde::Serialize)]
+    struct Keys<'a> {
+        keys: [&'a crate::config::KeyConfig; 1],
+    }
+    Ok(NewKey {
+        key,
+        key_toml: render(&Keys { keys: [&entry] }),
+        tenant_toml: render(&Tenants { tenants: [tenant] }),
+        sha256,
+    })
+}
+
+fn render<T: serde::Serialize>(value: &T) -> String {
+    toml::to_string(value).unwrap_or_else(|e| format!("# cannot render: {e}\n"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{KeyConfig, ModelList};
+    use axum::http::HeaderValue;
+
+    fn bearer(key: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_str(&format!("Bearer {key}")).unwrap(),
+        );
+        h
+    }
+
+    fn config(keys: &[(&str, &str, bool)], anonymous: bool) -> Config {
+        Config {
+            allow_anonymous: anonymous,
+            tenants: vec![
+                TenantConfig {
+                    models: ModelList::Only(vec!["m1".into()]),
+                    ..TenantConfig::unlimited("acme")
+                },
+                TenantConfig::unlimited("beta"),
+            ],
+            keys: keys
+                .iter()
+                .map(|(tenant, key, revoked)| KeyConfig {
+                    tenant: tenant.to_string(),
+                    sha256: key_sha256(key),
+                    note: None,
+                    revoked: *revoked,
+                })
+                .collect(),
+            ..Config::default()
+        }
+    }
+
+    #[test]
+    fn generated_keys_are_distinct_prefixed_and_hash_to_valid_entries() {
+        let a = generate_key().unwrap();
+        let b = generate_key().unwrap();
+        assert_ne!(a, b);
+        assert!(a.starts_with(KEY_PREFIX) && a.len() == KEY_PREFIX.len() + 64);
+        assert!(is_sha256_hex(&key_sha256(&a)));
+        assert_eq!(
+            key_sha256("abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        assert_eq!(key_id(&key_sha256("abc")), "ba7816bf8f01");
+    }
+
+    #[test]
+    fn keys_map_to_their_tenants_and_everything_else_is_refused() {
+        let c = config(
+            &[
+                ("acme", "k-a", false),
+                ("beta", "k-b", false),
+                ("beta", "k-old", true),
+            ],
+            false,
+        );
+        c.validate().unwrap();
+        let auth = Auth::new(&c);
+        assert_eq!(
+            auth.authenticate(&bearer("k-a")).unwrap().tenant_name,
+            "acme"
+        );
+        let b = auth.authenticate(&bearer("k-b")).unwrap();
+        assert_eq!(b.tenant_name, "beta");
+        assert_eq!(b.key_id.as_deref(), Some(key_id(&key_sha256("k-b"))));
+        assert_eq!(
+            auth.authenticate(&bearer("k-c")).unwrap_err(),
+            AuthFailure::Invalid
+        );
+        assert_eq!(
+            auth.authenticate(&bearer("k-old")).unwrap_err(),
+            AuthFailure::Revoked
+        );
+        assert_eq!(
+            auth.authenticate(&HeaderMap::new()).unwrap_err(),
+            AuthFailure::Missing
+        );
+        let mut basic = HeaderMap::new();
+        basic.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic k-a"));
+        assert_eq!(
+            auth.authenticate(&basic).unwrap_err(),
+            AuthFailure::Malformed
+        );
+        let mut lower = HeaderMap::new();
+        lower.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("bearer k-a"),
+        );
+        assert!(
+            auth.authenticate(&lower).is_ok(),
+            "the scheme is case-insensitive"
+        );
+    }
+
+    #[test]
+    fn anonymous_only_without_a_header_and_only_when_enabled() {
+        let auth = Auth::new(&config(&[("acme", "k-a", false)], true));
+        let anon = auth.authenticate(&HeaderMap::new()).unwrap();
+        assert_eq!(anon.tenant_name, ANONYMOUS_TENANT);
+        assert_eq!(anon.key_id, None);
+        assert!(auth.allows_model(&anon, "anything"));
+        assert_eq!(
+            auth.authenticate(&bearer("unused")).unwrap().tenant_name,
+            ANONYMOUS_TENANT,
+            "an unknown key is anonymous, never another tenant"
+        );
+        assert_eq!(
+            auth.authenticate(&bearer("k-a")).unwrap().tenant_name,
+            "acme"
+        );
+        let auth = Auth::new(&config(&[("acme", "k-old", true)], true));
+        assert_eq!(
+            auth.authenticate(&bearer("k-old")).unwrap_err(),
+            AuthFailure::Revoked,
+            "a revoked key is refused even with anonymous access"
+        );
+        let closed = Auth::new(&config(&[], false));
+        assert!(!closed.admits_anyone());
+        assert!(auth.admits_anyone());
+    }
+
+    #[test]
+    fn models_are_checked_per_tenant() {
+        let auth = Auth::new(&config(
+            &[("acme", "k-a", false), ("beta", "k-b", false)],
+            false,
+        ));
+        let a = auth.authenticate(&bearer("k-a")).unwrap();
+        let b = auth.authenticate(&bearer("k-b")).unwrap();
+        assert!(auth.allows_model(&a, "m1") && !auth.allows_model(&a, "m2"));
+        assert!(auth.allows_model(&b, "m2"), "\"*\" allows every model");
+    }
+
+    #[test]
+    fn errors_never_contain_the_key() {
+        for f in [
+            AuthFailure::Missing,
+            AuthFailure::Malformed,
+            AuthFailure::Invalid,
+            AuthFailure::Revoked,
+        ] {
+            let e = f.into_api_error();
+            assert_eq!(e.status.as_u16(), 401);
+            assert_eq!(e.code, Some("invalid_api_key"));
+            assert!(!e.message.contains("mtk_"));
+        }
+    }
+
+    #[test]
+    fn created_entries_parse_back_into_a_valid_configuration() {
+        let tenant = TenantConfig {
+            models: ModelList::Only(vec!["a".into(), "b".into()]),
+            requests_per_second: Some(5.0),
+            ..TenantConfig::unlimited("acme")
+        };
+        let new = create_key(&tenant, Some("ci")).unwrap();
+        let text = format!("{}\n{}", new.tenant_toml, new.key_toml);
+        assert!(!text.contains(&new.key));
+        let c = Config::from_toml(&text, "t").unwrap();
+        assert_eq!(c.validate(), Ok(()));
+        assert_eq!(c.tenants, vec![tenant]);
+        let auth = Auth::new(&c);
+        assert_eq!(
+            auth.authenticate(&bearer(&new.key)).unwrap().tenant_name,
+            "acme"
+        );
+        assert!(create_key(&TenantConfig::unlimited("bad name"), None).is_err());
+    }
+}

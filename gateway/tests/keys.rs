@@ -1,0 +1,394 @@
+//! API keys, tenants and their limits, against a real nats-server: 401 without a valid
+//! key, 403 for a model outside the tenant's list, 429 with `Retry-After` over its limits,
+//! the tenant in the published job, and `keys create` end to end.
+
+mod support;
+
+use futures::StreamExt;
+use metronome_gateway::auth::key_sha256;
+use metronome_gateway::{Config, KeyConfig, ModelList, TenantConfig};
+use metronome_protocol::names::SUBJECT_JOBS_SUBMIT;
+use serde_json::{json, Value};
+use support::*;
+
+const ACME_KEY: &str = "mtk_test_acme";
+const BETA_KEY: &str = "mtk_test_beta";
+const REVOKED_KEY: &str = "mtk_test_revoked";
+const SLOW_KEY: &str = "mtk_test_slow";
+const FRUGAL_KEY: &str = "mtk_test_frugal";
+
+fn key(tenant: &str, key: &str, revoked: bool) -> KeyConfig {
+    KeyConfig {
+        tenant: tenant.into(),
+        sha256: key_sha256(key),
+        note: None,
+        revoked,
+    }
+}
+
+/// Tenants: `acme` (only [`MODEL`]), `beta` (only another model), `slow` (one request per
+/// 1000 s), `frugal` (30 tokens per minute). Anonymous access stays at its default (off).
+fn tenants(c: &mut Config) {
+    c.allow_anonymous = Config::default().allow_anonymous;
+    c.tenants = vec![
+        TenantConfig {
+            models: ModelList::Only(vec![MODEL.into()]),
+            ..TenantConfig::unlimited("acme")
+        },
+        TenantConfig {
+            models: ModelList::Only(vec!["other-model".into()]),
+            ..TenantConfig::unlimited("beta")
+        },
+        TenantConfig {
+            requests_per_second: Some(0.001),
+            burst: Some(1),
+            ..TenantConfig::unlimited("slow")
+        },
+        TenantConfig {
+            tokens_per_minute: Some(30),
+            ..TenantConfig::unlimited("frugal")
+        },
+    ];
+    c.keys = vec![
+        key("acme", ACME_KEY, false),
+        key("beta", BETA_KEY, false),
+        key("beta", REVOKED_KEY, true),
+        key("slow", SLOW_KEY, false),
+        key("frugal", FRUGAL_KEY, false),
+    ];
+}
+
+async fn post_as(h: &Harness, key: Option<&str>, body: &Value) -> reqwest::Response {
+    let request = h.http.post(h.url("/v1/chat/completions")).json(body);
+    match key {
+        Some(k) => request.bearer_auth(k),
+        None => request,
+    }
+    .send()
+    .await
+    .expect("request sent")
+}
+
+async fn models_as(h: &Harness, key: Option<&str>) -> reqwest::Response {
+    let request = h.http.get(h.url("/v1/models"));
+    match key {
+        Some(k) => request.bearer_auth(k),
+        None => request,
+    }
+    .send()
+    .await
+    .expect("request sent")
+}
+
+async fn metrics(h: &Harness) -> String {
+    h.http
+        .get(h.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn without_a_key_every_openai_endpoint_is_401_and_anonymous_is_off_by_default() {
+    assert!(!Config::default().allow_anonymous);
+    let h = Harness::start_with_key(tenants, Some(ACME_KEY)).await;
+    let resp = post_as(&h, None, &chat_body("hello", false)).await;
+    assert_eq!(
+        resp.headers()["www-authenticate"],
+        "Bearer realm=\"metronome\""
+    );
+    let error = assert_openai_error(resp, 401, "invalid_request_error").await;
+    assert_eq!(error["code"], "invalid_api_key");
+    assert!(error["param"].is_null());
+    let resp = models_as(&h, None).await;
+    assert_eq!(resp.status(), 401);
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "invalid_api_key");
+    // Probes and metrics stay open.
+    for path in ["/healthz", "/metrics"] {
+        let resp = h.http.get(h.url(path)).send().await.unwrap();
+        assert_eq!(resp.status(), 200, "{path}");
+    }
+    let readyz = h.http.get(h.url("/readyz")).send().await.unwrap();
+    assert_ne!(readyz.status(), 401);
+    let text = metrics(&h).await;
+    assert!(
+        text.contains("metronome_gateway_auth_failures_total{reason=\"missing\"} 2"),
+        "{text}"
+    );
+    assert!(
+        text.contains("metronome_gateway_jobs_submitted_total 0"),
+        "nothing published"
+    );
+}
+
+#[tokio::test]
+async fn a_wrong_revoked_or_malformed_key_is_401_and_never_echoed() {
+    let h = Harness::start_with_key(tenants, Some(ACME_KEY)).await;
+    let wrong = "mtk_not_a_configured_key_0123456789";
+    for (key, message) in [
+        (wrong, "incorrect API key"),
+        (REVOKED_KEY, "revoked"),
+        (&format!("{ACME_KEY}x") as &str, "incorrect API key"),
+    ] {
+        let resp = post_as(&h, Some(key), &chat_body("hello", false)).await;
+        let raw = resp.text().await.unwrap();
+        assert!(!raw.contains(key), "the key is not echoed: {raw}");
+        let body: Value = serde_json::from_str(&raw).unwrap();
+        assert_eq!(body["error"]["code"], "invalid_api_key");
+        assert!(
+            body["error"]["message"].as_str().unwrap().contains(message),
+            "{body}"
+        );
+    }
+    let resp = h
+        .http
+        .post(h.url("/v1/chat/completions"))
+        .header("authorization", format!("Basic {ACME_KEY}"))
+        .json(&chat_body("hello", false))
+        .send()
+        .await
+        .unwrap();
+    let error = assert_openai_error(resp, 401, "invalid_request_error").await;
+    assert_eq!(error["code"], "invalid_api_key");
+    let text = metrics(&h).await;
+    for line in [
+        "metronome_gateway_auth_failures_total{reason=\"invalid\"} 2",
+        "metronome_gateway_auth_failures_total{reason=\"revoked\"} 1",
+        "metronome_gateway_auth_failures_total{reason=\"malformed\"} 1",
+    ] {
+        assert!(text.contains(line), "{line} in {text}");
+    }
+}
+
+#[tokio::test]
+async fn a_valid_key_publishes_the_job_with_its_tenant_and_lists_only_its_models() {
+    let h = Harness::start_with_key(tenants, Some(ACME_KEY)).await;
+    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT).await.unwrap();
+    sync_subscriptions(&h.client).await;
+    let resp = post_as(&h, Some(ACME_KEY), &chat_body("hello", false)).await;
+    assert_eq!(resp.status(), 200);
+    let body: Value = resp.json().await.unwrap();
+    assert_eq!(body["choices"][0]["message"]["content"], "Hello");
+    let message = tokio::time::timeout(WAIT, submitted.next())
+        .await
+        .unwrap()
+        .unwrap();
+    let job: metronome_protocol::Job = serde_json::from_slice(&message.payload).unwrap();
+    assert_eq!(job.tenant.as_deref(), Some("acme"));
+    job.validate(&Default::default()).expect("a valid job");
+    assert!(
+        !String::from_utf8_lossy(&message.payload).contains(ACME_KEY),
+        "the key does not travel in the job"
+    );
+    // The model list is the tenant's.
+    let listed = |resp: reqwest::Response| async move {
+        let body: Value = resp.json().await.unwrap();
+        body["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap().to_string())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        listed(models_as(&h, Some(ACME_KEY)).await).await,
+        [MODEL.to_string()]
+    );
+    assert!(listed(models_as(&h, Some(BETA_KEY)).await).await.is_empty());
+    let one = h
+        .http
+        .get(h.url(&format!("/v1/models/{MODEL}")))
+        .bearer_auth(BETA_KEY)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(one.status(), 404, "a model outside the list is not shown");
+    let text = metrics(&h).await;
+    assert!(text.contains("metronome_gateway_tenant_requests_total{tenant=\"acme\"} 1"));
+    assert!(text.contains("metronome_gateway_tenant_admitted_tokens_total{tenant=\"acme\"}"));
+}
+
+#[tokio::test]
+async fn a_model_outside_the_tenants_list_is_403() {
+    let h = Harness::start_with_key(tenants, Some(ACME_KEY)).await;
+    for model in [MODEL, "not-served-anywhere"] {
+        let mut body = chat_body("hello", false);
+        body["model"] = json!(model);
+        let resp = post_as(&h, Some(BETA_KEY), &body).await;
+        let error = assert_openai_error(resp, 403, "invalid_request_error").await;
+        assert_eq!(error["code"], "model_not_allowed", "{model}");
+        assert_eq!(error["param"], "model");
+    }
+    let text = metrics(&h).await;
+    assert!(text.contains(
+        "metronome_gateway_tenant_rejections_total{tenant=\"beta\",reason=\"model_not_allowed\"} 2"
+    ));
+    assert!(text.contains("metronome_gateway_jobs_submitted_total 0"));
+}
+
+fn retry_after(resp: &reqwest::Response) -> u64 {
+    resp.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn over_the_tenants_limits_is_429_with_retry_after() {
+    let h = Harness::start_with_key(tenants, Some(ACME_KEY)).await;
+    // Requests: a burst of one, then one per 1000 s.
+    let ok = post_as(&h, Some(SLOW_KEY), &chat_body("hello", false)).await;
+    assert_eq!(ok.status(), 200);
+    let resp = post_as(&h, Some(SLOW_KEY), &chat_body("hello", false)).await;
+    let wait = retry_after(&resp);
+    assert!((1..=1000).contains(&wait), "{wait}");
+    let error = assert_openai_error(resp, 429, "rate_limit_error").await;
+    assert_eq!(error["code"], "rate_limit_exceeded");
+    // Tokens: 30 per minute; a request costs 9 (prompt estimate) + 16 (max_tokens).
+    let ok = post_as(&h, Some(FRUGAL_KEY), &chat_body("hello", false)).await;
+    assert_eq!(ok.status(), 200);
+    let resp = post_as(&h, Some(FRUGAL_KEY), &chat_body("hello", false)).await;
+    let wait = retry_after(&resp);
+    assert!((1..=60).contains(&wait), "{wait}");
+    let error = assert_openai_error(resp, 429, "rate_limit_error").await;
+    assert_eq!(error["code"], "rate_limit_exceeded");
+    assert!(error["message"]
+        .as_str()
+        .unwrap()
+        .contains("tokens per minute"));
+    // A request larger than a minute's budget can never fit: no Retry-After.
+    let mut big = chat_body("hello", false);
+    big["max_tokens"] = json!(1000);
+    let resp = post_as(&h, Some(FRUGAL_KEY), &big).await;
+    assert!(!resp.headers().contains_key("retry-after"));
+    let error = assert_openai_error(resp, 429, "rate_limit_error").await;
+    assert_eq!(error["param"], "max_tokens");
+    // Other tenants are not affected.
+    let ok = post_as(&h, Some(ACME_KEY), &chat_body("hello", false)).await;
+    assert_eq!(ok.status(), 200);
+    let text = metrics(&h).await;
+    for line in [
+        "metronome_gateway_tenant_rejections_total{tenant=\"slow\",reason=\"requests_per_second\"} 1",
+        "metronome_gateway_tenant_rejections_total{tenant=\"frugal\",reason=\"tokens_per_minute\"} 1",
+        "metronome_gateway_tenant_rejections_total{tenant=\"frugal\",reason=\"request_too_large\"} 1",
+        "metronome_gateway_tenant_admitted_tokens_total{tenant=\"frugal\"} 25",
+    ] {
+        assert!(text.contains(line), "{line} in {text}");
+    }
+}
+
+#[tokio::test]
+async fn anonymous_access_when_enabled_runs_as_tenant_anonymous() {
+    let h = Harness::start(|c| {
+        tenants(c);
+        c.allow_anonymous = true;
+        c.tenants.push(TenantConfig {
+            models: ModelList::Only(vec![MODEL.into()]),
+            ..TenantConfig::unlimited("anonymous")
+        });
+    })
+    .await;
+    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT).await.unwrap();
+    sync_subscriptions(&h.client).await;
+    let resp = post_as(&h, None, &chat_body("hello", false)).await;
+    assert_eq!(resp.status(), 200);
+    let message = tokio::time::timeout(WAIT, submitted.next())
+        .await
+        .unwrap()
+        .unwrap();
+    let job: metronome_protocol::Job = serde_json::from_slice(&message.payload).unwrap();
+    assert_eq!(job.tenant.as_deref(), Some("anonymous"));
+    // OpenAI clients always send a key: an unknown one is anonymous too, a revoked one
+    // is refused, a configured one keeps its tenant.
+    let resp = post_as(&h, Some("unused"), &chat_body("hello", false)).await;
+    assert_eq!(resp.status(), 200);
+    let message = tokio::time::timeout(WAIT, submitted.next())
+        .await
+        .unwrap()
+        .unwrap();
+    let job: metronome_protocol::Job = serde_json::from_slice(&message.payload).unwrap();
+    assert_eq!(job.tenant.as_deref(), Some("anonymous"));
+    let resp = post_as(&h, Some(REVOKED_KEY), &chat_body("hello", false)).await;
+    assert_openai_error(resp, 401, "invalid_request_error").await;
+    let resp = post_as(&h, Some(BETA_KEY), &chat_body("hello", false)).await;
+    let error = assert_openai_error(resp, 403, "invalid_request_error").await;
+    assert_eq!(error["code"], "model_not_allowed");
+}
+
+/// Runs `metronome-gateway keys create` and returns its standard output.
+fn keys_create(args: &[&str]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_metronome-gateway"))
+        .args(["keys", "create"])
+        .args(args)
+        .output()
+        .expect("metronome-gateway runs");
+    assert!(
+        out.status.success(),
+        "keys create failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[tokio::test]
+async fn keys_create_prints_a_key_that_then_authenticates() {
+    let stdout = keys_create(&["--tenant", "cli", "--models", MODEL, "--note", "test"]);
+    let (key, config_lines) = stdout.split_once('\n').unwrap();
+    assert!(key.starts_with("mtk_") && key.len() == 68, "{key}");
+    assert!(
+        !config_lines.contains(key),
+        "only the hash is in the config lines"
+    );
+    assert!(config_lines.contains(&key_sha256(key)));
+    let printed = Config::from_toml(config_lines, "stdout").expect("the lines are TOML");
+    printed
+        .validate()
+        .expect("the lines are a valid configuration");
+    let h = Harness::start_with_key(
+        |c| {
+            c.allow_anonymous = false;
+            c.tenants = printed.tenants.clone();
+            c.keys = printed.keys.clone();
+        },
+        Some(key),
+    )
+    .await;
+    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT).await.unwrap();
+    sync_subscriptions(&h.client).await;
+    let resp = h
+        .post("/v1/chat/completions", &chat_body("hello", false))
+        .await;
+    assert_eq!(resp.status(), 200);
+    let message = tokio::time::timeout(WAIT, submitted.next())
+        .await
+        .unwrap()
+        .unwrap();
+    let job: metronome_protocol::Job = serde_json::from_slice(&message.payload).unwrap();
+    assert_eq!(job.tenant.as_deref(), Some("cli"));
+
+    // --append: the key alone on stdout, the entries in the file (the tenant once).
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("gateway.toml");
+    std::fs::write(&file, "allow_anonymous = false\n").unwrap();
+    let first = keys_create(&["--tenant", "cli", "--append", file.to_str().unwrap()]);
+    let second = keys_create(&["--tenant", "cli", "--append", file.to_str().unwrap()]);
+    assert_eq!(first.lines().count(), 1);
+    let (first, second) = (first.trim(), second.trim());
+    let saved = Config::load_valid(Some(&file), |_| None).expect("the file stays valid");
+    assert_eq!(saved.tenants.len(), 1);
+    assert_eq!(
+        saved
+            .keys
+            .iter()
+            .map(|k| k.sha256.clone())
+            .collect::<Vec<_>>(),
+        [key_sha256(first), key_sha256(second)]
+    );
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(!text.contains(first) && !text.contains(second));
+}
