@@ -17,15 +17,19 @@ pub enum CliError {
     NotFound(String),
     #[error("{0}")]
     Usage(String),
+    /// A wait (`drain --wait`) ran out of time.
+    #[error("{0}")]
+    TimedOut(String),
 }
 
 impl CliError {
-    /// 1: not found (a script's "no such job"); 2: bad usage; 3: the system could not be
-    /// reached or read.
+    /// 1: not found (a script's "no such job", "no such worker"); 2: bad usage; 3: the
+    /// system could not be reached or read; 4: a wait ran out of time.
     pub fn exit_code(&self) -> u8 {
         match self {
             CliError::NotFound(_) => 1,
             CliError::Usage(_) => 2,
+            CliError::TimedOut(_) => 4,
             _ => 3,
         }
     }

@@ -7,6 +7,7 @@
 //! fixed inputs; [`run`] glues one command to its view and returns what to print.
 
 pub mod decisions;
+pub mod drain;
 pub mod error;
 pub mod explain;
 pub mod fmt;
@@ -28,8 +29,8 @@ use source::Nats;
 /// and why any one request went where it went.
 ///
 /// Talks only the NATS contract of docs/PROTOCOL.md; tables for people, `--json` for
-/// scripts. Exit codes: 0 ok, 1 not found (unknown job id), 2 bad usage, 3 NATS or Redis
-/// unreachable or unreadable.
+/// scripts. Exit codes: 0 ok, 1 not found (unknown job id or worker), 2 bad usage, 3 NATS
+/// or Redis unreachable or unreadable, 4 `drain --wait` timed out.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "metronome", version, about, long_about)]
 pub struct Cli {
@@ -100,6 +101,23 @@ pub enum Command {
         #[arg(long, default_value_t = 10_000)]
         scan: u64,
     },
+    /// Stop new work to a worker (its running jobs finish): asks its agent on
+    /// `control.<worker_id>.drain`. With --wait, polls until no job runs there.
+    Drain {
+        /// The worker id (as in `metronome workers`).
+        worker: String,
+        /// Wait until the worker's running jobs have finished.
+        #[arg(long)]
+        wait: bool,
+        /// Give up waiting after this many seconds (exit 1).
+        #[arg(long, default_value_t = 600)]
+        timeout_s: u64,
+    },
+    /// Let a drained worker take new work again (`control.<worker_id>.undrain`).
+    Undrain {
+        /// The worker id.
+        worker: String,
+    },
     /// The story of one job: SLO, queue wait, every candidate with its seven terms (raw,
     /// normalised, weight, contribution) and prediction, why every other worker was not
     /// eligible, the winner's margin, then what actually happened next to what was
@@ -155,6 +173,19 @@ pub async fn run(cli: Cli, out: &mut (dyn Write + Send)) -> Result<(), CliError>
                 to_json(&views)?
             } else {
                 workers::table(&views)
+            }
+        }
+        Command::Drain {
+            worker,
+            wait,
+            timeout_s,
+        } => return drain_cmd(&nats, &worker, wait, timeout_s, json, out).await,
+        Command::Undrain { worker } => {
+            let r = control(&nats, &worker, names::CONTROL_UNDRAIN).await?;
+            if json {
+                to_json(&r)?
+            } else {
+                drain::line(&r) + "\n"
             }
         }
         Command::Decisions {
@@ -340,4 +371,73 @@ async fn decisions_cmd(
         }
     }
     Ok(())
+}
+
+/// One control request to a worker-agent; [`CliError::NotFound`] when no agent answers.
+pub async fn control(
+    nats: &Nats,
+    worker: &str,
+    action: &str,
+) -> Result<metronome_protocol::ControlReply, CliError> {
+    if !names::is_subject_token(worker) {
+        return Err(CliError::Usage(format!(
+            "{worker:?} is not a worker id (letters, digits, '-' and '_' only)"
+        )));
+    }
+    let subject = names::control_subject(worker, action);
+    let reply = match tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        nats.client.request(subject.clone(), bytes::Bytes::new()),
+    )
+    .await
+    {
+        Ok(Ok(m)) => m,
+        Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+            return Err(CliError::NotFound(format!(
+                "no worker-agent answers on {subject}: {worker} is not running (see `metronome workers`)"
+            )))
+        }
+        Ok(Err(e)) => return Err(CliError::Nats(format!("{subject}: {e}"))),
+        Err(_) => return Err(CliError::Nats(format!("{subject}: no answer within 5 s"))),
+    };
+    serde_json::from_slice(&reply.payload).map_err(|e| CliError::Decode {
+        what: format!("the answer on {subject}"),
+        message: e.to_string(),
+    })
+}
+
+async fn drain_cmd(
+    nats: &Nats,
+    worker: &str,
+    wait: bool,
+    timeout_s: u64,
+    json: bool,
+    out: &mut (dyn Write + Send),
+) -> Result<(), CliError> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(timeout_s);
+    let mut last_line = String::new();
+    loop {
+        let r = control(nats, worker, names::CONTROL_DRAIN).await?;
+        let line = if json {
+            serde_json::to_string(&r).map_err(|e| CliError::Usage(format!("encoding JSON: {e}")))?
+        } else {
+            drain::line(&r)
+        };
+        if line != last_line {
+            writeln!(out, "{line}")
+                .and_then(|()| out.flush())
+                .map_err(|e| CliError::Usage(format!("writing output: {e}")))?;
+            last_line = line;
+        }
+        if !wait || r.running == 0 {
+            return Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(CliError::TimedOut(format!(
+                "{worker} still runs {} job(s) after {timeout_s} s; it stays draining",
+                r.running
+            )));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
 }

@@ -460,7 +460,14 @@ async fn decisions_workers_and_status_read_the_contract() {
 
 #[test]
 fn every_subcommand_has_help() {
-    for sub in ["status", "workers", "decisions", "explain"] {
+    for sub in [
+        "status",
+        "workers",
+        "decisions",
+        "explain",
+        "drain",
+        "undrain",
+    ] {
         let out = Command::new(env!("CARGO_BIN_EXE_metronome"))
             .args([sub, "--help"])
             .output()
@@ -473,4 +480,69 @@ fn every_subcommand_has_help() {
         );
         assert!(text.contains("[env: NATS_URL="), "{sub}: {text}");
     }
+}
+
+/// Drain and undrain speak the worker-agent's control contract; here the test answers as
+/// the agent would (worker-agent/tests/control.rs covers the agent's side).
+#[tokio::test]
+async fn drain_waits_until_the_workers_jobs_have_finished() {
+    use futures::StreamExt;
+    let env = env().await;
+    let client = async_nats::connect(env.nats.url()).await.unwrap();
+    let mut sub = client
+        .subscribe(names::control_subject_all("n1-gpu3"))
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    let agent = client.clone();
+    tokio::spawn(async move {
+        // Two jobs finish one per request; then nothing runs.
+        let mut running: Vec<String> = vec!["a".into(), "b".into()];
+        let mut draining = false;
+        while let Some(m) = sub.next().await {
+            match m.subject.rsplit('.').next() {
+                Some("drain") => draining = true,
+                Some("undrain") => draining = false,
+                _ => {}
+            }
+            let reply = ControlReply {
+                v: 1,
+                worker_id: "n1-gpu3".into(),
+                draining,
+                running: running.len() as u32,
+                in_flight: running.clone(),
+                error: None,
+            };
+            running.pop();
+            agent
+                .publish(m.reply.unwrap(), serde_json::to_vec(&reply).unwrap().into())
+                .await
+                .unwrap();
+        }
+    });
+
+    let text = env
+        .cli(&["drain", "n1-gpu3", "--wait"])
+        .await
+        .expect("drain");
+    assert_eq!(
+        text,
+        "n1-gpu3: draining, 2 job(s) still running: a, b\n\
+         n1-gpu3: draining, 1 job(s) still running: a\n\
+         n1-gpu3: drained, no job running\n"
+    );
+    let json = env
+        .cli(&["--json", "undrain", "n1-gpu3"])
+        .await
+        .expect("undrain");
+    let r: ControlReply = serde_json::from_str(&json).expect("undrain --json parses");
+    assert!(!r.draining);
+
+    let err = env.cli(&["drain", "nobody"]).await.unwrap_err();
+    assert_eq!(err.exit_code(), 1);
+    assert!(
+        err.to_string()
+            .contains("no worker-agent answers on control.nobody.drain"),
+        "{err}"
+    );
 }
