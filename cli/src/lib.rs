@@ -276,7 +276,7 @@ pub async fn status(
     let now = unix_ms();
     let leader = nats.leader().await?;
     let jobs_waiting = nats.jobs_waiting().await?;
-    let recent = nats
+    let recent: Vec<status::Brief> = nats
         .decisions_since(now.saturating_sub(window_s * 1000), 200_000)
         .await?;
     let (views, _) = worker_views(nats, stale_after_ms, None, "").await?;

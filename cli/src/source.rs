@@ -128,12 +128,13 @@ impl Nats {
         Ok(found)
     }
 
-    /// Decisions stored since `since_ms` (at most `budget`), oldest first.
-    pub async fn decisions_since(
+    /// Decisions stored since `since_ms` (at most `budget`), oldest first, decoded as `T`
+    /// (a whole [`Decision`] or only the fields a view needs).
+    pub async fn decisions_since<T: DeserializeOwned>(
         &self,
         since_ms: u64,
         budget: usize,
-    ) -> Result<Vec<Decision>, CliError> {
+    ) -> Result<Vec<T>, CliError> {
         let policy = by_start_time(since_ms)?;
         self.decisions_from(policy, budget).await
     }
@@ -163,11 +164,11 @@ impl Nats {
         .await
     }
 
-    async fn decisions_from(
+    async fn decisions_from<T: DeserializeOwned>(
         &self,
         policy: consumer::DeliverPolicy,
         budget: usize,
-    ) -> Result<Vec<Decision>, CliError> {
+    ) -> Result<Vec<T>, CliError> {
         let mut out = Vec::new();
         self.scan(
             STREAM_DECISIONS,
@@ -177,7 +178,7 @@ impl Nats {
             |payload| {
                 // A record this version cannot read is skipped, not fatal: the stream outlives
                 // any one version of the CLI.
-                if let Ok(d) = serde_json::from_slice::<Decision>(payload) {
+                if let Ok(d) = serde_json::from_slice::<T>(payload) {
                     out.push(d);
                 }
                 true

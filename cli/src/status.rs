@@ -13,6 +13,28 @@ use serde::{Deserialize, Serialize};
 
 use metronome_protocol::{Decision, Outcome};
 
+/// The part of a decision `status` counts; decoding only this keeps a busy minute (tens of
+/// thousands of decisions, each with every candidate's terms) cheap to read.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Brief {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub outcome: Outcome,
+    pub queue_wait_ms: u64,
+    pub decided_ms: u64,
+}
+
+impl From<&Decision> for Brief {
+    fn from(d: &Decision) -> Brief {
+        Brief {
+            model: d.model.clone(),
+            outcome: d.outcome,
+            queue_wait_ms: d.queue_wait_ms,
+            decided_ms: d.decided_ms,
+        }
+    }
+}
+
 use crate::fmt::{self, Table};
 use crate::workers::Counts;
 
@@ -65,7 +87,7 @@ impl Report {
     pub fn from_parts(
         leader: Option<Leader>,
         jobs_waiting: Option<u64>,
-        recent: &[Decision],
+        recent: &[Brief],
         window_s: u64,
         now_ms: u64,
         workers: Counts,
@@ -177,7 +199,8 @@ mod tests {
         b.queue_wait_ms = 30;
         let mut old = a.clone();
         old.decided_ms = now - 61_000;
-        let r = Report::from_parts(None, Some(4), &[a, b, old], 60, now, Counts::default());
+        let briefs: Vec<Brief> = [a, b, old].iter().map(Brief::from).collect();
+        let r = Report::from_parts(None, Some(4), &briefs, 60, now, Counts::default());
         let m = &r.models["llama-3.1-8b"];
         assert_eq!((m.assigned, m.rejected, m.expired), (1, 1, 0));
         assert_eq!(m.mean_queue_wait_ms, 20.0);
