@@ -546,3 +546,87 @@ async fn drain_waits_until_the_workers_jobs_have_finished() {
         "{err}"
     );
 }
+
+/// A writer the test can read while `decisions --follow` keeps writing.
+#[derive(Clone, Default)]
+struct Shared(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Shared {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Shared {
+    fn text(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+    }
+}
+
+#[tokio::test]
+async fn decisions_follow_prints_past_then_live_decisions_that_match() {
+    let env = env().await;
+    let now = unix_ms();
+    let mut rejected = decision("past-rejected", 1, now);
+    rejected.outcome = Outcome::Rejected;
+    rejected.worker_id = None;
+    rejected.reason_code = Some("queue_full".into());
+    rejected.reason = Some("queue full".into());
+    env.publish(names::decision_subject("past-rejected"), "p:1", &rejected)
+        .await;
+    let out = Shared::default();
+    let url = env.nats.url();
+    let cli = Cli::try_parse_from([
+        "metronome",
+        "--nats-url",
+        &url,
+        "decisions",
+        "--follow",
+        "--outcome",
+        "rejected",
+    ])
+    .unwrap();
+    let mut writer = out.clone();
+    let task = tokio::spawn(async move { metronome_cli::run(cli, &mut writer).await });
+    // The past is read after the live subscription exists, so once it shows, nothing
+    // published from now on can be missed.
+    metronome_testkit::wait_for(
+        "the stored rejection",
+        std::time::Duration::from_secs(10),
+        || {
+            let text = out.text();
+            async move { text.contains("past-rejected").then_some(()) }
+        },
+    )
+    .await;
+    env.publish(
+        names::decision_subject("live-assigned"),
+        "l:1",
+        &decision("live-assigned", 1, now),
+    )
+    .await;
+    let mut live = rejected.clone();
+    live.job_id = "live-rejected".into();
+    env.publish(names::decision_subject("live-rejected"), "l2:1", &live)
+        .await;
+    metronome_testkit::wait_for(
+        "the live rejection",
+        std::time::Duration::from_secs(10),
+        || {
+            let text = out.text();
+            async move { text.contains("live-rejected").then_some(()) }
+        },
+    )
+    .await;
+    task.abort();
+    let text = out.text();
+    assert_eq!(text.lines().count(), 2, "{text}");
+    assert!(
+        !text.contains("live-assigned"),
+        "the filter holds live: {text}"
+    );
+}

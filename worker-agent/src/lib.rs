@@ -7,7 +7,9 @@
 //! Lifecycle: [`start`] connects, creates what is missing (streams, buckets, its consumer)
 //! and spawns the loops; cancelling the shutdown token drains: draining is announced at
 //! once, pulling stops, in-flight jobs finish (bounded by the drain timeout), a last
-//! heartbeat is sent and the worker's key is deleted from the `workers` bucket.
+//! heartbeat is sent and the worker's key is deleted from the `workers` bucket. An operator
+//! can drain (and undrain) a running agent without stopping it, on
+//! `control.<worker_id>.drain` / `.undrain` (see `control.rs`).
 
 pub mod agent;
 pub mod assemble;
