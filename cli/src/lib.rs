@@ -349,6 +349,8 @@ async fn decisions_cmd(
     } else {
         None
     };
+    // A decision made between the subscription and the read shows in both: print it once.
+    let mut printed = std::collections::HashSet::new();
     if n > 0 {
         let unfiltered = *filter == decisions::Filter::default();
         let window = if unfiltered {
@@ -359,12 +361,15 @@ async fn decisions_cmd(
         let past = nats.last_decisions(window).await?;
         for d in decisions::last_n(past, filter, n) {
             print(out, &d)?;
+            if live.is_some() {
+                printed.insert((d.job_id.clone(), d.attempt));
+            }
         }
     }
     if let Some(sub) = live.as_mut() {
         while let Some(msg) = sub.next().await {
             if let Ok(d) = serde_json::from_slice::<Decision>(&msg.payload) {
-                if filter.matches(&d) {
+                if filter.matches(&d) && !printed.remove(&(d.job_id.clone(), d.attempt)) {
                     print(out, &d)?;
                 }
             }
