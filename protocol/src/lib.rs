@@ -7,6 +7,7 @@
 //! reason. The contract is documented in `docs/PROTOCOL.md`.
 
 pub mod assignment;
+pub mod control;
 pub mod decision;
 pub mod event;
 #[cfg(feature = "nats")]
@@ -22,6 +23,7 @@ pub mod time;
 pub mod worker;
 
 pub use assignment::Assignment;
+pub use control::ControlReply;
 pub use decision::{
     CandidateScore, Decision, Outcome, Rejection, RejectionCode, TermName, TermScore,
 };

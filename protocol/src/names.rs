@@ -96,6 +96,22 @@ pub fn cancel_subject(job_id: &str) -> String {
     format!("cancel.{job_id}")
 }
 
+/// Control action: stop taking new work, finish what runs (last token of a control subject).
+pub const CONTROL_DRAIN: &str = "drain";
+/// Control action: take new work again.
+pub const CONTROL_UNDRAIN: &str = "undrain";
+
+/// `control.<worker_id>.<action>`: an operator's request to one worker-agent (core NATS
+/// request/reply; the agent answers with a [`crate::ControlReply`]).
+pub fn control_subject(worker_id: &str, action: &str) -> String {
+    format!("control.{worker_id}.{action}")
+}
+
+/// `control.<worker_id>.*`: every control request of one worker-agent.
+pub fn control_subject_all(worker_id: &str) -> String {
+    format!("control.{worker_id}.*")
+}
+
 /// `Nats-Msg-Id` of one dispatch attempt of a job on WORK.
 pub fn work_msg_id(job_id: &str, attempt: u32) -> String {
     format!("{job_id}:{attempt}")
@@ -136,5 +152,10 @@ mod tests {
         assert_eq!(result_final_subject("j1"), "results.j1.final");
         assert_eq!(results_subject_all("j1"), "results.j1.>");
         assert_eq!(work_msg_id("j1", 2), "j1:2");
+        assert_eq!(
+            control_subject("n1-gpu0", CONTROL_DRAIN),
+            "control.n1-gpu0.drain"
+        );
+        assert_eq!(control_subject_all("n1-gpu0"), "control.n1-gpu0.*");
     }
 }

@@ -64,6 +64,11 @@ pub enum AgentError {
         subject: &'static str,
         source: async_nats::SubscribeError,
     },
+    #[error("subscribing to {subject}: {source}")]
+    SubscribeControl {
+        subject: String,
+        source: async_nats::SubscribeError,
+    },
     #[error("EWMA store: {0}")]
     Ewma(#[from] crate::ewma_store::EwmaError),
     #[error("model server client: {0}")]

@@ -7,11 +7,14 @@
 //! Lifecycle: [`start`] connects, creates what is missing (streams, buckets, its consumer)
 //! and spawns the loops; cancelling the shutdown token drains: draining is announced at
 //! once, pulling stops, in-flight jobs finish (bounded by the drain timeout), a last
-//! heartbeat is sent and the worker's key is deleted from the `workers` bucket.
+//! heartbeat is sent and the worker's key is deleted from the `workers` bucket. An operator
+//! can drain (and undrain) a running agent without stopping it, on
+//! `control.<worker_id>.drain` / `.undrain` (see `control.rs`).
 
 pub mod agent;
 pub mod assemble;
 pub mod config;
+mod control;
 pub mod ewma_store;
 pub mod gpu_probe;
 mod heartbeat;
@@ -115,6 +118,7 @@ pub async fn start(
     let buckets = ensure_all(&js, &StreamSettings::default()).await?;
     let consumer = agent::ensure_consumer(&js, &config).await?;
     let cancel_sub = agent::subscribe_cancellations(&client).await?;
+    let control_sub = control::subscribe(&client, &config.worker_id).await?;
     let metrics = Arc::new(AgentMetrics::default());
     let ewma = ewma_store::EwmaStore::new(
         &config.redis_url,
@@ -244,6 +248,12 @@ pub async fn start(
         cancel_sub,
         cancel_stop.clone(),
     ));
+    let control_stop = CancellationToken::new();
+    let control_task = tokio::spawn(control::serve(
+        shared.clone(),
+        control_sub,
+        control_stop.clone(),
+    ));
     let perf_stop = CancellationToken::new();
     let perf_task = tokio::spawn(perf_store::persist(
         shared.clone(),
@@ -253,6 +263,9 @@ pub async fn start(
 
     let handle = tokio::spawn(async move {
         shutdown.cancelled().await;
+        // No operator `undrain` may re-open the agent once it is on its way out.
+        control_stop.cancel();
+        let _ = control_task.await;
         tracing::info!(in_flight = shared.running(), "shutdown requested: draining");
         shared.draining.store(true, Ordering::SeqCst);
         shared.metrics.draining.set(1);

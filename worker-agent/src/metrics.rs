@@ -164,7 +164,7 @@ impl AgentMetrics {
             ),
             (
                 "metronome_worker_draining",
-                "1 while the agent drains before exiting.",
+                "1 while the agent takes no new work (operator drain or shutdown).",
                 self.draining.get(),
             ),
         ] {

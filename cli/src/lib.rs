@@ -1,0 +1,448 @@
+//! `metronome`, the operator CLI: reads the system through the documented NATS contract
+//! (docs/PROTOCOL.md) and answers the operator's questions: who leads, which workers are
+//! up and how loaded, what was decided, and why one request went where it went.
+//!
+//! Layout: [`Cli`] is the command line; `source` does every read (NATS, and Redis for the
+//! EWMAs); `explain`, `decisions`, `workers` and `status` are pure views with tests on
+//! fixed inputs; [`run`] glues one command to its view and returns what to print.
+
+pub mod decisions;
+pub mod drain;
+pub mod error;
+pub mod explain;
+pub mod fmt;
+pub mod source;
+pub mod status;
+pub mod workers;
+
+use std::io::Write;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use futures::StreamExt;
+
+use metronome_protocol::{names, time::unix_ms, Decision, Outcome};
+
+pub use error::CliError;
+use source::Nats;
+
+/// Operate a Metronome system from the terminal: leader and workers, the decision log,
+/// and why any one request went where it went.
+///
+/// Talks only the NATS contract of docs/PROTOCOL.md; tables for people, `--json` for
+/// scripts. Exit codes: 0 ok, 1 not found (unknown job id or worker), 2 bad usage, 3 NATS
+/// or Redis unreachable or unreadable, 4 `drain --wait` timed out.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "metronome", version, about, long_about)]
+pub struct Cli {
+    /// NATS server the system runs on.
+    #[arg(
+        long,
+        env = "NATS_URL",
+        default_value = "nats://127.0.0.1:4222",
+        global = true
+    )]
+    pub nats_url: String,
+
+    /// Print JSON instead of tables (one object; one object per line for `decisions`).
+    #[arg(long, global = true)]
+    pub json: bool,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// What to show.
+#[derive(Subcommand, Debug, Clone)]
+pub enum Command {
+    /// Leader and epoch, jobs waiting, decisions/s and rejections per model over the last
+    /// minute, workers up/draining/unhealthy/stale.
+    Status {
+        /// Window for the decision rates, seconds.
+        #[arg(long, default_value_t = 60)]
+        window_s: u64,
+        /// A heartbeat older than this (ms) counts as stale.
+        #[arg(long, default_value_t = workers::DEFAULT_STALE_AFTER_MS)]
+        stale_after_ms: u64,
+    },
+    /// One row per worker: model, active/limit, KV use, GPU utilisation, EWMAs (with a
+    /// Redis URL), the fitted single-stream rate (1000 / step_base_ms) and its samples,
+    /// heartbeat age, state.
+    Workers {
+        /// Redis holding the workers' EWMAs; without it the EWMA columns read n/a.
+        #[arg(long, env = "REDIS_URL")]
+        redis_url: Option<String>,
+        /// Key prefix of the EWMA hashes.
+        #[arg(long, default_value = metronome_protocol::redis_keys::DEFAULT_PREFIX)]
+        redis_prefix: String,
+        /// A heartbeat older than this (ms) counts as stale.
+        #[arg(long, default_value_t = workers::DEFAULT_STALE_AFTER_MS)]
+        stale_after_ms: u64,
+    },
+    /// One line per decision: time, job id, outcome, winner, predicted TTFT and tok/s of
+    /// the winner, queue wait, model, reason. The last N from the DECISIONS stream, then
+    /// live with --follow.
+    Decisions {
+        /// Keep printing decisions as they are made (Ctrl-C to stop).
+        #[arg(long, short = 'f')]
+        follow: bool,
+        /// Only decisions for this model.
+        #[arg(long)]
+        model: Option<String>,
+        /// Only decisions that assigned to this worker.
+        #[arg(long)]
+        worker: Option<String>,
+        /// Only decisions with this outcome.
+        #[arg(long, value_enum)]
+        outcome: Option<OutcomeArg>,
+        /// How many past decisions to print (0 with --follow: only new ones).
+        #[arg(short = 'n', long = "last", default_value_t = 20)]
+        n: usize,
+        /// With a filter: how many of the newest stored decisions to search.
+        #[arg(long, default_value_t = 10_000)]
+        scan: u64,
+    },
+    /// Stop new work to a worker (its running jobs finish): asks its agent on
+    /// `control.<worker_id>.drain`. With --wait, polls until no job runs there.
+    Drain {
+        /// The worker id (as in `metronome workers`).
+        worker: String,
+        /// Wait until the worker's running jobs have finished.
+        #[arg(long)]
+        wait: bool,
+        /// Give up waiting after this many seconds (exit 1).
+        #[arg(long, default_value_t = 600)]
+        timeout_s: u64,
+    },
+    /// Let a drained worker take new work again (`control.<worker_id>.undrain`).
+    Undrain {
+        /// The worker id.
+        worker: String,
+    },
+    /// The story of one job: SLO, queue wait, every candidate with its seven terms (raw,
+    /// normalised, weight, contribution) and prediction, why every other worker was not
+    /// eligible, the winner's margin, then what actually happened next to what was
+    /// predicted. Exits 1 for an unknown job id.
+    Explain {
+        /// The job id (the gateway returns it in the `x-metronome-job-id` header).
+        job_id: String,
+        /// Most completion events to search for the job's own.
+        #[arg(long, default_value_t = 100_000)]
+        scan: usize,
+    },
+}
+
+/// `--outcome` values.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutcomeArg {
+    Assigned,
+    Rejected,
+    Expired,
+}
+
+impl From<OutcomeArg> for Outcome {
+    fn from(o: OutcomeArg) -> Outcome {
+        match o {
+            OutcomeArg::Assigned => Outcome::Assigned,
+            OutcomeArg::Rejected => Outcome::Rejected,
+            OutcomeArg::Expired => Outcome::Expired,
+        }
+    }
+}
+
+/// Run one command, writing its output to `out`.
+pub async fn run(cli: Cli, out: &mut (dyn Write + Send)) -> Result<(), CliError> {
+    let nats = Nats::connect(&cli.nats_url).await?;
+    let json = cli.json;
+    let text = match cli.command {
+        Command::Explain { job_id, scan } => explain(&nats, &job_id, scan, json).await?,
+        Command::Status {
+            window_s,
+            stale_after_ms,
+        } => status(&nats, window_s, stale_after_ms, json).await?,
+        Command::Workers {
+            redis_url,
+            redis_prefix,
+            stale_after_ms,
+        } => {
+            let (views, warning) =
+                worker_views(&nats, stale_after_ms, redis_url.as_deref(), &redis_prefix).await?;
+            if let Some(w) = warning {
+                eprintln!("metronome: {w}");
+            }
+            if json {
+                to_json(&views)?
+            } else {
+                workers::table(&views)
+            }
+        }
+        Command::Drain {
+            worker,
+            wait,
+            timeout_s,
+        } => return drain_cmd(&nats, &worker, wait, timeout_s, json, out).await,
+        Command::Undrain { worker } => {
+            let r = control(&nats, &worker, names::CONTROL_UNDRAIN).await?;
+            if json {
+                to_json(&r)?
+            } else {
+                drain::line(&r) + "\n"
+            }
+        }
+        Command::Decisions {
+            follow,
+            model,
+            worker,
+            outcome,
+            n,
+            scan,
+        } => {
+            let filter = decisions::Filter {
+                model,
+                worker,
+                outcome: outcome.map(Into::into),
+            };
+            return decisions_cmd(&nats, &filter, n, scan, follow, json, out).await;
+        }
+    };
+    write!(out, "{text}").map_err(|e| CliError::Usage(format!("writing output: {e}")))
+}
+
+fn to_json<T: serde::Serialize>(v: &T) -> Result<String, CliError> {
+    serde_json::to_string_pretty(v)
+        .map(|s| s + "\n")
+        .map_err(|e| CliError::Usage(format!("encoding JSON: {e}")))
+}
+
+/// `explain`: the text (or JSON) story of one job; [`CliError::NotFound`] for an unknown id.
+pub async fn explain(
+    nats: &Nats,
+    job_id: &str,
+    scan: usize,
+    json: bool,
+) -> Result<String, CliError> {
+    if !names::is_subject_token(job_id) {
+        return Err(CliError::Usage(format!(
+            "{job_id:?} is not a job id (letters, digits, '-' and '_' only)"
+        )));
+    }
+    let decisions = nats.decisions_of(job_id).await?;
+    if decisions.is_empty() {
+        return Err(CliError::NotFound(format!(
+            "no decision recorded for job {job_id}: unknown id, not decided yet, or older than the DECISIONS stream keeps (24 h)"
+        )));
+    }
+    let last = decisions.last().cloned().expect("not empty");
+    let completions = if last.outcome == Outcome::Assigned {
+        // Every worker this job was assigned to, across attempts.
+        let mut winners: Vec<&str> = decisions
+            .iter()
+            .filter_map(|d| d.worker_id.as_deref())
+            .collect();
+        winners.dedup();
+        let worker = if winners.len() == 1 {
+            Some(winners[0])
+        } else {
+            None
+        };
+        let since = decisions[0].decided_ms.saturating_sub(5_000);
+        nats.completions_of(job_id, worker, since, scan, |e| {
+            e.attempt == last.attempt && e.outcome != metronome_protocol::CompletionOutcome::Refused
+        })
+        .await?
+    } else {
+        Vec::new()
+    };
+    let result = nats.final_result(job_id).await?;
+    let story = explain::Story {
+        job_id: job_id.to_string(),
+        decisions,
+        completions,
+        result,
+    };
+    if json {
+        to_json(&explain::to_json(&story))
+    } else {
+        Ok(story.render())
+    }
+}
+
+/// `status`.
+pub async fn status(
+    nats: &Nats,
+    window_s: u64,
+    stale_after_ms: u64,
+    json: bool,
+) -> Result<String, CliError> {
+    let now = unix_ms();
+    let leader = nats.leader().await?;
+    let jobs_waiting = nats.jobs_waiting().await?;
+    let recent: Vec<status::Brief> = nats
+        .decisions_since(now.saturating_sub(window_s * 1000), 200_000)
+        .await?;
+    let (views, _) = worker_views(nats, stale_after_ms, None, "").await?;
+    let report = status::Report::from_parts(
+        leader,
+        jobs_waiting,
+        &recent,
+        window_s,
+        now,
+        workers::counts(&views),
+    );
+    if json {
+        to_json(&report)
+    } else {
+        Ok(report.render(now))
+    }
+}
+
+/// The workers with their state, and their EWMAs when `redis_url` is given. A Redis
+/// failure is not fatal: the table still shows, with a warning returned beside it.
+pub async fn worker_views(
+    nats: &Nats,
+    stale_after_ms: u64,
+    redis_url: Option<&str>,
+    redis_prefix: &str,
+) -> Result<(Vec<workers::WorkerView>, Option<String>), CliError> {
+    let (raw, unreadable) = nats.workers(unix_ms()).await?;
+    let mut views: Vec<workers::WorkerView> = raw
+        .into_iter()
+        .map(|(s, age)| workers::WorkerView::new(s, age, stale_after_ms))
+        .collect();
+    let mut warning = (unreadable > 0)
+        .then(|| format!("{unreadable} entries of the workers bucket could not be read"));
+    if let Some(url) = redis_url {
+        let ids: Vec<String> = views.iter().map(|v| v.status.worker_id.clone()).collect();
+        match source::ewmas(url, redis_prefix, &ids).await {
+            Ok(map) => {
+                for v in &mut views {
+                    v.ewma = map.get(&v.status.worker_id).copied();
+                }
+            }
+            Err(e) => warning = Some(format!("{e}; EWMA columns left n/a")),
+        }
+    }
+    Ok((views, warning))
+}
+
+async fn decisions_cmd(
+    nats: &Nats,
+    filter: &decisions::Filter,
+    n: usize,
+    scan: u64,
+    follow: bool,
+    json: bool,
+    out: &mut (dyn Write + Send),
+) -> Result<(), CliError> {
+    let print = |out: &mut (dyn Write + Send), d: &Decision| -> Result<(), CliError> {
+        let line = if json {
+            serde_json::to_string(d).map_err(|e| CliError::Usage(format!("encoding JSON: {e}")))?
+        } else {
+            decisions::line(d)
+        };
+        writeln!(out, "{line}")
+            .and_then(|()| out.flush())
+            .map_err(|e| CliError::Usage(format!("writing output: {e}")))
+    };
+    // Subscribe before reading the past so nothing decided in between is lost.
+    let mut live = if follow {
+        Some(nats.follow_decisions().await?)
+    } else {
+        None
+    };
+    // A decision made between the subscription and the read shows in both: print it once.
+    let mut printed = std::collections::HashSet::new();
+    if n > 0 {
+        let unfiltered = *filter == decisions::Filter::default();
+        let window = if unfiltered {
+            n as u64
+        } else {
+            scan.max(n as u64)
+        };
+        let past = nats.last_decisions(window).await?;
+        for d in decisions::last_n(past, filter, n) {
+            print(out, &d)?;
+            if live.is_some() {
+                printed.insert((d.job_id.clone(), d.attempt));
+            }
+        }
+    }
+    if let Some(sub) = live.as_mut() {
+        while let Some(msg) = sub.next().await {
+            if let Ok(d) = serde_json::from_slice::<Decision>(&msg.payload) {
+                if filter.matches(&d) && !printed.remove(&(d.job_id.clone(), d.attempt)) {
+                    print(out, &d)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One control request to a worker-agent; [`CliError::NotFound`] when no agent answers.
+pub async fn control(
+    nats: &Nats,
+    worker: &str,
+    action: &str,
+) -> Result<metronome_protocol::ControlReply, CliError> {
+    if !names::is_subject_token(worker) {
+        return Err(CliError::Usage(format!(
+            "{worker:?} is not a worker id (letters, digits, '-' and '_' only)"
+        )));
+    }
+    let subject = names::control_subject(worker, action);
+    let reply = match tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        nats.client.request(subject.clone(), bytes::Bytes::new()),
+    )
+    .await
+    {
+        Ok(Ok(m)) => m,
+        Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+            return Err(CliError::NotFound(format!(
+                "no worker-agent answers on {subject}: {worker} is not running (see `metronome workers`)"
+            )))
+        }
+        Ok(Err(e)) => return Err(CliError::Nats(format!("{subject}: {e}"))),
+        Err(_) => return Err(CliError::Nats(format!("{subject}: no answer within 5 s"))),
+    };
+    serde_json::from_slice(&reply.payload).map_err(|e| CliError::Decode {
+        what: format!("the answer on {subject}"),
+        message: e.to_string(),
+    })
+}
+
+async fn drain_cmd(
+    nats: &Nats,
+    worker: &str,
+    wait: bool,
+    timeout_s: u64,
+    json: bool,
+    out: &mut (dyn Write + Send),
+) -> Result<(), CliError> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(timeout_s);
+    let mut last_line = String::new();
+    loop {
+        let r = control(nats, worker, names::CONTROL_DRAIN).await?;
+        let line = if json {
+            serde_json::to_string(&r).map_err(|e| CliError::Usage(format!("encoding JSON: {e}")))?
+        } else {
+            drain::line(&r)
+        };
+        if line != last_line {
+            writeln!(out, "{line}")
+                .and_then(|()| out.flush())
+                .map_err(|e| CliError::Usage(format!("writing output: {e}")))?;
+            last_line = line;
+        }
+        if !wait || r.running == 0 {
+            return Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(CliError::TimedOut(format!(
+                "{worker} still runs {} job(s) after {timeout_s} s; it stays draining",
+                r.running
+            )));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+}

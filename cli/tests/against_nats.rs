@@ -1,0 +1,632 @@
+//! The CLI against a real nats-server (metronome-testkit): the streams and buckets come from
+//! `metronome_protocol::setup::ensure_all`, the records are published on the documented
+//! subjects, and every command reads them back through the contract alone.
+
+use std::process::Command;
+
+use async_nats::jetstream;
+use bytes::Bytes;
+use clap::Parser;
+use metronome_cli::{Cli, CliError};
+use metronome_protocol::decision::JobCostEstimate;
+use metronome_protocol::names;
+use metronome_protocol::time::unix_ms;
+use metronome_protocol::*;
+use metronome_testkit::NatsServer;
+
+struct Env {
+    nats: NatsServer,
+    js: jetstream::Context,
+    buckets: setup::Buckets,
+}
+
+async fn env() -> Env {
+    let nats = NatsServer::start().expect("nats-server (apt-get install nats-server)");
+    let client = async_nats::connect(nats.url()).await.expect("connect");
+    let js = jetstream::new(client);
+    let buckets = setup::ensure_all(
+        &js,
+        &setup::StreamSettings {
+            storage: jetstream::stream::StorageType::Memory,
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("streams and buckets");
+    Env { nats, js, buckets }
+}
+
+impl Env {
+    async fn publish<T: serde::Serialize>(&self, subject: String, msg_id: &str, body: &T) {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(names::HEADER_MSG_ID, msg_id);
+        self.js
+            .publish_with_headers(
+                subject,
+                headers,
+                Bytes::from(serde_json::to_vec(body).unwrap()),
+            )
+            .await
+            .expect("publish")
+            .await
+            .expect("stored");
+    }
+
+    async fn cli(&self, args: &[&str]) -> Result<String, CliError> {
+        let url = self.nats.url();
+        let mut argv = vec!["metronome", "--nats-url", url.as_str()];
+        argv.extend_from_slice(args);
+        let cli = Cli::try_parse_from(argv).expect("arguments parse");
+        let mut out = Vec::new();
+        metronome_cli::run(cli, &mut out).await?;
+        Ok(String::from_utf8(out).expect("utf-8"))
+    }
+}
+
+fn terms(scale: f64) -> Vec<TermScore> {
+    TermName::ALL
+        .iter()
+        .map(|&term| {
+            let available = term != TermName::GpuUtilisation;
+            TermScore {
+                term,
+                raw: available.then_some(10.0 * scale),
+                normalised: scale,
+                weight: 1.0,
+                contribution: scale,
+                available,
+            }
+        })
+        .collect()
+}
+
+fn candidate(worker: &str, scale: f64, ttft_ms: f64, tok_s: f64) -> CandidateScore {
+    CandidateScore {
+        worker_id: worker.into(),
+        total: 7.0 * scale,
+        terms: terms(scale),
+        prediction: Some(Prediction {
+            ttft_ms,
+            decode_tok_s: tok_s,
+            worst_running_tok_s: None,
+            streams_after: 1,
+            model_samples: 12,
+        }),
+    }
+}
+
+fn decision(job_id: &str, attempt: u32, now: u64) -> Decision {
+    Decision {
+        v: 1,
+        job_id: job_id.into(),
+        model: Some("llama-3.1-8b".into()),
+        outcome: Outcome::Assigned,
+        attempt,
+        reason: None,
+        reason_code: None,
+        worker_id: Some("n1-gpu1".into()),
+        cost: Some(JobCostEstimate {
+            prompt_tokens: 12,
+            max_tokens: 64,
+            predicted_output_tokens: 40.0,
+            kv_tokens: 76,
+        }),
+        candidates: vec![
+            candidate("n1-gpu1", 0.1, 110.0, 48.0),
+            candidate("n1-gpu0", 0.3, 160.0, 41.0),
+        ],
+        rejected: vec![Rejection {
+            worker_id: "n1-gpu2".into(),
+            code: RejectionCode::BelowSloFloor,
+            reason: "a running job would fall to 21.0 tok/s, under the 30.0 tok/s floor".into(),
+            prediction: None,
+        }],
+        slo: Some(Slo {
+            ttft_ms: 2000,
+            min_tok_s: 30.0,
+        }),
+        policy: "metronome".into(),
+        queue_wait_ms: 25,
+        decision_latency_us: 31,
+        epoch: 4,
+        dispatcher_id: "d1".into(),
+        decided_ms: now,
+    }
+}
+
+fn completion(job_id: &str, worker: &str, attempt: u32, now: u64) -> CompletionEvent {
+    CompletionEvent {
+        v: 1,
+        job_id: job_id.into(),
+        worker_id: worker.into(),
+        model: "llama-3.1-8b".into(),
+        epoch: 4,
+        attempt,
+        outcome: CompletionOutcome::Done,
+        streamed: true,
+        error: None,
+        prompt_tokens: 12,
+        output_tokens: 40,
+        ttft_ms: Some(130.0),
+        tpot_ms: Some(25.0),
+        e2e_ms: 1105.0,
+        finished_ms: now + 1200,
+    }
+}
+
+#[tokio::test]
+async fn explain_tells_the_story_of_a_stored_decision() {
+    let env = env().await;
+    let now = unix_ms();
+    // Noise first: another job's decision and completion on the same worker.
+    env.publish(
+        names::decision_subject("other"),
+        "other:1",
+        &decision("other", 1, now),
+    )
+    .await;
+    env.publish(
+        names::event_done_subject("n1-gpu1"),
+        "e-other",
+        &completion("other", "n1-gpu1", 1, now),
+    )
+    .await;
+    env.publish(
+        names::decision_subject("job-7"),
+        "job-7:1",
+        &decision("job-7", 1, now),
+    )
+    .await;
+    let mut done = completion("job-7", "n1-gpu1", 1, now);
+    done.ttft_ms = Some(140.0);
+    env.publish(names::event_done_subject("n1-gpu1"), "e-job-7", &done)
+        .await;
+    env.publish(
+        names::result_final_subject("job-7"),
+        "r-job-7",
+        &FinalResult {
+            v: 1,
+            job_id: "job-7".into(),
+            worker_id: Some("n1-gpu1".into()),
+            response: None,
+            error: None,
+            usage: Usage {
+                prompt_tokens: 12,
+                completion_tokens: 40,
+                total_tokens: 52,
+            },
+            chunks: 41,
+            ttft_ms: Some(150.0),
+            e2e_ms: Some(1120.0),
+        },
+    )
+    .await;
+
+    let text = env.cli(&["explain", "job-7"]).await.expect("explain");
+    println!("{text}");
+    for needle in [
+        "Job job-7 (model llama-3.1-8b): assigned to n1-gpu1 on attempt 1",
+        "waited in queue: 25 ms",
+        "SLO: first token within 2000 ms of submission, at least 30.0 tok/s",
+        "#1 n1-gpu1  total 0.700  ← winner",
+        "predicted: TTFT 110 ms, 48.0 tok/s for this job",
+        "n1-gpu2  below_slo_floor  a running job would fall to 21.0 tok/s, under the 30.0 tok/s floor",
+        "Winner: n1-gpu1 with total 0.700, 1.400 ahead of the runner-up n1-gpu0 (2.100)",
+        "What happened on n1-gpu1 (attempt 1):",
+        "40.0 tok/s (tpot 25 ms)",
+        "SLO met",
+        "Final result: ok from n1-gpu1, 12 prompt + 40 completion tokens in 41 chunks",
+    ] {
+        assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
+    }
+    for term in TermName::ALL {
+        assert!(
+            text.contains(term.as_str()),
+            "term {} missing:\n{text}",
+            term.as_str()
+        );
+    }
+    // The job's own completion, not the other job's on the same worker.
+    let ttft = text
+        .lines()
+        .find(|l| l.contains("TTFT on the worker"))
+        .unwrap();
+    assert!(ttft.contains("110 ms") && ttft.contains("140 ms"), "{ttft}");
+
+    let json = env
+        .cli(&["--json", "explain", "job-7"])
+        .await
+        .expect("explain --json");
+    let v: serde_json::Value = serde_json::from_str(&json).expect("explain --json parses");
+    assert_eq!(v["summary"]["winner"], "n1-gpu1");
+    assert_eq!(v["summary"]["runner_up"], "n1-gpu0");
+    assert_eq!(v["summary"]["slo_met"], true);
+    assert_eq!(v["summary"]["actual"]["ttft_ms"], 140.0);
+    assert_eq!(v["decisions"][0]["rejected"][0]["code"], "below_slo_floor");
+    assert_eq!(v["result"]["chunks"], 41);
+
+    // A second attempt on the same subject: both are told, the last one counts.
+    let mut second = decision("job-7", 2, now + 10);
+    second.reason = Some("rescued: n1-gpu1 stopped heartbeating".into());
+    second.worker_id = Some("n1-gpu0".into());
+    second.candidates = vec![candidate("n1-gpu0", 0.2, 150.0, 41.0)];
+    env.publish(names::decision_subject("job-7"), "job-7:2", &second)
+        .await;
+    let text = env.cli(&["explain", "job-7"]).await.expect("explain");
+    assert!(
+        text.contains("── decision 1 of 2 ──") && text.contains("── decision 2 of 2 ──"),
+        "{text}"
+    );
+    assert!(
+        text.contains("note: rescued: n1-gpu1 stopped heartbeating"),
+        "{text}"
+    );
+    assert!(
+        text.contains("Winner: n1-gpu0 with total 1.400, the only eligible worker"),
+        "{text}"
+    );
+    // Attempt 1's completion is not passed off as attempt 2's.
+    assert!(
+        text.contains("Earlier attempt 1 on n1-gpu1: done"),
+        "{text}"
+    );
+    assert!(
+        text.contains("What happened: no completion event found yet"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn explain_of_an_unknown_or_rejected_job() {
+    let env = env().await;
+    let err = env.cli(&["explain", "no-such-job"]).await.unwrap_err();
+    assert_eq!(err.exit_code(), 1);
+    assert!(
+        err.to_string()
+            .contains("no decision recorded for job no-such-job"),
+        "{err}"
+    );
+    let err = env.cli(&["explain", "a.b"]).await.unwrap_err();
+    assert_eq!(err.exit_code(), 2, "{err}");
+
+    let mut d = decision("full-1", 1, unix_ms());
+    d.outcome = Outcome::Rejected;
+    d.worker_id = None;
+    d.candidates.clear();
+    d.reason = Some("the admission queue of llama-3.1-8b is full (512 jobs)".into());
+    d.reason_code = Some("queue_full".into());
+    env.publish(names::decision_subject("full-1"), "full-1:1", &d)
+        .await;
+    let text = env.cli(&["explain", "full-1"]).await.expect("explain");
+    assert!(text.contains("REJECTED on attempt 1"), "{text}");
+    assert!(text.contains("[queue_full]"), "{text}");
+    assert!(!text.contains("What happened"), "{text}");
+
+    // The binary itself: exit 1 and a message for an unknown id.
+    let out = Command::new(env!("CARGO_BIN_EXE_metronome"))
+        .args(["explain", "no-such-job"])
+        .env("NATS_URL", env.nats.url())
+        .output()
+        .expect("run metronome");
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("no decision recorded for job no-such-job"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn decisions_workers_and_status_read_the_contract() {
+    let env = env().await;
+    let now = unix_ms();
+    for (i, id) in ["j1", "j2", "j3"].iter().enumerate() {
+        let mut d = decision(id, 1, now + i as u64);
+        if *id == "j2" {
+            d.outcome = Outcome::Expired;
+            d.worker_id = None;
+            d.reason = Some("no eligible worker before the deadline".into());
+            d.reason_code = Some("deadline_exceeded".into());
+        }
+        env.publish(names::decision_subject(id), &format!("{id}:1"), &d)
+            .await;
+    }
+    let text = env.cli(&["decisions", "-n", "2"]).await.expect("decisions");
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    assert!(
+        lines[0].contains("j2  expired") && lines[0].contains("deadline_exceeded"),
+        "{text}"
+    );
+    assert!(
+        lines[1].contains("j3  assigned  n1-gpu1") && lines[1].contains("110 ms"),
+        "{text}"
+    );
+    let text = env
+        .cli(&["decisions", "--outcome", "assigned", "-n", "10"])
+        .await
+        .expect("decisions");
+    assert_eq!(text.lines().count(), 2, "{text}");
+    let json = env
+        .cli(&["--json", "decisions"])
+        .await
+        .expect("decisions --json");
+    let parsed: Vec<Decision> = json
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one decision per line"))
+        .collect();
+    assert_eq!(parsed.len(), 3);
+
+    let mut status = WorkerStatus {
+        v: 1,
+        worker_id: "n1-gpu1".into(),
+        model: "llama-3.1-8b".into(),
+        node: None,
+        gpu_index: None,
+        healthy: true,
+        draining: false,
+        max_concurrency: 16,
+        active: 5,
+        queued: 0,
+        in_flight: vec![],
+        kv: Some(KvUsage {
+            used_frac: 0.25,
+            capacity_tokens: None,
+        }),
+        gpu: None,
+        prefill_pending_tokens: 0,
+        perf: Some(PerfCoefficients {
+            step_base_ms: 25.0,
+            step_per_stream_ms: 0.4,
+            step_per_ktok_ms: 0.0,
+            stall_per_prefill_token_ms: 0.0,
+            ttft_base_ms: 40.0,
+            prefill_per_token_ms: 0.1,
+            ttft_per_stream_ms: 1.0,
+            samples: 77,
+        }),
+        seq: 1,
+        sent_ms: now,
+    };
+    env.buckets
+        .workers
+        .put("n1-gpu1", serde_json::to_vec(&status).unwrap().into())
+        .await
+        .unwrap();
+    status.worker_id = "n1-gpu0".into();
+    status.draining = true;
+    env.buckets
+        .workers
+        .put("n1-gpu0", serde_json::to_vec(&status).unwrap().into())
+        .await
+        .unwrap();
+    let text = env.cli(&["workers"]).await.expect("workers");
+    println!("{text}");
+    let row = text
+        .lines()
+        .find(|l| l.starts_with("n1-gpu1"))
+        .expect("row");
+    for cell in [
+        "llama-3.1-8b",
+        "5/16",
+        "25%",
+        "n/a",
+        "40.0 tok/s",
+        "77",
+        "up",
+    ] {
+        assert!(row.contains(cell), "{cell} missing in {row}");
+    }
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("n1-gpu0") && l.ends_with("draining")),
+        "{text}"
+    );
+    let json = env
+        .cli(&["--json", "workers"])
+        .await
+        .expect("workers --json");
+    let v: serde_json::Value = serde_json::from_str(&json).expect("workers --json parses");
+    assert_eq!(v.as_array().unwrap().len(), 2);
+
+    let text = env.cli(&["status"]).await.expect("status");
+    println!("{text}");
+    assert!(text.contains("leader:    NONE"), "{text}");
+    env.buckets
+        .leader
+        .put(
+            names::LEADER_KEY,
+            serde_json::to_vec(&serde_json::json!({
+                "dispatcher_id": "d1", "acquired_ms": now - 5_000, "renewed_ms": now
+            }))
+            .unwrap()
+            .into(),
+        )
+        .await
+        .unwrap();
+    let text = env.cli(&["status"]).await.expect("status");
+    println!("{text}");
+    assert!(text.contains("leader:    d1 (epoch 4)"), "{text}");
+    assert!(text.contains("workers:   1 up, 1 draining"), "{text}");
+    assert!(
+        text.contains("llama-3.1-8b  2         0         1"),
+        "{text}"
+    );
+    let json = env.cli(&["--json", "status"]).await.expect("status --json");
+    let v: serde_json::Value = serde_json::from_str(&json).expect("status --json parses");
+    assert_eq!(v["leader"]["holder"], "d1");
+    assert_eq!(v["models"]["llama-3.1-8b"]["expired"], 1);
+}
+
+#[test]
+fn every_subcommand_has_help() {
+    for sub in [
+        "status",
+        "workers",
+        "decisions",
+        "explain",
+        "drain",
+        "undrain",
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_metronome"))
+            .args([sub, "--help"])
+            .output()
+            .expect("run metronome");
+        assert!(out.status.success(), "{sub} --help");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.contains("--nats-url") && text.contains("--json"),
+            "{sub}: {text}"
+        );
+        assert!(text.contains("[env: NATS_URL="), "{sub}: {text}");
+    }
+}
+
+/// Drain and undrain speak the worker-agent's control contract; here the test answers as
+/// the agent would (worker-agent/tests/control.rs covers the agent's side).
+#[tokio::test]
+async fn drain_waits_until_the_workers_jobs_have_finished() {
+    use futures::StreamExt;
+    let env = env().await;
+    let client = async_nats::connect(env.nats.url()).await.unwrap();
+    let mut sub = client
+        .subscribe(names::control_subject_all("n1-gpu3"))
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    let agent = client.clone();
+    tokio::spawn(async move {
+        // Two jobs finish one per request; then nothing runs.
+        let mut running: Vec<String> = vec!["a".into(), "b".into()];
+        let mut draining = false;
+        while let Some(m) = sub.next().await {
+            match m.subject.rsplit('.').next() {
+                Some("drain") => draining = true,
+                Some("undrain") => draining = false,
+                _ => {}
+            }
+            let reply = ControlReply {
+                v: 1,
+                worker_id: "n1-gpu3".into(),
+                draining,
+                running: running.len() as u32,
+                in_flight: running.clone(),
+                error: None,
+            };
+            running.pop();
+            agent
+                .publish(m.reply.unwrap(), serde_json::to_vec(&reply).unwrap().into())
+                .await
+                .unwrap();
+        }
+    });
+
+    let text = env
+        .cli(&["drain", "n1-gpu3", "--wait"])
+        .await
+        .expect("drain");
+    assert_eq!(
+        text,
+        "n1-gpu3: draining, 2 job(s) still running: a, b\n\
+         n1-gpu3: draining, 1 job(s) still running: a\n\
+         n1-gpu3: drained, no job running\n"
+    );
+    let json = env
+        .cli(&["--json", "undrain", "n1-gpu3"])
+        .await
+        .expect("undrain");
+    let r: ControlReply = serde_json::from_str(&json).expect("undrain --json parses");
+    assert!(!r.draining);
+
+    let err = env.cli(&["drain", "nobody"]).await.unwrap_err();
+    assert_eq!(err.exit_code(), 1);
+    assert!(
+        err.to_string()
+            .contains("no worker-agent answers on control.nobody.drain"),
+        "{err}"
+    );
+}
+
+/// A writer the test can read while `decisions --follow` keeps writing.
+#[derive(Clone, Default)]
+struct Shared(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Shared {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Shared {
+    fn text(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+    }
+}
+
+#[tokio::test]
+async fn decisions_follow_prints_past_then_live_decisions_that_match() {
+    let env = env().await;
+    let now = unix_ms();
+    let mut rejected = decision("past-rejected", 1, now);
+    rejected.outcome = Outcome::Rejected;
+    rejected.worker_id = None;
+    rejected.reason_code = Some("queue_full".into());
+    rejected.reason = Some("queue full".into());
+    env.publish(names::decision_subject("past-rejected"), "p:1", &rejected)
+        .await;
+    let out = Shared::default();
+    let url = env.nats.url();
+    let cli = Cli::try_parse_from([
+        "metronome",
+        "--nats-url",
+        &url,
+        "decisions",
+        "--follow",
+        "--outcome",
+        "rejected",
+    ])
+    .unwrap();
+    let mut writer = out.clone();
+    let task = tokio::spawn(async move { metronome_cli::run(cli, &mut writer).await });
+    // The past is read after the live subscription exists, so once it shows, nothing
+    // published from now on can be missed.
+    metronome_testkit::wait_for(
+        "the stored rejection",
+        std::time::Duration::from_secs(10),
+        || {
+            let text = out.text();
+            async move { text.contains("past-rejected").then_some(()) }
+        },
+    )
+    .await;
+    env.publish(
+        names::decision_subject("live-assigned"),
+        "l:1",
+        &decision("live-assigned", 1, now),
+    )
+    .await;
+    let mut live = rejected.clone();
+    live.job_id = "live-rejected".into();
+    env.publish(names::decision_subject("live-rejected"), "l2:1", &live)
+        .await;
+    metronome_testkit::wait_for(
+        "the live rejection",
+        std::time::Duration::from_secs(10),
+        || {
+            let text = out.text();
+            async move { text.contains("live-rejected").then_some(()) }
+        },
+    )
+    .await;
+    task.abort();
+    let text = out.text();
+    assert_eq!(text.lines().count(), 2, "{text}");
+    assert!(
+        !text.contains("live-assigned"),
+        "the filter holds live: {text}"
+    );
+}

@@ -1,0 +1,88 @@
+//! Operator control over core NATS request/reply on `control.<worker_id>.<action>`
+//! (`drain`, `undrain`; see `metronome_protocol::control`).
+//!
+//! Draining here is the same state a shutdown enters, without the exit: the next heartbeat
+//! (sent at once) says `draining`, so the dispatcher stops choosing this worker, and an
+//! assignment that still arrives is refused back to the dispatcher. Running jobs finish.
+//! Every request is answered with the agent's state, so an operator can poll until
+//! `running` reaches 0.
+//!
+//! Invariant: this task is stopped before a shutdown starts draining, so an `undrain`
+//! can never re-open an agent that is on its way out.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use futures::StreamExt;
+use metronome_protocol::names::{control_subject_all, CONTROL_DRAIN, CONTROL_UNDRAIN};
+use metronome_protocol::{ControlReply, PROTOCOL_VERSION};
+use tokio_util::sync::CancellationToken;
+
+use crate::agent::{AgentError, Shared};
+
+/// Subscribe to this worker's control subjects.
+pub(crate) async fn subscribe(
+    client: &async_nats::Client,
+    worker_id: &str,
+) -> Result<async_nats::Subscriber, AgentError> {
+    let subject = control_subject_all(worker_id);
+    client
+        .subscribe(subject.clone())
+        .await
+        .map_err(|source| AgentError::SubscribeControl { subject, source })
+}
+
+/// Apply control requests and answer them, until `stop`.
+pub(crate) async fn serve(
+    shared: Arc<Shared>,
+    mut sub: async_nats::Subscriber,
+    stop: CancellationToken,
+) {
+    loop {
+        let msg = tokio::select! {
+            m = sub.next() => match m { Some(m) => m, None => break },
+            _ = stop.cancelled() => break,
+        };
+        let action = msg.subject.rsplit('.').next().unwrap_or_default();
+        let error = apply(&shared, action);
+        let Some(reply) = msg.reply else { continue };
+        let body = ControlReply {
+            v: PROTOCOL_VERSION,
+            worker_id: shared.config.worker_id.clone(),
+            draining: shared.draining.load(Ordering::SeqCst),
+            running: shared.running() as u32,
+            in_flight: shared.in_flight_ids(),
+            error,
+        };
+        let payload = serde_json::to_vec(&body).unwrap_or_default();
+        if let Err(e) = shared.client.publish(reply, payload.into()).await {
+            tracing::warn!(error = %e, "answering a control request failed");
+        }
+    }
+}
+
+/// Set the draining flag for `action`; an error text for an action this agent does not know.
+fn apply(shared: &Shared, action: &str) -> Option<String> {
+    let draining = match action {
+        CONTROL_DRAIN => true,
+        CONTROL_UNDRAIN => false,
+        other => {
+            tracing::warn!(action = other, "unknown control action ignored");
+            return Some(format!(
+                "unknown action {other:?}: use {CONTROL_DRAIN} or {CONTROL_UNDRAIN}"
+            ));
+        }
+    };
+    let was = shared.draining.swap(draining, Ordering::SeqCst);
+    shared.metrics.draining.set(u64::from(draining));
+    if was != draining {
+        tracing::info!(
+            draining,
+            running = shared.running(),
+            "operator {action} request applied"
+        );
+        // The dispatcher must learn at once, not at the next heartbeat tick.
+        shared.heartbeat_now.notify_one();
+    }
+    None
+}
