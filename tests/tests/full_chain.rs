@@ -103,7 +103,23 @@ async fn chat_and_completions_answer_streaming_and_not() {
 /// each on an idle cluster; the winners are read from the response headers and the decisions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_simultaneous_requests_land_on_four_gpus() {
-    let cluster = Cluster::start(ClusterSpec::uniform(4, MODEL)).await;
+    four_simultaneous_requests_land_on_four_distinct_gpus(&[1.0, 1.0, 1.0, 1.0]).await;
+}
+
+/// The same on a mixed-speed cluster with the defaults: the fourth job goes to the idle
+/// half-speed GPU, not beside a job on a full-speed one, in every round, also once every
+/// worker's performance model has learnt that one GPU is slower.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_simultaneous_requests_land_on_four_gpus_of_mixed_speed() {
+    four_simultaneous_requests_land_on_four_distinct_gpus(&[1.0, 1.0, 1.0, 0.5]).await;
+}
+
+async fn four_simultaneous_requests_land_on_four_distinct_gpus(speeds: &[f64]) {
+    let mut spec = ClusterSpec::uniform(speeds.len(), MODEL);
+    for (gpu, speed) in spec.gpus.iter_mut().zip(speeds) {
+        gpu.speed = *speed;
+    }
+    let cluster = Cluster::start(spec).await;
     let http = reqwest::Client::new();
     for round in 0..5 {
         let requests = (0..4).map(|_| {
