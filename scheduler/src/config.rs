@@ -28,14 +28,16 @@ pub struct Weights {
 }
 
 impl Default for Weights {
-    /// Chosen for predictability: the predicted service time of the job on the worker and
-    /// the work already running there dominate; KV pressure comes next because a full KV
+    /// Chosen for predictability. Admission has already kept every candidate within the
+    /// SLO, so the score chooses among safe places: a job alone on a GPU is slowed by
+    /// nothing and slows nothing, so the running count weighs most (an idle GPU beats a
+    /// busy one unless the busy one wins on job cost and both EWMAs); the predicted service
+    /// time of the job on the worker comes next; KV pressure follows because a full KV
     /// cache causes preemption (the worst latency cliff); queue depth is work that has not
-    /// even started; the raw EWMAs and GPU utilisation are partly redundant with `job_cost`
-    /// and mostly break near-ties. Re-tune against the simulator with the load generator.
+    /// even started; the raw EWMAs and GPU utilisation mostly break near-ties.
     fn default() -> Self {
         Weights {
-            active_requests: 1.0,
+            active_requests: 2.0,
             queue_depth: 0.5,
             latency_ewma: 0.25,
             job_cost: 1.0,

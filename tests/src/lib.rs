@@ -353,6 +353,33 @@ impl Cluster {
         .await
     }
 
+    /// Wait until every worker's latest heartbeat in the `workers` bucket reports nothing
+    /// running, queued or held: the dispatcher's own view of an idle cluster.
+    pub async fn wait_idle(&self) {
+        let js = self.jetstream().await;
+        let bucket = js
+            .get_key_value(names::BUCKET_WORKERS)
+            .await
+            .expect("workers bucket");
+        let ids: Vec<String> = (0..self.spec.gpus.len()).map(worker_id).collect();
+        wait_for("every worker idle", Duration::from_secs(30), || {
+            let bucket = bucket.clone();
+            let ids = ids.clone();
+            async move {
+                for id in &ids {
+                    let entry = bucket.get(id).await.ok()??;
+                    let s: metronome_protocol::WorkerStatus =
+                        serde_json::from_slice(&entry).ok()?;
+                    if s.active > 0 || s.queued > 0 || !s.in_flight.is_empty() {
+                        return None;
+                    }
+                }
+                Some(())
+            }
+        })
+        .await
+    }
+
     /// Every decision recorded so far, in stream order.
     pub async fn all_decisions(&self) -> Vec<Decision> {
         let js = self.jetstream().await;

@@ -122,6 +122,9 @@ async fn four_simultaneous_requests_land_on_four_distinct_gpus(speeds: &[f64]) {
     let cluster = Cluster::start(spec).await;
     let http = reqwest::Client::new();
     for round in 0..5 {
+        // Each round starts on a cluster the dispatcher sees idle (a client can get its
+        // answer before the worker's completion reaches the dispatcher).
+        cluster.wait_idle().await;
         let requests = (0..4).map(|_| {
             http.post(format!("{}/v1/chat/completions", cluster.gateway_url))
                 .json(&chat_body(MODEL, 8, false))
