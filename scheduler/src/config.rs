@@ -280,7 +280,6 @@ mod tests {
                 "slo.min_tok_s",
                 "model_slo.\"m\".ttft_ms",
                 "perf_prior.step_base_ms",
-                "perf_prior.step_base_ms",
                 "reservation_ttl_ms"
             ]
         );

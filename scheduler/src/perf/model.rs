@@ -103,7 +103,8 @@ impl PerfPrior {
                 });
             }
         }
-        if !(self.step_base_ms > 0.0) {
+        // NaN was reported above; only a finite value <= 0 is left to refuse here.
+        if self.step_base_ms <= 0.0 {
             errors.push(PriorError {
                 field: format!("{prefix}.step_base_ms"),
                 message: "must be > 0 (a decode step takes time)".into(),

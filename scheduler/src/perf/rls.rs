@@ -133,9 +133,9 @@ impl Rls {
             *t += ki * error;
         }
         // P ← (P − k (P x)ᵀ) / λ ; P is symmetric so xᵀ P = (P x)ᵀ.
-        for i in 0..n {
-            for j in 0..n {
-                self.p[i * n + j] = (self.p[i * n + j] - k[i] * px[j]) / lambda;
+        for (row, ki) in self.p.chunks_exact_mut(n).zip(&k) {
+            for (pij, pxj) in row.iter_mut().zip(&px) {
+                *pij = (*pij - ki * pxj) / lambda;
             }
         }
         self.bound_covariance();
