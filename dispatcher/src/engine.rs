@@ -622,11 +622,10 @@ impl Engine {
             }
             let now = metronome_protocol::time::unix_ms();
             let scheduler = &self.s.scheduler;
-            let (fresh, late) = self.queues.first_fresh_and_late(model, |j| {
+            let Some(pos) = self.queues.next_to_try(model, |j| {
                 let ttft = scheduler.slo_for(model, j.job.slo.as_ref()).ttft_ms;
                 Self::waited_ms(j, ttft, now) >= ttft
-            });
-            let Some(pos) = fresh.or(late) else {
+            }) else {
                 return;
             };
             let front = self.queues.get(model, pos).expect("position exists");
@@ -674,9 +673,7 @@ impl Engine {
                     let fallback =
                         least_harm(&request, workers, &self.ledger, &self.s.scheduler, now);
                     let ttft = fallback
-                        .candidates
-                        .first()
-                        .filter(|c| fallback.winner.as_deref() == Some(c.worker_id.as_str()))
+                        .winner_score()
                         .and_then(|c| c.prediction)
                         .map(|p| p.ttft_ms);
                     let margin = 2.0 * self.s.tick.as_secs_f64() * 1000.0;

@@ -3,7 +3,7 @@
 //!
 //! Within a model, the engine serves the oldest job that can still meet its TTFT target
 //! first, and jobs past it ("late") only when none is waiting
-//! ([`Queues::first_fresh_and_late`]).
+//! ([`Queues::next_to_try`]).
 //!
 //! Invariants: each queue is ordered by the job's JOBS stream sequence, so a job that
 //! comes back (failed publish, refusal, rescue) goes back to its place, ahead of later
@@ -85,27 +85,12 @@ impl Queues {
         self.by_model.get(model).and_then(|q| q.front())
     }
 
-    /// The first job of the model's queue that `late` says is not late, and the first that
-    /// it says is, as positions in the queue.
-    pub fn first_fresh_and_late(
-        &self,
-        model: &str,
-        late: impl Fn(&QueuedJob) -> bool,
-    ) -> (Option<usize>, Option<usize>) {
-        let (mut fresh, mut first_late) = (None, None);
-        if let Some(q) = self.by_model.get(model) {
-            for (i, j) in q.iter().enumerate() {
-                if late(j) {
-                    first_late.get_or_insert(i);
-                } else {
-                    fresh.get_or_insert(i);
-                }
-                if fresh.is_some() && first_late.is_some() {
-                    break;
-                }
-            }
-        }
-        (fresh, first_late)
+    /// Position of the job to try next in the model's queue: the first one `late` says is
+    /// not late, or else the head (then every job is late). Stops at the first job that is
+    /// not late, so a long queue of fresh jobs costs one look, not a scan.
+    pub fn next_to_try(&self, model: &str, late: impl Fn(&QueuedJob) -> bool) -> Option<usize> {
+        let q = self.by_model.get(model).filter(|q| !q.is_empty())?;
+        Some(q.iter().position(|j| !late(j)).unwrap_or(0))
     }
 
     /// The job at `pos` in the model's queue.
@@ -272,7 +257,7 @@ mod tests {
     }
 
     #[test]
-    fn finds_the_first_fresh_and_the_first_late_job() {
+    fn tries_the_first_fresh_job_else_the_head() {
         let mut q = Queues::new(10);
         for (i, id) in ["late-a", "late-b", "fresh-c", "fresh-d"]
             .iter()
@@ -281,12 +266,13 @@ mod tests {
             q.push(job(id, "m", i as u64 + 1)).ok().unwrap();
         }
         let late = |j: &QueuedJob| j.job.id.starts_with("late");
-        assert_eq!(q.first_fresh_and_late("m", late), (Some(2), Some(0)));
+        assert_eq!(q.next_to_try("m", late), Some(2));
+        assert_eq!(q.next_to_try("m", |_| true), Some(0));
         assert_eq!(q.take("m", 2).unwrap().job.id, "fresh-c");
         assert_eq!(q.get("m", 2).unwrap().job.id, "fresh-d");
         assert_eq!(q.total(), 3);
         assert!(!q.contains("fresh-c"));
-        assert_eq!(q.first_fresh_and_late("other", late), (None, None));
+        assert_eq!(q.next_to_try("other", late), None);
     }
 
     #[test]

@@ -18,6 +18,7 @@ use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use metronome_protocol::job::MAX_SLO_TOK_S;
+use metronome_protocol::perf::SloField;
 use metronome_protocol::time::unix_ms;
 use metronome_protocol::{Endpoint, SloRequest};
 use serde_json::{json, Value};
@@ -144,21 +145,18 @@ fn slo_request(headers: &HeaderMap) -> Result<Option<SloRequest>, ApiError> {
     }
     let ttft_ms: Option<u64> = parse(headers, HEADER_SLO_TTFT_MS)?;
     let min_tok_s: Option<f64> = parse(headers, HEADER_SLO_MIN_TOK_S)?;
-    if ttft_ms == Some(0) {
-        return Err(ApiError::invalid_field(
+    let slo = SloRequest { ttft_ms, min_tok_s };
+    match slo.invalid_field() {
+        Some(SloField::TtftMs) => Err(ApiError::invalid_field(
             HEADER_SLO_TTFT_MS,
             format!("`{HEADER_SLO_TTFT_MS}` must be at least 1"),
-        ));
+        )),
+        Some(SloField::MinTokS) => Err(ApiError::invalid_field(
+            HEADER_SLO_MIN_TOK_S,
+            format!("`{HEADER_SLO_MIN_TOK_S}` must be in (0, {MAX_SLO_TOK_S}]"),
+        )),
+        None => Ok((ttft_ms.is_some() || min_tok_s.is_some()).then_some(slo)),
     }
-    if let Some(r) = min_tok_s {
-        if !(r.is_finite() && r > 0.0 && r <= MAX_SLO_TOK_S) {
-            return Err(ApiError::invalid_field(
-                HEADER_SLO_MIN_TOK_S,
-                format!("`{HEADER_SLO_MIN_TOK_S}` must be in (0, {MAX_SLO_TOK_S}]"),
-            ));
-        }
-    }
-    Ok((ttft_ms.is_some() || min_tok_s.is_some()).then_some(SloRequest { ttft_ms, min_tok_s }))
 }
 
 async fn serve(

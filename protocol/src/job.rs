@@ -238,15 +238,17 @@ impl Job {
             check_tenant(tenant)?;
         }
         if let Some(slo) = &self.slo {
-            if slo.ttft_ms == Some(0) {
-                return Err(JobError::BadSlo("ttft_ms must be at least 1".into()));
-            }
-            if let Some(r) = slo.min_tok_s {
-                if !(r.is_finite() && r > 0.0 && r <= MAX_SLO_TOK_S) {
+            match slo.invalid_field() {
+                Some(crate::perf::SloField::TtftMs) => {
+                    return Err(JobError::BadSlo("ttft_ms must be at least 1".into()));
+                }
+                Some(crate::perf::SloField::MinTokS) => {
                     return Err(JobError::BadSlo(format!(
-                        "min_tok_s must be a number in (0, {MAX_SLO_TOK_S}], got {r}"
+                        "min_tok_s must be a number in (0, {MAX_SLO_TOK_S}], got {}",
+                        slo.min_tok_s.unwrap_or(f64::NAN)
                     )));
                 }
+                None => {}
             }
         }
         Ok(())

@@ -57,6 +57,30 @@ pub struct SloRequest {
     pub min_tok_s: Option<f64>,
 }
 
+/// Which field of an [`SloRequest`] is out of range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SloField {
+    /// `ttft_ms` is 0.
+    TtftMs,
+    /// `min_tok_s` is not a number in (0, [`crate::job::MAX_SLO_TOK_S`]].
+    MinTokS,
+}
+
+impl SloRequest {
+    /// The first field out of range, if any: the one rule the dispatcher (for jobs from
+    /// NATS) and the gateway (for its headers) both apply.
+    pub fn invalid_field(&self) -> Option<SloField> {
+        if self.ttft_ms == Some(0) {
+            return Some(SloField::TtftMs);
+        }
+        let max = crate::job::MAX_SLO_TOK_S;
+        match self.min_tok_s {
+            Some(r) if !(r.is_finite() && r > 0.0 && r <= max) => Some(SloField::MinTokS),
+            _ => None,
+        }
+    }
+}
+
 /// What the dispatcher predicted for a job on one worker.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Prediction {
@@ -71,4 +95,31 @@ pub struct Prediction {
     pub streams_after: u32,
     /// Samples behind the worker's model (0: predicted from the prior alone).
     pub model_samples: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_slo_request_names_its_first_field_out_of_range() {
+        let ok = SloRequest {
+            ttft_ms: Some(1),
+            min_tok_s: Some(10_000.0),
+        };
+        assert_eq!(ok.invalid_field(), None);
+        assert_eq!(SloRequest::default().invalid_field(), None);
+        let zero = SloRequest {
+            ttft_ms: Some(0),
+            min_tok_s: Some(f64::NAN),
+        };
+        assert_eq!(zero.invalid_field(), Some(SloField::TtftMs));
+        for r in [0.0, -1.0, 10_000.5, f64::NAN, f64::INFINITY] {
+            let bad = SloRequest {
+                ttft_ms: None,
+                min_tok_s: Some(r),
+            };
+            assert_eq!(bad.invalid_field(), Some(SloField::MinTokS), "{r}");
+        }
+    }
 }
