@@ -509,6 +509,7 @@ pub(crate) mod fixtures {
             }),
             policy: "metronome".into(),
             queue_wait_ms: 15,
+            retry_after_ms: None,
             decision_latency_us: 42,
             epoch: 7,
             dispatcher_id: "d1".into(),

@@ -49,6 +49,10 @@ pub struct Config {
     pub max_ack_pending: i64,
     /// Start deadline given to jobs that carry none, counted from when the job is read.
     pub default_deadline_ms: u64,
+    /// Latest start deadline any job may have, counted from when it is read: a job asking
+    /// for more (or a direct NATS client asking for none) is held to this, so no job waits
+    /// unboundedly.
+    pub max_deadline_ms: u64,
     /// Most dispatch attempts of one job (refusals and rescues count); then rejected.
     pub max_attempts: u32,
     /// Scheduling policy: `metronome` (admission control) or a baseline.
@@ -94,6 +98,7 @@ impl Default for Config {
             ack_wait_ms: 300_000,
             max_ack_pending: 200_000,
             default_deadline_ms: 60_000,
+            max_deadline_ms: 600_000,
             max_attempts: 3,
             policy: PolicyKind::Metronome,
             policy_seed: 0,
@@ -221,12 +226,22 @@ impl Config {
             ("standby_poll_ms", self.standby_poll_ms),
             ("ack_wait_ms", self.ack_wait_ms),
             ("default_deadline_ms", self.default_deadline_ms),
+            ("max_deadline_ms", self.max_deadline_ms),
             ("ewma_refresh_ms", self.ewma_refresh_ms),
             ("tick_ms", self.tick_ms),
         ] {
             if v == 0 {
                 err(field, "must be greater than 0".into());
             }
+        }
+        if self.default_deadline_ms > self.max_deadline_ms {
+            err(
+                "default_deadline_ms",
+                format!(
+                    "{} must not exceed max_deadline_ms ({})",
+                    self.default_deadline_ms, self.max_deadline_ms
+                ),
+            );
         }
         if self.lease_renew_ms >= self.fence_after_ms {
             err(

@@ -26,10 +26,11 @@ use async_nats::jetstream::AckKind;
 use metronome_protocol::{
     CompletionEvent, CompletionOutcome, Decision, ErrorCode, Job, Outcome, WorkerStatus,
 };
+use metronome_scheduler::filter::fits_when_empty;
 use metronome_scheduler::least_harm;
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
 use metronome_scheduler::{
-    EwmaSnapshot, JobProfile, JobRequest, Ledger, SchedulerConfig, WorkerView,
+    DrainRate, EwmaSnapshot, IdleTtft, JobProfile, JobRequest, Ledger, SchedulerConfig, WorkerView,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -78,6 +79,7 @@ pub struct EngineSettings {
     pub queue_bound_per_model: usize,
     pub max_attempts: u32,
     pub default_deadline_ms: u64,
+    pub max_deadline_ms: u64,
     pub adopt_kv_tokens: u64,
     pub ack_wait_ms: u64,
     pub tick: Duration,
@@ -110,6 +112,9 @@ pub struct Engine {
     ewmas: HashMap<String, EwmaSnapshot>,
     output_len: HashMap<String, f64>,
     assigned: HashMap<String, AssignedJob>,
+    /// How fast each model's queue drains while jobs wait: the predicted wait behind an
+    /// unmeetable deadline's early answer.
+    drain: HashMap<String, DrainRate>,
     policy_state: PolicyState,
     publisher: Publisher,
     metrics: Arc<Metrics>,
@@ -135,6 +140,7 @@ impl Engine {
             ewmas: HashMap::new(),
             output_len: HashMap::new(),
             assigned: HashMap::new(),
+            drain: HashMap::new(),
             policy_state: PolicyState::new(s.policy_seed),
             publisher,
             metrics,
@@ -255,10 +261,25 @@ impl Engine {
             );
             return;
         }
+        if let Some(reason) = self.unplaceable(&inc.job, now) {
+            self.reject(
+                &inc.job,
+                1,
+                Outcome::Rejected,
+                "unplaceable",
+                &reason,
+                ErrorCode::InvalidJob,
+                Some(inc.acker),
+                now.saturating_sub(inc.received_ms),
+            );
+            return;
+        }
+        let latest = inc.received_ms.saturating_add(self.s.max_deadline_ms);
         let deadline_ms = inc
             .job
             .deadline_ms
-            .unwrap_or(inc.received_ms + self.s.default_deadline_ms);
+            .unwrap_or(inc.received_ms + self.s.default_deadline_ms)
+            .min(latest);
         let model = inc.job.model.clone();
         let queued = QueuedJob {
             job: inc.job,
@@ -272,7 +293,12 @@ impl Engine {
         match self.queues.push(queued) {
             // Every arrival gets a look: even behind waiting jobs it may be the first that
             // can still meet its TTFT target.
-            Ok(()) => self.dispatch_model(&model),
+            Ok(()) => {
+                self.dispatch_model(&model);
+                if self.queues.contains(&job_id) {
+                    self.answer_unmeetable(&model, now);
+                }
+            }
             Err((job, crate::queue::QueueRefusal::Full { bound })) => {
                 let reason = format!("admission queue of model {model:?} is full ({bound} jobs)");
                 self.reject(
@@ -286,6 +312,78 @@ impl Engine {
                     0,
                 );
             }
+        }
+    }
+
+    /// Why no live worker of the job's model could ever hold it, even with nothing else
+    /// running (its KV demand exceeds every worker's usable cache); `None` when one could,
+    /// or when a worker does not report its KV capacity (then nobody can tell).
+    fn unplaceable(&self, job: &Job, now: u64) -> Option<String> {
+        let slo = self.s.scheduler.slo_for(&job.model, job.slo.as_ref());
+        let request = JobRequest::from_job(job, f64::from(job.max_tokens), slo);
+        let mut largest = 0u64;
+        let mut workers = 0usize;
+        for w in self
+            .workers
+            .iter()
+            .filter(|w| w.status.model == job.model && self.alive(w, now))
+        {
+            if fits_when_empty(w, &request, &self.s.scheduler) != Some(false) {
+                return None;
+            }
+            workers += 1;
+            let capacity = w.status.kv.and_then(|kv| kv.capacity_tokens).unwrap_or(0);
+            largest = largest.max(capacity);
+        }
+        (workers > 0).then(|| {
+            format!(
+                "no worker of model {:?} can ever hold this job: it needs {} KV tokens (prompt + max_tokens), the largest KV cache of its {workers} live workers is {largest} tokens ({}% kept free); lower max_tokens or shorten the prompt",
+                job.model,
+                request.kv_tokens(),
+                self.s.scheduler.kv_headroom_frac * 100.0
+            )
+        })
+    }
+
+    /// Answer at once the model's waiting jobs whose deadline falls before the queue is
+    /// predicted to reach them (429 with `Retry-After`), instead of holding their clients
+    /// until the deadline passes. Jobs are counted in queue order; the prediction is the
+    /// model's measured drain rate ([`DrainRate`]), so nothing is answered before the queue
+    /// has been seen draining.
+    fn answer_unmeetable(&mut self, model: &str, now: u64) {
+        let Some(drain) = self.drain.get(model) else {
+            return;
+        };
+        let mut doomed = Vec::new();
+        let mut pos = 0;
+        while let Some(j) = self.queues.get(model, pos) {
+            if let Some(wait) = drain.predicted_wait_ms(pos - doomed.len(), now) {
+                if now as f64 + wait > j.deadline_ms as f64 {
+                    doomed.push((j.job.id.clone(), wait));
+                }
+            }
+            pos += 1;
+        }
+        for (id, wait) in doomed {
+            let Some(job) = self.queues.remove(&id) else {
+                continue;
+            };
+            let left = job.deadline_ms.saturating_sub(now);
+            let reason = format!(
+                "deadline cannot be met: {wait:.0} ms predicted before a worker of model {model:?} is free for it, {left} ms left before its deadline"
+            );
+            self.metrics.deadline_unmeetable_total.fetch_add(1, Relaxed);
+            self.refuse(
+                &job.job,
+                job.attempt,
+                Outcome::Rejected,
+                "deadline_unmeetable",
+                &reason,
+                ErrorCode::QueueFull,
+                job.acker,
+                now.saturating_sub(job.enqueued_ms),
+                Some(wait.ceil() as u64),
+            );
         }
     }
 
@@ -562,6 +660,9 @@ impl Engine {
                 now.saturating_sub(job.enqueued_ms),
             );
         }
+        for model in self.queues.models() {
+            self.answer_unmeetable(&model, now);
+        }
         let due = self
             .queues
             .due_for_progress(now.saturating_sub(self.s.ack_wait_ms / 3), now);
@@ -622,10 +723,19 @@ impl Engine {
             }
             let now = metronome_protocol::time::unix_ms();
             let scheduler = &self.s.scheduler;
+            let prefill = IdleTtft::of(
+                self.workers
+                    .iter()
+                    .filter(|w| w.status.model == model && self.alive(w, now)),
+            );
             let Some(pos) = self.queues.next_to_try(model, |j| {
                 let ttft = scheduler.slo_for(model, j.job.slo.as_ref()).ttft_ms;
-                Self::waited_ms(j, ttft, now) >= ttft
+                let waited = Self::waited_ms(j, ttft, now) as f64;
+                waited + prefill.ttft_ms(j.job.prompt_tokens) >= ttft as f64
             }) else {
+                if let Some(d) = self.drain.get_mut(model) {
+                    d.on_empty();
+                }
                 return;
             };
             let front = self.queues.get(model, pos).expect("position exists");
@@ -664,11 +774,14 @@ impl Engine {
                 now,
             );
             let mut least_harm_note = None;
-            if evaluation.winner.is_none() && self.s.policy == PolicyKind::Metronome {
+            let alone = self.queues.len(model) == 1;
+            if evaluation.winner.is_none() && self.s.policy == PolicyKind::Metronome && alone {
                 // No worker admits it without a predicted miss. Wait while waiting can
                 // still pay off; at the last moment its predicted TTFT still fits its
                 // budget (the next look may come a tick later), place it where it does
-                // least harm.
+                // least harm. Only when it waits alone: with others waiting, the model is
+                // short of capacity, and trading a running job's SLO for this one's only
+                // moves the miss while taking the room the next job needs.
                 if let Some(remaining) = request.ttft_remaining_ms {
                     let fallback =
                         least_harm(&request, workers, &self.ledger, &self.s.scheduler, now);
@@ -689,6 +802,10 @@ impl Engine {
                 return;
             };
             let job = self.queues.take(model, pos).expect("position exists");
+            self.drain
+                .entry(model.to_string())
+                .or_default()
+                .on_placement(now, self.queues.len(model));
             let profile = JobProfile {
                 prompt_tokens: request.prompt_tokens,
                 predicted_output: request.predicted_output(),
@@ -796,6 +913,7 @@ impl Engine {
             slo: None,
             policy: self.s.policy.as_str().to_string(),
             queue_wait_ms,
+            retry_after_ms: None,
             decision_latency_us: latency_us,
             epoch: self.s.epoch,
             dispatcher_id: self.s.dispatcher_id.clone(),
@@ -815,9 +933,36 @@ impl Engine {
         acker: Option<Arc<async_nats::jetstream::message::Acker>>,
         queue_wait_ms: u64,
     ) {
+        self.refuse(
+            job,
+            attempt,
+            outcome,
+            code,
+            reason,
+            error,
+            acker,
+            queue_wait_ms,
+            None,
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn refuse(
+        &mut self,
+        job: &Job,
+        attempt: u32,
+        outcome: Outcome,
+        code: &str,
+        reason: &str,
+        error: ErrorCode,
+        acker: Option<Arc<async_nats::jetstream::message::Acker>>,
+        queue_wait_ms: u64,
+        retry_after_ms: Option<u64>,
+    ) {
         let now = metronome_protocol::time::unix_ms();
         tracing::info!(job_id = %job.id, model = %job.model, reason_code = code, reason, "job not assigned");
         let mut decision = self.decision(job, outcome, attempt, queue_wait_ms, 0, now);
+        decision.retry_after_ms = retry_after_ms;
         decision.reason = Some(reason.to_string());
         decision.reason_code = Some(code.to_string());
         let slo = self.s.scheduler.slo_for(&job.model, job.slo.as_ref());

@@ -300,6 +300,7 @@ impl RejectContext {
                     slo: None,
                     policy: self.policy.clone(),
                     queue_wait_ms: 0,
+                    retry_after_ms: None,
                     decision_latency_us: 0,
                     epoch: self.epoch,
                     dispatcher_id: self.dispatcher_id.clone(),

@@ -240,6 +240,7 @@ async fn run_term(
         queue_bound_per_model: c.queue_bound_per_model,
         max_attempts: c.max_attempts,
         default_deadline_ms: c.default_deadline_ms,
+        max_deadline_ms: c.max_deadline_ms,
         adopt_kv_tokens: c.adopt_kv_tokens,
         ack_wait_ms: c.ack_wait_ms,
         tick: Duration::from_millis(c.tick_ms),

@@ -30,6 +30,9 @@ pub struct Metrics {
     /// Jobs placed where they do least harm: no worker admitted them without a predicted
     /// SLO miss and their TTFT budget was running out.
     pub least_harm_placements_total: AtomicU64,
+    /// Jobs answered at once (429) because the queue was predicted to reach them only
+    /// after their deadline.
+    pub deadline_unmeetable_total: AtomicU64,
     /// Internal tasks of a term (publisher, intake, watches) that died and ended the term.
     pub term_task_failures_total: AtomicU64,
     /// Heartbeats and completion events ignored because they could not be trusted
@@ -133,6 +136,12 @@ impl Metrics {
             "metronome_dispatcher_least_harm_placements_total",
             "Jobs placed where they do least harm because their TTFT budget ran out while no worker admitted them without a predicted SLO miss.",
             self.least_harm_placements_total.load(Relaxed),
+        );
+        counter(
+            &mut out,
+            "metronome_dispatcher_deadline_unmeetable_total",
+            "Jobs answered at once with a Retry-After because the queue was predicted to reach them only after their deadline.",
+            self.deadline_unmeetable_total.load(Relaxed),
         );
         counter(
             &mut out,

@@ -342,20 +342,26 @@ impl Submission {
             Outcome::Rejected | Outcome::Expired => {
                 let error = refusal(&decision);
                 tracing::info!(job_id = %self.job_id, code = ?error.code, reason = %error.message, "dispatcher refused the job");
-                Some(Err(ApiError::from_result_error(
-                    &error,
-                    self.state.config.retry_after_secs,
-                )))
+                let retry_after_secs = decision
+                    .retry_after_ms
+                    .map_or(self.state.config.retry_after_secs, retry_after_secs);
+                Some(Err(ApiError::from_result_error(&error, retry_after_secs)))
             }
         }
     }
+}
+
+/// Whole seconds for a `Retry-After` from the dispatcher's predicted wait: rounded up, at
+/// least 1 (a client told "retry after 0 s" retries at once into the same queue).
+pub fn retry_after_secs(retry_after_ms: u64) -> u64 {
+    retry_after_ms.div_ceil(1_000).max(1)
 }
 
 /// The error class of a refused or expired job, from its decision.
 pub fn refusal(decision: &Decision) -> ResultError {
     let code = match (decision.outcome, decision.reason_code.as_deref()) {
         (Outcome::Expired, _) => ErrorCode::DeadlineExceeded,
-        (_, Some("queue_full")) => ErrorCode::QueueFull,
+        (_, Some("queue_full" | "deadline_unmeetable")) => ErrorCode::QueueFull,
         (_, Some("unknown_model")) => ErrorCode::UnknownModel,
         (_, Some("cancelled")) => ErrorCode::Cancelled,
         (_, Some("max_attempts")) => ErrorCode::WorkerFailed,
@@ -374,7 +380,8 @@ pub fn refusal(decision: &Decision) -> ResultError {
                 | "model_control_char"
                 | "model_too_long"
                 | "bad_slo"
-                | "bad_tenant",
+                | "bad_tenant"
+                | "unplaceable",
             ),
         ) => ErrorCode::InvalidJob,
         // A refusal the gateway does not know: no capacity is the safe reading (retryable).
@@ -408,6 +415,7 @@ mod tests {
             slo: None,
             policy: "metronome".into(),
             queue_wait_ms: 0,
+            retry_after_ms: None,
             decision_latency_us: 0,
             epoch: 1,
             dispatcher_id: "d".into(),
@@ -450,5 +458,24 @@ mod tests {
             ErrorCode::WorkerFailed
         );
         assert_eq!(refusal(&decision(Outcome::Rejected, None)).message, "why");
+        assert_eq!(
+            refusal(&decision(Outcome::Rejected, Some("deadline_unmeetable"))).code,
+            ErrorCode::QueueFull,
+            "an unmeetable deadline is a 429: the client may retry later"
+        );
+        assert_eq!(
+            refusal(&decision(Outcome::Rejected, Some("unplaceable"))).code,
+            ErrorCode::InvalidJob,
+            "a job no worker can ever hold is the client's to change"
+        );
+    }
+
+    #[test]
+    fn retry_after_rounds_the_predicted_wait_up_to_whole_seconds() {
+        assert_eq!(retry_after_secs(0), 1);
+        assert_eq!(retry_after_secs(1), 1);
+        assert_eq!(retry_after_secs(1_000), 1);
+        assert_eq!(retry_after_secs(1_001), 2);
+        assert_eq!(retry_after_secs(42_500), 43);
     }
 }

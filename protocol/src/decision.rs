@@ -160,6 +160,10 @@ pub struct Decision {
     /// The SLO the job was held to (its model's, tightened by the job's own request).
     #[serde(default)]
     pub slo: Option<crate::Slo>,
+    /// For a job answered at once because its deadline could not be met: when capacity is
+    /// predicted to be free for it (the gateway's `Retry-After`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_ms: Option<u64>,
     /// Scheduling policy that decided (`metronome`, `least_connections`…).
     pub policy: String,
     /// Time the job spent in the admission queue.

@@ -175,6 +175,39 @@ impl Forecast {
     }
 }
 
+/// The soonest a job of one model could see its first token: its prefill on the fastest of
+/// the model's workers with nothing else to do. A job that has waited so long that even this
+/// would miss its TTFT target is already late, wherever it goes.
+#[derive(Debug, Clone, Default)]
+pub struct IdleTtft {
+    /// `(ttft_base_ms, prefill_per_token_ms)` of each worker with usable coefficients.
+    workers: Vec<(f64, f64)>,
+}
+
+impl IdleTtft {
+    pub fn of<'a>(workers: impl IntoIterator<Item = &'a WorkerView>) -> IdleTtft {
+        IdleTtft {
+            workers: workers
+                .into_iter()
+                .filter_map(|w| w.status.perf)
+                .filter(coefficients_usable)
+                .map(|c| (c.ttft_base_ms, c.prefill_per_token_ms))
+                .collect(),
+        }
+    }
+
+    /// Lowest predicted TTFT of a `prompt_tokens` prompt; 0 when no worker has
+    /// coefficients (nothing is known, so nothing is assumed).
+    pub fn ttft_ms(&self, prompt_tokens: u32) -> f64 {
+        let p = f64::from(prompt_tokens);
+        self.workers
+            .iter()
+            .map(|(base, per_token)| base + per_token * p)
+            .min_by(f64::total_cmp)
+            .unwrap_or(0.0)
+    }
+}
+
 /// A heartbeat's coefficients are used only when every one is a finite number >= 0 and
 /// the step takes time; anything else (a buggy or hostile agent) falls back to the prior.
 fn coefficients_usable(c: &PerfCoefficients) -> bool {
@@ -195,6 +228,28 @@ mod tests {
     use super::*;
     use crate::ledger::JobProfile;
     use crate::testutil::*;
+
+    #[test]
+    fn idle_ttft_is_the_fastest_workers_prefill() {
+        let mut fast = worker("fast");
+        fast.status.perf = Some(coefficients());
+        let mut slow = worker("slow");
+        slow.status.perf = Some(PerfCoefficients {
+            prefill_per_token_ms: 1.0,
+            ..coefficients()
+        });
+        let mut garbage = worker("garbage");
+        garbage.status.perf = Some(PerfCoefficients {
+            ttft_base_ms: -5.0,
+            ..coefficients()
+        });
+        let unknown = worker("unknown");
+        let idle = IdleTtft::of([&slow, &fast, &garbage, &unknown]);
+        let c = coefficients();
+        let expected = c.ttft_base_ms + c.prefill_per_token_ms * 1_000.0;
+        assert!((idle.ttft_ms(1_000) - expected).abs() < 1e-9);
+        assert_eq!(IdleTtft::of([&unknown]).ttft_ms(1_000), 0.0);
+    }
 
     fn coefficients() -> PerfCoefficients {
         PerfCoefficients {

@@ -35,6 +35,7 @@
 //! - A job is reserved on at most one worker; releasing is idempotent.
 
 pub mod config;
+pub mod drain;
 pub mod evaluate;
 pub mod ewma;
 pub mod filter;
@@ -51,8 +52,9 @@ pub(crate) mod testutil;
 pub mod view;
 
 pub use config::{ConfigError, SchedulerConfig, Weights};
+pub use drain::DrainRate;
 pub use evaluate::{evaluate, Evaluation};
-pub use forecast::Forecast;
+pub use forecast::{Forecast, IdleTtft};
 pub use job::JobRequest;
 pub use least_harm::least_harm;
 pub use ledger::{JobProfile, Ledger, LedgerError, Reconciliation, Reservation};

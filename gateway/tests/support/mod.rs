@@ -371,6 +371,7 @@ fn decision(job: &Job, outcome: Outcome, reason_code: Option<&str>) -> Decision 
         slo: None,
         policy: "test".into(),
         queue_wait_ms: 0,
+        retry_after_ms: None,
         decision_latency_us: 0,
         epoch: 1,
         dispatcher_id: "test".into(),

@@ -25,6 +25,19 @@ pub(crate) fn kv_tokens_in_use(used_frac: f64, capacity: u64, unreported: u64) -
     frac * capacity as f64 + unreported as f64
 }
 
+/// Whether `job` could fit on `view` once everything running there had finished: `None`
+/// when the worker reports no KV capacity in tokens (then nobody can tell). A job that fits
+/// no worker even empty will never be placed, and waiting for one only holds its client.
+pub fn fits_when_empty(
+    view: &crate::WorkerView,
+    job: &crate::JobRequest,
+    config: &crate::SchedulerConfig,
+) -> Option<bool> {
+    let capacity = view.status.kv?.capacity_tokens?;
+    let limit = capacity as f64 * (1.0 - config.kv_headroom_frac);
+    Some(job.kv_tokens() as f64 <= limit)
+}
+
 impl Filter for KvHeadroom {
     fn code(&self) -> RejectionCode {
         RejectionCode::InsufficientKv
@@ -62,6 +75,36 @@ mod tests {
     use crate::testutil::*;
     use crate::{Ledger, SchedulerConfig};
     use metronome_protocol::KvUsage;
+
+    #[test]
+    fn a_job_fits_when_empty_only_within_the_usable_capacity() {
+        let config = SchedulerConfig::default(); // 5 % headroom
+        let j = job("m"); // 200 KV tokens
+        let mut w = worker("w1");
+        assert_eq!(
+            fits_when_empty(&w, &j, &config),
+            None,
+            "no capacity reported"
+        );
+        w.status.kv = Some(KvUsage {
+            used_frac: 1.0,
+            capacity_tokens: Some(211),
+        });
+        assert_eq!(
+            fits_when_empty(&w, &j, &config),
+            Some(true),
+            "full now, fits empty"
+        );
+        w.status.kv = Some(KvUsage {
+            used_frac: 0.0,
+            capacity_tokens: Some(210),
+        });
+        assert_eq!(
+            fits_when_empty(&w, &j, &config),
+            Some(false),
+            "199.5 usable"
+        );
+    }
 
     #[test]
     fn rejects_when_reservations_fill_the_cache() {

@@ -28,7 +28,7 @@ pub use concurrency::UnderConcurrencyCap;
 pub use draining::NotDraining;
 pub use healthy::Healthy;
 pub use heartbeat::FreshHeartbeat;
-pub use kv_headroom::KvHeadroom;
+pub use kv_headroom::{fits_when_empty, KvHeadroom};
 pub use model::ServesModel;
 pub use slo::{OwnRateFloor, SloFloor};
 pub use ttft::TtftBudget;
