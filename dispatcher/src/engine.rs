@@ -418,7 +418,8 @@ impl Engine {
     /// body, so they cannot be assigned again.
     fn settle_orphan_refusals(&mut self, now: u64) {
         while let Some((_, _, at)) = self.orphan_refusals.front() {
-            if now.saturating_sub(*at) < ORPHAN_REFUSAL_GRACE_MS {
+            let over_bound = self.orphan_refusals.len() > CANCELLED_MAX;
+            if !over_bound && now.saturating_sub(*at) < ORPHAN_REFUSAL_GRACE_MS {
                 break;
             }
             let Some((job_id, worker_id, _)) = self.orphan_refusals.pop_front() else {
@@ -540,12 +541,15 @@ impl Engine {
                 // died (the refusal is acknowledged only after that), and the retry then
                 // arrives within moments of the takeover: look again after a grace period,
                 // and tell the client only if the job has not come back by then.
-                if self.orphan_refusals.len() < CANCELLED_MAX {
-                    self.orphan_refusals.push_back((
-                        event.job_id.clone(),
-                        event.worker_id.clone(),
-                        metronome_protocol::time::unix_ms(),
-                    ));
+                let now = metronome_protocol::time::unix_ms();
+                self.orphan_refusals.push_back((
+                    event.job_id.clone(),
+                    event.worker_id.clone(),
+                    now,
+                ));
+                // Bounded: over the bound the oldest is settled at once.
+                if self.orphan_refusals.len() > CANCELLED_MAX {
+                    self.settle_orphan_refusals(now);
                 }
             }
             None => {}
