@@ -17,7 +17,7 @@
 //! - Jobs waiting are re-evaluated after every capacity change (completion, heartbeat,
 //!   worker change, rollback) and on every tick.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -39,14 +39,19 @@ use crate::leader::Fence;
 use crate::metrics::Metrics;
 use crate::publish::{self, Publisher};
 use crate::queue::{QueuedJob, Queues};
+use crate::recent::RecentIds;
 use crate::registry::{RedisSnapshot, WorkerUpdate};
 
 /// A job read from JOBS.
 pub struct Incoming {
     pub job: Arc<Job>,
     pub acker: Arc<async_nats::jetstream::message::Acker>,
+    /// Its place in its model's queue: the JOBS sequence of the client's submission (a
+    /// retry put back on `jobs.submit` carries the original one).
     pub seq: u64,
     pub received_ms: u64,
+    /// The attempt it will be assigned as: 1, or a retry's `Metronome-Attempt`.
+    pub attempt: u32,
 }
 
 /// Everything that reaches the deciding loop.
@@ -54,7 +59,16 @@ pub enum Event {
     Job(Box<Incoming>),
     Worker(WorkerUpdate),
     Redis(RedisSnapshot),
-    Completion(Box<CompletionEvent>),
+    /// A completion event; a refusal carries its EVENTS acknowledgement, given once the job
+    /// is back in JOBS (so the refusal is seen again if this leader dies first).
+    Completion {
+        event: Box<CompletionEvent>,
+        acker: Option<Arc<async_nats::jetstream::message::Acker>>,
+    },
+    /// A retry could not be put back on `jobs.submit`: keep it in memory instead.
+    RequeueFailed {
+        job: Box<QueuedJob>,
+    },
     Cancel(String),
     /// The Assignment could not be published: roll back and requeue.
     PublishFailed {
@@ -85,7 +99,20 @@ pub struct EngineSettings {
     pub tick: Duration,
     pub decision_max_candidates: usize,
     pub decision_list_wrong_model: bool,
+    /// A worker dead this long (no heartbeat) leaves the registry, and so the decisions.
+    pub forget_dead_after_ms: u64,
 }
+
+/// How long a completion is remembered: heartbeats come every second, and one sent before
+/// the completion may still list the job.
+const FINISHED_WINDOW_MS: u64 = 60_000;
+/// At most this many remembered completions (a minute at well over 20,000 jobs/s).
+const FINISHED_MAX: usize = 2_000_000;
+/// At most this many remembered cancellations: their ids are client-chosen.
+const CANCELLED_MAX: usize = 100_000;
+/// How long a refusal of a job this leader never held waits for the job's retry to come
+/// back through JOBS (a takeover redelivers pending jobs at once) before its client is told.
+const ORPHAN_REFUSAL_GRACE_MS: u64 = 5_000;
 
 /// A job this leader assigned and has not seen finish.
 struct AssignedJob {
@@ -106,9 +133,19 @@ pub struct Engine {
     /// core then only looks at the model's own workers. Cleared on every worker change.
     per_model: HashMap<String, Vec<WorkerView>>,
     dead: HashSet<String>,
-    /// Jobs whose completion event arrived, with when: a heartbeat sent before the event may
-    /// still list them, and must neither re-adopt them nor count them as running.
-    finished: HashMap<String, u64>,
+    /// Jobs whose completion event arrived: a heartbeat sent before the event may still
+    /// list them, and must neither re-adopt them nor count them as running.
+    finished: RecentIds,
+    /// Cancellations this leader could not apply at once: the job was still in the intake
+    /// (or not submitted yet), or assigned but not yet reported by its worker. Kept for one
+    /// JOBS ack wait, the longest a job can take to reach the engine.
+    cancelled: RecentIds,
+    /// Cancellations already relayed to the worker that reported the job: our own relay
+    /// comes back on `cancel.*` and must not be relayed again.
+    relayed: RecentIds,
+    /// Refusals of jobs whose body this leader does not hold, oldest first, with when:
+    /// settled on the tick after [`ORPHAN_REFUSAL_GRACE_MS`].
+    orphan_refusals: VecDeque<(String, String, u64)>,
     ewmas: HashMap<String, EwmaSnapshot>,
     output_len: HashMap<String, f64>,
     assigned: HashMap<String, AssignedJob>,
@@ -136,7 +173,10 @@ impl Engine {
             index: HashMap::new(),
             per_model: HashMap::new(),
             dead: HashSet::new(),
-            finished: HashMap::new(),
+            finished: RecentIds::new(FINISHED_WINDOW_MS, FINISHED_MAX),
+            cancelled: RecentIds::new(s.ack_wait_ms, CANCELLED_MAX),
+            relayed: RecentIds::new(s.ack_wait_ms, CANCELLED_MAX),
+            orphan_refusals: VecDeque::new(),
             ewmas: HashMap::new(),
             output_len: HashMap::new(),
             assigned: HashMap::new(),
@@ -152,13 +192,15 @@ impl Engine {
 
     /// Run until `token` is cancelled or the lease goes stale.
     pub async fn run(mut self, mut rx: mpsc::Receiver<Event>, token: CancellationToken) {
+        let publisher = self.publisher.clone();
         let mut tick = tokio::time::interval(self.s.tick);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 biased;
                 _ = token.cancelled() => break,
-                event = rx.recv() => {
+                // Back-pressure: no new input while the publisher is behind.
+                event = async { publisher.ready().await; rx.recv().await } => {
                     let Some(event) = event else { break };
                     self.handle(event);
                     // Drain what is already queued before re-evaluating, bounded so the
@@ -194,7 +236,11 @@ impl Engine {
             Event::Job(incoming) => self.on_job(*incoming),
             Event::Worker(update) => self.on_worker(update),
             Event::Redis(snapshot) => self.on_redis(snapshot),
-            Event::Completion(event) => self.on_completion(*event),
+            Event::Completion { event, acker } => self.on_completion(*event, acker),
+            Event::RequeueFailed { job } => {
+                self.queues.put_back(*job);
+                self.capacity_changed = true;
+            }
             Event::Cancel(job_id) => self.on_cancel(&job_id),
             Event::PublishFailed { job, worker_id } => {
                 if self.ledger.worker_of(&job.job.id) == Some(worker_id.as_str()) {
@@ -204,10 +250,12 @@ impl Engine {
                 self.publish_failed(*job, &worker_id);
             }
             Event::AlreadyAssigned { job_id, worker_id } => {
+                // The earlier leader's Assignment of this attempt stands, on a worker we do
+                // not know yet (its heartbeat will report it). The body stays in
+                // `assigned`: if that worker refuses the job, it is retried from here.
                 if self.ledger.worker_of(&job_id) == Some(worker_id.as_str()) {
                     self.ledger.release(&job_id);
                 }
-                self.assigned.remove(&job_id);
                 self.capacity_changed = true;
             }
         }
@@ -227,7 +275,10 @@ impl Engine {
             // second assignment. The decision's msg-id drops it if one already exists.
             let worker = worker.to_string();
             tracing::info!(job_id = %job_id, worker_id = %worker, "redelivered job is already held by a worker");
-            let attempt = self.assigned.get(&job_id).map_or(1, |a| a.attempt);
+            let attempt = self
+                .assigned
+                .get(&job_id)
+                .map_or(inc.attempt, |a| a.attempt);
             let mut decision = self.decision(&inc.job, Outcome::Assigned, attempt, 0, 0, now);
             decision.worker_id = Some(worker.clone());
             decision.reason =
@@ -243,6 +294,21 @@ impl Engine {
             // A redelivery of a job already waiting here: the queued copy stands.
             return;
         }
+        if self.cancelled.remove(&job_id) {
+            // Its cancel overtook it (the cancel is a core message, the job waits in JOBS).
+            tracing::info!(job_id = %job_id, "cancelled before it reached the queue");
+            self.reject(
+                &inc.job,
+                inc.attempt,
+                Outcome::Rejected,
+                "cancelled",
+                "cancelled by its client before it was queued",
+                ErrorCode::Cancelled,
+                Some(inc.acker),
+                now.saturating_sub(inc.received_ms),
+            );
+            return;
+        }
         let served = self
             .workers
             .iter()
@@ -251,7 +317,7 @@ impl Engine {
             let reason = format!("no worker serves model {:?}", inc.job.model);
             self.reject(
                 &inc.job,
-                1,
+                inc.attempt,
                 Outcome::Rejected,
                 "unknown_model",
                 &reason,
@@ -283,7 +349,7 @@ impl Engine {
         let model = inc.job.model.clone();
         let queued = QueuedJob {
             job: inc.job,
-            attempt: 1,
+            attempt: inc.attempt.max(1),
             acker: Some(inc.acker),
             seq: inc.seq,
             enqueued_ms: inc.received_ms,
@@ -410,6 +476,7 @@ impl Engine {
                 if !rec.conflicting.is_empty() {
                     tracing::warn!(worker_id = %id, jobs = ?rec.conflicting, "worker runs jobs booked on another worker");
                 }
+                self.relay_cancels(&status.in_flight, now);
                 let ewma = self.ewmas.get(&id).copied();
                 match self.index.get(&id) {
                     Some(&i) => {
@@ -436,20 +503,60 @@ impl Engine {
             }
             WorkerUpdate::Gone { worker_id } => {
                 self.worker_died(&worker_id, "its key left the workers bucket");
-                if let Some(i) = self.index.remove(&worker_id) {
-                    self.workers.swap_remove(i);
-                    if i < self.workers.len() {
-                        let moved = self.workers[i].status.worker_id.clone();
-                        self.index.insert(moved, i);
-                    }
-                }
-                self.dead.remove(&worker_id);
+                self.forget_worker(&worker_id);
             }
         }
         self.metrics
             .workers_known
             .store(self.workers.len() as u64, Relaxed);
         self.capacity_changed = true;
+    }
+
+    /// Tell the clients of refused jobs that did not come back in time: nobody holds their
+    /// body, so they cannot be assigned again.
+    fn settle_orphan_refusals(&mut self, now: u64) {
+        while let Some((_, _, at)) = self.orphan_refusals.front() {
+            let over_bound = self.orphan_refusals.len() > CANCELLED_MAX;
+            if !over_bound && now.saturating_sub(*at) < ORPHAN_REFUSAL_GRACE_MS {
+                break;
+            }
+            let Some((job_id, worker_id, _)) = self.orphan_refusals.pop_front() else {
+                break;
+            };
+            let back = self.queues.contains(&job_id)
+                || self.assigned.contains_key(&job_id)
+                || self.ledger.worker_of(&job_id).is_some()
+                || self.finished.contains(&job_id);
+            if back {
+                continue;
+            }
+            tracing::warn!(
+                job_id,
+                worker_id,
+                "refused job never came back: its client is told"
+            );
+            self.publisher.send(publish::Outcome::FinalError {
+                job_id,
+                worker_id: Some(worker_id.clone()),
+                error: ErrorCode::WorkerFailed,
+                message: format!(
+                    "worker {worker_id} refused the job and it could not be assigned again"
+                ),
+            });
+        }
+    }
+
+    /// Remove a worker from the registry (it comes back as new with its next heartbeat).
+    fn forget_worker(&mut self, worker_id: &str) {
+        if let Some(i) = self.index.remove(worker_id) {
+            self.workers.swap_remove(i);
+            if i < self.workers.len() {
+                let moved = self.workers[i].status.worker_id.clone();
+                self.index.insert(moved, i);
+            }
+        }
+        self.dead.remove(worker_id);
+        self.per_model.clear();
     }
 
     fn on_redis(&mut self, snapshot: RedisSnapshot) {
@@ -467,20 +574,32 @@ impl Engine {
     /// sees busy workers that are idle, and re-adopts finished jobs as leaked reservations.
     fn drop_finished(&mut self, status: &mut WorkerStatus) {
         let before = status.in_flight.len();
-        status
-            .in_flight
-            .retain(|id| !self.finished.contains_key(id));
+        status.in_flight.retain(|id| !self.finished.contains(id));
         let gone = (before - status.in_flight.len()) as u32;
         status.active = status.active.saturating_sub(gone);
     }
 
-    fn on_completion(&mut self, event: CompletionEvent) {
+    fn on_completion(
+        &mut self,
+        event: CompletionEvent,
+        acker: Option<Arc<async_nats::jetstream::message::Acker>>,
+    ) {
+        // Acknowledged once handled, unless the job is retried: then once it is back in
+        // JOBS (the publisher acknowledges it with the retry's PubAck).
+        let mut acker = acker;
+        self.completion(event, &mut acker);
+        ack_later(acker);
+    }
+
+    fn completion(
+        &mut self,
+        event: CompletionEvent,
+        acker: &mut Option<Arc<async_nats::jetstream::message::Acker>>,
+    ) {
         if event.outcome != CompletionOutcome::Refused {
             let now = metronome_protocol::time::unix_ms();
-            // Heartbeats come every second; a minute covers any that were in flight.
-            self.finished
-                .retain(|_, at| now.saturating_sub(*at) < 60_000);
-            self.finished.insert(event.job_id.clone(), now);
+            self.finished.insert(&event.job_id, now);
+            self.cancelled.remove(&event.job_id);
             if let Some(&i) = self.index.get(&event.worker_id) {
                 let mut patched = self.workers[i].status.clone();
                 self.drop_finished(&mut patched);
@@ -510,30 +629,62 @@ impl Engine {
         match assigned {
             Some(a) => {
                 tracing::info!(job_id = %event.job_id, worker_id = %event.worker_id, attempt = event.attempt, error = ?event.error, "worker refused the job: assigning it again");
-                self.retry(a, &format!("refused by {}", event.worker_id));
+                self.retry(a, &format!("refused by {}", event.worker_id), acker.take());
             }
             None if !self.queues.contains(&event.job_id)
                 && self.ledger.worker_of(&event.job_id).is_none() =>
             {
-                // Refused, but this leader never held the job's body (assigned by an
-                // earlier leader): it cannot be assigned again, so its client is told.
-                self.publisher.send(publish::Outcome::FinalError {
-                    job_id: event.job_id.clone(),
-                    worker_id: Some(event.worker_id.clone()),
-                    error: ErrorCode::WorkerFailed,
-                    message: format!(
-                        "worker {} refused the job and it could not be assigned again",
-                        event.worker_id
-                    ),
-                });
+                // Refused, but this leader does not hold the job's body (assigned by an
+                // earlier leader). That leader may have put the retry back in JOBS before it
+                // died (the refusal is acknowledged only after that), and the retry then
+                // arrives within moments of the takeover: look again after a grace period,
+                // and tell the client only if the job has not come back by then.
+                let now = metronome_protocol::time::unix_ms();
+                self.orphan_refusals.push_back((
+                    event.job_id.clone(),
+                    event.worker_id.clone(),
+                    now,
+                ));
+                // Bounded: over the bound the oldest is settled at once.
+                if self.orphan_refusals.len() > CANCELLED_MAX {
+                    self.settle_orphan_refusals(now);
+                }
             }
             None => {}
         }
     }
 
     /// Queue a job again with the next attempt, or reject it when attempts are used up.
-    fn retry(&mut self, a: AssignedJob, why: &str) {
+    /// Its JOBS message was acknowledged when it was assigned, so the retry is put back on
+    /// `jobs.submit` (own msg-id per attempt, its attempt and original place in headers)
+    /// rather than kept in memory: a leader that dies now leaves it to the next one.
+    /// `event` (the refusal that caused it) is acknowledged once the retry is stored.
+    fn retry(
+        &mut self,
+        a: AssignedJob,
+        why: &str,
+        mut event: Option<Arc<async_nats::jetstream::message::Acker>>,
+    ) {
         let now = metronome_protocol::time::unix_ms();
+        let cancelled = self.cancelled.remove(&a.job.id);
+        if cancelled || a.attempt >= self.s.max_attempts {
+            // Settled here: nothing to wait for before acknowledging the event.
+            ack_later(event.take());
+        }
+        if cancelled {
+            // Cancelled while its assignment was on the way: not assigned again.
+            self.reject(
+                &a.job,
+                a.attempt,
+                Outcome::Rejected,
+                "cancelled",
+                &format!("cancelled by its client before it started ({why})"),
+                ErrorCode::Cancelled,
+                None,
+                0,
+            );
+            return;
+        }
         if a.attempt >= self.s.max_attempts {
             let reason = format!("gave up after {} attempts (last: {why})", a.attempt);
             self.reject(
@@ -548,16 +699,18 @@ impl Engine {
             );
             return;
         }
-        self.queues.put_back(QueuedJob {
-            job: a.job,
-            attempt: a.attempt + 1,
-            acker: None,
-            seq: a.seq,
-            enqueued_ms: now,
-            deadline_ms: a.deadline_ms.max(now + self.s.default_deadline_ms),
-            progress_ms: now,
+        self.publisher.send(publish::Outcome::Requeue {
+            job: Box::new(QueuedJob {
+                job: a.job,
+                attempt: a.attempt + 1,
+                acker: None,
+                seq: a.seq,
+                enqueued_ms: now,
+                deadline_ms: a.deadline_ms.max(now + self.s.default_deadline_ms),
+                progress_ms: now,
+            }),
+            event,
         });
-        self.capacity_changed = true;
     }
 
     /// A failed Assignment publish is an attempt: the job goes back to its place with the
@@ -588,6 +741,10 @@ impl Engine {
     }
 
     fn on_cancel(&mut self, job_id: &str) {
+        if self.relayed.contains(job_id) {
+            // Our own relay coming back.
+            return;
+        }
         if let Some(job) = self.queues.remove(job_id) {
             let now = metronome_protocol::time::unix_ms();
             tracing::info!(job_id, "cancelled while queued");
@@ -601,6 +758,34 @@ impl Engine {
                 job.acker,
                 now.saturating_sub(job.enqueued_ms),
             );
+            return;
+        }
+        if self.finished.contains(job_id) {
+            return;
+        }
+        // Not here yet (still in the intake), or assigned and not yet reported by its
+        // worker (the Assignment may reach the worker after the client's cancel did):
+        // remembered, applied when the job arrives, is refused or rescued, or relayed once
+        // its worker reports it.
+        tracing::info!(job_id, "cancel for a job not queued here: remembered");
+        self.cancelled
+            .insert(job_id, metronome_protocol::time::unix_ms());
+    }
+
+    /// Relay remembered cancels of jobs a worker now reports holding: the client's cancel
+    /// may have reached the worker before the Assignment did.
+    fn relay_cancels(&mut self, in_flight: &[String], now: u64) {
+        if self.cancelled.is_empty() {
+            return;
+        }
+        for job_id in in_flight {
+            if self.cancelled.remove(job_id) {
+                tracing::info!(job_id = %job_id, "relaying a cancel to the worker that reports the job");
+                self.relayed.insert(job_id, now);
+                self.publisher.send(publish::Outcome::RelayCancel {
+                    job_id: job_id.clone(),
+                });
+            }
         }
     }
 
@@ -636,7 +821,11 @@ impl Engine {
                 });
             } else if let Some(a) = assigned {
                 self.metrics.rescued_jobs_total.fetch_add(1, Relaxed);
-                self.retry(a, &format!("worker {worker_id} died before reporting it"));
+                self.retry(
+                    a,
+                    &format!("worker {worker_id} died before reporting it"),
+                    None,
+                );
             }
         }
         self.capacity_changed = true;
@@ -683,6 +872,24 @@ impl Engine {
         for id in stale {
             self.worker_died(&id, "heartbeat older than the timeout");
         }
+        self.settle_orphan_refusals(now);
+        // The workers bucket's max age removes a dead worker's key without a delete marker
+        // the watch would see, so a dead worker is dropped here, or every later decision
+        // would list it and the registry would only grow.
+        let forgotten: Vec<String> = self
+            .workers
+            .iter()
+            .filter(|w| self.dead.contains(&w.status.worker_id))
+            .filter(|w| now.saturating_sub(w.last_seen_ms) > self.s.forget_dead_after_ms)
+            .map(|w| w.status.worker_id.clone())
+            .collect();
+        for id in forgotten {
+            tracing::info!(worker_id = %id, "dead worker left the registry");
+            self.forget_worker(&id);
+        }
+        self.metrics
+            .workers_known
+            .store(self.workers.len() as u64, Relaxed);
         self.metrics
             .ledger_reservations
             .store(self.ledger.len() as u64, Relaxed);
@@ -991,5 +1198,16 @@ impl Engine {
             adopted = self.ledger.len(),
             "state rebuilt"
         );
+    }
+}
+
+/// Acknowledge an EVENTS message off the deciding loop.
+fn ack_later(acker: Option<Arc<async_nats::jetstream::message::Acker>>) {
+    if let Some(acker) = acker {
+        tokio::spawn(async move {
+            if let Err(error) = acker.ack().await {
+                tracing::warn!(%error, "acknowledging a completion event failed");
+            }
+        });
     }
 }

@@ -26,8 +26,9 @@ use async_nats::jetstream::{self, consumer};
 use bytes::Bytes;
 use futures::StreamExt;
 use metronome_protocol::names::{
-    decision_subject, event_done_subject, is_subject_token, CONSUMER_DISPATCHER, STREAM_EVENTS,
-    STREAM_JOBS, SUBJECT_CANCEL_ALL, SUBJECT_EVENTS_DONE_ALL,
+    decision_subject, event_done_subject, is_subject_token, CONSUMER_DISPATCHER,
+    CONSUMER_DISPATCHER_EVENTS, HEADER_ATTEMPT, HEADER_ORDER, STREAM_EVENTS, STREAM_JOBS,
+    SUBJECT_CANCEL_ALL, SUBJECT_EVENTS_DONE_ALL,
 };
 use metronome_protocol::{CompletionEvent, Decision, ErrorCode, Job, JobLimits, Outcome};
 use tokio::sync::mpsc;
@@ -138,6 +139,7 @@ async fn read_job(
         .unwrap_or((0, 1));
     let (msg, acker) = message.split();
     let acker = Arc::new(acker);
+    let (attempt, order) = retry_headers(msg.headers.as_ref(), seq);
     let job = match Job::parse(&msg.payload, &limits) {
         Ok(job) => job,
         Err(error) => {
@@ -151,7 +153,8 @@ async fn read_job(
     };
     if may_be_decided(delivered, seq, seen.takeover_seq) {
         match seen.stored_decision(&job.id).await {
-            Ok(Some(decision)) => {
+            // A decision of an earlier attempt does not settle a retry.
+            Ok(Some(decision)) if decision.attempt >= attempt => {
                 return Step::AlreadyDecided {
                     job_id: job.id,
                     decision: Box::new(decision),
@@ -159,7 +162,7 @@ async fn read_job(
                     seq,
                 }
             }
-            Ok(None) => {}
+            Ok(_) => {}
             // Fail open: the WORK stream's msg-id still catches a recent duplicate.
             Err(error) => {
                 tracing::warn!(job_id = %job.id, %error, "could not check for an earlier decision")
@@ -169,9 +172,27 @@ async fn read_job(
     Step::Job(Box::new(Incoming {
         job: Arc::new(job),
         acker,
-        seq,
+        seq: order,
         received_ms: metronome_protocol::time::unix_ms(),
+        attempt,
     }))
+}
+
+/// The attempt and queue place of a JOBS message: a client's submission is attempt 1 at
+/// its own sequence; a retry the dispatcher put back says both in headers. Headers that do
+/// not parse count as a client's submission (a client cannot skip attempts that way).
+fn retry_headers(headers: Option<&async_nats::HeaderMap>, seq: u64) -> (u32, u64) {
+    let read = |name: &str| -> Option<u64> {
+        headers
+            .and_then(|h| h.get(name))
+            .and_then(|v| v.as_str().parse().ok())
+    };
+    match (read(HEADER_ATTEMPT), read(HEADER_ORDER)) {
+        (Some(attempt), Some(order)) if attempt > 1 && attempt <= u64::from(u32::MAX) => {
+            (attempt as u32, order.min(seq))
+        }
+        _ => (1, seq),
+    }
 }
 
 /// Read jobs until `token` is cancelled.
@@ -332,8 +353,15 @@ impl RejectContext {
     }
 }
 
-/// Create the completion-event reader (before the registry is loaded, so no completion
-/// that happens after the load is missed), then forward events until `token`.
+/// Open the completion-event reader (before the registry is loaded, so no completion that
+/// happens after the load is missed), then forward events until `token`.
+///
+/// The reader is a durable consumer shared by every leader: a completion or refusal
+/// published while no leader runs (failover, redeploy) waits in it for the next one,
+/// instead of being skipped by a reader that starts at "new". It is created with
+/// `DeliverPolicy::New` the first time only (older history belongs to no running job), and
+/// reused after. Each event is acknowledged once handled; a refusal once its retry is back
+/// in JOBS, so a leader that dies in between leaves the refusal to its successor.
 pub async fn spawn_completions(
     js: &jetstream::Context,
     tx: mpsc::Sender<Event>,
@@ -344,15 +372,26 @@ pub async fn spawn_completions(
         .get_stream(STREAM_EVENTS)
         .await
         .map_err(|e| DispatcherError::Nats(format!("EVENTS stream: {e}")))?;
-    let ordered = stream
-        .create_consumer(consumer::pull::OrderedConfig {
-            filter_subject: SUBJECT_EVENTS_DONE_ALL.into(),
-            deliver_policy: consumer::DeliverPolicy::New,
-            ..Default::default()
-        })
+    let durable = stream
+        .get_or_create_consumer(
+            CONSUMER_DISPATCHER_EVENTS,
+            consumer::pull::Config {
+                durable_name: Some(CONSUMER_DISPATCHER_EVENTS.into()),
+                filter_subject: SUBJECT_EVENTS_DONE_ALL.into(),
+                deliver_policy: consumer::DeliverPolicy::New,
+                ack_policy: consumer::AckPolicy::Explicit,
+                ack_wait: Duration::from_secs(30),
+                max_deliver: -1,
+                ..Default::default()
+            },
+        )
         .await
         .map_err(|e| DispatcherError::Nats(format!("EVENTS consumer: {e}")))?;
-    let mut messages = ordered
+    let mut messages = durable
+        .stream()
+        .max_messages_per_batch(1000)
+        .heartbeat(Duration::from_secs(5))
+        .expires(Duration::from_secs(30))
         .messages()
         .await
         .map_err(|e| DispatcherError::Nats(format!("EVENTS consumer: {e}")))?;
@@ -374,12 +413,19 @@ pub async fn spawn_completions(
                     return;
                 }
             };
+            let (message, acker) = message.split();
+            let acker = Arc::new(acker);
             match serde_json::from_slice::<CompletionEvent>(&message.payload) {
                 Ok(event) => match untrusted_event(&event, message.subject.as_str()) {
                     None => {
-                        if tx.send(Event::Completion(Box::new(event))).await.is_err() {
+                        let event = Event::Completion {
+                            event: Box::new(event),
+                            acker: Some(acker),
+                        };
+                        if tx.send(event).await.is_err() {
                             return;
                         }
+                        continue;
                     }
                     Some(reason) => {
                         metrics.ignored_worker_messages_total.fetch_add(1, Relaxed);
@@ -391,6 +437,8 @@ pub async fn spawn_completions(
                     tracing::warn!(subject = %message.subject, %error, "malformed completion event ignored")
                 }
             }
+            // Ignored for good: not redelivered.
+            let _ = acker.ack().await;
         }
     }))
 }

@@ -17,6 +17,7 @@ pub mod leader;
 pub mod metrics;
 pub mod publish;
 pub mod queue;
+pub mod recent;
 pub mod registry;
 pub mod supervise;
 
@@ -216,6 +217,7 @@ async fn run_term(
         ctx.client.clone(),
         tx.clone(),
         ctx.metrics.clone(),
+        publish::DEFAULT_CAPACITY,
     );
     tasks.watch("publisher", publisher_task);
     // Completions first, so none that happens after the workers are loaded is missed.
@@ -246,6 +248,9 @@ async fn run_term(
         tick: Duration::from_millis(c.tick_ms),
         decision_max_candidates: c.decision_max_candidates,
         decision_list_wrong_model: c.decision_list_wrong_model,
+        // Long enough for the worker to come back from a restart as the same entry, short
+        // enough that decisions stop listing a dead worker within a minute by default.
+        forget_dead_after_ms: c.scheduler.heartbeat_timeout_ms.saturating_mul(5),
     };
     let mut engine = engine::Engine::new(settings, publisher.clone(), ctx.metrics.clone(), fence);
     engine.load(workers, redis);

@@ -1,7 +1,6 @@
 //! Publishing the outcome of decisions, pipelined after the in-memory commit.
 //!
-//! The deciding loop hands each committed outcome to one publisher task over an unbounded
-//! channel and moves on; the publisher writes messages in commit order (one buffered
+//! The deciding loop hands each committed outcome to one publisher task and moves on; the publisher writes messages in commit order (one buffered
 //! write each, no round trip) and a spawned tail awaits each job's acknowledgements:
 //!
 //! - assigned: [`metronome_protocol::Assignment`] on `work.<worker>` (`Nats-Msg-Id` = job:attempt, epoch and
@@ -20,6 +19,16 @@
 //! - rejected/expired: Decision, then the `FinalResult` with the error on
 //!   `results.<job>.final` (so a waiting client learns why), then the JOBS ack.
 //!
+//! - a dead worker's purge ([`Outcome::PurgeWork`]) removes only what was on its WORK
+//!   subject when the purge was handled: the stream's last sequence is read, and the purge
+//!   is bounded below it, before any later outcome is written. A worker that comes back is
+//!   assigned new work only after that, so the purge can never delete it.
+//!
+//! Back-pressure: outcomes not yet settled (written and acknowledged, or failed) are
+//! counted; the deciding loop waits in [`Publisher::ready`] while `capacity` are pending,
+//! which stops it reading new events, and so the intake, when NATS is slower than the
+//! decisions.
+//!
 //! Invariant: a JOBS message is acknowledged only after the outcome that settles it is
 //! stored, so a crash in between leads to a redelivery (deduplicated), never to a loss.
 
@@ -33,7 +42,7 @@ use bytes::Bytes;
 use metronome_protocol::headers::headers;
 use metronome_protocol::names::{self, HEADER_EPOCH, HEADER_MODEL, HEADER_MSG_ID};
 use metronome_protocol::{Decision, ErrorCode, FinalResult, ResultError, Usage};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 
 use crate::engine::Event;
 use crate::metrics::Metrics;
@@ -67,6 +76,18 @@ pub enum Outcome {
         body: Bytes,
         acker: Option<Arc<Acker>>,
     },
+    /// Put a job to retry back on `jobs.submit` (its JOBS message was acknowledged when it
+    /// was assigned): `Nats-Msg-Id` = [`names::retry_msg_id`], with its attempt and original
+    /// place in headers. After the PubAck, `event` (the refusal that caused the retry) is
+    /// acknowledged; if the publish fails the job goes back to the engine
+    /// ([`Event::RequeueFailed`]) and waits in memory, as it would have before.
+    Requeue {
+        job: Box<QueuedJob>,
+        event: Option<Arc<Acker>>,
+    },
+    /// Send `cancel.<job_id>` again: the worker now reports holding a job whose client's
+    /// cancel may have reached it before its Assignment did.
+    RelayCancel { job_id: String },
     /// A final error result only (a job lost with its worker).
     FinalError {
         job_id: String,
@@ -76,12 +97,39 @@ pub enum Outcome {
     },
 }
 
+/// Outcomes handed over and not yet settled, with a wake-up for [`Publisher::ready`].
+#[derive(Default)]
+struct Pending {
+    count: AtomicUsize,
+    settled: Notify,
+}
+
+impl Pending {
+    fn fetch_add(&self, n: usize, order: Ordering) -> usize {
+        self.count.fetch_add(n, order)
+    }
+
+    fn fetch_sub(&self, n: usize, order: Ordering) -> usize {
+        let before = self.count.fetch_sub(n, order);
+        self.settled.notify_waiters();
+        before
+    }
+
+    fn load(&self, order: Ordering) -> usize {
+        self.count.load(order)
+    }
+}
+
 /// Cheap handle the engine and intake send outcomes through.
 #[derive(Clone)]
 pub struct Publisher {
     tx: mpsc::UnboundedSender<Outcome>,
-    in_flight: Arc<AtomicUsize>,
+    in_flight: Arc<Pending>,
+    capacity: usize,
 }
+
+/// Outcomes pending before the deciding loop stops taking new events.
+pub const DEFAULT_CAPACITY: usize = 65_536;
 
 impl Publisher {
     /// Start the publisher task; events (rollbacks) go back to the engine on `events`.
@@ -91,9 +139,10 @@ impl Publisher {
         client: async_nats::Client,
         events: mpsc::Sender<Event>,
         metrics: Arc<Metrics>,
+        capacity: usize,
     ) -> (Publisher, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        let in_flight = Arc::new(AtomicUsize::new(0));
+        let in_flight = Arc::new(Pending::default());
         let handle = tokio::spawn(publish_loop(
             rx,
             js,
@@ -102,7 +151,14 @@ impl Publisher {
             metrics,
             in_flight.clone(),
         ));
-        (Publisher { tx, in_flight }, handle)
+        (
+            Publisher {
+                tx,
+                in_flight,
+                capacity: capacity.max(1),
+            },
+            handle,
+        )
     }
 
     pub fn send(&self, outcome: Outcome) {
@@ -112,6 +168,24 @@ impl Publisher {
             tracing::warn!(
                 "publisher stopped: outcome dropped (its JOBS message will be redelivered)"
             );
+        }
+    }
+
+    /// Outcomes handed over and not yet settled.
+    pub fn pending(&self) -> usize {
+        self.in_flight.load(Ordering::Acquire)
+    }
+
+    /// Wait until fewer than `capacity` outcomes are pending. The engine calls this before
+    /// it takes the next event: the channel is unbounded only so that one event's outcomes
+    /// (a dispatch pass may assign a whole queue) never block the deciding loop midway.
+    pub async fn ready(&self) {
+        loop {
+            let settled = self.in_flight.settled.notified();
+            if self.pending() < self.capacity {
+                return;
+            }
+            settled.await;
         }
     }
 
@@ -130,7 +204,7 @@ async fn publish_loop(
     client: async_nats::Client,
     events: mpsc::Sender<Event>,
     metrics: Arc<Metrics>,
-    in_flight: Arc<AtomicUsize>,
+    in_flight: Arc<Pending>,
 ) {
     while let Some(outcome) = rx.recv().await {
         match outcome {
@@ -256,30 +330,55 @@ async fn publish_loop(
                 });
             }
             Outcome::PurgeWork { worker_id } => {
-                let js = js.clone();
+                // Inline, not spawned: no later outcome (a new Assignment to this worker once
+                // it is back) is written before the bound is read and the purge is done.
+                match purge_below_last(&js, &worker_id).await {
+                    Ok((purged, below)) => tracing::info!(
+                        worker_id,
+                        purged,
+                        below_seq = below,
+                        "removed the dead worker's pending assignments"
+                    ),
+                    Err(error) => {
+                        tracing::warn!(worker_id, %error, "could not purge the dead worker's assignments")
+                    }
+                }
+                in_flight.fetch_sub(1, Ordering::AcqRel);
+            }
+            Outcome::Requeue { job, event } => {
+                let started = requeue_start(&js, &job).await;
+                let events = events.clone();
                 let in_flight = in_flight.clone();
                 tokio::spawn(async move {
-                    let purged = match js.get_stream(names::STREAM_WORK).await {
-                        Ok(stream) => stream
-                            .purge()
-                            .filter(names::work_subject(&worker_id))
-                            .await
-                            .map(|p| p.purged)
-                            .map_err(|e| e.to_string()),
-                        Err(e) => Err(e.to_string()),
+                    let stored = match started {
+                        Ok(fut) => fut.await.map(|_| ()).map_err(|e| e.to_string()),
+                        Err(e) => Err(e),
                     };
-                    match purged {
-                        Ok(n) => tracing::info!(
-                            worker_id,
-                            purged = n,
-                            "removed the dead worker's pending assignments"
-                        ),
+                    match stored {
+                        Ok(()) => {
+                            tracing::info!(job_id = %job.job.id, attempt = job.attempt, "retry put back on jobs.submit");
+                            if let Some(event) = event {
+                                if let Err(error) = event.ack().await {
+                                    tracing::warn!(job_id = %job.job.id, %error, "acknowledging the refusal failed");
+                                }
+                            }
+                        }
                         Err(error) => {
-                            tracing::warn!(worker_id, %error, "could not purge the dead worker's assignments")
+                            tracing::warn!(job_id = %job.job.id, %error, "could not put the retry back on jobs.submit: it waits in memory");
+                            let _ = events.send(Event::RequeueFailed { job }).await;
                         }
                     }
                     in_flight.fetch_sub(1, Ordering::AcqRel);
                 });
+            }
+            Outcome::RelayCancel { job_id } => {
+                if let Err(error) = client
+                    .publish(names::cancel_subject(&job_id), Bytes::new())
+                    .await
+                {
+                    tracing::warn!(job_id, %error, "relaying a cancel failed");
+                }
+                in_flight.fetch_sub(1, Ordering::AcqRel);
             }
             Outcome::DeadLetter { body, acker } => {
                 if let Err(error) = client.publish(names::SUBJECT_DEAD_LETTER, body).await {
@@ -305,6 +404,29 @@ async fn publish_loop(
             }
         }
     }
+}
+
+/// Purge `work.<worker_id>` below the WORK stream's next sequence as of now: everything
+/// published to the worker so far, nothing published after. Returns (purged, bound).
+async fn purge_below_last(js: &jetstream::Context, worker_id: &str) -> Result<(u64, u64), String> {
+    let mut stream = js
+        .get_stream(names::STREAM_WORK)
+        .await
+        .map_err(|e| e.to_string())?;
+    let below = stream
+        .info()
+        .await
+        .map_err(|e| e.to_string())?
+        .state
+        .last_sequence
+        + 1;
+    let purged = stream
+        .purge()
+        .filter(names::work_subject(worker_id))
+        .sequence(below)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((purged.purged, below))
 }
 
 /// The wire form of [`Assignment`], serialised from borrowed parts so the job (and its
@@ -373,6 +495,23 @@ async fn publish_final_start(
     let h = headers([(HEADER_MSG_ID, msg_id.as_str())]).map_err(|e| e.to_string())?;
     let msg = PublishMessage::build().payload(payload).headers(h);
     js.send_publish(names::result_final_subject(job_id), msg)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+async fn requeue_start(js: &jetstream::Context, job: &QueuedJob) -> Started {
+    let payload = Bytes::from(serde_json::to_vec(&*job.job).map_err(|e| e.to_string())?);
+    let msg_id = names::retry_msg_id(&job.job.id, job.attempt);
+    let attempt = job.attempt.to_string();
+    let order = job.seq.to_string();
+    let h = headers([
+        (HEADER_MSG_ID, msg_id.as_str()),
+        (names::HEADER_ATTEMPT, attempt.as_str()),
+        (names::HEADER_ORDER, order.as_str()),
+    ])
+    .map_err(|e| e.to_string())?;
+    let msg = PublishMessage::build().payload(payload).headers(h);
+    js.send_publish(names::SUBJECT_JOBS_SUBMIT, msg)
         .await
         .map_err(|e| e.to_string())
 }

@@ -50,6 +50,20 @@ pub const HEADER_MSG_ID: &str = "Nats-Msg-Id";
 pub const HEADER_MODEL: &str = "Metronome-Model";
 /// Leader epoch that produced an assignment.
 pub const HEADER_EPOCH: &str = "Metronome-Epoch";
+/// On a job the dispatcher put back on `jobs.submit` (a retry): the attempt it will be
+/// assigned as. Absent on a client's submission (attempt 1).
+pub const HEADER_ATTEMPT: &str = "Metronome-Attempt";
+/// On a retry put back on `jobs.submit`: the JOBS sequence of the client's submission, so
+/// the job returns to its place in its model's queue.
+pub const HEADER_ORDER: &str = "Metronome-Order";
+/// Durable consumer of the dispatcher on EVENTS (`events.done.*`).
+pub const CONSUMER_DISPATCHER_EVENTS: &str = "dispatcher-events";
+
+/// `Nats-Msg-Id` of a retry put back on `jobs.submit`: one per attempt, distinct from the
+/// client's own id (the job id).
+pub fn retry_msg_id(job_id: &str, attempt: u32) -> String {
+    format!("{job_id}:retry:{attempt}")
+}
 
 /// `work.<worker_id>`: assignments for one worker.
 pub fn work_subject(worker_id: &str) -> String {

@@ -1,0 +1,237 @@
+//! A job's truth stays in JetStream until it is settled, across leader changes: retries go
+//! back to JOBS, completion events wait in a durable consumer for the next leader, cancels
+//! that overtake their job are not lost, and dead workers leave the registry.
+
+mod common;
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use common::*;
+use futures::StreamExt;
+use metronome_protocol::names;
+use metronome_protocol::{CompletionOutcome, ErrorCode, Outcome};
+use metronome_testkit::wait_for;
+use tokio_util::sync::CancellationToken;
+
+/// A refused job is retried from JOBS, not from the leader's memory: the leader that
+/// re-queued it stops, the next one assigns it (attempt 2). It used to be lost: its JOBS
+/// message was acknowledged at the first assignment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_requeued_after_a_refusal_survives_a_leader_change() {
+    let env = Env::start().await;
+    let mut w = worker("rq-0", "model-rq", 4);
+    env.work_consumer("rq-0").await;
+    env.heartbeat(&w).await;
+    let (first, token) = env.dispatcher(env.config("first")).await;
+    env.submit("rq-1", "model-rq", 10, 10).await;
+    let work = wait_for("the first assignment", WAIT, || async {
+        let w = env.take_work("rq-0").await;
+        (!w.is_empty()).then_some(w)
+    })
+    .await;
+    assert_eq!(work[0].0.attempt, 1);
+    // The worker drains, then refuses: no worker can take the retry now.
+    w.draining = true;
+    w.seq += 1;
+    env.heartbeat(&w).await;
+    env.complete(&work[0].0, CompletionOutcome::Refused).await;
+    wait_for("the retry put back on jobs.submit", WAIT, || async {
+        let mut s = env.js.get_stream(names::STREAM_JOBS).await.unwrap();
+        (s.info().await.unwrap().state.messages == 1).then_some(())
+    })
+    .await;
+    token.cancel();
+    first.join().await.unwrap();
+
+    // The next leader finds the worker open again and the retry in JOBS.
+    w.draining = false;
+    w.seq += 1;
+    env.heartbeat(&w).await;
+    let (second, token) = env.dispatcher(env.config("second")).await;
+    let work = wait_for("the retry assigned", WAIT, || async {
+        let w = env.take_work("rq-0").await;
+        (!w.is_empty()).then_some(w)
+    })
+    .await;
+    assert_eq!(work.len(), 1);
+    assert_eq!(work[0].0.job.id, "rq-1");
+    assert_eq!(work[0].0.attempt, 2, "{:?}", work[0].0);
+    let d = wait_for("attempt 2 decided", WAIT, || async {
+        env.decision("rq-1").await.filter(|d| d.attempt == 2)
+    })
+    .await;
+    assert_eq!(d.outcome, Outcome::Assigned);
+    assert_eq!(d.dispatcher_id, "second");
+    token.cancel();
+    second.join().await.unwrap();
+}
+
+/// A refusal published while no leader runs is seen by the next leader (the EVENTS reader
+/// is durable). This one was assigned by a leader that is gone, so the next one cannot
+/// retry it and tells its client; before, nobody ever answered it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_published_while_no_leader_runs_is_seen_by_the_next_one() {
+    let env = Env::start().await;
+    env.workers("nl", 1, "model-nl", 4).await;
+    let (first, token) = env.dispatcher(env.config("first")).await;
+    env.submit("nl-1", "model-nl", 10, 10).await;
+    let work = wait_for("the assignment", WAIT, || async {
+        let w = env.take_work("nl-0").await;
+        (!w.is_empty()).then_some(w)
+    })
+    .await;
+    token.cancel();
+    first.join().await.unwrap();
+
+    env.complete(&work[0].0, CompletionOutcome::Refused).await;
+    let (second, token) = env.dispatcher(env.config("second")).await;
+    let fin = wait_for("the client is told", WAIT, || env.final_result("nl-1")).await;
+    assert_eq!(fin.error.expect("error").code, ErrorCode::WorkerFailed);
+    token.cancel();
+    second.join().await.unwrap();
+}
+
+/// A cancel that reaches the leader before its job does (the cancel is a core message, the
+/// job waits in JOBS) is applied when the job arrives: it used to be dropped, and the job
+/// ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_that_overtakes_its_job_is_applied_when_the_job_arrives() {
+    let env = Env::start().await;
+    env.workers("co", 1, "model-co", 4).await;
+    let (running, token) = env.dispatcher(env.config("cancel")).await;
+    env.client
+        .publish(names::cancel_subject("co-1"), bytes::Bytes::new())
+        .await
+        .unwrap();
+    env.client.flush().await.unwrap();
+    // Poll with a job that was not cancelled: once it is decided, so was the cancel read.
+    env.submit("co-marker", "model-co", 10, 10).await;
+    env.decisions_for(&["co-marker".to_string()]).await;
+    env.submit("co-1", "model-co", 10, 10).await;
+    let d = env.decisions_for(&["co-1".to_string()]).await;
+    assert_eq!(d["co-1"].outcome, Outcome::Rejected, "{:?}", d["co-1"]);
+    assert_eq!(d["co-1"].reason_code.as_deref(), Some("cancelled"));
+    let fin = wait_for("final result", WAIT, || env.final_result("co-1")).await;
+    assert_eq!(fin.error.expect("error").code, ErrorCode::Cancelled);
+    let ids: Vec<String> = env
+        .take_work("co-0")
+        .await
+        .into_iter()
+        .map(|(a, _)| a.job.id)
+        .collect();
+    assert_eq!(ids, ["co-marker"]);
+    token.cancel();
+    running.join().await.unwrap();
+}
+
+/// A cancel for a job whose Assignment is on its way (not yet reported by the worker) may
+/// reach the worker first and be lost there: the leader relays it once the worker's
+/// heartbeat reports the job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_for_an_unreported_assignment_is_relayed_when_the_worker_reports_it() {
+    let env = Env::start().await;
+    let mut w = worker("cr-0", "model-cr", 4);
+    env.work_consumer("cr-0").await;
+    env.heartbeat(&w).await;
+    let (running, token) = env.dispatcher(env.config("relay")).await;
+    env.submit("cr-1", "model-cr", 10, 10).await;
+    wait_for("the assignment", WAIT, || async {
+        let w = env.take_work("cr-0").await;
+        (!w.is_empty()).then_some(())
+    })
+    .await;
+    let mut cancels = env
+        .client
+        .subscribe(names::cancel_subject("cr-1"))
+        .await
+        .unwrap();
+    env.client.flush().await.unwrap();
+    env.client
+        .publish(names::cancel_subject("cr-1"), bytes::Bytes::new())
+        .await
+        .unwrap();
+    assert!(cancels.next().await.is_some(), "the client's cancel");
+
+    // The worker now reports the job, heartbeat after heartbeat, until the relay comes.
+    let beating = CancellationToken::new();
+    let beater = {
+        let (workers, stop) = (env.workers.clone(), beating.clone());
+        w.in_flight = vec!["cr-1".into()];
+        w.active = 1;
+        tokio::spawn(async move {
+            loop {
+                w.seq += 1;
+                let body = serde_json::to_vec(&w).unwrap();
+                workers.put("cr-0", body.into()).await.unwrap();
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                }
+            }
+        })
+    };
+    let relayed = tokio::time::timeout(WAIT, cancels.next()).await;
+    assert!(
+        matches!(relayed, Ok(Some(_))),
+        "the leader did not relay the cancel"
+    );
+    beating.cancel();
+    beater.await.unwrap();
+    token.cancel();
+    running.join().await.unwrap();
+}
+
+/// A worker that stopped beating is declared dead and, a bounded time later, leaves the
+/// registry: decisions stop listing it. It used to stay for ever (the bucket's max age
+/// removes its key without an event the watch sees).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_worker_leaves_the_registry_and_the_decisions() {
+    let env = Env::start().await;
+    env.workers("gone", 1, "model-f", 4).await;
+    let alive = worker("alive-0", "model-f", 4);
+    env.work_consumer("alive-0").await;
+    env.heartbeat(&alive).await;
+    let mut config = env.config("forget");
+    config.scheduler.heartbeat_timeout_ms = 1_000;
+    let (running, token) = env.dispatcher(config).await;
+    let metrics = running.metrics.clone();
+
+    let beating = CancellationToken::new();
+    let beater = {
+        let (workers, stop, mut status) = (env.workers.clone(), beating.clone(), alive.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                }
+                status.seq += 1;
+                let body = serde_json::to_vec(&status).unwrap();
+                workers.put("alive-0", body.into()).await.unwrap();
+            }
+        })
+    };
+    wait_for("the silent worker forgotten", WAIT, || {
+        let m = metrics.clone();
+        async move {
+            (m.workers_lost_total.load(Relaxed) >= 1 && m.workers_known.load(Relaxed) == 1)
+                .then_some(())
+        }
+    })
+    .await;
+    env.submit("f-1", "model-f", 10, 10).await;
+    let d = env.decisions_for(&["f-1".to_string()]).await;
+    let d = &d["f-1"];
+    assert_eq!(d.outcome, Outcome::Assigned, "{d:?}");
+    assert_eq!(d.worker_id.as_deref(), Some("alive-0"));
+    assert!(
+        d.candidates.iter().all(|c| c.worker_id != "gone-0")
+            && d.rejected.iter().all(|r| r.worker_id != "gone-0"),
+        "the dead worker is still in the decision: {d:?}"
+    );
+    beating.cancel();
+    beater.await.unwrap();
+    token.cancel();
+    running.join().await.unwrap();
+}
