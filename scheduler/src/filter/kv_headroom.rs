@@ -81,6 +81,12 @@ mod tests {
         let config = SchedulerConfig::default(); // 5 % headroom
         let j = job("m"); // 200 KV tokens
         let mut w = worker("w1");
+        w.status.kv = None;
+        assert_eq!(fits_when_empty(&w, &j, &config), None, "no KV reported");
+        w.status.kv = Some(KvUsage {
+            used_frac: 0.0,
+            capacity_tokens: None,
+        });
         assert_eq!(
             fits_when_empty(&w, &j, &config),
             None,
