@@ -51,7 +51,7 @@ pub(crate) mod testutil;
 pub mod view;
 
 pub use config::{ConfigError, SchedulerConfig, Weights};
-pub use evaluate::{evaluate, Evaluation};
+pub use evaluate::{evaluate, rescore, Evaluation};
 pub use forecast::Forecast;
 pub use job::JobRequest;
 pub use least_harm::least_harm;
