@@ -48,12 +48,12 @@ fn replay(cluster: &Cluster, config: &std::path::Path, json: bool) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_with_the_same_weights_changes_nothing_and_with_others_a_known_number() {
     let mut spec = ClusterSpec::uniform(2, MODEL);
-    // GPU 0's KV cache is a tenth of GPU 1's, so on an idle cluster its KV pressure after
-    // admitting a job is always the higher of the two.
-    spec.gpu_knobs = vec![
-        vec!["kv_capacity_tokens = 4000".into()],
-        vec!["kv_capacity_tokens = 40000".into()],
-    ];
+    // GPU 0's KV cache is a fifth of GPU 1's (the default 40 000 tokens), so on an idle
+    // cluster its KV pressure after admitting a job is always the higher of the two.
+    spec.gpu_knobs = vec![vec![
+        "kv_capacity_tokens = 8192".into(),
+        "max_model_len = 4096".into(),
+    ]];
     // The dispatcher scores with every weight at 0: all totals tie, so on an idle cluster
     // every job goes to GPU 0 (fewest active, then the lower worker id).
     spec.dispatcher_knobs = weights_toml(None).lines().map(String::from).collect();
