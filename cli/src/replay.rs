@@ -319,10 +319,9 @@ struct SloCheck {
 fn check_slo(p: &Prediction, slo: Slo, waited_ms: u64) -> SloCheck {
     let idle = p.streams_after <= 1;
     let floor = slo.min_tok_s;
-    let rate_ok = idle
-        || (p.decode_tok_s >= floor && p.worst_running_tok_s.is_none_or(|r| r >= floor));
-    let ttft_ok =
-        idle || waited_ms >= slo.ttft_ms || p.ttft_ms <= (slo.ttft_ms - waited_ms) as f64;
+    let rate_ok =
+        idle || (p.decode_tok_s >= floor && p.worst_running_tok_s.is_none_or(|r| r >= floor));
+    let ttft_ok = idle || waited_ms >= slo.ttft_ms || p.ttft_ms <= (slo.ttft_ms - waited_ms) as f64;
     SloCheck { rate_ok, ttft_ok }
 }
 
@@ -498,7 +497,9 @@ impl Report {
             self.settings_held.join(", ")
         ));
         if !self.workers.is_empty() {
-            out.push_str("\nLoad by worker (replayed decisions; tokens = prompt + predicted output):\n");
+            out.push_str(
+                "\nLoad by worker (replayed decisions; tokens = prompt + predicted output):\n",
+            );
             let mut t = Table::new([
                 "worker",
                 "jobs recorded",
@@ -900,11 +901,13 @@ mod tests {
             config_from_toml("policy = \"metronome\"\n").unwrap(),
             SchedulerConfig::default()
         );
-        let errors =
-            config_from_toml("[scheduler.weights]\njob_cost = -1.0\nkv_pressure = -2.0\n")
-                .unwrap_err();
+        let errors = config_from_toml("[scheduler.weights]\njob_cost = -1.0\nkv_pressure = -2.0\n")
+            .unwrap_err();
         assert_eq!(errors.len(), 2, "{errors:?}");
-        assert!(errors[0].starts_with("scheduler.weights.job_cost:"), "{errors:?}");
+        assert!(
+            errors[0].starts_with("scheduler.weights.job_cost:"),
+            "{errors:?}"
+        );
         let typo = config_from_toml("[scheduler.weights]\njobcost = 1.0\n").unwrap_err();
         assert!(typo[0].contains("jobcost"), "{typo:?}");
     }

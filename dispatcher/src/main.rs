@@ -131,7 +131,10 @@ mod tests {
             let flag = format!("--{}", arg.get_long().unwrap());
             let cli = Cli::try_parse_from(["metronome-dispatcher", &flag, "x"]).unwrap();
             let set = cli.overrides().into_iter().find(|o| o.origin == flag);
-            assert_eq!(set.map(|o| (o.key, o.value)), Some((var.key.into(), "x".into())));
+            assert_eq!(
+                set.map(|o| (o.key, o.value)),
+                Some((var.key.into(), "x".into()))
+            );
         }
     }
 }

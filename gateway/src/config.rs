@@ -477,7 +477,12 @@ mod tests {
             queue_timeout_ms: 0,
             ..Config::default()
         };
-        let fields: Vec<_> = c.validate().unwrap_err().iter().map(|e| e.field.clone()).collect();
+        let fields: Vec<_> = c
+            .validate()
+            .unwrap_err()
+            .iter()
+            .map(|e| e.field.clone())
+            .collect();
         assert_eq!(
             fields,
             [

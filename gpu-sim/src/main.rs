@@ -24,7 +24,12 @@ struct Cli {
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// A simulated GPU as key=value pairs; repeat for several. Replaces the config file's GPUs.
-    #[arg(long = "gpu", value_name = "SPEC", env = "METRONOME_SIM_GPUS", value_delimiter = ';')]
+    #[arg(
+        long = "gpu",
+        value_name = "SPEC",
+        env = "METRONOME_SIM_GPUS",
+        value_delimiter = ';'
+    )]
     gpus: Vec<String>,
     /// Seed of the generated text, for every GPU (key `seed`).
     #[arg(long, env = "METRONOME_SIM_SEED")]

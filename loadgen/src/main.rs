@@ -44,7 +44,12 @@ struct Cli {
     #[arg(long, value_name = "chat|completions")]
     endpoint: Option<Endpoint>,
     /// Bearer token, if the server wants one.
-    #[arg(long, value_name = "KEY", env = "OPENAI_API_KEY", hide_env_values = true)]
+    #[arg(
+        long,
+        value_name = "KEY",
+        env = "OPENAI_API_KEY",
+        hide_env_values = true
+    )]
     api_key: Option<String>,
 
     /// Replay this trace CSV instead of Poisson arrivals.

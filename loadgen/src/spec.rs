@@ -420,7 +420,11 @@ mod tests {
         })
         .unwrap();
         assert_eq!(spec.base_url, "http://gw:1/v1");
-        assert_eq!(spec.api_key.as_deref(), Some("1234"), "a numeric key stays text");
+        assert_eq!(
+            spec.api_key.as_deref(),
+            Some("1234"),
+            "a numeric key stays text"
+        );
         assert_eq!(spec.model, "m");
     }
 }

@@ -296,7 +296,10 @@ mod tests {
             var: "URL",
             key: "url",
         },
-        EnvVar { var: "ID", key: "id" },
+        EnvVar {
+            var: "ID",
+            key: "id",
+        },
         EnvVar {
             var: "LIMIT",
             key: "limit",
@@ -309,7 +312,10 @@ mod tests {
             var: "ADDR",
             key: "addr",
         },
-        EnvVar { var: "ON", key: "on" },
+        EnvVar {
+            var: "ON",
+            key: "on",
+        },
         EnvVar {
             var: "MODE",
             key: "mode",
@@ -380,7 +386,9 @@ mod tests {
             let e = apply_env(&mut c, &VARS, env(&[(var, value)])).unwrap_err();
             let text = e.to_string();
             assert!(
-                text.starts_with(&format!("environment variable {var}={value:?} is not valid for")),
+                text.starts_with(&format!(
+                    "environment variable {var}={value:?} is not valid for"
+                )),
                 "{text}"
             );
             assert!(text.contains(needle), "{text}");
@@ -406,13 +414,18 @@ mod tests {
         assert_eq!((c.limit, c.inner.ratio, c.id.as_str()), (2, 0.25, "a"));
         let bad = dir.join("bad.toml");
         std::fs::write(&bad, "limitt = 2\n").unwrap();
-        let e = file_or_default::<Sample>(Some(&bad)).unwrap_err().to_string();
+        let e = file_or_default::<Sample>(Some(&bad))
+            .unwrap_err()
+            .to_string();
         assert!(e.starts_with(&format!("parsing {}", bad.display())), "{e}");
         let missing = dir.join("missing.toml");
         let e = file_or_default::<Sample>(Some(&missing))
             .unwrap_err()
             .to_string();
-        assert!(e.starts_with(&format!("reading {}", missing.display())), "{e}");
+        assert!(
+            e.starts_with(&format!("reading {}", missing.display())),
+            "{e}"
+        );
         assert_eq!(file_or_default::<Sample>(None).unwrap(), Sample::default());
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -9,8 +9,8 @@ use metronome_protocol::{CandidateScore, GpuStats, KvUsage, WorkerStatus};
 use metronome_scheduler::filter::{self, FilterContext};
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
 use metronome_scheduler::{
-    evaluate, ewma, rescore, EwmaSnapshot, Forecast, JobRequest, Ledger, SchedulerConfig, WorkerLoad,
-    WorkerView,
+    evaluate, ewma, rescore, EwmaSnapshot, Forecast, JobRequest, Ledger, SchedulerConfig,
+    WorkerLoad, WorkerView,
 };
 use proptest::prelude::*;
 

@@ -60,11 +60,31 @@ impl Cli {
             ("--redis-url", "redis_url", self.redis_url.clone()),
             ("--worker-id", "worker_id", self.worker_id.clone()),
             ("--model", "model", self.model.clone()),
-            ("--model-server-url", "model_server_url", self.model_server_url.clone()),
-            ("--model-server-kind", "model_server_kind", self.model_server_kind.clone()),
-            ("--gpu-index", "gpu_index", self.gpu_index.map(|v| v.to_string())),
-            ("--max-concurrency", "max_concurrency", self.max_concurrency.map(|v| v.to_string())),
-            ("--metrics-port", "metrics_port", self.metrics_port.map(|v| v.to_string())),
+            (
+                "--model-server-url",
+                "model_server_url",
+                self.model_server_url.clone(),
+            ),
+            (
+                "--model-server-kind",
+                "model_server_kind",
+                self.model_server_kind.clone(),
+            ),
+            (
+                "--gpu-index",
+                "gpu_index",
+                self.gpu_index.map(|v| v.to_string()),
+            ),
+            (
+                "--max-concurrency",
+                "max_concurrency",
+                self.max_concurrency.map(|v| v.to_string()),
+            ),
+            (
+                "--metrics-port",
+                "metrics_port",
+                self.metrics_port.map(|v| v.to_string()),
+            ),
         ];
         flags
             .into_iter()
@@ -141,7 +161,10 @@ mod tests {
             let flag = format!("--{}", arg.get_long().unwrap());
             let cli = Cli::try_parse_from(["metronome-worker-agent", &flag, "7"]).unwrap();
             let set = cli.overrides().into_iter().find(|o| o.origin == flag);
-            assert_eq!(set.map(|o| (o.key, o.value)), Some((var.key.into(), "7".into())));
+            assert_eq!(
+                set.map(|o| (o.key, o.value)),
+                Some((var.key.into(), "7".into()))
+            );
         }
     }
 }
