@@ -12,7 +12,6 @@
 //! field path (`gpu[1].speed`), not just the first.
 
 use std::collections::HashSet;
-use std::fmt;
 use std::net::{IpAddr, Ipv4Addr};
 
 use serde::{Deserialize, Serialize};
