@@ -554,11 +554,11 @@ revoked = true
         );
     }
 
-    fn fields(c: &Config) -> Vec<(&'static str, String)> {
+    fn fields(c: &Config) -> Vec<(String, String)> {
         c.validate()
             .unwrap_err()
             .into_iter()
-            .map(|e| (e.field.as_str(), e.message))
+            .map(|e| (e.field, e.message))
             .collect()
     }
 
@@ -584,7 +584,7 @@ revoked = true
             ..Config::default()
         };
         let errors = fields(&c);
-        let names: Vec<_> = errors.iter().map(|e| e.0).collect();
+        let names: Vec<&str> = errors.iter().map(|e| e.0.as_str()).collect();
         assert_eq!(
             names,
             [
@@ -627,7 +627,7 @@ tokens_per_minute = 0
 "#;
         let c = Config::from_toml(text, "t").unwrap();
         let errors = fields(&c);
-        let names: Vec<_> = errors.iter().map(|e| e.0).collect();
+        let names: Vec<&str> = errors.iter().map(|e| e.0.as_str()).collect();
         assert_eq!(
             names,
             [

@@ -256,6 +256,12 @@ mod tests {
         ratio: f64,
     }
 
+    impl Default for Inner {
+        fn default() -> Self {
+            Inner { ratio: 0.5 }
+        }
+    }
+
     #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
     #[serde(rename_all = "snake_case")]
     enum Mode {
