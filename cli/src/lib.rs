@@ -11,6 +11,7 @@ pub mod drain;
 pub mod error;
 pub mod explain;
 pub mod fmt;
+pub mod replay;
 pub mod source;
 pub mod status;
 pub mod workers;
@@ -129,6 +130,24 @@ pub enum Command {
         #[arg(long, default_value_t = 100_000)]
         scan: usize,
     },
+    /// Re-decide the recorded decisions of a window under other weights or SLOs (the
+    /// `[scheduler]` table of a TOML file; a dispatcher's config file works as it is), each
+    /// from the state it recorded, and report how many placements would change, which
+    /// workers would gain or lose jobs, and the predicted TTFT and decode rate of the jobs
+    /// that would move. Nothing is sent to the system. Decisions that lack what a re-decision
+    /// needs (rejected, expired, baseline policies, least-harm placements, a refused worker
+    /// a looser SLO would admit) are counted as not replayable, with the reason.
+    Replay {
+        /// How far back to read decisions: 90s, 30m, 1h, 2d.
+        #[arg(long, default_value = "1h")]
+        since: String,
+        /// TOML file whose `[scheduler]` table to replay with (none: the defaults).
+        #[arg(long)]
+        config: Option<std::path::PathBuf>,
+        /// Most decisions to read.
+        #[arg(long, default_value_t = 1_000_000)]
+        scan: usize,
+    },
 }
 
 /// `--outcome` values.
@@ -155,6 +174,11 @@ pub async fn run(cli: Cli, out: &mut (dyn Write + Send)) -> Result<(), CliError>
     let json = cli.json;
     let text = match cli.command {
         Command::Explain { job_id, scan } => explain(&nats, &job_id, scan, json).await?,
+        Command::Replay {
+            since,
+            config,
+            scan,
+        } => replay(&nats, &since, config.as_deref(), scan, json).await?,
         Command::Status {
             window_s,
             stale_after_ms,
@@ -263,6 +287,41 @@ pub async fn explain(
         to_json(&explain::to_json(&story))
     } else {
         Ok(story.render())
+    }
+}
+
+/// `replay`: the recorded decisions of the window re-decided under the `[scheduler]`
+/// table of `config_path` (the defaults without one).
+pub async fn replay(
+    nats: &Nats,
+    since: &str,
+    config_path: Option<&std::path::Path>,
+    scan: usize,
+    json: bool,
+) -> Result<String, CliError> {
+    let window_ms = replay::parse_window(since).map_err(CliError::Usage)?;
+    let config = match config_path {
+        None => metronome_scheduler::SchedulerConfig::default(),
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| CliError::Usage(format!("reading {}: {e}", path.display())))?;
+            replay::config_from_toml(&text).map_err(|errors| {
+                CliError::Usage(format!(
+                    "{}: invalid configuration:\n  {}",
+                    path.display(),
+                    errors.join("\n  ")
+                ))
+            })?
+        }
+    };
+    let decisions: Vec<Decision> = nats
+        .decisions_since(unix_ms().saturating_sub(window_ms), scan)
+        .await?;
+    let report = replay::replay(&decisions, &config);
+    if json {
+        to_json(&report)
+    } else {
+        Ok(report.render(since))
     }
 }
 

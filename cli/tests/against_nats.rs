@@ -468,6 +468,7 @@ fn every_subcommand_has_help() {
         "explain",
         "drain",
         "undrain",
+        "replay",
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_metronome"))
             .args([sub, "--help"])

@@ -116,97 +116,56 @@ impl Default for Config {
     }
 }
 
-/// One invalid setting.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FieldError {
-    pub field: String,
-    pub message: String,
-}
+pub use metronome_runtime::config::{ConfigError, EnvVar, FieldError};
 
-impl std::fmt::Display for FieldError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}: {}", self.field, self.message)
-    }
-}
-
-/// Why a configuration could not be loaded.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("reading {path}: {source}")]
-    Read {
-        path: String,
-        source: std::io::Error,
+/// The environment variables that override keys of the file.
+pub const ENV: [EnvVar; 5] = [
+    EnvVar {
+        var: "NATS_URL",
+        key: "nats_url",
     },
-    #[error("parsing {path}: {source}")]
-    Parse {
-        path: String,
-        source: Box<toml::de::Error>,
+    EnvVar {
+        var: "REDIS_URL",
+        key: "redis_url",
     },
-    #[error("environment variable {var}: {message}")]
-    Env { var: String, message: String },
-    #[error("invalid configuration:\n{}", .0.iter().map(|e| format!("  {e}")).collect::<Vec<_>>().join("\n"))]
-    Invalid(Vec<FieldError>),
-}
+    EnvVar {
+        var: "METRONOME_DISPATCHER_ID",
+        key: "dispatcher_id",
+    },
+    EnvVar {
+        var: "METRONOME_POLICY",
+        key: "policy",
+    },
+    EnvVar {
+        var: "METRONOME_METRICS_ADDR",
+        key: "metrics_addr",
+    },
+];
 
 impl Config {
     /// Parse TOML text (missing keys take their defaults).
     pub fn from_toml(text: &str, origin: &str) -> Result<Config, ConfigError> {
-        toml::from_str(text).map_err(|source| ConfigError::Parse {
-            path: origin.to_string(),
-            source: Box::new(source),
-        })
+        metronome_runtime::config::parse_toml(text, origin)
     }
 
     /// Read a TOML file.
     pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
-        Config::from_toml(&text, &path.display().to_string())
+        metronome_runtime::config::read_file(path)
     }
 
-    /// Apply environment overrides through `lookup` (`std::env::var(..).ok()` in `main`):
-    /// `NATS_URL`, `REDIS_URL`, `METRONOME_DISPATCHER_ID`, `METRONOME_POLICY`,
-    /// `METRONOME_METRICS_ADDR`.
+    /// Apply the overrides of [`ENV`] found through `lookup` (`std::env::var(..).ok()` in
+    /// a binary, a map in tests).
     pub fn apply_env(
         &mut self,
         lookup: impl Fn(&str) -> Option<String>,
     ) -> Result<(), ConfigError> {
-        if let Some(v) = lookup("NATS_URL") {
-            self.nats_url = v;
-        }
-        if let Some(v) = lookup("REDIS_URL") {
-            self.redis_url = v;
-        }
-        if let Some(v) = lookup("METRONOME_DISPATCHER_ID") {
-            self.dispatcher_id = v;
-        }
-        if let Some(v) = lookup("METRONOME_METRICS_ADDR") {
-            self.metrics_addr = (!v.is_empty()).then_some(v);
-        }
-        if let Some(v) = lookup("METRONOME_POLICY") {
-            self.policy = serde_json::from_value(serde_json::Value::String(v.clone())).map_err(
-                |_| ConfigError::Env {
-                    var: "METRONOME_POLICY".into(),
-                    message: format!(
-                        "unknown policy {v:?} (metronome, round_robin, least_connections, random, power_of_two)"
-                    ),
-                },
-            )?;
-        }
-        Ok(())
+        metronome_runtime::config::apply_env(self, &ENV, lookup)
     }
 
     /// Every invalid field, or `Ok` when the configuration can run.
     pub fn validate(&self) -> Result<(), Vec<FieldError>> {
         let mut errors = Vec::new();
-        let mut err = |field: &str, message: String| {
-            errors.push(FieldError {
-                field: field.to_string(),
-                message,
-            })
-        };
+        let mut err = |field: &str, message: String| errors.push(FieldError::new(field, message));
         if !self.nats_url.contains("://") && !self.nats_url.contains(':') {
             err("nats_url", format!("{:?} is not a NATS URL", self.nats_url));
         }
@@ -307,10 +266,7 @@ impl Config {
         path: Option<&Path>,
         lookup: impl Fn(&str) -> Option<String>,
     ) -> Result<Config, ConfigError> {
-        let mut config = match path {
-            Some(p) => Config::from_file(p)?,
-            None => Config::default(),
-        };
+        let mut config: Config = metronome_runtime::config::file_or_default(path)?;
         config.apply_env(lookup)?;
         config.validate().map_err(ConfigError::Invalid)?;
         Ok(config)

@@ -184,43 +184,24 @@ impl Default for Config {
     }
 }
 
-/// One invalid configuration field.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FieldError {
-    pub field: &'static str,
-    pub message: String,
-}
+pub use metronome_runtime::config::{ConfigError, EnvVar, FieldError};
 
-impl std::fmt::Display for FieldError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}: {}", self.field, self.message)
-    }
-}
-
-/// Why a configuration could not be loaded.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("reading {path}: {source}")]
-    Read {
-        path: String,
-        source: std::io::Error,
+/// The environment variables that override keys of the file.
+pub const ENV: [EnvVar; 2] = [
+    EnvVar {
+        var: ENV_NATS_URL,
+        key: "nats_url",
     },
-    #[error("parsing {path}: {source}")]
-    Parse {
-        path: String,
-        source: Box<toml::de::Error>,
+    EnvVar {
+        var: ENV_LISTEN,
+        key: "listen",
     },
-    #[error("invalid configuration:\n{}", .0.iter().map(|e| format!("  {e}")).collect::<Vec<_>>().join("\n"))]
-    Invalid(Vec<FieldError>),
-}
+];
 
 impl Config {
     /// Parse a TOML document (missing keys take their defaults).
     pub fn from_toml(text: &str, origin: &str) -> Result<Config, ConfigError> {
-        toml::from_str(text).map_err(|source| ConfigError::Parse {
-            path: origin.to_string(),
-            source: Box::new(source),
-        })
+        metronome_runtime::config::parse_toml(text, origin)
     }
 
     /// Read `path` (or start from the defaults when `None`), then apply environment
@@ -229,28 +210,14 @@ impl Config {
         path: Option<&Path>,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Config, ConfigError> {
-        let mut config = match path {
-            Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-                    path: path.display().to_string(),
-                    source,
-                })?;
-                Config::from_toml(&text, &path.display().to_string())?
-            }
-            None => Config::default(),
-        };
-        config.apply_env(env);
+        let mut config: Config = metronome_runtime::config::file_or_default(path)?;
+        config.apply_env(env)?;
         Ok(config)
     }
 
-    /// Environment overrides: `NATS_URL`, `METRONOME_GATEWAY_LISTEN`.
-    pub fn apply_env(&mut self, env: impl Fn(&str) -> Option<String>) {
-        if let Some(url) = env(ENV_NATS_URL).filter(|v| !v.trim().is_empty()) {
-            self.nats_url = url;
-        }
-        if let Some(listen) = env(ENV_LISTEN).filter(|v| !v.trim().is_empty()) {
-            self.listen = listen;
-        }
+    /// Apply the overrides of [`ENV`] found through `env` (empty values are ignored).
+    pub fn apply_env(&mut self, env: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
+        metronome_runtime::config::apply_env(self, &ENV, env)
     }
 
     /// Every invalid field, or `Ok` when the configuration can be served.
@@ -258,7 +225,7 @@ impl Config {
         let mut errors = Vec::new();
         let mut check = |ok: bool, field: &'static str, message: String| {
             if !ok {
-                errors.push(FieldError { field, message });
+                errors.push(FieldError::new(field, message));
             }
         };
         check(
@@ -327,7 +294,7 @@ impl Config {
 
     fn validate_tenants(&self, errors: &mut Vec<FieldError>) {
         let mut error = |field: &'static str, message: String| {
-            errors.push(FieldError { field, message });
+            errors.push(FieldError::new(field, message));
         };
         let mut names = std::collections::HashSet::new();
         for (i, t) in self.tenants.iter().enumerate() {
@@ -434,9 +401,11 @@ impl Config {
     }
 
     pub fn listen_addr(&self) -> Result<SocketAddr, FieldError> {
-        self.listen.parse().map_err(|_| FieldError {
-            field: "listen",
-            message: format!("{:?} is not an IP:port address", self.listen),
+        self.listen.parse().map_err(|_| {
+            FieldError::new(
+                "listen",
+                format!("{:?} is not an IP:port address", self.listen),
+            )
         })
     }
 
@@ -490,11 +459,12 @@ mod tests {
             ENV_NATS_URL => Some("nats://10.0.0.1:4333".into()),
             ENV_LISTEN => Some("127.0.0.1:0".into()),
             _ => None,
-        });
+        })
+        .unwrap();
         assert_eq!(c.nats_url, "nats://10.0.0.1:4333");
         assert_eq!(c.listen, "127.0.0.1:0");
         let mut d = Config::default();
-        d.apply_env(no_env);
+        d.apply_env(no_env).unwrap();
         assert_eq!(d, Config::default());
     }
 
@@ -507,7 +477,12 @@ mod tests {
             queue_timeout_ms: 0,
             ..Config::default()
         };
-        let fields: Vec<_> = c.validate().unwrap_err().iter().map(|e| e.field).collect();
+        let fields: Vec<_> = c
+            .validate()
+            .unwrap_err()
+            .iter()
+            .map(|e| e.field.clone())
+            .collect();
         assert_eq!(
             fields,
             [
@@ -579,7 +554,7 @@ revoked = true
         );
     }
 
-    fn fields(c: &Config) -> Vec<(&'static str, String)> {
+    fn fields(c: &Config) -> Vec<(String, String)> {
         c.validate()
             .unwrap_err()
             .into_iter()
@@ -609,7 +584,7 @@ revoked = true
             ..Config::default()
         };
         let errors = fields(&c);
-        let names: Vec<_> = errors.iter().map(|e| e.0).collect();
+        let names: Vec<&str> = errors.iter().map(|e| e.0.as_str()).collect();
         assert_eq!(
             names,
             [
@@ -652,7 +627,7 @@ tokens_per_minute = 0
 "#;
         let c = Config::from_toml(text, "t").unwrap();
         let errors = fields(&c);
-        let names: Vec<_> = errors.iter().map(|e| e.0).collect();
+        let names: Vec<&str> = errors.iter().map(|e| e.0.as_str()).collect();
         assert_eq!(
             names,
             [

@@ -7,13 +7,14 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use metronome_gateway::{Config, ModelList, TenantConfig};
+use metronome_runtime::config::{apply_overrides, file_or_default, Override};
 
 /// Metronome's OpenAI-compatible HTTP gateway.
 ///
 /// Serves POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models,
 /// /healthz, /readyz and /metrics, and turns each request into a job on NATS JetStream.
-/// Environment: NATS_URL overrides nats_url, METRONOME_GATEWAY_LISTEN overrides listen,
-/// RUST_LOG sets the log filter (default info).
+/// The flags below (or their environment variables) override the file's keys; RUST_LOG
+/// sets the log filter (default info).
 #[derive(Debug, Parser)]
 #[command(name = "metronome-gateway", version)]
 struct Args {
@@ -24,9 +25,12 @@ struct Args {
     /// valid, 2 with every field error otherwise).
     #[arg(long)]
     check_config: bool,
-    /// Listen address, overriding the file and the environment (e.g. 0.0.0.0:8080).
-    #[arg(long, value_name = "ADDR")]
+    /// Listen address, e.g. 0.0.0.0:8080 (key `listen`).
+    #[arg(long, env = "METRONOME_GATEWAY_LISTEN", value_name = "ADDR")]
     listen: Option<String>,
+    /// NATS server URL (key `nats_url`).
+    #[arg(long, env = "NATS_URL", value_name = "URL")]
+    nats_url: Option<String>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -173,16 +177,22 @@ fn main() -> ExitCode {
     if let Some(Command::Keys(KeysCommand::Create(create))) = args.command {
         return keys_create(create);
     }
-    let mut config = match Config::load(args.config.as_deref(), |k| std::env::var(k).ok()) {
+    let flags = [
+        ("--listen", "listen", &args.listen),
+        ("--nats-url", "nats_url", &args.nats_url),
+    ];
+    let overrides = flags
+        .into_iter()
+        .filter_map(|(flag, key, v)| v.as_ref().map(|v| Override::flag(flag, key, v)));
+    let config = file_or_default::<Config>(args.config.as_deref())
+        .and_then(|mut c| apply_overrides(&mut c, overrides).map(|()| c));
+    let config = match config {
         Ok(c) => c,
         Err(e) => {
             eprintln!("metronome-gateway: {e}");
             return ExitCode::from(2);
         }
     };
-    if let Some(listen) = args.listen {
-        config.listen = listen;
-    }
     if let Err(errors) = config.validate() {
         return metronome_runtime::report_invalid_config("metronome-gateway: ", &errors);
     }
@@ -210,4 +220,26 @@ fn main() -> ExitCode {
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every environment variable the configuration knows is declared on a flag, so
+    /// `--help` lists it.
+    #[test]
+    fn every_environment_variable_is_a_flag() {
+        let command = Args::command();
+        for var in metronome_gateway::config::ENV {
+            assert!(
+                command
+                    .get_arguments()
+                    .any(|a| a.get_env().is_some_and(|e| e == var.var)),
+                "{} is not declared on a flag",
+                var.var
+            );
+        }
+    }
 }

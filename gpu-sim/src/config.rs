@@ -12,7 +12,6 @@
 //! field path (`gpu[1].speed`), not just the first.
 
 use std::collections::HashSet;
-use std::fmt;
 use std::net::{IpAddr, Ipv4Addr};
 
 use serde::{Deserialize, Serialize};
@@ -268,30 +267,20 @@ impl Default for SimConfig {
 impl SimConfig {
     /// Parse a TOML document.
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
-        toml::from_str(text).map_err(|e| ConfigError::Toml(e.to_string()))
+        metronome_runtime::config::parse_toml(text, "config").map_err(ConfigError::from)
     }
 
     /// Read and parse a TOML file.
     pub fn from_file(path: &std::path::Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ConfigError::Io(format!("{}: {e}", path.display())))?;
-        Self::from_toml(&text)
+        metronome_runtime::config::read_file(path).map_err(ConfigError::from)
     }
 
-    /// Apply environment overrides read through `var`, so tests need not touch the process
-    /// environment.
+    /// Apply environment overrides read through `var` ([`ENV`] and [`ENV_GPUS`]), so tests
+    /// need not touch the process environment.
     pub fn apply_env(&mut self, var: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
-        if let Some(seed) = var("METRONOME_SIM_SEED") {
-            self.seed = Some(seed.trim().parse().map_err(|_| {
-                ConfigError::Env(format!("METRONOME_SIM_SEED: `{seed}` is not an integer"))
-            })?);
-        }
-        if let Some(host) = var("METRONOME_SIM_HOST") {
-            self.host = Some(host.trim().parse().map_err(|_| {
-                ConfigError::Env(format!("METRONOME_SIM_HOST: `{host}` is not an IP address"))
-            })?);
-        }
-        if let Some(gpus) = var("METRONOME_SIM_GPUS") {
+        metronome_runtime::config::apply_env(self, &ENV, &var)
+            .map_err(|e| ConfigError::Env(e.to_string()))?;
+        if let Some(gpus) = var(ENV_GPUS) {
             self.gpu = parse_specs(gpus.split(';'))?;
         }
         Ok(())
@@ -362,19 +351,24 @@ pub fn parse_specs<'a>(
         .collect()
 }
 
-/// One invalid field.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct FieldError {
-    /// Path of the field, e.g. `gpu[1].speed`.
-    pub field: String,
-    pub message: String,
-}
+pub use metronome_runtime::config::{EnvVar, FieldError};
 
-impl fmt::Display for FieldError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.field, self.message)
-    }
-}
+/// The environment variables that override keys of the file. `METRONOME_SIM_GPUS` (GPU
+/// specs separated by `;`, replacing the file's GPUs) is not a key: [`SimConfig::apply_env`]
+/// reads it besides these.
+pub const ENV: [EnvVar; 2] = [
+    EnvVar {
+        var: "METRONOME_SIM_SEED",
+        key: "seed",
+    },
+    EnvVar {
+        var: "METRONOME_SIM_HOST",
+        key: "host",
+    },
+];
+
+/// The environment variable with the GPU specs.
+pub const ENV_GPUS: &str = "METRONOME_SIM_GPUS";
 
 /// Configuration that could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -389,6 +383,18 @@ pub enum ConfigError {
     Env(String),
     #[error("invalid config: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
     Invalid(Vec<FieldError>),
+}
+
+impl From<metronome_runtime::config::ConfigError> for ConfigError {
+    fn from(e: metronome_runtime::config::ConfigError) -> Self {
+        use metronome_runtime::config::ConfigError as Shared;
+        match e {
+            Shared::Read { .. } => ConfigError::Io(e.to_string()),
+            Shared::Parse { .. } => ConfigError::Toml(e.to_string()),
+            Shared::Override { .. } => ConfigError::Env(e.to_string()),
+            Shared::Invalid(errors) => ConfigError::Invalid(errors),
+        }
+    }
 }
 
 #[cfg(test)]

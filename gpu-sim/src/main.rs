@@ -15,8 +15,8 @@ use metronome_gpu_sim::SimConfig;
 /// GPU spec keys (same as a [[gpu]] table in the TOML config): model, host, port, speed,
 /// seed, base_step_ms, alpha, prefill_ms_per_token, kv_read_ms_per_token,
 /// kv_capacity_tokens, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
-/// default_max_tokens, eos_probability. Environment: METRONOME_SIM_SEED, METRONOME_SIM_HOST,
-/// METRONOME_SIM_GPUS (specs separated by ';'); RUST_LOG sets the log filter.
+/// default_max_tokens, eos_probability. Each flag below can also be given by its environment
+/// variable (METRONOME_SIM_GPUS: specs separated by ';'); RUST_LOG sets the log filter.
 #[derive(Parser, Debug)]
 #[command(name = "metronome-gpu-sim", version, verbatim_doc_comment)]
 struct Cli {
@@ -24,13 +24,18 @@ struct Cli {
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// A simulated GPU as key=value pairs; repeat for several. Replaces the config file's GPUs.
-    #[arg(long = "gpu", value_name = "SPEC")]
+    #[arg(
+        long = "gpu",
+        value_name = "SPEC",
+        env = "METRONOME_SIM_GPUS",
+        value_delimiter = ';'
+    )]
     gpus: Vec<String>,
-    /// Seed of the generated text, for every GPU.
-    #[arg(long)]
+    /// Seed of the generated text, for every GPU (key `seed`).
+    #[arg(long, env = "METRONOME_SIM_SEED")]
     seed: Option<u64>,
-    /// Address every GPU listens on (e.g. 0.0.0.0 in a container).
-    #[arg(long)]
+    /// Address every GPU listens on, e.g. 0.0.0.0 in a container (key `host`).
+    #[arg(long, env = "METRONOME_SIM_HOST")]
     host: Option<std::net::IpAddr>,
     /// Validate the configuration, print the effective config and exit (2 on errors).
     #[arg(long)]
@@ -42,7 +47,7 @@ fn load(cli: &Cli) -> anyhow::Result<SimConfig> {
         Some(path) => SimConfig::from_file(path)?,
         None => SimConfig::default(),
     };
-    config.apply_env(|name| std::env::var(name).ok())?;
+    // The flags carry their environment variables (clap reads them).
     if !cli.gpus.is_empty() {
         config.gpu = parse_specs(cli.gpus.iter().map(String::as_str))?;
     }
@@ -100,4 +105,29 @@ async fn serve(config: SimConfig) -> anyhow::Result<()> {
     metronome_gpu_sim::run(config, shutdown)
         .await
         .context("simulated GPUs")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every environment variable the configuration knows is declared on a flag, so
+    /// `--help` lists it.
+    #[test]
+    fn every_environment_variable_is_a_flag() {
+        let command = Cli::command();
+        let vars = metronome_gpu_sim::config::ENV
+            .map(|v| v.var)
+            .into_iter()
+            .chain([metronome_gpu_sim::config::ENV_GPUS]);
+        for var in vars {
+            assert!(
+                command
+                    .get_arguments()
+                    .any(|a| a.get_env().is_some_and(|e| e == var)),
+                "{var} is not declared on a flag"
+            );
+        }
+    }
 }

@@ -22,18 +22,7 @@ pub enum TraceError {
     Empty,
 }
 
-/// One invalid configuration field.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FieldError {
-    pub field: String,
-    pub message: String,
-}
-
-impl std::fmt::Display for FieldError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}: {}", self.field, self.message)
-    }
-}
+pub use metronome_runtime::config::FieldError;
 
 /// Why a load run could not start or finish writing its outputs.
 #[derive(Debug, thiserror::Error)]

@@ -23,8 +23,8 @@ use metronome_loadgen::{
 #[derive(Debug, Parser)]
 #[command(name = "metronome-loadgen", version, verbatim_doc_comment)]
 struct Cli {
-    /// TOML spec file (fields of LoadSpec); flags override it. Environment overrides:
-    /// OPENAI_BASE_URL, OPENAI_API_KEY, METRONOME_LOADGEN_MODEL.
+    /// TOML spec file (fields of LoadSpec); flags (or their environment variables)
+    /// override it.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Validate, print the effective spec and exit 0; or print every field error and exit 2.
@@ -35,16 +35,21 @@ struct Cli {
     trace_stats: bool,
 
     /// OpenAI-style base URL including the version prefix [default: http://127.0.0.1:8080/v1].
-    #[arg(long, value_name = "URL")]
+    #[arg(long, value_name = "URL", env = "OPENAI_BASE_URL")]
     base_url: Option<String>,
     /// Model name sent in every request.
-    #[arg(long)]
+    #[arg(long, env = "METRONOME_LOADGEN_MODEL")]
     model: Option<String>,
     /// API endpoint: chat (/chat/completions) or completions (/completions) [default: chat].
     #[arg(long, value_name = "chat|completions")]
     endpoint: Option<Endpoint>,
     /// Bearer token, if the server wants one.
-    #[arg(long, value_name = "KEY")]
+    #[arg(
+        long,
+        value_name = "KEY",
+        env = "OPENAI_API_KEY",
+        hide_env_values = true
+    )]
     api_key: Option<String>,
 
     /// Replay this trace CSV instead of Poisson arrivals.
@@ -240,7 +245,7 @@ async fn main() -> ExitCode {
         },
         None => LoadSpec::default(),
     };
-    spec.apply_env(|k| std::env::var(k).ok());
+    // The flags carry their environment variables (clap reads them).
     let mut errs = cli.apply(&mut spec);
     if let Err(more) = spec.validate() {
         errs.extend(more);
@@ -279,4 +284,26 @@ async fn main() -> ExitCode {
         eprintln!("run was cancelled: the figures cover a partial run");
     }
     ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every environment variable the spec knows is declared on a flag, so `--help` lists
+    /// it.
+    #[test]
+    fn every_environment_variable_is_a_flag() {
+        let command = Cli::command();
+        for var in metronome_loadgen::spec::ENV {
+            assert!(
+                command
+                    .get_arguments()
+                    .any(|a| a.get_env().is_some_and(|e| e == var.var)),
+                "{} is not declared on a flag",
+                var.var
+            );
+        }
+    }
 }

@@ -165,6 +165,22 @@ impl Default for LoadSpec {
     }
 }
 
+/// The environment variables that override keys of the spec file.
+pub const ENV: [metronome_runtime::config::EnvVar; 3] = [
+    metronome_runtime::config::EnvVar {
+        var: "OPENAI_BASE_URL",
+        key: "base_url",
+    },
+    metronome_runtime::config::EnvVar {
+        var: "OPENAI_API_KEY",
+        key: "api_key",
+    },
+    metronome_runtime::config::EnvVar {
+        var: "METRONOME_LOADGEN_MODEL",
+        key: "model",
+    },
+];
+
 impl LoadSpec {
     /// Parses a TOML spec; absent fields take their defaults.
     pub fn from_toml_str(text: &str) -> Result<Self, String> {
@@ -183,19 +199,13 @@ impl LoadSpec {
         })
     }
 
-    /// Applies environment overrides through `lookup` (testable without touching the
-    /// process environment): `OPENAI_BASE_URL` → `base_url`, `OPENAI_API_KEY` → `api_key`,
-    /// `METRONOME_LOADGEN_MODEL` → `model`.
-    pub fn apply_env(&mut self, lookup: impl Fn(&str) -> Option<String>) {
-        if let Some(v) = lookup("OPENAI_BASE_URL").filter(|v| !v.is_empty()) {
-            self.base_url = v;
-        }
-        if let Some(v) = lookup("OPENAI_API_KEY").filter(|v| !v.is_empty()) {
-            self.api_key = Some(v);
-        }
-        if let Some(v) = lookup("METRONOME_LOADGEN_MODEL").filter(|v| !v.is_empty()) {
-            self.model = v;
-        }
+    /// Applies the overrides of [`ENV`] through `lookup` (testable without touching the
+    /// process environment); empty values are ignored.
+    pub fn apply_env(
+        &mut self,
+        lookup: impl Fn(&str) -> Option<String>,
+    ) -> Result<(), metronome_runtime::config::ConfigError> {
+        metronome_runtime::config::apply_env(self, &ENV, lookup)
     }
 
     /// Full URL requests are posted to.
@@ -404,11 +414,17 @@ mod tests {
         let mut spec = poisson_spec();
         spec.apply_env(|k| match k {
             "OPENAI_BASE_URL" => Some("http://gw:1/v1".into()),
-            "OPENAI_API_KEY" => Some("k".into()),
+            "OPENAI_API_KEY" => Some("1234".into()),
+            "METRONOME_LOADGEN_MODEL" => Some(String::new()),
             _ => None,
-        });
+        })
+        .unwrap();
         assert_eq!(spec.base_url, "http://gw:1/v1");
-        assert_eq!(spec.api_key.as_deref(), Some("k"));
+        assert_eq!(
+            spec.api_key.as_deref(),
+            Some("1234"),
+            "a numeric key stays text"
+        );
         assert_eq!(spec.model, "m");
     }
 }

@@ -5,11 +5,15 @@
 //! - [`init_tracing`]: the log subscriber, filtered by `RUST_LOG` (default `info`);
 //! - [`shutdown_on_signals`] / [`cancel_on_signals`]: SIGINT (Ctrl-C) or SIGTERM cancels a
 //!   [`CancellationToken`] that the binary's `run` watches;
+//! - [`config`]: loading configuration (TOML file, then environment variables and flags,
+//!   each setting one key) and its field error type;
 //! - [`report_invalid_config`]: the `invalid configuration:` report, one indented line per
 //!   field error, and exit code 2.
 //!
-//! Nothing here reads configuration or decides policy; each binary keeps its own flags,
-//! messages and exit codes and only calls these helpers.
+//! Nothing here decides policy; each binary keeps its own configuration struct, checks,
+//! flags, messages and exit codes and only calls these helpers.
+
+pub mod config;
 
 use std::fmt::Display;
 use std::process::ExitCode;

@@ -25,7 +25,7 @@ use metronome_protocol::{CandidateScore, Rejection, TermName, TermScore};
 use crate::filter::{self, Filter, FilterContext};
 use crate::forecast::Forecast;
 use crate::term::{self, TermContext};
-use crate::{JobRequest, Ledger, SchedulerConfig, WorkerLoad, WorkerView};
+use crate::{JobRequest, Ledger, SchedulerConfig, Weights, WorkerLoad, WorkerView};
 
 const TERMS: usize = TermName::ALL.len();
 
@@ -73,6 +73,86 @@ pub fn evaluate(
         rejected: ranked.rejected,
         cost: job.cost_estimate(),
         winner_stall_ms,
+    }
+}
+
+/// Rank recorded candidates again under other `weights`: the normalise → select half of
+/// [`evaluate()`], from the raw term values a decision recorded instead of live workers.
+///
+/// Normalisation runs across the candidates given (so dropping one re-normalises the rest,
+/// as a filter would have), with the same unavailable-signal rule and the same tie-breaks
+/// (the `active_requests` raw value is the effective active count). With a decision's own
+/// candidates and weights it reproduces that decision's totals and order exactly; this is
+/// what `metronome replay` re-decides with. A term missing from a record counts as
+/// unavailable.
+pub fn rescore(candidates: &[CandidateScore], weights: &Weights) -> Vec<CandidateScore> {
+    let mut recorded: Vec<Recorded<'_>> = candidates
+        .iter()
+        .map(|c| Recorded {
+            score: c,
+            raw: TermName::ALL.map(|name| {
+                c.terms
+                    .iter()
+                    .find(|t| t.term == name)
+                    .and_then(|t| t.raw)
+                    .filter(|v| v.is_finite())
+            }),
+            normalised: [0.0; TERMS],
+        })
+        .collect();
+    normalise(&mut recorded);
+    let w = weights.as_array();
+    let totals: Vec<f64> = recorded
+        .iter()
+        .map(|r| r.normalised.iter().zip(w.iter()).map(|(n, w)| n * w).sum())
+        .collect();
+    let keys = recorded
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            // The raw active count is a u32 stored as f64: the cast is exact.
+            let active = r.raw[0].map_or(0, |a| a as u32);
+            (totals[i], active, i as u32)
+        })
+        .collect();
+    best_first(keys, |i| &recorded[i].score.worker_id)
+        .into_iter()
+        .map(|i| {
+            let r = &recorded[i as usize];
+            CandidateScore {
+                worker_id: r.score.worker_id.clone(),
+                total: totals[i as usize],
+                terms: TermName::ALL
+                    .into_iter()
+                    .enumerate()
+                    .map(|(t, term)| TermScore {
+                        term,
+                        raw: r.raw[t],
+                        normalised: r.normalised[t],
+                        weight: w[t],
+                        contribution: r.normalised[t] * w[t],
+                        available: r.raw[t].is_some(),
+                    })
+                    .collect(),
+                prediction: r.score.prediction,
+            }
+        })
+        .collect()
+}
+
+/// A recorded candidate being re-scored.
+struct Recorded<'a> {
+    score: &'a CandidateScore,
+    raw: [Option<f64>; TERMS],
+    normalised: [f64; TERMS],
+}
+
+impl Normalise for Recorded<'_> {
+    fn raw(&self) -> &[Option<f64>; TERMS] {
+        &self.raw
+    }
+    fn normalised_mut(&mut self) -> &mut [f64; TERMS] {
+        &mut self.normalised
     }
 }
 
@@ -183,22 +263,12 @@ pub(crate) fn rank<'a>(
             .map(|(n, w)| n * w)
             .sum();
     }
-    // Sort compact keys, not the candidates: 16-byte moves and the id comparison only on
-    // exact ties. The order is total (worker ids are unique), so an unstable sort is
-    // deterministic.
-    let mut keys: Vec<(f64, u32, u32)> = candidates
+    let keys = candidates
         .iter()
         .enumerate()
         .map(|(i, c)| (c.total, c.load.effective_active, i as u32))
         .collect();
-    keys.sort_unstable_by(|a, b| {
-        a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then_with(|| {
-            candidates[a.2 as usize]
-                .worker_id()
-                .cmp(candidates[b.2 as usize].worker_id())
-        })
-    });
-    let order: Vec<u32> = keys.into_iter().map(|k| k.2).collect();
+    let order = best_first(keys, |i| candidates[i].worker_id());
     rejected.sort_unstable_by(|a, b| a.worker_id.cmp(&b.worker_id));
     Ranked {
         candidates,
@@ -207,14 +277,44 @@ pub(crate) fn rank<'a>(
     }
 }
 
+/// Indices best first from `(total, effective active, index)` keys: lowest total, then
+/// fewest active, then worker id.
+fn best_first<'a>(mut keys: Vec<(f64, u32, u32)>, id: impl Fn(usize) -> &'a str) -> Vec<u32> {
+    // Sort compact keys, not the candidates: 16-byte moves and the id comparison only on
+    // exact ties. The order is total (worker ids are unique), so an unstable sort is
+    // deterministic.
+    keys.sort_unstable_by(|a, b| {
+        a.0.total_cmp(&b.0)
+            .then(a.1.cmp(&b.1))
+            .then_with(|| id(a.2 as usize).cmp(id(b.2 as usize)))
+    });
+    keys.into_iter().map(|k| k.2).collect()
+}
+
 /// Fixed-point scale for the order-independent mean: 2^32, far finer than any weight, and
 /// a u64 sum of values <= 2^32 cannot overflow below 2^32 candidates.
 const FIXED_ONE: f64 = 4_294_967_296.0;
 
-fn normalise(candidates: &mut [Candidate<'_>]) {
+/// Something with raw term values to normalise: a live candidate, or a recorded one being
+/// re-scored.
+trait Normalise {
+    fn raw(&self) -> &[Option<f64>; TERMS];
+    fn normalised_mut(&mut self) -> &mut [f64; TERMS];
+}
+
+impl Normalise for Candidate<'_> {
+    fn raw(&self) -> &[Option<f64>; TERMS] {
+        &self.raw
+    }
+    fn normalised_mut(&mut self) -> &mut [f64; TERMS] {
+        &mut self.normalised
+    }
+}
+
+fn normalise<C: Normalise>(candidates: &mut [C]) {
     for (i, t) in term::ALL.iter().enumerate() {
         let (mut min, mut max) = (f64::INFINITY, f64::NEG_INFINITY);
-        for v in candidates.iter().filter_map(|c| c.raw[i]) {
+        for v in candidates.iter().filter_map(|c| c.raw()[i]) {
             min = min.min(v);
             max = max.max(v);
         }
@@ -223,7 +323,7 @@ fn normalise(candidates: &mut [Candidate<'_>]) {
         let mut sum_fixed: u64 = 0;
         let mut available: u64 = 0;
         for c in candidates.iter_mut() {
-            if let Some(v) = c.raw[i] {
+            if let Some(v) = c.raw()[i] {
                 let n = if span > 0.0 && span.is_finite() {
                     let n = if invert {
                         (max - v) / span
@@ -234,7 +334,7 @@ fn normalise(candidates: &mut [Candidate<'_>]) {
                 } else {
                     0.0
                 };
-                c.normalised[i] = n;
+                c.normalised_mut()[i] = n;
                 // `+ 0.5` then truncate: rounding without a libm call.
                 sum_fixed = sum_fixed.saturating_add((n * FIXED_ONE + 0.5) as u64);
                 available += 1;
@@ -245,8 +345,8 @@ fn normalise(candidates: &mut [Candidate<'_>]) {
         } else {
             (sum_fixed as f64 / available as f64 / FIXED_ONE).clamp(0.0, 1.0)
         };
-        for c in candidates.iter_mut().filter(|c| c.raw[i].is_none()) {
-            c.normalised[i] = neutral;
+        for c in candidates.iter_mut().filter(|c| c.raw()[i].is_none()) {
+            c.normalised_mut()[i] = neutral;
         }
     }
 }

@@ -53,7 +53,7 @@ pub mod view;
 
 pub use config::{ConfigError, SchedulerConfig, Weights};
 pub use drain::DrainRate;
-pub use evaluate::{evaluate, Evaluation};
+pub use evaluate::{evaluate, rescore, Evaluation};
 pub use forecast::{Forecast, IdleTtft};
 pub use job::JobRequest;
 pub use least_harm::least_harm;

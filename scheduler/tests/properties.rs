@@ -2,15 +2,15 @@
 //! the winner passes every filter; the decision does not depend on the order of the
 //! workers; reserving only winners never takes a worker past its cap; an EWMA stays within
 //! the range of its samples; N simultaneous jobs on N idle equal workers land on N distinct
-//! workers. Baseline policies pick a worker that passes the eligibility filters whenever
+//! workers; re-scoring a recorded decision reproduces it. Baseline policies pick a worker that passes the eligibility filters whenever
 //! one exists, whatever the order of the workers.
 
-use metronome_protocol::{GpuStats, KvUsage, WorkerStatus};
+use metronome_protocol::{CandidateScore, GpuStats, KvUsage, WorkerStatus};
 use metronome_scheduler::filter::{self, FilterContext};
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
 use metronome_scheduler::{
-    evaluate, ewma, EwmaSnapshot, Forecast, JobRequest, Ledger, SchedulerConfig, WorkerLoad,
-    WorkerView,
+    evaluate, ewma, rescore, EwmaSnapshot, Forecast, JobRequest, Ledger, SchedulerConfig,
+    WorkerLoad, WorkerView,
 };
 use proptest::prelude::*;
 
@@ -380,5 +380,30 @@ proptest! {
                 prop_assert_eq!(&a.candidates[0].worker_id, w);
             }
         }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// `rescore` is what `metronome replay` re-decides with: from a decision's recorded
+    /// candidates (read back from JSON, as the replay reads them) it must reproduce the
+    /// decision under its own weights, and under other weights give exactly what the live
+    /// evaluation gives with those weights (weights change no filter).
+    #[test]
+    fn rescoring_recorded_candidates_matches_live_evaluation(
+        specs in prop::collection::vec(worker_spec(), 0..10),
+        job in job_strategy(),
+        config in config_strategy(),
+        other in config_strategy(),
+    ) {
+        let (workers, ledger) = build(&specs);
+        let e = evaluate(&job, &workers, &ledger, &config, NOW);
+        let recorded: Vec<CandidateScore> =
+            serde_json::from_str(&serde_json::to_string(&e.candidates).unwrap()).unwrap();
+        prop_assert_eq!(&rescore(&recorded, &config.weights), &e.candidates);
+        let reweighted = SchedulerConfig { weights: other.weights.clone(), ..config.clone() };
+        let live = evaluate(&job, &workers, &ledger, &reweighted, NOW);
+        prop_assert_eq!(rescore(&recorded, &other.weights), live.candidates);
     }
 }

@@ -30,6 +30,8 @@ pub struct ClusterSpec {
     pub worker_max_concurrency: u32,
     /// Extra `key = value` lines for every simulated GPU (e.g. `base_step_ms = 5.0`).
     pub sim_knobs: Vec<String>,
+    /// Extra `key = value` lines for one simulated GPU, by index (after `sim_knobs`).
+    pub gpu_knobs: Vec<Vec<String>>,
     /// Extra top-level `key = value` lines of every dispatcher's config.
     pub dispatcher_knobs: Vec<String>,
     /// Extra top-level `key = value` lines of the gateway's config.
@@ -50,6 +52,7 @@ impl ClusterSpec {
             policy: "metronome".into(),
             worker_max_concurrency: 4,
             sim_knobs: Vec::new(),
+            gpu_knobs: Vec::new(),
             dispatcher_knobs: Vec::new(),
             gateway_knobs: Vec::new(),
         }
@@ -163,7 +166,8 @@ impl Cluster {
                 "\n[[gpu]]\nmodel = \"{}\"\nport = {}\nspeed = {}\n",
                 gpu.model, self.gpu_ports[i], gpu.speed
             ));
-            for knob in &self.spec.sim_knobs {
+            let own = self.spec.gpu_knobs.get(i).into_iter().flatten();
+            for knob in self.spec.sim_knobs.iter().chain(own) {
                 config.push_str(knob);
                 config.push('\n');
             }

@@ -121,111 +121,64 @@ impl Default for Config {
     }
 }
 
-/// One invalid field and why.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FieldError {
-    /// The field's path (`max_concurrency`, `perf_prior.forgetting`).
-    pub field: String,
-    pub message: String,
-}
+pub use metronome_runtime::config::{ConfigError, EnvVar, FieldError};
 
-impl fmt::Display for FieldError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.field, self.message)
-    }
-}
-
-/// Why a configuration could not be loaded.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("reading {path}: {source}")]
-    Read {
-        path: String,
-        source: std::io::Error,
+/// The environment variables that override keys of the file.
+pub const ENV: [EnvVar; 7] = [
+    EnvVar {
+        var: "NATS_URL",
+        key: "nats_url",
     },
-    #[error("parsing {path}: {source}")]
-    Parse {
-        path: String,
-        source: Box<toml::de::Error>,
+    EnvVar {
+        var: "REDIS_URL",
+        key: "redis_url",
     },
-    #[error("environment variable {var}={value:?} is not valid: {message}")]
-    Env {
-        var: &'static str,
-        value: String,
-        message: String,
+    EnvVar {
+        var: "METRONOME_WORKER_ID",
+        key: "worker_id",
     },
-}
+    EnvVar {
+        var: "METRONOME_WORKER_MODEL",
+        key: "model",
+    },
+    EnvVar {
+        var: "METRONOME_WORKER_MODEL_SERVER_URL",
+        key: "model_server_url",
+    },
+    EnvVar {
+        var: "METRONOME_WORKER_MAX_CONCURRENCY",
+        key: "max_concurrency",
+    },
+    EnvVar {
+        var: "METRONOME_WORKER_METRICS_PORT",
+        key: "metrics_port",
+    },
+];
 
 impl Config {
     /// Parse a TOML document.
     pub fn from_toml_str(text: &str, origin: &str) -> Result<Config, ConfigError> {
-        toml::from_str(text).map_err(|e| ConfigError::Parse {
-            path: origin.to_string(),
-            source: Box::new(e),
-        })
+        metronome_runtime::config::parse_toml(text, origin)
     }
 
     /// Read a TOML file.
     pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
-        Self::from_toml_str(&text, &path.display().to_string())
+        metronome_runtime::config::read_file(path)
     }
 
-    /// Apply environment overrides found through `lookup` (`std::env::var(..).ok()` in
+    /// Apply the overrides of [`ENV`] found through `lookup` (`std::env::var(..).ok()` in
     /// the binary, a map in tests).
     pub fn apply_env(
         &mut self,
         lookup: impl Fn(&str) -> Option<String>,
     ) -> Result<(), ConfigError> {
-        if let Some(v) = lookup("NATS_URL") {
-            self.nats_url = v;
-        }
-        if let Some(v) = lookup("REDIS_URL") {
-            self.redis_url = v;
-        }
-        if let Some(v) = lookup("METRONOME_WORKER_ID") {
-            self.worker_id = v;
-        }
-        if let Some(v) = lookup("METRONOME_WORKER_MODEL") {
-            self.model = v;
-        }
-        if let Some(v) = lookup("METRONOME_WORKER_MODEL_SERVER_URL") {
-            self.model_server_url = v;
-        }
-        if let Some(v) = lookup("METRONOME_WORKER_MAX_CONCURRENCY") {
-            self.max_concurrency =
-                v.parse()
-                    .map_err(|e: std::num::ParseIntError| ConfigError::Env {
-                        var: "METRONOME_WORKER_MAX_CONCURRENCY",
-                        value: v.clone(),
-                        message: e.to_string(),
-                    })?;
-        }
-        if let Some(v) = lookup("METRONOME_WORKER_METRICS_PORT") {
-            let port = v
-                .parse()
-                .map_err(|e: std::num::ParseIntError| ConfigError::Env {
-                    var: "METRONOME_WORKER_METRICS_PORT",
-                    value: v.clone(),
-                    message: e.to_string(),
-                })?;
-            self.metrics_port = Some(port);
-        }
-        Ok(())
+        metronome_runtime::config::apply_env(self, &ENV, lookup)
     }
 
     /// Every field error at once, so an operator fixes the file in one go.
     pub fn validate(&self) -> Result<(), Vec<FieldError>> {
         let mut errors = Vec::new();
-        let mut err = |field: &str, message: String| {
-            errors.push(FieldError {
-                field: field.to_string(),
-                message,
-            })
-        };
+        let mut err = |field: &str, message: String| errors.push(FieldError::new(field, message));
         if !is_subject_token(&self.worker_id) {
             err(
                 "worker_id",
