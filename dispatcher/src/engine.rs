@@ -29,7 +29,8 @@ use metronome_protocol::{
 use metronome_scheduler::least_harm;
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
 use metronome_scheduler::{
-    EwmaSnapshot, JobProfile, JobRequest, Ledger, SchedulerConfig, WorkerView,
+    EwmaSnapshot, FairnessConfig, FairnessSnapshot, JobProfile, JobRequest, Ledger,
+    SchedulerConfig, Tokens, WorkerView,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -37,7 +38,7 @@ use tokio_util::sync::CancellationToken;
 use crate::leader::Fence;
 use crate::metrics::Metrics;
 use crate::publish::{self, Publisher};
-use crate::queue::{QueuedJob, Queues};
+use crate::queue::{tenant_of, QueuedJob, Queues};
 use crate::registry::{RedisSnapshot, WorkerUpdate};
 
 /// A job read from JOBS.
@@ -83,6 +84,7 @@ pub struct EngineSettings {
     pub tick: Duration,
     pub decision_max_candidates: usize,
     pub decision_list_wrong_model: bool,
+    pub fairness: FairnessConfig,
 }
 
 /// A job this leader assigned and has not seen finish.
@@ -115,6 +117,9 @@ pub struct Engine {
     metrics: Arc<Metrics>,
     fence: Arc<Fence>,
     capacity_changed: bool,
+    /// Where changed fair-share counters go to be persisted ([`crate::fairness_store`]).
+    fairness_out: Option<tokio::sync::watch::Sender<FairnessSnapshot>>,
+    fairness_changed: bool,
 }
 
 impl Engine {
@@ -125,7 +130,7 @@ impl Engine {
         fence: Arc<Fence>,
     ) -> Engine {
         Engine {
-            queues: Queues::new(s.queue_bound_per_model),
+            queues: Queues::with_fairness(s.queue_bound_per_model, s.fairness),
             ledger: Ledger::new(),
             workers: Vec::new(),
             index: HashMap::new(),
@@ -140,6 +145,8 @@ impl Engine {
             metrics,
             fence,
             capacity_changed: false,
+            fairness_out: None,
+            fairness_changed: false,
             s,
         }
     }
@@ -398,6 +405,9 @@ impl Engine {
             .assigned
             .get(&event.job_id)
             .is_some_and(|a| a.attempt == event.attempt);
+        if ours {
+            self.settle_fair(&event);
+        }
         if !ours && event.outcome != CompletionOutcome::Refused {
             return;
         }
@@ -588,6 +598,7 @@ impl Engine {
         if let Ok(mut depths) = self.metrics.queue_depth.lock() {
             *depths = self.queues.depths();
         }
+        self.persist_fairness();
         // Time alone changes eligibility (reservation and heartbeat ages).
         self.capacity_changed = !self.queues.is_empty();
     }
@@ -706,6 +717,7 @@ impl Engine {
             }
             self.ledger
                 .charge_stall(&winner, &job.job.id, evaluation.winner_stall_ms);
+            self.charge_fair(&job, &request, now);
             let latency = started.elapsed();
             self.metrics
                 .observe_decision_latency(latency.as_nanos() as u64);
@@ -800,6 +812,9 @@ impl Engine {
             epoch: self.s.epoch,
             dispatcher_id: self.s.dispatcher_id.clone(),
             decided_ms: now,
+            tenant: job.tenant.clone(),
+            priority: Some(job.priority()),
+            fair_counter: Some(self.queues.counter(&job.model, tenant_of(job))),
         }
     }
 
@@ -817,6 +832,7 @@ impl Engine {
     ) {
         let now = metronome_protocol::time::unix_ms();
         tracing::info!(job_id = %job.id, model = %job.model, reason_code = code, reason, "job not assigned");
+        self.metrics.tenant_rejected(tenant_of(job), code);
         let mut decision = self.decision(job, outcome, attempt, queue_wait_ms, 0, now);
         decision.reason = Some(reason.to_string());
         decision.reason_code = Some(code.to_string());
@@ -830,6 +846,65 @@ impl Engine {
             message: reason.to_string(),
             acker,
         });
+    }
+
+    /// Charge a job being assigned to its tenant: prompt plus predicted output tokens.
+    fn charge_fair(&mut self, job: &QueuedJob, request: &JobRequest, now: u64) {
+        let estimate = Tokens {
+            prompt: f64::from(request.prompt_tokens),
+            output: request.predicted_output(),
+        };
+        self.queues.charge(job, estimate);
+        self.fairness_changed = true;
+        self.metrics
+            .tenant_assigned(tenant_of(&job.job), now.saturating_sub(job.enqueued_ms));
+    }
+
+    /// Replace a finished job's estimated charge by its measured tokens (none for a
+    /// refusal: it ran nothing, and is charged again when assigned again).
+    fn settle_fair(&mut self, event: &CompletionEvent) {
+        let actual = match event.outcome {
+            CompletionOutcome::Refused => Tokens {
+                prompt: 0.0,
+                output: 0.0,
+            },
+            _ => Tokens {
+                prompt: f64::from(event.prompt_tokens),
+                output: f64::from(event.output_tokens),
+            },
+        };
+        if let Some((_, tenant, _)) = self.queues.settle(&event.job_id, actual) {
+            self.fairness_changed = true;
+            self.metrics.tenant_tokens(
+                &tenant,
+                u64::from(event.prompt_tokens) + u64::from(event.output_tokens),
+            );
+        }
+    }
+
+    /// Hand changed counters to the writer (on the tick: one snapshot per tick at most).
+    fn persist_fairness(&mut self) {
+        if let Some(out) = self.fairness_out.as_ref().filter(|_| self.fairness_changed) {
+            self.fairness_changed = false;
+            let _ = out.send(self.queues.fairness_snapshot());
+        }
+    }
+
+    /// Start from the counters an earlier leader persisted, and persist changes to `out`.
+    /// Called at takeover, before any job is read.
+    pub fn fairness(
+        &mut self,
+        saved: Option<FairnessSnapshot>,
+        out: tokio::sync::watch::Sender<FairnessSnapshot>,
+    ) {
+        if let Some(saved) = saved {
+            tracing::info!(
+                models = saved.models.len(),
+                "fair-share counters loaded from the previous leader"
+            );
+            self.queues.restore_fairness(&saved);
+        }
+        self.fairness_out = Some(out);
     }
 
     /// Adopt in-flight work from loaded heartbeats (takeover), before any job is read.

@@ -12,6 +12,7 @@
 
 pub mod config;
 pub mod engine;
+pub mod fairness_store;
 pub mod intake;
 pub mod leader;
 pub mod metrics;
@@ -245,8 +246,22 @@ async fn run_term(
         tick: Duration::from_millis(c.tick_ms),
         decision_max_candidates: c.decision_max_candidates,
         decision_list_wrong_model: c.decision_list_wrong_model,
+        fairness: c.fairness,
     };
+    let saved_fairness = fairness_store::load(&ctx.buckets.fairness).await?;
+    let (fairness_tx, fairness_rx) = tokio::sync::watch::channel(Default::default());
+    tasks.watch(
+        "fairness writer",
+        fairness_store::spawn_writer(
+            ctx.buckets.fairness.clone(),
+            fairness_rx,
+            Duration::from_millis(c.fairness_persist_ms),
+            fence.clone(),
+            term.clone(),
+        ),
+    );
     let mut engine = engine::Engine::new(settings, publisher.clone(), ctx.metrics.clone(), fence);
+    engine.fairness(saved_fairness, fairness_tx);
     engine.load(workers, redis);
     tasks.watch(
         "workers watch",

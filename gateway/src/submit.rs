@@ -412,6 +412,9 @@ mod tests {
             epoch: 1,
             dispatcher_id: "d".into(),
             decided_ms: 0,
+            tenant: None,
+            priority: None,
+            fair_counter: None,
         }
     }
 

@@ -37,6 +37,7 @@
 pub mod config;
 pub mod evaluate;
 pub mod ewma;
+pub mod fairness;
 pub mod filter;
 pub mod forecast;
 pub mod job;
@@ -52,6 +53,7 @@ pub mod view;
 
 pub use config::{ConfigError, SchedulerConfig, Weights};
 pub use evaluate::{evaluate, Evaluation};
+pub use fairness::{Fairness, FairnessConfig, FairnessSnapshot, Tokens};
 pub use forecast::Forecast;
 pub use job::JobRequest;
 pub use least_harm::least_harm;
