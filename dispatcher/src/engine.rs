@@ -119,7 +119,6 @@ pub struct Engine {
     capacity_changed: bool,
     /// Where changed fair-share counters go to be persisted ([`crate::fairness_store`]).
     fairness_out: Option<tokio::sync::watch::Sender<FairnessSnapshot>>,
-    fairness_changed: bool,
 }
 
 impl Engine {
@@ -146,7 +145,6 @@ impl Engine {
             fence,
             capacity_changed: false,
             fairness_out: None,
-            fairness_changed: false,
             s,
         }
     }
@@ -186,6 +184,7 @@ impl Engine {
                 self.dispatch_all();
             }
         }
+        self.persist_fairness();
         self.metrics.ledger_reservations.store(0, Relaxed);
     }
 
@@ -855,7 +854,6 @@ impl Engine {
             output: request.predicted_output(),
         };
         self.queues.charge(job, estimate);
-        self.fairness_changed = true;
         self.metrics
             .tenant_assigned(tenant_of(&job.job), now.saturating_sub(job.enqueued_ms));
     }
@@ -874,7 +872,6 @@ impl Engine {
             },
         };
         if let Some((_, tenant, _)) = self.queues.settle(&event.job_id, actual) {
-            self.fairness_changed = true;
             self.metrics.tenant_tokens(
                 &tenant,
                 u64::from(event.prompt_tokens) + u64::from(event.output_tokens),
@@ -882,11 +879,18 @@ impl Engine {
         }
     }
 
-    /// Hand changed counters to the writer (on the tick: one snapshot per tick at most).
+    /// Hand the counters to the writer when they changed (on the tick, and once more when
+    /// the term ends).
     fn persist_fairness(&mut self) {
-        if let Some(out) = self.fairness_out.as_ref().filter(|_| self.fairness_changed) {
-            self.fairness_changed = false;
-            let _ = out.send(self.queues.fairness_snapshot());
+        if let Some(out) = &self.fairness_out {
+            let snapshot = self.queues.fairness_snapshot();
+            out.send_if_modified(|current| {
+                let changed = *current != snapshot;
+                if changed {
+                    *current = snapshot;
+                }
+                changed
+            });
         }
     }
 

@@ -40,7 +40,9 @@ pub async fn load(store: &kv::Store) -> Result<Option<FairnessSnapshot>, Dispatc
     }
 }
 
-/// Write each new snapshot from `rx` until `term` ends.
+/// Write each new snapshot from `rx` until the engine drops its sender (the end of the
+/// term), the last one included, so a graceful handover loses nothing. Between writes it
+/// waits `min_interval`, cut short when `term` ends.
 pub fn spawn_writer(
     store: kv::Store,
     mut rx: watch::Receiver<FairnessSnapshot>,
@@ -50,9 +52,8 @@ pub fn spawn_writer(
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         loop {
-            tokio::select! {
-                _ = term.cancelled() => return,
-                changed = rx.changed() => if changed.is_err() { return },
+            if rx.changed().await.is_err() {
+                return;
             }
             let bytes = match serde_json::to_vec(&*rx.borrow_and_update()) {
                 Ok(b) => b,
@@ -68,7 +69,7 @@ pub fn spawn_writer(
                 tracing::warn!(%error, "writing the fairness counters failed; retrying with the next change");
             }
             tokio::select! {
-                _ = term.cancelled() => return,
+                _ = term.cancelled() => {}
                 _ = tokio::time::sleep(min_interval) => {}
             }
         }

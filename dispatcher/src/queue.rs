@@ -2,16 +2,16 @@
 //! assigned (their JOBS messages stay unacknowledged meanwhile).
 //!
 //! Within a model, jobs wait in *flows*, one per (tenant, priority class), each ordered by
-//! JOBS stream sequence. The next job to try ([`Queues::next_to_try`]) is chosen among the
-//! first job of each flow by [`Vtc::pick`]: a job that can still meet its TTFT target goes
-//! before one that cannot ("late": it will miss wherever it goes, so capacity goes to the
-//! jobs it can still serve well), then the higher priority class (with the starvation
-//! guard), then the tenant with the lowest fair-share counter, then the earliest. The
+//! JOBS stream sequence. Fairness chooses the flow, then the TTFT rule applies inside it:
+//! [`Queues::next_to_try`] offers each flow's candidate (its oldest job that can still meet
+//! its TTFT target, or its head when all of them are "late") to [`Vtc::pick`], which takes
+//! the higher priority class (with the starvation guard), then the tenant with the lowest
+//! fair-share counter, then a fresh candidate before a late one, then the earliest. The
 //! engine charges the job to its tenant when it assigns it and settles the charge on
 //! completion (see `metronome_scheduler::fairness` for the algorithm, Sheng et al.'s
-//! Virtual Token Counter). Composing it this way round, rather than picking a tenant first
-//! and applying the TTFT rule inside it, never spends capacity on a late job of the
-//! tenant that is due while another tenant's job can still be served in time.
+//! Virtual Token Counter). Freshness does not come first: a tenant flooding with fresh
+//! jobs would then starve one whose jobs had waited past their target, and a share that
+//! holds only while one's jobs are young is no share.
 //!
 //! Invariants: each flow is ordered by sequence, so a job that comes back (failed publish,
 //! refusal, rescue) goes back to its place, ahead of its tenant's later jobs; the bound

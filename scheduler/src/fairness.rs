@@ -97,9 +97,9 @@ pub struct Tokens {
 pub struct Candidate<'a> {
     pub tenant: &'a str,
     pub priority: Priority,
-    /// Whether the job can still meet its TTFT target. A job that cannot ("late") is served
-    /// only when no job that can is waiting, whatever its class or counter: capacity goes
-    /// first to the jobs it can still serve well.
+    /// Whether the job can still meet its TTFT target. Between flows of equal class and
+    /// counter, a fresh job goes before a late one; it never overrides a counter, or a
+    /// tenant that floods with fresh jobs could starve another whose jobs waited too long.
     pub fresh: bool,
     /// JOBS stream sequence: the tie-break, so equal tenants are served in arrival order.
     pub seq: u64,
@@ -111,6 +111,10 @@ pub struct VtcSnapshot {
     pub counters: BTreeMap<String, f64>,
     #[serde(default)]
     pub last_left: f64,
+    /// Tenants that had jobs waiting: a new leader reads those jobs again, and must not
+    /// lift their tenants as if they had just arrived.
+    #[serde(default)]
+    pub waiting: Vec<String>,
 }
 
 /// One model's fair-share state.
@@ -125,6 +129,9 @@ pub struct Vtc {
     /// Per class, how many consecutive dispatches of a higher class passed it over while it
     /// waited.
     passed_over: [u32; Priority::ALL.len()],
+    /// Tenants that were waiting under the previous leader: their first arrival here is
+    /// not lifted. Forgotten once the queue has emptied.
+    carried: std::collections::BTreeSet<String>,
 }
 
 impl Vtc {
@@ -144,6 +151,10 @@ impl Vtc {
     pub fn arrive(&mut self, tenant: &str) -> f64 {
         if let Some(n) = self.waiting.get_mut(tenant) {
             *n += 1;
+            return self.counter(tenant);
+        }
+        if self.carried.remove(tenant) {
+            self.waiting.insert(tenant.to_string(), 1);
             return self.counter(tenant);
         }
         let floor = self
@@ -168,6 +179,7 @@ impl Vtc {
             self.waiting.remove(tenant);
             if self.waiting.is_empty() {
                 self.last_left = self.counter(tenant);
+                self.carried.clear();
             }
         }
     }
@@ -190,20 +202,17 @@ impl Vtc {
         }
     }
 
-    /// Index of the candidate to serve next: fresh before late, then the lowest effective
-    /// class rank, then the lowest tenant counter, then the earliest sequence.
+    /// Index of the candidate to serve next: the lowest effective class rank, then the
+    /// lowest tenant counter, then fresh before late, then the earliest sequence.
     pub fn pick(&self, candidates: &[Candidate<'_>], config: &FairnessConfig) -> Option<usize> {
         candidates
             .iter()
             .enumerate()
             .min_by(|(_, a), (_, b)| {
-                (!a.fresh)
-                    .cmp(&!b.fresh)
-                    .then_with(|| {
-                        self.effective_rank(a.priority, config)
-                            .cmp(&self.effective_rank(b.priority, config))
-                    })
+                self.effective_rank(a.priority, config)
+                    .cmp(&self.effective_rank(b.priority, config))
                     .then_with(|| self.counter(a.tenant).total_cmp(&self.counter(b.tenant)))
+                    .then_with(|| (!a.fresh).cmp(&!b.fresh))
                     .then_with(|| a.seq.cmp(&b.seq))
             })
             .map(|(i, _)| i)
@@ -226,11 +235,13 @@ impl Vtc {
         VtcSnapshot {
             counters: self.counters.clone(),
             last_left: self.last_left,
+            waiting: self.waiting.keys().cloned().collect(),
         }
     }
 
     /// Take over counters saved by an earlier leader. A counter already higher here stays
-    /// (never hand a tenant credit); non-finite saved values are ignored.
+    /// (never hand a tenant credit); non-finite saved values are ignored. Tenants that
+    /// were waiting keep their counters when their jobs come back (no lift).
     pub fn restore(&mut self, saved: &VtcSnapshot) {
         for (tenant, &value) in &saved.counters {
             if value.is_finite() {
@@ -241,6 +252,7 @@ impl Vtc {
         if saved.last_left.is_finite() {
             self.last_left = self.last_left.max(saved.last_left);
         }
+        self.carried.extend(saved.waiting.iter().cloned());
     }
 }
 
@@ -443,14 +455,17 @@ mod tests {
     }
 
     #[test]
-    fn fresh_jobs_go_before_late_ones_whatever_the_counter() {
+    fn freshness_breaks_ties_but_never_overrides_a_counter() {
         let mut v = Vtc::default();
-        v.charge("a", 1e6);
-        let c = [
-            cand("b", Priority::Interactive, false, 1),
-            cand("a", Priority::Batch, true, 2),
-        ];
-        assert_eq!(v.pick(&c, &cfg()), Some(1));
+        let i = Priority::Interactive;
+        let c = [cand("a", i, false, 1), cand("b", i, true, 2)];
+        assert_eq!(v.pick(&c, &cfg()), Some(1), "equal counters: the fresh job");
+        v.charge("b", 10.0);
+        assert_eq!(
+            v.pick(&c, &cfg()),
+            Some(0),
+            "a is owed service: its late job goes before b's fresh one"
+        );
     }
 
     #[test]
@@ -547,6 +562,24 @@ mod tests {
         // The lift level came along: a new tenant starts at a's level, not at 0.
         g.model_mut("m").arrive("c");
         assert_eq!(g.counter("m", "c"), 50.0);
+        // A tenant waiting at the failover is not lifted when its jobs come back, even if
+        // another tenant's job was read again first.
+        let mut h = Fairness::new(cfg());
+        h.restore(&FairnessSnapshot {
+            v: 1,
+            models: [(
+                "m".to_string(),
+                VtcSnapshot {
+                    counters: [("a".to_string(), 500.0), ("b".to_string(), 20.0)].into(),
+                    last_left: 0.0,
+                    waiting: vec!["a".into(), "b".into()],
+                },
+            )]
+            .into(),
+        });
+        h.model_mut("m").arrive("a");
+        h.model_mut("m").arrive("b");
+        assert_eq!(h.counter("m", "b"), 20.0, "b is still owed service");
         let mut lower = saved.clone();
         lower
             .models
