@@ -62,6 +62,7 @@ pub fn build_job(
         deadline_ms: Some(deadline_ms),
         slo: None,
         tenant: Some(tenant.to_string()),
+        priority: None,
     }
 }
 
