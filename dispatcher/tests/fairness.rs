@@ -138,7 +138,11 @@ async fn a_flooding_tenant_gets_the_rest_and_shares_hold_across_a_failover() {
         // started from zero counters would serve A's (older) jobs first.
         if !failover_done && tenant == "a" && order.len() >= 25 {
             let id = a.job.id.clone();
-            let d: Decision = env.decisions_for(&[id.clone()]).await.remove(&id).unwrap();
+            let d: Decision = env
+                .decisions_for(std::slice::from_ref(&id))
+                .await
+                .remove(&id)
+                .unwrap();
             last_a_counter_d1 = d.fair_counter.expect("counter in the decision");
             assert_eq!(d.tenant.as_deref(), Some("a"));
             assert_eq!(d.priority, Some(metronome_protocol::Priority::Interactive));
