@@ -99,6 +99,8 @@ async fn a_flooding_tenant_gets_the_rest_and_shares_hold_across_a_failover() {
     let mut failover_done = false;
     let mut b_stopped = false;
     let mut last_a_counter_d1 = 0.0;
+    // Weighted tokens per tenant: before the failover, after it while B sends, after B stops.
+    let mut phases: [HashMap<String, f64>; 3] = Default::default();
     loop {
         let m = tokio::time::timeout(WAIT, work.next())
             .await
@@ -110,6 +112,8 @@ async fn a_flooding_tenant_gets_the_rest_and_shares_hold_across_a_failover() {
         let tenant = a.job.tenant.clone().unwrap();
         if !order.is_empty() {
             *served.entry(tenant.clone()).or_default() += cost(&a);
+            let phase = usize::from(failover_done) + usize::from(b_stopped);
+            *phases[phase].entry(tenant.clone()).or_default() += cost(&a);
         }
         order.push(a.job.id.clone());
         let (sa, sb) = (
@@ -175,6 +179,18 @@ async fn a_flooding_tenant_gets_the_rest_and_shares_hold_across_a_failover() {
             break;
         }
     }
+
+    for (name, p) in ["leader d1", "leader d2, B sending", "leader d2, B stopped"]
+        .iter()
+        .zip(&phases)
+    {
+        eprintln!(
+            "{name}: weighted tokens served A {} B {}",
+            p.get("a").copied().unwrap_or(0.0),
+            p.get("b").copied().unwrap_or(0.0)
+        );
+    }
+    eprintln!("jobs served: A {}, B {}", a_done(&order), b_done(&order));
 
     // Work-conserving: every job of both tenants was served on the one busy GPU, and B
     // got its half of the weighted tokens as many small jobs per large one of A's.
