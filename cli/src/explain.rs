@@ -514,6 +514,9 @@ pub(crate) mod fixtures {
             epoch: 7,
             dispatcher_id: "d1".into(),
             decided_ms: 1_709_210_096_789,
+            tenant: None,
+            priority: None,
+            fair_counter: None,
         }
     }
 

@@ -132,6 +132,9 @@ fn decision(job_id: &str, attempt: u32, now: u64) -> Decision {
         epoch: 4,
         dispatcher_id: "d1".into(),
         decided_ms: now,
+        tenant: None,
+        priority: None,
+        fair_counter: None,
     }
 }
 

@@ -10,7 +10,7 @@ use std::path::Path;
 
 use metronome_protocol::JobLimits;
 use metronome_scheduler::policy::PolicyKind;
-use metronome_scheduler::SchedulerConfig;
+use metronome_scheduler::{FairnessConfig, SchedulerConfig};
 use serde::{Deserialize, Serialize};
 
 /// Where JetStream keeps the contract's streams when this dispatcher creates them.
@@ -82,6 +82,12 @@ pub struct Config {
     pub job_limits: JobLimits,
     /// Filters, weights and timeouts of the scheduling core.
     pub scheduler: SchedulerConfig,
+    /// Fair sharing among tenants and priority classes (`[fairness]`: token weights and
+    /// the starvation guard).
+    pub fairness: FairnessConfig,
+    /// Least time between two writes of the fair-share counters to the `fairness` bucket
+    /// (they are written when they changed, so a new leader starts from recent ones).
+    pub fairness_persist_ms: u64,
 }
 
 impl Default for Config {
@@ -112,6 +118,8 @@ impl Default for Config {
             decision_list_wrong_model: true,
             job_limits: JobLimits::default(),
             scheduler: SchedulerConfig::default(),
+            fairness: FairnessConfig::default(),
+            fairness_persist_ms: 500,
         }
     }
 }
@@ -188,6 +196,7 @@ impl Config {
             ("max_deadline_ms", self.max_deadline_ms),
             ("ewma_refresh_ms", self.ewma_refresh_ms),
             ("tick_ms", self.tick_ms),
+            ("fairness_persist_ms", self.fairness_persist_ms),
         ] {
             if v == 0 {
                 err(field, "must be greater than 0".into());
@@ -222,6 +231,9 @@ impl Config {
         }
         if self.lease_ttl_ms < 300 {
             err("lease_ttl_ms", "must be at least 300".into());
+        }
+        for (field, message) in self.fairness.problems() {
+            err(&format!("fairness.{field}"), message);
         }
         if self.queue_bound_per_model == 0 {
             err("queue_bound_per_model", "must be greater than 0".into());

@@ -30,7 +30,8 @@ use metronome_scheduler::filter::fits_when_empty;
 use metronome_scheduler::least_harm;
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
 use metronome_scheduler::{
-    DrainRate, EwmaSnapshot, IdleTtft, JobProfile, JobRequest, Ledger, SchedulerConfig, WorkerView,
+    DrainRate, EwmaSnapshot, FairnessConfig, FairnessSnapshot, IdleTtft, JobProfile, JobRequest,
+    Ledger, SchedulerConfig, Tokens, WorkerView,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -38,7 +39,7 @@ use tokio_util::sync::CancellationToken;
 use crate::leader::Fence;
 use crate::metrics::Metrics;
 use crate::publish::{self, Publisher};
-use crate::queue::{QueuedJob, Queues};
+use crate::queue::{tenant_of, QueuedJob, Queues};
 use crate::recent::RecentIds;
 use crate::registry::{RedisSnapshot, WorkerUpdate};
 
@@ -101,6 +102,7 @@ pub struct EngineSettings {
     pub decision_list_wrong_model: bool,
     /// A worker dead this long (no heartbeat) leaves the registry, and so the decisions.
     pub forget_dead_after_ms: u64,
+    pub fairness: FairnessConfig,
 }
 
 /// How long a completion is remembered: heartbeats come every second, and one sent before
@@ -157,6 +159,8 @@ pub struct Engine {
     metrics: Arc<Metrics>,
     fence: Arc<Fence>,
     capacity_changed: bool,
+    /// Where changed fair-share counters go to be persisted ([`crate::fairness_store`]).
+    fairness_out: Option<tokio::sync::watch::Sender<FairnessSnapshot>>,
 }
 
 impl Engine {
@@ -167,7 +171,7 @@ impl Engine {
         fence: Arc<Fence>,
     ) -> Engine {
         Engine {
-            queues: Queues::new(s.queue_bound_per_model),
+            queues: Queues::with_fairness(s.queue_bound_per_model, s.fairness),
             ledger: Ledger::new(),
             workers: Vec::new(),
             index: HashMap::new(),
@@ -186,6 +190,7 @@ impl Engine {
             metrics,
             fence,
             capacity_changed: false,
+            fairness_out: None,
             s,
         }
     }
@@ -227,6 +232,7 @@ impl Engine {
                 self.dispatch_all();
             }
         }
+        self.persist_fairness();
         self.metrics.ledger_reservations.store(0, Relaxed);
     }
 
@@ -420,15 +426,23 @@ impl Engine {
         let Some(drain) = self.drain.get(model) else {
             return;
         };
-        let mut doomed = Vec::new();
-        let mut pos = 0;
-        while let Some(j) = self.queues.get(model, pos) {
-            if let Some(wait) = drain.predicted_wait_ms(pos - doomed.len(), now) {
-                if now as f64 + wait > j.deadline_ms as f64 {
-                    doomed.push((j.job.id.clone(), wait));
-                }
+        // Counted in arrival order: fair sharing may serve a light tenant's job sooner,
+        // so a flooding tenant's wait is underestimated, never a light tenant's overstated.
+        let mut waiting: Vec<(u64, u64, &str)> = self
+            .queues
+            .waiting(model)
+            .map(|j| (j.seq, j.deadline_ms, j.job.id.as_str()))
+            .collect();
+        waiting.sort_unstable();
+        let mut doomed: Vec<(String, f64)> = Vec::new();
+        for (pos, &(_, deadline_ms, id)) in waiting.iter().enumerate() {
+            // Jobs answered here leave the queue: they are not ahead of anyone.
+            let Some(wait) = drain.predicted_wait_ms(pos - doomed.len(), now) else {
+                break;
+            };
+            if now as f64 + wait > deadline_ms as f64 {
+                doomed.push((id.to_string(), wait));
             }
-            pos += 1;
         }
         for (id, wait) in doomed {
             let Some(job) = self.queues.remove(&id) else {
@@ -615,6 +629,9 @@ impl Engine {
             .assigned
             .get(&event.job_id)
             .is_some_and(|a| a.attempt == event.attempt);
+        if ours {
+            self.settle_fair(&event);
+        }
         if !ours && event.outcome != CompletionOutcome::Refused {
             return;
         }
@@ -896,6 +913,7 @@ impl Engine {
         if let Ok(mut depths) = self.metrics.queue_depth.lock() {
             *depths = self.queues.depths();
         }
+        self.persist_fairness();
         // Time alone changes eligibility (reservation and heartbeat ages).
         self.capacity_changed = !self.queues.is_empty();
     }
@@ -1030,6 +1048,7 @@ impl Engine {
             }
             self.ledger
                 .charge_stall(&winner, &job.job.id, evaluation.winner_stall_ms);
+            self.charge_fair(&job, &request, now);
             let latency = started.elapsed();
             self.metrics
                 .observe_decision_latency(latency.as_nanos() as u64);
@@ -1125,6 +1144,9 @@ impl Engine {
             epoch: self.s.epoch,
             dispatcher_id: self.s.dispatcher_id.clone(),
             decided_ms: now,
+            tenant: job.tenant.clone(),
+            priority: Some(job.priority()),
+            fair_counter: Some(self.queues.counter(&job.model, tenant_of(job))),
         }
     }
 
@@ -1168,6 +1190,7 @@ impl Engine {
     ) {
         let now = metronome_protocol::time::unix_ms();
         tracing::info!(job_id = %job.id, model = %job.model, reason_code = code, reason, "job not assigned");
+        self.metrics.tenant_rejected(tenant_of(job), code);
         let mut decision = self.decision(job, outcome, attempt, queue_wait_ms, 0, now);
         decision.retry_after_ms = retry_after_ms;
         decision.reason = Some(reason.to_string());
@@ -1182,6 +1205,70 @@ impl Engine {
             message: reason.to_string(),
             acker,
         });
+    }
+
+    /// Charge a job being assigned to its tenant: prompt plus predicted output tokens.
+    fn charge_fair(&mut self, job: &QueuedJob, request: &JobRequest, now: u64) {
+        let estimate = Tokens {
+            prompt: f64::from(request.prompt_tokens),
+            output: request.predicted_output(),
+        };
+        self.queues.charge(job, estimate);
+        self.metrics
+            .tenant_assigned(tenant_of(&job.job), now.saturating_sub(job.enqueued_ms));
+    }
+
+    /// Replace a finished job's estimated charge by its measured tokens (none for a
+    /// refusal: it ran nothing, and is charged again when assigned again).
+    fn settle_fair(&mut self, event: &CompletionEvent) {
+        let actual = match event.outcome {
+            CompletionOutcome::Refused => Tokens {
+                prompt: 0.0,
+                output: 0.0,
+            },
+            _ => Tokens {
+                prompt: f64::from(event.prompt_tokens),
+                output: f64::from(event.output_tokens),
+            },
+        };
+        if let Some((_, tenant, _)) = self.queues.settle(&event.job_id, actual) {
+            self.metrics.tenant_tokens(
+                &tenant,
+                u64::from(event.prompt_tokens) + u64::from(event.output_tokens),
+            );
+        }
+    }
+
+    /// Hand the counters to the writer when they changed (on the tick, and once more when
+    /// the term ends).
+    fn persist_fairness(&mut self) {
+        if let Some(out) = &self.fairness_out {
+            let snapshot = self.queues.fairness_snapshot();
+            out.send_if_modified(|current| {
+                let changed = *current != snapshot;
+                if changed {
+                    *current = snapshot;
+                }
+                changed
+            });
+        }
+    }
+
+    /// Start from the counters an earlier leader persisted, and persist changes to `out`.
+    /// Called at takeover, before any job is read.
+    pub fn fairness(
+        &mut self,
+        saved: Option<FairnessSnapshot>,
+        out: tokio::sync::watch::Sender<FairnessSnapshot>,
+    ) {
+        if let Some(saved) = saved {
+            tracing::info!(
+                models = saved.models.len(),
+                "fair-share counters loaded from the previous leader"
+            );
+            self.queues.restore_fairness(&saved);
+        }
+        self.fairness_out = Some(out);
     }
 
     /// Adopt in-flight work from loaded heartbeats (takeover), before any job is read.

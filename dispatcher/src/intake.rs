@@ -326,6 +326,9 @@ impl RejectContext {
                     epoch: self.epoch,
                     dispatcher_id: self.dispatcher_id.clone(),
                     decided_ms: metronome_protocol::time::unix_ms(),
+                    tenant: None,
+                    priority: None,
+                    fair_counter: None,
                 };
                 self.publisher.send(publish::Outcome::Reject {
                     decision: Box::new(decision),

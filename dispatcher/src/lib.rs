@@ -12,6 +12,7 @@
 
 pub mod config;
 pub mod engine;
+pub mod fairness_store;
 pub mod intake;
 pub mod leader;
 pub mod metrics;
@@ -251,8 +252,21 @@ async fn run_term(
         // Long enough for the worker to come back from a restart as the same entry, short
         // enough that decisions stop listing a dead worker within a minute by default.
         forget_dead_after_ms: c.scheduler.heartbeat_timeout_ms.saturating_mul(5),
+        fairness: c.fairness,
     };
+    let saved_fairness = fairness_store::load(&ctx.buckets.fairness).await?;
+    let (fairness_tx, fairness_rx) = tokio::sync::watch::channel(Default::default());
+    // Not watched like the other tasks: it ends when the engine does, after writing the
+    // last counters, and the term waits for that below.
+    let fairness_writer = fairness_store::spawn_writer(
+        ctx.buckets.fairness.clone(),
+        fairness_rx,
+        Duration::from_millis(c.fairness_persist_ms),
+        fence.clone(),
+        term.clone(),
+    );
     let mut engine = engine::Engine::new(settings, publisher.clone(), ctx.metrics.clone(), fence);
+    engine.fairness(saved_fairness, fairness_tx);
     engine.load(workers, redis);
     tasks.watch(
         "workers watch",
@@ -308,6 +322,12 @@ async fn run_term(
     );
     tracing::info!(epoch, dispatcher_id = %ctx.dispatcher_id, "leading: deciding");
     engine.run(rx, term).await;
+    if tokio::time::timeout(Duration::from_secs(2), fairness_writer)
+        .await
+        .is_err()
+    {
+        tracing::warn!("the last fairness counters were not written in time");
+    }
     publisher.drain(Duration::from_secs(3)).await;
     match tasks.failure() {
         Some(why) => Err(DispatcherError::TaskDied(why)),

@@ -54,6 +54,21 @@ pub struct Metrics {
     latency_sum_ns: AtomicU64,
     /// Queue depth per model, replaced by the engine on every tick.
     pub queue_depth: Mutex<BTreeMap<String, usize>>,
+    /// Per tenant: what fair sharing gave it.
+    tenants: Mutex<BTreeMap<String, TenantStats>>,
+}
+
+/// One tenant's share, as counted by the leader.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TenantStats {
+    /// Jobs assigned.
+    pub requests: u64,
+    /// Tokens its completed jobs ran (prompt + output, measured).
+    pub tokens: u64,
+    /// Time its assigned jobs waited in the admission queue.
+    pub queue_wait_ms_sum: u64,
+    /// Jobs not assigned, by reason code.
+    pub rejections: BTreeMap<String, u64>,
 }
 
 impl Metrics {
@@ -71,6 +86,43 @@ impl Metrics {
         }
         self.latency_count.fetch_add(1, Relaxed);
         self.latency_sum_ns.fetch_add(nanos, Relaxed);
+    }
+
+    /// A job of `tenant` was assigned after waiting `queue_wait_ms`.
+    pub fn tenant_assigned(&self, tenant: &str, queue_wait_ms: u64) {
+        self.with_tenant(tenant, |t| {
+            t.requests += 1;
+            t.queue_wait_ms_sum += queue_wait_ms;
+        });
+    }
+
+    /// A job of `tenant` completed having run `tokens` tokens.
+    pub fn tenant_tokens(&self, tenant: &str, tokens: u64) {
+        self.with_tenant(tenant, |t| t.tokens += tokens);
+    }
+
+    /// A job of `tenant` was not assigned (`reason` is the decision's reason code).
+    pub fn tenant_rejected(&self, tenant: &str, reason: &str) {
+        self.with_tenant(tenant, |t| {
+            *t.rejections.entry(reason.to_string()).or_default() += 1
+        });
+    }
+
+    /// One tenant's figures so far.
+    pub fn tenant(&self, tenant: &str) -> TenantStats {
+        self.tenants
+            .lock()
+            .map(|m| m.get(tenant).cloned().unwrap_or_default())
+            .unwrap_or_default()
+    }
+
+    fn with_tenant(&self, tenant: &str, f: impl FnOnce(&mut TenantStats)) {
+        if let Ok(mut m) = self.tenants.lock() {
+            match m.get_mut(tenant) {
+                Some(t) => f(t),
+                None => f(m.entry(tenant.to_string()).or_default()),
+            }
+        }
     }
 
     /// Total decisions published, all outcomes.
@@ -216,6 +268,7 @@ impl Metrics {
                 );
             }
         }
+        self.render_tenants(&mut out);
         let name = "metronome_dispatcher_decision_latency_seconds";
         let _ = writeln!(
             out,
@@ -237,6 +290,56 @@ impl Metrics {
         );
         let _ = writeln!(out, "{name}_count {count}");
         out
+    }
+}
+
+impl Metrics {
+    fn render_tenants(&self, out: &mut String) {
+        let Ok(tenants) = self.tenants.lock() else {
+            return;
+        };
+        let family = |out: &mut String, name: &str, kind: &str, help: &str| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        };
+        let rows = |out: &mut String, name: &str, v: &dyn Fn(&TenantStats) -> String| {
+            for (tenant, t) in tenants.iter() {
+                let _ = writeln!(out, "{name}{{tenant=\"{tenant}\"}} {}", v(t));
+            }
+        };
+        let name = "metronome_dispatcher_tenant_requests_total";
+        family(out, name, "counter", "Jobs assigned, per tenant.");
+        rows(out, name, &|t| t.requests.to_string());
+        let name = "metronome_dispatcher_tenant_tokens_total";
+        family(
+            out,
+            name,
+            "counter",
+            "Tokens (prompt + output) of completed jobs, per tenant.",
+        );
+        rows(out, name, &|t| t.tokens.to_string());
+        let name = "metronome_dispatcher_tenant_queue_wait_seconds";
+        family(
+            out,
+            name,
+            "summary",
+            "Time assigned jobs waited in the admission queue, per tenant.",
+        );
+        rows(out, &format!("{name}_sum"), &|t| {
+            (t.queue_wait_ms_sum as f64 / 1000.0).to_string()
+        });
+        rows(out, &format!("{name}_count"), &|t| t.requests.to_string());
+        let name = "metronome_dispatcher_tenant_rejections_total";
+        family(
+            out,
+            name,
+            "counter",
+            "Jobs not assigned, per tenant and reason code.",
+        );
+        for (tenant, t) in tenants.iter() {
+            for (reason, n) in &t.rejections {
+                let _ = writeln!(out, "{name}{{tenant=\"{tenant}\",reason=\"{reason}\"}} {n}");
+            }
+        }
     }
 }
 
@@ -287,5 +390,24 @@ mod tests {
             text.contains("metronome_dispatcher_decision_latency_seconds_bucket{le=\"0.00001\"} 1")
         );
         assert!(text.contains("metronome_dispatcher_decision_latency_seconds_count 1"));
+    }
+
+    #[test]
+    fn renders_per_tenant_figures() {
+        let m = Metrics::new();
+        m.tenant_assigned("acme", 1500);
+        m.tenant_assigned("acme", 500);
+        m.tenant_tokens("acme", 42);
+        m.tenant_rejected("beta", "queue_full");
+        let text = m.render();
+        assert!(text.contains("metronome_dispatcher_tenant_requests_total{tenant=\"acme\"} 2"));
+        assert!(text.contains("metronome_dispatcher_tenant_tokens_total{tenant=\"acme\"} 42"));
+        assert!(
+            text.contains("metronome_dispatcher_tenant_queue_wait_seconds_sum{tenant=\"acme\"} 2")
+        );
+        assert!(text.contains(
+            "metronome_dispatcher_tenant_rejections_total{tenant=\"beta\",reason=\"queue_full\"} 1"
+        ));
+        assert_eq!(m.tenant("acme").requests, 2);
     }
 }

@@ -1,21 +1,32 @@
-//! Admission queues: one bounded FIFO per model, holding jobs that are read but not yet
+//! Admission queues: one bounded queue per model, holding jobs that are read but not yet
 //! assigned (their JOBS messages stay unacknowledged meanwhile).
 //!
-//! Within a model, the engine serves the oldest job that can still meet its TTFT target
-//! first, and jobs past it ("late") only when none is waiting
-//! ([`Queues::next_to_try`]).
+//! Within a model, jobs wait in *flows*, one per (tenant, priority class), each ordered by
+//! JOBS stream sequence. Fairness chooses the flow, then the TTFT rule applies inside it:
+//! [`Queues::next_to_try`] offers each flow's candidate (its oldest job that can still meet
+//! its TTFT target, or its head when all of them are "late") to [`Vtc::pick`], which takes
+//! the higher priority class (with the starvation guard), then the tenant with the lowest
+//! fair-share counter, then a fresh candidate before a late one, then the earliest. The
+//! engine charges the job to its tenant when it assigns it and settles the charge on
+//! completion (see `metronome_scheduler::fairness` for the algorithm, Sheng et al.'s
+//! Virtual Token Counter). Freshness does not come first: a tenant flooding with fresh
+//! jobs would then starve one whose jobs had waited past their target, and a share that
+//! holds only while one's jobs are young is no share.
 //!
-//! Invariants: each queue is ordered by the job's JOBS stream sequence, so a job that
-//! comes back (failed publish, refusal, rescue) goes back to its place, ahead of later
-//! jobs; the bound applies only to new arrivals (a returning job is never dropped);
-//! head-of-line blocking exists only inside one model's queue, because each model is
-//! dispatched independently.
+//! Invariants: each flow is ordered by sequence, so a job that comes back (failed publish,
+//! refusal, rescue) goes back to its place, ahead of its tenant's later jobs; the bound
+//! applies only to new arrivals (a returning job is never dropped), and a tenant holding
+//! less than its share of the bound is still admitted past it, up to twice the bound, so
+//! one tenant filling the queue cannot lock the others out; head-of-line blocking exists
+//! only inside one model's queue, because each model is dispatched independently.
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use async_nats::jetstream::message::Acker;
-use metronome_protocol::Job;
+use metronome_protocol::{Job, Priority};
+use metronome_scheduler::fairness::{Candidate, Vtc};
+use metronome_scheduler::{Fairness, FairnessConfig, FairnessSnapshot, Tokens};
 
 /// A job waiting for a worker.
 pub struct QueuedJob {
@@ -35,86 +46,239 @@ pub struct QueuedJob {
     pub progress_ms: u64,
 }
 
+/// The fair-share tenant of a job: jobs submitted without one share the empty name.
+pub fn tenant_of(job: &Job) -> &str {
+    job.tenant.as_deref().unwrap_or("")
+}
+
 /// Why a job was not queued.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QueueRefusal {
     Full { bound: usize },
 }
 
-/// All admission queues.
+/// Where a job waits in its model's queue. Valid until the queue next changes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pos {
+    flow: usize,
+    idx: usize,
+}
+
+/// The jobs of one tenant in one class.
+struct Flow {
+    tenant: String,
+    priority: Priority,
+    jobs: VecDeque<QueuedJob>,
+}
+
+#[derive(Default)]
+struct ModelQueue {
+    flows: Vec<Flow>,
+    len: usize,
+}
+
+impl ModelQueue {
+    fn flow_mut(&mut self, tenant: &str, priority: Priority) -> &mut Flow {
+        let i = match self
+            .flows
+            .iter()
+            .position(|f| f.tenant == tenant && f.priority == priority)
+        {
+            Some(i) => i,
+            None => {
+                self.flows.push(Flow {
+                    tenant: tenant.to_string(),
+                    priority,
+                    jobs: VecDeque::new(),
+                });
+                self.flows.len() - 1
+            }
+        };
+        &mut self.flows[i]
+    }
+
+    fn held_by(&self, tenant: &str) -> usize {
+        self.flows
+            .iter()
+            .filter(|f| f.tenant == tenant)
+            .map(|f| f.jobs.len())
+            .sum()
+    }
+
+    fn tenants(&self) -> HashSet<&str> {
+        self.flows.iter().map(|f| f.tenant.as_str()).collect()
+    }
+
+    fn insert(&mut self, job: QueuedJob) {
+        let flow = self.flow_mut(tenant_of(&job.job), job.job.priority());
+        insert_by_seq(&mut flow.jobs, job);
+        self.len += 1;
+    }
+
+    fn remove_at(&mut self, pos: Pos) -> Option<QueuedJob> {
+        let flow = self.flows.get_mut(pos.flow)?;
+        let job = flow.jobs.remove(pos.idx)?;
+        if flow.jobs.is_empty() {
+            self.flows.swap_remove(pos.flow);
+        }
+        self.len -= 1;
+        Some(job)
+    }
+
+    fn jobs(&self) -> impl Iterator<Item = &QueuedJob> {
+        self.flows.iter().flat_map(|f| f.jobs.iter())
+    }
+}
+
+/// All admission queues, and the fair-share counters that order them.
 pub struct Queues {
-    by_model: BTreeMap<String, VecDeque<QueuedJob>>,
+    by_model: BTreeMap<String, ModelQueue>,
     bound: usize,
     total: usize,
     /// Ids of every waiting job, so redelivery and cancellation checks are O(1).
     ids: HashSet<String>,
+    fairness: Fairness,
 }
 
 impl Queues {
     pub fn new(bound_per_model: usize) -> Queues {
+        Queues::with_fairness(bound_per_model, FairnessConfig::default())
+    }
+
+    pub fn with_fairness(bound_per_model: usize, config: FairnessConfig) -> Queues {
         Queues {
             by_model: BTreeMap::new(),
             bound: bound_per_model,
             total: 0,
             ids: HashSet::new(),
+            fairness: Fairness::new(config),
         }
     }
 
-    /// Queue a new arrival, refusing it when its model's queue is at the bound.
+    /// Queue a new arrival, refusing it when its model's queue is at the bound (unless its
+    /// tenant holds less than its share of the bound: see the module's invariants).
     pub fn push(&mut self, job: QueuedJob) -> Result<(), (QueuedJob, QueueRefusal)> {
         let bound = self.bound;
         let q = self.by_model.entry(job.job.model.clone()).or_default();
-        if q.len() >= bound {
-            return Err((job, QueueRefusal::Full { bound }));
+        if q.len >= bound {
+            let tenant = tenant_of(&job.job);
+            let tenants = q.tenants();
+            let sharing = tenants.len() + usize::from(!tenants.contains(tenant));
+            if q.len >= 2 * bound || q.held_by(tenant) >= bound / sharing {
+                return Err((job, QueueRefusal::Full { bound }));
+            }
         }
-        self.ids.insert(job.job.id.clone());
-        insert_by_seq(q, job);
-        self.total += 1;
+        self.put_back(job);
         Ok(())
     }
 
     /// Put a job back at its place (by sequence), whatever the bound.
     pub fn put_back(&mut self, job: QueuedJob) {
-        let q = self.by_model.entry(job.job.model.clone()).or_default();
+        let model = job.job.model.clone();
+        self.fairness.model_mut(&model).arrive(tenant_of(&job.job));
         self.ids.insert(job.job.id.clone());
-        insert_by_seq(q, job);
+        self.by_model.entry(model).or_default().insert(job);
         self.total += 1;
     }
 
-    pub fn front(&self, model: &str) -> Option<&QueuedJob> {
-        self.by_model.get(model).and_then(|q| q.front())
-    }
-
-    /// Position of the job to try next in the model's queue: the first one `late` says is
-    /// not late, or else the head (then every job is late). Stops at the first job that is
-    /// not late, so a long queue of fresh jobs costs one look, not a scan.
-    pub fn next_to_try(&self, model: &str, late: impl Fn(&QueuedJob) -> bool) -> Option<usize> {
-        let q = self.by_model.get(model).filter(|q| !q.is_empty())?;
-        Some(q.iter().position(|j| !late(j)).unwrap_or(0))
+    /// Where the job to try next waits in the model's queue. In each flow the candidate is
+    /// the first job `late` says is not late, or else the flow's head; among the
+    /// candidates, [`Vtc::pick`] chooses. Stops at the first job of a flow that is not
+    /// late, so long flows of fresh jobs cost one look each, not a scan.
+    pub fn next_to_try(&self, model: &str, late: impl Fn(&QueuedJob) -> bool) -> Option<Pos> {
+        let q = self.by_model.get(model).filter(|q| q.len > 0)?;
+        let found: Vec<(Pos, Candidate<'_>)> = q
+            .flows
+            .iter()
+            .enumerate()
+            .filter(|(_, f)| !f.jobs.is_empty())
+            .map(|(flow, f)| {
+                let fresh = f.jobs.iter().position(|j| !late(j));
+                let idx = fresh.unwrap_or(0);
+                let candidate = Candidate {
+                    tenant: &f.tenant,
+                    priority: f.priority,
+                    fresh: fresh.is_some(),
+                    seq: f.jobs[idx].seq,
+                };
+                (Pos { flow, idx }, candidate)
+            })
+            .collect();
+        let candidates: Vec<Candidate<'_>> = found.iter().map(|(_, c)| *c).collect();
+        let empty = Vtc::default();
+        let vtc = self.fairness.model(model).unwrap_or(&empty);
+        vtc.pick(&candidates, &self.fairness.config)
+            .map(|i| found[i].0)
     }
 
     /// The job at `pos` in the model's queue.
-    pub fn get(&self, model: &str, pos: usize) -> Option<&QueuedJob> {
-        self.by_model.get(model).and_then(|q| q.get(pos))
+    pub fn get(&self, model: &str, pos: Pos) -> Option<&QueuedJob> {
+        self.by_model
+            .get(model)?
+            .flows
+            .get(pos.flow)?
+            .jobs
+            .get(pos.idx)
     }
 
-    /// Remove and return the job at `pos` in the model's queue.
-    pub fn take(&mut self, model: &str, pos: usize) -> Option<QueuedJob> {
-        let job = self.by_model.get_mut(model)?.remove(pos)?;
-        self.total -= 1;
-        self.ids.remove(&job.job.id);
+    /// Remove and return the job at `pos` to dispatch it: it stops waiting, and the
+    /// starvation guard counts the classes it passed over.
+    pub fn take(&mut self, model: &str, pos: Pos) -> Option<QueuedJob> {
+        let q = self.by_model.get_mut(model)?;
+        let job = q.remove_at(pos)?;
+        let still_waiting: Vec<Priority> = q.flows.iter().map(|f| f.priority).collect();
+        let vtc = self.fairness.model_mut(model);
+        vtc.served(job.job.priority(), still_waiting);
+        self.left(&job);
         Some(job)
     }
 
-    pub fn pop_front(&mut self, model: &str) -> Option<QueuedJob> {
-        let job = self.by_model.get_mut(model)?.pop_front()?;
+    fn left(&mut self, job: &QueuedJob) {
         self.total -= 1;
         self.ids.remove(&job.job.id);
-        Some(job)
+        self.fairness
+            .model_mut(&job.job.model)
+            .leave(tenant_of(&job.job));
+    }
+
+    /// Charge a job being assigned its estimated tokens; returns its tenant's counter.
+    pub fn charge(&mut self, job: &QueuedJob, estimate: Tokens) -> f64 {
+        self.fairness
+            .charge(&job.job.id, &job.job.model, tenant_of(&job.job), estimate)
+    }
+
+    /// Settle a job's charge with its measured tokens (see [`Fairness::settle`]).
+    pub fn settle(&mut self, job_id: &str, actual: Tokens) -> Option<(String, String, f64)> {
+        self.fairness.settle(job_id, actual)
+    }
+
+    /// The tenant's fair-share counter on `model`.
+    pub fn counter(&self, model: &str, tenant: &str) -> f64 {
+        self.fairness.counter(model, tenant)
+    }
+
+    /// The fair-share state of one model, for inspection.
+    pub fn fairness(&self, model: &str) -> Option<&Vtc> {
+        self.fairness.model(model)
+    }
+
+    /// The counters to persist.
+    pub fn fairness_snapshot(&self) -> FairnessSnapshot {
+        self.fairness.snapshot()
+    }
+
+    /// Take over counters persisted by an earlier leader.
+    pub fn restore_fairness(&mut self, saved: &FairnessSnapshot) {
+        self.fairness.restore(saved);
+    }
+
+    /// Every job waiting for `model`, in no particular order.
+    pub fn waiting<'a>(&'a self, model: &str) -> impl Iterator<Item = &'a QueuedJob> + 'a {
+        self.by_model.get(model).into_iter().flat_map(|q| q.jobs())
     }
 
     pub fn len(&self, model: &str) -> usize {
-        self.by_model.get(model).map_or(0, |q| q.len())
+        self.by_model.get(model).map_or(0, |q| q.len)
     }
 
     pub fn total(&self) -> usize {
@@ -129,23 +293,27 @@ impl Queues {
     pub fn models(&self) -> Vec<String> {
         self.by_model
             .iter()
-            .filter(|(_, q)| !q.is_empty())
+            .filter(|(_, q)| q.len > 0)
             .map(|(m, _)| m.clone())
             .collect()
     }
 
     /// Remove a job by id (cancellation); linear in its queue, cancellations are rare.
     pub fn remove(&mut self, job_id: &str) -> Option<QueuedJob> {
-        if !self.ids.remove(job_id) {
+        if !self.ids.contains(job_id) {
             return None;
         }
-        for q in self.by_model.values_mut() {
-            if let Some(pos) = q.iter().position(|j| j.job.id == job_id) {
-                self.total -= 1;
-                return q.remove(pos);
-            }
-        }
-        None
+        let found = self.by_model.values_mut().find_map(|q| {
+            let pos = q.flows.iter().enumerate().find_map(|(flow, f)| {
+                f.jobs
+                    .iter()
+                    .position(|j| j.job.id == job_id)
+                    .map(|idx| Pos { flow, idx })
+            })?;
+            q.remove_at(pos)
+        })?;
+        self.left(&found);
+        Some(found)
     }
 
     /// True when a job with this id is waiting.
@@ -157,17 +325,20 @@ impl Queues {
     pub fn take_expired(&mut self, now_ms: u64) -> Vec<QueuedJob> {
         let mut out = Vec::new();
         for q in self.by_model.values_mut() {
-            if q.iter().all(|j| j.deadline_ms >= now_ms) {
+            if q.jobs().all(|j| j.deadline_ms >= now_ms) {
                 continue;
             }
-            let (keep, gone): (VecDeque<_>, VecDeque<_>) =
-                q.drain(..).partition(|j| j.deadline_ms >= now_ms);
-            *q = keep;
-            out.extend(gone);
+            for f in &mut q.flows {
+                let (keep, gone): (VecDeque<_>, VecDeque<_>) =
+                    f.jobs.drain(..).partition(|j| j.deadline_ms >= now_ms);
+                f.jobs = keep;
+                q.len -= gone.len();
+                out.extend(gone);
+            }
+            q.flows.retain(|f| !f.jobs.is_empty());
         }
-        self.total -= out.len();
         for j in &out {
-            self.ids.remove(&j.job.id);
+            self.left(j);
         }
         out
     }
@@ -177,12 +348,14 @@ impl Queues {
     pub fn due_for_progress(&mut self, older_than_ms: u64, now_ms: u64) -> Vec<Arc<Acker>> {
         let mut out = Vec::new();
         for q in self.by_model.values_mut() {
-            for j in q.iter_mut() {
-                if j.progress_ms < older_than_ms {
-                    if let Some(a) = &j.acker {
-                        out.push(a.clone());
+            for f in &mut q.flows {
+                for j in f.jobs.iter_mut() {
+                    if j.progress_ms < older_than_ms {
+                        if let Some(a) = &j.acker {
+                            out.push(a.clone());
+                        }
+                        j.progress_ms = now_ms;
                     }
-                    j.progress_ms = now_ms;
                 }
             }
         }
@@ -193,7 +366,7 @@ impl Queues {
     pub fn depths(&self) -> BTreeMap<String, usize> {
         self.by_model
             .iter()
-            .map(|(m, q)| (m.clone(), q.len()))
+            .map(|(m, q)| (m.clone(), q.len))
             .collect()
     }
 }
@@ -213,6 +386,16 @@ mod tests {
     use serde_json::json;
 
     fn job(id: &str, model: &str, seq: u64) -> QueuedJob {
+        job_for(id, model, seq, None, None)
+    }
+
+    fn job_for(
+        id: &str,
+        model: &str,
+        seq: u64,
+        tenant: Option<&str>,
+        priority: Option<Priority>,
+    ) -> QueuedJob {
         QueuedJob {
             job: Arc::new(Job {
                 v: 1,
@@ -225,7 +408,8 @@ mod tests {
                 submitted_ms: 0,
                 deadline_ms: None,
                 slo: None,
-                tenant: None,
+                tenant: tenant.map(str::to_string),
+                priority,
             }),
             attempt: 1,
             acker: None,
@@ -236,6 +420,23 @@ mod tests {
         }
     }
 
+    const EST: Tokens = Tokens {
+        prompt: 100.0,
+        output: 100.0,
+    };
+
+    /// Dispatch every job in the order the queue offers them, charging each, and return
+    /// their ids.
+    fn drain(q: &mut Queues, model: &str, late: impl Fn(&QueuedJob) -> bool) -> Vec<String> {
+        let mut out = Vec::new();
+        while let Some(pos) = q.next_to_try(model, &late) {
+            let j = q.take(model, pos).unwrap();
+            q.charge(&j, EST);
+            out.push(j.job.id.clone());
+        }
+        out
+    }
+
     #[test]
     fn fifo_per_model_with_a_bound_for_new_arrivals_only() {
         let mut q = Queues::new(2);
@@ -243,17 +444,31 @@ mod tests {
         q.push(job("b", "m1", 2)).ok().unwrap();
         assert!(q.push(job("c", "m1", 3)).is_err());
         q.push(job("x", "m2", 4)).ok().unwrap();
-        let a = q.pop_front("m1").unwrap();
+        let pos = q.next_to_try("m1", |_| false).unwrap();
+        let a = q.take("m1", pos).unwrap();
         assert_eq!(a.job.id, "a");
         q.push(job("c", "m1", 3)).ok().unwrap();
         // A returning job goes back to its place even past the bound.
         q.put_back(a);
         assert_eq!(q.len("m1"), 3);
-        let order: Vec<String> = std::iter::from_fn(|| q.pop_front("m1"))
-            .map(|j| j.job.id.to_string())
-            .collect();
-        assert_eq!(order, ["a", "b", "c"]);
+        assert_eq!(drain(&mut q, "m1", |_| false), ["a", "b", "c"]);
         assert_eq!(q.total(), 1);
+    }
+
+    #[test]
+    fn a_tenant_under_its_share_is_admitted_past_a_full_bound() {
+        let mut q = Queues::new(4);
+        for i in 0..4 {
+            q.push(job_for(&format!("a{i}"), "m", i, Some("a"), None))
+                .ok()
+                .unwrap();
+        }
+        assert!(q.push(job_for("a4", "m", 4, Some("a"), None)).is_err());
+        // b holds nothing of the full queue: its share is half the bound.
+        q.push(job_for("b0", "m", 5, Some("b"), None)).ok().unwrap();
+        q.push(job_for("b1", "m", 6, Some("b"), None)).ok().unwrap();
+        assert!(q.push(job_for("b2", "m", 7, Some("b"), None)).is_err());
+        assert_eq!(q.len("m"), 6);
     }
 
     #[test]
@@ -266,20 +481,103 @@ mod tests {
             q.push(job(id, "m", i as u64 + 1)).ok().unwrap();
         }
         let late = |j: &QueuedJob| j.job.id.starts_with("late");
-        assert_eq!(q.next_to_try("m", late), Some(2));
-        assert_eq!(q.next_to_try("m", |_| true), Some(0));
-        assert_eq!(q.take("m", 2).unwrap().job.id, "fresh-c");
-        assert_eq!(q.get("m", 2).unwrap().job.id, "fresh-d");
+        let pos = q.next_to_try("m", late).unwrap();
+        assert_eq!(q.get("m", pos).unwrap().job.id, "fresh-c");
+        let head = q.next_to_try("m", |_| true).unwrap();
+        assert_eq!(q.get("m", head).unwrap().job.id, "late-a");
+        assert_eq!(q.take("m", pos).unwrap().job.id, "fresh-c");
         assert_eq!(q.total(), 3);
         assert!(!q.contains("fresh-c"));
         assert_eq!(q.next_to_try("other", late), None);
+        assert_eq!(drain(&mut q, "m", late), ["fresh-d", "late-a", "late-b"]);
     }
 
     #[test]
-    fn removes_cancelled_and_expired_jobs() {
+    fn a_flooding_tenant_waits_behind_a_light_one() {
+        let mut q = Queues::new(100);
+        // a floods first: ten jobs before b's two.
+        for i in 0..10 {
+            q.push(job_for(&format!("a{i}"), "m", i, Some("a"), None))
+                .ok()
+                .unwrap();
+        }
+        q.push(job_for("b0", "m", 20, Some("b"), None))
+            .ok()
+            .unwrap();
+        q.push(job_for("b1", "m", 21, Some("b"), None))
+            .ok()
+            .unwrap();
+        let order = drain(&mut q, "m", |_| false);
+        // b was lifted to a's counter on arrival (0 then), so they alternate until b has
+        // nothing left; a gets the rest (work-conserving).
+        assert_eq!(&order[..4], ["a0", "b0", "a1", "b1"]);
+        assert_eq!(order.len(), 12);
+        assert_eq!(q.counter("m", "a"), 10.0 * 300.0);
+        assert_eq!(q.counter("m", "b"), 2.0 * 300.0);
+    }
+
+    #[test]
+    fn a_returning_job_keeps_its_place_within_its_tenant() {
+        let mut q = Queues::new(100);
+        for i in 0..3 {
+            q.push(job_for(&format!("a{i}"), "m", i, Some("a"), None))
+                .ok()
+                .unwrap();
+        }
+        let pos = q.next_to_try("m", |_| false).unwrap();
+        let a0 = q.take("m", pos).unwrap();
+        q.charge(&a0, EST);
+        // Refused by its worker: back at its place, and its charge is refunded.
+        q.settle(
+            "a0",
+            Tokens {
+                prompt: 0.0,
+                output: 0.0,
+            },
+        );
+        q.put_back(a0);
+        assert_eq!(q.counter("m", "a"), 0.0);
+        assert_eq!(drain(&mut q, "m", |_| false), ["a0", "a1", "a2"]);
+    }
+
+    #[test]
+    fn interactive_first_with_batch_served_by_the_aging_guard() {
+        let mut q = Queues::with_fairness(
+            100,
+            FairnessConfig {
+                aging_dispatches: 2,
+                ..FairnessConfig::default()
+            },
+        );
+        for i in 0..3 {
+            q.push(job_for(
+                &format!("bat{i}"),
+                "m",
+                i,
+                Some("t"),
+                Some(Priority::Batch),
+            ))
+            .ok()
+            .unwrap();
+        }
+        for i in 0..6 {
+            q.push(job_for(&format!("int{i}"), "m", 10 + i, Some("t"), None))
+                .ok()
+                .unwrap();
+        }
+        assert_eq!(
+            drain(&mut q, "m", |_| false),
+            ["int0", "int1", "bat0", "int2", "int3", "bat1", "int4", "int5", "bat2"]
+        );
+    }
+
+    #[test]
+    fn removes_cancelled_and_expired_jobs_and_they_stop_waiting() {
         let mut q = Queues::new(10);
         for (i, id) in ["a", "b", "c"].iter().enumerate() {
-            q.push(job(id, "m", i as u64 + 1)).ok().unwrap();
+            q.push(job_for(id, "m", i as u64 + 1, Some(id), None))
+                .ok()
+                .unwrap();
         }
         assert_eq!(q.remove("b").unwrap().job.id, "b");
         assert!(q.remove("b").is_none());
@@ -287,6 +585,9 @@ mod tests {
         assert_eq!(expired.len(), 1);
         assert_eq!(expired[0].job.id, "a");
         assert_eq!(q.total(), 1);
-        assert_eq!(q.front("m").unwrap().job.id, "c");
+        let vtc = q.fairness("m").unwrap();
+        assert!(!vtc.is_waiting("a") && !vtc.is_waiting("b") && vtc.is_waiting("c"));
+        assert_eq!(drain(&mut q, "m", |_| false), ["c"]);
+        assert!(q.is_empty());
     }
 }

@@ -182,6 +182,9 @@ fn stored_decision(job_id: &str, outcome: Outcome) -> Decision {
         epoch: 1,
         dispatcher_id: "earlier".into(),
         decided_ms: metronome_protocol::time::unix_ms(),
+        tenant: None,
+        priority: None,
+        fair_counter: None,
     }
 }
 

@@ -21,7 +21,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use axum::http::{header, HeaderMap};
-use metronome_protocol::ANONYMOUS_TENANT;
+use metronome_protocol::{Priority, ANONYMOUS_TENANT};
 use ring::rand::SecureRandom;
 use subtle::{ConditionallySelectable, ConstantTimeEq};
 
@@ -131,6 +131,7 @@ struct StoredKey {
     tenant: usize,
     revoked: bool,
     id: String,
+    priority: Priority,
 }
 
 /// The authenticated caller of one request.
@@ -141,6 +142,8 @@ pub struct Caller {
     pub tenant_name: String,
     /// Public id of the key used; `None` for an anonymous caller.
     pub key_id: Option<String>,
+    /// The highest priority class the caller may ask for (its default class).
+    pub priority: Priority,
 }
 
 /// Keys, tenants and their limiters, built once from a validated configuration.
@@ -180,6 +183,7 @@ impl Auth {
                     tenant: tenants.iter().position(|t| t.name == k.tenant)?,
                     revoked: k.revoked,
                     id: key_id(&k.sha256).to_string(),
+                    priority: k.priority.unwrap_or(Priority::Interactive),
                 })
             })
             .collect();
@@ -211,7 +215,7 @@ impl Auth {
     pub fn authenticate(&self, headers: &HeaderMap) -> Result<Caller, AuthFailure> {
         let Some(value) = headers.get(header::AUTHORIZATION) else {
             return match self.anonymous {
-                Some(tenant) => Ok(self.caller(tenant, None)),
+                Some(tenant) => Ok(self.caller(tenant, None, Priority::Interactive)),
                 None => Err(AuthFailure::Missing),
             };
         };
@@ -229,21 +233,22 @@ impl Auth {
         }
         let Some(stored) = self.keys.get(usize::try_from(found).unwrap_or(usize::MAX)) else {
             return match self.anonymous {
-                Some(tenant) => Ok(self.caller(tenant, None)),
+                Some(tenant) => Ok(self.caller(tenant, None, Priority::Interactive)),
                 None => Err(AuthFailure::Invalid),
             };
         };
         if stored.revoked {
             return Err(AuthFailure::Revoked);
         }
-        Ok(self.caller(stored.tenant, Some(stored.id.clone())))
+        Ok(self.caller(stored.tenant, Some(stored.id.clone()), stored.priority))
     }
 
-    fn caller(&self, tenant: usize, key_id: Option<String>) -> Caller {
+    fn caller(&self, tenant: usize, key_id: Option<String>, priority: Priority) -> Caller {
         Caller {
             tenant,
             tenant_name: self.tenants[tenant].config.name.clone(),
             key_id,
+            priority,
         }
     }
 
@@ -292,6 +297,32 @@ pub fn check_model(
     Err(ApiError::model_not_allowed(model))
 }
 
+/// The request's priority class: the one asked for in `header_value`, which may not be
+/// above what the caller's key allows (403, counted), or else the key's own.
+pub fn priority(
+    metrics: &Metrics,
+    caller: &Caller,
+    header_value: Option<&str>,
+) -> Result<Priority, ApiError> {
+    let Some(asked) = header_value else {
+        return Ok(caller.priority);
+    };
+    let asked = Priority::parse(asked.trim()).ok_or_else(|| {
+        ApiError::invalid_field(
+            crate::routes::HEADER_PRIORITY,
+            format!(
+                "`{}` must be `interactive` or `batch`",
+                crate::routes::HEADER_PRIORITY
+            ),
+        )
+    })?;
+    if asked.rank() < caller.priority.rank() {
+        metrics.tenant_rejection(&caller.tenant_name, "priority_not_allowed");
+        return Err(ApiError::priority_not_allowed(asked, caller.priority));
+    }
+    Ok(asked)
+}
+
 /// Charge one request of `tokens` to the caller's tenant now, or the 429, counted.
 pub fn charge(
     auth: &Auth,
@@ -329,6 +360,7 @@ pub fn create_key(tenant: &TenantConfig, note: Option<&str>) -> Result<NewKey, S
         sha256: sha256.clone(),
         note: note.map(String::from),
         revoked: false,
+        priority: None,
     };
     let config = Config {
         tenants: vec![tenant.clone()],
@@ -394,10 +426,45 @@ mod tests {
                     sha256: key_sha256(key),
                     note: None,
                     revoked: *revoked,
+                    priority: None,
                 })
                 .collect(),
             ..Config::default()
         }
+    }
+
+    #[test]
+    fn a_request_may_lower_its_priority_class_but_not_raise_it() {
+        let mut c = config(&[("acme", "k-int", false), ("beta", "k-bat", false)], true);
+        c.keys[1].priority = Some(Priority::Batch);
+        let auth = Auth::new(&c);
+        let metrics = Metrics::default();
+        let int = auth.authenticate(&bearer("k-int")).unwrap();
+        let bat = auth.authenticate(&bearer("k-bat")).unwrap();
+        let anon = auth.authenticate(&HeaderMap::new()).unwrap();
+        assert_eq!(
+            priority(&metrics, &int, None).unwrap(),
+            Priority::Interactive
+        );
+        assert_eq!(
+            priority(&metrics, &anon, None).unwrap(),
+            Priority::Interactive
+        );
+        assert_eq!(
+            priority(&metrics, &int, Some("batch")).unwrap(),
+            Priority::Batch
+        );
+        assert_eq!(priority(&metrics, &bat, None).unwrap(), Priority::Batch);
+        assert_eq!(
+            priority(&metrics, &bat, Some(" batch ")).unwrap(),
+            Priority::Batch
+        );
+        let raised = priority(&metrics, &bat, Some("interactive")).unwrap_err();
+        assert_eq!(raised.status.as_u16(), 403);
+        assert_eq!(raised.body()["error"]["code"], "priority_not_allowed");
+        let bad = priority(&metrics, &int, Some("urgent")).unwrap_err();
+        assert_eq!(bad.status.as_u16(), 400);
+        assert_eq!(bad.body()["error"]["param"], crate::routes::HEADER_PRIORITY);
     }
 
     #[test]

@@ -14,6 +14,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
+use metronome_protocol::Priority;
 use serde::{Deserialize, Serialize};
 
 /// Environment variable overriding [`Config::nats_url`].
@@ -158,6 +159,11 @@ pub struct KeyConfig {
     /// A revoked key is refused with 401 like an unknown one.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub revoked: bool,
+    /// The highest priority class (`interactive`, `batch`) the key's requests may have, and
+    /// the class they get unless a request asks for a lower one in `x-metronome-priority`.
+    /// Absent: `interactive`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<Priority>,
 }
 
 impl Default for Config {
@@ -569,6 +575,7 @@ revoked = true
             sha256: sha256.into(),
             note: None,
             revoked: false,
+            priority: None,
         };
         let c = Config {
             tenants: vec![TenantConfig::unlimited("acme")],

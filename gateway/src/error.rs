@@ -105,6 +105,20 @@ impl ApiError {
         .with_code("model_not_allowed")
     }
 
+    /// 403: the request asked for a priority class above what its key allows.
+    pub fn priority_not_allowed(
+        asked: metronome_protocol::Priority,
+        allowed: metronome_protocol::Priority,
+    ) -> Self {
+        ApiError::new(
+            StatusCode::FORBIDDEN,
+            "invalid_request_error",
+            format!("this API key may not ask for priority `{asked}`; the highest it may use is `{allowed}`"),
+        )
+        .with_param(crate::routes::HEADER_PRIORITY)
+        .with_code("priority_not_allowed")
+    }
+
     /// 429: over the tenant's requests per second or tokens per minute. `Retry-After` is
     /// when enough budget is back, absent when the request can never fit.
     pub fn rate_limited(refusal: &crate::limits::Refusal) -> Self {

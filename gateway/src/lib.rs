@@ -36,7 +36,7 @@ pub use config::{Config, ConfigError, FieldError, KeyConfig, ModelList, TenantCo
 pub use error::{ApiError, GatewayError};
 pub use metrics::Metrics;
 pub use registry::Registry;
-pub use routes::{HEADER_DEADLINE_MS, HEADER_JOB_ID, HEADER_WORKER};
+pub use routes::{HEADER_DEADLINE_MS, HEADER_JOB_ID, HEADER_PRIORITY, HEADER_WORKER};
 
 /// What every handler shares.
 #[derive(Clone)]

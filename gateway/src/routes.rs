@@ -43,6 +43,9 @@ pub const HEADER_DEADLINE_MS: &str = "x-metronome-deadline-ms";
 pub const HEADER_SLO_TTFT_MS: &str = "x-metronome-slo-ttft-ms";
 /// Request header: a higher decode-rate floor than the model's, in tokens/s.
 pub const HEADER_SLO_MIN_TOK_S: &str = "x-metronome-slo-min-tok-s";
+/// Request header asking for a priority class (`interactive`, `batch`) no higher than the
+/// API key's.
+pub const HEADER_PRIORITY: &str = "x-metronome-priority";
 
 /// Values from this on in [`HEADER_DEADLINE_MS`] are absolute Unix milliseconds
 /// (10^12 ms is September 2001; no budget is that long).
@@ -190,12 +193,17 @@ async fn serve(
     }
     let deadline = deadline_ms(state, headers, now_ms)?;
     let slo = slo_request(headers)?;
+    let asked = headers
+        .get(HEADER_PRIORITY)
+        .map(|v| v.to_str().unwrap_or("?"));
+    let priority = crate::auth::priority(&state.metrics, &caller, asked)?;
     // Charged last, once the request is known to be acceptable, so a refused request
     // costs the tenant nothing.
     let tokens = u64::from(request.prompt_tokens) + u64::from(request.total_max_tokens());
     crate::auth::charge(&state.auth, &state.metrics, &caller, tokens)?;
     let mut job = build_job(job_id, &request, &caller.tenant_name, now_ms, deadline);
     job.slo = slo;
+    job.priority = Some(priority);
     let mut submission = Submission::submit(state, &job).await?;
     tracing::debug!(
         prompt_tokens = job.prompt_tokens,

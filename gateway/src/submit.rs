@@ -62,6 +62,7 @@ pub fn build_job(
         deadline_ms: Some(deadline_ms),
         slo: None,
         tenant: Some(tenant.to_string()),
+        priority: None,
     }
 }
 
@@ -420,6 +421,9 @@ mod tests {
             epoch: 1,
             dispatcher_id: "d".into(),
             decided_ms: 0,
+            tenant: None,
+            priority: None,
+            fair_counter: None,
         }
     }
 

@@ -16,6 +16,7 @@ const BETA_KEY: &str = "mtk_test_beta";
 const REVOKED_KEY: &str = "mtk_test_revoked";
 const SLOW_KEY: &str = "mtk_test_slow";
 const FRUGAL_KEY: &str = "mtk_test_frugal";
+const BULK_KEY: &str = "mtk_test_bulk";
 
 fn key(tenant: &str, key: &str, revoked: bool) -> KeyConfig {
     KeyConfig {
@@ -23,6 +24,7 @@ fn key(tenant: &str, key: &str, revoked: bool) -> KeyConfig {
         sha256: key_sha256(key),
         note: None,
         revoked,
+        priority: None,
     }
 }
 
@@ -48,6 +50,7 @@ fn tenants(c: &mut Config) {
             tokens_per_minute: Some(30),
             ..TenantConfig::unlimited("frugal")
         },
+        TenantConfig::unlimited("bulk"),
     ];
     c.keys = vec![
         key("acme", ACME_KEY, false),
@@ -55,6 +58,10 @@ fn tenants(c: &mut Config) {
         key("beta", REVOKED_KEY, true),
         key("slow", SLOW_KEY, false),
         key("frugal", FRUGAL_KEY, false),
+        KeyConfig {
+            priority: Some(metronome_protocol::Priority::Batch),
+            ..key("bulk", BULK_KEY, false)
+        },
     ];
 }
 
@@ -210,6 +217,66 @@ async fn a_valid_key_publishes_the_job_with_its_tenant_and_lists_only_its_models
     let text = metrics(&h).await;
     assert!(text.contains("metronome_gateway_tenant_requests_total{tenant=\"acme\"} 1"));
     assert!(text.contains("metronome_gateway_tenant_admitted_tokens_total{tenant=\"acme\"}"));
+}
+
+#[tokio::test]
+async fn the_priority_class_is_the_keys_or_a_lower_one_the_request_asks_for() {
+    use metronome_protocol::Priority;
+    let h = Harness::start_with_key(tenants, Some(ACME_KEY)).await;
+    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT).await.unwrap();
+    sync_subscriptions(&h.client).await;
+    let post = |key: &'static str, class: Option<&'static str>| {
+        let mut request = h
+            .http
+            .post(h.url("/v1/chat/completions"))
+            .bearer_auth(key)
+            .json(&chat_body("hello", false));
+        if let Some(class) = class {
+            request = request.header(metronome_gateway::HEADER_PRIORITY, class);
+        }
+        request.send()
+    };
+    let mut classes = Vec::new();
+    for (key, asked) in [
+        (ACME_KEY, None),
+        (ACME_KEY, Some("batch")),
+        (BULK_KEY, None),
+    ] {
+        assert_eq!(post(key, asked).await.unwrap().status(), 200);
+        let message = tokio::time::timeout(WAIT, submitted.next())
+            .await
+            .unwrap()
+            .unwrap();
+        let job: metronome_protocol::Job = serde_json::from_slice(&message.payload).unwrap();
+        classes.push(job.priority);
+    }
+    assert_eq!(
+        classes,
+        [
+            Some(Priority::Interactive),
+            Some(Priority::Batch),
+            Some(Priority::Batch)
+        ]
+    );
+    // A batch key cannot raise its class; an unknown class is a bad request.
+    let error = assert_openai_error(
+        post(BULK_KEY, Some("interactive")).await.unwrap(),
+        403,
+        "invalid_request_error",
+    )
+    .await;
+    assert_eq!(error["code"], "priority_not_allowed");
+    let error = assert_openai_error(
+        post(ACME_KEY, Some("urgent")).await.unwrap(),
+        400,
+        "invalid_request_error",
+    )
+    .await;
+    assert_eq!(error["param"], metronome_gateway::HEADER_PRIORITY);
+    let text = metrics(&h).await;
+    assert!(text.contains(
+        "metronome_gateway_tenant_rejections_total{tenant=\"bulk\",reason=\"priority_not_allowed\"} 1"
+    ));
 }
 
 #[tokio::test]

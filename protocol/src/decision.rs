@@ -175,4 +175,15 @@ pub struct Decision {
     /// Which dispatcher instance decided.
     pub dispatcher_id: String,
     pub decided_ms: u64,
+    /// The job's tenant (`None` for a job submitted without one).
+    #[serde(default)]
+    pub tenant: Option<String>,
+    /// The job's priority class.
+    #[serde(default)]
+    pub priority: Option<crate::Priority>,
+    /// The tenant's fair-share service counter for this model when the decision was made
+    /// (weighted tokens, after this job's charge when it was assigned): the tenant with the
+    /// lowest counter among those waiting is served next.
+    #[serde(default)]
+    pub fair_counter: Option<f64>,
 }

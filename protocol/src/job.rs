@@ -61,6 +61,53 @@ pub struct Job {
     /// submit on NATS directly without naming one. A short token (see [`check_tenant`]).
     #[serde(default)]
     pub tenant: Option<String>,
+    /// The job's priority class within its tenant's share (the gateway sets the class its
+    /// API key allows, or a lower one the request asked for). `None` is
+    /// [`Priority::Interactive`], the class of every job before classes existed.
+    #[serde(default)]
+    pub priority: Option<Priority>,
+}
+
+/// Priority class of a job. Within a model, a waiting interactive job goes before a
+/// waiting batch job, and a starvation guard in the dispatcher still serves batch jobs
+/// while interactive ones keep coming. An unknown class makes the job malformed, so a
+/// typo cannot silently downgrade (or upgrade) a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Priority {
+    /// Someone is waiting for the answer.
+    Interactive,
+    /// Throughput work: served when no interactive job waits, and by the starvation guard.
+    Batch,
+}
+
+impl Priority {
+    /// Every class, highest first.
+    pub const ALL: [Priority; 2] = [Priority::Interactive, Priority::Batch];
+
+    /// 0 for the highest class; a lower rank goes first.
+    pub fn rank(self) -> usize {
+        self as usize
+    }
+
+    /// snake_case name, as in JSON, configuration and the request header.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::Interactive => "interactive",
+            Priority::Batch => "batch",
+        }
+    }
+
+    /// Parse a class name (`interactive`, `batch`).
+    pub fn parse(name: &str) -> Option<Priority> {
+        Priority::ALL.into_iter().find(|p| p.as_str() == name)
+    }
+}
+
+impl std::fmt::Display for Priority {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// Longest accepted tenant name, in bytes.
@@ -254,6 +301,11 @@ impl Job {
         Ok(())
     }
 
+    /// The job's priority class ([`Priority::Interactive`] when it names none).
+    pub fn priority(&self) -> Priority {
+        self.priority.unwrap_or(Priority::Interactive)
+    }
+
     /// KV-cache tokens the job can occupy at its largest: prompt plus every output token.
     pub fn kv_tokens(&self) -> u64 {
         u64::from(self.prompt_tokens) + u64::from(self.max_tokens)
@@ -297,6 +349,26 @@ mod tests {
         assert_eq!(job.kv_tokens(), 30);
         assert_eq!(job.deadline_ms, None);
         assert_eq!(job.tenant, None, "a job without a tenant is valid");
+        assert_eq!(
+            job.priority(),
+            Priority::Interactive,
+            "no class is interactive"
+        );
+    }
+
+    #[test]
+    fn priority_is_a_known_class() {
+        let mut v = job_json();
+        v["priority"] = json!("batch");
+        assert_eq!(parse(&v).unwrap().priority(), Priority::Batch);
+        for bad in [json!("urgent"), json!(1), json!("Batch")] {
+            v["priority"] = bad.clone();
+            assert_eq!(parse(&v).unwrap_err().code(), "malformed_job", "for {bad}");
+        }
+        for p in Priority::ALL {
+            assert_eq!(Priority::parse(p.as_str()), Some(p));
+        }
+        assert!(Priority::Interactive.rank() < Priority::Batch.rank());
     }
 
     #[test]

@@ -29,7 +29,7 @@ pub use decision::{
 };
 pub use event::{CompletionEvent, CompletionOutcome};
 pub use job::{
-    check_model_name, check_tenant, Endpoint, Job, JobError, JobLimits, ANONYMOUS_TENANT,
+    check_model_name, check_tenant, Endpoint, Job, JobError, JobLimits, Priority, ANONYMOUS_TENANT,
     MAX_TENANT_BYTES,
 };
 pub use perf::{PerfCoefficients, Prediction, Slo, SloRequest};

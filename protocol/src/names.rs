@@ -43,6 +43,11 @@ pub const BUCKET_WORKERS: &str = "workers";
 pub const BUCKET_LEADER: &str = "leader";
 /// Key of the lease in [`BUCKET_LEADER`].
 pub const LEADER_KEY: &str = "dispatcher";
+/// KV bucket of the fair-share service counters, written by the leader and read by the
+/// next one at takeover, so fairness survives a failover.
+pub const BUCKET_FAIRNESS: &str = "fairness";
+/// Key of the counters (all models, one JSON document) in [`BUCKET_FAIRNESS`].
+pub const FAIRNESS_KEY: &str = "counters";
 
 /// De-duplication id understood by JetStream.
 pub const HEADER_MSG_ID: &str = "Nats-Msg-Id";

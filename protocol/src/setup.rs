@@ -72,6 +72,7 @@ pub enum SetupError {
 pub struct Buckets {
     pub workers: kv::Store,
     pub leader: kv::Store,
+    pub fairness: kv::Store,
 }
 
 /// Create (or find) every stream and bucket.
@@ -131,7 +132,13 @@ pub async fn ensure_all(
     }
     let workers = ensure_bucket(js, BUCKET_WORKERS, s.workers_max_age, s.storage).await?;
     let leader = ensure_bucket(js, BUCKET_LEADER, s.leader_ttl, s.storage).await?;
-    Ok(Buckets { workers, leader })
+    // Counters are kept until overwritten: a failover may come at any time.
+    let fairness = ensure_bucket(js, BUCKET_FAIRNESS, Duration::ZERO, s.storage).await?;
+    Ok(Buckets {
+        workers,
+        leader,
+        fairness,
+    })
 }
 
 /// Create a stream unless it exists. Components start together, so two may race to create

@@ -376,6 +376,9 @@ fn decision(job: &Job, outcome: Outcome, reason_code: Option<&str>) -> Decision 
         epoch: 1,
         dispatcher_id: "test".into(),
         decided_ms: 0,
+        tenant: None,
+        priority: None,
+        fair_counter: None,
     }
 }
 

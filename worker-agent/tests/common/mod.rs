@@ -283,6 +283,7 @@ pub fn job(id: &str, endpoint: Endpoint, max_tokens: u32, delay_ms: u64) -> Job 
         deadline_ms: None,
         slo: None,
         tenant: None,
+        priority: None,
     }
 }
 
