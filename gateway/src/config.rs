@@ -18,6 +18,8 @@ use serde::{Deserialize, Serialize};
 
 /// Environment variable overriding [`Config::nats_url`].
 pub const ENV_NATS_URL: &str = "NATS_URL";
+/// Environment variable overriding [`Config::redis_url`].
+pub const ENV_REDIS_URL: &str = "REDIS_URL";
 /// Environment variable overriding [`Config::listen`].
 pub const ENV_LISTEN: &str = "METRONOME_GATEWAY_LISTEN";
 
@@ -71,6 +73,10 @@ pub struct Config {
     /// models and limits a `[[tenants]]` entry named `anonymous` may set. Off by default:
     /// then every OpenAI endpoint needs an API key. A revoked key is refused either way.
     pub allow_anonymous: bool,
+    /// Redis holding the workers' EWMAs, read only by the operator console (overridden by
+    /// `REDIS_URL`); absent: the console shows the EWMA columns as n/a.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redis_url: Option<String>,
     /// Tenants: the models each may use and its limits.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tenants: Vec<TenantConfig>,
@@ -158,6 +164,10 @@ pub struct KeyConfig {
     /// A revoked key is refused with 401 like an unknown one.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub revoked: bool,
+    /// The key also opens the operator console (`/console`), which shows every worker and
+    /// every decision. Without anonymous access, only operator keys do.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub operator: bool,
 }
 
 impl Default for Config {
@@ -178,6 +188,7 @@ impl Default for Config {
             worker_stale_after_ms: 15_000,
             stream_storage: StreamStorage::File,
             allow_anonymous: false,
+            redis_url: None,
             tenants: Vec::new(),
             keys: Vec::new(),
         }
@@ -243,13 +254,16 @@ impl Config {
         Ok(config)
     }
 
-    /// Environment overrides: `NATS_URL`, `METRONOME_GATEWAY_LISTEN`.
+    /// Environment overrides: `NATS_URL`, `METRONOME_GATEWAY_LISTEN`, `REDIS_URL`.
     pub fn apply_env(&mut self, env: impl Fn(&str) -> Option<String>) {
         if let Some(url) = env(ENV_NATS_URL).filter(|v| !v.trim().is_empty()) {
             self.nats_url = url;
         }
         if let Some(listen) = env(ENV_LISTEN).filter(|v| !v.trim().is_empty()) {
             self.listen = listen;
+        }
+        if let Some(url) = env(ENV_REDIS_URL).filter(|v| !v.trim().is_empty()) {
+            self.redis_url = Some(url);
         }
     }
 
@@ -594,6 +608,7 @@ revoked = true
             sha256: sha256.into(),
             note: None,
             revoked: false,
+            operator: false,
         };
         let c = Config {
             tenants: vec![TenantConfig::unlimited("acme")],

@@ -11,9 +11,10 @@ use metronome_gateway::{Config, ModelList, TenantConfig};
 /// Metronome's OpenAI-compatible HTTP gateway.
 ///
 /// Serves POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models,
-/// /healthz, /readyz and /metrics, and turns each request into a job on NATS JetStream.
+/// /healthz, /readyz, /metrics and the operator console (/console), and turns each request into a job on NATS JetStream.
 /// Environment: NATS_URL overrides nats_url, METRONOME_GATEWAY_LISTEN overrides listen,
-/// RUST_LOG sets the log filter (default info).
+/// REDIS_URL overrides redis_url (the console's EWMAs), RUST_LOG sets the log filter
+/// (default info), METRONOME_LOG_FORMAT=json writes one JSON object per log line.
 #[derive(Debug, Parser)]
 #[command(name = "metronome-gateway", version)]
 struct Args {
@@ -67,6 +68,9 @@ struct CreateArgs {
     /// A note stored with the hash (who holds the key).
     #[arg(long)]
     note: Option<String>,
+    /// The key also opens the operator console (/console): every worker and decision.
+    #[arg(long)]
+    operator: bool,
     /// Append the entries to this gateway configuration file instead of printing them (the
     /// tenant entry only when the tenant is not in the file yet); only the key is printed.
     #[arg(long, value_name = "FILE")]
@@ -90,7 +94,7 @@ fn keys_create(args: CreateArgs) -> ExitCode {
         burst: args.burst,
         tokens_per_minute: args.tokens_per_minute,
     };
-    let new = match metronome_gateway::auth::create_key(&tenant, args.note.as_deref()) {
+    let new = match metronome_gateway::auth::create_key(&tenant, args.note.as_deref(), args.operator) {
         Ok(k) => k,
         Err(e) => {
             eprintln!("metronome-gateway keys create: {e}");

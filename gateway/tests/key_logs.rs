@@ -45,6 +45,7 @@ async fn keys_never_appear_in_the_logs() {
                 sha256: key_sha256(ACME_KEY),
                 note: None,
                 revoked: false,
+                operator: false,
             }];
         },
         Some(ACME_KEY),

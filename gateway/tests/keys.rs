@@ -23,6 +23,7 @@ fn key(tenant: &str, key: &str, revoked: bool) -> KeyConfig {
         sha256: key_sha256(key),
         note: None,
         revoked,
+        operator: false,
     }
 }
 
