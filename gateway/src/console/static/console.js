@@ -121,20 +121,24 @@ function addDecision(d, atTop) {
   while (body.children.length > FEED_MAX) body.removeChild(body.lastChild);
 }
 
-function termTable(candidate) {
-  const t = el("table", null, { class: "terms", "data-candidate": candidate.worker_id });
+function table(headings, rows, attrs) {
+  const t = el("table", null, attrs);
   const head = el("tr");
-  for (const h of ["term", "raw", "normalised", "weight", "contribution", ""]) head.appendChild(el("th", h));
+  for (const h of headings) head.appendChild(el("th", h));
   t.appendChild(el("thead")).appendChild(head);
   const body = el("tbody");
-  for (const term of candidate.terms) {
-    body.appendChild(row([
-      term.term, na(term.raw, (x) => +x.toFixed(3)), num3(term.normalised), num3(term.weight),
-      num3(term.contribution), term.available ? "" : "signal unavailable",
-    ], { "data-term": term.term }));
-  }
+  for (const r of rows) body.appendChild(r);
   t.appendChild(body);
   return t;
+}
+
+function termTable(candidate) {
+  return table(["term", "raw", "normalised", "weight", "contribution", ""],
+    candidate.terms.map((term) => row([
+      term.term, na(term.raw, (x) => +x.toFixed(3)), num3(term.normalised), num3(term.weight),
+      num3(term.contribution), term.available ? "" : "signal unavailable",
+    ], { "data-term": term.term })),
+    { class: "terms", "data-candidate": candidate.worker_id });
 }
 
 function renderExplain(story) {
@@ -146,13 +150,13 @@ function renderExplain(story) {
   box.setAttribute("data-job", story.job_id);
   box.setAttribute("data-outcome", s.outcome || "");
   box.setAttribute("data-winner", s.winner || "");
-  const head = s.winner
+  const headline = s.winner
     ? `Job ${story.job_id} (${last.model || "?"}): ${s.outcome} to ${s.winner}` +
       (s.runner_up ? `, ${num3(s.margin)} ahead of ${s.runner_up}` : "") +
       ` after ${s.queue_wait_ms} ms in queue (attempt ${last.attempt})`
     : `Job ${story.job_id} (${last.model || "?"}): ${s.outcome}` +
       (last.reason ? `: ${last.reason}` : "");
-  box.appendChild(el("p", head, { id: "explain-headline" }));
+  box.appendChild(el("p", headline, { id: "explain-headline" }));
   if (s.slo) box.appendChild(el("p", `SLO: first token within ${s.slo.ttft_ms} ms, at least ${s.slo.min_tok_s} tok/s`));
 
   box.appendChild(el("h3", `Candidates (${last.candidates.length}, lowest total wins)`));
@@ -169,31 +173,23 @@ function renderExplain(story) {
 
   if (last.rejected.length) {
     box.appendChild(el("h3", `Not eligible (${last.rejected.length})`));
-    const t = el("table", null, { id: "explain-rejected" });
-    const head = el("tr");
-    for (const h of ["worker", "code", "reason"]) head.appendChild(el("th", h));
-    t.appendChild(el("thead")).appendChild(head);
-    const body = el("tbody");
-    for (const r of last.rejected) body.appendChild(row([r.worker_id, r.code, r.reason], { "data-rejected": r.worker_id }));
-    t.appendChild(body);
-    box.appendChild(t);
+    box.appendChild(table(["worker", "code", "reason"],
+      last.rejected.map((r) => row([r.worker_id, r.code, r.reason], { "data-rejected": r.worker_id })),
+      { id: "explain-rejected" }));
   }
 
   box.appendChild(el("h3", "What happened"));
   const a = s.actual;
   const pr = s.predicted || {};
-  const t = el("table", null, { id: "explain-outcome" });
-  const head = el("tr");
-  for (const h of ["", "predicted", "measured"]) head.appendChild(el("th", h));
-  t.appendChild(el("thead")).appendChild(head);
-  const body = el("tbody");
-  body.appendChild(row(["TTFT on the worker", ms(pr.ttft_ms), a ? ms(a.ttft_ms) : "n/a"]));
-  body.appendChild(row(["decode rate", tps(pr.decode_tok_s), a ? tps(a.tok_s) : "n/a"]));
-  body.appendChild(row(["end-to-end", "-", a ? ms(a.e2e_ms) : "n/a"]));
-  body.appendChild(row(["outcome", "-", a ? `${a.outcome}, ${a.output_tokens} output tokens` : "no completion event yet"], { "data-actual-outcome": a ? a.outcome : "" }));
-  if (s.slo_met !== null && s.slo_met !== undefined) body.appendChild(row(["SLO met", "-", s.slo_met ? "yes" : "no"]));
-  t.appendChild(body);
-  box.appendChild(t);
+  const rows = [
+    row(["TTFT on the worker", ms(pr.ttft_ms), a ? ms(a.ttft_ms) : "n/a"]),
+    row(["decode rate", tps(pr.decode_tok_s), a ? tps(a.tok_s) : "n/a"]),
+    row(["end-to-end", "-", a ? ms(a.e2e_ms) : "n/a"]),
+    row(["outcome", "-", a ? `${a.outcome}, ${a.output_tokens} output tokens` : "no completion event yet"],
+      { "data-actual-outcome": a ? a.outcome : "" }),
+  ];
+  if (s.slo_met !== null && s.slo_met !== undefined) rows.push(row(["SLO met", "-", s.slo_met ? "yes" : "no"]));
+  box.appendChild(table(["", "predicted", "measured"], rows, { id: "explain-outcome" }));
   if (story.result) {
     const r = story.result;
     box.appendChild(el("p", r.error
@@ -249,7 +245,14 @@ async function start() {
   const failed = results.find((r) => r.status === "rejected");
   if (failed) $("#workers-note").textContent = `could not read the system: ${failed.reason.message}`;
   document.body.setAttribute("data-loaded", failed ? "partial" : "yes");
-  follow();
+  // `?live=0`: a snapshot that stays as loaded (a page to print or attach to a ticket;
+  // headless renderers also need the network to go quiet).
+  if (new URLSearchParams(location.search).get("live") === "0") {
+    $("#live").textContent = "off (snapshot)";
+    $("#live").setAttribute("data-state", "draining");
+  } else {
+    follow();
+  }
 }
 
 start();
