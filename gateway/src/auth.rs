@@ -289,7 +289,8 @@ impl Auth {
         let key = if scheme.eq_ignore_ascii_case("bearer") {
             credential.trim().to_string()
         } else if scheme.eq_ignore_ascii_case("basic") {
-            basic_password(credential.trim()).ok_or(OperatorRefusal::Auth(AuthFailure::Malformed))?
+            basic_password(credential.trim())
+                .ok_or(OperatorRefusal::Auth(AuthFailure::Malformed))?
         } else {
             return Err(OperatorRefusal::Auth(AuthFailure::Malformed));
         };

@@ -106,7 +106,8 @@ impl ApiError {
 
     /// 404 for something the request names that does not exist (a job id in the console).
     pub fn not_found(message: impl Into<String>) -> Self {
-        ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", message).with_code("not_found")
+        ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", message)
+            .with_code("not_found")
     }
 
     /// 403: the key's tenant may not use this model.

@@ -94,13 +94,14 @@ fn keys_create(args: CreateArgs) -> ExitCode {
         burst: args.burst,
         tokens_per_minute: args.tokens_per_minute,
     };
-    let new = match metronome_gateway::auth::create_key(&tenant, args.note.as_deref(), args.operator) {
-        Ok(k) => k,
-        Err(e) => {
-            eprintln!("metronome-gateway keys create: {e}");
-            return ExitCode::from(2);
-        }
-    };
+    let new =
+        match metronome_gateway::auth::create_key(&tenant, args.note.as_deref(), args.operator) {
+            Ok(k) => k,
+            Err(e) => {
+                eprintln!("metronome-gateway keys create: {e}");
+                return ExitCode::from(2);
+            }
+        };
     if let Some(path) = args.append {
         if let Err(e) = append_entries(&path, &tenant, &new) {
             eprintln!("metronome-gateway keys create: {}: {e}", path.display());

@@ -66,13 +66,20 @@ pub fn router(state: AppState) -> Router<AppState> {
         .route("/console/api/decisions", get(decisions))
         .route("/console/api/explain/{job_id}", get(explain))
         .route("/console/api/events", get(events))
-        .route_layer(axum::middleware::from_fn_with_state(state, require_operator))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state,
+            require_operator,
+        ))
 }
 
 /// Lets a request through when [`crate::auth::Auth::operator`] does. A 401 asks the browser
 /// for HTTP Basic credentials (the operator key as the password), which it then sends with
 /// every request of the page, the event stream included.
-pub async fn require_operator(State(state): State<AppState>, request: Request, next: Next) -> Response {
+pub async fn require_operator(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
     match state.auth.operator(request.headers()) {
         Ok(_) => next.run(request).await,
         Err(OperatorRefusal::Auth(failure)) => {
