@@ -90,7 +90,15 @@ pub(crate) async fn run_job(
     start: Instant,
 ) {
     let job_id = assignment.job.id.clone();
-    let span = tracing::info_span!("job", job_id = %job_id, attempt = assignment.attempt, epoch = assignment.epoch);
+    // Both ids on the span, so every line about the job (JSON logs list span fields) can be
+    // found by job and by worker when the agents' logs are collected together.
+    let span = tracing::info_span!(
+        "job",
+        job_id = %job_id,
+        worker_id = %assignment.worker_id,
+        attempt = assignment.attempt,
+        epoch = assignment.epoch
+    );
     async move {
         let job = &assignment.job;
         let cfg = &shared.config;
