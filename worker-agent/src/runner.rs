@@ -247,8 +247,7 @@ pub(crate) async fn run_job(
         shared.metrics.output_tokens.add(u64::from(usage.completion_tokens));
         shared.metrics.prompt_tokens.add(u64::from(usage.prompt_tokens));
         if let Some(t) = sample.ttft_ms {
-            shared.metrics.ttft_us_sum.add((t * 1e3) as u64);
-            shared.metrics.ttft_count.inc();
+            shared.metrics.observe_ttft_ms(t);
         }
         tracing::info!(
             outcome = ?outcome,
