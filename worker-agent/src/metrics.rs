@@ -199,7 +199,7 @@ impl AgentMetrics {
         registry.register_collector(Box::new(Snapshot { families }));
         registry.register(
             "metronome_worker_ttft_seconds",
-            "Time to first token measured by the agent.",
+            "Time to first token measured by the agent",
             self.ttft.0.clone(),
         );
         let mut out = String::with_capacity(4096);
