@@ -31,6 +31,18 @@ ensure_servers() {
   command -v redis-server >/dev/null || die "redis-server still missing (apt-get install redis-server)"
 }
 
+ensure_prometheus() {
+  # promtool (config and rule checks) and prometheus (./dev up --observe).
+  command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || apt_install prometheus
+  command -v prometheus >/dev/null 2>&1 || die "prometheus is missing (apt-get install prometheus)"
+}
+
+ensure_chromium() {
+  # The console suite renders the operator console in headless Chromium.
+  command -v chromium >/dev/null 2>&1 || apt_install chromium
+  command -v chromium >/dev/null 2>&1 || die "chromium is missing (apt-get install chromium)"
+}
+
 ensure_cargo() {
   command -v cargo >/dev/null 2>&1 || die "cargo is missing: install Rust from https://rustup.rs (or apt-get install cargo)"
 }

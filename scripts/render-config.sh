@@ -18,9 +18,10 @@ TOML
   fi
 }
 
-render_worker_config() { # worker id, model, model server port, gpu index
+render_worker_config() { # worker id, model, model server port, gpu index, metrics port
   cat <<TOML
 worker_id = "$1"
+metrics_port = $5
 model = "$2"
 node = "$(hostname -s 2>/dev/null || echo local)"
 gpu_index = $4
@@ -39,4 +40,24 @@ nats_url = "$NATS_URL"
 # Loopback demo: requests without an API key are served as tenant "anonymous".
 allow_anonymous = true
 TOML
+}
+
+# Prometheus scraping every process of ./dev up (--observe), with the project's alert rules.
+# Arguments: "job=host:port,host:port" groups, one per scrape job.
+render_prometheus_config() {
+  cat <<YAML
+global:
+  scrape_interval: 2s
+  evaluation_interval: 5s
+rule_files:
+  - "$ROOT/ops/prometheus/alerts.yml"
+scrape_configs:
+YAML
+  local group job targets t
+  for group in "$@"; do
+    job="${group%%=*}"; targets="${group#*=}"
+    printf '  - job_name: %s\n    static_configs:\n      - targets:\n' "$job"
+    IFS=',' read -r -a t <<< "$targets"
+    printf '          - "%s"\n' "${t[@]}"
+  done
 }

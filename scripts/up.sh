@@ -3,13 +3,15 @@
 #
 #   ./dev up [--gpus N] [--models a,b] [--gateway-port P] [--speeds 1,1,1,0.5]
 #            [--policy metronome|least_connections|round_robin|random|power_of_two]
-#            [--state-dir DIR] [--profile release|debug] [--no-build]
+#            [--state-dir DIR] [--profile release|debug] [--no-build] [--observe]
 #
 # Starts its own nats-server (JetStream) and redis-server on free ports with their state under
 # the state folder (default .metronome/), never touching servers already running on the
 # machine; a dispatcher leader and a standby; the gateway; N simulated GPUs (one simulator
-# process) with one worker-agent each, models assigned round-robin. Ctrl-C or SIGTERM stops
-# everything it started.
+# process) with one worker-agent each, models assigned round-robin. Every process serves
+# Prometheus /metrics (the addresses are printed); --observe also starts a local Prometheus
+# (Debian's `prometheus`) scraping all of them with ops/prometheus/alerts.yml loaded.
+# Ctrl-C or SIGTERM stops everything it started.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -23,6 +25,7 @@ POLICY="metronome"
 STATE_DIR="$ROOT/.metronome"
 PROFILE="release"
 BUILD=1
+OBSERVE=0
 SIM_ARGS=()
 
 while [ $# -gt 0 ]; do
@@ -35,8 +38,9 @@ while [ $# -gt 0 ]; do
     --state-dir) STATE_DIR="$2"; shift 2 ;;
     --profile) PROFILE="$2"; shift 2 ;;
     --no-build) BUILD=0; shift ;;
+    --observe) OBSERVE=1; shift ;;
     --sim-arg) SIM_ARGS+=("$2"); shift 2 ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option $1 (see ./dev up --help)" ;;
   esac
 done
@@ -48,6 +52,7 @@ IFS=',' read -r -a MODEL_LIST <<< "$MODELS"
 IFS=',' read -r -a SPEED_LIST <<< "$SPEEDS"
 
 ensure_servers
+[ "$OBSERVE" -eq 1 ] && ensure_prometheus
 BIN="$ROOT/target/$PROFILE"
 if [ "$BUILD" -eq 1 ]; then
   ensure_cargo
@@ -130,13 +135,17 @@ for ((g=0; g<GPUS; g++)); do wait_tcp "${GPU_PORTS[$g]}" "simulated GPU $g"; don
 
 # Each dispatcher serves Prometheus /metrics (queue depth, decisions) on its own free port;
 # its config file under $STATE_DIR/config/ names it (metrics_addr).
+DISPATCHER_METRICS=()
 for id in a b; do
-  render_dispatcher_config "dispatcher-$id" "$(free_port)" > "$STATE_DIR/config/dispatcher-$id.toml"
+  port=$(free_port); DISPATCHER_METRICS+=("127.0.0.1:$port")
+  render_dispatcher_config "dispatcher-$id" "$port" > "$STATE_DIR/config/dispatcher-$id.toml"
   start "dispatcher-$id" "$BIN/metronome-dispatcher" --config "$STATE_DIR/config/dispatcher-$id.toml"
 done
 
+WORKER_METRICS=()
 for ((g=0; g<GPUS; g++)); do
-  render_worker_config "local-gpu$g" "${GPU_MODELS[$g]}" "${GPU_PORTS[$g]}" "$g" > "$STATE_DIR/config/worker-gpu$g.toml"
+  port=$(free_port); WORKER_METRICS+=("127.0.0.1:$port")
+  render_worker_config "local-gpu$g" "${GPU_MODELS[$g]}" "${GPU_PORTS[$g]}" "$g" "$port" > "$STATE_DIR/config/worker-gpu$g.toml"
   start "worker-gpu$g" "$BIN/metronome-worker-agent" --config "$STATE_DIR/config/worker-gpu$g.toml"
 done
 
@@ -150,11 +159,30 @@ until curl -fsS "$GATEWAY_URL/readyz" >/dev/null 2>&1; do
   sleep 0.2
 done
 
+SIM_METRICS=()
+for ((g=0; g<GPUS; g++)); do SIM_METRICS+=("127.0.0.1:${GPU_PORTS[$g]}"); done
+join() { local IFS=,; echo "$*"; }
+PROMETHEUS_URL=""
+if [ "$OBSERVE" -eq 1 ]; then
+  PROMETHEUS_PORT=$(free_port)
+  PROMETHEUS_URL="http://127.0.0.1:$PROMETHEUS_PORT"
+  render_prometheus_config \
+    "metronome-gateway=127.0.0.1:$GATEWAY_PORT" \
+    "metronome-dispatcher=$(join "${DISPATCHER_METRICS[@]}")" \
+    "metronome-worker-agent=$(join "${WORKER_METRICS[@]}")" \
+    "metronome-gpu-sim=$(join "${SIM_METRICS[@]}")" > "$STATE_DIR/config/prometheus.yml"
+  mkdir -p "$STATE_DIR/prometheus"
+  start prometheus prometheus --config.file="$STATE_DIR/config/prometheus.yml" \
+    --storage.tsdb.path="$STATE_DIR/prometheus" --web.listen-address="127.0.0.1:$PROMETHEUS_PORT"
+  wait_tcp "$PROMETHEUS_PORT" prometheus
+fi
+
 cat > "$STATE_DIR/env" <<ENV
 METRONOME_GATEWAY_URL=$GATEWAY_URL
 NATS_URL=$NATS_URL
 REDIS_URL=$REDIS_URL
 ENV
+[ -n "$PROMETHEUS_URL" ] && echo "PROMETHEUS_URL=$PROMETHEUS_URL" >> "$STATE_DIR/env"
 
 cat <<MSG
 
@@ -164,7 +192,15 @@ cat <<MSG
                  anonymous access ON (loopback demo): no API key needed
     NATS         $NATS_URL
     Redis        $REDIS_URL
+    console      $GATEWAY_URL/console   (workers, queues, live decisions, explain)
     logs         $STATE_DIR/logs/
+
+  Prometheus /metrics:
+    gateway        $GATEWAY_URL/metrics
+    dispatchers    $(printf 'http://%s/metrics ' "${DISPATCHER_METRICS[@]}")
+    worker-agents  $(printf 'http://%s/metrics ' "${WORKER_METRICS[@]}")
+    simulated GPUs $(printf 'http://%s/metrics ' "${SIM_METRICS[@]}")
+    Prometheus     ${PROMETHEUS_URL:-off (start with --observe)}
 
   Send a request:
 

@@ -244,6 +244,18 @@ pub async fn explain(
     scan: usize,
     json: bool,
 ) -> Result<String, CliError> {
+    let story = story(nats, job_id, scan).await?;
+    if json {
+        to_json(&explain::to_json(&story))
+    } else {
+        Ok(story.render())
+    }
+}
+
+/// Every record of one job (its decisions, the completion events of its last attempt, its
+/// final result), read for `explain` and the gateway's console; [`CliError::NotFound`] for
+/// an unknown id.
+pub async fn story(nats: &Nats, job_id: &str, scan: usize) -> Result<explain::Story, CliError> {
     if !names::is_subject_token(job_id) {
         return Err(CliError::Usage(format!(
             "{job_id:?} is not a job id (letters, digits, '-' and '_' only)"
@@ -277,17 +289,12 @@ pub async fn explain(
         Vec::new()
     };
     let result = nats.final_result(job_id).await?;
-    let story = explain::Story {
+    Ok(explain::Story {
         job_id: job_id.to_string(),
         decisions,
         completions,
         result,
-    };
-    if json {
-        to_json(&explain::to_json(&story))
-    } else {
-        Ok(story.render())
-    }
+    })
 }
 
 /// `replay`: the recorded decisions of the window re-decided under the `[scheduler]`
@@ -333,25 +340,35 @@ pub async fn status(
     json: bool,
 ) -> Result<String, CliError> {
     let now = unix_ms();
+    let report = status_report(nats, window_s, stale_after_ms, now).await?;
+    if json {
+        to_json(&report)
+    } else {
+        Ok(report.render(now))
+    }
+}
+
+/// What `status` shows, as data (also the gateway console's header and model table).
+pub async fn status_report(
+    nats: &Nats,
+    window_s: u64,
+    stale_after_ms: u64,
+    now: u64,
+) -> Result<status::Report, CliError> {
     let leader = nats.leader().await?;
     let jobs_waiting = nats.jobs_waiting().await?;
     let recent: Vec<status::Brief> = nats
         .decisions_since(now.saturating_sub(window_s * 1000), 200_000)
         .await?;
     let (views, _) = worker_views(nats, stale_after_ms, None, "").await?;
-    let report = status::Report::from_parts(
+    Ok(status::Report::from_parts(
         leader,
         jobs_waiting,
         &recent,
         window_s,
         now,
         workers::counts(&views),
-    );
-    if json {
-        to_json(&report)
-    } else {
-        Ok(report.render(now))
-    }
+    ))
 }
 
 /// The workers with their state, and their EWMAs when `redis_url` is given. A Redis

@@ -1,24 +1,47 @@
-//! The dispatcher's metrics, rendered as Prometheus text on an optional HTTP port.
+//! The dispatcher's metrics, exposed in the OpenMetrics text format on an optional HTTP
+//! port.
 //!
 //! Every counter is an atomic the hot path bumps without locks; per-model gauges are
-//! published by the engine on its tick. Names carry their units (`_total`, `_seconds`).
+//! published by the engine on its tick. At each scrape a `prometheus-client` collector reads
+//! them, so names, label escaping and the format are the maintained crate's. Names carry
+//! their units (`_total`, `_seconds`); a counter is registered without `_total`, which the
+//! format appends.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
+use std::fmt;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
-use axum::{extract::State, routing::get, Router};
+use axum::{extract::State, http::header, response::IntoResponse, routing::get, Router};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
+
+/// Content type of [`Metrics::render`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Upper bounds (seconds) of the decision latency histogram.
 const LATENCY_BUCKETS_S: [f64; 10] = [
     0.000_005, 0.000_01, 0.000_02, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.005, 0.025,
 ];
 
+/// The decision latency histogram, with the buckets above.
+#[derive(Debug)]
+struct LatencyHistogram(Histogram);
+
+impl Default for LatencyHistogram {
+    fn default() -> Self {
+        LatencyHistogram(Histogram::new(LATENCY_BUCKETS_S))
+    }
+}
+
 /// All metrics of one dispatcher process.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct Metrics {
     pub decisions_assigned_total: AtomicU64,
     pub decisions_rejected_total: AtomicU64,
@@ -49,9 +72,7 @@ pub struct Metrics {
     pub workers_known: AtomicU64,
     pub redis_up: AtomicU64,
     pub redis_errors_total: AtomicU64,
-    latency_buckets: [AtomicU64; LATENCY_BUCKETS_S.len()],
-    latency_count: AtomicU64,
-    latency_sum_ns: AtomicU64,
+    decision_latency: LatencyHistogram,
     /// Queue depth per model, replaced by the engine on every tick.
     pub queue_depth: Mutex<BTreeMap<String, usize>>,
     /// Per tenant: what fair sharing gave it.
@@ -78,14 +99,7 @@ impl Metrics {
 
     /// Record the evaluate+commit time of one decision.
     pub fn observe_decision_latency(&self, nanos: u64) {
-        let secs = nanos as f64 / 1e9;
-        for (i, bound) in LATENCY_BUCKETS_S.iter().enumerate() {
-            if secs <= *bound {
-                self.latency_buckets[i].fetch_add(1, Relaxed);
-            }
-        }
-        self.latency_count.fetch_add(1, Relaxed);
-        self.latency_sum_ns.fetch_add(nanos, Relaxed);
+        self.decision_latency.0.observe(nanos as f64 / 1e9);
     }
 
     /// A job of `tenant` was assigned after waiting `queue_wait_ms`.
@@ -132,214 +146,221 @@ impl Metrics {
             + self.decisions_expired_total.load(Relaxed)
     }
 
-    /// The Prometheus text exposition.
-    pub fn render(&self) -> String {
-        let mut out = String::with_capacity(2048);
-        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
-            );
-        };
-        let gauge = |out: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-        };
-        let _ = writeln!(
-            out,
-            "# HELP metronome_dispatcher_decisions_total Decisions published, by outcome.\n# TYPE metronome_dispatcher_decisions_total counter"
-        );
-        for (outcome, v) in [
-            ("assigned", &self.decisions_assigned_total),
-            ("rejected", &self.decisions_rejected_total),
-            ("expired", &self.decisions_expired_total),
-        ] {
-            let _ = writeln!(
-                out,
-                "metronome_dispatcher_decisions_total{{outcome=\"{outcome}\"}} {}",
-                v.load(Relaxed)
-            );
-        }
-        counter(
-            &mut out,
-            "metronome_dispatcher_malformed_jobs_total",
-            "Messages on jobs.submit that were not valid jobs.",
-            self.malformed_jobs_total.load(Relaxed),
-        );
-        counter(
-            &mut out,
-            "metronome_dispatcher_publish_failures_total",
-            "Assignments whose publish failed and were rolled back.",
-            self.publish_failures_total.load(Relaxed),
-        );
-        counter(
-            &mut out,
-            "metronome_dispatcher_duplicate_assignments_total",
-            "Assignments JetStream reported as duplicates (already sent by an earlier leader).",
-            self.duplicate_assignments_total.load(Relaxed),
-        );
-        counter(
-            &mut out,
-            "metronome_dispatcher_rescued_jobs_total",
-            "Jobs dispatched again after their worker died.",
-            self.rescued_jobs_total.load(Relaxed),
-        );
-        counter(
-            &mut out,
-            "metronome_dispatcher_least_harm_placements_total",
-            "Jobs placed where they do least harm because their TTFT budget ran out while no worker admitted them without a predicted SLO miss.",
-            self.least_harm_placements_total.load(Relaxed),
-        );
-        counter(
-            &mut out,
-            "metronome_dispatcher_deadline_unmeetable_total",
-            "Jobs answered at once with a Retry-After because the queue was predicted to reach them only after their deadline.",
-            self.deadline_unmeetable_total.load(Relaxed),
-        );
-        counter(
-            &mut out,
-            "metronome_dispatcher_term_task_failures_total",
-            "Internal tasks of a leadership term that died; each ends the term.",
-            self.term_task_failures_total.load(Relaxed),
-        );
-        counter(
-            &mut out,
-            "metronome_dispatcher_ignored_worker_messages_total",
-            "Heartbeats and completion events ignored as malformed or with a bad id.",
-            self.ignored_worker_messages_total.load(Relaxed),
-        );
-        counter(
-            &mut out,
-            "metronome_dispatcher_workers_lost_total",
-            "Workers declared dead.",
-            self.workers_lost_total.load(Relaxed),
-        );
-        counter(
-            &mut out,
-            "metronome_dispatcher_redelivered_already_decided_total",
-            "Redelivered jobs acknowledged without assigning them again (a decision existed).",
-            self.redelivered_already_decided_total.load(Relaxed),
-        );
-        counter(
-            &mut out,
-            "metronome_dispatcher_redis_errors_total",
-            "Failed EWMA refreshes from Redis.",
-            self.redis_errors_total.load(Relaxed),
-        );
-        gauge(
-            &mut out,
-            "metronome_dispatcher_leader",
-            "1 while this instance holds the lease and decides.",
-            self.is_leader.load(Relaxed),
-        );
-        gauge(
-            &mut out,
-            "metronome_dispatcher_epoch",
-            "Epoch of the lease this instance holds (0 as standby).",
-            self.epoch.load(Relaxed),
-        );
-        gauge(
-            &mut out,
-            "metronome_dispatcher_ledger_reservations",
-            "Reservations in the ledger.",
-            self.ledger_reservations.load(Relaxed),
-        );
-        gauge(
-            &mut out,
-            "metronome_dispatcher_workers",
-            "Workers in the registry.",
-            self.workers_known.load(Relaxed),
-        );
-        gauge(
-            &mut out,
-            "metronome_dispatcher_redis_up",
-            "1 when the last EWMA refresh from Redis succeeded.",
-            self.redis_up.load(Relaxed),
-        );
-        let _ = writeln!(
-            out,
-            "# HELP metronome_dispatcher_queue_depth Jobs waiting in the admission queue, per model.\n# TYPE metronome_dispatcher_queue_depth gauge"
-        );
-        if let Ok(depths) = self.queue_depth.lock() {
-            for (model, depth) in depths.iter() {
-                let model = model.replace('\\', "\\\\").replace('"', "\\\"");
-                let _ = writeln!(
-                    out,
-                    "metronome_dispatcher_queue_depth{{model=\"{model}\"}} {depth}"
-                );
-            }
-        }
-        self.render_tenants(&mut out);
-        let name = "metronome_dispatcher_decision_latency_seconds";
-        let _ = writeln!(
-            out,
-            "# HELP {name} Time to evaluate and commit one decision.\n# TYPE {name} histogram"
-        );
-        for (i, bound) in LATENCY_BUCKETS_S.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "{name}_bucket{{le=\"{bound}\"}} {}",
-                self.latency_buckets[i].load(Relaxed)
-            );
-        }
-        let count = self.latency_count.load(Relaxed);
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let _ = writeln!(
-            out,
-            "{name}_sum {}",
-            self.latency_sum_ns.load(Relaxed) as f64 / 1e9
-        );
-        let _ = writeln!(out, "{name}_count {count}");
+    /// The OpenMetrics text exposition.
+    pub fn render(self: &Arc<Self>) -> String {
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(Exposition(self.clone())));
+        let mut out = String::with_capacity(4096);
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
         out
     }
 }
 
+/// Reads [`Metrics`] at each scrape.
+#[derive(Debug)]
+struct Exposition(Arc<Metrics>);
+
+fn counter(enc: &mut DescriptorEncoder, name: &str, help: &str, v: &AtomicU64) -> fmt::Result {
+    let c = ConstCounter::new(v.load(Relaxed));
+    c.encode(enc.encode_descriptor(name, help, None, c.metric_type())?)
+}
+
+fn gauge(enc: &mut DescriptorEncoder, name: &str, help: &str, v: &AtomicU64) -> fmt::Result {
+    let g = ConstGauge::new(v.load(Relaxed) as i64);
+    g.encode(enc.encode_descriptor(name, help, None, g.metric_type())?)
+}
+
 impl Metrics {
-    fn render_tenants(&self, out: &mut String) {
-        let Ok(tenants) = self.tenants.lock() else {
-            return;
-        };
-        let family = |out: &mut String, name: &str, kind: &str, help: &str| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        };
-        let rows = |out: &mut String, name: &str, v: &dyn Fn(&TenantStats) -> String| {
-            for (tenant, t) in tenants.iter() {
-                let _ = writeln!(out, "{name}{{tenant=\"{tenant}\"}} {}", v(t));
-            }
-        };
-        let name = "metronome_dispatcher_tenant_requests_total";
-        family(out, name, "counter", "Jobs assigned, per tenant.");
-        rows(out, name, &|t| t.requests.to_string());
-        let name = "metronome_dispatcher_tenant_tokens_total";
-        family(
-            out,
-            name,
-            "counter",
-            "Tokens (prompt + output) of completed jobs, per tenant.",
-        );
-        rows(out, name, &|t| t.tokens.to_string());
-        let name = "metronome_dispatcher_tenant_queue_wait_seconds";
-        family(
-            out,
-            name,
-            "summary",
-            "Time assigned jobs waited in the admission queue, per tenant.",
-        );
-        rows(out, &format!("{name}_sum"), &|t| {
-            (t.queue_wait_ms_sum as f64 / 1000.0).to_string()
-        });
-        rows(out, &format!("{name}_count"), &|t| t.requests.to_string());
-        let name = "metronome_dispatcher_tenant_rejections_total";
-        family(
-            out,
-            name,
-            "counter",
-            "Jobs not assigned, per tenant and reason code.",
-        );
-        for (tenant, t) in tenants.iter() {
-            for (reason, n) in &t.rejections {
-                let _ = writeln!(out, "{name}{{tenant=\"{tenant}\",reason=\"{reason}\"}} {n}");
+    /// What fair sharing gave each tenant.
+    fn encode_tenants(&self, enc: &mut DescriptorEncoder) -> fmt::Result {
+        let tenants = self
+            .tenants
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        type Field = fn(&TenantStats) -> u64;
+        let families: [(&str, &str, Field); 2] = [
+            (
+                "metronome_dispatcher_tenant_requests",
+                "Jobs assigned, per tenant.",
+                |t| t.requests,
+            ),
+            (
+                "metronome_dispatcher_tenant_tokens",
+                "Tokens (prompt + output) of completed jobs, per tenant.",
+                |t| t.tokens,
+            ),
+        ];
+        for (name, help, field) in families {
+            let mut family = enc.encode_descriptor(
+                name,
+                help,
+                None,
+                prometheus_client::metrics::MetricType::Counter,
+            )?;
+            for (tenant, t) in &tenants {
+                ConstCounter::new(field(t))
+                    .encode(family.encode_family(&[("tenant", tenant.as_str())])?)?;
             }
         }
+        let mut wait = enc.encode_descriptor(
+            "metronome_dispatcher_tenant_queue_wait_seconds",
+            "Time assigned jobs waited in the admission queue, summed per tenant (divide by the requests for the mean).",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for (tenant, t) in &tenants {
+            ConstCounter::new(t.queue_wait_ms_sum as f64 / 1000.0)
+                .encode(wait.encode_family(&[("tenant", tenant.as_str())])?)?;
+        }
+        drop(wait);
+        let mut rejections = enc.encode_descriptor(
+            "metronome_dispatcher_tenant_rejections",
+            "Jobs not assigned, per tenant and reason code.",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for (tenant, t) in &tenants {
+            for (reason, n) in &t.rejections {
+                ConstCounter::new(*n).encode(rejections.encode_family(&[
+                    ("tenant", tenant.as_str()),
+                    ("reason", reason.as_str()),
+                ])?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Collector for Exposition {
+    fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
+        let m = &self.0;
+        let mut decisions = enc.encode_descriptor(
+            "metronome_dispatcher_decisions",
+            "Decisions published, by outcome.",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for (outcome, v) in [
+            ("assigned", &m.decisions_assigned_total),
+            ("rejected", &m.decisions_rejected_total),
+            ("expired", &m.decisions_expired_total),
+        ] {
+            ConstCounter::new(v.load(Relaxed))
+                .encode(decisions.encode_family(&[("outcome", outcome)])?)?;
+        }
+        for (name, help, v) in [
+            (
+                "metronome_dispatcher_malformed_jobs",
+                "Messages on jobs.submit that were not valid jobs.",
+                &m.malformed_jobs_total,
+            ),
+            (
+                "metronome_dispatcher_publish_failures",
+                "Assignments whose publish failed and were rolled back.",
+                &m.publish_failures_total,
+            ),
+            (
+                "metronome_dispatcher_duplicate_assignments",
+                "Assignments JetStream reported as duplicates (already sent by an earlier leader).",
+                &m.duplicate_assignments_total,
+            ),
+            (
+                "metronome_dispatcher_rescued_jobs",
+                "Jobs dispatched again after their worker died.",
+                &m.rescued_jobs_total,
+            ),
+            (
+                "metronome_dispatcher_least_harm_placements",
+                "Jobs placed where they do least harm because their TTFT budget ran out while no worker admitted them without a predicted SLO miss.",
+                &m.least_harm_placements_total,
+            ),
+            (
+                "metronome_dispatcher_deadline_unmeetable",
+                "Jobs answered at once with a Retry-After because the queue was predicted to reach them only after their deadline.",
+                &m.deadline_unmeetable_total,
+            ),
+            (
+                "metronome_dispatcher_term_task_failures",
+                "Internal tasks of a leadership term that died; each ends the term.",
+                &m.term_task_failures_total,
+            ),
+            (
+                "metronome_dispatcher_ignored_worker_messages",
+                "Heartbeats and completion events ignored as malformed or with a bad id.",
+                &m.ignored_worker_messages_total,
+            ),
+            (
+                "metronome_dispatcher_workers_lost",
+                "Workers declared dead.",
+                &m.workers_lost_total,
+            ),
+            (
+                "metronome_dispatcher_redelivered_already_decided",
+                "Redelivered jobs acknowledged without assigning them again (a decision existed).",
+                &m.redelivered_already_decided_total,
+            ),
+            (
+                "metronome_dispatcher_redis_errors",
+                "Failed EWMA refreshes from Redis.",
+                &m.redis_errors_total,
+            ),
+        ] {
+            counter(&mut enc, name, help, v)?;
+        }
+        for (name, help, v) in [
+            (
+                "metronome_dispatcher_leader",
+                "1 while this instance holds the lease and decides.",
+                &m.is_leader,
+            ),
+            (
+                "metronome_dispatcher_epoch",
+                "Epoch of the lease this instance holds (0 as standby).",
+                &m.epoch,
+            ),
+            (
+                "metronome_dispatcher_ledger_reservations",
+                "Reservations in the ledger.",
+                &m.ledger_reservations,
+            ),
+            (
+                "metronome_dispatcher_workers",
+                "Workers in the registry.",
+                &m.workers_known,
+            ),
+            (
+                "metronome_dispatcher_redis_up",
+                "1 when the last EWMA refresh from Redis succeeded.",
+                &m.redis_up,
+            ),
+        ] {
+            gauge(&mut enc, name, help, v)?;
+        }
+        let mut depth = enc.encode_descriptor(
+            "metronome_dispatcher_queue_depth",
+            "Jobs waiting in the admission queue, per model.",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        let depths = m
+            .queue_depth
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for (model, n) in &depths {
+            ConstGauge::new(*n as i64)
+                .encode(depth.encode_family(&[("model", model.as_str())])?)?;
+        }
+        drop(depth);
+        m.encode_tenants(&mut enc)?;
+        m.decision_latency.0.encode(enc.encode_descriptor(
+            "metronome_dispatcher_decision_latency_seconds",
+            "Time to evaluate and commit one decision.",
+            None,
+            prometheus_client::metrics::MetricType::Histogram,
+        )?)
     }
 }
 
@@ -366,8 +387,8 @@ pub async fn serve(
     Ok(bound)
 }
 
-async fn render(State(metrics): State<Arc<Metrics>>) -> String {
-    metrics.render()
+async fn render(State(metrics): State<Arc<Metrics>>) -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, CONTENT_TYPE)], metrics.render())
 }
 
 #[cfg(test)]
@@ -383,13 +404,28 @@ mod tests {
             .lock()
             .unwrap()
             .insert("llama-3.1-8b".into(), 4);
+        m.queue_depth
+            .lock()
+            .unwrap()
+            .insert("quote\"back\\slash\nline".into(), 1);
         let text = m.render();
         assert!(text.contains("metronome_dispatcher_decisions_total{outcome=\"assigned\"} 3"));
+        assert!(text.contains("metronome_dispatcher_decisions_total{outcome=\"expired\"} 0"));
+        assert!(text.contains("metronome_dispatcher_workers_lost_total 0"));
+        assert!(text.contains("metronome_dispatcher_leader 0"));
         assert!(text.contains("metronome_dispatcher_queue_depth{model=\"llama-3.1-8b\"} 4"));
+        // A label value is escaped, so one odd model name cannot break the exposition.
+        assert!(text.contains(
+            "metronome_dispatcher_queue_depth{model=\"quote\\\"back\\\\slash\\nline\"} 1"
+        ));
+        // 7 µs falls in the 10 µs bucket and every one above it.
         assert!(
             text.contains("metronome_dispatcher_decision_latency_seconds_bucket{le=\"0.00001\"} 1")
         );
+        assert!(text
+            .contains("metronome_dispatcher_decision_latency_seconds_bucket{le=\"0.000005\"} 0"));
         assert!(text.contains("metronome_dispatcher_decision_latency_seconds_count 1"));
+        assert!(text.ends_with("# EOF\n"), "{text}");
     }
 
     #[test]
@@ -403,7 +439,10 @@ mod tests {
         assert!(text.contains("metronome_dispatcher_tenant_requests_total{tenant=\"acme\"} 2"));
         assert!(text.contains("metronome_dispatcher_tenant_tokens_total{tenant=\"acme\"} 42"));
         assert!(
-            text.contains("metronome_dispatcher_tenant_queue_wait_seconds_sum{tenant=\"acme\"} 2")
+            text.contains(
+                "metronome_dispatcher_tenant_queue_wait_seconds_total{tenant=\"acme\"} 2.0"
+            ),
+            "{text}"
         );
         assert!(text.contains(
             "metronome_dispatcher_tenant_rejections_total{tenant=\"beta\",reason=\"queue_full\"} 1"

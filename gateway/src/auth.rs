@@ -118,6 +118,27 @@ impl AuthFailure {
     }
 }
 
+/// Why a request may not open the operator console.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OperatorRefusal {
+    /// No usable key (401).
+    Auth(AuthFailure),
+    /// A valid key that is not an operator's (403).
+    NotOperator,
+}
+
+/// The password of an HTTP Basic credential (`base64(user:password)`); the user name is
+/// ignored, so an operator can type anything there.
+fn basic_password(encoded: &str) -> Option<String> {
+    use base64::Engine as _;
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(encoded)
+        .ok()?;
+    let text = String::from_utf8(decoded).ok()?;
+    let (_, password) = text.split_once(':')?;
+    Some(password.to_string())
+}
+
 /// A tenant as served: its configuration and its buckets.
 #[derive(Debug)]
 struct Tenant {
@@ -130,6 +151,7 @@ struct StoredKey {
     hash: [u8; 32],
     tenant: usize,
     revoked: bool,
+    operator: bool,
     id: String,
     priority: Priority,
 }
@@ -182,6 +204,7 @@ impl Auth {
                     hash: parse_sha256(&k.sha256)?,
                     tenant: tenants.iter().position(|t| t.name == k.tenant)?,
                     revoked: k.revoked,
+                    operator: k.operator,
                     id: key_id(&k.sha256).to_string(),
                     priority: k.priority.unwrap_or(Priority::Interactive),
                 })
@@ -224,14 +247,7 @@ impl Auth {
         if !scheme.eq_ignore_ascii_case("bearer") {
             return Err(AuthFailure::Malformed);
         }
-        let presented = digest(key.trim());
-        // Every stored hash is compared, whatever matches, so the time taken does not
-        // depend on where (or whether) the key is found.
-        let mut found = u64::MAX;
-        for (i, stored) in self.keys.iter().enumerate() {
-            found.conditional_assign(&(i as u64), stored.hash.ct_eq(&presented));
-        }
-        let Some(stored) = self.keys.get(usize::try_from(found).unwrap_or(usize::MAX)) else {
+        let Some(stored) = self.find(key.trim()) else {
             return match self.anonymous {
                 Some(tenant) => Ok(self.caller(tenant, None, Priority::Interactive)),
                 None => Err(AuthFailure::Invalid),
@@ -241,6 +257,57 @@ impl Auth {
             return Err(AuthFailure::Revoked);
         }
         Ok(self.caller(stored.tenant, Some(stored.id.clone()), stored.priority))
+    }
+
+    /// The stored key whose hash is `key`'s. Every stored hash is compared, whatever
+    /// matches, so the time taken does not depend on where (or whether) the key is found.
+    fn find(&self, key: &str) -> Option<&StoredKey> {
+        let presented = digest(key);
+        let mut found = u64::MAX;
+        for (i, stored) in self.keys.iter().enumerate() {
+            found.conditional_assign(&(i as u64), stored.hash.ct_eq(&presented));
+        }
+        self.keys.get(usize::try_from(found).unwrap_or(usize::MAX))
+    }
+
+    /// Whether `headers` may open the operator console: anyone when anonymous access is
+    /// on (the console then shows what any anonymous caller could learn from NATS on a
+    /// loopback demo), otherwise only an unrevoked key marked `operator`. The key comes as
+    /// `Authorization: Bearer <key>` (scripts) or as the password of HTTP Basic (a browser,
+    /// whose own prompt then sends it with every request of the page, the event stream
+    /// included).
+    pub fn operator(&self, headers: &HeaderMap) -> Result<Option<String>, OperatorRefusal> {
+        if self.anonymous.is_some() {
+            return Ok(None);
+        }
+        let Some(value) = headers.get(header::AUTHORIZATION) else {
+            return Err(OperatorRefusal::Auth(AuthFailure::Missing));
+        };
+        let value = value
+            .to_str()
+            .map_err(|_| OperatorRefusal::Auth(AuthFailure::Malformed))?
+            .trim();
+        let (scheme, credential) = value
+            .split_once(' ')
+            .ok_or(OperatorRefusal::Auth(AuthFailure::Malformed))?;
+        let key = if scheme.eq_ignore_ascii_case("bearer") {
+            credential.trim().to_string()
+        } else if scheme.eq_ignore_ascii_case("basic") {
+            basic_password(credential.trim())
+                .ok_or(OperatorRefusal::Auth(AuthFailure::Malformed))?
+        } else {
+            return Err(OperatorRefusal::Auth(AuthFailure::Malformed));
+        };
+        let stored = self
+            .find(&key)
+            .ok_or(OperatorRefusal::Auth(AuthFailure::Invalid))?;
+        if stored.revoked {
+            return Err(OperatorRefusal::Auth(AuthFailure::Revoked));
+        }
+        if !stored.operator {
+            return Err(OperatorRefusal::NotOperator);
+        }
+        Ok(Some(stored.id.clone()))
     }
 
     fn caller(&self, tenant: usize, key_id: Option<String>, priority: Priority) -> Caller {
@@ -352,7 +419,11 @@ pub struct NewKey {
 
 /// A new key for `tenant` and the configuration lines for it. `tenant` is validated as a
 /// whole configuration would be, so what is printed is accepted when added.
-pub fn create_key(tenant: &TenantConfig, note: Option<&str>) -> Result<NewKey, String> {
+pub fn create_key(
+    tenant: &TenantConfig,
+    note: Option<&str>,
+    operator: bool,
+) -> Result<NewKey, String> {
     let key = generate_key().map_err(|_| "the operating system's random source failed")?;
     let sha256 = key_sha256(&key);
     let entry = crate::config::KeyConfig {
@@ -361,6 +432,7 @@ pub fn create_key(tenant: &TenantConfig, note: Option<&str>) -> Result<NewKey, S
         note: note.map(String::from),
         revoked: false,
         priority: None,
+        operator,
     };
     let config = Config {
         tenants: vec![tenant.clone()],
@@ -427,6 +499,7 @@ mod tests {
                     note: None,
                     revoked: *revoked,
                     priority: None,
+                    operator: false,
                 })
                 .collect(),
             ..Config::default()
@@ -590,7 +663,7 @@ mod tests {
             requests_per_second: Some(5.0),
             ..TenantConfig::unlimited("acme")
         };
-        let new = create_key(&tenant, Some("ci")).unwrap();
+        let new = create_key(&tenant, Some("ci"), false).unwrap();
         let text = format!("{}\n{}", new.tenant_toml, new.key_toml);
         assert!(!text.contains(&new.key));
         let c = Config::from_toml(&text, "t").unwrap();
@@ -601,6 +674,6 @@ mod tests {
             auth.authenticate(&bearer(&new.key)).unwrap().tenant_name,
             "acme"
         );
-        assert!(create_key(&TenantConfig::unlimited("bad name"), None).is_err());
+        assert!(create_key(&TenantConfig::unlimited("bad name"), None, false).is_err());
     }
 }

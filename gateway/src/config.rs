@@ -19,6 +19,8 @@ use serde::{Deserialize, Serialize};
 
 /// Environment variable overriding [`Config::nats_url`].
 pub const ENV_NATS_URL: &str = "NATS_URL";
+/// Environment variable overriding [`Config::redis_url`].
+pub const ENV_REDIS_URL: &str = "REDIS_URL";
 /// Environment variable overriding [`Config::listen`].
 pub const ENV_LISTEN: &str = "METRONOME_GATEWAY_LISTEN";
 
@@ -72,6 +74,10 @@ pub struct Config {
     /// models and limits a `[[tenants]]` entry named `anonymous` may set. Off by default:
     /// then every OpenAI endpoint needs an API key. A revoked key is refused either way.
     pub allow_anonymous: bool,
+    /// Redis holding the workers' EWMAs, read only by the operator console (overridden by
+    /// `REDIS_URL`); absent: the console shows the EWMA columns as n/a.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redis_url: Option<String>,
     /// Tenants: the models each may use and its limits.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tenants: Vec<TenantConfig>,
@@ -164,6 +170,10 @@ pub struct KeyConfig {
     /// Absent: `interactive`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<Priority>,
+    /// The key also opens the operator console (`/console`), which shows every worker and
+    /// every decision. Without anonymous access, only operator keys do.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub operator: bool,
 }
 
 impl Default for Config {
@@ -184,6 +194,7 @@ impl Default for Config {
             worker_stale_after_ms: 15_000,
             stream_storage: StreamStorage::File,
             allow_anonymous: false,
+            redis_url: None,
             tenants: Vec::new(),
             keys: Vec::new(),
         }
@@ -193,7 +204,7 @@ impl Default for Config {
 pub use metronome_runtime::config::{ConfigError, EnvVar, FieldError};
 
 /// The environment variables that override keys of the file.
-pub const ENV: [EnvVar; 2] = [
+pub const ENV: [EnvVar; 3] = [
     EnvVar {
         var: ENV_NATS_URL,
         key: "nats_url",
@@ -201,6 +212,10 @@ pub const ENV: [EnvVar; 2] = [
     EnvVar {
         var: ENV_LISTEN,
         key: "listen",
+    },
+    EnvVar {
+        var: ENV_REDIS_URL,
+        key: "redis_url",
     },
 ];
 
@@ -576,6 +591,7 @@ revoked = true
             note: None,
             revoked: false,
             priority: None,
+            operator: false,
         };
         let c = Config {
             tenants: vec![TenantConfig::unlimited("acme")],

@@ -94,6 +94,22 @@ impl ApiError {
             .with_code("invalid_api_key")
     }
 
+    /// 403: a valid key that does not open the operator console.
+    pub fn not_operator() -> Self {
+        ApiError::new(
+            StatusCode::FORBIDDEN,
+            "invalid_request_error",
+            "this API key is not an operator key: the console needs a key created with `keys create --operator`",
+        )
+        .with_code("operator_required")
+    }
+
+    /// 404 for something the request names that does not exist (a job id in the console).
+    pub fn not_found(message: impl Into<String>) -> Self {
+        ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", message)
+            .with_code("not_found")
+    }
+
     /// 403: the key's tenant may not use this model.
     pub fn model_not_allowed(model: &str) -> Self {
         ApiError::new(

@@ -10,6 +10,7 @@
 
 pub mod auth;
 pub mod config;
+pub mod console;
 pub mod error;
 pub mod extract;
 pub mod health;
@@ -49,6 +50,9 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// API keys, tenants and their limiters.
     pub auth: Arc<auth::Auth>,
+    /// Cancelled when the gateway shuts down: ends the console's event streams, which
+    /// would otherwise hold up the graceful stop forever.
+    pub console_stop: CancellationToken,
 }
 
 impl AppState {
@@ -65,6 +69,7 @@ impl AppState {
             buckets,
             registry,
             metrics: Arc::default(),
+            console_stop: CancellationToken::new(),
         }
     }
 }
@@ -80,6 +85,7 @@ pub fn app(state: AppState) -> Router {
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
         .route("/metrics", get(health::metrics))
+        .merge(console::router(state.clone()))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             metrics::track,
@@ -180,11 +186,13 @@ impl Gateway {
             tracing::warn!("no API key is configured and anonymous access is off: every OpenAI request will get 401 (create a key with `metronome-gateway keys create --tenant NAME`)");
         }
         let client = self.state.client.clone();
+        let mut state = self.state;
+        state.console_stop = shutdown.child_token();
         // Without TCP_NODELAY small SSE writes wait for the client's delayed ACK (~40 ms).
         let listener = axum::serve::ListenerExt::tap_io(self.listener, |tcp| {
             let _ = tcp.set_nodelay(true);
         });
-        let result = axum::serve(listener, app(self.state))
+        let result = axum::serve(listener, app(state))
             .with_graceful_shutdown(shutdown.cancelled_owned())
             .await
             .map_err(GatewayError::Serve);

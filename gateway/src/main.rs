@@ -12,9 +12,10 @@ use metronome_runtime::config::{apply_overrides, file_or_default, Override};
 /// Metronome's OpenAI-compatible HTTP gateway.
 ///
 /// Serves POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models,
-/// /healthz, /readyz and /metrics, and turns each request into a job on NATS JetStream.
-/// The flags below (or their environment variables) override the file's keys; RUST_LOG
-/// sets the log filter (default info).
+/// /healthz, /readyz, /metrics and the operator console (/console), and turns each request
+/// into a job on NATS JetStream. The flags below (or their environment variables) override
+/// the file's keys; RUST_LOG sets the log filter (default info), METRONOME_LOG_FORMAT=json
+/// writes one JSON object per log line.
 #[derive(Debug, Parser)]
 #[command(name = "metronome-gateway", version)]
 struct Args {
@@ -31,6 +32,9 @@ struct Args {
     /// NATS server URL (key `nats_url`).
     #[arg(long, env = "NATS_URL", value_name = "URL")]
     nats_url: Option<String>,
+    /// Redis holding the workers' EWMAs, read only by the console (key `redis_url`).
+    #[arg(long, env = "REDIS_URL", value_name = "URL")]
+    redis_url: Option<String>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -71,6 +75,9 @@ struct CreateArgs {
     /// A note stored with the hash (who holds the key).
     #[arg(long)]
     note: Option<String>,
+    /// The key also opens the operator console (/console): every worker and decision.
+    #[arg(long)]
+    operator: bool,
     /// Append the entries to this gateway configuration file instead of printing them (the
     /// tenant entry only when the tenant is not in the file yet); only the key is printed.
     #[arg(long, value_name = "FILE")]
@@ -94,13 +101,14 @@ fn keys_create(args: CreateArgs) -> ExitCode {
         burst: args.burst,
         tokens_per_minute: args.tokens_per_minute,
     };
-    let new = match metronome_gateway::auth::create_key(&tenant, args.note.as_deref()) {
-        Ok(k) => k,
-        Err(e) => {
-            eprintln!("metronome-gateway keys create: {e}");
-            return ExitCode::from(2);
-        }
-    };
+    let new =
+        match metronome_gateway::auth::create_key(&tenant, args.note.as_deref(), args.operator) {
+            Ok(k) => k,
+            Err(e) => {
+                eprintln!("metronome-gateway keys create: {e}");
+                return ExitCode::from(2);
+            }
+        };
     if let Some(path) = args.append {
         if let Err(e) = append_entries(&path, &tenant, &new) {
             eprintln!("metronome-gateway keys create: {}: {e}", path.display());
@@ -180,6 +188,7 @@ fn main() -> ExitCode {
     let flags = [
         ("--listen", "listen", &args.listen),
         ("--nats-url", "nats_url", &args.nats_url),
+        ("--redis-url", "redis_url", &args.redis_url),
     ];
     let overrides = flags
         .into_iter()

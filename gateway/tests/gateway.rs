@@ -443,10 +443,11 @@ async fn metrics_count_requests_by_route_and_status() {
         .await;
     resp.text().await.unwrap();
     let resp = h.http.get(h.url("/metrics")).send().await.unwrap();
+    // OpenMetrics text, as prometheus-client writes it (Prometheus asks for it first).
     assert!(resp.headers()["content-type"]
         .to_str()
         .unwrap()
-        .starts_with("text/plain"));
+        .starts_with("application/openmetrics-text"));
     let text = resp.text().await.unwrap();
     for line in [
         "metronome_gateway_http_requests_total{route=\"/v1/chat/completions\",status=\"200\"} 2",

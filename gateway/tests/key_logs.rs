@@ -46,6 +46,7 @@ async fn keys_never_appear_in_the_logs() {
                 note: None,
                 revoked: false,
                 priority: None,
+                operator: false,
             }];
         },
         Some(ACME_KEY),

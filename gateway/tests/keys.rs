@@ -25,6 +25,7 @@ fn key(tenant: &str, key: &str, revoked: bool) -> KeyConfig {
         note: None,
         revoked,
         priority: None,
+        operator: false,
     }
 }
 

@@ -2,7 +2,8 @@
 //! `metronome-gateway`, `metronome-worker-agent`, `metronome-gpu-sim`,
 //! `metronome-loadgen`):
 //!
-//! - [`init_tracing`]: the log subscriber, filtered by `RUST_LOG` (default `info`);
+//! - [`init_tracing`]: the log subscriber, filtered by `RUST_LOG` (default `info`), human
+//!   text or, with `METRONOME_LOG_FORMAT=json`, one JSON object per line ([`LogFormat`]);
 //! - [`shutdown_on_signals`] / [`cancel_on_signals`]: SIGINT (Ctrl-C) or SIGTERM cancels a
 //!   [`CancellationToken`] that the binary's `run` watches;
 //! - [`config`]: loading configuration (TOML file, then environment variables and flags,
@@ -31,19 +32,85 @@ pub enum LogOutput {
     Stderr,
 }
 
-/// Installs the global `tracing` subscriber: human-readable lines on `output`, filtered by
-/// `RUST_LOG` when it is set and valid, at `info` otherwise.
+/// Environment variable choosing the log format: `text` (the default) or `json`.
+pub const ENV_LOG_FORMAT: &str = "METRONOME_LOG_FORMAT";
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines (tracing-subscriber's default format).
+    Text,
+    /// One JSON object per line, for log shippers: `timestamp`, `level`, `target`, the
+    /// event's fields flattened beside `message`, and the fields of every enclosing span
+    /// under `spans` (the gateway's and the worker's per-job spans carry `job_id`, the
+    /// worker's also `worker_id`), so a job's lines can be found by field, not by text.
+    Json,
+}
+
+impl LogFormat {
+    /// The format named by the value of [`ENV_LOG_FORMAT`] (`None`: unset); an unknown
+    /// name is an error naming the accepted ones.
+    pub fn parse(value: Option<&str>) -> Result<LogFormat, String> {
+        match value.map(str::trim) {
+            None | Some("") => Ok(LogFormat::Text),
+            Some(v) if v.eq_ignore_ascii_case("text") => Ok(LogFormat::Text),
+            Some(v) if v.eq_ignore_ascii_case("json") => Ok(LogFormat::Json),
+            Some(v) => Err(format!(
+                "{ENV_LOG_FORMAT}={v:?} is not a log format (text or json); writing text"
+            )),
+        }
+    }
+}
+
+/// Installs the global `tracing` subscriber: lines on `output` in the format
+/// `METRONOME_LOG_FORMAT` names ([`LogFormat`], text by default), filtered by `RUST_LOG`
+/// when it is set and valid, at `info` otherwise.
 ///
 /// # Panics
 ///
 /// When a global subscriber is already installed (call it once, from `main`).
 pub fn init_tracing(output: LogOutput) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    init_tracing_at(output, "info");
+}
+
+/// [`init_tracing`] with another filter when `RUST_LOG` is unset (`"warn"` for a tool
+/// whose output is its report).
+pub fn init_tracing_at(output: LogOutput, default_filter: &str) {
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
+    let format = LogFormat::parse(std::env::var(ENV_LOG_FORMAT).ok().as_deref());
     let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    match output {
-        LogOutput::Stdout => builder.init(),
-        LogOutput::Stderr => builder.with_writer(std::io::stderr).init(),
+    match (&format, output) {
+        (Ok(LogFormat::Json), LogOutput::Stdout) => json(builder).init(),
+        (Ok(LogFormat::Json), LogOutput::Stderr) => {
+            json(builder).with_writer(std::io::stderr).init()
+        }
+        (_, LogOutput::Stdout) => builder.init(),
+        (_, LogOutput::Stderr) => builder.with_writer(std::io::stderr).init(),
     }
+    if let Err(message) = format {
+        tracing::warn!("{message}");
+    }
+}
+
+type TextBuilder = tracing_subscriber::fmt::SubscriberBuilder<
+    tracing_subscriber::fmt::format::DefaultFields,
+    tracing_subscriber::fmt::format::Format,
+    EnvFilter,
+>;
+
+fn json(
+    builder: TextBuilder,
+) -> tracing_subscriber::fmt::SubscriberBuilder<
+    tracing_subscriber::fmt::format::JsonFields,
+    tracing_subscriber::fmt::format::Format<tracing_subscriber::fmt::format::Json>,
+    EnvFilter,
+> {
+    builder
+        .json()
+        .flatten_event(true)
+        .with_current_span(false)
+        .with_span_list(true)
 }
 
 /// Returns a token that is cancelled on the first SIGINT (Ctrl-C) or SIGTERM, after calling
@@ -119,6 +186,20 @@ mod tests {
         assert_eq!(
             invalid_config_message::<&str>("", &[]),
             "invalid configuration:"
+        );
+    }
+
+    #[test]
+    fn log_format_is_text_unless_json_is_named() {
+        assert_eq!(LogFormat::parse(None), Ok(LogFormat::Text));
+        assert_eq!(LogFormat::parse(Some("")), Ok(LogFormat::Text));
+        assert_eq!(LogFormat::parse(Some("text")), Ok(LogFormat::Text));
+        assert_eq!(LogFormat::parse(Some("JSON")), Ok(LogFormat::Json));
+        assert_eq!(LogFormat::parse(Some(" json ")), Ok(LogFormat::Json));
+        let err = LogFormat::parse(Some("yaml")).unwrap_err();
+        assert!(
+            err.contains("METRONOME_LOG_FORMAT") && err.contains("json"),
+            "{err}"
         );
     }
 

@@ -36,6 +36,8 @@ pub struct ClusterSpec {
     pub dispatcher_knobs: Vec<String>,
     /// Extra top-level `key = value` lines of the gateway's config.
     pub gateway_knobs: Vec<String>,
+    /// Environment variables of every Metronome process (e.g. `METRONOME_LOG_FORMAT`).
+    pub env: Vec<(String, String)>,
 }
 
 impl ClusterSpec {
@@ -55,6 +57,7 @@ impl ClusterSpec {
             gpu_knobs: Vec::new(),
             dispatcher_knobs: Vec::new(),
             gateway_knobs: Vec::new(),
+            env: Vec::new(),
         }
     }
 }
@@ -129,13 +132,15 @@ impl Cluster {
             .env("RUST_LOG", "info")
             .env_remove("NATS_URL")
             .env_remove("REDIS_URL")
+            .envs(self.spec.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
             .stderr(log);
         ChildGuard::spawn(name, cmd).unwrap_or_else(|e| panic!("spawning {binary}: {e}"))
     }
 
-    fn log_path(&self, name: &str) -> PathBuf {
+    /// Where process `name` (`gateway`, `dispatcher-0`, `gpu-sim`, a worker id) logs.
+    pub fn log_path(&self, name: &str) -> PathBuf {
         self.dir.path().join(format!("{name}.log"))
     }
 

@@ -254,6 +254,16 @@ config_check metronome-gateway "$STAGE"/*/etc/metronome/gateway.toml
 config_check metronome-gpu-sim "$STAGE"/*/etc/metronome/model-server/*.toml
 shopt -u nullglob
 
+# --- the Prometheus scrape config, by promtool, with every worker-agent as a target ----
+command -v promtool >/dev/null 2>&1 || apt_install prometheus
+prom="$STAGE/gpu-node-1/etc/prometheus/prometheus.yml"
+agents=$(grep -c '^ *- "10\.0\.0\.1[12]:93' "$prom" 2>/dev/null)
+if out=$(promtool check config "$prom" 2>&1) && [ "$agents" = 7 ]; then
+  pass "promtool accepts the rendered Prometheus config, which scrapes all 7 worker-agents"
+else
+  fail "promtool accepts the rendered Prometheus config with all 7 worker-agents ($agents found)" "$out"
+fi
+
 # --- systemd-analyze verify ------------------------------------------------------------
 # Each host's staging root is copied into a verify root that also holds the system's own
 # units (for multi-user.target and friends) and stand-ins for executables the playbook
@@ -357,11 +367,13 @@ if play "$INV" "$STAGE" site.yml; then
   snapshot > "$WORK/after.txt"
   removed=$(diff "$WORK/before.txt" "$WORK/after.txt" | sed -n 's/^< [0-9a-f]*  \.\///p' | sort | tr '\n' ' ')
   added=$(diff "$WORK/before.txt" "$WORK/after.txt" | sed -n 's/^> [0-9a-f]*  \.\///p' | sort | tr '\n' ' ')
-  edited="gpu-node-1/etc/systemd/system/metronome-model-gpu2.service gpu-node-2/etc/metronome/worker-agent/gpu0.toml "
+  # The control host's Prometheus scrape config follows the inventory: it loses the
+  # retired GPU's worker-agent target.
+  edited="gpu-node-1/etc/prometheus/prometheus.yml gpu-node-1/etc/systemd/system/metronome-model-gpu2.service gpu-node-2/etc/metronome/worker-agent/gpu0.toml "
   gone="gpu-node-2/etc/metronome/worker-agent/gpu1.toml gpu-node-2/etc/systemd/system/metronome-model-gpu1.service gpu-node-2/etc/systemd/system/metronome-worker-agent-gpu1.service "
   want_removed=$(printf '%s\n' $edited $gone | sort | tr '\n' ' ')
   if [ "$removed" = "$want_removed" ] && [ "$added" = "$edited" ]; then
-    pass "removing gpu-node-2's GPU 1 removes exactly its two units and its config; the edits change exactly their two files"
+    pass "removing gpu-node-2's GPU 1 removes exactly its two units and its config; the edits change exactly their two files and the scrape config"
   else
     fail "removing a GPU removes exactly its files; edits change exactly their files" \
       "removed or changed: $removed"$'\n'"want:               $want_removed"$'\n'"written: $added"$'\n'"want:    $edited"

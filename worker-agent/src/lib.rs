@@ -190,10 +190,7 @@ pub async fn start(
                 let w = worker_id.clone();
                 async move {
                     (
-                        [(
-                            axum::http::header::CONTENT_TYPE,
-                            "text/plain; version=0.0.4",
-                        )],
+                        [(axum::http::header::CONTENT_TYPE, metrics::CONTENT_TYPE)],
                         m.render(&w),
                     )
                 }

@@ -1,12 +1,40 @@
 //! The agent's own Prometheus metrics: every name in one place, units in the names.
 //!
 //! Counters are lock-free atomics shared by the job runners, the heartbeat and the EWMA
-//! store; [`AgentMetrics::render`] writes the text exposition format served on `/metrics`.
+//! store; [`AgentMetrics::render`] reads them into a `prometheus-client` collector, whose
+//! OpenMetrics text (format, label escaping, the `_total` suffix of counters) is served on
+//! `/metrics`. Every sample carries the `worker_id` label.
 
-use std::fmt::Write;
+use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use metronome_protocol::CompletionOutcome;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
+/// Content type of [`AgentMetrics::render`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Upper bounds (seconds) of the time-to-first-token histogram: from a warm short prompt
+/// to a long prefill behind a busy batch.
+const TTFT_BUCKETS_S: [f64; 12] = [
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
+];
+
+/// Times to first token measured by the agent.
+#[derive(Debug)]
+pub struct TtftHistogram(Histogram);
+
+impl Default for TtftHistogram {
+    fn default() -> Self {
+        TtftHistogram(Histogram::new(TTFT_BUCKETS_S))
+    }
+}
 
 /// A monotonically increasing count.
 #[derive(Debug, Default)]
@@ -55,14 +83,18 @@ pub struct AgentMetrics {
     pub metrics_scrape_errors: Counter,
     /// Completed jobs folded into the performance model.
     pub perf_samples: Counter,
-    /// Sum of measured times to first token, in microseconds (with `ttft_count`, a mean).
-    pub ttft_us_sum: Counter,
-    pub ttft_count: Counter,
+    /// Measured times to first token.
+    pub ttft: TtftHistogram,
     pub running_jobs: Gauge,
     pub draining: Gauge,
 }
 
 impl AgentMetrics {
+    /// Record one measured time to first token.
+    pub fn observe_ttft_ms(&self, ms: f64) {
+        self.ttft.0.observe(ms / 1e3);
+    }
+
     /// Count a finished job by outcome.
     pub fn job_finished(&self, outcome: CompletionOutcome) {
         match outcome {
@@ -73,105 +105,138 @@ impl AgentMetrics {
         }
     }
 
-    /// The Prometheus text exposition of every metric, labelled with the worker id.
+    /// The OpenMetrics text exposition of every metric, labelled with the worker id.
     pub fn render(&self, worker_id: &str) -> String {
-        let mut out = String::new();
-        let w = worker_id;
-        let mut counter = |name: &str, help: &str, rows: &[(&str, u64)]| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-            for (labels, v) in rows {
-                let sep = if labels.is_empty() { "" } else { "," };
-                let _ = writeln!(out, "{name}{{worker_id=\"{w}\"{sep}{labels}}} {v}");
-            }
+        let c = |name, help, rows: Vec<(Option<(&'static str, &'static str)>, &Counter)>| Family {
+            name,
+            help,
+            kind: MetricType::Counter,
+            rows: rows.into_iter().map(|(l, v)| (l, v.get())).collect(),
         };
-        counter(
-            "metronome_worker_jobs_total",
-            "Jobs that ended on this worker, by outcome.",
-            &[
-                ("outcome=\"done\"", self.jobs_done.get()),
-                ("outcome=\"failed\"", self.jobs_failed.get()),
-                ("outcome=\"cancelled\"", self.jobs_cancelled.get()),
-                ("outcome=\"refused\"", self.jobs_refused.get()),
-            ],
-        );
-        counter(
-            "metronome_worker_stale_epoch_refusals_total",
-            "Assignments refused because a newer leader epoch had been seen.",
-            &[("", self.stale_epoch_refusals.get())],
-        );
-        counter(
-            "metronome_worker_malformed_assignments_total",
-            "Messages on the WORK subject that were not valid assignments (terminated).",
-            &[("", self.malformed_assignments.get())],
-        );
-        counter(
-            "metronome_worker_tokens_total",
-            "Tokens processed, by kind.",
-            &[
-                ("kind=\"output\"", self.output_tokens.get()),
-                ("kind=\"prompt\"", self.prompt_tokens.get()),
-            ],
-        );
-        counter(
-            "metronome_worker_redis_errors_total",
-            "Redis reads and writes (EWMAs, performance model) that failed because Redis was unreachable or erred.",
-            &[("", self.redis_errors.get())],
-        );
-        counter(
-            "metronome_worker_perf_samples_total",
-            "Completed jobs folded into the worker's performance model.",
-            &[("", self.perf_samples.get())],
-        );
-        counter(
-            "metronome_worker_nats_publish_errors_total",
-            "Publishes of chunks, results or events that failed.",
-            &[("", self.nats_publish_errors.get())],
-        );
-        counter(
-            "metronome_worker_heartbeats_total",
-            "Heartbeats written to the workers bucket.",
-            &[("", self.heartbeats.get())],
-        );
-        counter(
-            "metronome_worker_heartbeat_errors_total",
-            "Heartbeats that could not be written.",
-            &[("", self.heartbeat_errors.get())],
-        );
-        counter(
-            "metronome_worker_metrics_scrape_errors_total",
-            "Failed scrapes of the model server's metrics.",
-            &[("", self.metrics_scrape_errors.get())],
-        );
-        let _ = writeln!(
-            out,
-            "# HELP metronome_worker_ttft_seconds Time to first token measured by the agent.\n# TYPE metronome_worker_ttft_seconds summary"
-        );
-        let _ = writeln!(
-            out,
-            "metronome_worker_ttft_seconds_sum{{worker_id=\"{w}\"}} {}",
-            self.ttft_us_sum.get() as f64 / 1e6
-        );
-        let _ = writeln!(
-            out,
-            "metronome_worker_ttft_seconds_count{{worker_id=\"{w}\"}} {}",
-            self.ttft_count.get()
-        );
-        for (name, help, v) in [
-            (
+        let g = |name, help, v: &Gauge| Family {
+            name,
+            help,
+            kind: MetricType::Gauge,
+            rows: vec![(None, v.get())],
+        };
+        let families = vec![
+            c(
+                "metronome_worker_jobs",
+                "Jobs that ended on this worker, by outcome.",
+                vec![
+                    (Some(("outcome", "done")), &self.jobs_done),
+                    (Some(("outcome", "failed")), &self.jobs_failed),
+                    (Some(("outcome", "cancelled")), &self.jobs_cancelled),
+                    (Some(("outcome", "refused")), &self.jobs_refused),
+                ],
+            ),
+            c(
+                "metronome_worker_stale_epoch_refusals",
+                "Assignments refused because a newer leader epoch had been seen.",
+                vec![(None, &self.stale_epoch_refusals)],
+            ),
+            c(
+                "metronome_worker_malformed_assignments",
+                "Messages on the WORK subject that were not valid assignments (terminated).",
+                vec![(None, &self.malformed_assignments)],
+            ),
+            c(
+                "metronome_worker_tokens",
+                "Tokens processed, by kind.",
+                vec![
+                    (Some(("kind", "output")), &self.output_tokens),
+                    (Some(("kind", "prompt")), &self.prompt_tokens),
+                ],
+            ),
+            c(
+                "metronome_worker_redis_errors",
+                "Redis reads and writes (EWMAs, performance model) that failed because Redis was unreachable or erred.",
+                vec![(None, &self.redis_errors)],
+            ),
+            c(
+                "metronome_worker_perf_samples",
+                "Completed jobs folded into the worker's performance model.",
+                vec![(None, &self.perf_samples)],
+            ),
+            c(
+                "metronome_worker_nats_publish_errors",
+                "Publishes of chunks, results or events that failed.",
+                vec![(None, &self.nats_publish_errors)],
+            ),
+            c(
+                "metronome_worker_heartbeats",
+                "Heartbeats written to the workers bucket.",
+                vec![(None, &self.heartbeats)],
+            ),
+            c(
+                "metronome_worker_heartbeat_errors",
+                "Heartbeats that could not be written.",
+                vec![(None, &self.heartbeat_errors)],
+            ),
+            c(
+                "metronome_worker_metrics_scrape_errors",
+                "Failed scrapes of the model server's metrics.",
+                vec![(None, &self.metrics_scrape_errors)],
+            ),
+            g(
                 "metronome_worker_running_jobs",
                 "Jobs the agent holds right now.",
-                self.running_jobs.get(),
+                &self.running_jobs,
             ),
-            (
+            g(
                 "metronome_worker_draining",
                 "1 while the agent takes no new work (operator drain or shutdown).",
-                self.draining.get(),
+                &self.draining,
             ),
-        ] {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
-            let _ = writeln!(out, "{name}{{worker_id=\"{w}\"}} {v}");
-        }
+        ];
+        let mut registry = Registry::with_labels(
+            [(
+                std::borrow::Cow::Borrowed("worker_id"),
+                std::borrow::Cow::Owned(worker_id.to_string()),
+            )]
+            .into_iter(),
+        );
+        registry.register_collector(Box::new(Snapshot { families }));
+        registry.register(
+            "metronome_worker_ttft_seconds",
+            "Time to first token measured by the agent",
+            self.ttft.0.clone(),
+        );
+        let mut out = String::with_capacity(4096);
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
         out
+    }
+}
+
+/// One metric and its samples, read from the atomics at render time.
+#[derive(Debug)]
+struct Family {
+    name: &'static str,
+    help: &'static str,
+    kind: MetricType,
+    rows: Vec<(Option<(&'static str, &'static str)>, u64)>,
+}
+
+#[derive(Debug)]
+struct Snapshot {
+    families: Vec<Family>,
+}
+
+impl Collector for Snapshot {
+    fn encode(&self, mut enc: DescriptorEncoder) -> fmt::Result {
+        for f in &self.families {
+            let mut metric = enc.encode_descriptor(f.name, f.help, None, f.kind)?;
+            for (label, v) in &f.rows {
+                let labels: Vec<(&str, &str)> = label.iter().copied().collect();
+                let sample = metric.encode_family(&labels)?;
+                match f.kind {
+                    MetricType::Gauge => ConstGauge::new(*v as i64).encode(sample)?,
+                    _ => ConstCounter::new(*v).encode(sample)?,
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -196,5 +261,31 @@ mod tests {
         assert!(samples
             .iter()
             .any(|s| s.name == "metronome_worker_redis_errors_total" && s.value == 1.0));
+        assert!(samples
+            .iter()
+            .any(|s| s.name == "metronome_worker_running_jobs"
+                && s.label("worker_id") == Some("n1-gpu0")));
+    }
+
+    #[test]
+    fn ttft_is_a_histogram_and_label_values_are_escaped() {
+        let m = AgentMetrics::default();
+        m.observe_ttft_ms(120.0);
+        let text = m.render("odd\"id");
+        let samples = crate::metrics_scrape::parse_prometheus(&text);
+        let count = samples
+            .iter()
+            .find(|s| s.name == "metronome_worker_ttft_seconds_count")
+            .unwrap();
+        assert_eq!(count.value, 1.0);
+        let within_250ms = samples
+            .iter()
+            .find(|s| {
+                s.name == "metronome_worker_ttft_seconds_bucket" && s.label("le") == Some("0.25")
+            })
+            .unwrap();
+        assert_eq!(within_250ms.value, 1.0);
+        assert!(text.contains(r#"worker_id="odd\"id""#), "{text}");
+        assert!(text.ends_with("# EOF\n"));
     }
 }

@@ -90,7 +90,15 @@ pub(crate) async fn run_job(
     start: Instant,
 ) {
     let job_id = assignment.job.id.clone();
-    let span = tracing::info_span!("job", job_id = %job_id, attempt = assignment.attempt, epoch = assignment.epoch);
+    // Both ids on the span, so every line about the job (JSON logs list span fields) can be
+    // found by job and by worker when the agents' logs are collected together.
+    let span = tracing::info_span!(
+        "job",
+        job_id = %job_id,
+        worker_id = %assignment.worker_id,
+        attempt = assignment.attempt,
+        epoch = assignment.epoch
+    );
     async move {
         let job = &assignment.job;
         let cfg = &shared.config;
@@ -239,8 +247,7 @@ pub(crate) async fn run_job(
         shared.metrics.output_tokens.add(u64::from(usage.completion_tokens));
         shared.metrics.prompt_tokens.add(u64::from(usage.prompt_tokens));
         if let Some(t) = sample.ttft_ms {
-            shared.metrics.ttft_us_sum.add((t * 1e3) as u64);
-            shared.metrics.ttft_count.inc();
+            shared.metrics.observe_ttft_ms(t);
         }
         tracing::info!(
             outcome = ?outcome,

@@ -103,6 +103,16 @@ impl Harness {
         h
     }
 
+    /// Cancel the gateway's shutdown token and wait (up to [`WAIT`]) for `serve` to
+    /// return; whether it did.
+    pub async fn stop_gateway(&mut self) -> bool {
+        self.shutdown.cancel();
+        let Some(server) = self.server.take() else {
+            return true;
+        };
+        tokio::time::timeout(WAIT, server).await.is_ok()
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("{}{}", self.base, path)
     }

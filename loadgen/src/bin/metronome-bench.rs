@@ -8,7 +8,6 @@ use std::process::ExitCode;
 use clap::Parser;
 use metronome_loadgen::bench::{run_bench, BenchPlan, CLUSTERS, POLICIES, WORKLOADS};
 use metronome_loadgen::LengthDist;
-use tracing_subscriber::EnvFilter;
 
 /// Goodput versus offered load: Metronome against conventional balancers on simulated GPUs.
 ///
@@ -90,12 +89,7 @@ fn invalid(msg: String) -> ExitCode {
 fn main() -> ExitCode {
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    metronome_runtime::init_tracing_at(metronome_runtime::LogOutput::Stderr, "warn");
     let repo = cli
         .repo
         .clone()
