@@ -13,9 +13,11 @@
 
 pub mod agent;
 pub mod assemble;
+pub mod bound;
 pub mod config;
 mod control;
 pub mod ewma_store;
+mod fence;
 pub mod gpu_probe;
 mod heartbeat;
 pub mod load_tracker;
@@ -159,6 +161,7 @@ pub async fn start(
         "worker-agent started"
     );
 
+    let config_fence_after = config.fence_after();
     let shared = Arc::new(Shared {
         config,
         client: client.clone(),
@@ -177,6 +180,11 @@ pub async fn start(
         abort: CancellationToken::new(),
         accepted_generation: std::sync::atomic::AtomicU64::new(0),
         reported_generation: tokio::sync::watch::channel(0).0,
+        fence: fence::Fence::new(
+            config_fence_after,
+            tokio::time::Instant::now(),
+            metrics.clone(),
+        ),
     });
 
     let metrics_stop = CancellationToken::new();

@@ -45,6 +45,13 @@ pub struct AgentMetrics {
     pub jobs_cancelled: Counter,
     pub jobs_refused: Counter,
     pub stale_epoch_refusals: Counter,
+    /// Redelivered assignments refused because the agent did not hold them (it restarted
+    /// or never started them): running them could run the job twice.
+    pub redelivery_refusals: Counter,
+    /// Held jobs the leader revoked after declaring this worker dead (stopped, no result).
+    pub revoked_jobs: Counter,
+    /// Times the agent fenced itself (no heartbeat stored for `fence_after_ms`).
+    pub fence_episodes: Counter,
     pub malformed_assignments: Counter,
     pub output_tokens: Counter,
     pub prompt_tokens: Counter,
@@ -60,6 +67,8 @@ pub struct AgentMetrics {
     pub ttft_count: Counter,
     pub running_jobs: Gauge,
     pub draining: Gauge,
+    /// 1 while the agent is fenced (no heartbeat stored for `fence_after_ms`).
+    pub fenced: Gauge,
 }
 
 impl AgentMetrics {
@@ -98,6 +107,21 @@ impl AgentMetrics {
             "metronome_worker_stale_epoch_refusals_total",
             "Assignments refused because a newer leader epoch had been seen.",
             &[("", self.stale_epoch_refusals.get())],
+        );
+        counter(
+            "metronome_worker_redelivery_refusals_total",
+            "Redelivered assignments refused because the agent did not hold them (restarted or never started).",
+            &[("", self.redelivery_refusals.get())],
+        );
+        counter(
+            "metronome_worker_revoked_jobs_total",
+            "Held jobs stopped without a result because the leader declared this worker dead and revoked them.",
+            &[("", self.revoked_jobs.get())],
+        );
+        counter(
+            "metronome_worker_fence_episodes_total",
+            "Times the agent fenced itself because no heartbeat was stored for fence_after_ms.",
+            &[("", self.fence_episodes.get())],
         );
         counter(
             "metronome_worker_malformed_assignments_total",
@@ -166,6 +190,11 @@ impl AgentMetrics {
                 "metronome_worker_draining",
                 "1 while the agent takes no new work (operator drain or shutdown).",
                 self.draining.get(),
+            ),
+            (
+                "metronome_worker_fenced",
+                "1 while the agent is fenced: no heartbeat stored for fence_after_ms, so it pulls and starts nothing.",
+                self.fenced.get(),
             ),
         ] {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
