@@ -67,6 +67,13 @@ pub enum Outcome {
         body: Bytes,
         acker: Option<Arc<Acker>>,
     },
+    /// Tell a worker declared dead to stop the jobs this leader settled without it (core
+    /// NATS `control.<worker_id>.revoke`): a worker that was only silent must not keep
+    /// running a job that now runs elsewhere or was failed to its client.
+    Revoke {
+        worker_id: String,
+        revoke: metronome_protocol::Revoke,
+    },
     /// A final error result only (a job lost with its worker).
     FinalError {
         job_id: String,
@@ -290,6 +297,14 @@ async fn publish_loop(
                 }
                 in_flight.fetch_sub(1, Ordering::AcqRel);
             }
+            Outcome::Revoke { worker_id, revoke } => {
+                let subject = names::control_subject(&worker_id, names::CONTROL_REVOKE);
+                let body = Bytes::from(serde_json::to_vec(&revoke).unwrap_or_default());
+                if let Err(error) = client.publish(subject, body).await {
+                    tracing::warn!(worker_id, %error, "could not revoke the dead worker's jobs");
+                }
+                in_flight.fetch_sub(1, Ordering::AcqRel);
+            }
             Outcome::FinalError {
                 job_id,
                 worker_id,
@@ -304,6 +319,26 @@ async fn publish_loop(
                 });
             }
         }
+    }
+}
+
+/// The revocation of `jobs` (id, attempt when known) held by a worker declared dead.
+pub fn revoke(
+    worker_id: &str,
+    epoch: u64,
+    jobs: impl Iterator<Item = (String, Option<u32>)>,
+    why: &str,
+) -> Outcome {
+    Outcome::Revoke {
+        worker_id: worker_id.to_string(),
+        revoke: metronome_protocol::Revoke {
+            v: metronome_protocol::PROTOCOL_VERSION,
+            epoch,
+            jobs: jobs
+                .map(|(job_id, attempt)| metronome_protocol::RevokedJob { job_id, attempt })
+                .collect(),
+            reason: format!("worker {worker_id} declared dead: {why}"),
+        },
     }
 }
 
