@@ -449,6 +449,7 @@ async fn play(client: async_nats::Client, js: jetstream::Context, job: Job) {
         job_id: job.id.clone(),
         seq,
         worker_id: WORKER.into(),
+        attempt: None,
         data: chunk_data(&job, text),
     };
     let publish_chunk = |c: ResultChunk| {
