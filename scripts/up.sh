@@ -110,7 +110,9 @@ cat > "$STATE_DIR/config/nats.conf" <<CONF
 max_payload: 8MB
 CONF
 start nats nats-server -c "$STATE_DIR/config/nats.conf" -a 127.0.0.1 -p "$NATS_PORT" -js -sd "$STATE_DIR/nats"
-start redis redis-server --bind 127.0.0.1 --port "$REDIS_PORT" --dir "$STATE_DIR/redis" --appendonly yes --save ""
+# noeviction: Metronome's keys are state, never a cache (docs/PROVISIONING.md).
+start redis redis-server --bind 127.0.0.1 --port "$REDIS_PORT" --dir "$STATE_DIR/redis" --appendonly yes --save "" \
+  --maxmemory 256mb --maxmemory-policy noeviction
 wait_tcp "$NATS_PORT" nats-server
 wait_tcp "$REDIS_PORT" redis-server
 
