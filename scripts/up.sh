@@ -3,13 +3,14 @@
 #
 #   ./dev up [--gpus N] [--models a,b] [--gateway-port P] [--speeds 1,1,1,0.5]
 #            [--policy metronome|least_connections|round_robin|random|power_of_two]
-#            [--state-dir DIR] [--profile release|debug] [--no-build]
+#            [--state-dir DIR] [--profile release|debug] [--no-build] [--keep-going]
 #
 # Starts its own nats-server (JetStream) and redis-server on free ports with their state under
 # the state folder (default .metronome/), never touching servers already running on the
 # machine; a dispatcher leader and a standby; the gateway; N simulated GPUs (one simulator
 # process) with one worker-agent each, models assigned round-robin. Ctrl-C or SIGTERM stops
-# everything it started.
+# everything it started. --keep-going (fault drills) reports a process that exits instead of
+# stopping everything: the drill restarts it.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -23,6 +24,7 @@ POLICY="metronome"
 STATE_DIR="$ROOT/.metronome"
 PROFILE="release"
 BUILD=1
+KEEP_GOING=0
 SIM_ARGS=()
 
 while [ $# -gt 0 ]; do
@@ -35,8 +37,9 @@ while [ $# -gt 0 ]; do
     --state-dir) STATE_DIR="$2"; shift 2 ;;
     --profile) PROFILE="$2"; shift 2 ;;
     --no-build) BUILD=0; shift ;;
+    --keep-going) KEEP_GOING=1; shift ;;
     --sim-arg) SIM_ARGS+=("$2"); shift 2 ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option $1 (see ./dev up --help)" ;;
   esac
 done
@@ -178,13 +181,16 @@ cat <<MSG
 
 MSG
 
-# Stay in the foreground; if any process dies, say which and stop everything.
+# Stay in the foreground; if any process dies, say which and stop everything (with
+# --keep-going: say it once and carry on).
+declare -A REPORTED=()
 while true; do
   for pid in "${PIDS[@]}"; do
-    if ! kill -0 "$pid" 2>/dev/null; then
+    if [ -z "${REPORTED[$pid]:-}" ] && ! kill -0 "$pid" 2>/dev/null; then
+      REPORTED[$pid]=1
       name=$(grep -l "^$pid\$" "$STATE_DIR"/run/*.pid 2>/dev/null | xargs -r basename | sed 's/\.pid$//')
       log "process ${name:-$pid} exited: see $STATE_DIR/logs/${name:-}.log"
-      stop_all
+      [ "$KEEP_GOING" -eq 1 ] || stop_all
     fi
   done
   sleep 1
