@@ -131,6 +131,9 @@ pub(crate) struct Shared {
     pub reported_generation: tokio::sync::watch::Sender<u64>,
     /// Raised while heartbeats are not being stored: nothing is pulled or started.
     pub fence: crate::fence::Fence,
+    /// Jobs the last stored heartbeat of this worker's previous run listed: that run may
+    /// have started them and streamed part of their output.
+    pub reported_before_restart: std::collections::HashSet<String>,
 }
 
 impl Shared {
@@ -307,6 +310,7 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
                 CompletionOutcome::Failed,
                 Some((ErrorCode::InvalidJob, e.to_string())),
                 &e.to_string(),
+                false,
             )
             .await;
         }
@@ -365,10 +369,35 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
             tracing::info!(%job_id, "redelivery of a running job ignored");
             return;
         }
+        Taken::NotHeldRedelivery if shared.reported_before_restart.contains(&job_id) => {
+            // The previous run of this agent reported it, so it may have started and
+            // streamed: running it anywhere again could duplicate output its client already
+            // has. It fails with the lost-worker error, as a dead worker's reported jobs do.
+            shared.metrics.redelivery_refusals.inc();
+            tracing::warn!(%job_id, attempt = assignment.attempt, delivered, "redelivered assignment a previous run of this agent had started: failed as lost");
+            let message = format!(
+                "worker {} restarted while holding the job; it is not run again so no output is duplicated",
+                shared.config.worker_id
+            );
+            finish_without_running(
+                shared,
+                &assignment,
+                CompletionOutcome::Failed,
+                Some((ErrorCode::WorkerLost, message.clone())),
+                &message,
+                true,
+            )
+            .await;
+            if let Err(e) = msg.double_ack().await {
+                tracing::warn!(%job_id, error = %e, "acknowledging a lost redelivery failed");
+            }
+            return;
+        }
         Taken::NotHeldRedelivery => {
-            // Delivered before, and not held: an earlier run of this agent took it (and
-            // may have streamed part of it) before a restart, or the delivery was lost on
-            // the way. Running it now could run it twice; the dispatcher decides again.
+            // Delivered before, not held and never reported: an earlier run of this agent
+            // took it but never started it before a restart, or the delivery was lost on
+            // the way. Running it now could still run it twice (the dispatcher may have
+            // moved it); the dispatcher decides again.
             shared.metrics.redelivery_refusals.inc();
             tracing::warn!(%job_id, attempt = assignment.attempt, delivered, "redelivered assignment this agent does not hold: refused");
             let reason = format!(
@@ -466,7 +495,7 @@ async fn wait_until_reported(
 
 /// Refuse without running: the dispatcher will decide again.
 async fn refuse(shared: &Shared, msg: &jetstream::Message, a: &Assignment, reason: &str) {
-    finish_without_running(shared, a, CompletionOutcome::Refused, None, reason).await;
+    finish_without_running(shared, a, CompletionOutcome::Refused, None, reason, false).await;
     if let Err(e) = msg.double_ack().await {
         tracing::warn!(job_id = %a.job.id, error = %e, "acknowledging a refused assignment failed");
     }
@@ -479,6 +508,7 @@ async fn finish_without_running(
     outcome: CompletionOutcome,
     final_error: Option<(ErrorCode, String)>,
     reason: &str,
+    streamed: bool,
 ) {
     let msg_id = work_msg_id(&a.job.id, a.attempt);
     if let Some((code, message)) = final_error {
@@ -510,7 +540,7 @@ async fn finish_without_running(
         epoch: a.epoch,
         attempt: a.attempt,
         outcome,
-        streamed: false,
+        streamed,
         error: Some(reason.to_string()),
         prompt_tokens: a.job.prompt_tokens,
         output_tokens: 0,

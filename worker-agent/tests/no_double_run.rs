@@ -56,30 +56,9 @@ async fn a_redelivered_assignment_the_agent_does_not_hold_is_refused_not_run() {
             .unwrap(),
     );
     env.client.flush().await.unwrap();
-    // A previous run of this agent took the assignment and died before acknowledging it:
-    // the same durable consumer the agent uses delivered it once, then it came back.
-    let stream = env.js.get_stream(STREAM_WORK).await.unwrap();
-    let name = work_consumer(worker);
-    let durable = stream
-        .get_or_create_consumer(
-            &name,
-            consumer::pull::Config {
-                durable_name: Some(name.clone()),
-                filter_subject: work_subject(worker),
-                ack_policy: consumer::AckPolicy::Explicit,
-                ack_wait: config.ack_wait(),
-                description: Some(format!("worker-agent {worker}")),
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
-    env.assign(worker, &job("job-redelivered", Endpoint::Chat, 4, 0), 1)
-        .await;
-    let mut first = durable.fetch().max_messages(1).messages().await.unwrap();
-    let taken = first.next().await.expect("delivered once").unwrap();
-    assert_eq!(taken.info().unwrap().delivered, 1);
-    taken.ack_with(AckKind::Nak(None)).await.unwrap();
+    // A previous run of this agent took the assignment and died before acknowledging it
+    // (and before reporting it: the bucket has no heartbeat of it).
+    delivered_once_before(&env, &config, "job-redelivered").await;
 
     let (agent, shutdown) = env.start_agent(config).await;
     let refused = wait_for("the refusal of the redelivered job", WAIT, || async {
@@ -112,6 +91,85 @@ async fn a_redelivered_assignment_the_agent_does_not_hold_is_refused_not_run() {
     })
     .await;
     assert_eq!(done.outcome, CompletionOutcome::Done);
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+}
+
+/// Create the agent's durable consumer, publish `job_id`'s assignment and have it delivered
+/// once without an acknowledgement, as a previous run of the agent that died would have.
+async fn delivered_once_before(env: &Env, config: &metronome_worker_agent::Config, job_id: &str) {
+    let worker = config.worker_id.as_str();
+    let stream = env.js.get_stream(STREAM_WORK).await.unwrap();
+    let name = work_consumer(worker);
+    let durable = stream
+        .get_or_create_consumer(
+            &name,
+            consumer::pull::Config {
+                durable_name: Some(name.clone()),
+                filter_subject: work_subject(worker),
+                ack_policy: consumer::AckPolicy::Explicit,
+                ack_wait: config.ack_wait(),
+                description: Some(format!("worker-agent {worker}")),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    env.assign(worker, &job(job_id, Endpoint::Chat, 4, 0), 1)
+        .await;
+    let mut first = durable.fetch().max_messages(1).messages().await.unwrap();
+    let taken = first.next().await.expect("delivered once").unwrap();
+    assert_eq!(taken.info().unwrap().delivered, 1);
+    taken.ack_with(AckKind::Nak(None)).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivered_job_the_previous_run_had_reported_fails_as_lost_and_never_runs_again() {
+    let env = Env::start().await;
+    let worker = "nd-gpu4";
+    let config = env.config(worker);
+    let events = collect(
+        env.client
+            .subscribe(event_done_subject(worker))
+            .await
+            .unwrap(),
+    );
+    let results = collect(
+        env.client
+            .subscribe(results_subject_all("job-was-running"))
+            .await
+            .unwrap(),
+    );
+    env.client.flush().await.unwrap();
+    delivered_once_before(&env, &config, "job-was-running").await;
+    // The previous run's last stored heartbeat listed the job: it may have streamed.
+    let previous = serde_json::json!({
+        "v": PROTOCOL_VERSION, "worker_id": worker, "model": MODEL, "healthy": true,
+        "draining": false, "max_concurrency": 4, "active": 1, "queued": 0,
+        "in_flight": ["job-was-running"], "seq": 41, "sent_ms": 1,
+    });
+    env.buckets
+        .workers
+        .put(worker, serde_json::to_vec(&previous).unwrap().into())
+        .await
+        .unwrap();
+
+    let (agent, shutdown) = env.start_agent(config).await;
+    let failed = wait_for("the lost job's event", WAIT, || async {
+        events_of(&events, "job-was-running").into_iter().next()
+    })
+    .await;
+    assert_eq!(failed.outcome, CompletionOutcome::Failed, "{failed:?}");
+    assert!(failed.streamed, "the dispatcher must not run it again");
+    let fin = wait_for("the lost job's final result", WAIT, || async {
+        final_of(&results)
+    })
+    .await;
+    assert_eq!(
+        fin.error.map(|e| e.code),
+        Some(metronome_protocol::ErrorCode::WorkerLost)
+    );
+    assert_eq!(env.stub.stats.requests.load(Ordering::SeqCst), 0);
     shutdown.cancel();
     agent.wait().await.unwrap();
 }
