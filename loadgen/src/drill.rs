@@ -306,7 +306,7 @@ async fn inject(
         }
         Fault::RedisDown => {
             let pid = system.pid_of("redis").context("redis pid")?;
-            let image = Image::read(pid)?;
+            let image = Image::redis(pid, &system.state_dir)?;
             signal(pid, "KILL")?;
             tokio::time::sleep(plan.redis_outage).await;
             restarted.push(image.spawn(&system.state_dir, "redis")?);
@@ -535,9 +535,12 @@ struct Image {
 impl Image {
     fn read(pid: u32) -> anyhow::Result<Image> {
         let split = |bytes: Vec<u8>| -> Vec<String> {
-            bytes
-                .split(|b| *b == 0)
-                .filter(|s| !s.is_empty())
+            // NUL-terminated entries; an empty argument (`--save ""`) is kept.
+            let body = bytes.strip_suffix(&[0]).unwrap_or(&bytes);
+            if body.is_empty() {
+                return Vec::new();
+            }
+            body.split(|b| *b == 0)
                 .map(|s| String::from_utf8_lossy(s).into_owned())
                 .collect()
         };
@@ -551,6 +554,40 @@ impl Image {
             bail!("process {pid} has no command line");
         }
         Ok(Image { argv, env, cwd })
+    }
+
+    /// redis-server rewrites its command line (`redis-server 127.0.0.1:PORT`), so its
+    /// arguments are rebuilt as `./dev up` passes them, with the port from the env file.
+    fn redis(pid: u32, state_dir: &Path) -> anyhow::Result<Image> {
+        let mut image = Image::read(pid)?;
+        let env = read_env(&state_dir.join("env"))?;
+        let url = env.get("REDIS_URL").context("REDIS_URL in the env file")?;
+        let port = url
+            .trim_end_matches('/')
+            .rsplit(':')
+            .next()
+            .context("a port in REDIS_URL")?
+            .to_string();
+        let exe = std::fs::read_link(format!("/proc/{pid}/exe"))?;
+        let dir = state_dir.join("redis");
+        image.argv = vec![
+            exe.display().to_string(),
+            "--bind".into(),
+            "127.0.0.1".into(),
+            "--port".into(),
+            port,
+            "--dir".into(),
+            dir.display().to_string(),
+            "--appendonly".into(),
+            "yes".into(),
+            "--save".into(),
+            String::new(),
+            "--maxmemory".into(),
+            "256mb".into(),
+            "--maxmemory-policy".into(),
+            "noeviction".into(),
+        ];
+        Ok(image)
     }
 
     /// Start it again, appending to `<state>/logs/<name>.log`, and record its pid.
