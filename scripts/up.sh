@@ -188,7 +188,7 @@ while true; do
   for pid in "${PIDS[@]}"; do
     if [ -z "${REPORTED[$pid]:-}" ] && ! kill -0 "$pid" 2>/dev/null; then
       REPORTED[$pid]=1
-      name=$(grep -l "^$pid\$" "$STATE_DIR"/run/*.pid 2>/dev/null | xargs -r basename | sed 's/\.pid$//')
+      name=$(grep -l "^$pid\$" "$STATE_DIR"/run/*.pid 2>/dev/null | xargs -r basename | sed 's/\.pid$//' || true)
       log "process ${name:-$pid} exited: see $STATE_DIR/logs/${name:-}.log"
       [ "$KEEP_GOING" -eq 1 ] || stop_all
     fi
