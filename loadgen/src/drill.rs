@@ -138,7 +138,10 @@ pub async fn run_drills(plan: &DrillPlan) -> anyhow::Result<Vec<DrillReport>> {
     };
     let mut system = System::up(&spec).await.context("starting the system")?;
     let env = read_env(&plan.state_dir.join("env"))?;
-    let nats_url = env.get("NATS_URL").context("NATS_URL in the env file")?.clone();
+    let nats_url = env
+        .get("NATS_URL")
+        .context("NATS_URL in the env file")?
+        .clone();
     let client = async_nats::ConnectOptions::new()
         .retry_on_initial_connect()
         .connect(nats_url.as_str())
@@ -149,7 +152,17 @@ pub async fn run_drills(plan: &DrillPlan) -> anyhow::Result<Vec<DrillReport>> {
     let mut restarted = Vec::new();
     let mut reports = Vec::new();
     for (i, fault) in plan.faults.iter().enumerate() {
-        let r = run_one(plan, &system, &client, &js, &seen, *fault, i, &mut restarted).await;
+        let r = run_one(
+            plan,
+            &system,
+            &client,
+            &js,
+            &seen,
+            *fault,
+            i,
+            &mut restarted,
+        )
+        .await;
         match r {
             Ok(report) => {
                 tracing::warn!(?report, "drill done");

@@ -134,6 +134,9 @@ pub(crate) struct Shared {
     /// Jobs the last stored heartbeat of this worker's previous run listed: that run may
     /// have started them and streamed part of their output.
     pub reported_before_restart: std::collections::HashSet<String>,
+    /// Recent revocations, so an assignment delivered before its revocation but read after
+    /// it (a stopped agent reads both on waking) is not started either. Bounded.
+    pub revoked: Mutex<std::collections::VecDeque<metronome_protocol::RevokedJob>>,
 }
 
 impl Shared {
@@ -173,6 +176,15 @@ impl Shared {
             );
             return 0;
         }
+        {
+            let mut recent = self.revoked.lock().expect("revoked lock");
+            for r in &revoke.jobs {
+                if recent.len() >= REVOKED_KEPT {
+                    recent.pop_front();
+                }
+                recent.push_back(r.clone());
+            }
+        }
         let map = self.in_flight.lock().expect("in_flight lock");
         let mut n = 0;
         for r in &revoke.jobs {
@@ -188,6 +200,15 @@ impl Shared {
         n
     }
 
+    /// Whether a revocation already received covers this attempt.
+    pub fn was_revoked(&self, job_id: &str, attempt: u32) -> bool {
+        self.revoked
+            .lock()
+            .expect("revoked lock")
+            .iter()
+            .any(|r| r.covers(job_id, attempt))
+    }
+
     fn release(&self, job_id: &str) {
         let left = {
             let mut map = self.in_flight.lock().expect("in_flight lock");
@@ -198,6 +219,9 @@ impl Shared {
         self.slot_freed.notify_one();
     }
 }
+
+/// Revocations remembered for assignments read after them.
+const REVOKED_KEPT: usize = 4096;
 
 /// Create (or find) the agent's durable consumer.
 pub(crate) async fn ensure_consumer(
@@ -343,10 +367,13 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
     let cancel = CancellationToken::new();
     let revoke = CancellationToken::new();
     let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
+    let revoked = shared.was_revoked(&job_id, assignment.attempt);
     let taken = {
         let mut map = shared.in_flight.lock().expect("in_flight lock");
         if map.contains_key(&job_id) {
             Taken::AlreadyHeld
+        } else if revoked {
+            Taken::Revoked
         } else if delivered > 1 {
             Taken::NotHeldRedelivery
         } else {
@@ -364,6 +391,15 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
     };
     match taken {
         Taken::Accepted => {}
+        Taken::Revoked => {
+            // The leader gave this attempt away before the agent read it.
+            shared.metrics.revoked_jobs.inc();
+            tracing::warn!(%job_id, attempt = assignment.attempt, "assignment already revoked by the leader: not started");
+            if let Err(e) = msg.ack_with(AckKind::Term).await {
+                tracing::warn!(%job_id, error = %e, "terminating a revoked WORK message failed");
+            }
+            return;
+        }
         Taken::AlreadyHeld => {
             // A redelivery of a job this agent is already running: the running copy acks it.
             tracing::info!(%job_id, "redelivery of a running job ignored");
@@ -408,7 +444,11 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
         }
     }
     let generation = shared.accepted_generation.fetch_add(1, Ordering::SeqCst) + 1;
-    let episodes = shared.fence.check(tokio::time::Instant::now()).episodes;
+    // Taken while fenced (read from a pull made before the fence rose, or on waking from a
+    // stop): it counts as taken before the episode, so it is refused, not started, when
+    // the next heartbeat reports it.
+    let fence = shared.fence.check(tokio::time::Instant::now());
+    let episodes = fence.episodes - u64::from(fence.fenced);
     let shared = shared.clone();
     tokio::spawn(async move {
         match wait_until_reported(&shared, generation, episodes, &revoke).await {
@@ -444,6 +484,7 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
 /// What the intake did with a delivered assignment.
 enum Taken {
     Accepted,
+    Revoked,
     AlreadyHeld,
     NotHeldRedelivery,
 }

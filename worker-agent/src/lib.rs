@@ -192,6 +192,7 @@ pub async fn start(
         accepted_generation: std::sync::atomic::AtomicU64::new(0),
         reported_generation: tokio::sync::watch::channel(0).0,
         reported_before_restart,
+        revoked: Mutex::new(std::collections::VecDeque::new()),
         fence: fence::Fence::new(
             config_fence_after,
             tokio::time::Instant::now(),

@@ -204,10 +204,17 @@ async fn a_job_revoked_by_the_leader_stops_without_a_result_or_an_event() {
     let revoke = Revoke {
         v: PROTOCOL_VERSION,
         epoch: 1,
-        jobs: vec![RevokedJob {
-            job_id: "job-revoked".into(),
-            attempt: Some(1),
-        }],
+        jobs: vec![
+            RevokedJob {
+                job_id: "job-revoked".into(),
+                attempt: Some(1),
+            },
+            // Delivered before the revocation but read after it (a stopped agent waking).
+            RevokedJob {
+                job_id: "job-read-late".into(),
+                attempt: Some(1),
+            },
+        ],
         reason: "test: worker declared dead".into(),
     };
     env.client
@@ -227,6 +234,18 @@ async fn a_job_revoked_by_the_leader_stops_without_a_result_or_an_event() {
         (metric(&agent, "metronome_worker_running_jobs").await == 0.0).then_some(())
     })
     .await;
+    env.assign(worker, &job("job-read-late", Endpoint::Chat, 2, 0), 1)
+        .await;
+    wait_for("the late assignment to be dropped", WAIT, || async {
+        (metric(&agent, "metronome_worker_revoked_jobs_total").await == 2.0).then_some(())
+    })
+    .await;
+    assert_eq!(
+        env.stub.stats.requests.load(Ordering::SeqCst),
+        1,
+        "a revoked attempt read after its revocation never starts"
+    );
+    assert!(events_of(&events, "job-read-late").is_empty());
     // The runner returns before publishing anything once it counts the revocation, so
     // nothing can still be on its way.
     env.client.flush().await.unwrap();

@@ -96,7 +96,10 @@ fn main() -> ExitCode {
     if reports.iter().all(|r| r.passed()) {
         ExitCode::SUCCESS
     } else {
-        eprintln!("metronome-drill: a drill lost or duplicated jobs (see {})", path.display());
+        eprintln!(
+            "metronome-drill: a drill lost or duplicated jobs (see {})",
+            path.display()
+        );
         ExitCode::FAILURE
     }
 }
