@@ -137,6 +137,10 @@ pub(crate) struct Shared {
     /// Recent revocations, so an assignment delivered before its revocation but read after
     /// it (a stopped agent reads both on waking) is not started either. Bounded.
     pub revoked: Mutex<std::collections::VecDeque<metronome_protocol::RevokedJob>>,
+    /// Recently ended attempts `(job id, attempt)`: a redelivery of one (its WORK ack was
+    /// lost, e.g. in a NATS restart) is acknowledged, not refused, since refusing would make
+    /// the dispatcher run a finished job again. Bounded.
+    pub ended: Mutex<std::collections::VecDeque<(String, u32)>>,
 }
 
 impl Shared {
@@ -179,7 +183,7 @@ impl Shared {
         {
             let mut recent = self.revoked.lock().expect("revoked lock");
             for r in &revoke.jobs {
-                if recent.len() >= REVOKED_KEPT {
+                if recent.len() >= RECENT_KEPT {
                     recent.pop_front();
                 }
                 recent.push_back(r.clone());
@@ -198,6 +202,15 @@ impl Shared {
             }
         }
         n
+    }
+
+    /// Remember that this attempt ended here (ran, was refused or revoked).
+    pub fn remember_ended(&self, job_id: &str, attempt: u32) {
+        let mut ended = self.ended.lock().expect("ended lock");
+        if ended.len() >= RECENT_KEPT {
+            ended.pop_front();
+        }
+        ended.push_back((job_id.to_string(), attempt));
     }
 
     /// Whether a revocation already received covers this attempt.
@@ -220,8 +233,8 @@ impl Shared {
     }
 }
 
-/// Revocations remembered for assignments read after them.
-const REVOKED_KEPT: usize = 4096;
+/// Revocations and ended attempts remembered for assignments read after them.
+const RECENT_KEPT: usize = 4096;
 
 /// Create (or find) the agent's durable consumer.
 pub(crate) async fn ensure_consumer(
@@ -368,12 +381,20 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
     let revoke = CancellationToken::new();
     let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
     let revoked = shared.was_revoked(&job_id, assignment.attempt);
+    let ended = shared
+        .ended
+        .lock()
+        .expect("ended lock")
+        .iter()
+        .any(|(id, a)| *id == job_id && *a == assignment.attempt);
     let taken = {
         let mut map = shared.in_flight.lock().expect("in_flight lock");
         if map.contains_key(&job_id) {
             Taken::AlreadyHeld
         } else if revoked {
             Taken::Revoked
+        } else if ended {
+            Taken::AlreadyEnded
         } else if delivered > 1 {
             Taken::NotHeldRedelivery
         } else {
@@ -397,6 +418,13 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
             tracing::warn!(%job_id, attempt = assignment.attempt, "assignment already revoked by the leader: not started");
             if let Err(e) = msg.ack_with(AckKind::Term).await {
                 tracing::warn!(%job_id, error = %e, "terminating a revoked WORK message failed");
+            }
+            return;
+        }
+        Taken::AlreadyEnded => {
+            tracing::info!(%job_id, attempt = assignment.attempt, delivered, "redelivery of an attempt that already ended: acknowledged");
+            if let Err(e) = msg.double_ack().await {
+                tracing::warn!(%job_id, error = %e, "acknowledging an ended redelivery failed");
             }
             return;
         }
@@ -444,6 +472,7 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
         }
     }
     let generation = shared.accepted_generation.fetch_add(1, Ordering::SeqCst) + 1;
+    let attempt = assignment.attempt;
     // Taken while fenced (read from a pull made before the fence rose, or on waking from a
     // stop): it counts as taken before the episode, so it is refused, not started, when
     // the next heartbeat reports it.
@@ -477,6 +506,7 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
                 .await;
             }
         }
+        shared.remember_ended(&job_id, attempt);
         shared.release(&job_id);
     });
 }
@@ -485,6 +515,7 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
 enum Taken {
     Accepted,
     Revoked,
+    AlreadyEnded,
     AlreadyHeld,
     NotHeldRedelivery,
 }

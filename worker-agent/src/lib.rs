@@ -193,6 +193,7 @@ pub async fn start(
         reported_generation: tokio::sync::watch::channel(0).0,
         reported_before_restart,
         revoked: Mutex::new(std::collections::VecDeque::new()),
+        ended: Mutex::new(std::collections::VecDeque::new()),
         fence: fence::Fence::new(
             config_fence_after,
             tokio::time::Instant::now(),

@@ -365,3 +365,70 @@ async fn the_jobs_max_tokens_bounds_the_forwarded_request() {
     shutdown.cancel();
     agent.wait().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_delivery_of_an_attempt_that_already_ran_is_acknowledged_not_run_or_refused() {
+    let env = Env::start().await;
+    let worker = "nd-gpu5";
+    let events = collect(
+        env.client
+            .subscribe(event_done_subject(worker))
+            .await
+            .unwrap(),
+    );
+    env.client.flush().await.unwrap();
+    let (agent, shutdown) = env.start_agent(env.config(worker)).await;
+    let j = job("job-acked-late", Endpoint::Chat, 2, 0);
+    env.assign(worker, &j, 1).await;
+    wait_for("the job to finish", WAIT, || async {
+        events_of(&events, "job-acked-late").into_iter().next()
+    })
+    .await;
+    // The same attempt again, as after a WORK ack lost in a NATS restart (another msg id,
+    // so JetStream's de-duplication lets it through).
+    let a = metronome_protocol::Assignment {
+        v: PROTOCOL_VERSION,
+        job: j.clone(),
+        worker_id: worker.into(),
+        epoch: 1,
+        attempt: 1,
+        assigned_ms: 0,
+    };
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(
+        metronome_protocol::names::HEADER_MSG_ID,
+        "job-acked-late:1:again",
+    );
+    env.js
+        .publish_with_headers(
+            work_subject(worker),
+            headers,
+            serde_json::to_vec(&a).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let stream = env.js.get_stream(STREAM_WORK).await.unwrap();
+    let durable: consumer::PullConsumer =
+        stream.get_consumer(&work_consumer(worker)).await.unwrap();
+    wait_for("the second delivery to be acknowledged", WAIT, || async {
+        let info = durable.clone().info().await.unwrap().clone();
+        (info.num_pending == 0 && info.num_ack_pending == 0 && info.delivered.stream_sequence >= 2)
+            .then_some(())
+    })
+    .await;
+    env.client.flush().await.unwrap();
+    assert_eq!(
+        env.stub.stats.requests.load(Ordering::SeqCst),
+        1,
+        "ran once"
+    );
+    assert_eq!(
+        events_of(&events, "job-acked-late").len(),
+        1,
+        "no refusal that would make the dispatcher run it again"
+    );
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+}
