@@ -4,6 +4,7 @@
 #   ./dev up [--gpus N] [--models a,b] [--gateway-port P] [--speeds 1,1,1,0.5]
 #            [--policy metronome|least_connections|round_robin|random|power_of_two]
 #            [--state-dir DIR] [--profile release|debug] [--no-build] [--observe]
+#            [--keep-going]
 #
 # Starts its own nats-server (JetStream) and redis-server on free ports with their state under
 # the state folder (default .metronome/), never touching servers already running on the
@@ -11,7 +12,8 @@
 # process) with one worker-agent each, models assigned round-robin. Every process serves
 # Prometheus /metrics (the addresses are printed); --observe also starts a local Prometheus
 # (Debian's `prometheus`) scraping all of them with ops/prometheus/alerts.yml loaded.
-# Ctrl-C or SIGTERM stops everything it started.
+# Ctrl-C or SIGTERM stops everything it started. --keep-going (fault drills) reports a process
+# that exits instead of stopping everything: the drill restarts it.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -26,6 +28,7 @@ STATE_DIR="$ROOT/.metronome"
 PROFILE="release"
 BUILD=1
 OBSERVE=0
+KEEP_GOING=0
 SIM_ARGS=()
 
 while [ $# -gt 0 ]; do
@@ -39,6 +42,7 @@ while [ $# -gt 0 ]; do
     --profile) PROFILE="$2"; shift 2 ;;
     --no-build) BUILD=0; shift ;;
     --observe) OBSERVE=1; shift ;;
+    --keep-going) KEEP_GOING=1; shift ;;
     --sim-arg) SIM_ARGS+=("$2"); shift 2 ;;
     -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option $1 (see ./dev up --help)" ;;
@@ -115,7 +119,9 @@ cat > "$STATE_DIR/config/nats.conf" <<CONF
 max_payload: 8MB
 CONF
 start nats nats-server -c "$STATE_DIR/config/nats.conf" -a 127.0.0.1 -p "$NATS_PORT" -js -sd "$STATE_DIR/nats"
-start redis redis-server --bind 127.0.0.1 --port "$REDIS_PORT" --dir "$STATE_DIR/redis" --appendonly yes --save ""
+# noeviction: Metronome's keys are state, never a cache (docs/PROVISIONING.md).
+start redis redis-server --bind 127.0.0.1 --port "$REDIS_PORT" --dir "$STATE_DIR/redis" --appendonly yes --save "" \
+  --maxmemory 256mb --maxmemory-policy noeviction
 wait_tcp "$NATS_PORT" nats-server
 wait_tcp "$REDIS_PORT" redis-server
 
@@ -212,13 +218,16 @@ cat <<MSG
 
 MSG
 
-# Stay in the foreground; if any process dies, say which and stop everything.
+# Stay in the foreground; if any process dies, say which and stop everything (with
+# --keep-going: say it once and carry on).
+declare -A REPORTED=()
 while true; do
   for pid in "${PIDS[@]}"; do
-    if ! kill -0 "$pid" 2>/dev/null; then
-      name=$(grep -l "^$pid\$" "$STATE_DIR"/run/*.pid 2>/dev/null | xargs -r basename | sed 's/\.pid$//')
+    if [ -z "${REPORTED[$pid]:-}" ] && ! kill -0 "$pid" 2>/dev/null; then
+      REPORTED[$pid]=1
+      name=$(grep -l "^$pid\$" "$STATE_DIR"/run/*.pid 2>/dev/null | xargs -r basename | sed 's/\.pid$//' || true)
       log "process ${name:-$pid} exited: see $STATE_DIR/logs/${name:-}.log"
-      stop_all
+      [ "$KEEP_GOING" -eq 1 ] || stop_all
     fi
   done
   sleep 1

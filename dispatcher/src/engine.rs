@@ -826,6 +826,18 @@ impl Engine {
             self.publisher.send(publish::Outcome::PurgeWork {
                 worker_id: worker_id.to_string(),
             });
+            // And a worker that was only silent stops what it still runs of them.
+            self.publisher.send(publish::revoke(
+                worker_id,
+                self.s.epoch,
+                reservations.iter().map(|r| {
+                    (
+                        r.job_id.clone(),
+                        self.assigned.get(&r.job_id).map(|a| a.attempt),
+                    )
+                }),
+                why,
+            ));
         }
         for r in reservations {
             let assigned = self.assigned.remove(&r.job_id);

@@ -88,6 +88,13 @@ pub enum Outcome {
     /// Send `cancel.<job_id>` again: the worker now reports holding a job whose client's
     /// cancel may have reached it before its Assignment did.
     RelayCancel { job_id: String },
+    /// Tell a worker declared dead to stop the jobs this leader settled without it (core
+    /// NATS `control.<worker_id>.revoke`): a worker that was only silent must not keep
+    /// running a job that now runs elsewhere or was failed to its client.
+    Revoke {
+        worker_id: String,
+        revoke: metronome_protocol::Revoke,
+    },
     /// A final error result only (a job lost with its worker).
     FinalError {
         job_id: String,
@@ -389,6 +396,14 @@ async fn publish_loop(
                 }
                 in_flight.fetch_sub(1, Ordering::AcqRel);
             }
+            Outcome::Revoke { worker_id, revoke } => {
+                let subject = names::control_subject(&worker_id, names::CONTROL_REVOKE);
+                let body = Bytes::from(serde_json::to_vec(&revoke).unwrap_or_default());
+                if let Err(error) = client.publish(subject, body).await {
+                    tracing::warn!(worker_id, %error, "could not revoke the dead worker's jobs");
+                }
+                in_flight.fetch_sub(1, Ordering::AcqRel);
+            }
             Outcome::FinalError {
                 job_id,
                 worker_id,
@@ -427,6 +442,26 @@ async fn purge_below_last(js: &jetstream::Context, worker_id: &str) -> Result<(u
         .await
         .map_err(|e| e.to_string())?;
     Ok((purged.purged, below))
+}
+
+/// The revocation of `jobs` (id, attempt when known) held by a worker declared dead.
+pub fn revoke(
+    worker_id: &str,
+    epoch: u64,
+    jobs: impl Iterator<Item = (String, Option<u32>)>,
+    why: &str,
+) -> Outcome {
+    Outcome::Revoke {
+        worker_id: worker_id.to_string(),
+        revoke: metronome_protocol::Revoke {
+            v: metronome_protocol::PROTOCOL_VERSION,
+            epoch,
+            jobs: jobs
+                .map(|(job_id, attempt)| metronome_protocol::RevokedJob { job_id, attempt })
+                .collect(),
+            reason: format!("worker {worker_id} declared dead: {why}"),
+        },
+    }
 }
 
 /// The wire form of [`Assignment`], serialised from borrowed parts so the job (and its

@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
 
 use common::*;
+use futures::StreamExt;
 use metronome_protocol::{names, CompletionOutcome, Outcome, RejectionCode, TermName};
 use metronome_testkit::wait_for;
 
@@ -173,6 +174,12 @@ async fn refused_and_orphaned_jobs_are_assigned_again_with_the_next_attempt() {
         }
     });
 
+    let mut revokes = env
+        .client
+        .subscribe(names::control_subject("doomed", names::CONTROL_REVOKE))
+        .await
+        .unwrap();
+    env.client.flush().await.unwrap();
     env.submit("j1", "model-r", 10, 10).await;
     env.submit("j2", "model-r", 10, 10).await;
     let first = env
@@ -213,6 +220,19 @@ async fn refused_and_orphaned_jobs_are_assigned_again_with_the_next_attempt() {
     .await;
     assert_eq!(d.worker_id.as_deref(), Some("live"));
     assert!(running.metrics.rescued_jobs_total.load(Relaxed) >= 1);
+    // A `doomed` that was only silent is told to stop its copy of the rescued attempt.
+    let revoke = tokio::time::timeout(WAIT, revokes.next())
+        .await
+        .expect("a revocation for the dead worker")
+        .unwrap();
+    let revoke: metronome_protocol::Revoke = serde_json::from_slice(&revoke.payload).unwrap();
+    assert_eq!(
+        revoke.jobs,
+        vec![metronome_protocol::RevokedJob {
+            job_id: on_doomed.to_string(),
+            attempt: Some(1)
+        }]
+    );
     // The dead worker's pending Assignment is gone: if it came back it would not run it.
     wait_for("the dead worker's assignments purged", WAIT, || async {
         let stream = env.js.get_stream(names::STREAM_WORK).await.unwrap();

@@ -5,7 +5,9 @@
 //! Invariants: chunks leave in `seq` order, each once. Out-of-order chunks wait in a
 //! buffer; duplicates are dropped; chunks still missing when the final result arrives are
 //! counted as gaps and the buffered ones are sent in order (the final result is
-//! authoritative). Usage appears exactly once when asked for (the model server's own
+//! authoritative). Chunks all come from one run of the job (one worker, one attempt): the
+//! first run to stream is the only one relayed, and output of any other ends the stream
+//! with a `worker_lost` error rather than splicing two runs. Usage appears exactly once when asked for (the model server's own
 //! usage chunk if it sent one, otherwise one built from the final result) and never when
 //! not asked for. An error after the stream started is sent as `data: {"error": …}` and
 //! ends the stream without `[DONE]`.
@@ -160,27 +162,61 @@ pub fn response_as_chunk(endpoint: Endpoint, response: &Value) -> Value {
     chunk
 }
 
-/// The error to end a stream with when output arrives from a worker other than the one
-/// that already streamed to the client; records the first streaming worker.
-fn moved_worker(streaming_from: &mut Option<String>, worker: Option<&str>) -> Option<ApiError> {
+/// Which run of a job produced some output: its worker, and its dispatch attempt when the
+/// output says (chunks do; final results and older agents do not).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Run {
+    worker: String,
+    attempt: Option<u32>,
+}
+
+/// The error to end a stream with when output arrives from a run other than the one that
+/// already streamed to the client (another worker, or another attempt on the same
+/// worker: a job assigned again after its worker restarted); records the first run.
+/// Relaying it would splice two runs' chunks, and the reorder buffer would take the second
+/// run's `seq` numbers for the first's.
+fn moved_run(
+    streaming_from: &mut Option<Run>,
+    worker: Option<&str>,
+    attempt: Option<u32>,
+) -> Option<ApiError> {
     let worker = worker?;
-    match streaming_from {
+    let first = match streaming_from {
         None => {
-            *streaming_from = Some(worker.to_string());
-            None
+            *streaming_from = Some(Run {
+                worker: worker.to_string(),
+                attempt,
+            });
+            return None;
         }
-        Some(first) if first == worker => None,
-        Some(first) => Some(ApiError::from_result_error(
-            &metronome_protocol::ResultError {
-                code: metronome_protocol::ErrorCode::WorkerLost,
-                message: format!(
-                    "worker {first} was lost after streaming part of the output; the rest \
-                     came from {worker} and was not relayed, so no output is duplicated"
-                ),
-            },
-            0,
-        )),
+        Some(first) => first,
+    };
+    if first.worker == worker {
+        match (first.attempt, attempt) {
+            (Some(a), Some(b)) if a != b => {}
+            (None, Some(b)) => {
+                first.attempt = Some(b);
+                return None;
+            }
+            _ => return None,
+        }
     }
+    let describe = |w: &str, a: Option<u32>| match a {
+        Some(a) => format!("{w} (attempt {a})"),
+        None => w.to_string(),
+    };
+    Some(ApiError::from_result_error(
+        &metronome_protocol::ResultError {
+            code: metronome_protocol::ErrorCode::WorkerLost,
+            message: format!(
+                "the run on {} was lost after streaming part of the output; the rest came \
+                 from {} and was not relayed, so no output is duplicated",
+                describe(&first.worker, first.attempt),
+                describe(worker, attempt)
+            ),
+        },
+        0,
+    ))
 }
 
 fn data(value: &Value) -> Event {
@@ -210,14 +246,15 @@ fn events(
         let mut order = Reorder::default();
         let mut usage = UsagePolicy::new(include_usage);
         let mut last: Option<Value> = None;
-        // The worker whose tokens the client has. Output from any other worker would be a
-        // second run of the job: the client would see its text twice.
-        let mut streaming_from: Option<String> = None;
+        // The run whose tokens the client has. Output from any other run (another worker,
+        // or another attempt) would be a second run of the job: the client would see its
+        // text twice.
+        let mut streaming_from: Option<Run> = None;
         loop {
             match submission.next_event().await {
                 Ok(JobEvent::Assigned(_)) => {}
                 Ok(JobEvent::Chunk(chunk)) => {
-                    if let Some(moved) = moved_worker(&mut streaming_from, Some(&chunk.worker_id)) {
+                    if let Some(moved) = moved_run(&mut streaming_from, Some(&chunk.worker_id), chunk.attempt) {
                         yield Ok(data(&moved.body()));
                         break;
                     }
@@ -230,7 +267,7 @@ fn events(
                 }
                 Ok(JobEvent::Final(result)) => {
                     submission.finished();
-                    if let Some(moved) = moved_worker(&mut streaming_from, result.worker_id.as_deref()) {
+                    if let Some(moved) = moved_run(&mut streaming_from, result.worker_id.as_deref(), None) {
                         yield Ok(data(&moved.body()));
                         break;
                     }
@@ -272,17 +309,39 @@ fn events(
 }
 
 #[cfg(test)]
-mod moved_worker_tests {
+mod moved_run_tests {
     use super::*;
 
     #[test]
     fn output_from_a_second_worker_ends_the_stream() {
         let mut from = None;
-        assert!(moved_worker(&mut from, Some("a")).is_none());
-        assert!(moved_worker(&mut from, Some("a")).is_none());
-        assert!(moved_worker(&mut from, None).is_none());
-        let err = moved_worker(&mut from, Some("b")).expect("moved");
+        assert!(moved_run(&mut from, Some("a"), None).is_none());
+        assert!(moved_run(&mut from, Some("a"), None).is_none());
+        assert!(moved_run(&mut from, None, None).is_none());
+        let err = moved_run(&mut from, Some("b"), None).expect("moved");
         assert_eq!(err.code, Some("worker_lost"));
+    }
+
+    #[test]
+    fn a_second_attempt_on_the_same_worker_ends_the_stream() {
+        let mut from = None;
+        assert!(moved_run(&mut from, Some("a"), Some(1)).is_none());
+        assert!(moved_run(&mut from, Some("a"), Some(1)).is_none());
+        assert!(
+            moved_run(&mut from, Some("a"), None).is_none(),
+            "a final result names no attempt"
+        );
+        let err = moved_run(&mut from, Some("a"), Some(2)).expect("a second run");
+        assert_eq!(err.code, Some("worker_lost"));
+        assert!(err.body().to_string().contains("attempt 2"));
+    }
+
+    #[test]
+    fn the_first_known_attempt_is_kept() {
+        let mut from = None;
+        assert!(moved_run(&mut from, Some("a"), None).is_none());
+        assert!(moved_run(&mut from, Some("a"), Some(3)).is_none());
+        assert!(moved_run(&mut from, Some("a"), Some(4)).is_some());
     }
 }
 

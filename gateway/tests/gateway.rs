@@ -144,6 +144,25 @@ async fn an_error_after_the_stream_started_is_an_sse_error_event() {
 }
 
 #[tokio::test]
+async fn a_second_run_of_the_job_on_the_same_worker_is_not_spliced_into_the_stream() {
+    let h = Harness::start(|_| {}).await;
+    let resp = h
+        .post("/v1/chat/completions", &chat_body("#rerun", true))
+        .await;
+    assert_eq!(resp.status(), 200);
+    let events = sse_data(&resp.text().await.unwrap());
+    // "Hel" of attempt 1, then the error: attempt 2's "now" (seq 1) would otherwise follow
+    // attempt 1's seq 0 and make "Helnow".
+    assert_eq!(events.len(), 2, "{events:?}");
+    let first: Value = serde_json::from_str(&events[0]).unwrap();
+    assert_eq!(first["choices"][0]["delta"]["content"], "Hel");
+    let error: Value = serde_json::from_str(&events[1]).unwrap();
+    assert_eq!(error["error"]["code"], "worker_lost");
+    assert!(!events.contains(&"[DONE]".to_string()));
+    h.assert_serving().await;
+}
+
+#[tokio::test]
 async fn models_lists_each_served_model_once() {
     let h = Harness::start(|_| {}).await;
     h.register_worker("node1-gpu1", MODEL).await;

@@ -14,6 +14,7 @@
 pub mod bench;
 pub mod client;
 pub mod dist;
+pub mod drill;
 pub mod error;
 pub mod output;
 pub mod plan;

@@ -23,7 +23,7 @@ pub mod time;
 pub mod worker;
 
 pub use assignment::Assignment;
-pub use control::ControlReply;
+pub use control::{ControlReply, Revoke, RevokedJob};
 pub use decision::{
     CandidateScore, Decision, Outcome, Rejection, RejectionCode, TermName, TermScore,
 };

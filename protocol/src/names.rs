@@ -119,6 +119,9 @@ pub fn cancel_subject(job_id: &str) -> String {
 pub const CONTROL_DRAIN: &str = "drain";
 /// Control action: take new work again.
 pub const CONTROL_UNDRAIN: &str = "undrain";
+/// Control action of the leader, not an operator: stop the listed jobs without a result,
+/// the leader has declared this worker dead and settled them (a [`crate::Revoke`] body).
+pub const CONTROL_REVOKE: &str = "revoke";
 
 /// `control.<worker_id>.<action>`: an operator's request to one worker-agent (core NATS
 /// request/reply; the agent answers with a [`crate::ControlReply`]).

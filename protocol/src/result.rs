@@ -12,6 +12,10 @@ pub struct ResultChunk {
     /// 0, 1, 2… per job: a client can detect a gap.
     pub seq: u64,
     pub worker_id: String,
+    /// The dispatch attempt that produced it: chunks of two runs of one job (a job run
+    /// again on the same worker) are told apart by it. `None` from older agents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<u32>,
     /// The OpenAI streaming chunk object (`chat.completion.chunk` or `text_completion`).
     pub data: Value,
 }

@@ -231,6 +231,20 @@ else
   fail "control plane (NATS, Redis, dispatcher a+b, gateway) rendered on the control host only" "missing:$missing"
 fi
 
+# Redis keeps Metronome's state (no key has a TTL): it must refuse writes when full, never
+# evict, in every way the system is started.
+redis_conf="$ctl/etc/metronome/redis/redis.conf"
+evicting=$(grep -hE '^[[:space:]]*maxmemory-policy' "$redis_conf" 2>/dev/null | grep -v 'noeviction')
+if grep -qE '^[[:space:]]*maxmemory-policy[[:space:]]+noeviction[[:space:]]*$' "$redis_conf" 2>/dev/null \
+  && [ -z "$evicting" ] \
+  && grep -q -- '--maxmemory-policy noeviction' "$ROOT/scripts/up.sh" \
+  && grep -qE '"--maxmemory-policy", *"noeviction"' "$ROOT/compose.yaml"; then
+  pass "Redis never evicts: maxmemory-policy noeviction in the rendered redis.conf, ./dev up and compose.yaml"
+else
+  fail "Redis never evicts: maxmemory-policy noeviction in the rendered redis.conf, ./dev up and compose.yaml" \
+    "rendered: $(grep -h maxmemory-policy "$redis_conf" 2>/dev/null || echo none)"
+fi
+
 # --- each config accepted by its own binary -------------------------------------------
 config_check() { # $1 = binary, rest = config files
   local bin=$1 f out

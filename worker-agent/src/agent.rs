@@ -11,6 +11,12 @@
 //!   reason, counted, copied to the dead-letter subject and terminated (never redelivered).
 //! - A job is in `in_flight` from the moment it is accepted until its event is published;
 //!   heartbeats list exactly these ids.
+//! - No job runs twice because of this agent: a redelivered assignment it does not hold
+//!   (it restarted, or the delivery never reached a runner) is refused back to the
+//!   dispatcher rather than run; a job starts only once a stored heartbeat lists it, and
+//!   never if the agent was fenced (see [`crate::fence`]) between taking and reporting it;
+//!   a job the leader revoked (it declared this worker dead and settled the job) stops
+//!   without a result or an event.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -89,7 +95,11 @@ impl AgentError {
 
 /// A job the agent holds.
 pub(crate) struct Held {
+    /// Fired by its client's `cancel.<job_id>`.
     pub cancel: CancellationToken,
+    /// Fired when the leader revokes this attempt (`control.<worker_id>.revoke`).
+    pub revoke: CancellationToken,
+    pub attempt: u32,
 }
 
 /// State shared by the intake, the runners and the heartbeat.
@@ -119,6 +129,18 @@ pub(crate) struct Shared {
     pub accepted_generation: AtomicU64,
     /// Highest `accepted_generation` a successfully stored heartbeat has covered.
     pub reported_generation: tokio::sync::watch::Sender<u64>,
+    /// Raised while heartbeats are not being stored: nothing is pulled or started.
+    pub fence: crate::fence::Fence,
+    /// Jobs the last stored heartbeat of this worker's previous run listed: that run may
+    /// have started them and streamed part of their output.
+    pub reported_before_restart: std::collections::HashSet<String>,
+    /// Recent revocations, so an assignment delivered before its revocation but read after
+    /// it (a stopped agent reads both on waking) is not started either. Bounded.
+    pub revoked: Mutex<std::collections::VecDeque<metronome_protocol::RevokedJob>>,
+    /// Recently ended attempts `(job id, attempt)`: a redelivery of one (its WORK ack was
+    /// lost, e.g. in a NATS restart) is acknowledged, not refused, since refusing would make
+    /// the dispatcher run a finished job again. Bounded.
+    pub ended: Mutex<std::collections::VecDeque<(String, u32)>>,
 }
 
 impl Shared {
@@ -147,6 +169,59 @@ impl Shared {
         self.perf.lock().expect("perf lock").coefficients()
     }
 
+    /// Stop the held jobs `revoke` covers; returns how many were held.
+    pub fn revoke(&self, revoke: &metronome_protocol::Revoke) -> usize {
+        let highest = self.max_epoch.load(Ordering::SeqCst);
+        if revoke.epoch < highest {
+            tracing::warn!(
+                epoch = revoke.epoch,
+                highest_epoch = highest,
+                "revocation from a deposed leader ignored"
+            );
+            return 0;
+        }
+        {
+            let mut recent = self.revoked.lock().expect("revoked lock");
+            for r in &revoke.jobs {
+                if recent.len() >= RECENT_KEPT {
+                    recent.pop_front();
+                }
+                recent.push_back(r.clone());
+            }
+        }
+        let map = self.in_flight.lock().expect("in_flight lock");
+        let mut n = 0;
+        for r in &revoke.jobs {
+            if let Some(held) = map
+                .get(&r.job_id)
+                .filter(|h| r.covers(&r.job_id, h.attempt))
+            {
+                tracing::warn!(job_id = %r.job_id, attempt = held.attempt, epoch = revoke.epoch, reason = %revoke.reason, "revoked by the leader: stopping without a result");
+                held.revoke.cancel();
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Remember that this attempt ended here (ran, was refused or revoked).
+    pub fn remember_ended(&self, job_id: &str, attempt: u32) {
+        let mut ended = self.ended.lock().expect("ended lock");
+        if ended.len() >= RECENT_KEPT {
+            ended.pop_front();
+        }
+        ended.push_back((job_id.to_string(), attempt));
+    }
+
+    /// Whether a revocation already received covers this attempt.
+    pub fn was_revoked(&self, job_id: &str, attempt: u32) -> bool {
+        self.revoked
+            .lock()
+            .expect("revoked lock")
+            .iter()
+            .any(|r| r.covers(job_id, attempt))
+    }
+
     fn release(&self, job_id: &str) {
         let left = {
             let mut map = self.in_flight.lock().expect("in_flight lock");
@@ -157,6 +232,9 @@ impl Shared {
         self.slot_freed.notify_one();
     }
 }
+
+/// Revocations and ended attempts remembered for assignments read after them.
+const RECENT_KEPT: usize = 4096;
 
 /// Create (or find) the agent's durable consumer.
 pub(crate) async fn ensure_consumer(
@@ -197,6 +275,15 @@ pub(crate) async fn intake(
     let max = shared.config.max_concurrency as usize;
     let mut backoff = Duration::from_millis(100);
     while !stop.is_cancelled() {
+        if shared.fence.check(tokio::time::Instant::now()).fenced {
+            tracing::warn!("fenced: not pulling until a heartbeat is stored");
+            tokio::select! {
+                _ = shared.fence.wait_lowered() => {}
+                _ = stop.cancelled() => break,
+            }
+            tracing::info!("heartbeats stored again: pulling");
+            continue;
+        }
         let free = max.saturating_sub(shared.running());
         if free == 0 {
             tokio::select! {
@@ -260,6 +347,7 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
                 CompletionOutcome::Failed,
                 Some((ErrorCode::InvalidJob, e.to_string())),
                 &e.to_string(),
+                false,
             )
             .await;
         }
@@ -290,51 +378,196 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
         return refuse(shared, &msg, &assignment, "worker is draining").await;
     }
     let cancel = CancellationToken::new();
-    {
+    let revoke = CancellationToken::new();
+    let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
+    let revoked = shared.was_revoked(&job_id, assignment.attempt);
+    let ended = shared
+        .ended
+        .lock()
+        .expect("ended lock")
+        .iter()
+        .any(|(id, a)| *id == job_id && *a == assignment.attempt);
+    let taken = {
         let mut map = shared.in_flight.lock().expect("in_flight lock");
         if map.contains_key(&job_id) {
+            Taken::AlreadyHeld
+        } else if revoked {
+            Taken::Revoked
+        } else if ended {
+            Taken::AlreadyEnded
+        } else if delivered > 1 {
+            Taken::NotHeldRedelivery
+        } else {
+            map.insert(
+                job_id.clone(),
+                Held {
+                    cancel: cancel.clone(),
+                    revoke: revoke.clone(),
+                    attempt: assignment.attempt,
+                },
+            );
+            shared.metrics.running_jobs.set(map.len() as u64);
+            Taken::Accepted
+        }
+    };
+    match taken {
+        Taken::Accepted => {}
+        Taken::Revoked => {
+            // The leader gave this attempt away before the agent read it.
+            shared.metrics.revoked_jobs.inc();
+            tracing::warn!(%job_id, attempt = assignment.attempt, "assignment already revoked by the leader: not started");
+            if let Err(e) = msg.ack_with(AckKind::Term).await {
+                tracing::warn!(%job_id, error = %e, "terminating a revoked WORK message failed");
+            }
+            return;
+        }
+        Taken::AlreadyEnded => {
+            tracing::info!(%job_id, attempt = assignment.attempt, delivered, "redelivery of an attempt that already ended: acknowledged");
+            if let Err(e) = msg.double_ack().await {
+                tracing::warn!(%job_id, error = %e, "acknowledging an ended redelivery failed");
+            }
+            return;
+        }
+        Taken::AlreadyHeld => {
             // A redelivery of a job this agent is already running: the running copy acks it.
-            drop(map);
             tracing::info!(%job_id, "redelivery of a running job ignored");
             return;
         }
-        map.insert(
-            job_id.clone(),
-            Held {
-                cancel: cancel.clone(),
-            },
-        );
-        shared.metrics.running_jobs.set(map.len() as u64);
+        Taken::NotHeldRedelivery if shared.reported_before_restart.contains(&job_id) => {
+            // The previous run of this agent reported it, so it may have started and
+            // streamed: running it anywhere again could duplicate output its client already
+            // has. It fails with the lost-worker error, as a dead worker's reported jobs do.
+            shared.metrics.redelivery_refusals.inc();
+            tracing::warn!(%job_id, attempt = assignment.attempt, delivered, "redelivered assignment a previous run of this agent had started: failed as lost");
+            let message = format!(
+                "worker {} restarted while holding the job; it is not run again so no output is duplicated",
+                shared.config.worker_id
+            );
+            finish_without_running(
+                shared,
+                &assignment,
+                CompletionOutcome::Failed,
+                Some((ErrorCode::WorkerLost, message.clone())),
+                &message,
+                true,
+            )
+            .await;
+            if let Err(e) = msg.double_ack().await {
+                tracing::warn!(%job_id, error = %e, "acknowledging a lost redelivery failed");
+            }
+            return;
+        }
+        Taken::NotHeldRedelivery => {
+            // Delivered before, not held and never reported: an earlier run of this agent
+            // took it but never started it before a restart, or the delivery was lost on
+            // the way. Running it now could still run it twice (the dispatcher may have
+            // moved it); the dispatcher decides again.
+            shared.metrics.redelivery_refusals.inc();
+            tracing::warn!(%job_id, attempt = assignment.attempt, delivered, "redelivered assignment this agent does not hold: refused");
+            let reason = format!(
+                "redelivered assignment (delivery {delivered}) that worker {} does not hold: it restarted or never started it",
+                shared.config.worker_id
+            );
+            return refuse(shared, &msg, &assignment, &reason).await;
+        }
     }
     let generation = shared.accepted_generation.fetch_add(1, Ordering::SeqCst) + 1;
+    let attempt = assignment.attempt;
+    // Taken while fenced (read from a pull made before the fence rose, or on waking from a
+    // stop): it counts as taken before the episode, so it is refused, not started, when
+    // the next heartbeat reports it.
+    let fence = shared.fence.check(tokio::time::Instant::now());
+    let episodes = fence.episodes - u64::from(fence.fenced);
     let shared = shared.clone();
     tokio::spawn(async move {
-        wait_until_reported(&shared, &job_id, generation).await;
-        run_job(shared.clone(), assignment, msg, cancel, start).await;
+        match wait_until_reported(&shared, generation, episodes, &revoke).await {
+            Reported::Start => {
+                run_job(shared.clone(), assignment, msg, cancel, revoke, start).await
+            }
+            Reported::Fenced => {
+                tracing::warn!(%job_id, "the agent was fenced before the job was reported: refused");
+                let reason = "the worker's heartbeats were not stored before the job was reported; it may have been given to another worker";
+                refuse(&shared, &msg, &assignment, reason).await;
+            }
+            Reported::Revoked => {
+                shared.metrics.revoked_jobs.inc();
+                if let Err(e) = msg.ack_with(AckKind::Term).await {
+                    tracing::warn!(%job_id, error = %e, "terminating a revoked WORK message failed");
+                }
+            }
+            Reported::Aborted => {
+                tracing::warn!(%job_id, "shutting down before the job was reported: refused");
+                refuse(
+                    &shared,
+                    &msg,
+                    &assignment,
+                    "the worker-agent shut down before starting the job",
+                )
+                .await;
+            }
+        }
+        shared.remember_ended(&job_id, attempt);
         shared.release(&job_id);
     });
 }
 
-/// How long a job waits for the heartbeat that reports it before starting anyway.
-const REPORT_WAIT: Duration = Duration::from_secs(2);
+/// What the intake did with a delivered assignment.
+enum Taken {
+    Accepted,
+    Revoked,
+    AlreadyEnded,
+    AlreadyHeld,
+    NotHeldRedelivery,
+}
+
+/// What became of a job waiting for the heartbeat that reports it.
+#[derive(Debug, PartialEq, Eq)]
+enum Reported {
+    /// A stored heartbeat lists it and the agent was not fenced meanwhile: run it.
+    Start,
+    /// The agent was fenced between taking and reporting it: refuse it.
+    Fenced,
+    /// The leader revoked it.
+    Revoked,
+    /// The drain timeout passed first.
+    Aborted,
+}
 
 /// Start a job only once a stored heartbeat lists it. The dispatcher re-dispatches the
 /// jobs of a dead worker that it never saw reported, so a job must not produce a token
 /// before it is reported: otherwise a crash right after the first tokens would run it
-/// twice and duplicate its output. One heartbeat covers every job accepted before it, so
-/// under load many jobs share one put.
-async fn wait_until_reported(shared: &Shared, job_id: &str, generation: u64) {
+/// twice and duplicate its output. There is no time limit: a job never starts unreported
+/// (heartbeats that keep failing fence the agent, and the job is refused once they are
+/// stored again). One heartbeat covers every job accepted before it, so under load many
+/// jobs share one put.
+async fn wait_until_reported(
+    shared: &Shared,
+    generation: u64,
+    episodes_at_accept: u64,
+    revoke: &CancellationToken,
+) -> Reported {
     let mut reported = shared.reported_generation.subscribe();
     shared.heartbeat_now.notify_one();
-    let waited = tokio::time::timeout(REPORT_WAIT, reported.wait_for(|g| *g >= generation)).await;
-    if !matches!(waited, Ok(Ok(_))) {
-        tracing::warn!(%job_id, "no heartbeat stored in time: starting the job unreported");
+    tokio::select! {
+        r = reported.wait_for(|g| *g >= generation) => {
+            if r.is_err() {
+                return Reported::Aborted;
+            }
+        }
+        _ = revoke.cancelled() => return Reported::Revoked,
+        _ = shared.abort.cancelled() => return Reported::Aborted,
     }
+    // The heartbeat loop records the store in the fence before it publishes the
+    // generation, so a gap that ended with this very store is already counted.
+    if shared.fence.check(tokio::time::Instant::now()).episodes != episodes_at_accept {
+        return Reported::Fenced;
+    }
+    Reported::Start
 }
 
 /// Refuse without running: the dispatcher will decide again.
 async fn refuse(shared: &Shared, msg: &jetstream::Message, a: &Assignment, reason: &str) {
-    finish_without_running(shared, a, CompletionOutcome::Refused, None, reason).await;
+    finish_without_running(shared, a, CompletionOutcome::Refused, None, reason, false).await;
     if let Err(e) = msg.double_ack().await {
         tracing::warn!(job_id = %a.job.id, error = %e, "acknowledging a refused assignment failed");
     }
@@ -347,6 +580,7 @@ async fn finish_without_running(
     outcome: CompletionOutcome,
     final_error: Option<(ErrorCode, String)>,
     reason: &str,
+    streamed: bool,
 ) {
     let msg_id = work_msg_id(&a.job.id, a.attempt);
     if let Some((code, message)) = final_error {
@@ -378,7 +612,7 @@ async fn finish_without_running(
         epoch: a.epoch,
         attempt: a.attempt,
         outcome,
-        streamed: false,
+        streamed,
         error: Some(reason.to_string()),
         prompt_tokens: a.job.prompt_tokens,
         output_tokens: 0,

@@ -66,6 +66,12 @@ pub struct Config {
     /// worker's performance model decide admission below it.
     pub max_concurrency: u32,
     pub heartbeat_interval_ms: u64,
+    /// After this long without a stored heartbeat the agent fences itself: it stops
+    /// pulling and starts no job until a heartbeat is stored again. Keep it at or below the
+    /// dispatcher's `heartbeat_timeout_ms`: past that the dispatcher declares the worker
+    /// dead and assigns its unreported jobs elsewhere, so running them here would run them
+    /// twice.
+    pub fence_after_ms: u64,
     pub nats_url: String,
     pub redis_url: String,
     pub redis_prefix: String,
@@ -105,6 +111,7 @@ impl Default for Config {
             metrics_path: "/metrics".into(),
             max_concurrency: 256,
             heartbeat_interval_ms: 1_000,
+            fence_after_ms: 3_000,
             nats_url: "nats://127.0.0.1:4222".into(),
             redis_url: "redis://127.0.0.1:6379/".into(),
             redis_prefix: metronome_protocol::redis_keys::DEFAULT_PREFIX.into(),
@@ -244,6 +251,7 @@ impl Config {
         }
         for (field, ms) in [
             ("heartbeat_interval_ms", self.heartbeat_interval_ms),
+            ("fence_after_ms", self.fence_after_ms),
             ("ewma_half_life_ms", self.ewma_half_life_ms),
             ("progress_ack_interval_ms", self.progress_ack_interval_ms),
             ("ack_wait_ms", self.ack_wait_ms),
@@ -253,6 +261,15 @@ impl Config {
             if ms == 0 {
                 err(field, "must be above 0".into());
             }
+        }
+        if self.fence_after_ms <= self.heartbeat_interval_ms {
+            err(
+                "fence_after_ms",
+                format!(
+                    "{} must be above heartbeat_interval_ms ({}), or the agent fences itself between two heartbeats",
+                    self.fence_after_ms, self.heartbeat_interval_ms
+                ),
+            );
         }
         if self.progress_ack_interval_ms >= self.ack_wait_ms {
             err(
@@ -288,6 +305,9 @@ impl Config {
 
     pub fn heartbeat_interval(&self) -> Duration {
         Duration::from_millis(self.heartbeat_interval_ms)
+    }
+    pub fn fence_after(&self) -> Duration {
+        Duration::from_millis(self.fence_after_ms)
     }
     pub fn progress_ack_interval(&self) -> Duration {
         Duration::from_millis(self.progress_ack_interval_ms)

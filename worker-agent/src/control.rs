@@ -1,5 +1,6 @@
 //! Operator control over core NATS request/reply on `control.<worker_id>.<action>`
-//! (`drain`, `undrain`; see `metronome_protocol::control`).
+//! (`drain`, `undrain`; see `metronome_protocol::control`), and the leader's `revoke`
+//! of jobs it settled after declaring this worker dead.
 //!
 //! Draining here is the same state a shutdown enters, without the exit: the next heartbeat
 //! (sent at once) says `draining`, so the dispatcher stops choosing this worker, and an
@@ -14,8 +15,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use futures::StreamExt;
-use metronome_protocol::names::{control_subject_all, CONTROL_DRAIN, CONTROL_UNDRAIN};
-use metronome_protocol::{ControlReply, PROTOCOL_VERSION};
+use metronome_protocol::names::{
+    control_subject_all, CONTROL_DRAIN, CONTROL_REVOKE, CONTROL_UNDRAIN,
+};
+use metronome_protocol::{ControlReply, Revoke, PROTOCOL_VERSION};
 use tokio_util::sync::CancellationToken;
 
 use crate::agent::{AgentError, Shared};
@@ -44,7 +47,11 @@ pub(crate) async fn serve(
             _ = stop.cancelled() => break,
         };
         let action = msg.subject.rsplit('.').next().unwrap_or_default();
-        let error = apply(&shared, action);
+        let error = if action == CONTROL_REVOKE {
+            revoke(&shared, &msg.payload)
+        } else {
+            apply(&shared, action)
+        };
         let Some(reply) = msg.reply else { continue };
         let body = ControlReply {
             v: PROTOCOL_VERSION,
@@ -57,6 +64,26 @@ pub(crate) async fn serve(
         let payload = serde_json::to_vec(&body).unwrap_or_default();
         if let Err(e) = shared.client.publish(reply, payload.into()).await {
             tracing::warn!(error = %e, "answering a control request failed");
+        }
+    }
+}
+
+/// Stop the jobs a leader revoked; an error text for a body that is not a [`Revoke`].
+fn revoke(shared: &Shared, body: &[u8]) -> Option<String> {
+    match serde_json::from_slice::<Revoke>(body) {
+        Ok(r) => {
+            let held = shared.revoke(&r);
+            tracing::info!(
+                listed = r.jobs.len(),
+                held,
+                epoch = r.epoch,
+                "revocation from the leader applied"
+            );
+            None
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "malformed revocation ignored");
+            Some(format!("not a revocation: {e}"))
         }
     }
 }

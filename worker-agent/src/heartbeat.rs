@@ -14,6 +14,10 @@
 //! ([`crate::probe`]) and a heartbeat sends the latest results they stored, so a model server
 //! slow to answer `/metrics` (or a stalled NVML) cannot delay heartbeats past the
 //! dispatcher's death timeout.
+//!
+//! Each stored heartbeat lowers the agent's fence ([`crate::fence`]); a put that fails or
+//! hangs past `fence_after_ms` does not, so an agent whose heartbeats the dispatcher cannot
+//! see stops taking work before (or as) the dispatcher gives it away.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -81,31 +85,44 @@ impl Heartbeat {
             }
         };
         let shared = &self.shared;
-        let put = self
-            .bucket
-            .put(&shared.config.worker_id, body.clone())
-            .await;
-        let publish = shared
+        // A put that hangs is as good as a failed one for the dispatcher, and must not
+        // hold the loop past the fence timeout.
+        let put = match tokio::time::timeout(
+            shared.config.fence_after(),
+            self.bucket.put(&shared.config.worker_id, body.clone()),
+        )
+        .await
+        {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!(
+                "no answer within {} ms",
+                shared.config.fence_after_ms
+            )),
+        };
+        if let Err(e) = shared
             .client
             .publish(heartbeat_subject(&shared.config.worker_id), body)
-            .await;
-        match (put, publish) {
-            (Ok(_), Ok(())) => {
+            .await
+        {
+            // The bucket is what the dispatcher trusts; the core copy is a convenience.
+            tracing::warn!(error = %e, seq = status.seq, "publishing the heartbeat failed");
+        }
+        match put {
+            Ok(()) => {
                 shared.metrics.heartbeats.inc();
+                // The fence first: a job waiting for this report checks it next.
+                shared.fence.stored(tokio::time::Instant::now());
                 let generation = self.generation;
                 shared
                     .reported_generation
                     .send_modify(|g| *g = (*g).max(generation));
                 Some(status)
             }
-            (put, publish) => {
+            Err(error) => {
                 shared.metrics.heartbeat_errors.inc();
-                tracing::warn!(
-                    kv_error = put.err().map(|e| e.to_string()),
-                    publish_error = publish.err().map(|e| e.to_string()),
-                    seq = status.seq,
-                    "heartbeat not fully sent"
-                );
+                let fenced = shared.fence.check(tokio::time::Instant::now()).fenced;
+                tracing::warn!(%error, seq = status.seq, fenced, "heartbeat not stored");
                 None
             }
         }

@@ -13,9 +13,11 @@
 
 pub mod agent;
 pub mod assemble;
+pub mod bound;
 pub mod config;
 mod control;
 pub mod ewma_store;
+mod fence;
 pub mod gpu_probe;
 mod heartbeat;
 pub mod load_tracker;
@@ -159,6 +161,18 @@ pub async fn start(
         "worker-agent started"
     );
 
+    // The last heartbeat of a previous run of this worker still in the bucket: its sequence
+    // continues (a reader that drops out-of-order heartbeats must not drop those of a
+    // restarted agent), and the jobs it reported may have started and streamed.
+    let previous = match buckets.workers.get(&config.worker_id).await {
+        Ok(Some(bytes)) => serde_json::from_slice::<metronome_protocol::WorkerStatus>(&bytes).ok(),
+        _ => None,
+    };
+    let last_seq = previous.as_ref().map_or(0, |s| s.seq);
+    let reported_before_restart = previous
+        .map(|s| s.in_flight.into_iter().collect())
+        .unwrap_or_default();
+    let config_fence_after = config.fence_after();
     let shared = Arc::new(Shared {
         config,
         client: client.clone(),
@@ -177,6 +191,14 @@ pub async fn start(
         abort: CancellationToken::new(),
         accepted_generation: std::sync::atomic::AtomicU64::new(0),
         reported_generation: tokio::sync::watch::channel(0).0,
+        reported_before_restart,
+        revoked: Mutex::new(std::collections::VecDeque::new()),
+        ended: Mutex::new(std::collections::VecDeque::new()),
+        fence: fence::Fence::new(
+            config_fence_after,
+            tokio::time::Instant::now(),
+            metrics.clone(),
+        ),
     });
 
     let metrics_stop = CancellationToken::new();
@@ -207,14 +229,6 @@ pub async fn start(
         });
     }
 
-    // Continue the sequence of a previous run of this worker still in the bucket, so a
-    // reader that drops out-of-order heartbeats does not drop those of a restarted agent.
-    let last_seq = match buckets.workers.get(&shared.config.worker_id).await {
-        Ok(Some(bytes)) => serde_json::from_slice::<metronome_protocol::WorkerStatus>(&bytes)
-            .map(|s| s.seq)
-            .unwrap_or(0),
-        _ => 0,
-    };
     let probes = Arc::new(probe::ProbeCache::default());
     probe::probe_once(&shared, &deps.gpu, &probes).await;
     let probe_stop = CancellationToken::new();

@@ -73,6 +73,13 @@ pub struct AgentMetrics {
     pub jobs_cancelled: Counter,
     pub jobs_refused: Counter,
     pub stale_epoch_refusals: Counter,
+    /// Redelivered assignments refused because the agent did not hold them (it restarted
+    /// or never started them): running them could run the job twice.
+    pub redelivery_refusals: Counter,
+    /// Held jobs the leader revoked after declaring this worker dead (stopped, no result).
+    pub revoked_jobs: Counter,
+    /// Times the agent fenced itself (no heartbeat stored for `fence_after_ms`).
+    pub fence_episodes: Counter,
     pub malformed_assignments: Counter,
     pub output_tokens: Counter,
     pub prompt_tokens: Counter,
@@ -87,6 +94,8 @@ pub struct AgentMetrics {
     pub ttft: TtftHistogram,
     pub running_jobs: Gauge,
     pub draining: Gauge,
+    /// 1 while the agent is fenced (no heartbeat stored for `fence_after_ms`).
+    pub fenced: Gauge,
 }
 
 impl AgentMetrics {
@@ -134,6 +143,21 @@ impl AgentMetrics {
                 "metronome_worker_stale_epoch_refusals",
                 "Assignments refused because a newer leader epoch had been seen.",
                 vec![(None, &self.stale_epoch_refusals)],
+            ),
+            c(
+                "metronome_worker_redelivery_refusals",
+                "Redelivered assignments refused because the agent did not hold them (restarted or never started).",
+                vec![(None, &self.redelivery_refusals)],
+            ),
+            c(
+                "metronome_worker_revoked_jobs",
+                "Held jobs stopped without a result because the leader declared this worker dead and revoked them.",
+                vec![(None, &self.revoked_jobs)],
+            ),
+            c(
+                "metronome_worker_fence_episodes",
+                "Times the agent fenced itself because no heartbeat was stored for fence_after_ms.",
+                vec![(None, &self.fence_episodes)],
             ),
             c(
                 "metronome_worker_malformed_assignments",
@@ -187,6 +211,11 @@ impl AgentMetrics {
                 "metronome_worker_draining",
                 "1 while the agent takes no new work (operator drain or shutdown).",
                 &self.draining,
+            ),
+            g(
+                "metronome_worker_fenced",
+                "1 while the agent is fenced: no heartbeat stored for fence_after_ms, so it pulls and starts nothing.",
+                &self.fenced,
             ),
         ];
         let mut registry = Registry::with_labels(

@@ -41,6 +41,7 @@ use tracing::Instrument;
 
 use crate::agent::Shared;
 use crate::assemble::Assembler;
+use crate::bound::bound_request;
 use crate::ewma_store::JobSample;
 use crate::load_tracker::Measured;
 
@@ -50,6 +51,9 @@ enum Ending {
     Done,
     Failed(ErrorCode, String),
     Cancelled,
+    /// The leader declared this worker dead and settled the job without it: no result and
+    /// no event, which would compete with the job's other run or its lost-worker error.
+    Revoked,
 }
 
 /// Timing of the token arrivals of one job.
@@ -87,6 +91,7 @@ pub(crate) async fn run_job(
     assignment: Assignment,
     msg: jetstream::Message,
     cancel: CancellationToken,
+    revoke: CancellationToken,
     start: Instant,
 ) {
     let job_id = assignment.job.id.clone();
@@ -104,7 +109,14 @@ pub(crate) async fn run_job(
         let cfg = &shared.config;
         tracing::info!(endpoint = ?job.endpoint, max_tokens = job.max_tokens, "job started");
         shared.load.lock().expect("load lock").started(&job.id, job.prompt_tokens, Instant::now());
-        let mut chunks = shared.model.stream_completion(job.endpoint, job.request.clone());
+        // The job's size, not its body, bounds the output (what was reserved for it).
+        let (mut chunks, refused_body) = match bound_request(job.request.clone(), job.max_tokens) {
+            Ok(request) => (shared.model.stream_completion(job.endpoint, request), None),
+            Err(e) => {
+                let none: crate::model_client::ChunkStream = Box::pin(futures::stream::empty());
+                (none, Some(e.to_string()))
+            }
+        };
         let mut asm = Assembler::new(job.endpoint);
         let mut timing = Timing { start, first_token: None, last_token: None };
         let mut seq: u64 = 0;
@@ -116,9 +128,12 @@ pub(crate) async fn run_job(
         let deadline = tokio::time::sleep(cfg.request_timeout());
         tokio::pin!(deadline);
 
-        let ending = loop {
+        let ending = if let Some(why) = refused_body {
+            Ending::Failed(ErrorCode::InvalidJob, why)
+        } else { loop {
             tokio::select! {
                 biased;
+                _ = revoke.cancelled() => break Ending::Revoked,
                 _ = cancel.cancelled() => break Ending::Cancelled,
                 _ = shared.abort.cancelled() => break Ending::Failed(
                     ErrorCode::WorkerFailed,
@@ -155,6 +170,7 @@ pub(crate) async fn run_job(
                             job_id: job.id.clone(),
                             seq,
                             worker_id: cfg.worker_id.clone(),
+                            attempt: Some(assignment.attempt),
                             data,
                         };
                         match serde_json::to_vec(&chunk) {
@@ -170,7 +186,7 @@ pub(crate) async fn run_job(
                     }
                 },
             }
-        };
+        } };
         // Dropping the stream closes the HTTP connection: the server stops generating.
         drop(chunks);
         let end = Instant::now();
@@ -193,6 +209,14 @@ pub(crate) async fn run_job(
             }
         };
 
+        if matches!(ending, Ending::Revoked) {
+            shared.metrics.revoked_jobs.inc();
+            tracing::warn!(chunks = seq, "job revoked by the leader: stopped without a result");
+            if let Err(e) = msg.ack_with(AckKind::Term).await {
+                tracing::warn!(error = %e, "terminating the revoked WORK message failed");
+            }
+            return;
+        }
         let (outcome, error) = match &ending {
             Ending::Done => (CompletionOutcome::Done, None),
             Ending::Cancelled => (
@@ -203,6 +227,7 @@ pub(crate) async fn run_job(
                 CompletionOutcome::Failed,
                 Some(ResultError { code: *code, message: message.clone() }),
             ),
+            Ending::Revoked => unreachable!("returned above"),
         };
         let final_result = FinalResult {
             v: PROTOCOL_VERSION,

@@ -305,6 +305,9 @@ enum Script {
     LostAfterChunk,
     /// Assigned, one chunk, then silence.
     Hold,
+    /// Attempt 1 streams "Hel" and its worker restarts; attempt 2 runs on the same worker
+    /// and streams "Bye" "now" with `seq` from 0, then finishes.
+    Rerun,
 }
 
 fn script_for(job: &Job) -> Script {
@@ -316,6 +319,7 @@ fn script_for(job: &Job) -> Script {
         ("#worker_failed", Script::WorkerFailed),
         ("#lost", Script::LostAfterChunk),
         ("#hold", Script::Hold),
+        ("#rerun", Script::Rerun),
     ] {
         if text.contains(marker) {
             return script;
@@ -463,6 +467,7 @@ async fn play(client: async_nats::Client, js: jetstream::Context, job: Job) {
         job_id: job.id.clone(),
         seq,
         worker_id: WORKER.into(),
+        attempt: None,
         data: chunk_data(&job, text),
     };
     let publish_chunk = |c: ResultChunk| {
@@ -541,6 +546,17 @@ async fn play(client: async_nats::Client, js: jetstream::Context, job: Job) {
         Script::Hold => {
             publish_decision(decision(&job, Outcome::Assigned, None)).await;
             publish_chunk(chunk(0, "Hel")).await;
+        }
+        Script::Rerun => {
+            let of_attempt = |attempt: u32, seq: u64, text: &str| ResultChunk {
+                attempt: Some(attempt),
+                ..chunk(seq, text)
+            };
+            publish_decision(decision(&job, Outcome::Assigned, None)).await;
+            publish_chunk(of_attempt(1, 0, "Hel")).await;
+            publish_chunk(of_attempt(2, 0, "Bye")).await;
+            publish_chunk(of_attempt(2, 1, "now")).await;
+            publish_final(final_result(&job, None, 2)).await;
         }
     }
 }

@@ -329,6 +329,8 @@ fn system_spec(plan: &BenchPlan, policy: &str, speeds: Vec<String>, tag: &str) -
             .join(format!("metronome-bench-{}-{tag}", std::process::id())),
         sim_args: Vec::new(),
         worker_max_concurrency: plan.worker_max_concurrency,
+        profile: "release".into(),
+        keep_going: false,
     }
 }
 

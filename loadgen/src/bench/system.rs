@@ -31,6 +31,11 @@ pub struct SystemSpec {
     /// `WORKER_MAX_CONCURRENCY` for the worker-agents, when set (experiments only: the
     /// published figures use `./dev up`'s default).
     pub worker_max_concurrency: Option<u32>,
+    /// Build profile whose binaries run (`release` for published figures).
+    pub profile: String,
+    /// `./dev up --keep-going`: a process that exits does not stop the system (fault
+    /// drills kill and restart processes).
+    pub keep_going: bool,
 }
 
 /// Environment variable of `./dev up` that appends TOML to every dispatcher config. The
@@ -126,7 +131,7 @@ impl System {
         let log = std::fs::File::create(spec.state_dir.with_extension("up.log"))?;
         let mut cmd = tokio::process::Command::new(spec.repo.join("dev"));
         cmd.current_dir(&spec.repo)
-            .args(["up", "--no-build", "--profile", "release"])
+            .args(["up", "--no-build", "--profile", &spec.profile])
             .args(["--gpus", &spec.gpus.to_string()])
             .args(["--models", &spec.model])
             .args(["--speeds", &spec.speeds.join(",")])
@@ -142,6 +147,9 @@ impl System {
             .stderr(log)
             .process_group(0)
             .kill_on_drop(false);
+        if spec.keep_going {
+            cmd.arg("--keep-going");
+        }
         for a in &spec.sim_args {
             cmd.args(["--sim-arg", a]);
         }
@@ -349,6 +357,15 @@ impl System {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// The pid of one process `./dev up` (or a drill restarting it) recorded.
+    pub fn pid_of(&self, name: &str) -> Option<u32> {
+        std::fs::read_to_string(self.state_dir.join(format!("run/{name}.pid")))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
     }
 
     /// `(process name, pid)` from `<state>/run/*.pid`.

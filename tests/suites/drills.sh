@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Fault drills suite: the short drills of `metronome-drill --short` (leader SIGKILL, agent
+# SIGKILL + restart, agent SIGSTOP, Redis down, nats-server restart) on a real system of
+# debug binaries under load. Fails when any drill lost or duplicated a job, or when a
+# binary or server is missing (with the command that provides it), never skips.
+#
+# Run by `./dev test` after the workspace binaries are built into target/debug; alone:
+#   cargo build --bins && bash tests/suites/drills.sh
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+# shellcheck source=../../scripts/lib.sh
+source "$ROOT/scripts/lib.sh"
+
+ensure_servers
+BIN="${CARGO_TARGET_DIR:-$ROOT/target}/debug"
+for b in metronome-drill metronome-dispatcher metronome-gateway metronome-worker-agent metronome-gpu-sim; do
+  [ -x "$BIN/$b" ] || die "$BIN/$b is missing: cargo build --bins"
+done
+if [ -n "${CARGO_TARGET_DIR:-}" ] && [ "$CARGO_TARGET_DIR" != "$ROOT/target" ]; then
+  # ./dev up runs target/<profile> of the repository.
+  die "CARGO_TARGET_DIR=$CARGO_TARGET_DIR: the drills run $ROOT/target/debug; build there"
+fi
+
+report="$(mktemp -d)/RELIABILITY-short.md"
+log "metronome-drill --short (report: $report)"
+"$BIN/metronome-drill" --short --repo "$ROOT" --profile debug --report "$report"
