@@ -37,6 +37,8 @@ pub struct Config {
     pub listen: String,
     /// NATS server URL (overridden by `NATS_URL`).
     pub nats_url: String,
+    /// NATS credentials and TLS (`[nats_auth]`; `METRONOME_NATS_*` override them).
+    pub nats_auth: metronome_runtime::nats::NatsAuth,
     /// Largest accepted request body, in bytes; larger bodies get an OpenAI-shaped 413.
     pub body_limit_bytes: usize,
     /// `max_tokens` assumed when a request sets neither `max_tokens` nor
@@ -165,6 +167,7 @@ impl Default for Config {
         Config {
             listen: "127.0.0.1:8080".into(),
             nats_url: "nats://127.0.0.1:4222".into(),
+            nats_auth: Default::default(),
             body_limit_bytes: 4 * 1024 * 1024,
             default_max_tokens: 256,
             inject_default_max_tokens: true,
@@ -243,7 +246,7 @@ impl Config {
         Ok(config)
     }
 
-    /// Environment overrides: `NATS_URL`, `METRONOME_GATEWAY_LISTEN`.
+    /// Environment overrides: `NATS_URL`, `METRONOME_GATEWAY_LISTEN`, `METRONOME_NATS_*`.
     pub fn apply_env(&mut self, env: impl Fn(&str) -> Option<String>) {
         if let Some(url) = env(ENV_NATS_URL).filter(|v| !v.trim().is_empty()) {
             self.nats_url = url;
@@ -251,6 +254,7 @@ impl Config {
         if let Some(listen) = env(ENV_LISTEN).filter(|v| !v.trim().is_empty()) {
             self.listen = listen;
         }
+        self.nats_auth.apply_env(env);
     }
 
     /// Every invalid field, or `Ok` when the configuration can be served.
@@ -318,6 +322,9 @@ impl Config {
             "must be at least 1".into(),
         );
         self.validate_tenants(&mut errors);
+        for (field, message) in self.nats_auth.validate() {
+            errors.push(FieldError { field, message });
+        }
         if errors.is_empty() {
             Ok(())
         } else {

@@ -6,10 +6,14 @@
 //! - [`shutdown_on_signals`] / [`cancel_on_signals`]: SIGINT (Ctrl-C) or SIGTERM cancels a
 //!   [`CancellationToken`] that the binary's `run` watches;
 //! - [`report_invalid_config`]: the `invalid configuration:` report, one indented line per
-//!   field error, and exit code 2.
+//!   field error, and exit code 2;
+//! - [`nats`]: NATS credentials and TLS ([`nats::NatsAuth`]), read the same way by every
+//!   binary and turned into `async_nats::ConnectOptions`.
 //!
 //! Nothing here reads configuration or decides policy; each binary keeps its own flags,
 //! messages and exit codes and only calls these helpers.
+
+pub mod nats;
 
 use std::fmt::Display;
 use std::process::ExitCode;

@@ -67,6 +67,9 @@ pub struct Config {
     pub max_concurrency: u32,
     pub heartbeat_interval_ms: u64,
     pub nats_url: String,
+    /// NATS credentials and TLS (`[nats_auth]`; `METRONOME_NATS_*` override them).
+    pub nats_auth: metronome_runtime::nats::NatsAuth,
+    /// `redis://[<user>:<password>@]host:port/` (the agent's own ACL user).
     pub redis_url: String,
     pub redis_prefix: String,
     /// Weight of a new sample in the EWMAs when samples arrive back to back.
@@ -106,6 +109,7 @@ impl Default for Config {
             max_concurrency: 256,
             heartbeat_interval_ms: 1_000,
             nats_url: "nats://127.0.0.1:4222".into(),
+            nats_auth: Default::default(),
             redis_url: "redis://127.0.0.1:6379/".into(),
             redis_prefix: metronome_protocol::redis_keys::DEFAULT_PREFIX.into(),
             ewma_alpha: 0.2,
@@ -214,6 +218,7 @@ impl Config {
                 })?;
             self.metrics_port = Some(port);
         }
+        self.nats_auth.apply_env(lookup);
         Ok(())
     }
 
@@ -226,6 +231,9 @@ impl Config {
                 message,
             })
         };
+        for (field, message) in self.nats_auth.validate() {
+            err(field, message);
+        }
         if !is_subject_token(&self.worker_id) {
             err(
                 "worker_id",
@@ -350,8 +358,14 @@ impl Config {
     }
 
     /// The effective configuration as TOML, for `--check-config`.
+    /// The effective configuration as TOML, without secrets (the Redis URL's password
+    /// and the NATS password are masked).
     pub fn to_toml(&self) -> String {
-        toml::to_string_pretty(self).unwrap_or_else(|e| format!("# not printable: {e}"))
+        let shown = Config {
+            redis_url: metronome_runtime::nats::redact_url(&self.redis_url),
+            ..self.clone()
+        };
+        toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# not printable: {e}"))
     }
 }
 
