@@ -163,6 +163,10 @@ pub fn rules(role: Role) -> RoleRules {
                 js(&format!("STREAM.INFO.{STREAM_JOBS}")),
                 js(&format!("DIRECT.GET.{STREAM_RESULTS}.>")),
                 js(&format!("DIRECT.GET.{STREAM_DECISIONS}.>")),
+                // The stored-message read of clients without direct get (nats-py's
+                // `get_last_msg`): the same records.
+                js(&format!("STREAM.MSG.GET.{STREAM_RESULTS}")),
+                js(&format!("STREAM.MSG.GET.{STREAM_DECISIONS}")),
             ],
             subscribe: strings(&[INBOX, "results.*.>", "decisions.*"]),
             allow_responses: false,
