@@ -242,7 +242,10 @@ impl Identity {
             .replace("{user}", &self.user)
             .replace("{worker_id}", self.worker_id.as_deref().unwrap_or(""))
             .replace("{prefix}", prefix)
-            .replace("{model}", &redis_glob_escape(self.model.as_deref().unwrap_or("")))
+            .replace(
+                "{model}",
+                &redis_glob_escape(self.model.as_deref().unwrap_or("")),
+            )
     }
 }
 
@@ -330,14 +333,16 @@ mod tests {
             .map(|t| id.fill(t, "m"))
             .collect();
         assert!(publish.contains(&"$KV.workers.n1-gpu0".to_string()));
-        assert!(publish.contains(
-            &"$JS.API.CONSUMER.CREATE.WORK.worker-n1-gpu0.work.n1-gpu0".to_string()
-        ));
-        assert!(!publish.iter().any(|s| s.starts_with("decisions")
-            || s.starts_with("work.")
-            || s.contains("leader")));
+        assert!(publish
+            .contains(&"$JS.API.CONSUMER.CREATE.WORK.worker-n1-gpu0.work.n1-gpu0".to_string()));
+        assert!(!publish
+            .iter()
+            .any(|s| s.starts_with("decisions") || s.starts_with("work.") || s.contains("leader")));
         let acl = redis_acl(&[id], "m");
-        assert!(acl.contains("~m:ewma:n1-gpu0 ~m:perf:n1-gpu0 ~m:outlen:llama-3.1-8b "), "{acl}");
+        assert!(
+            acl.contains("~m:ewma:n1-gpu0 ~m:perf:n1-gpu0 ~m:outlen:llama-3.1-8b "),
+            "{acl}"
+        );
     }
 
     #[test]

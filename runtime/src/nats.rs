@@ -123,13 +123,19 @@ impl NatsAuth {
                 ));
             }
             if self.password.is_none() && self.password_file.is_none() {
-                errors.push(("nats_auth.password", "a user needs password or password_file".into()));
+                errors.push((
+                    "nats_auth.password",
+                    "a user needs password or password_file".into(),
+                ));
             }
         } else if self.password.is_some() || self.password_file.is_some() {
             errors.push(("nats_auth.user", "a password needs a user".into()));
         }
         if self.password.is_some() && self.password_file.is_some() {
-            errors.push(("nats_auth.password_file", "set password or password_file, not both".into()));
+            errors.push((
+                "nats_auth.password_file",
+                "set password or password_file, not both".into(),
+            ));
         }
         if self.cert_file.is_some() != self.key_file.is_some() {
             errors.push((
@@ -264,7 +270,10 @@ mod tests {
             cert_file: Some("/nonexistent/cert.pem".into()),
             ..NatsAuth::default()
         };
-        assert_eq!(fields(&half_cert), ["nats_auth.cert_file", "nats_auth.cert_file"]);
+        assert_eq!(
+            fields(&half_cert),
+            ["nats_auth.cert_file", "nats_auth.cert_file"]
+        );
     }
 
     #[test]
@@ -305,7 +314,10 @@ mod tests {
             redact_url("redis://agent-n1:s3cret@10.0.0.1:6379/"),
             "redis://agent-n1:***@10.0.0.1:6379/"
         );
-        assert_eq!(redact_url("redis://10.0.0.1:6379/"), "redis://10.0.0.1:6379/");
+        assert_eq!(
+            redact_url("redis://10.0.0.1:6379/"),
+            "redis://10.0.0.1:6379/"
+        );
         assert_eq!(redact_url("nats://127.0.0.1:4222"), "nats://127.0.0.1:4222");
     }
 }

@@ -179,10 +179,12 @@ impl NatsServer {
         let store = self.dir.path().join("js");
         // As in production: jobs carry whole prompts, larger than NATS's 1 MiB default.
         let conf = self.dir.path().join("nats.conf");
-        std::fs::write(&conf, format!("max_payload: 8MB\n{}\n", self.extra_config)).map_err(|source| TestkitError::Io {
-            what: "nats.conf".into(),
-            source,
-        })?;
+        std::fs::write(&conf, format!("max_payload: 8MB\n{}\n", self.extra_config)).map_err(
+            |source| TestkitError::Io {
+                what: "nats.conf".into(),
+                source,
+            },
+        )?;
         let mut child = Command::new(&self.binary)
             .arg("-c")
             .arg(&conf)

@@ -83,14 +83,18 @@ impl Conn {
     async fn refused(&self, what: &str, subject: &str) {
         let needle = format!("\"{subject}\"");
         let errors = self.errors.clone();
-        wait_for(&format!("the server to refuse {what} ({subject})"), WAIT, || {
-            let found = errors
-                .lock()
-                .unwrap()
-                .iter()
-                .any(|e| e.contains("Permissions Violation") && e.contains(&needle));
-            async move { found.then_some(()) }
-        })
+        wait_for(
+            &format!("the server to refuse {what} ({subject})"),
+            WAIT,
+            || {
+                let found = errors
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .any(|e| e.contains("Permissions Violation") && e.contains(&needle));
+                async move { found.then_some(()) }
+            },
+        )
         .await;
     }
 
@@ -146,6 +150,14 @@ async fn system() -> System {
     }
 }
 
+/// `fut`, or a panic naming `what` after [`WAIT`]: a lost message fails the test instead
+/// of hanging it.
+async fn within<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(WAIT, fut)
+        .await
+        .unwrap_or_else(|_| panic!("no {what} within {WAIT:?}"))
+}
+
 fn worker_consumer(worker_id: &str, filter: &str) -> consumer::pull::Config {
     let name = names::work_consumer(worker_id);
     consumer::pull::Config {
@@ -163,7 +175,10 @@ async fn unauthenticated_and_wrong_passwords_are_refused() {
         .max_reconnects(Some(1))
         .connect(sys.nats.url())
         .await;
-    assert!(anonymous.is_err(), "an anonymous NATS connection was accepted");
+    assert!(
+        anonymous.is_err(),
+        "an anonymous NATS connection was accepted"
+    );
     let wrong = NatsAuth {
         user: Some("gateway".into()),
         password: Some("not-the-password".into()),
@@ -233,7 +248,10 @@ async fn a_worker_uses_its_own_consumer_heartbeat_and_events_and_nothing_else() 
         .await
         .unwrap();
     let mut batch = own.fetch().max_messages(1).messages().await.expect("pull");
-    let msg = batch.next().await.expect("one").expect("message");
+    let msg = within("assignment", batch.next())
+        .await
+        .expect("one")
+        .expect("message");
     assert_eq!(msg.payload.as_ref(), b"assignment for w1");
     msg.ack().await.expect("ack");
     buckets
@@ -276,11 +294,14 @@ async fn a_worker_uses_its_own_consumer_heartbeat_and_events_and_nothing_else() 
     let admin = Conn::open(&sys.nats, "admin").await;
     let reply = admin
         .client
-        .request(names::control_subject("w1", names::CONTROL_DRAIN), "".into())
+        .request(
+            names::control_subject("w1", names::CONTROL_DRAIN),
+            "".into(),
+        )
         .await
         .expect("the worker answers");
     assert_eq!(reply.payload.as_ref(), b"draining");
-    responder.await.unwrap();
+    within("control responder", responder).await.unwrap();
     w1.no_violations();
 
     // Another worker's work: neither its consumer nor a consumer of its own on w2's subject.
@@ -289,8 +310,11 @@ async fn a_worker_uses_its_own_consumer_heartbeat_and_events_and_nothing_else() 
         .get_or_create_consumer("worker-w2", worker_consumer("w2", "work.w2"))
         .await
         .is_err());
-    w1.refused("reading w2's consumer", "$JS.API.CONSUMER.INFO.WORK.worker-w2")
-        .await;
+    w1.refused(
+        "reading w2's consumer",
+        "$JS.API.CONSUMER.INFO.WORK.worker-w2",
+    )
+    .await;
     assert!(denied_work
         .create_consumer(worker_consumer("w1", "work.w2"))
         .await
@@ -314,7 +338,10 @@ async fn a_worker_uses_its_own_consumer_heartbeat_and_events_and_nothing_else() 
         .consumer_info("worker-w2")
         .await
         .expect("w2 reads its consumer");
-    assert_eq!(w2_info.num_pending, 1, "w2's assignment is still waiting for w2");
+    assert_eq!(
+        w2_info.num_pending, 1,
+        "w2's assignment is still waiting for w2"
+    );
 
     // Another worker's heartbeat and events, decisions, assignments, the lease, streams.
     sys.admin_buckets
@@ -338,9 +365,14 @@ async fn a_worker_uses_its_own_consumer_heartbeat_and_events_and_nothing_else() 
         .create(names::LEADER_KEY, "w1 leads".into())
         .await
         .is_err());
-    w1.refused("taking the lease", "$KV.leader.dispatcher").await;
+    w1.refused("taking the lease", "$KV.leader.dispatcher")
+        .await;
     assert_eq!(
-        sys.admin_buckets.leader.get(names::LEADER_KEY).await.unwrap(),
+        sys.admin_buckets
+            .leader
+            .get(names::LEADER_KEY)
+            .await
+            .unwrap(),
         None
     );
     assert!(w1
@@ -390,11 +422,15 @@ async fn a_client_submits_and_reads_results_but_cannot_touch_the_fleet() {
         .unwrap()
         .await
         .unwrap();
-    let got = results.next().await.expect("the final result");
+    let got = within("final result", results.next())
+        .await
+        .expect("the final result");
     assert_eq!(got.payload.as_ref(), b"final");
     let decision = client
         .js
         .get_stream_no_info(STREAM_DECISIONS)
+        .await
+        .expect("stream handle")
         .direct_get_last_for_subject(names::decision_subject("job-7"))
         .await
         .expect("direct get of its decision");
@@ -403,8 +439,12 @@ async fn a_client_submits_and_reads_results_but_cannot_touch_the_fleet() {
 
     client.publish_refused("$KV.workers.w1").await;
     client.publish_refused("work.w1").await;
-    client.publish_refused(&names::decision_subject("job-7")).await;
-    client.publish_refused(&names::event_done_subject("w1")).await;
+    client
+        .publish_refused(&names::decision_subject("job-7"))
+        .await;
+    client
+        .publish_refused(&names::event_done_subject("w1"))
+        .await;
     client.subscribe_refused("work.w1").await;
     client.subscribe_refused("_INBOX.>").await;
     client.subscribe_refused("control.w1.drain").await;
@@ -428,10 +468,19 @@ async fn an_auditor_reads_decisions_only() {
         .unwrap()
         .await
         .unwrap();
-    assert_eq!(live.next().await.unwrap().payload.as_ref(), b"rejected");
+    assert_eq!(
+        within("live decision", live.next())
+            .await
+            .unwrap()
+            .payload
+            .as_ref(),
+        b"rejected"
+    );
     let stored = auditor
         .js
         .get_stream_no_info(STREAM_DECISIONS)
+        .await
+        .expect("stream handle")
         .direct_get_last_for_subject(names::decision_subject("job-9"))
         .await
         .expect("direct get");
@@ -441,7 +490,9 @@ async fn an_auditor_reads_decisions_only() {
     auditor.subscribe_refused("results.job-9.>").await;
     auditor.subscribe_refused("work.*").await;
     auditor.publish_refused(names::SUBJECT_JOBS_SUBMIT).await;
-    auditor.publish_refused(&names::decision_subject("job-9")).await;
+    auditor
+        .publish_refused(&names::decision_subject("job-9"))
+        .await;
 }
 
 #[tokio::test]
@@ -463,7 +514,10 @@ async fn gateway_and_dispatcher_do_their_part_only() {
         .put("w1", "hb".into())
         .await
         .unwrap();
-    let entry = watch.next().await.expect("entry").expect("ok");
+    let entry = within("workers entry", watch.next())
+        .await
+        .expect("entry")
+        .expect("ok");
     assert_eq!(entry.key, "w1");
     gateway
         .js
@@ -488,7 +542,9 @@ async fn gateway_and_dispatcher_do_their_part_only() {
         .expect("the dispatcher takes the lease");
     dispatcher.no_violations();
     dispatcher.publish_refused("$KV.workers.w1").await;
-    dispatcher.publish_refused(&names::event_done_subject("w1")).await;
+    dispatcher
+        .publish_refused(&names::event_done_subject("w1"))
+        .await;
 }
 
 #[tokio::test]
@@ -522,10 +578,12 @@ async fn redis_lets_each_agent_write_only_its_own_keys_and_the_dispatcher_only_r
         .query_async::<()>(&mut w1)
         .await
         .expect("own performance model");
-    hset(metronome_protocol::redis_keys::output_len_key(PREFIX, MODEL))
-        .query_async::<i64>(&mut w1)
-        .await
-        .expect("its model's output length");
+    hset(metronome_protocol::redis_keys::output_len_key(
+        PREFIX, MODEL,
+    ))
+    .query_async::<i64>(&mut w1)
+    .await
+    .expect("its model's output length");
     // Scripts run under the caller's ACL too.
     redis::Script::new("return redis.call('HSET', KEYS[1], 'ttft_ms', 1)")
         .key(&own)
