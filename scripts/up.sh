@@ -66,6 +66,9 @@ port_busy() { (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null; }
 
 port_busy "$GATEWAY_PORT" && die "port $GATEWAY_PORT is in use: pass --gateway-port"
 
+# Configs hold their process's credentials (the Redis URL carries a password): every file
+# this run writes is private to its user.
+umask 077
 mkdir -p "$STATE_DIR"
 STATE_DIR="$(cd "$STATE_DIR" && pwd)"
 rm -rf "$STATE_DIR/run"

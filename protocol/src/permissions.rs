@@ -26,8 +26,8 @@
 use serde::Serialize;
 
 use crate::names::{
-    BUCKET_LEADER, BUCKET_WORKERS, STREAM_DECISIONS, STREAM_EVENTS, STREAM_JOBS, STREAM_RESULTS,
-    STREAM_WORK, SUBJECT_CANCEL_ALL, SUBJECT_DEAD_LETTER, SUBJECT_JOBS_SUBMIT,
+    BUCKET_LEADER, BUCKET_WORKERS, LEADER_KEY, STREAM_DECISIONS, STREAM_EVENTS, STREAM_JOBS,
+    STREAM_RESULTS, STREAM_WORK, SUBJECT_CANCEL_ALL, SUBJECT_DEAD_LETTER, SUBJECT_JOBS_SUBMIT,
 };
 
 /// One kind of identity.
@@ -103,6 +103,10 @@ pub fn rules(role: Role) -> RoleRules {
                 js(&format!("CONSUMER.CREATE.KV_{BUCKET_WORKERS}.>")),
                 js(&format!("CONSUMER.DELETE.KV_{BUCKET_WORKERS}.*")),
                 format!("$JS.FC.KV_{BUCKET_WORKERS}.>"),
+                // Readiness: is there a leader? (The lease is no secret.)
+                js(&format!(
+                    "DIRECT.GET.KV_{BUCKET_LEADER}.$KV.{BUCKET_LEADER}.{LEADER_KEY}"
+                )),
             ],
             subscribe: strings(&[INBOX, "results.*.>", "decisions.*"]),
             allow_responses: false,
@@ -139,6 +143,10 @@ pub fn rules(role: Role) -> RoleRules {
                 js(&format!("CONSUMER.MSG.NEXT.{STREAM_WORK}.worker-{{worker_id}}")),
                 format!("$JS.ACK.{STREAM_WORK}.worker-{{worker_id}}.>"),
                 format!("$KV.{BUCKET_WORKERS}.{{worker_id}}"),
+                // It reads back its own heartbeat key.
+                js(&format!(
+                    "DIRECT.GET.KV_{BUCKET_WORKERS}.$KV.{BUCKET_WORKERS}.{{worker_id}}"
+                )),
                 "workers.{worker_id}.heartbeat".into(),
                 "events.done.{worker_id}".into(),
                 "results.*.chunk".into(),
