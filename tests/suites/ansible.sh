@@ -268,13 +268,22 @@ def free_port():
 
 ctl = stage / "gpu-node-1"
 nats_port, mon_port, redis_port = free_port(), free_port(), free_port()
+# The rendered files with only the addresses and state folders moved; the users,
+# permissions and ACLs stay exactly as rendered.
+import re
+nats_conf = (ctl / "etc/metronome/nats/nats-server.conf").read_text()
+nats_conf = re.sub(r"(?m)^listen: .*$", f'listen: "127.0.0.1:{nats_port}"', nats_conf)
+nats_conf = re.sub(r"(?m)^http: .*$", f'http: "127.0.0.1:{mon_port}"', nats_conf)
+nats_conf = re.sub(r'(?m)^(\s*)store_dir: .*$', f'\\1store_dir: "{work / "nats-js"}"', nats_conf)
+(work / "nats-check.conf").write_text(nats_conf)
+redis_conf = (ctl / "etc/metronome/redis/redis.conf").read_text()
+for key, value in (("bind", "127.0.0.1"), ("port", str(redis_port)), ("dir", str(work)),
+                   ("supervised", "no"), ("logfile", str(work / "redis.log"))):
+    redis_conf = re.sub(rf"(?m)^{key} .*$", f"{key} {value}", redis_conf)
+(work / "redis-check.conf").write_text(redis_conf)
 procs = [
-    subprocess.Popen(["nats-server", "-c", str(ctl / "etc/metronome/nats/nats-server.conf"),
-                      "-a", "127.0.0.1", "-p", str(nats_port), "-m", str(mon_port),
-                      "-sd", str(work / "nats-js"), "-l", str(work / "nats.log")]),
-    subprocess.Popen(["redis-server", str(ctl / "etc/metronome/redis/redis.conf"), "--bind", "127.0.0.1",
-                      "--port", str(redis_port), "--dir", str(work), "--supervised", "no",
-                      "--daemonize", "no", "--logfile", str(work / "redis.log")]),
+    subprocess.Popen(["nats-server", "-c", str(work / "nats-check.conf"), "-l", str(work / "nats.log")]),
+    subprocess.Popen(["redis-server", str(work / "redis-check.conf")]),
 ]
 try:
     def nats_session(user, password, lines):
