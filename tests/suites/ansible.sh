@@ -486,7 +486,8 @@ if play "$INV" "$STAGE" site.yml; then
   snapshot > "$WORK/after.txt"
   removed=$(diff "$WORK/before.txt" "$WORK/after.txt" | sed -n 's/^< [0-9a-f]*  \.\///p' | sort | tr '\n' ' ')
   added=$(diff "$WORK/before.txt" "$WORK/after.txt" | sed -n 's/^> [0-9a-f]*  \.\///p' | sort | tr '\n' ' ')
-  edited="gpu-node-1/etc/systemd/system/metronome-model-gpu2.service gpu-node-2/etc/metronome/worker-agent/gpu0.toml "
+  # The removed GPU's worker identity is revoked: NATS's users and Redis's ACL change too.
+  edited="gpu-node-1/etc/metronome/nats/nats-server.conf gpu-node-1/etc/metronome/redis/redis.conf gpu-node-1/etc/systemd/system/metronome-model-gpu2.service gpu-node-2/etc/metronome/worker-agent/gpu0.toml "
   gone="gpu-node-2/etc/metronome/worker-agent/gpu1.toml gpu-node-2/etc/systemd/system/metronome-model-gpu1.service gpu-node-2/etc/systemd/system/metronome-worker-agent-gpu1.service "
   want_removed=$(printf '%s\n' $edited $gone | sort | tr '\n' ' ')
   if [ "$removed" = "$want_removed" ] && [ "$added" = "$edited" ]; then
