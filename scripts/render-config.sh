@@ -1,12 +1,23 @@
 # Configuration files of ./dev up, one per process. Sourced by scripts/up.sh, which sets
-# NATS_URL, REDIS_URL, GATEWAY_PORT, POLICY and STATE_DIR. Every key is documented in the
-# README's configuration reference.
+# NATS_URL, REDIS_PORT, GATEWAY_PORT, POLICY, STATE_DIR and AUTH_DIR (one password file
+# per identity). Every key is documented in the README's configuration reference.
+
+# The identity's NATS credentials, as an inline table so keys appended after it stay
+# top-level.
+nats_auth_line() { # user
+  printf 'nats_auth = { user = "%s", password_file = "%s" }\n' "$1" "$AUTH_DIR/$1.password"
+}
+
+redis_url_for() { # user
+  printf 'redis://%s:%s@127.0.0.1:%s/' "$1" "$(cat "$AUTH_DIR/$1.password")" "$REDIS_PORT"
+}
 # shellcheck shell=bash
 
 render_dispatcher_config() { # dispatcher id, metrics port
   cat <<TOML
 nats_url = "$NATS_URL"
-redis_url = "$REDIS_URL"
+$(nats_auth_line "$1")
+redis_url = "$(redis_url_for "$1")"
 dispatcher_id = "$1"
 policy = "$POLICY"
 metrics_addr = "127.0.0.1:$2"
@@ -29,7 +40,8 @@ model_server_url = "http://127.0.0.1:$3"
 model_server_kind = "simulator"
 max_concurrency = ${WORKER_MAX_CONCURRENCY:-256}
 nats_url = "$NATS_URL"
-redis_url = "$REDIS_URL"
+$(nats_auth_line "worker-$1")
+redis_url = "$(redis_url_for "worker-$1")"
 TOML
 }
 
@@ -37,6 +49,7 @@ render_gateway_config() {
   cat <<TOML
 listen = "127.0.0.1:$GATEWAY_PORT"
 nats_url = "$NATS_URL"
+$(nats_auth_line gateway)
 # Loopback demo: requests without an API key are served as tenant "anonymous".
 allow_anonymous = true
 TOML

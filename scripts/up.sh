@@ -12,7 +12,10 @@
 # process) with one worker-agent each, models assigned round-robin. Every process serves
 # Prometheus /metrics (the addresses are printed); --observe also starts a local Prometheus
 # (Debian's `prometheus`) scraping all of them with ops/prometheus/alerts.yml loaded.
-# Ctrl-C or SIGTERM stops everything it started. --keep-going (fault drills) reports a process
+# NATS and Redis require authentication: one identity per process
+# with its role's permissions (scripts/render-auth.py), passwords generated into
+# <state>/auth/ (mode 0600, kept across runs; delete the folder to rotate them). TLS is
+# off: everything listens on 127.0.0.1. Ctrl-C or SIGTERM stops everything it started. --keep-going (fault drills) reports a process
 # that exits instead of stopping everything: the drill restarts it.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -72,15 +75,22 @@ port_busy() { (exec 3<>/dev/tcp/127.0.0.1/"$1") 2>/dev/null; }
 
 port_busy "$GATEWAY_PORT" && die "port $GATEWAY_PORT is in use: pass --gateway-port"
 
+# Configs hold their process's credentials (the Redis URL carries a password): every file
+# this run writes is private to its user.
+umask 077
 mkdir -p "$STATE_DIR"
 STATE_DIR="$(cd "$STATE_DIR" && pwd)"
 rm -rf "$STATE_DIR/run"
 mkdir -p "$STATE_DIR/run" "$STATE_DIR/logs" "$STATE_DIR/nats" "$STATE_DIR/redis" "$STATE_DIR/config"
 
 NATS_PORT=$(free_port); REDIS_PORT=$(free_port)
-NATS_URL="nats://127.0.0.1:$NATS_PORT"; REDIS_URL="redis://127.0.0.1:$REDIS_PORT/"
+NATS_URL="nats://127.0.0.1:$NATS_PORT"
 GATEWAY_URL="http://127.0.0.1:$GATEWAY_PORT"
-export NATS_URL REDIS_URL
+export NATS_URL
+# Each process gets its own identity from its config file; credentials left in this shell
+# (e.g. by `eval "$(./dev env)"`) would override them.
+unset REDIS_URL METRONOME_NATS_USER METRONOME_NATS_PASSWORD METRONOME_NATS_PASSWORD_FILE \
+  METRONOME_NATS_CA METRONOME_NATS_CERT METRONOME_NATS_KEY
 export RUST_LOG="${RUST_LOG:-info}"
 
 PIDS=()
@@ -114,13 +124,23 @@ wait_tcp() { # port, what
   done
 }
 
+# One identity per process, each with its role's permissions (docs/SECURITY.md).
+AUTH_DIR="$STATE_DIR/auth"
+IDENTITIES=(admin:admin dispatcher-a:dispatcher dispatcher-b:dispatcher gateway:gateway client:client auditor:auditor)
+for ((g=0; g<GPUS; g++)); do
+  IDENTITIES+=("worker-local-gpu$g:worker-agent:local-gpu$g:${MODEL_LIST[$((g % ${#MODEL_LIST[@]}))]}")
+done
+python3 "$ROOT/scripts/render-auth.py" --dir "$AUTH_DIR" "${IDENTITIES[@]}"
+password() { cat "$AUTH_DIR/$1.password"; }
+
 # Jobs carry whole prompts: allow messages up to the gateway's 4 MiB body limit and more.
-cat > "$STATE_DIR/config/nats.conf" <<CONF
-max_payload: 8MB
-CONF
+( umask 077
+  printf 'max_payload: 8MB\n' > "$STATE_DIR/config/nats.conf"
+  cat "$AUTH_DIR/nats-authorization.conf" >> "$STATE_DIR/config/nats.conf"
+  cp "$AUTH_DIR/redis-acl.conf" "$STATE_DIR/config/redis.conf" )
 start nats nats-server -c "$STATE_DIR/config/nats.conf" -a 127.0.0.1 -p "$NATS_PORT" -js -sd "$STATE_DIR/nats"
 # noeviction: Metronome's keys are state, never a cache (docs/PROVISIONING.md).
-start redis redis-server --bind 127.0.0.1 --port "$REDIS_PORT" --dir "$STATE_DIR/redis" --appendonly yes --save "" \
+start redis redis-server "$STATE_DIR/config/redis.conf" --bind 127.0.0.1 --protected-mode yes --port "$REDIS_PORT" --dir "$STATE_DIR/redis" --appendonly yes --save "" \
   --maxmemory 256mb --maxmemory-policy noeviction
 wait_tcp "$NATS_PORT" nats-server
 wait_tcp "$REDIS_PORT" redis-server
@@ -183,11 +203,18 @@ if [ "$OBSERVE" -eq 1 ]; then
   wait_tcp "$PROMETHEUS_PORT" prometheus
 fi
 
-cat > "$STATE_DIR/env" <<ENV
+# The operator's identity for the CLI and tools (admin), and the direct-NATS client's.
+( umask 077
+  cat > "$STATE_DIR/env" <<ENV
 METRONOME_GATEWAY_URL=$GATEWAY_URL
 NATS_URL=$NATS_URL
-REDIS_URL=$REDIS_URL
+REDIS_URL=redis://admin:$(password admin)@127.0.0.1:$REDIS_PORT/
+METRONOME_NATS_USER=admin
+METRONOME_NATS_PASSWORD=$(password admin)
+METRONOME_CLIENT_NATS_USER=client
+METRONOME_CLIENT_NATS_PASSWORD=$(password client)
 ENV
+)
 [ -n "$PROMETHEUS_URL" ] && echo "PROMETHEUS_URL=$PROMETHEUS_URL" >> "$STATE_DIR/env"
 
 cat <<MSG
@@ -196,8 +223,8 @@ cat <<MSG
 
     gateway      $GATEWAY_URL   (OpenAI API; /metrics, /readyz)
                  anonymous access ON (loopback demo): no API key needed
-    NATS         $NATS_URL
-    Redis        $REDIS_URL
+    NATS         $NATS_URL   (users and permissions per role; credentials in $AUTH_DIR)
+    Redis        redis://127.0.0.1:$REDIS_PORT/   (ACL users per role)
     console      $GATEWAY_URL/console   (workers, queues, live decisions, explain)
     logs         $STATE_DIR/logs/
 

@@ -44,6 +44,11 @@ pub struct Cli {
     )]
     pub nats_url: String,
 
+    /// NATS credentials and TLS, from the `METRONOME_NATS_*` variables like every other
+    /// binary (set by `main`; none = an anonymous connection).
+    #[arg(skip)]
+    pub nats_auth: metronome_runtime::nats::NatsAuth,
+
     /// Print JSON instead of tables (one object; one object per line for `decisions`).
     #[arg(long, global = true)]
     pub json: bool,
@@ -170,7 +175,7 @@ impl From<OutcomeArg> for Outcome {
 
 /// Run one command, writing its output to `out`.
 pub async fn run(cli: Cli, out: &mut (dyn Write + Send)) -> Result<(), CliError> {
-    let nats = Nats::connect(&cli.nats_url).await?;
+    let nats = Nats::connect(&cli.nats_url, &cli.nats_auth).await?;
     let json = cli.json;
     let text = match cli.command {
         Command::Explain { job_id, scan } => explain(&nats, &job_id, scan, json).await?,

@@ -6,7 +6,8 @@ use clap::Parser;
 use metronome_cli::Cli;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    cli.nats_auth = metronome_runtime::nats::NatsAuth::from_env(|k| std::env::var(k).ok());
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

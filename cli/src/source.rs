@@ -28,8 +28,16 @@ pub struct Nats {
 }
 
 impl Nats {
-    pub async fn connect(url: &str) -> Result<Nats, CliError> {
-        let client = async_nats::ConnectOptions::new()
+    /// Connect to `url` with the credentials and TLS settings of `auth`.
+    pub async fn connect(
+        url: &str,
+        auth: &metronome_runtime::nats::NatsAuth,
+    ) -> Result<Nats, CliError> {
+        let options = auth.connect_options().map_err(|e| CliError::Connect {
+            url: url.to_string(),
+            message: e.to_string(),
+        })?;
+        let client = options
             .name("metronome-cli")
             .connection_timeout(Duration::from_secs(5))
             .connect(url)

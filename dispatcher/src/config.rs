@@ -28,7 +28,10 @@ pub enum Storage {
 pub struct Config {
     /// NATS server URL (`NATS_URL` overrides it).
     pub nats_url: String,
-    /// Redis URL for the EWMAs (`REDIS_URL` overrides it).
+    /// NATS credentials and TLS (`[nats_auth]`; `METRONOME_NATS_*` override them).
+    pub nats_auth: metronome_runtime::nats::NatsAuth,
+    /// Redis URL for the EWMAs (`REDIS_URL` overrides it), with the dispatcher's ACL user
+    /// and password when Redis has them (`redis://<user>:<password>@host:port/`).
     pub redis_url: String,
     /// Name of this instance in decisions and the lease; empty = generated at start.
     pub dispatcher_id: String,
@@ -94,6 +97,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             nats_url: "nats://127.0.0.1:4222".into(),
+            nats_auth: Default::default(),
             redis_url: "redis://127.0.0.1:6379/".into(),
             dispatcher_id: String::new(),
             lease_ttl_ms: 3000,
@@ -167,13 +171,18 @@ impl Config {
         &mut self,
         lookup: impl Fn(&str) -> Option<String>,
     ) -> Result<(), ConfigError> {
-        metronome_runtime::config::apply_env(self, &ENV, lookup)
+        metronome_runtime::config::apply_env(self, &ENV, &lookup)?;
+        self.nats_auth.apply_env(&lookup);
+        Ok(())
     }
 
     /// Every invalid field, or `Ok` when the configuration can run.
     pub fn validate(&self) -> Result<(), Vec<FieldError>> {
         let mut errors = Vec::new();
         let mut err = |field: &str, message: String| errors.push(FieldError::new(field, message));
+        for (field, message) in self.nats_auth.validate() {
+            err(field, message);
+        }
         if !self.nats_url.contains("://") && !self.nats_url.contains(':') {
             err("nats_url", format!("{:?} is not a NATS URL", self.nats_url));
         }

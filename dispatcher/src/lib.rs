@@ -98,7 +98,14 @@ pub async fn start(
 ) -> Result<Running, DispatcherError> {
     config.validate().map_err(DispatcherError::Config)?;
     let dispatcher_id = config.effective_id();
-    let client = async_nats::ConnectOptions::new()
+    let options = config
+        .nats_auth
+        .connect_options()
+        .map_err(|e| DispatcherError::Connect {
+            url: config.nats_url.clone(),
+            message: e.to_string(),
+        })?;
+    let client = options
         .name(dispatcher_id.clone())
         .connect(config.nats_url.as_str())
         .await

@@ -79,7 +79,13 @@ fn main() -> ExitCode {
         return metronome_runtime::report_invalid_config("metronome-dispatcher: ", &errors);
     }
     if cli.check_config {
-        match toml::to_string_pretty(&config) {
+        // Secrets stay out of the output: the NATS password serialises masked, the Redis
+        // URL's password is masked here.
+        let shown = Config {
+            redis_url: metronome_runtime::nats::redact_url(&config.redis_url),
+            ..config.clone()
+        };
+        match toml::to_string_pretty(&shown) {
             Ok(text) => {
                 println!("{text}");
                 return ExitCode::SUCCESS;

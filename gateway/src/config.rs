@@ -40,6 +40,8 @@ pub struct Config {
     pub listen: String,
     /// NATS server URL (overridden by `NATS_URL`).
     pub nats_url: String,
+    /// NATS credentials and TLS (`[nats_auth]`; `METRONOME_NATS_*` override them).
+    pub nats_auth: metronome_runtime::nats::NatsAuth,
     /// Largest accepted request body, in bytes; larger bodies get an OpenAI-shaped 413.
     pub body_limit_bytes: usize,
     /// `max_tokens` assumed when a request sets neither `max_tokens` nor
@@ -181,6 +183,7 @@ impl Default for Config {
         Config {
             listen: "127.0.0.1:8080".into(),
             nats_url: "nats://127.0.0.1:4222".into(),
+            nats_auth: Default::default(),
             body_limit_bytes: 4 * 1024 * 1024,
             default_max_tokens: 256,
             inject_default_max_tokens: true,
@@ -236,9 +239,12 @@ impl Config {
         Ok(config)
     }
 
-    /// Apply the overrides of [`ENV`] found through `env` (empty values are ignored).
+    /// Apply the overrides of [`ENV`] and the NATS credentials (`METRONOME_NATS_*`) found
+    /// through `env` (empty values are ignored).
     pub fn apply_env(&mut self, env: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
-        metronome_runtime::config::apply_env(self, &ENV, env)
+        metronome_runtime::config::apply_env(self, &ENV, &env)?;
+        self.nats_auth.apply_env(&env);
+        Ok(())
     }
 
     /// Every invalid field, or `Ok` when the configuration can be served.
@@ -306,6 +312,9 @@ impl Config {
             "must be at least 1".into(),
         );
         self.validate_tenants(&mut errors);
+        for (field, message) in self.nats_auth.validate() {
+            errors.push(FieldError::new(field, message));
+        }
         if errors.is_empty() {
             Ok(())
         } else {

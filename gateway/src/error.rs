@@ -337,6 +337,8 @@ pub enum GatewayError {
         url: String,
         source: async_nats::ConnectError,
     },
+    #[error("NATS credentials: {0}")]
+    NatsAuth(metronome_runtime::nats::NatsAuthError),
     #[error("creating the JetStream streams and buckets: {0}")]
     Setup(#[from] metronome_protocol::setup::SetupError),
     #[error("binding {addr}: {source}")]

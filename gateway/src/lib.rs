@@ -113,7 +113,11 @@ pub struct Gateway {
 /// Connect to NATS, make sure the streams and buckets exist, and bind the listen address.
 pub async fn bind(config: Config) -> Result<Gateway, GatewayError> {
     config.validate().map_err(GatewayError::Config)?;
-    let client = async_nats::ConnectOptions::new()
+    let options = config
+        .nats_auth
+        .connect_options()
+        .map_err(GatewayError::NatsAuth)?;
+    let client = options
         .name("metronome-gateway")
         .connection_timeout(Duration::from_secs(5))
         // Reconnect quickly after an outage: clients are waiting on 503s meanwhile.

@@ -15,6 +15,7 @@ pub mod headers;
 pub mod job;
 pub mod names;
 pub mod perf;
+pub mod permissions;
 pub mod redis_keys;
 pub mod result;
 #[cfg(feature = "nats")]

@@ -145,6 +145,13 @@ pub fn decision_msg_id(job_id: &str, attempt: u32) -> String {
     format!("{job_id}:{attempt}")
 }
 
+/// Inbox prefix of a connection authenticated as `user`: its replies (every JetStream API
+/// answer, every pulled message) arrive on `_INBOX.<user>.>`, which the server lets only
+/// that user read. The shared `_INBOX.>` would let any identity read everyone's replies.
+pub fn inbox_prefix(user: &str) -> String {
+    format!("_INBOX.{user}")
+}
+
 /// True when `s` can be used as one NATS subject token (worker ids, job ids).
 pub fn is_subject_token(s: &str) -> bool {
     !s.is_empty()

@@ -9,12 +9,16 @@
 //! - [`config`]: loading configuration (TOML file, then environment variables and flags,
 //!   each setting one key) and its field error type;
 //! - [`report_invalid_config`]: the `invalid configuration:` report, one indented line per
-//!   field error, and exit code 2.
+//!   field error, and exit code 2;
+//! - [`nats`]: NATS credentials and TLS ([`nats::NatsAuth`]), read the same way by every
+//!   binary and turned into `async_nats::ConnectOptions`.
 //!
 //! Nothing here decides policy; each binary keeps its own configuration struct, checks,
 //! flags, messages and exit codes and only calls these helpers.
 
 pub mod config;
+
+pub mod nats;
 
 use std::fmt::Display;
 use std::process::ExitCode;

@@ -1,4 +1,6 @@
-//! `nats-server -js` and `redis-server` on free ports.
+//! `nats-server -js` and `redis-server` on free ports, optionally with extra configuration
+//! (users, permissions, ACLs) for tests of authentication; without it they accept anyone,
+//! as most tests want.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -72,6 +74,7 @@ fn http_get_ok(port: u16, path: &str) -> bool {
     buf.starts_with("HTTP/1.1 200") || buf.starts_with("HTTP/1.0 200")
 }
 
+/// Alive means answering: `+PONG`, or `-NOAUTH` from a server whose default user is off.
 fn redis_ping(port: u16) -> bool {
     let Ok(mut s) =
         TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200))
@@ -83,7 +86,7 @@ fn redis_ping(port: u16) -> bool {
         return false;
     }
     let mut buf = [0u8; 16];
-    matches!(s.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG"))
+    matches!(s.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG") || buf[..n].starts_with(b"-NOAUTH"))
 }
 
 fn wait_ready(
@@ -138,12 +141,19 @@ pub struct NatsServer {
     monitor_port: u16,
     dir: TempDir,
     binary: PathBuf,
+    extra_config: String,
     child: Option<Child>,
 }
 
 impl NatsServer {
     /// Start a server; fails with an install hint when `nats-server` is missing.
     pub fn start() -> Result<Self, TestkitError> {
+        Self::start_with_config("")
+    }
+
+    /// Start a server whose config file also holds `extra_config` (nats-server syntax,
+    /// e.g. an `authorization { users = [...] }` block).
+    pub fn start_with_config(extra_config: &str) -> Result<Self, TestkitError> {
         let binary = find_binary("nats-server", "nats-server")?;
         let dir = tempfile::Builder::new()
             .prefix("metronome-nats-")
@@ -157,6 +167,7 @@ impl NatsServer {
             monitor_port: free_port(),
             dir,
             binary,
+            extra_config: extra_config.to_string(),
             child: None,
         };
         server.spawn()?;
@@ -168,10 +179,12 @@ impl NatsServer {
         let store = self.dir.path().join("js");
         // As in production: jobs carry whole prompts, larger than NATS's 1 MiB default.
         let conf = self.dir.path().join("nats.conf");
-        std::fs::write(&conf, "max_payload: 8MB\n").map_err(|source| TestkitError::Io {
-            what: "nats.conf".into(),
-            source,
-        })?;
+        std::fs::write(&conf, format!("max_payload: 8MB\n{}\n", self.extra_config)).map_err(
+            |source| TestkitError::Io {
+                what: "nats.conf".into(),
+                source,
+            },
+        )?;
         let mut child = Command::new(&self.binary)
             .arg("-c")
             .arg(&conf)
@@ -241,12 +254,19 @@ pub struct RedisServer {
     port: u16,
     dir: TempDir,
     binary: PathBuf,
+    extra_config: String,
     child: Option<Child>,
 }
 
 impl RedisServer {
     /// Start a server; fails with an install hint when `redis-server` is missing.
     pub fn start() -> Result<Self, TestkitError> {
+        Self::start_with_config("")
+    }
+
+    /// Start a server whose config file holds `extra_config` (redis.conf syntax, e.g.
+    /// ACL `user` lines).
+    pub fn start_with_config(extra_config: &str) -> Result<Self, TestkitError> {
         let binary = find_binary("redis-server", "redis-server")?;
         let dir = tempfile::Builder::new()
             .prefix("metronome-redis-")
@@ -259,6 +279,7 @@ impl RedisServer {
             port: free_port(),
             dir,
             binary,
+            extra_config: extra_config.to_string(),
             child: None,
         };
         server.spawn()?;
@@ -267,7 +288,13 @@ impl RedisServer {
 
     fn spawn(&mut self) -> Result<(), TestkitError> {
         let log = self.dir.path().join("redis.log");
+        let conf = self.dir.path().join("redis.conf");
+        std::fs::write(&conf, &self.extra_config).map_err(|source| TestkitError::Io {
+            what: "redis.conf".into(),
+            source,
+        })?;
         let mut child = Command::new(&self.binary)
+            .arg(&conf)
             .args(["--bind", "127.0.0.1", "--port", &self.port.to_string()])
             .arg("--dir")
             .arg(self.dir.path())
@@ -291,6 +318,11 @@ impl RedisServer {
     /// `redis://127.0.0.1:<port>/`.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// `redis://<user>:<password>@127.0.0.1:<port>/`.
+    pub fn url_as(&self, user: &str, password: &str) -> String {
+        format!("redis://{user}:{password}@127.0.0.1:{}/", self.port)
     }
 
     pub fn port(&self) -> u16 {

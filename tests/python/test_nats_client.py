@@ -1,5 +1,7 @@
 """A client that never touches HTTP: the official Python NATS client submits a Job on
-`jobs.submit`, receives its streamed chunks and final result, and reads its decision."""
+`jobs.submit`, receives its streamed chunks and final result, and reads its decision, as
+the `client` identity of `./dev up` (its permissions: submit, read results and decisions,
+replies on its own inbox `_INBOX.client`)."""
 
 import asyncio
 import json
@@ -29,8 +31,14 @@ def _job(job_id: str, model: str, max_tokens: int) -> dict:
     }
 
 
-async def _submit_and_collect(nats_url: str, job: dict):
-    nc = await nats.connect(nats_url)
+async def _submit_and_collect(system, job: dict):
+    user = system.env["METRONOME_CLIENT_NATS_USER"]
+    nc = await nats.connect(
+        system.nats_url,
+        user=user,
+        password=system.env["METRONOME_CLIENT_NATS_PASSWORD"],
+        inbox_prefix=f"_INBOX.{user}".encode(),
+    )
     try:
         js = nc.jetstream()
         chunks, final = [], asyncio.get_running_loop().create_future()
@@ -62,7 +70,7 @@ async def _submit_and_collect(nats_url: str, job: dict):
 
 def test_direct_submission_streams_chunks_and_final_result(system):
     job = _job(str(uuid.uuid4()), MODELS[0], 12)
-    chunks, final, decision = asyncio.run(_submit_and_collect(system.nats_url, job))
+    chunks, final, decision = asyncio.run(_submit_and_collect(system, job))
 
     assert final["error"] is None, final
     assert final["usage"]["completion_tokens"] == 12
@@ -82,7 +90,7 @@ def test_direct_submission_streams_chunks_and_final_result(system):
 
 def test_direct_submission_of_unknown_model_is_rejected_with_reason(system):
     job = _job(str(uuid.uuid4()), "no-such-model", 4)
-    chunks, final, decision = asyncio.run(_submit_and_collect(system.nats_url, job))
+    chunks, final, decision = asyncio.run(_submit_and_collect(system, job))
     assert chunks == []
     assert final["error"]["code"] == "unknown_model"
     assert decision["outcome"] == "rejected"

@@ -244,6 +244,134 @@ else
   fail "Redis never evicts: maxmemory-policy noeviction in the rendered redis.conf, ./dev up and compose.yaml" \
     "rendered: $(grep -h maxmemory-policy "$redis_conf" 2>/dev/null || echo none)"
 fi
+# --- credentials: accepted by the servers as rendered, never world-readable ----------
+# nats-server and redis-server start on the rendered configs (ports and storage moved to
+# the work folder); each identity's rendered credentials work, and the servers refuse
+# anonymous connections and what a role may not do.
+auth_check() { # $1 = inventory, $2 = staging base
+  "$PY" - "$1" "$2" "$WORK" <<'PYEOF'
+import os, pathlib, socket, stat, subprocess, sys, time, tomllib, json
+
+inv, stage, work = map(pathlib.Path, sys.argv[1:4])
+errors = []
+def expect(cond, msg):
+    if not cond:
+        errors.append(msg)
+
+secrets_dir = inv / ".secrets"
+secrets = {p.stem: p.read_text().strip() for p in secrets_dir.glob("*.password")}
+expect(len(secrets) >= 10, f"expected a credential per identity in {secrets_dir}, found {sorted(secrets)}")
+expect(stat.S_IMODE(secrets_dir.stat().st_mode) == 0o700, f"{secrets_dir} is not mode 0700")
+for p in secrets_dir.iterdir():
+    expect(stat.S_IMODE(p.stat().st_mode) == 0o600, f"{p} is not mode 0600")
+# No secret in a file anyone may read, on any host.
+for p in stage.rglob("*"):
+    if p.is_file() and not p.is_symlink() and p.stat().st_mode & stat.S_IROTH:
+        try:
+            text = p.read_text()
+        except (UnicodeDecodeError, OSError):
+            continue
+        for user, pw in secrets.items():
+            expect(pw not in text, f"{p.relative_to(stage)} is world-readable and holds {user}'s password")
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+ctl = stage / "gpu-node-1"
+nats_port, mon_port, redis_port = free_port(), free_port(), free_port()
+# The rendered files with only the addresses and state folders moved; the users,
+# permissions and ACLs stay exactly as rendered.
+import re
+nats_conf = (ctl / "etc/metronome/nats/nats-server.conf").read_text()
+nats_conf = re.sub(r"(?m)^listen: .*$", f'listen: "127.0.0.1:{nats_port}"', nats_conf)
+nats_conf = re.sub(r"(?m)^http: .*$", f'http: "127.0.0.1:{mon_port}"', nats_conf)
+nats_conf = re.sub(r'(?m)^(\s*)store_dir: .*$', f'\\1store_dir: "{work / "nats-js"}"', nats_conf)
+(work / "nats-check.conf").write_text(nats_conf)
+redis_conf = (ctl / "etc/metronome/redis/redis.conf").read_text()
+for key, value in (("bind", "127.0.0.1"), ("port", str(redis_port)), ("dir", str(work)),
+                   ("supervised", "no"), ("logfile", str(work / "redis.log"))):
+    redis_conf = re.sub(rf"(?m)^{key} .*$", f"{key} {value}", redis_conf)
+(work / "redis-check.conf").write_text(redis_conf)
+procs = [
+    subprocess.Popen(["nats-server", "-c", str(work / "nats-check.conf"), "-l", str(work / "nats.log")]),
+    subprocess.Popen(["redis-server", str(work / "redis-check.conf")]),
+]
+try:
+    def nats_session(user, password, lines):
+        deadline = time.time() + 20
+        while True:
+            try:
+                s = socket.create_connection(("127.0.0.1", nats_port), timeout=5)
+                break
+            except OSError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.1)
+        with s:
+            s.recv(4096)  # INFO
+            connect = {"verbose": False, "pedantic": False}
+            if user:
+                connect.update(user=user, **{"pass": password})
+            payload = "CONNECT " + json.dumps(connect) + "\r\n" + "".join(lines) + "PING\r\n"
+            s.sendall(payload.encode())
+            out = b""
+            while b"PONG" not in out and b"Authorization Violation" not in out:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                out += chunk
+            return out.decode(errors="replace")
+
+    gw = tomllib.loads((ctl / "etc/metronome/gateway.toml").read_text())["nats_auth"]
+    expect("Authorization Violation" in nats_session(None, None, []), "NATS accepted an anonymous connection")
+    expect("Authorization Violation" in nats_session("gateway", "wrong", []), "NATS accepted a wrong password")
+    out = nats_session(gw["user"], gw["password"], ["PUB jobs.submit 2\r\n{}\r\n"])
+    expect("PONG" in out and "Violation" not in out, f"the gateway's rendered credential: {out!r}")
+    agent = tomllib.loads((stage / "gpu-node-2/etc/metronome/worker-agent/gpu0.toml").read_text())
+    own, na = agent["worker_id"], agent["nats_auth"]
+    out = nats_session(na["user"], na["password"], [f"PUB $KV.workers.{own} 2\r\n{{}}\r\n"])
+    expect("PONG" in out and "Violation" not in out, f"{own} writing its own heartbeat: {out!r}")
+    out = nats_session(na["user"], na["password"], ["PUB $KV.workers.gpu-node-1-gpu0 2\r\n{}\r\n"])
+    expect("Permissions Violation" in out, f"{own} writing another worker's heartbeat was not refused: {out!r}")
+    out = nats_session(na["user"], na["password"], ["SUB work.gpu-node-1-gpu0 1\r\n"])
+    expect("Permissions Violation" in out, f"{own} reading another worker's work was not refused: {out!r}")
+
+    from urllib.parse import urlsplit
+    def redis(*args, url=None):
+        # The rendered URL's user and password, against the server started here.
+        cmd = ["redis-cli", "-h", "127.0.0.1", "-p", str(redis_port), "--no-auth-warning"]
+        if url:
+            u = urlsplit(url)
+            cmd += ["--user", u.username, "--pass", u.password]
+        r = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=20)
+        return (r.stdout + r.stderr).strip()
+    deadline = time.time() + 20
+    while "NOAUTH" not in redis("PING") and time.time() < deadline:
+        time.sleep(0.1)
+    expect("NOAUTH" in redis("PING"), "Redis answered without authentication")
+    url = agent["redis_url"]
+    expect(redis("HSET", f"metronome:ewma:{own}", "ttft_ms", "1", url=url) == "1",
+           f"{own} writing its own EWMA with its rendered Redis URL")
+    expect("NOPERM" in redis("HSET", "metronome:ewma:gpu-node-1-gpu0", "ttft_ms", "1", url=url),
+           f"{own} writing another worker's EWMA was not refused")
+    disp = tomllib.loads((ctl / "etc/metronome/dispatcher/a.toml").read_text())["redis_url"]
+    expect(redis("HGET", f"metronome:ewma:{own}", "ttft_ms", url=disp) == "1", "the dispatcher reads the EWMAs")
+    expect("NOPERM" in redis("DEL", f"metronome:ewma:{own}", url=disp), "the dispatcher deleting a key was not refused")
+finally:
+    for p in procs:
+        p.terminate()
+        p.wait(timeout=20)
+print("\n".join(errors))
+sys.exit(1 if errors else 0)
+PYEOF
+}
+if out=$(auth_check "$INV" "$STAGE" 2>&1); then
+  pass "nats-server and redis-server accept the rendered credentials and permissions (and refuse what a role may not do); no secret is world-readable"
+else
+  fail "nats-server and redis-server accept the rendered credentials and permissions (and refuse what a role may not do); no secret is world-readable" "$out"
+fi
 
 # --- each config accepted by its own binary -------------------------------------------
 config_check() { # $1 = binary, rest = config files
@@ -381,9 +509,10 @@ if play "$INV" "$STAGE" site.yml; then
   snapshot > "$WORK/after.txt"
   removed=$(diff "$WORK/before.txt" "$WORK/after.txt" | sed -n 's/^< [0-9a-f]*  \.\///p' | sort | tr '\n' ' ')
   added=$(diff "$WORK/before.txt" "$WORK/after.txt" | sed -n 's/^> [0-9a-f]*  \.\///p' | sort | tr '\n' ' ')
-  # The control host's Prometheus scrape config follows the inventory: it loses the
-  # retired GPU's worker-agent target.
-  edited="gpu-node-1/etc/prometheus/prometheus.yml gpu-node-1/etc/systemd/system/metronome-model-gpu2.service gpu-node-2/etc/metronome/worker-agent/gpu0.toml "
+  # The control host's Prometheus scrape config follows the inventory (it loses the
+  # retired GPU's worker-agent target), and the removed GPU's worker identity is revoked:
+  # NATS's users and Redis's ACL change too.
+  edited="gpu-node-1/etc/metronome/nats/nats-server.conf gpu-node-1/etc/metronome/redis/redis.conf gpu-node-1/etc/prometheus/prometheus.yml gpu-node-1/etc/systemd/system/metronome-model-gpu2.service gpu-node-2/etc/metronome/worker-agent/gpu0.toml "
   gone="gpu-node-2/etc/metronome/worker-agent/gpu1.toml gpu-node-2/etc/systemd/system/metronome-model-gpu1.service gpu-node-2/etc/systemd/system/metronome-worker-agent-gpu1.service "
   want_removed=$(printf '%s\n' $edited $gone | sort | tr '\n' ' ')
   if [ "$removed" = "$want_removed" ] && [ "$added" = "$edited" ]; then

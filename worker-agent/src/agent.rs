@@ -53,6 +53,8 @@ pub enum AgentError {
         url: String,
         source: async_nats::ConnectError,
     },
+    #[error("NATS credentials: {0}")]
+    NatsAuth(metronome_runtime::nats::NatsAuthError),
     #[error("setting up streams and buckets: {0}")]
     Setup(#[from] metronome_protocol::setup::SetupError),
     #[error("opening stream {stream}: {source}")]

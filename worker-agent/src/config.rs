@@ -73,6 +73,9 @@ pub struct Config {
     /// twice.
     pub fence_after_ms: u64,
     pub nats_url: String,
+    /// NATS credentials and TLS (`[nats_auth]`; `METRONOME_NATS_*` override them).
+    pub nats_auth: metronome_runtime::nats::NatsAuth,
+    /// `redis://[<user>:<password>@]host:port/` (the agent's own ACL user).
     pub redis_url: String,
     pub redis_prefix: String,
     /// Weight of a new sample in the EWMAs when samples arrive back to back.
@@ -113,6 +116,7 @@ impl Default for Config {
             heartbeat_interval_ms: 1_000,
             fence_after_ms: 3_000,
             nats_url: "nats://127.0.0.1:4222".into(),
+            nats_auth: Default::default(),
             redis_url: "redis://127.0.0.1:6379/".into(),
             redis_prefix: metronome_protocol::redis_keys::DEFAULT_PREFIX.into(),
             ewma_alpha: 0.2,
@@ -179,13 +183,18 @@ impl Config {
         &mut self,
         lookup: impl Fn(&str) -> Option<String>,
     ) -> Result<(), ConfigError> {
-        metronome_runtime::config::apply_env(self, &ENV, lookup)
+        metronome_runtime::config::apply_env(self, &ENV, &lookup)?;
+        self.nats_auth.apply_env(&lookup);
+        Ok(())
     }
 
     /// Every field error at once, so an operator fixes the file in one go.
     pub fn validate(&self) -> Result<(), Vec<FieldError>> {
         let mut errors = Vec::new();
         let mut err = |field: &str, message: String| errors.push(FieldError::new(field, message));
+        for (field, message) in self.nats_auth.validate() {
+            err(field, message);
+        }
         if !is_subject_token(&self.worker_id) {
             err(
                 "worker_id",
@@ -323,8 +332,14 @@ impl Config {
     }
 
     /// The effective configuration as TOML, for `--check-config`.
+    /// The effective configuration as TOML, without secrets (the Redis URL's password
+    /// and the NATS password are masked).
     pub fn to_toml(&self) -> String {
-        toml::to_string_pretty(self).unwrap_or_else(|e| format!("# not printable: {e}"))
+        let shown = Config {
+            redis_url: metronome_runtime::nats::redact_url(&self.redis_url),
+            ..self.clone()
+        };
+        toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# not printable: {e}"))
     }
 }
 

@@ -108,7 +108,11 @@ pub async fn start(
     deps: Dependencies,
     shutdown: CancellationToken,
 ) -> Result<RunningAgent, AgentError> {
-    let client = async_nats::ConnectOptions::new()
+    let options = config
+        .nats_auth
+        .connect_options()
+        .map_err(AgentError::NatsAuth)?;
+    let client = options
         .name(format!("metronome-worker-agent {}", config.worker_id))
         .connect(&config.nats_url)
         .await

@@ -182,7 +182,13 @@ impl System {
         let mut sys = System::from_child(child, spec, gateway_url, urls);
         sys.dispatcher_metrics = dispatcher_metrics(&spec.state_dir);
         if let Some(nats_url) = read_env_file(&env_file, "NATS_URL") {
-            let client = async_nats::connect(nats_url.as_str())
+            // The bench reads the system with the credentials `./dev up` wrote beside
+            // the URL (`METRONOME_NATS_*` in the same env file).
+            let auth = metronome_runtime::nats::NatsAuth::from_env(|k| read_env_file(&env_file, k));
+            let client = auth
+                .connect_options()
+                .context("NATS credentials")?
+                .connect(nats_url.as_str())
                 .await
                 .context("connecting to the system's NATS")?;
             let js = async_nats::jetstream::new(client);

@@ -1,0 +1,394 @@
+//! Who may do what: the least-privilege NATS permissions and Redis ACL of every role, as
+//! rules over the contract's names, and their rendering into the two servers' own config
+//! syntax (nats-server 2.9 `authorization { users = [...] }`, Redis 7 ACL `user` lines).
+//!
+//! Roles: the gateway, each dispatcher instance, each worker-agent (one identity per
+//! worker), a direct-NATS client, an auditor (decisions only) and an admin (the operator
+//! CLI). Rules are templates over `{user}`, `{worker_id}`, `{prefix}` and `{model}`, so the
+//! same rules can be written out as data ([`rules_json`], committed as
+//! `ansible/roles/metronome/files/permissions.json`) for provisioning to render without
+//! a second copy of them.
+//!
+//! Invariants (tested against real servers in `tests/tests/permissions.rs`):
+//! - a worker publishes only under its own id (heartbeat key `$KV.workers.<id>`,
+//!   `workers.<id>.heartbeat`, `events.done.<id>`) and pulls only its own consumer
+//!   `worker-<id>`, which it can create only with the filter `work.<id>` (nats-server
+//!   checks the filter in the create subject against the request body);
+//! - only dispatchers write `work.*`, `decisions.*` and the `leader` bucket;
+//! - only dispatchers and admins create streams: a stream is a subscription to stored
+//!   messages, so creating one on `results.>` would read every result;
+//! - every identity reads replies only on its own inbox (`names::inbox_prefix`).
+//!
+//! Not expressible with the current subjects: results are addressed by job id alone, so a
+//! worker may publish on any `results.<job>.*` and a client may read any job's results;
+//! scoping them needs the tenant or worker in the subject.
+
+use serde::Serialize;
+
+use crate::names::{
+    BUCKET_LEADER, BUCKET_WORKERS, LEADER_KEY, STREAM_DECISIONS, STREAM_EVENTS, STREAM_JOBS,
+    STREAM_RESULTS, STREAM_WORK, SUBJECT_CANCEL_ALL, SUBJECT_DEAD_LETTER, SUBJECT_JOBS_SUBMIT,
+};
+
+/// One kind of identity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Role {
+    Gateway,
+    Dispatcher,
+    WorkerAgent,
+    Client,
+    Auditor,
+    Admin,
+}
+
+impl Role {
+    pub const ALL: [Role; 6] = [
+        Role::Gateway,
+        Role::Dispatcher,
+        Role::WorkerAgent,
+        Role::Client,
+        Role::Auditor,
+        Role::Admin,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Gateway => "gateway",
+            Role::Dispatcher => "dispatcher",
+            Role::WorkerAgent => "worker-agent",
+            Role::Client => "client",
+            Role::Auditor => "auditor",
+            Role::Admin => "admin",
+        }
+    }
+}
+
+/// What one role may do, as templates (see the module docs for the placeholders).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RoleRules {
+    /// Subjects the identity may publish to.
+    pub publish: Vec<String>,
+    /// Subjects the identity may subscribe to.
+    pub subscribe: Vec<String>,
+    /// May answer requests it received (a worker-agent answers `control.<id>.*`).
+    pub allow_responses: bool,
+    /// Its Redis ACL rules after `user <name> on <password>`; `None`: no Redis user.
+    pub redis: Option<String>,
+}
+
+const INBOX: &str = "_INBOX.{user}.>";
+
+fn js(api: &str) -> String {
+    format!("$JS.API.{api}")
+}
+
+fn strings(items: &[&str]) -> Vec<String> {
+    items.iter().map(|s| s.to_string()).collect()
+}
+
+/// The rules of `role`.
+pub fn rules(role: Role) -> RoleRules {
+    // Every component opens the streams and buckets at start-up (`setup::ensure_all`):
+    // reading their configuration is harmless, creating them is not.
+    let stream_info = js("STREAM.INFO.*");
+    match role {
+        Role::Gateway => RoleRules {
+            publish: vec![
+                SUBJECT_JOBS_SUBMIT.into(),
+                SUBJECT_CANCEL_ALL.into(),
+                stream_info,
+                // `GET /v1/models` watches the `workers` bucket (an ordered consumer).
+                js(&format!("CONSUMER.CREATE.KV_{BUCKET_WORKERS}")),
+                js(&format!("CONSUMER.CREATE.KV_{BUCKET_WORKERS}.>")),
+                js(&format!("CONSUMER.DELETE.KV_{BUCKET_WORKERS}.*")),
+                format!("$JS.FC.KV_{BUCKET_WORKERS}.>"),
+                // Readiness: is there a leader? (The lease is no secret.)
+                js(&format!(
+                    "DIRECT.GET.KV_{BUCKET_LEADER}.$KV.{BUCKET_LEADER}.{LEADER_KEY}"
+                )),
+            ],
+            subscribe: strings(&[INBOX, "results.*.>", "decisions.*"]),
+            allow_responses: false,
+            redis: None,
+        },
+        Role::Dispatcher => RoleRules {
+            publish: vec![
+                js("INFO"),
+                stream_info,
+                js("STREAM.CREATE.*"),
+                js("CONSUMER.>"),
+                js("DIRECT.GET.>"),
+                js("STREAM.MSG.GET.*"),
+                format!("$JS.ACK.{STREAM_JOBS}.>"),
+                "$JS.FC.>".into(),
+                format!("$KV.{BUCKET_LEADER}.>"),
+                "work.*".into(),
+                "decisions.*".into(),
+                "results.*.final".into(),
+                SUBJECT_DEAD_LETTER.into(),
+            ],
+            subscribe: strings(&[INBOX, SUBJECT_CANCEL_ALL, "workers.*.heartbeat"]),
+            allow_responses: false,
+            // Reads the EWMAs, output lengths and fitted models; writes nothing.
+            redis: Some("resetkeys %R~{prefix}:* resetchannels -@all +@connection +@read".into()),
+        },
+        Role::WorkerAgent => RoleRules {
+            publish: vec![
+                stream_info,
+                js(&format!("CONSUMER.INFO.{STREAM_WORK}.worker-{{worker_id}}")),
+                js(&format!(
+                    "CONSUMER.CREATE.{STREAM_WORK}.worker-{{worker_id}}.work.{{worker_id}}"
+                )),
+                js(&format!("CONSUMER.MSG.NEXT.{STREAM_WORK}.worker-{{worker_id}}")),
+                format!("$JS.ACK.{STREAM_WORK}.worker-{{worker_id}}.>"),
+                format!("$KV.{BUCKET_WORKERS}.{{worker_id}}"),
+                // It reads back its own heartbeat key.
+                js(&format!(
+                    "DIRECT.GET.KV_{BUCKET_WORKERS}.$KV.{BUCKET_WORKERS}.{{worker_id}}"
+                )),
+                "workers.{worker_id}.heartbeat".into(),
+                "events.done.{worker_id}".into(),
+                "results.*.chunk".into(),
+                "results.*.final".into(),
+                SUBJECT_DEAD_LETTER.into(),
+            ],
+            subscribe: strings(&[INBOX, SUBJECT_CANCEL_ALL, "control.{worker_id}.*"]),
+            allow_responses: true,
+            // Its own EWMA hash and fitted model, and its model's output-length average
+            // (shared with the model's other workers); the update is one Lua script.
+            redis: Some(
+                "resetkeys ~{prefix}:ewma:{worker_id} ~{prefix}:perf:{worker_id} ~{prefix}:outlen:{model} \
+                 resetchannels -@all +@connection +get +set +hget +hmget +hgetall +hset \
+                 +eval +evalsha +script|load"
+                    .into(),
+            ),
+        },
+        Role::Client => RoleRules {
+            publish: vec![
+                SUBJECT_JOBS_SUBMIT.into(),
+                SUBJECT_CANCEL_ALL.into(),
+                js(&format!("STREAM.INFO.{STREAM_JOBS}")),
+                js(&format!("DIRECT.GET.{STREAM_RESULTS}.>")),
+                js(&format!("DIRECT.GET.{STREAM_DECISIONS}.>")),
+                // The stored-message read of clients without direct get (nats-py's
+                // `get_last_msg`): the same records.
+                js(&format!("STREAM.MSG.GET.{STREAM_RESULTS}")),
+                js(&format!("STREAM.MSG.GET.{STREAM_DECISIONS}")),
+            ],
+            subscribe: strings(&[INBOX, "results.*.>", "decisions.*"]),
+            allow_responses: false,
+            redis: None,
+        },
+        Role::Auditor => RoleRules {
+            publish: vec![
+                js(&format!("STREAM.INFO.{STREAM_DECISIONS}")),
+                js(&format!("DIRECT.GET.{STREAM_DECISIONS}.>")),
+                js(&format!("CONSUMER.CREATE.{STREAM_DECISIONS}")),
+                js(&format!("CONSUMER.CREATE.{STREAM_DECISIONS}.>")),
+                js(&format!("CONSUMER.INFO.{STREAM_DECISIONS}.*")),
+                js(&format!("CONSUMER.DELETE.{STREAM_DECISIONS}.*")),
+                format!("$JS.FC.{STREAM_DECISIONS}.>"),
+            ],
+            subscribe: strings(&[INBOX, "decisions.>"]),
+            allow_responses: false,
+            redis: None,
+        },
+        Role::Admin => RoleRules {
+            publish: strings(&[">"]),
+            subscribe: strings(&[">"]),
+            allow_responses: false,
+            redis: Some("resetkeys ~* resetchannels &* +@all".into()),
+        },
+    }
+}
+
+/// Streams the rules name, so a renamed stream breaks the tests rather than the fleet.
+pub const STREAMS_NAMED: [&str; 5] = [
+    STREAM_JOBS,
+    STREAM_WORK,
+    STREAM_DECISIONS,
+    STREAM_RESULTS,
+    STREAM_EVENTS,
+];
+
+/// One identity to render: a user of `role` with its password; `worker_id` and `model`
+/// for a worker-agent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    pub user: String,
+    pub password: String,
+    pub role: Role,
+    pub worker_id: Option<String>,
+    pub model: Option<String>,
+}
+
+impl Identity {
+    pub fn new(user: &str, password: &str, role: Role) -> Identity {
+        Identity {
+            user: user.into(),
+            password: password.into(),
+            role,
+            worker_id: None,
+            model: None,
+        }
+    }
+
+    /// The worker-agent of `worker_id` serving `model`, user `worker-<worker_id>`.
+    pub fn worker(worker_id: &str, model: &str, password: &str) -> Identity {
+        Identity {
+            user: format!("worker-{worker_id}"),
+            password: password.into(),
+            role: Role::WorkerAgent,
+            worker_id: Some(worker_id.into()),
+            model: Some(model.into()),
+        }
+    }
+
+    fn fill(&self, template: &str, prefix: &str) -> String {
+        template
+            .replace("{user}", &self.user)
+            .replace("{worker_id}", self.worker_id.as_deref().unwrap_or(""))
+            .replace("{prefix}", prefix)
+            .replace(
+                "{model}",
+                &redis_glob_escape(self.model.as_deref().unwrap_or("")),
+            )
+    }
+}
+
+/// `s` matched literally by a Redis key pattern (model names may hold `*`, `?`, `[`).
+pub fn redis_glob_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn quoted_list(items: &[String]) -> String {
+    let quoted: Vec<String> = items.iter().map(|s| format!("{s:?}")).collect();
+    format!("[{}]", quoted.join(", "))
+}
+
+/// The nats-server `authorization` block granting each identity its role's rules.
+/// Passwords are written as given (generate them from `[A-Za-z0-9]`).
+pub fn nats_authorization(identities: &[Identity]) -> String {
+    let mut out = String::from("authorization {\n  users = [\n");
+    for id in identities {
+        let r = rules(id.role);
+        let fill = |v: &[String]| v.iter().map(|t| id.fill(t, "")).collect::<Vec<_>>();
+        out.push_str(&format!(
+            "    {{user: {:?}, password: {:?}, permissions: {{publish: {{allow: {}}}, subscribe: {{allow: {}}}{}}}}}\n",
+            id.user,
+            id.password,
+            quoted_list(&fill(&r.publish)),
+            quoted_list(&fill(&r.subscribe)),
+            if r.allow_responses { ", allow_responses: true" } else { "" },
+        ));
+    }
+    out.push_str("  ]\n}\n");
+    out
+}
+
+/// Redis ACL `user` lines (for `redis.conf` or an ACL file) for the identities whose role
+/// uses Redis, after one that switches the passwordless `default` user off.
+pub fn redis_acl(identities: &[Identity], prefix: &str) -> String {
+    let mut out = String::from("user default off\n");
+    for id in identities {
+        if let Some(rules) = rules(id.role).redis {
+            out.push_str(&format!(
+                "user {} on >{} {}\n",
+                id.user,
+                id.password,
+                id.fill(&rules, prefix)
+            ));
+        }
+    }
+    out
+}
+
+/// Every role's rules as data (JSON), for provisioning to render.
+pub fn rules_json() -> serde_json::Value {
+    let roles: serde_json::Map<String, serde_json::Value> = Role::ALL
+        .iter()
+        .map(|r| {
+            (
+                r.name().to_string(),
+                serde_json::to_value(rules(*r)).expect("rules serialise"),
+            )
+        })
+        .collect();
+    serde_json::json!({
+        "comment": "Generated from protocol/src/permissions.rs (METRONOME_UPDATE_PERMISSIONS=1 cargo test -p metronome-protocol permissions); do not edit.",
+        "roles": roles,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_rules_name_only_its_own_id() {
+        let id = Identity::worker("n1-gpu0", "llama-3.1-8b", "pw");
+        let publish: Vec<String> = rules(Role::WorkerAgent)
+            .publish
+            .iter()
+            .map(|t| id.fill(t, "m"))
+            .collect();
+        assert!(publish.contains(&"$KV.workers.n1-gpu0".to_string()));
+        assert!(publish
+            .contains(&"$JS.API.CONSUMER.CREATE.WORK.worker-n1-gpu0.work.n1-gpu0".to_string()));
+        assert!(!publish
+            .iter()
+            .any(|s| s.starts_with("decisions") || s.starts_with("work.") || s.contains("leader")));
+        let acl = redis_acl(&[id], "m");
+        assert!(
+            acl.contains("~m:ewma:n1-gpu0 ~m:perf:n1-gpu0 ~m:outlen:llama-3.1-8b "),
+            "{acl}"
+        );
+    }
+
+    #[test]
+    fn model_names_are_literal_in_key_patterns() {
+        assert_eq!(redis_glob_escape("org/m*[x]?"), "org/m\\*\\[x\\]\\?");
+    }
+
+    #[test]
+    fn only_redis_roles_get_redis_users() {
+        let acl = redis_acl(
+            &[
+                Identity::new("gateway", "a", Role::Gateway),
+                Identity::new("dispatcher-a", "b", Role::Dispatcher),
+            ],
+            "metronome",
+        );
+        assert_eq!(acl.lines().count(), 2, "{acl}");
+        assert!(acl.starts_with("user default off\n"));
+        assert!(acl.contains("user dispatcher-a on >b resetkeys %R~metronome:*"));
+    }
+
+    /// The committed data file provisioning renders from is the rules above.
+    #[test]
+    fn committed_rules_file_is_current() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../ansible/roles/metronome/files/permissions.json");
+        let expected = format!(
+            "{}\n",
+            serde_json::to_string_pretty(&rules_json()).expect("json")
+        );
+        if std::env::var_os("METRONOME_UPDATE_PERMISSIONS").is_some() {
+            std::fs::write(&path, &expected).expect("write permissions.json");
+        }
+        let committed = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            committed == expected,
+            "{} is stale: run METRONOME_UPDATE_PERMISSIONS=1 cargo test -p metronome-protocol permissions",
+            path.display()
+        );
+    }
+}

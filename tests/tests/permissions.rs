@@ -1,0 +1,630 @@
+//! Every role's NATS permissions and Redis ACL, both ways, against real servers started on
+//! the configuration `protocol::permissions` renders: what a role must do works, and what
+//! it must not do is refused by the server itself (a `Permissions Violation` error, a
+//! `NOPERM` reply, a refused connection), never merely not attempted.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer};
+use async_nats::{Event, ServerError};
+use futures::StreamExt;
+use metronome_protocol::names::{self, BUCKET_LEADER, STREAM_DECISIONS, STREAM_WORK};
+use metronome_protocol::permissions::{nats_authorization, redis_acl, Identity, Role};
+use metronome_protocol::setup::{ensure_all, Buckets, StreamSettings};
+use metronome_runtime::nats::NatsAuth;
+use metronome_testkit::{wait_for, NatsServer, RedisServer};
+
+const PREFIX: &str = "metronome";
+const MODEL: &str = "llama-3.1-8b";
+const WAIT: Duration = Duration::from_secs(20);
+
+fn password(user: &str) -> String {
+    format!("pw{}", user.replace('-', ""))
+}
+
+fn identities() -> Vec<Identity> {
+    let id = |user: &str, role| Identity::new(user, &password(user), role);
+    vec![
+        id("admin", Role::Admin),
+        id("dispatcher-a", Role::Dispatcher),
+        id("gateway", Role::Gateway),
+        id("client-acme", Role::Client),
+        id("auditor", Role::Auditor),
+        Identity::worker("w1", MODEL, &password("worker-w1")),
+        Identity::worker("w2", "qwen2.5-7b", &password("worker-w2")),
+    ]
+}
+
+/// A connection with the server errors it received (permission violations among them).
+struct Conn {
+    client: async_nats::Client,
+    js: jetstream::Context,
+    /// For requests the server is expected to refuse: the refusal is the violation
+    /// event; this short timeout only ends the wait for a reply that never comes.
+    js_denied: jetstream::Context,
+    errors: Arc<Mutex<Vec<String>>>,
+}
+
+impl Conn {
+    async fn open(nats: &NatsServer, user: &str) -> Conn {
+        let auth = NatsAuth {
+            user: Some(user.into()),
+            password: Some(password(user)),
+            ..NatsAuth::default()
+        };
+        let errors = Arc::new(Mutex::new(Vec::new()));
+        let sink = errors.clone();
+        let client = auth
+            .connect_options()
+            .expect("options")
+            .event_callback(move |event| {
+                let sink = sink.clone();
+                async move {
+                    if let Event::ServerError(ServerError::Other(e)) = event {
+                        sink.lock().unwrap().push(e);
+                    }
+                }
+            })
+            .connect(nats.url())
+            .await
+            .unwrap_or_else(|e| panic!("{user} connects: {e}"));
+        Conn {
+            js: jetstream::new(client.clone()),
+            js_denied: jetstream::ContextBuilder::new()
+                .timeout(Duration::from_millis(500))
+                .build(client.clone()),
+            client,
+            errors,
+        }
+    }
+
+    /// Waits until the server has reported a permission violation on `subject`.
+    async fn refused(&self, what: &str, subject: &str) {
+        let needle = format!("\"{subject}\"");
+        let errors = self.errors.clone();
+        wait_for(
+            &format!("the server to refuse {what} ({subject})"),
+            WAIT,
+            || {
+                let found = errors
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .any(|e| e.contains("Permissions Violation") && e.contains(&needle));
+                async move { found.then_some(()) }
+            },
+        )
+        .await;
+    }
+
+    /// Publishes on `subject` and waits for the server to refuse it.
+    async fn publish_refused(&self, subject: &str) {
+        self.client
+            .publish(subject.to_string(), "forged".into())
+            .await
+            .expect("queued");
+        self.client.flush().await.expect("flush");
+        self.refused("a publish", subject).await;
+    }
+
+    /// Subscribes to `subject` and waits for the server to refuse it.
+    async fn subscribe_refused(&self, subject: &str) {
+        let _sub = self
+            .client
+            .subscribe(subject.to_string())
+            .await
+            .expect("sent");
+        self.client.flush().await.expect("flush");
+        self.refused("a subscription", subject).await;
+    }
+
+    fn no_violations(&self) {
+        let errors = self.errors.lock().unwrap();
+        assert!(
+            !errors.iter().any(|e| e.contains("Permissions Violation")),
+            "unexpected refusals: {errors:?}"
+        );
+    }
+}
+
+struct System {
+    nats: NatsServer,
+    redis: RedisServer,
+    /// The admin's view of the streams and buckets (created by it, as provisioning does).
+    admin_buckets: Buckets,
+}
+
+async fn system() -> System {
+    let ids = identities();
+    let nats = NatsServer::start_with_config(&nats_authorization(&ids)).expect("nats-server");
+    let redis = RedisServer::start_with_config(&redis_acl(&ids, PREFIX)).expect("redis-server");
+    let admin = Conn::open(&nats, "admin").await;
+    let admin_buckets = ensure_all(&admin.js, &StreamSettings::default())
+        .await
+        .expect("admin creates the streams and buckets");
+    System {
+        nats,
+        redis,
+        admin_buckets,
+    }
+}
+
+/// `fut`, or a panic naming `what` after [`WAIT`]: a lost message fails the test instead
+/// of hanging it.
+async fn within<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(WAIT, fut)
+        .await
+        .unwrap_or_else(|_| panic!("no {what} within {WAIT:?}"))
+}
+
+fn worker_consumer(worker_id: &str, filter: &str) -> consumer::pull::Config {
+    let name = names::work_consumer(worker_id);
+    consumer::pull::Config {
+        durable_name: Some(name),
+        filter_subject: filter.to_string(),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn unauthenticated_and_wrong_passwords_are_refused() {
+    let sys = system().await;
+    let anonymous = async_nats::ConnectOptions::new()
+        .max_reconnects(Some(1))
+        .connect(sys.nats.url())
+        .await;
+    assert!(
+        anonymous.is_err(),
+        "an anonymous NATS connection was accepted"
+    );
+    let wrong = NatsAuth {
+        user: Some("gateway".into()),
+        password: Some("not-the-password".into()),
+        ..NatsAuth::default()
+    };
+    let wrong = wrong
+        .connect_options()
+        .unwrap()
+        .max_reconnects(Some(1))
+        .connect(sys.nats.url())
+        .await;
+    assert!(wrong.is_err(), "a wrong NATS password was accepted");
+
+    let mut conn = redis::Client::open(sys.redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .expect("redis accepts the TCP connection");
+    let err = redis::cmd("GET")
+        .arg("metronome:ewma:w1")
+        .query_async::<Option<String>>(&mut conn)
+        .await
+        .expect_err("redis answered a command without authentication");
+    assert_eq!(err.code(), Some("NOAUTH"), "{err}");
+    let wrong = redis::Client::open(sys.redis.url_as("worker-w1", "wrong"))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await;
+    assert!(wrong.is_err(), "a wrong redis password was accepted");
+}
+
+#[tokio::test]
+async fn a_worker_uses_its_own_consumer_heartbeat_and_events_and_nothing_else() {
+    let sys = system().await;
+    let w1 = Conn::open(&sys.nats, "worker-w1").await;
+    let w2 = Conn::open(&sys.nats, "worker-w2").await;
+    let dispatcher = Conn::open(&sys.nats, "dispatcher-a").await;
+
+    // What a worker-agent does at start and per job works.
+    let buckets = ensure_all(&w1.js, &StreamSettings::default())
+        .await
+        .expect("a worker opens the existing streams and buckets");
+    let work = w1.js.get_stream(STREAM_WORK).await.expect("WORK info");
+    let own = work
+        .get_or_create_consumer("worker-w1", worker_consumer("w1", "work.w1"))
+        .await
+        .expect("its own consumer");
+    w2.js
+        .get_stream(STREAM_WORK)
+        .await
+        .unwrap()
+        .get_or_create_consumer("worker-w2", worker_consumer("w2", "work.w2"))
+        .await
+        .expect("w2's own consumer");
+    dispatcher
+        .js
+        .publish("work.w1", "assignment for w1".into())
+        .await
+        .expect("dispatcher publishes")
+        .await
+        .expect("stored");
+    dispatcher
+        .js
+        .publish("work.w2", "assignment for w2".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let mut batch = own.fetch().max_messages(1).messages().await.expect("pull");
+    let msg = within("assignment", batch.next())
+        .await
+        .expect("one")
+        .expect("message");
+    assert_eq!(msg.payload.as_ref(), b"assignment for w1");
+    msg.ack().await.expect("ack");
+    buckets
+        .workers
+        .put("w1", "heartbeat".into())
+        .await
+        .expect("own heartbeat");
+    w1.client
+        .publish(names::heartbeat_subject("w1"), "hb".into())
+        .await
+        .unwrap();
+    w1.js
+        .publish(names::event_done_subject("w1"), "done".into())
+        .await
+        .unwrap()
+        .await
+        .expect("own completion event stored");
+    w1.js
+        .publish(names::result_final_subject("job-1"), "final".into())
+        .await
+        .unwrap()
+        .await
+        .expect("final result stored");
+    // It answers operator requests on its control subject.
+    let mut control = w1
+        .client
+        .subscribe(names::control_subject_all("w1"))
+        .await
+        .unwrap();
+    w1.client.flush().await.unwrap();
+    let w1_client = w1.client.clone();
+    let responder = tokio::spawn(async move {
+        let req = control.next().await.expect("request");
+        w1_client
+            .publish(req.reply.expect("reply"), "draining".into())
+            .await
+            .unwrap();
+        w1_client.flush().await.unwrap();
+    });
+    let admin = Conn::open(&sys.nats, "admin").await;
+    let reply = admin
+        .client
+        .request(
+            names::control_subject("w1", names::CONTROL_DRAIN),
+            "".into(),
+        )
+        .await
+        .expect("the worker answers");
+    assert_eq!(reply.payload.as_ref(), b"draining");
+    within("control responder", responder).await.unwrap();
+    w1.no_violations();
+
+    // Another worker's work: neither its consumer nor a consumer of its own on w2's subject.
+    let denied_work = w1.js_denied.get_stream(STREAM_WORK).await.unwrap();
+    assert!(denied_work
+        .get_or_create_consumer("worker-w2", worker_consumer("w2", "work.w2"))
+        .await
+        .is_err());
+    w1.refused(
+        "reading w2's consumer",
+        "$JS.API.CONSUMER.INFO.WORK.worker-w2",
+    )
+    .await;
+    assert!(denied_work
+        .create_consumer(worker_consumer("w1", "work.w2"))
+        .await
+        .is_err());
+    w1.refused(
+        "its consumer filtered on w2's work",
+        "$JS.API.CONSUMER.CREATE.WORK.worker-w1.work.w2",
+    )
+    .await;
+    w1.publish_refused("$JS.API.CONSUMER.MSG.NEXT.WORK.worker-w2")
+        .await;
+    w1.publish_refused("$JS.API.CONSUMER.DURABLE.CREATE.WORK.worker-w1")
+        .await;
+    w1.subscribe_refused("_INBOX.>").await;
+    w1.subscribe_refused("work.w2").await;
+    let w2_info = w2
+        .js
+        .get_stream(STREAM_WORK)
+        .await
+        .unwrap()
+        .consumer_info("worker-w2")
+        .await
+        .expect("w2 reads its consumer");
+    assert_eq!(
+        w2_info.num_pending, 1,
+        "w2's assignment is still waiting for w2"
+    );
+
+    // Another worker's heartbeat and events, decisions, assignments, the lease, streams.
+    sys.admin_buckets
+        .workers
+        .put("w2", "w2's heartbeat".into())
+        .await
+        .unwrap();
+    w1.publish_refused("$KV.workers.w2").await;
+    let w2_entry = sys.admin_buckets.workers.get("w2").await.unwrap();
+    assert_eq!(w2_entry.as_deref(), Some(&b"w2's heartbeat"[..]));
+    w1.publish_refused(&names::event_done_subject("w2")).await;
+    w1.publish_refused(&names::heartbeat_subject("w2")).await;
+    w1.publish_refused(&names::decision_subject("job-1")).await;
+    w1.publish_refused("work.w2").await;
+    let leader = w1
+        .js_denied
+        .get_key_value(BUCKET_LEADER)
+        .await
+        .expect("lease bucket info");
+    assert!(leader
+        .create(names::LEADER_KEY, "w1 leads".into())
+        .await
+        .is_err());
+    w1.refused("taking the lease", "$KV.leader.dispatcher")
+        .await;
+    assert_eq!(
+        sys.admin_buckets
+            .leader
+            .get(names::LEADER_KEY)
+            .await
+            .unwrap(),
+        None
+    );
+    assert!(w1
+        .js_denied
+        .create_stream(jetstream::stream::Config {
+            name: "SNOOP".into(),
+            subjects: vec!["results.>".into()],
+            ..Default::default()
+        })
+        .await
+        .is_err());
+    w1.refused("creating a stream", "$JS.API.STREAM.CREATE.SNOOP")
+        .await;
+}
+
+#[tokio::test]
+async fn a_client_submits_and_reads_results_but_cannot_touch_the_fleet() {
+    let sys = system().await;
+    let client = Conn::open(&sys.nats, "client-acme").await;
+    let dispatcher = Conn::open(&sys.nats, "dispatcher-a").await;
+
+    let mut results = client
+        .client
+        .subscribe(names::results_subject_all("job-7"))
+        .await
+        .expect("subscribes to its job's results");
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(names::HEADER_MSG_ID, "job-7");
+    client
+        .js
+        .publish_with_headers(names::SUBJECT_JOBS_SUBMIT, headers, "{}".into())
+        .await
+        .expect("publish")
+        .await
+        .expect("JOBS stores the job");
+    dispatcher
+        .js
+        .publish(names::decision_subject("job-7"), "assigned".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    dispatcher
+        .js
+        .publish(names::result_final_subject("job-7"), "final".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let got = within("final result", results.next())
+        .await
+        .expect("the final result");
+    assert_eq!(got.payload.as_ref(), b"final");
+    let decision = client
+        .js
+        .get_stream_no_info(STREAM_DECISIONS)
+        .await
+        .expect("stream handle")
+        .direct_get_last_for_subject(names::decision_subject("job-7"))
+        .await
+        .expect("direct get of its decision");
+    assert_eq!(decision.payload.as_ref(), b"assigned");
+    client.no_violations();
+
+    client.publish_refused("$KV.workers.w1").await;
+    client.publish_refused("work.w1").await;
+    client
+        .publish_refused(&names::decision_subject("job-7"))
+        .await;
+    client
+        .publish_refused(&names::event_done_subject("w1"))
+        .await;
+    client.subscribe_refused("work.w1").await;
+    client.subscribe_refused("_INBOX.>").await;
+    client.subscribe_refused("control.w1.drain").await;
+}
+
+#[tokio::test]
+async fn an_auditor_reads_decisions_only() {
+    let sys = system().await;
+    let auditor = Conn::open(&sys.nats, "auditor").await;
+    let dispatcher = Conn::open(&sys.nats, "dispatcher-a").await;
+    let mut live = auditor
+        .client
+        .subscribe("decisions.>")
+        .await
+        .expect("decisions feed");
+    auditor.client.flush().await.unwrap();
+    dispatcher
+        .js
+        .publish(names::decision_subject("job-9"), "rejected".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(
+        within("live decision", live.next())
+            .await
+            .unwrap()
+            .payload
+            .as_ref(),
+        b"rejected"
+    );
+    let stored = auditor
+        .js
+        .get_stream_no_info(STREAM_DECISIONS)
+        .await
+        .expect("stream handle")
+        .direct_get_last_for_subject(names::decision_subject("job-9"))
+        .await
+        .expect("direct get");
+    assert_eq!(stored.payload.as_ref(), b"rejected");
+    auditor.no_violations();
+
+    auditor.subscribe_refused("results.job-9.>").await;
+    auditor.subscribe_refused("work.*").await;
+    auditor.publish_refused(names::SUBJECT_JOBS_SUBMIT).await;
+    auditor
+        .publish_refused(&names::decision_subject("job-9"))
+        .await;
+}
+
+#[tokio::test]
+async fn gateway_and_dispatcher_do_their_part_only() {
+    let sys = system().await;
+    let gateway = Conn::open(&sys.nats, "gateway").await;
+    let dispatcher = Conn::open(&sys.nats, "dispatcher-a").await;
+
+    let gw_buckets = ensure_all(&gateway.js, &StreamSettings::default())
+        .await
+        .expect("the gateway opens the streams");
+    let mut watch = gw_buckets
+        .workers
+        .watch_with_history(">")
+        .await
+        .expect("the gateway watches the workers");
+    sys.admin_buckets
+        .workers
+        .put("w1", "hb".into())
+        .await
+        .unwrap();
+    let entry = within("workers entry", watch.next())
+        .await
+        .expect("entry")
+        .expect("ok");
+    assert_eq!(entry.key, "w1");
+    gateway
+        .js
+        .publish(names::SUBJECT_JOBS_SUBMIT, "{}".into())
+        .await
+        .unwrap()
+        .await
+        .expect("the gateway submits");
+    gateway.no_violations();
+    gateway.publish_refused("work.w1").await;
+    gateway.publish_refused(&names::decision_subject("j")).await;
+    gateway.publish_refused("$KV.workers.w1").await;
+    gateway.subscribe_refused("work.w1").await;
+
+    let d_buckets = ensure_all(&dispatcher.js, &StreamSettings::default())
+        .await
+        .expect("the dispatcher opens the streams");
+    d_buckets
+        .leader
+        .create(names::LEADER_KEY, "dispatcher-a".into())
+        .await
+        .expect("the dispatcher takes the lease");
+    dispatcher.no_violations();
+    dispatcher.publish_refused("$KV.workers.w1").await;
+    dispatcher
+        .publish_refused(&names::event_done_subject("w1"))
+        .await;
+}
+
+#[tokio::test]
+async fn redis_lets_each_agent_write_only_its_own_keys_and_the_dispatcher_only_read() {
+    let sys = system().await;
+    let connect = |user: &str| {
+        let url = sys.redis.url_as(user, &password(user));
+        async move {
+            redis::Client::open(url)
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .expect("authenticated connection")
+        }
+    };
+    let mut w1 = connect("worker-w1").await;
+    let hset = |key: String| {
+        let mut cmd = redis::cmd("HSET");
+        cmd.arg(key).arg("ttft_ms").arg(120);
+        cmd
+    };
+    let own = metronome_protocol::redis_keys::ewma_key(PREFIX, "w1");
+    let other = metronome_protocol::redis_keys::ewma_key(PREFIX, "w2");
+    hset(own.clone())
+        .query_async::<i64>(&mut w1)
+        .await
+        .expect("own EWMA");
+    redis::cmd("SET")
+        .arg(metronome_protocol::redis_keys::perf_key(PREFIX, "w1"))
+        .arg("{}")
+        .query_async::<()>(&mut w1)
+        .await
+        .expect("own performance model");
+    hset(metronome_protocol::redis_keys::output_len_key(
+        PREFIX, MODEL,
+    ))
+    .query_async::<i64>(&mut w1)
+    .await
+    .expect("its model's output length");
+    // Scripts run under the caller's ACL too.
+    redis::Script::new("return redis.call('HSET', KEYS[1], 'ttft_ms', 1)")
+        .key(&own)
+        .invoke_async::<i64>(&mut w1)
+        .await
+        .expect("own key through the update script");
+
+    for (what, cmd) in [
+        ("another worker's EWMA", hset(other.clone())),
+        (
+            "another model's output length",
+            hset(metronome_protocol::redis_keys::output_len_key(
+                PREFIX,
+                "qwen2.5-7b",
+            )),
+        ),
+        ("flushing everything", redis::cmd("FLUSHALL")),
+    ] {
+        let err = cmd
+            .query_async::<redis::Value>(&mut w1)
+            .await
+            .expect_err(what);
+        assert_eq!(err.code(), Some("NOPERM"), "{what}: {err}");
+    }
+    let err = redis::Script::new("return redis.call('HSET', KEYS[1], 'ttft_ms', 1)")
+        .key(&other)
+        .invoke_async::<i64>(&mut w1)
+        .await
+        .expect_err("another worker's key through a script");
+    assert_eq!(err.code(), Some("NOPERM"), "{err}");
+
+    let mut dispatcher = connect("dispatcher-a").await;
+    let read: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
+        .arg(&own)
+        .query_async(&mut dispatcher)
+        .await
+        .expect("the dispatcher reads");
+    assert_eq!(read.get("ttft_ms").map(String::as_str), Some("1"));
+    let err = hset(own)
+        .query_async::<i64>(&mut dispatcher)
+        .await
+        .expect_err("the dispatcher writes nothing");
+    assert_eq!(err.code(), Some("NOPERM"), "{err}");
+}
