@@ -461,21 +461,25 @@ async fn an_auditor_reads_decisions_only() {
         .await
         .expect("decisions feed");
     auditor.client.flush().await.unwrap();
-    dispatcher
-        .js
-        .publish(names::decision_subject("job-9"), "rejected".into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    assert_eq!(
-        within("live decision", live.next())
-            .await
-            .unwrap()
-            .payload
-            .as_ref(),
-        b"rejected"
-    );
+    // Published until the feed shows it: a core subscription may be registered on the
+    // server a moment after the flush on a loaded machine (seen about once in six runs), and
+    // what is checked here is that the auditor may read the feed, not that timing.
+    let received = within("live decision", async {
+        loop {
+            dispatcher
+                .js
+                .publish(names::decision_subject("job-9"), "rejected".into())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+            if let Ok(m) = tokio::time::timeout(Duration::from_secs(1), live.next()).await {
+                break m;
+            }
+        }
+    })
+    .await;
+    assert_eq!(received.unwrap().payload.as_ref(), b"rejected");
     let stored = auditor
         .js
         .get_stream_no_info(STREAM_DECISIONS)
