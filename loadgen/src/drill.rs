@@ -142,7 +142,11 @@ pub async fn run_drills(plan: &DrillPlan) -> anyhow::Result<Vec<DrillReport>> {
         .get("NATS_URL")
         .context("NATS_URL in the env file")?
         .clone();
-    let client = async_nats::ConnectOptions::new()
+    // The operator's identity `./dev up` wrote beside the URL (`METRONOME_NATS_*`).
+    let auth = metronome_runtime::nats::NatsAuth::from_env(|k| env.get(k).cloned());
+    let client = auth
+        .connect_options()
+        .context("NATS credentials")?
         .retry_on_initial_connect()
         .connect(nats_url.as_str())
         .await?;

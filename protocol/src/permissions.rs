@@ -26,8 +26,9 @@
 use serde::Serialize;
 
 use crate::names::{
-    BUCKET_LEADER, BUCKET_WORKERS, LEADER_KEY, STREAM_DECISIONS, STREAM_EVENTS, STREAM_JOBS,
-    STREAM_RESULTS, STREAM_WORK, SUBJECT_CANCEL_ALL, SUBJECT_DEAD_LETTER, SUBJECT_JOBS_SUBMIT,
+    BUCKET_FAIRNESS, BUCKET_LEADER, BUCKET_WORKERS, CONTROL_REVOKE, LEADER_KEY, STREAM_DECISIONS,
+    STREAM_EVENTS, STREAM_JOBS, STREAM_RESULTS, STREAM_WORK, SUBJECT_CANCEL_ALL,
+    SUBJECT_DEAD_LETTER, SUBJECT_DECISIONS_ALL, SUBJECT_JOBS_SUBMIT,
 };
 
 /// One kind of identity.
@@ -107,8 +108,26 @@ pub fn rules(role: Role) -> RoleRules {
                 js(&format!(
                     "DIRECT.GET.KV_{BUCKET_LEADER}.$KV.{BUCKET_LEADER}.{LEADER_KEY}"
                 )),
+                // The operator console (`/console`): each worker's heartbeat, the recorded
+                // decisions and results it explains, and the live decision feed.
+                js(&format!("DIRECT.GET.KV_{BUCKET_WORKERS}.>")),
+                js(&format!("DIRECT.GET.{STREAM_DECISIONS}")),
+                js(&format!("DIRECT.GET.{STREAM_DECISIONS}.>")),
+                js(&format!("DIRECT.GET.{STREAM_RESULTS}")),
+                js(&format!("DIRECT.GET.{STREAM_RESULTS}.>")),
+                js(&format!("CONSUMER.CREATE.{STREAM_DECISIONS}")),
+                js(&format!("CONSUMER.CREATE.{STREAM_DECISIONS}.>")),
+                js(&format!("CONSUMER.MSG.NEXT.{STREAM_DECISIONS}.*")),
+                js(&format!("CONSUMER.DELETE.{STREAM_DECISIONS}.*")),
+                format!("$JS.FC.{STREAM_DECISIONS}.>"),
+                // The explain view's actuals: the job's completion event.
+                js(&format!("CONSUMER.CREATE.{STREAM_EVENTS}")),
+                js(&format!("CONSUMER.CREATE.{STREAM_EVENTS}.>")),
+                js(&format!("CONSUMER.MSG.NEXT.{STREAM_EVENTS}.*")),
+                js(&format!("CONSUMER.DELETE.{STREAM_EVENTS}.*")),
+                format!("$JS.FC.{STREAM_EVENTS}.>"),
             ],
-            subscribe: strings(&[INBOX, "results.*.>", "decisions.*"]),
+            subscribe: strings(&[INBOX, "results.*.>", "decisions.*", SUBJECT_DECISIONS_ALL]),
             allow_responses: false,
             redis: None,
         },
@@ -123,6 +142,15 @@ pub fn rules(role: Role) -> RoleRules {
                 format!("$JS.ACK.{STREAM_JOBS}.>"),
                 "$JS.FC.>".into(),
                 format!("$KV.{BUCKET_LEADER}.>"),
+                // Fair-share counters, saved for the next leader.
+                format!("$KV.{BUCKET_FAIRNESS}.>"),
+                // Completion events are read through a durable consumer and acknowledged.
+                format!("$JS.ACK.{STREAM_EVENTS}.>"),
+                // A refused or rescued job goes back on JOBS; a cancel is relayed once the
+                // worker reports the job; a worker declared dead has its jobs revoked.
+                SUBJECT_JOBS_SUBMIT.into(),
+                SUBJECT_CANCEL_ALL.into(),
+                format!("control.*.{CONTROL_REVOKE}"),
                 "work.*".into(),
                 "decisions.*".into(),
                 "results.*.final".into(),
@@ -187,6 +215,7 @@ pub fn rules(role: Role) -> RoleRules {
                 js(&format!("CONSUMER.CREATE.{STREAM_DECISIONS}")),
                 js(&format!("CONSUMER.CREATE.{STREAM_DECISIONS}.>")),
                 js(&format!("CONSUMER.INFO.{STREAM_DECISIONS}.*")),
+                js(&format!("CONSUMER.MSG.NEXT.{STREAM_DECISIONS}.*")),
                 js(&format!("CONSUMER.DELETE.{STREAM_DECISIONS}.*")),
                 format!("$JS.FC.{STREAM_DECISIONS}.>"),
             ],

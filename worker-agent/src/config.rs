@@ -67,10 +67,11 @@ pub struct Config {
     pub max_concurrency: u32,
     pub heartbeat_interval_ms: u64,
     /// After this long without a stored heartbeat the agent fences itself: it stops
-    /// pulling and starts no job until a heartbeat is stored again. Keep it at or below the
-    /// dispatcher's `heartbeat_timeout_ms`: past that the dispatcher declares the worker
-    /// dead and assigns its unreported jobs elsewhere, so running them here would run them
-    /// twice.
+    /// pulling and starts no job until a heartbeat is stored again. Keep it a heartbeat
+    /// interval or more below the dispatcher's `heartbeat_timeout_ms` (default 2000 against
+    /// 3000): past that the dispatcher declares the worker dead and assigns its unreported
+    /// jobs elsewhere, and a gap the two clocks judge a few ticks apart (equal settings) ran
+    /// jobs twice in the SIGSTOP drill.
     pub fence_after_ms: u64,
     pub nats_url: String,
     /// NATS credentials and TLS (`[nats_auth]`; `METRONOME_NATS_*` override them).
@@ -114,7 +115,7 @@ impl Default for Config {
             metrics_path: "/metrics".into(),
             max_concurrency: 256,
             heartbeat_interval_ms: 1_000,
-            fence_after_ms: 3_000,
+            fence_after_ms: 2_000,
             nats_url: "nats://127.0.0.1:4222".into(),
             nats_auth: Default::default(),
             redis_url: "redis://127.0.0.1:6379/".into(),

@@ -41,6 +41,10 @@ struct Cli {
     /// Jobs per second offered during each drill [default: 10 short, 20 full].
     #[arg(long)]
     rate: Option<f64>,
+    /// Drills not to run, comma-separated (kill-leader, restart-agent, stop-agent,
+    /// redis-down, restart-nats). The report lists what was skipped.
+    #[arg(long, value_delimiter = ',')]
+    skip: Vec<String>,
 }
 
 fn main() -> ExitCode {
@@ -60,6 +64,18 @@ fn main() -> ExitCode {
     } else {
         (30, 10, 30, cli.rate.unwrap_or(20.0))
     };
+    let names: Vec<&str> = Fault::ALL.iter().map(|f| f.name()).collect();
+    if let Some(unknown) = cli.skip.iter().find(|s| !names.contains(&s.as_str())) {
+        eprintln!(
+            "metronome-drill: --skip {unknown:?} is not a drill ({})",
+            names.join(", ")
+        );
+        return ExitCode::from(2);
+    }
+    let faults: Vec<Fault> = Fault::ALL
+        .into_iter()
+        .filter(|f| !cli.skip.iter().any(|s| s == f.name()))
+        .collect();
     let secs = Duration::from_secs;
     let command = std::env::args()
         .map(|a| a.rsplit('/').next().unwrap_or(&a).to_string())
@@ -74,7 +90,7 @@ fn main() -> ExitCode {
         pause: secs(pause),
         redis_outage: secs(redis_outage),
         settle: Duration::from_secs(if cli.short { 30 } else { 90 }),
-        faults: Fault::ALL.to_vec(),
+        faults,
         state_dir: std::env::temp_dir().join(format!("metronome-drill-{}", std::process::id())),
         command,
     };
