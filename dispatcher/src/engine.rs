@@ -365,12 +365,10 @@ impl Engine {
         match self.queues.push(queued) {
             // Every arrival gets a look: even behind waiting jobs it may be the first that
             // can still meet its TTFT target.
-            Ok(()) => {
-                self.dispatch_model(&model);
-                if self.queues.contains(&job_id) {
-                    self.answer_unmeetable(&model, now);
-                }
-            }
+            // A job that stays waiting with a deadline the queue cannot meet is answered by
+            // the next tick's sweep, not here: one sorted pass per tick instead of one per
+            // arrival.
+            Ok(()) => self.dispatch_model(&model),
             Err((job, crate::queue::QueueRefusal::Full { bound })) => {
                 let reason = format!("admission queue of model {model:?} is full ({bound} jobs)");
                 self.reject(
@@ -421,9 +419,13 @@ impl Engine {
     /// predicted to reach them (429 with `Retry-After`), instead of holding their clients
     /// until the deadline passes. Jobs are counted in queue order; the prediction is the
     /// model's measured drain rate ([`DrainRate`]), so nothing is answered before the queue
-    /// has been seen draining.
+    /// has been seen draining. Runs on every tick.
     fn answer_unmeetable(&mut self, model: &str, now: u64) {
-        let Some(drain) = self.drain.get(model) else {
+        let Some(drain) = self
+            .drain
+            .get(model)
+            .filter(|d| d.mean_interval_ms().is_some())
+        else {
             return;
         };
         // Counted in arrival order: fair sharing may serve a light tenant's job sooner,
