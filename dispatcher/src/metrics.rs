@@ -214,7 +214,6 @@ impl Metrics {
             ConstCounter::new(t.queue_wait_ms_sum as f64 / 1000.0)
                 .encode(wait.encode_family(&[("tenant", tenant.as_str())])?)?;
         }
-        drop(wait);
         let mut rejections = enc.encode_descriptor(
             "metronome_dispatcher_tenant_rejections",
             "Jobs not assigned, per tenant and reason code.",
@@ -353,7 +352,6 @@ impl Collector for Exposition {
             ConstGauge::new(*n as i64)
                 .encode(depth.encode_family(&[("model", model.as_str())])?)?;
         }
-        drop(depth);
         m.encode_tenants(&mut enc)?;
         m.decision_latency.0.encode(enc.encode_descriptor(
             "metronome_dispatcher_decision_latency_seconds",
