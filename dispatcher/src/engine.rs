@@ -124,6 +124,12 @@ struct AssignedJob {
     deadline_ms: u64,
 }
 
+/// A conditional delete of an overdue worker's key in flight.
+struct Expiring {
+    since_ms: u64,
+    why: String,
+}
+
 /// The state owned by the deciding loop.
 pub struct Engine {
     s: EngineSettings,
@@ -135,6 +141,15 @@ pub struct Engine {
     /// core then only looks at the model's own workers. Cleared on every worker change.
     per_model: HashMap<String, Vec<WorkerView>>,
     dead: HashSet<String>,
+    /// Revision in the `workers` bucket of each worker's latest heartbeat.
+    revisions: HashMap<String, u64>,
+    /// Workers whose heartbeats are overdue and whose key the leader is deleting on the
+    /// condition that no later heartbeat was stored ([`publish::Outcome::ExpireWorker`]).
+    /// The worker is declared dead only when the watch shows the delete: a worker that
+    /// stored a heartbeat meanwhile (it was only slow, or stopped and resumed) stays, and
+    /// its agent, whose next conditional put fails after such a delete, knows that
+    /// everything it held was given away.
+    expiring: HashMap<String, Expiring>,
     /// Jobs whose completion event arrived: a heartbeat sent before the event may still
     /// list them, and must neither re-adopt them nor count them as running.
     finished: RecentIds,
@@ -177,6 +192,8 @@ impl Engine {
             index: HashMap::new(),
             per_model: HashMap::new(),
             dead: HashSet::new(),
+            revisions: HashMap::new(),
+            expiring: HashMap::new(),
             finished: RecentIds::new(FINISHED_WINDOW_MS, FINISHED_MAX),
             cancelled: RecentIds::new(s.ack_wait_ms, CANCELLED_MAX),
             relayed: RecentIds::new(s.ack_wait_ms, CANCELLED_MAX),
@@ -476,8 +493,13 @@ impl Engine {
             WorkerUpdate::Put {
                 mut status,
                 seen_ms,
+                revision,
             } => {
                 let id = status.worker_id.clone();
+                self.revisions.insert(id.clone(), revision);
+                if self.expiring.remove(&id).is_some() {
+                    tracing::info!(worker_id = %id, revision, "a heartbeat was stored before the worker could be declared dead: it stays");
+                }
                 self.drop_finished(&mut status);
                 let rec = self.ledger.reconcile(
                     &id,
@@ -517,10 +539,19 @@ impl Engine {
                     tracing::info!(worker_id = %id, "worker is back");
                 }
             }
-            WorkerUpdate::Gone { worker_id } => {
-                self.worker_died(&worker_id, "its key left the workers bucket");
-                self.forget_worker(&worker_id);
-            }
+            WorkerUpdate::Gone { worker_id } => match self.expiring.remove(&worker_id) {
+                // This leader's own conditional delete: the worker is dead, and stays listed
+                // (rejected as stale) until it is forgotten or registers again.
+                Some(expiring) => {
+                    self.revisions.remove(&worker_id);
+                    self.worker_died(&worker_id, &expiring.why);
+                }
+                // The worker withdrew (or an operator removed it).
+                None => {
+                    self.worker_died(&worker_id, "its key left the workers bucket");
+                    self.forget_worker(&worker_id);
+                }
+            },
         }
         self.metrics
             .workers_known
@@ -572,6 +603,8 @@ impl Engine {
             }
         }
         self.dead.remove(worker_id);
+        self.revisions.remove(worker_id);
+        self.expiring.remove(worker_id);
         self.per_model.clear();
     }
 
@@ -808,6 +841,36 @@ impl Engine {
         }
     }
 
+    /// Declare a silent worker dead through the bucket: delete its key unless a heartbeat
+    /// later than the last one this leader saw was stored. The death itself
+    /// ([`Self::worker_died`]) follows when the watch shows the delete. The worker is not
+    /// eligible meanwhile (its heartbeat is too old).
+    fn expire_worker(&mut self, worker_id: &str, why: &str, now: u64) {
+        let Some(&revision) = self.revisions.get(worker_id) else {
+            // Never seen through the bucket (a registry loaded without revisions cannot
+            // happen; this is the safe fallback): declare it dead directly.
+            self.worker_died(worker_id, why);
+            return;
+        };
+        tracing::info!(
+            worker_id,
+            revision,
+            why,
+            "declaring the worker dead: deleting its key unless it stored a newer heartbeat"
+        );
+        self.expiring.insert(
+            worker_id.to_string(),
+            Expiring {
+                since_ms: now,
+                why: why.to_string(),
+            },
+        );
+        self.publisher.send(publish::Outcome::ExpireWorker {
+            worker_id: worker_id.to_string(),
+            revision,
+        });
+    }
+
     /// A worker is gone: release its reservations; jobs it never reported are assigned
     /// again, jobs it had reported fail with `WorkerLost` (they may have streamed output).
     fn worker_died(&mut self, worker_id: &str, why: &str) {
@@ -893,15 +956,23 @@ impl Engine {
                 }
             });
         }
+        let timeout = self.s.scheduler.heartbeat_timeout_ms;
         let stale: Vec<String> = self
             .workers
             .iter()
-            .filter(|w| now.saturating_sub(w.last_seen_ms) > self.s.scheduler.heartbeat_timeout_ms)
+            .filter(|w| now.saturating_sub(w.last_seen_ms) > timeout)
             .filter(|w| !self.dead.contains(&w.status.worker_id))
+            // One conditional delete per timeout: an unanswered one (NATS unreachable) is
+            // tried again, an answered one shows up on the watch.
+            .filter(|w| {
+                self.expiring
+                    .get(&w.status.worker_id)
+                    .is_none_or(|e| now.saturating_sub(e.since_ms) > timeout)
+            })
             .map(|w| w.status.worker_id.clone())
             .collect();
         for id in stale {
-            self.worker_died(&id, "heartbeat older than the timeout");
+            self.expire_worker(&id, "heartbeat older than the timeout", now);
         }
         self.settle_orphan_refusals(now);
         // The workers bucket's max age removes a dead worker's key without a delete marker

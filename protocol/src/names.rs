@@ -139,6 +139,14 @@ pub fn work_msg_id(job_id: &str, attempt: u32) -> String {
     format!("{job_id}:{attempt}")
 }
 
+/// `Nats-Msg-Id` of a job's final result, whoever publishes it (its worker, or the leader
+/// for a rejected job or one lost with its worker). One id per job, not per attempt: only
+/// the first final result of a job is stored, so a worker that finishes a job the leader
+/// has just declared lost (it was only silent) cannot add a second, contradicting one.
+pub fn final_msg_id(job_id: &str) -> String {
+    format!("{job_id}:final")
+}
+
 /// `Nats-Msg-Id` of a decision, so a leader that re-does a step after failover cannot
 /// publish the same outcome twice.
 pub fn decision_msg_id(job_id: &str, attempt: u32) -> String {

@@ -139,9 +139,16 @@ pub fn rules(role: Role) -> RoleRules {
                 js("CONSUMER.>"),
                 js("DIRECT.GET.>"),
                 js("STREAM.MSG.GET.*"),
+                // A dead worker's pending assignments are purged before its jobs go
+                // elsewhere.
+                js(&format!("STREAM.PURGE.{STREAM_WORK}")),
                 format!("$JS.ACK.{STREAM_JOBS}.>"),
                 "$JS.FC.>".into(),
                 format!("$KV.{BUCKET_LEADER}.>"),
+                // A silent worker is declared dead by deleting its heartbeat key, on the
+                // condition that no later heartbeat was stored (the agent's next
+                // conditional put then fails, and it drops what it held).
+                format!("$KV.{BUCKET_WORKERS}.*"),
                 // Fair-share counters, saved for the next leader.
                 format!("$KV.{BUCKET_FAIRNESS}.>"),
                 // Completion events are read through a durable consumer and acknowledged.

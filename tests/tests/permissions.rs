@@ -544,8 +544,30 @@ async fn gateway_and_dispatcher_do_their_part_only() {
         .create(names::LEADER_KEY, "dispatcher-a".into())
         .await
         .expect("the dispatcher takes the lease");
+    // Declaring a silent worker dead: a conditional delete of its key (refused while the
+    // revision is not the latest), and the purge of its pending assignments.
+    let rev = sys
+        .admin_buckets
+        .workers
+        .put("w1", "hb2".into())
+        .await
+        .unwrap();
+    d_buckets
+        .workers
+        .delete_expect_revision("w1", Some(rev - 1))
+        .await
+        .expect_err("a stale revision is refused by the server");
+    d_buckets
+        .workers
+        .delete_expect_revision("w1", Some(rev))
+        .await
+        .expect("the dispatcher deletes a silent worker's key");
+    let work = dispatcher.js.get_stream(names::STREAM_WORK).await.unwrap();
+    work.purge()
+        .filter(names::work_subject("w1"))
+        .await
+        .expect("the dispatcher purges a dead worker's assignments");
     dispatcher.no_violations();
-    dispatcher.publish_refused("$KV.workers.w1").await;
     dispatcher
         .publish_refused(&names::event_done_subject("w1"))
         .await;
