@@ -84,7 +84,11 @@ impl QueueRow {
     /// Rows in model order, each judged at `now_ms` against the newest epoch known: the
     /// leader's, or else the newest any snapshot carries (an older one is an earlier
     /// leader's).
-    pub fn rows(snapshots: Vec<QueueSnapshot>, leader_epoch: Option<u64>, now_ms: u64) -> Vec<QueueRow> {
+    pub fn rows(
+        snapshots: Vec<QueueSnapshot>,
+        leader_epoch: Option<u64>,
+        now_ms: u64,
+    ) -> Vec<QueueRow> {
         let newest = snapshots.iter().map(|s| s.epoch).max();
         let epoch = leader_epoch.max(newest);
         let mut rows: Vec<QueueRow> = snapshots

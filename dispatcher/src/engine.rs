@@ -1318,7 +1318,10 @@ impl Engine {
         };
         out.send_if_modified(|current| {
             let changed = current.len() != snapshots.len()
-                || current.iter().zip(&snapshots).any(|(a, b)| !a.same_queue(b));
+                || current
+                    .iter()
+                    .zip(&snapshots)
+                    .any(|(a, b)| !a.same_queue(b));
             if changed {
                 *current = snapshots;
             }

@@ -273,8 +273,12 @@ async fn run_term(
         fence.clone(),
         term.clone(),
     );
-    let mut engine =
-        engine::Engine::new(settings, publisher.clone(), ctx.metrics.clone(), fence.clone());
+    let mut engine = engine::Engine::new(
+        settings,
+        publisher.clone(),
+        ctx.metrics.clone(),
+        fence.clone(),
+    );
     engine.fairness(saved_fairness, fairness_tx);
     engine.load(workers, redis);
     let (queues_tx, queues_rx) = tokio::sync::watch::channel(Vec::new());

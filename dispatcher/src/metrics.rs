@@ -486,7 +486,9 @@ mod tests {
             .insert("llama-3.1-8b".into(), 1_500);
         let text = m.render();
         assert!(
-            text.contains("metronome_dispatcher_queue_oldest_wait_seconds{model=\"llama-3.1-8b\"} 1.5"),
+            text.contains(
+                "metronome_dispatcher_queue_oldest_wait_seconds{model=\"llama-3.1-8b\"} 1.5"
+            ),
             "{text}"
         );
         assert!(text.contains(

@@ -68,9 +68,7 @@ async fn waiting_jobs_are_published_per_model_and_an_emptied_queue_reads_zero() 
         }
     }
     let empty = metronome_testkit::wait_for("the queue seen empty", WAIT, || async {
-        snapshot(&env, "model.q/1")
-            .await
-            .filter(|s| s.waiting == 0)
+        snapshot(&env, "model.q/1").await.filter(|s| s.waiting == 0)
     })
     .await;
     assert_eq!(empty.oldest_enqueued_ms, None);

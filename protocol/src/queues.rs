@@ -90,9 +90,14 @@ pub enum QueueSnapshotError {
 pub enum Freshness {
     Fresh,
     /// Written `age_ms` ago, longer than [`QUEUE_STALE_AFTER_MS`].
-    Old { age_ms: u64 },
+    Old {
+        age_ms: u64,
+    },
     /// Written by the leader of `epoch`, older than the current leader's.
-    OlderEpoch { epoch: u64, leader_epoch: u64 },
+    OlderEpoch {
+        epoch: u64,
+        leader_epoch: u64,
+    },
 }
 
 impl Freshness {
@@ -248,7 +253,10 @@ mod tests {
     #[test]
     fn old_or_superseded_snapshots_are_stale() {
         let s = snapshot();
-        assert_eq!(s.freshness(1_500 + QUEUE_STALE_AFTER_MS, Some(7)), Freshness::Fresh);
+        assert_eq!(
+            s.freshness(1_500 + QUEUE_STALE_AFTER_MS, Some(7)),
+            Freshness::Fresh
+        );
         assert_eq!(s.freshness(1_600, None), Freshness::Fresh);
         assert_eq!(
             s.freshness(1_501 + QUEUE_STALE_AFTER_MS, Some(7)),

@@ -579,19 +579,27 @@ async fn queue_snapshots_are_written_by_the_dispatcher_and_read_by_operators() {
             .unwrap_or_else(|e| panic!("{reader} opens the queues bucket: {e}"));
         let keys: Vec<String> = within(
             "the keys of the queues bucket",
-            kv.keys().await.expect("keys").filter_map(|k| async { k.ok() }).collect(),
+            kv.keys()
+                .await
+                .expect("keys")
+                .filter_map(|k| async { k.ok() })
+                .collect(),
         )
         .await;
-        assert_eq!(keys, [key.clone()], "{reader} lists the snapshots");
+        assert_eq!(keys, std::slice::from_ref(&key), "{reader} lists the snapshots");
         let value = kv.get(key.as_str()).await.expect("get").expect("a value");
         assert_eq!(value.as_ref(), b"snapshot", "{reader} reads a snapshot");
         conn.no_violations();
     }
 
     let worker = Conn::open(&sys.nats, "worker-w1").await;
-    worker.publish_refused(&format!("$KV.{}.{key}", names::BUCKET_QUEUES)).await;
+    worker
+        .publish_refused(&format!("$KV.{}.{key}", names::BUCKET_QUEUES))
+        .await;
     let gateway = Conn::open(&sys.nats, "gateway").await;
-    gateway.publish_refused(&format!("$KV.{}.{key}", names::BUCKET_QUEUES)).await;
+    gateway
+        .publish_refused(&format!("$KV.{}.{key}", names::BUCKET_QUEUES))
+        .await;
     // Seen from the admin: nothing but the dispatcher's snapshot was stored.
     let stored = sys
         .admin_buckets
