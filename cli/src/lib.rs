@@ -366,6 +366,7 @@ pub async fn status_report(
         .decisions_since(now.saturating_sub(window_s * 1000), 200_000)
         .await?;
     let (views, _) = worker_views(nats, stale_after_ms, None, "").await?;
+    let (queues, _unreadable) = nats.queues().await?;
     Ok(status::Report::from_parts(
         leader,
         jobs_waiting,
@@ -373,6 +374,7 @@ pub async fn status_report(
         window_s,
         now,
         workers::counts(&views),
+        queues,
     ))
 }
 

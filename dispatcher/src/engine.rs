@@ -24,7 +24,8 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::AckKind;
 use metronome_protocol::{
-    CompletionEvent, CompletionOutcome, Decision, ErrorCode, Job, Outcome, WorkerStatus,
+    CompletionEvent, CompletionOutcome, Decision, ErrorCode, Job, Outcome, QueueSnapshot,
+    WorkerStatus,
 };
 use metronome_scheduler::filter::fits_when_empty;
 use metronome_scheduler::least_harm;
@@ -176,6 +177,10 @@ pub struct Engine {
     capacity_changed: bool,
     /// Where changed fair-share counters go to be persisted ([`crate::fairness_store`]).
     fairness_out: Option<tokio::sync::watch::Sender<FairnessSnapshot>>,
+    /// Where the queue snapshots go to be published ([`crate::queue_store`]), how often at
+    /// most, and when they were last taken.
+    queues_out: Option<(tokio::sync::watch::Sender<Vec<QueueSnapshot>>, u64)>,
+    queues_taken_ms: u64,
 }
 
 impl Engine {
@@ -208,6 +213,8 @@ impl Engine {
             fence,
             capacity_changed: false,
             fairness_out: None,
+            queues_out: None,
+            queues_taken_ms: 0,
             s,
         }
     }
@@ -467,6 +474,8 @@ impl Engine {
             let Some(job) = self.queues.remove(&id) else {
                 continue;
             };
+            self.metrics
+                .observe_queue_wait(model, "rejected", now.saturating_sub(job.enqueued_ms));
             let left = job.deadline_ms.saturating_sub(now);
             let reason = format!(
                 "deadline cannot be met: {wait:.0} ms predicted before a worker of model {model:?} is free for it, {left} ms left before its deadline"
@@ -928,6 +937,11 @@ impl Engine {
     fn on_tick(&mut self) {
         let now = metronome_protocol::time::unix_ms();
         for job in self.queues.take_expired(now) {
+            self.metrics.observe_queue_wait(
+                &job.job.model,
+                "expired",
+                now.saturating_sub(job.enqueued_ms),
+            );
             let reason = format!(
                 "no eligible worker before the deadline ({} ms in the queue)",
                 now.saturating_sub(job.enqueued_ms)
@@ -998,6 +1012,7 @@ impl Engine {
         if let Ok(mut depths) = self.metrics.queue_depth.lock() {
             *depths = self.queues.depths();
         }
+        self.publish_queues(now);
         self.persist_fairness();
         // Time alone changes eligibility (reservation and heartbeat ages).
         self.capacity_changed = !self.queues.is_empty();
@@ -1112,6 +1127,8 @@ impl Engine {
                 return;
             };
             let job = self.queues.take(model, pos).expect("position exists");
+            self.metrics
+                .observe_queue_wait(model, "assigned", now.saturating_sub(job.enqueued_ms));
             self.drain
                 .entry(model.to_string())
                 .or_default()
@@ -1337,6 +1354,63 @@ impl Engine {
                 changed
             });
         }
+    }
+
+    /// Hand a snapshot of every known model's queue (those of live workers' models and
+    /// those that held jobs this term, emptied ones included) to the writer when one
+    /// changed, at most every `min_interval_ms`; the per-model oldest-wait gauges follow.
+    fn publish_queues(&mut self, now: u64) {
+        let Some(min_interval_ms) = self.queues_out.as_ref().map(|(_, ms)| *ms) else {
+            return;
+        };
+        if self.queues_taken_ms != 0 && now < self.queues_taken_ms + min_interval_ms {
+            return;
+        }
+        self.queues_taken_ms = now;
+        let mut models: std::collections::BTreeSet<&str> = self.queues.known_models().collect();
+        models.extend(self.workers.iter().map(|w| w.status.model.as_str()));
+        let snapshots: Vec<QueueSnapshot> = models
+            .into_iter()
+            .map(|m| {
+                let mut s = self.queues.snapshot(m, now);
+                s.epoch = self.s.epoch;
+                s.dispatcher_id.clone_from(&self.s.dispatcher_id);
+                s
+            })
+            .collect();
+        if let Ok(mut waits) = self.metrics.queue_oldest_wait_ms.lock() {
+            *waits = snapshots
+                .iter()
+                .map(|s| (s.model.clone(), s.oldest_wait_ms))
+                .collect();
+        }
+        let Some((out, _)) = &self.queues_out else {
+            return;
+        };
+        out.send_if_modified(|current| {
+            let changed = current.len() != snapshots.len()
+                || current
+                    .iter()
+                    .zip(&snapshots)
+                    .any(|(a, b)| !a.same_queue(b));
+            if changed {
+                *current = snapshots;
+            }
+            changed
+        });
+    }
+
+    /// Publish queue snapshots to `out`, at most every `min_interval_ms`; sends the first
+    /// at once, so the writer starts from this leader's view. Called at takeover, after
+    /// [`Engine::load`].
+    pub fn queue_snapshots(
+        &mut self,
+        out: tokio::sync::watch::Sender<Vec<QueueSnapshot>>,
+        min_interval_ms: u64,
+    ) {
+        self.queues_out = Some((out, min_interval_ms));
+        self.queues_taken_ms = 0;
+        self.publish_queues(metronome_protocol::time::unix_ms());
     }
 
     /// Start from the counters an earlier leader persisted, and persist changes to `out`.

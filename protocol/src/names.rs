@@ -48,6 +48,9 @@ pub const LEADER_KEY: &str = "dispatcher";
 pub const BUCKET_FAIRNESS: &str = "fairness";
 /// Key of the counters (all models, one JSON document) in [`BUCKET_FAIRNESS`].
 pub const FAIRNESS_KEY: &str = "counters";
+/// KV bucket of the leader's per-model admission queues: key = [`queue_key`] of the
+/// model, value = its latest [`crate::QueueSnapshot`].
+pub const BUCKET_QUEUES: &str = "queues";
 
 /// De-duplication id understood by JetStream.
 pub const HEADER_MSG_ID: &str = "Nats-Msg-Id";
@@ -160,6 +163,22 @@ pub fn inbox_prefix(user: &str) -> String {
     format!("_INBOX.{user}")
 }
 
+/// Key of `model` in [`BUCKET_QUEUES`]. Model names hold characters a KV key may not
+/// (`:`, spaces, non-ASCII), so every byte outside `[A-Za-z0-9_-]` is written `=XX`
+/// (hex): keys stay readable (`llama-3=2E1-8b`), and distinct models get distinct keys.
+/// Readers take the model name from the value, never from the key.
+pub fn queue_key(model: &str) -> String {
+    let mut out = String::with_capacity(model.len());
+    for b in model.bytes() {
+        if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("={b:02X}"));
+        }
+    }
+    out
+}
+
 /// True when `s` can be used as one NATS subject token (worker ids, job ids).
 pub fn is_subject_token(s: &str) -> bool {
     !s.is_empty()
@@ -194,5 +213,17 @@ mod tests {
             "control.n1-gpu0.drain"
         );
         assert_eq!(control_subject_all("n1-gpu0"), "control.n1-gpu0.*");
+    }
+
+    #[test]
+    fn queue_keys_are_valid_kv_keys_and_distinct() {
+        assert_eq!(queue_key("llama-3.1-8b"), "llama-3=2E1-8b");
+        assert_eq!(queue_key("org/m:7b q"), "org=2Fm=3A7b=20q");
+        // `=` itself is escaped, so no two names share a key.
+        assert_ne!(queue_key("a=2E"), queue_key("a."));
+        let key = queue_key("ünï*>");
+        assert!(key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_=".contains(&b)));
     }
 }

@@ -27,6 +27,9 @@ pub struct StreamSettings {
     pub workers_max_age: Duration,
     /// Lifetime of the leader lease if it is not renewed.
     pub leader_ttl: Duration,
+    /// A model's queue snapshot not rewritten for this long vanishes (a model no leader
+    /// serves any more); a live leader rewrites each one every second.
+    pub queues_max_age: Duration,
     /// Largest message accepted on `jobs.submit`; larger publishes are refused by the
     /// server with an error the publisher sees.
     pub max_job_bytes: i32,
@@ -42,6 +45,7 @@ impl Default for StreamSettings {
             events_max_age: Duration::from_secs(3600),
             workers_max_age: Duration::from_secs(15),
             leader_ttl: Duration::from_secs(3),
+            queues_max_age: Duration::from_secs(600),
             max_job_bytes: 8 * 1024 * 1024,
         }
     }
@@ -73,6 +77,7 @@ pub struct Buckets {
     pub workers: kv::Store,
     pub leader: kv::Store,
     pub fairness: kv::Store,
+    pub queues: kv::Store,
 }
 
 /// Create (or find) every stream and bucket.
@@ -134,10 +139,12 @@ pub async fn ensure_all(
     let leader = ensure_bucket(js, BUCKET_LEADER, s.leader_ttl, s.storage).await?;
     // Counters are kept until overwritten: a failover may come at any time.
     let fairness = ensure_bucket(js, BUCKET_FAIRNESS, Duration::ZERO, s.storage).await?;
+    let queues = ensure_bucket(js, BUCKET_QUEUES, s.queues_max_age, s.storage).await?;
     Ok(Buckets {
         workers,
         leader,
         fairness,
+        queues,
     })
 }
 

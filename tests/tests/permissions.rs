@@ -573,6 +573,66 @@ async fn gateway_and_dispatcher_do_their_part_only() {
         .await;
 }
 
+/// The leader's per-model queue snapshots: the dispatcher writes them; the gateway (the
+/// console), the auditor and the admin (the CLI) list and read them the way
+/// `metronome status` does (the keys, then each value); a worker and the gateway may not
+/// write one.
+#[tokio::test]
+async fn queue_snapshots_are_written_by_the_dispatcher_and_read_by_operators() {
+    let sys = system().await;
+    let dispatcher = Conn::open(&sys.nats, "dispatcher-a").await;
+    let d_buckets = ensure_all(&dispatcher.js, &StreamSettings::default())
+        .await
+        .expect("the dispatcher opens the buckets");
+    let key = names::queue_key(MODEL);
+    d_buckets
+        .queues
+        .put(key.as_str(), "snapshot".into())
+        .await
+        .expect("the dispatcher writes a queue snapshot");
+    dispatcher.no_violations();
+
+    for reader in ["gateway", "auditor", "admin"] {
+        let conn = Conn::open(&sys.nats, reader).await;
+        let kv = conn
+            .js
+            .get_key_value(names::BUCKET_QUEUES)
+            .await
+            .unwrap_or_else(|e| panic!("{reader} opens the queues bucket: {e}"));
+        let keys: Vec<String> = within(
+            "the keys of the queues bucket",
+            kv.keys()
+                .await
+                .expect("keys")
+                .filter_map(|k| async { k.ok() })
+                .collect(),
+        )
+        .await;
+        assert_eq!(keys, std::slice::from_ref(&key), "{reader} lists the snapshots");
+        let value = kv.get(key.as_str()).await.expect("get").expect("a value");
+        assert_eq!(value.as_ref(), b"snapshot", "{reader} reads a snapshot");
+        conn.no_violations();
+    }
+
+    let worker = Conn::open(&sys.nats, "worker-w1").await;
+    worker
+        .publish_refused(&format!("$KV.{}.{key}", names::BUCKET_QUEUES))
+        .await;
+    let gateway = Conn::open(&sys.nats, "gateway").await;
+    gateway
+        .publish_refused(&format!("$KV.{}.{key}", names::BUCKET_QUEUES))
+        .await;
+    // Seen from the admin: nothing but the dispatcher's snapshot was stored.
+    let stored = sys
+        .admin_buckets
+        .queues
+        .get(key.as_str())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(stored.as_ref(), b"snapshot");
+}
+
 #[tokio::test]
 async fn redis_lets_each_agent_write_only_its_own_keys_and_the_dispatcher_only_read() {
     let sys = system().await;
@@ -648,9 +708,37 @@ async fn redis_lets_each_agent_write_only_its_own_keys_and_the_dispatcher_only_r
         .await
         .expect("the dispatcher reads");
     assert_eq!(read.get("ttft_ms").map(String::as_str), Some("1"));
-    let err = hset(own)
+    let err = hset(own.clone())
         .query_async::<i64>(&mut dispatcher)
         .await
         .expect_err("the dispatcher writes nothing");
     assert_eq!(err.code(), Some("NOPERM"), "{err}");
+
+    // The gateway's console reads the EWMA hashes, and nothing else, and writes nothing.
+    let mut gateway = connect("gateway").await;
+    let read: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
+        .arg(&own)
+        .query_async(&mut gateway)
+        .await
+        .expect("the gateway reads the EWMAs");
+    assert_eq!(read.get("ttft_ms").map(String::as_str), Some("1"));
+    for (what, cmd) in [
+        ("the gateway writing an EWMA", hset(own.clone())),
+        ("the gateway deleting an EWMA", {
+            let mut c = redis::cmd("DEL");
+            c.arg(&own);
+            c
+        }),
+        ("the gateway reading a performance model", {
+            let mut c = redis::cmd("GET");
+            c.arg(metronome_protocol::redis_keys::perf_key(PREFIX, "w1"));
+            c
+        }),
+    ] {
+        let err = cmd
+            .query_async::<redis::Value>(&mut gateway)
+            .await
+            .expect_err(what);
+        assert_eq!(err.code(), Some("NOPERM"), "{what}: {err}");
+    }
 }
