@@ -128,6 +128,9 @@ pub async fn start(
         ..StreamSettings::default()
     };
     let buckets = ensure_all(&js, &settings).await?;
+    if metronome_protocol::setup::upgrade_jobs_subjects(&js).await? {
+        tracing::info!("added jobs.retry to the JOBS stream (created by an older version)");
+    }
     let metrics = Metrics::new();
     let metrics_addr = match &config.metrics_addr {
         Some(addr) => Some(

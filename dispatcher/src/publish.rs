@@ -608,7 +608,7 @@ async fn requeue_start(js: &jetstream::Context, job: &QueuedJob) -> Started {
     ])
     .map_err(|e| e.to_string())?;
     let msg = PublishMessage::build().payload(payload).headers(h);
-    js.send_publish(names::SUBJECT_JOBS_SUBMIT, msg)
+    js.send_publish(names::SUBJECT_JOBS_RETRY, msg)
         .await
         .map_err(|e| e.to_string())
 }

@@ -17,6 +17,11 @@ pub const STREAM_EVENTS: &str = "EVENTS";
 
 /// Subject on which jobs are submitted (by the gateway or any NATS client).
 pub const SUBJECT_JOBS_SUBMIT: &str = "jobs.submit";
+/// Subject on which the leader puts a job back for another attempt (a retry), in the same
+/// JOBS stream. Only dispatchers may publish here, so only here are the retry headers
+/// ([`HEADER_ATTEMPT`], [`HEADER_ORDER`]) believed: on `jobs.submit` a client could use them
+/// to jump its model's queue.
+pub const SUBJECT_JOBS_RETRY: &str = "jobs.retry";
 /// Subject filter of the WORK stream.
 pub const SUBJECT_WORK_ALL: &str = "work.*";
 /// Subject filter of the DECISIONS stream; also what an auditor subscribes to.
@@ -58,11 +63,11 @@ pub const HEADER_MSG_ID: &str = "Nats-Msg-Id";
 pub const HEADER_MODEL: &str = "Metronome-Model";
 /// Leader epoch that produced an assignment.
 pub const HEADER_EPOCH: &str = "Metronome-Epoch";
-/// On a job the dispatcher put back on `jobs.submit` (a retry): the attempt it will be
-/// assigned as. Absent on a client's submission (attempt 1).
+/// On a job the dispatcher put back on `jobs.retry` (a retry): the attempt it will be
+/// assigned as. Ignored on `jobs.submit` (a client's submission is attempt 1).
 pub const HEADER_ATTEMPT: &str = "Metronome-Attempt";
-/// On a retry put back on `jobs.submit`: the JOBS sequence of the client's submission, so
-/// the job returns to its place in its model's queue.
+/// On a retry put back on `jobs.retry`: the JOBS sequence of the client's submission, so
+/// the job returns to its place in its model's queue. Ignored on `jobs.submit`.
 pub const HEADER_ORDER: &str = "Metronome-Order";
 /// Durable consumer of the dispatcher on EVENTS (`events.done.*`).
 pub const CONSUMER_DISPATCHER_EVENTS: &str = "dispatcher-events";

@@ -30,7 +30,7 @@ use serde::Serialize;
 use crate::names::{
     BUCKET_FAIRNESS, BUCKET_LEADER, BUCKET_QUEUES, BUCKET_WORKERS, CONTROL_REVOKE, LEADER_KEY,
     STREAM_DECISIONS, STREAM_EVENTS, STREAM_JOBS, STREAM_RESULTS, STREAM_WORK, SUBJECT_CANCEL_ALL,
-    SUBJECT_DEAD_LETTER, SUBJECT_DECISIONS_ALL, SUBJECT_JOBS_SUBMIT,
+    SUBJECT_DEAD_LETTER, SUBJECT_DECISIONS_ALL, SUBJECT_JOBS_RETRY, SUBJECT_JOBS_SUBMIT,
 };
 
 /// One kind of identity.
@@ -178,9 +178,12 @@ pub fn rules(role: Role) -> RoleRules {
                 format!("$KV.{BUCKET_QUEUES}.>"),
                 // Completion events are read through a durable consumer and acknowledged.
                 format!("$JS.ACK.{STREAM_EVENTS}.>"),
-                // A refused or rescued job goes back on JOBS; a cancel is relayed once the
-                // worker reports the job; a worker declared dead has its jobs revoked.
-                SUBJECT_JOBS_SUBMIT.into(),
+                // A JOBS stream of an older version gains `jobs.retry`.
+                js(&format!("STREAM.UPDATE.{STREAM_JOBS}")),
+                // A refused or rescued job goes back on JOBS (`jobs.retry`, which only
+                // dispatchers may publish); a cancel is relayed once the worker reports
+                // the job; a worker declared dead has its jobs revoked.
+                SUBJECT_JOBS_RETRY.into(),
                 SUBJECT_CANCEL_ALL.into(),
                 format!("control.*.{CONTROL_REVOKE}"),
                 "work.*".into(),

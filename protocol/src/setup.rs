@@ -69,6 +69,8 @@ pub enum SetupError {
         name: &'static str,
         source: jetstream::context::KeyValueError,
     },
+    #[error("adding this version's subjects to stream {name}: {reason}")]
+    Upgrade { name: &'static str, reason: String },
 }
 
 /// The KV buckets of the contract, opened.
@@ -88,7 +90,7 @@ pub async fn ensure_all(
     let streams = [
         stream::Config {
             name: STREAM_JOBS.into(),
-            subjects: vec![SUBJECT_JOBS_SUBMIT.into()],
+            subjects: vec![SUBJECT_JOBS_SUBMIT.into(), SUBJECT_JOBS_RETRY.into()],
             retention: stream::RetentionPolicy::WorkQueue,
             storage: s.storage,
             duplicate_window: s.duplicate_window,
@@ -146,6 +148,47 @@ pub async fn ensure_all(
         fairness,
         queues,
     })
+}
+
+/// Add the subjects a newer contract gave the JOBS stream (`jobs.retry`) to a JOBS stream
+/// created by an older version, which `ensure_all` leaves as it finds it. Run by the
+/// dispatcher (the only role allowed to update JOBS) before it leads: until then its
+/// retries would find no stream. Returns whether the stream was updated.
+pub async fn upgrade_jobs_subjects(js: &jetstream::Context) -> Result<bool, SetupError> {
+    let wanted = [SUBJECT_JOBS_SUBMIT, SUBJECT_JOBS_RETRY];
+    let mut stream = js
+        .get_stream(STREAM_JOBS)
+        .await
+        .map_err(|e| SetupError::Upgrade {
+            name: STREAM_JOBS,
+            reason: e.to_string(),
+        })?;
+    let mut config = stream
+        .info()
+        .await
+        .map_err(|e| SetupError::Upgrade {
+            name: STREAM_JOBS,
+            reason: e.to_string(),
+        })?
+        .config
+        .clone();
+    let missing: Vec<&str> = wanted
+        .into_iter()
+        .filter(|w| !config.subjects.iter().any(|s| s == w))
+        .collect();
+    if missing.is_empty() {
+        return Ok(false);
+    }
+    config
+        .subjects
+        .extend(missing.iter().map(|s| s.to_string()));
+    js.update_stream(config)
+        .await
+        .map_err(|e| SetupError::Upgrade {
+            name: STREAM_JOBS,
+            reason: e.to_string(),
+        })?;
+    Ok(true)
 }
 
 /// Create a stream unless it exists. Components start together, so two may race to create

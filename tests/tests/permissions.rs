@@ -439,6 +439,7 @@ async fn a_client_submits_and_reads_results_but_cannot_touch_the_fleet() {
 
     client.publish_refused("$KV.workers.w1").await;
     client.publish_refused("work.w1").await;
+    client.publish_refused(names::SUBJECT_JOBS_RETRY).await;
     client
         .publish_refused(&names::decision_subject("job-7"))
         .await;
@@ -532,6 +533,8 @@ async fn gateway_and_dispatcher_do_their_part_only() {
         .expect("the gateway submits");
     gateway.no_violations();
     gateway.publish_refused("work.w1").await;
+    // Retries (whose headers place a job in its queue) come from dispatchers only.
+    gateway.publish_refused(names::SUBJECT_JOBS_RETRY).await;
     gateway.publish_refused(&names::decision_subject("j")).await;
     gateway.publish_refused("$KV.workers.w1").await;
     gateway.subscribe_refused("work.w1").await;
@@ -608,7 +611,11 @@ async fn queue_snapshots_are_written_by_the_dispatcher_and_read_by_operators() {
                 .collect(),
         )
         .await;
-        assert_eq!(keys, std::slice::from_ref(&key), "{reader} lists the snapshots");
+        assert_eq!(
+            keys,
+            std::slice::from_ref(&key),
+            "{reader} lists the snapshots"
+        );
         let value = kv.get(key.as_str()).await.expect("get").expect("a value");
         assert_eq!(value.as_ref(), b"snapshot", "{reader} reads a snapshot");
         conn.no_violations();
