@@ -88,6 +88,7 @@ fn candidate(worker: &str, scale: f64, ttft_ms: f64, tok_s: f64) -> CandidateSco
         prediction: Some(Prediction {
             ttft_ms,
             decode_tok_s: tok_s,
+            step_tok_s: None,
             worst_running_tok_s: None,
             streams_after: 1,
             model_samples: 12,
