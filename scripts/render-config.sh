@@ -50,6 +50,8 @@ render_gateway_config() {
 listen = "127.0.0.1:$GATEWAY_PORT"
 nats_url = "$NATS_URL"
 $(nats_auth_line gateway)
+# The console's EWMA columns (a read-only Redis user).
+redis_url = "$(redis_url_for gateway)"
 # Loopback demo: requests without an API key are served as tenant "anonymous".
 allow_anonymous = true
 TOML

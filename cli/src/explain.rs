@@ -470,6 +470,7 @@ pub(crate) mod fixtures {
             prediction: Some(Prediction {
                 ttft_ms: ttft,
                 decode_tok_s: tok_s,
+                step_tok_s: None,
                 worst_running_tok_s: Some(tok_s - 2.0),
                 streams_after: 3,
                 model_samples: 240,

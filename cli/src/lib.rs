@@ -377,6 +377,7 @@ pub async fn status_report(
         .decisions_since(now.saturating_sub(window_s * 1000), 200_000)
         .await?;
     let (views, _) = worker_views(nats, stale_after_ms, None, &Default::default(), "").await?;
+    let (queues, _unreadable) = nats.queues().await?;
     Ok(status::Report::from_parts(
         leader,
         jobs_waiting,
@@ -384,6 +385,7 @@ pub async fn status_report(
         window_s,
         now,
         workers::counts(&views),
+        queues,
     ))
 }
 

@@ -319,8 +319,9 @@ struct SloCheck {
 fn check_slo(p: &Prediction, slo: Slo, waited_ms: u64) -> SloCheck {
     let idle = p.streams_after <= 1;
     let floor = slo.min_tok_s;
-    let rate_ok =
-        idle || (p.decode_tok_s >= floor && p.worst_running_tok_s.is_none_or(|r| r >= floor));
+    let rate_ok = idle
+        || (p.step_tok_s.unwrap_or(p.decode_tok_s) >= floor
+            && p.worst_running_tok_s.is_none_or(|r| r >= floor));
     let ttft_ok = idle || waited_ms >= slo.ttft_ms || p.ttft_ms <= (slo.ttft_ms - waited_ms) as f64;
     SloCheck { rate_ok, ttft_ok }
 }
@@ -632,6 +633,7 @@ mod tests {
         Prediction {
             ttft_ms,
             decode_tok_s,
+            step_tok_s: None,
             worst_running_tok_s: None,
             streams_after,
             model_samples: 10,

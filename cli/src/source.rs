@@ -12,7 +12,9 @@ use serde::de::DeserializeOwned;
 use metronome_protocol::names::{
     self, STREAM_DECISIONS, STREAM_EVENTS, STREAM_JOBS, STREAM_RESULTS,
 };
-use metronome_protocol::{redis_keys, CompletionEvent, Decision, FinalResult, WorkerStatus};
+use metronome_protocol::{
+    redis_keys, CompletionEvent, Decision, FinalResult, QueueSnapshot, WorkerStatus,
+};
 
 use crate::error::CliError;
 use crate::status::{Leader, LeaseValue};
@@ -276,6 +278,34 @@ impl Nats {
                         (entry.created.unix_timestamp_nanos() / 1_000_000).max(0) as u64;
                     out.push((s, now_ms.saturating_sub(stored_ms)));
                 }
+                Err(_) => unreadable += 1,
+            }
+        }
+        Ok((out, unreadable))
+    }
+
+    /// The leader's per-model queue snapshots in the `queues` bucket (none when the bucket
+    /// does not exist yet). Entries that are not valid snapshots are skipped and counted.
+    pub async fn queues(&self) -> Result<(Vec<QueueSnapshot>, usize), CliError> {
+        let Ok(kv) = self.js.get_key_value(names::BUCKET_QUEUES).await else {
+            return Ok((Vec::new(), 0));
+        };
+        let mut keys = kv
+            .keys()
+            .await
+            .map_err(|e| CliError::Nats(format!("bucket {}: {e}", names::BUCKET_QUEUES)))?;
+        let mut out = Vec::new();
+        let mut unreadable = 0;
+        while let Some(key) = keys.next().await {
+            let Ok(key) = key else { continue };
+            let Ok(Some(value)) = kv.get(key).await else {
+                continue;
+            };
+            if value.is_empty() {
+                continue;
+            }
+            match QueueSnapshot::parse(&value) {
+                Ok(s) => out.push(s),
                 Err(_) => unreadable += 1,
             }
         }

@@ -88,6 +88,7 @@ fn candidate(worker: &str, scale: f64, ttft_ms: f64, tok_s: f64) -> CandidateSco
         prediction: Some(Prediction {
             ttft_ms,
             decode_tok_s: tok_s,
+            step_tok_s: None,
             worst_running_tok_s: None,
             streams_after: 1,
             model_samples: 12,
@@ -456,10 +457,59 @@ async fn decisions_workers_and_status_read_the_contract() {
         text.contains("llama-3.1-8b  2         0         1"),
         "{text}"
     );
+    assert!(text.contains("queues:    n/a"), "{text}");
     let json = env.cli(&["--json", "status"]).await.expect("status --json");
     let v: serde_json::Value = serde_json::from_str(&json).expect("status --json parses");
     assert_eq!(v["leader"]["holder"], "d1");
     assert_eq!(v["models"]["llama-3.1-8b"]["expired"], 1);
+
+    // The leader's queue snapshots: one it keeps writing, one an earlier leader left.
+    // Written just now: the CLI calls one older than 5 s stale.
+    let now = metronome_protocol::time::unix_ms();
+    let snapshot = |model: &str, waiting: u32, epoch: u64| metronome_protocol::QueueSnapshot {
+        v: 1,
+        model: model.into(),
+        waiting,
+        oldest_enqueued_ms: Some(now - 2_500),
+        oldest_wait_ms: 2_500,
+        by_priority: [(metronome_protocol::Priority::Interactive, waiting)].into(),
+        flows: Vec::new(),
+        flows_not_listed: 0,
+        epoch,
+        dispatcher_id: "d1".into(),
+        written_ms: now,
+    };
+    for s in [snapshot("llama-3.1-8b", 3, 4), snapshot("qwen2.5-7b", 2, 3)] {
+        env.buckets
+            .queues
+            .put(
+                names::queue_key(&s.model),
+                serde_json::to_vec(&s).unwrap().into(),
+            )
+            .await
+            .unwrap();
+    }
+    let text = env.cli(&["status"]).await.expect("status");
+    println!("{text}");
+    assert!(
+        text.contains("queues:    3 jobs waiting for a worker in the leader's queues (1 models' snapshots are stale)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("llama-3.1-8b  3        2500 ms      interactive 3  fresh"),
+        "{text}"
+    );
+    assert!(
+        text.contains("qwen2.5-7b    2        2500 ms      interactive 2  STALE: from epoch 3, the leader is at 4"),
+        "{text}"
+    );
+    let json = env.cli(&["--json", "status"]).await.expect("status --json");
+    let v: serde_json::Value = serde_json::from_str(&json).expect("status --json parses");
+    assert_eq!(v["queues"][0]["model"], "llama-3.1-8b");
+    assert_eq!(v["queues"][0]["waiting"], 3);
+    assert_eq!(v["queues"][0]["oldest_wait_ms"], 2500);
+    assert_eq!(v["queues"][0]["stale"], false);
+    assert_eq!(v["queues"][1]["stale"], true);
 }
 
 #[test]

@@ -93,6 +93,10 @@ pub struct Config {
     /// Least time between two writes of the fair-share counters to the `fairness` bucket
     /// (they are written when they changed, so a new leader starts from recent ones).
     pub fairness_persist_ms: u64,
+    /// Least time between two snapshots of the admission queues for the `queues` bucket
+    /// (written when a queue changed, and every second regardless); at most 1000, so
+    /// readers never see a live leader's snapshot as stale.
+    pub queue_snapshot_ms: u64,
 }
 
 impl Default for Config {
@@ -127,6 +131,7 @@ impl Default for Config {
             scheduler: SchedulerConfig::default(),
             fairness: FairnessConfig::default(),
             fairness_persist_ms: 500,
+            queue_snapshot_ms: 500,
         }
     }
 }
@@ -215,10 +220,21 @@ impl Config {
             ("ewma_refresh_ms", self.ewma_refresh_ms),
             ("tick_ms", self.tick_ms),
             ("fairness_persist_ms", self.fairness_persist_ms),
+            ("queue_snapshot_ms", self.queue_snapshot_ms),
         ] {
             if v == 0 {
                 err(field, "must be greater than 0".into());
             }
+        }
+        if self.queue_snapshot_ms > metronome_protocol::queues::QUEUE_REFRESH_MS {
+            err(
+                "queue_snapshot_ms",
+                format!(
+                    "{} must not exceed {} (the queue snapshots' refresh interval)",
+                    self.queue_snapshot_ms,
+                    metronome_protocol::queues::QUEUE_REFRESH_MS
+                ),
+            );
         }
         if self.default_deadline_ms > self.max_deadline_ms {
             err(

@@ -24,7 +24,8 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::AckKind;
 use metronome_protocol::{
-    CompletionEvent, CompletionOutcome, Decision, ErrorCode, Job, Outcome, WorkerStatus,
+    CompletionEvent, CompletionOutcome, Decision, ErrorCode, Job, Outcome, QueueSnapshot,
+    WorkerStatus,
 };
 use metronome_scheduler::filter::fits_when_empty;
 use metronome_scheduler::least_harm;
@@ -124,6 +125,12 @@ struct AssignedJob {
     deadline_ms: u64,
 }
 
+/// A conditional delete of an overdue worker's key in flight.
+struct Expiring {
+    since_ms: u64,
+    why: String,
+}
+
 /// The state owned by the deciding loop.
 pub struct Engine {
     s: EngineSettings,
@@ -135,6 +142,15 @@ pub struct Engine {
     /// core then only looks at the model's own workers. Cleared on every worker change.
     per_model: HashMap<String, Vec<WorkerView>>,
     dead: HashSet<String>,
+    /// Revision in the `workers` bucket of each worker's latest heartbeat.
+    revisions: HashMap<String, u64>,
+    /// Workers whose heartbeats are overdue and whose key the leader is deleting on the
+    /// condition that no later heartbeat was stored ([`publish::Outcome::ExpireWorker`]).
+    /// The worker is declared dead only when the watch shows the delete: a worker that
+    /// stored a heartbeat meanwhile (it was only slow, or stopped and resumed) stays, and
+    /// its agent, whose next conditional put fails after such a delete, knows that
+    /// everything it held was given away.
+    expiring: HashMap<String, Expiring>,
     /// Jobs whose completion event arrived: a heartbeat sent before the event may still
     /// list them, and must neither re-adopt them nor count them as running.
     finished: RecentIds,
@@ -161,6 +177,10 @@ pub struct Engine {
     capacity_changed: bool,
     /// Where changed fair-share counters go to be persisted ([`crate::fairness_store`]).
     fairness_out: Option<tokio::sync::watch::Sender<FairnessSnapshot>>,
+    /// Where the queue snapshots go to be published ([`crate::queue_store`]), how often at
+    /// most, and when they were last taken.
+    queues_out: Option<(tokio::sync::watch::Sender<Vec<QueueSnapshot>>, u64)>,
+    queues_taken_ms: u64,
 }
 
 impl Engine {
@@ -177,6 +197,8 @@ impl Engine {
             index: HashMap::new(),
             per_model: HashMap::new(),
             dead: HashSet::new(),
+            revisions: HashMap::new(),
+            expiring: HashMap::new(),
             finished: RecentIds::new(FINISHED_WINDOW_MS, FINISHED_MAX),
             cancelled: RecentIds::new(s.ack_wait_ms, CANCELLED_MAX),
             relayed: RecentIds::new(s.ack_wait_ms, CANCELLED_MAX),
@@ -191,6 +213,8 @@ impl Engine {
             fence,
             capacity_changed: false,
             fairness_out: None,
+            queues_out: None,
+            queues_taken_ms: 0,
             s,
         }
     }
@@ -450,6 +474,8 @@ impl Engine {
             let Some(job) = self.queues.remove(&id) else {
                 continue;
             };
+            self.metrics
+                .observe_queue_wait(model, "rejected", now.saturating_sub(job.enqueued_ms));
             let left = job.deadline_ms.saturating_sub(now);
             let reason = format!(
                 "deadline cannot be met: {wait:.0} ms predicted before a worker of model {model:?} is free for it, {left} ms left before its deadline"
@@ -476,8 +502,13 @@ impl Engine {
             WorkerUpdate::Put {
                 mut status,
                 seen_ms,
+                revision,
             } => {
                 let id = status.worker_id.clone();
+                self.revisions.insert(id.clone(), revision);
+                if self.expiring.remove(&id).is_some() {
+                    tracing::info!(worker_id = %id, revision, "a heartbeat was stored before the worker could be declared dead: it stays");
+                }
                 self.drop_finished(&mut status);
                 let rec = self.ledger.reconcile(
                     &id,
@@ -517,10 +548,19 @@ impl Engine {
                     tracing::info!(worker_id = %id, "worker is back");
                 }
             }
-            WorkerUpdate::Gone { worker_id } => {
-                self.worker_died(&worker_id, "its key left the workers bucket");
-                self.forget_worker(&worker_id);
-            }
+            WorkerUpdate::Gone { worker_id } => match self.expiring.remove(&worker_id) {
+                // This leader's own conditional delete: the worker is dead, and stays listed
+                // (rejected as stale) until it is forgotten or registers again.
+                Some(expiring) => {
+                    self.revisions.remove(&worker_id);
+                    self.worker_died(&worker_id, &expiring.why);
+                }
+                // The worker withdrew (or an operator removed it).
+                None => {
+                    self.worker_died(&worker_id, "its key left the workers bucket");
+                    self.forget_worker(&worker_id);
+                }
+            },
         }
         self.metrics
             .workers_known
@@ -572,6 +612,8 @@ impl Engine {
             }
         }
         self.dead.remove(worker_id);
+        self.revisions.remove(worker_id);
+        self.expiring.remove(worker_id);
         self.per_model.clear();
     }
 
@@ -808,6 +850,36 @@ impl Engine {
         }
     }
 
+    /// Declare a silent worker dead through the bucket: delete its key unless a heartbeat
+    /// later than the last one this leader saw was stored. The death itself
+    /// ([`Self::worker_died`]) follows when the watch shows the delete. The worker is not
+    /// eligible meanwhile (its heartbeat is too old).
+    fn expire_worker(&mut self, worker_id: &str, why: &str, now: u64) {
+        let Some(&revision) = self.revisions.get(worker_id) else {
+            // Never seen through the bucket (a registry loaded without revisions cannot
+            // happen; this is the safe fallback): declare it dead directly.
+            self.worker_died(worker_id, why);
+            return;
+        };
+        tracing::info!(
+            worker_id,
+            revision,
+            why,
+            "declaring the worker dead: deleting its key unless it stored a newer heartbeat"
+        );
+        self.expiring.insert(
+            worker_id.to_string(),
+            Expiring {
+                since_ms: now,
+                why: why.to_string(),
+            },
+        );
+        self.publisher.send(publish::Outcome::ExpireWorker {
+            worker_id: worker_id.to_string(),
+            revision,
+        });
+    }
+
     /// A worker is gone: release its reservations; jobs it never reported are assigned
     /// again, jobs it had reported fail with `WorkerLost` (they may have streamed output).
     fn worker_died(&mut self, worker_id: &str, why: &str) {
@@ -865,6 +937,11 @@ impl Engine {
     fn on_tick(&mut self) {
         let now = metronome_protocol::time::unix_ms();
         for job in self.queues.take_expired(now) {
+            self.metrics.observe_queue_wait(
+                &job.job.model,
+                "expired",
+                now.saturating_sub(job.enqueued_ms),
+            );
             let reason = format!(
                 "no eligible worker before the deadline ({} ms in the queue)",
                 now.saturating_sub(job.enqueued_ms)
@@ -893,15 +970,23 @@ impl Engine {
                 }
             });
         }
+        let timeout = self.s.scheduler.heartbeat_timeout_ms;
         let stale: Vec<String> = self
             .workers
             .iter()
-            .filter(|w| now.saturating_sub(w.last_seen_ms) > self.s.scheduler.heartbeat_timeout_ms)
+            .filter(|w| now.saturating_sub(w.last_seen_ms) > timeout)
             .filter(|w| !self.dead.contains(&w.status.worker_id))
+            // One conditional delete per timeout: an unanswered one (NATS unreachable) is
+            // tried again, an answered one shows up on the watch.
+            .filter(|w| {
+                self.expiring
+                    .get(&w.status.worker_id)
+                    .is_none_or(|e| now.saturating_sub(e.since_ms) > timeout)
+            })
             .map(|w| w.status.worker_id.clone())
             .collect();
         for id in stale {
-            self.worker_died(&id, "heartbeat older than the timeout");
+            self.expire_worker(&id, "heartbeat older than the timeout", now);
         }
         self.settle_orphan_refusals(now);
         // The workers bucket's max age removes a dead worker's key without a delete marker
@@ -927,6 +1012,7 @@ impl Engine {
         if let Ok(mut depths) = self.metrics.queue_depth.lock() {
             *depths = self.queues.depths();
         }
+        self.publish_queues(now);
         self.persist_fairness();
         // Time alone changes eligibility (reservation and heartbeat ages).
         self.capacity_changed = !self.queues.is_empty();
@@ -1041,6 +1127,8 @@ impl Engine {
                 return;
             };
             let job = self.queues.take(model, pos).expect("position exists");
+            self.metrics
+                .observe_queue_wait(model, "assigned", now.saturating_sub(job.enqueued_ms));
             self.drain
                 .entry(model.to_string())
                 .or_default()
@@ -1266,6 +1354,63 @@ impl Engine {
                 changed
             });
         }
+    }
+
+    /// Hand a snapshot of every known model's queue (those of live workers' models and
+    /// those that held jobs this term, emptied ones included) to the writer when one
+    /// changed, at most every `min_interval_ms`; the per-model oldest-wait gauges follow.
+    fn publish_queues(&mut self, now: u64) {
+        let Some(min_interval_ms) = self.queues_out.as_ref().map(|(_, ms)| *ms) else {
+            return;
+        };
+        if self.queues_taken_ms != 0 && now < self.queues_taken_ms + min_interval_ms {
+            return;
+        }
+        self.queues_taken_ms = now;
+        let mut models: std::collections::BTreeSet<&str> = self.queues.known_models().collect();
+        models.extend(self.workers.iter().map(|w| w.status.model.as_str()));
+        let snapshots: Vec<QueueSnapshot> = models
+            .into_iter()
+            .map(|m| {
+                let mut s = self.queues.snapshot(m, now);
+                s.epoch = self.s.epoch;
+                s.dispatcher_id.clone_from(&self.s.dispatcher_id);
+                s
+            })
+            .collect();
+        if let Ok(mut waits) = self.metrics.queue_oldest_wait_ms.lock() {
+            *waits = snapshots
+                .iter()
+                .map(|s| (s.model.clone(), s.oldest_wait_ms))
+                .collect();
+        }
+        let Some((out, _)) = &self.queues_out else {
+            return;
+        };
+        out.send_if_modified(|current| {
+            let changed = current.len() != snapshots.len()
+                || current
+                    .iter()
+                    .zip(&snapshots)
+                    .any(|(a, b)| !a.same_queue(b));
+            if changed {
+                *current = snapshots;
+            }
+            changed
+        });
+    }
+
+    /// Publish queue snapshots to `out`, at most every `min_interval_ms`; sends the first
+    /// at once, so the writer starts from this leader's view. Called at takeover, after
+    /// [`Engine::load`].
+    pub fn queue_snapshots(
+        &mut self,
+        out: tokio::sync::watch::Sender<Vec<QueueSnapshot>>,
+        min_interval_ms: u64,
+    ) {
+        self.queues_out = Some((out, min_interval_ms));
+        self.queues_taken_ms = 0;
+        self.publish_queues(metronome_protocol::time::unix_ms());
     }
 
     /// Start from the counters an earlier leader persisted, and persist changes to `out`.

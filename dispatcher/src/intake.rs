@@ -28,7 +28,7 @@ use futures::StreamExt;
 use metronome_protocol::names::{
     decision_subject, event_done_subject, is_subject_token, CONSUMER_DISPATCHER,
     CONSUMER_DISPATCHER_EVENTS, HEADER_ATTEMPT, HEADER_ORDER, STREAM_EVENTS, STREAM_JOBS,
-    SUBJECT_CANCEL_ALL, SUBJECT_EVENTS_DONE_ALL,
+    SUBJECT_CANCEL_ALL, SUBJECT_EVENTS_DONE_ALL, SUBJECT_JOBS_RETRY,
 };
 use metronome_protocol::{CompletionEvent, Decision, ErrorCode, Job, JobLimits, Outcome};
 use tokio::sync::mpsc;
@@ -139,7 +139,11 @@ async fn read_job(
         .unwrap_or((0, 1));
     let (msg, acker) = message.split();
     let acker = Arc::new(acker);
-    let (attempt, order) = retry_headers(msg.headers.as_ref(), seq);
+    // Retry headers are believed only on the subject only dispatchers may publish to.
+    let headers = (msg.subject.as_str() == SUBJECT_JOBS_RETRY)
+        .then_some(msg.headers.as_ref())
+        .flatten();
+    let (attempt, order) = retry_headers(headers, seq);
     let job = match Job::parse(&msg.payload, &limits) {
         Ok(job) => job,
         Err(error) => {
@@ -179,7 +183,8 @@ async fn read_job(
 }
 
 /// The attempt and queue place of a JOBS message: a client's submission is attempt 1 at
-/// its own sequence; a retry the dispatcher put back says both in headers. Headers that do
+/// its own sequence; a retry the dispatcher put back on `jobs.retry` says both in headers
+/// (the caller passes no headers for `jobs.submit`). Headers that do
 /// not parse count as a client's submission (a client cannot skip attempts that way).
 fn retry_headers(headers: Option<&async_nats::HeaderMap>, seq: u64) -> (u32, u64) {
     let read = |name: &str| -> Option<u64> {

@@ -18,6 +18,7 @@ pub mod leader;
 pub mod metrics;
 pub mod publish;
 pub mod queue;
+pub mod queue_store;
 pub mod recent;
 pub mod registry;
 pub mod supervise;
@@ -127,6 +128,9 @@ pub async fn start(
         ..StreamSettings::default()
     };
     let buckets = ensure_all(&js, &settings).await?;
+    if metronome_protocol::setup::upgrade_jobs_subjects(&js).await? {
+        tracing::info!("added jobs.retry to the JOBS stream (created by an older version)");
+    }
     let metrics = Metrics::new();
     let metrics_addr = match &config.metrics_addr {
         Some(addr) => Some(
@@ -272,9 +276,23 @@ async fn run_term(
         fence.clone(),
         term.clone(),
     );
-    let mut engine = engine::Engine::new(settings, publisher.clone(), ctx.metrics.clone(), fence);
+    let mut engine = engine::Engine::new(
+        settings,
+        publisher.clone(),
+        ctx.metrics.clone(),
+        fence.clone(),
+    );
     engine.fairness(saved_fairness, fairness_tx);
     engine.load(workers, redis);
+    let (queues_tx, queues_rx) = tokio::sync::watch::channel(Vec::new());
+    engine.queue_snapshots(queues_tx, c.queue_snapshot_ms);
+    // Like the fairness writer, it ends with the engine (its sender dropped) or the term.
+    let _queue_writer = queue_store::spawn_writer(
+        ctx.buckets.queues.clone(),
+        queues_rx,
+        fence.clone(),
+        term.clone(),
+    );
     tasks.watch(
         "workers watch",
         registry::spawn_watch(

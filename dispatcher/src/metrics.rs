@@ -30,6 +30,15 @@ const LATENCY_BUCKETS_S: [f64; 10] = [
     0.000_005, 0.000_01, 0.000_02, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.005, 0.025,
 ];
 
+/// Upper bounds (seconds) of the queue wait histogram: from a free worker at once to the
+/// default deadline (60 s) and the longest one allowed (600 s).
+const QUEUE_WAIT_BUCKETS_S: [f64; 15] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0,
+];
+
+/// How a job left its model's queue, as the queue wait histogram labels it.
+pub type LeftAs = &'static str;
+
 /// The decision latency histogram, with the buckets above.
 #[derive(Debug)]
 struct LatencyHistogram(Histogram);
@@ -75,6 +84,12 @@ pub struct Metrics {
     decision_latency: LatencyHistogram,
     /// Queue depth per model, replaced by the engine on every tick.
     pub queue_depth: Mutex<BTreeMap<String, usize>>,
+    /// Wait of the longest-waiting job per model (0 when none waits), replaced by the
+    /// engine with each queue snapshot.
+    pub queue_oldest_wait_ms: Mutex<BTreeMap<String, u64>>,
+    /// Time jobs spent in the admission queue, per model and how they left it (assigned,
+    /// rejected as unmeetable, expired).
+    queue_wait: Mutex<BTreeMap<(String, LeftAs), Histogram>>,
     /// Per tenant: what fair sharing gave it.
     tenants: Mutex<BTreeMap<String, TenantStats>>,
 }
@@ -100,6 +115,19 @@ impl Metrics {
     /// Record the evaluate+commit time of one decision.
     pub fn observe_decision_latency(&self, nanos: u64) {
         self.decision_latency.0.observe(nanos as f64 / 1e9);
+    }
+
+    /// A job of `model` left its queue (`how`: assigned, rejected, expired) after
+    /// `waited_ms` in it.
+    pub fn observe_queue_wait(&self, model: &str, how: LeftAs, waited_ms: u64) {
+        let mut m = self.queue_wait.lock().unwrap_or_else(|p| p.into_inner());
+        let h = match m.get(&(model.to_string(), how)) {
+            Some(h) => h,
+            None => m
+                .entry((model.to_string(), how))
+                .or_insert_with(|| Histogram::new(QUEUE_WAIT_BUCKETS_S)),
+        };
+        h.observe(waited_ms as f64 / 1000.0);
     }
 
     /// A job of `tenant` was assigned after waiting `queue_wait_ms`.
@@ -352,6 +380,33 @@ impl Collector for Exposition {
             ConstGauge::new(*n as i64)
                 .encode(depth.encode_family(&[("model", model.as_str())])?)?;
         }
+        let mut oldest = enc.encode_descriptor(
+            "metronome_dispatcher_queue_oldest_wait_seconds",
+            "How long the longest-waiting job of each model has waited (0 when none waits).",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        let waits = m
+            .queue_oldest_wait_ms
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for (model, ms) in &waits {
+            ConstGauge::new(*ms as f64 / 1000.0)
+                .encode(oldest.encode_family(&[("model", model.as_str())])?)?;
+        }
+        {
+            let hists = m.queue_wait.lock().unwrap_or_else(|p| p.into_inner());
+            let mut wait = enc.encode_descriptor(
+                "metronome_dispatcher_queue_wait_seconds",
+                "Time jobs spent in the admission queue, observed when they left it, per model and outcome (assigned, rejected, expired).",
+                None,
+                prometheus_client::metrics::MetricType::Histogram,
+            )?;
+            for ((model, how), h) in hists.iter() {
+                h.encode(wait.encode_family(&[("model", model.as_str()), ("outcome", *how)])?)?;
+            }
+        }
         m.encode_tenants(&mut enc)?;
         m.decision_latency.0.encode(enc.encode_descriptor(
             "metronome_dispatcher_decision_latency_seconds",
@@ -423,6 +478,27 @@ mod tests {
         assert!(text
             .contains("metronome_dispatcher_decision_latency_seconds_bucket{le=\"0.000005\"} 0"));
         assert!(text.contains("metronome_dispatcher_decision_latency_seconds_count 1"));
+        m.observe_queue_wait("llama-3.1-8b", "assigned", 300);
+        m.observe_queue_wait("llama-3.1-8b", "expired", 61_000);
+        m.queue_oldest_wait_ms
+            .lock()
+            .unwrap()
+            .insert("llama-3.1-8b".into(), 1_500);
+        let text = m.render();
+        assert!(
+            text.contains(
+                "metronome_dispatcher_queue_oldest_wait_seconds{model=\"llama-3.1-8b\"} 1.5"
+            ),
+            "{text}"
+        );
+        assert!(text.contains(
+            "metronome_dispatcher_queue_wait_seconds_bucket{le=\"0.5\",model=\"llama-3.1-8b\",outcome=\"assigned\"} 1"
+        ) || text.contains(
+            "metronome_dispatcher_queue_wait_seconds_bucket{model=\"llama-3.1-8b\",outcome=\"assigned\",le=\"0.5\"} 1"
+        ), "{text}");
+        assert!(text.contains(
+            "metronome_dispatcher_queue_wait_seconds_count{model=\"llama-3.1-8b\",outcome=\"expired\"} 1"
+        ), "{text}");
         assert!(text.ends_with("# EOF\n"), "{text}");
     }
 

@@ -47,6 +47,7 @@ use tokio::sync::{mpsc, Notify};
 use crate::engine::Event;
 use crate::metrics::Metrics;
 use crate::queue::QueuedJob;
+use crate::registry::WorkerUpdate;
 
 /// One committed outcome.
 pub enum Outcome {
@@ -71,6 +72,12 @@ pub enum Outcome {
     /// Remove every Assignment still waiting on a dead worker's subject: its unreported
     /// jobs are being assigned elsewhere, so a worker that comes back must not run them too.
     PurgeWork { worker_id: String },
+    /// Declare a silent worker dead: delete its key in the `workers` bucket on the condition
+    /// that its last stored heartbeat is still `revision`. The watch then shows the delete
+    /// and the engine settles the worker's jobs. A heartbeat stored meanwhile makes the delete
+    /// fail (the worker stays); a key already gone (the bucket's max age) is reported to the
+    /// engine as [`WorkerUpdate::Gone`], since no delete will ever appear on the watch.
+    ExpireWorker { worker_id: String, revision: u64 },
     /// A message that could not be attributed to a job id.
     DeadLetter {
         body: Bytes,
@@ -336,6 +343,18 @@ async fn publish_loop(
                     in_flight.fetch_sub(1, Ordering::AcqRel);
                 });
             }
+            Outcome::ExpireWorker {
+                worker_id,
+                revision,
+            } => {
+                let js = js.clone();
+                let events = events.clone();
+                let in_flight = in_flight.clone();
+                tokio::spawn(async move {
+                    expire_worker(&js, &events, &worker_id, revision).await;
+                    in_flight.fetch_sub(1, Ordering::AcqRel);
+                });
+            }
             Outcome::PurgeWork { worker_id } => {
                 // Inline, not spawned: no later outcome (a new Assignment to this worker once
                 // it is back) is written before the bound is read and the purge is done.
@@ -417,6 +436,49 @@ async fn publish_loop(
                     in_flight.fetch_sub(1, Ordering::AcqRel);
                 });
             }
+        }
+    }
+}
+
+/// See [`Outcome::ExpireWorker`].
+async fn expire_worker(
+    js: &jetstream::Context,
+    events: &mpsc::Sender<Event>,
+    worker_id: &str,
+    revision: u64,
+) {
+    let store = match js.get_key_value(names::BUCKET_WORKERS).await {
+        Ok(s) => s,
+        Err(error) => {
+            tracing::warn!(worker_id, %error, "cannot open the workers bucket to declare the worker dead; tried again after the timeout");
+            return;
+        }
+    };
+    let Err(error) = store
+        .delete_expect_revision(worker_id, Some(revision))
+        .await
+    else {
+        return;
+    };
+    // Refused: either a newer heartbeat was stored (the watch brings it), or the key is no
+    // longer there at all.
+    match store.entry(worker_id).await {
+        Ok(Some(entry)) if entry.revision > revision => tracing::info!(
+            worker_id,
+            revision = entry.revision,
+            "the worker's key changed (a newer heartbeat) before it could be declared dead"
+        ),
+        Ok(Some(_)) => {
+            tracing::warn!(worker_id, %error, "could not delete the silent worker's key; tried again after the timeout")
+        }
+        Ok(None) => {
+            let gone = WorkerUpdate::Gone {
+                worker_id: worker_id.to_string(),
+            };
+            let _ = events.send(Event::Worker(gone)).await;
+        }
+        Err(read) => {
+            tracing::warn!(worker_id, %error, %read, "could not delete the silent worker's key; tried again after the timeout")
         }
     }
 }
@@ -526,7 +588,7 @@ async fn publish_final_start(
         e2e_ms: None,
     };
     let payload = Bytes::from(serde_json::to_vec(&result).unwrap_or_default());
-    let msg_id = format!("{job_id}:final");
+    let msg_id = names::final_msg_id(job_id);
     let h = headers([(HEADER_MSG_ID, msg_id.as_str())]).map_err(|e| e.to_string())?;
     let msg = PublishMessage::build().payload(payload).headers(h);
     js.send_publish(names::result_final_subject(job_id), msg)
@@ -546,7 +608,7 @@ async fn requeue_start(js: &jetstream::Context, job: &QueuedJob) -> Started {
     ])
     .map_err(|e| e.to_string())?;
     let msg = PublishMessage::build().payload(payload).headers(h);
-    js.send_publish(names::SUBJECT_JOBS_SUBMIT, msg)
+    js.send_publish(names::SUBJECT_JOBS_RETRY, msg)
         .await
         .map_err(|e| e.to_string())
 }

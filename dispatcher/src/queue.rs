@@ -24,6 +24,7 @@ use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use async_nats::jetstream::message::Acker;
+use metronome_protocol::queues::{FlowCount, QueueSnapshot, MAX_FLOWS};
 use metronome_protocol::{Job, Priority};
 use metronome_scheduler::fairness::{Candidate, Vtc};
 use metronome_scheduler::{Fairness, FairnessConfig, FairnessSnapshot, Tokens};
@@ -362,6 +363,62 @@ impl Queues {
         out
     }
 
+    /// What waits for `model` at `now_ms`, as the `queues` bucket publishes it (epoch and
+    /// dispatcher id left for the caller). Linear in the model's waiting jobs: taken at a
+    /// bounded rate, never per arrival.
+    pub fn snapshot(&self, model: &str, now_ms: u64) -> QueueSnapshot {
+        let mut by_priority: BTreeMap<Priority, u32> = BTreeMap::new();
+        let mut flows: Vec<FlowCount> = Vec::new();
+        let mut oldest: Option<u64> = None;
+        let mut waiting = 0u32;
+        for f in self.by_model.get(model).into_iter().flat_map(|q| &q.flows) {
+            let n = u32::try_from(f.jobs.len()).unwrap_or(u32::MAX);
+            if n == 0 {
+                continue;
+            }
+            waiting = waiting.saturating_add(n);
+            *by_priority.entry(f.priority).or_default() += n;
+            flows.push(FlowCount {
+                tenant: f.tenant.clone(),
+                priority: f.priority,
+                waiting: n,
+            });
+            // A returning job keeps its place but not its read time: look at every job.
+            let first = f.jobs.iter().map(|j| j.enqueued_ms).min();
+            oldest = match (oldest, first) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+        }
+        flows.sort_by(|a, b| {
+            b.waiting
+                .cmp(&a.waiting)
+                .then_with(|| a.priority.cmp(&b.priority))
+                .then_with(|| a.tenant.cmp(&b.tenant))
+        });
+        let not_listed = flows.len().saturating_sub(MAX_FLOWS);
+        flows.truncate(MAX_FLOWS);
+        QueueSnapshot {
+            v: metronome_protocol::PROTOCOL_VERSION,
+            model: model.to_string(),
+            waiting,
+            oldest_enqueued_ms: oldest,
+            oldest_wait_ms: 0,
+            by_priority,
+            flows,
+            flows_not_listed: u32::try_from(not_listed).unwrap_or(u32::MAX),
+            epoch: 0,
+            dispatcher_id: String::new(),
+            written_ms: 0,
+        }
+        .stamped(now_ms)
+    }
+
+    /// Models that ever had a job in this term, emptied queues included.
+    pub fn known_models(&self) -> impl Iterator<Item = &str> {
+        self.by_model.keys().map(String::as_str)
+    }
+
     /// Depth per model, for the metrics.
     pub fn depths(&self) -> BTreeMap<String, usize> {
         self.by_model
@@ -569,6 +626,36 @@ mod tests {
             drain(&mut q, "m", |_| false),
             ["int0", "int1", "bat0", "int2", "int3", "bat1", "int4", "int5", "bat2"]
         );
+    }
+
+    #[test]
+    fn a_snapshot_counts_classes_and_tenants_and_finds_the_oldest_job() {
+        let mut q = Queues::new(10);
+        let mut a = job_for("a", "m", 2, Some("acme"), None);
+        a.enqueued_ms = 1_000;
+        let mut b = job_for("b", "m", 3, Some("acme"), None);
+        b.enqueued_ms = 1_200;
+        // Back at its place (lowest sequence) with a later read time.
+        let mut r = job_for("r", "m", 1, Some("beta"), Some(Priority::Batch));
+        r.enqueued_ms = 1_500;
+        for j in [a, b, r] {
+            q.push(j).ok().unwrap();
+        }
+        let s = q.snapshot("m", 2_000);
+        assert_eq!(s.waiting, 3);
+        assert_eq!(s.oldest_enqueued_ms, Some(1_000));
+        assert_eq!(s.oldest_wait_ms, 1_000);
+        assert_eq!(s.by_priority[&Priority::Interactive], 2);
+        assert_eq!(s.by_priority[&Priority::Batch], 1);
+        assert_eq!(s.flows[0].tenant, "acme");
+        assert_eq!(s.flows[0].waiting, 2);
+        assert_eq!(s.validate(), Ok(()));
+        // Emptied, the model is still known and reads as an empty queue.
+        drain(&mut q, "m", |_| false);
+        let empty = q.snapshot("m", 3_000);
+        assert_eq!((empty.waiting, empty.oldest_enqueued_ms), (0, None));
+        assert_eq!(q.known_models().collect::<Vec<_>>(), ["m"]);
+        assert_eq!(q.snapshot("never", 3_000).waiting, 0);
     }
 
     #[test]

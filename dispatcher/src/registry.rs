@@ -39,10 +39,12 @@ use crate::DispatcherError;
 /// One change of the `workers` bucket.
 #[derive(Debug, Clone)]
 pub enum WorkerUpdate {
-    /// A heartbeat, with when the dispatcher saw it (Unix ms).
+    /// A heartbeat, with when the dispatcher saw it (Unix ms) and its revision in the
+    /// bucket (the leader declares a worker dead only if no later heartbeat was stored).
     Put {
         status: Box<WorkerStatus>,
         seen_ms: u64,
+        revision: u64,
     },
     /// The key was deleted or purged: the worker left.
     Gone { worker_id: String },
@@ -74,6 +76,7 @@ pub async fn load_workers(
                     out.push(WorkerUpdate::Put {
                         status: Box::new(status),
                         seen_ms: now,
+                        revision: entry.revision,
                     });
                 }
             }
@@ -123,6 +126,7 @@ pub fn spawn_watch(
                     Some(status) => WorkerUpdate::Put {
                         status: Box::new(status),
                         seen_ms: metronome_protocol::time::unix_ms(),
+                        revision: entry.revision,
                     },
                     None => continue,
                 },

@@ -67,6 +67,19 @@ async fn one_decision_per_job_with_every_term_and_every_reason() {
         (running.metrics.workers_lost_total.load(Relaxed) >= 1).then_some(())
     })
     .await;
+    // Declared through the bucket: its key deleted (conditionally on its last heartbeat),
+    // so its agent, were it only paused, would find its next conditional put refused.
+    let entry = env
+        .workers
+        .entry("stale")
+        .await
+        .unwrap()
+        .expect("a delete marker");
+    assert_eq!(
+        entry.operation,
+        async_nats::jetstream::kv::Operation::Delete,
+        "{entry:?}"
+    );
 
     let ids: Vec<String> = (0..30).map(|i| format!("d{i}")).collect();
     for id in &ids {

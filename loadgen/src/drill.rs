@@ -104,6 +104,10 @@ pub struct DrillReport {
     pub recover_ms: Option<u64>,
     /// Error classes of the failed jobs, counted.
     pub failure_reasons: BTreeMap<String, usize>,
+    /// One line per lost or duplicated job: its id, the final results stored for it
+    /// (worker, error) and the runs its chunks came from, so a failed drill says where to
+    /// look in the logs.
+    pub anomalies: Vec<String>,
 }
 
 impl DrillReport {
@@ -254,8 +258,33 @@ async fn run_one(
         let run_count = runs.get(id).map_or(0, BTreeSet::len);
         // Two successes, a success next to an error, or chunks of two runs: the job ran
         // twice as far as a client can tell.
-        if ok > 1 || run_count > 1 || (ok >= 1 && list.len() > 1) {
+        let duplicated = ok > 1 || run_count > 1 || (ok >= 1 && list.len() > 1);
+        if duplicated {
             report.duplicated += 1;
+        }
+        if duplicated || list.is_empty() {
+            let finals: Vec<String> = list
+                .iter()
+                .map(|f| {
+                    let who = f.worker_id.as_deref().unwrap_or("dispatcher");
+                    match &f.error {
+                        Some(e) => format!("{who}: {:?}", e.code),
+                        None => format!("{who}: ok"),
+                    }
+                })
+                .collect();
+            let runs: Vec<String> = runs
+                .get(id)
+                .into_iter()
+                .flatten()
+                .map(|(w, a)| format!("{w}#{}", a.map_or("?".into(), |a| a.to_string())))
+                .collect();
+            report.anomalies.push(format!(
+                "{id}: {} — finals [{}], chunk runs [{}]",
+                if duplicated { "duplicated" } else { "lost" },
+                finals.join(", "),
+                runs.join(", ")
+            ));
         }
         if list.is_empty() {
             report.lost += 1;
@@ -686,6 +715,18 @@ pub fn render_report(plan: &DrillPlan, reports: &[DrillReport]) -> String {
             r.recover_ms
                 .map_or("not seen".into(), |ms| format!("{:.1} s", ms as f64 / 1e3)),
         ));
+    }
+    let anomalies: Vec<(&str, &String)> = reports
+        .iter()
+        .flat_map(|r| r.anomalies.iter().map(move |a| (r.fault.as_str(), a)))
+        .collect();
+    if !anomalies.is_empty() {
+        out.push_str(
+            "\nLost or duplicated jobs (job: finals stored, runs whose chunks the client saw):\n\n",
+        );
+        for (fault, a) in anomalies {
+            out.push_str(&format!("- {fault}: {a}\n"));
+        }
     }
     out
 }

@@ -16,6 +16,7 @@ pub mod job;
 pub mod names;
 pub mod perf;
 pub mod permissions;
+pub mod queues;
 pub mod redis_keys;
 pub mod result;
 #[cfg(feature = "nats")]
@@ -34,6 +35,7 @@ pub use job::{
     MAX_TENANT_BYTES,
 };
 pub use perf::{PerfCoefficients, Prediction, Slo, SloRequest};
+pub use queues::{FlowCount, Freshness, QueueSnapshot, QueueSnapshotError};
 pub use result::{ErrorCode, FinalResult, ResultChunk, ResultError, Usage};
 pub use worker::{GpuStats, KvUsage, WorkerStatus};
 

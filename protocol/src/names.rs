@@ -17,6 +17,11 @@ pub const STREAM_EVENTS: &str = "EVENTS";
 
 /// Subject on which jobs are submitted (by the gateway or any NATS client).
 pub const SUBJECT_JOBS_SUBMIT: &str = "jobs.submit";
+/// Subject on which the leader puts a job back for another attempt (a retry), in the same
+/// JOBS stream. Only dispatchers may publish here, so only here are the retry headers
+/// ([`HEADER_ATTEMPT`], [`HEADER_ORDER`]) believed: on `jobs.submit` a client could use them
+/// to jump its model's queue.
+pub const SUBJECT_JOBS_RETRY: &str = "jobs.retry";
 /// Subject filter of the WORK stream.
 pub const SUBJECT_WORK_ALL: &str = "work.*";
 /// Subject filter of the DECISIONS stream; also what an auditor subscribes to.
@@ -48,6 +53,9 @@ pub const LEADER_KEY: &str = "dispatcher";
 pub const BUCKET_FAIRNESS: &str = "fairness";
 /// Key of the counters (all models, one JSON document) in [`BUCKET_FAIRNESS`].
 pub const FAIRNESS_KEY: &str = "counters";
+/// KV bucket of the leader's per-model admission queues: key = [`queue_key`] of the
+/// model, value = its latest [`crate::QueueSnapshot`].
+pub const BUCKET_QUEUES: &str = "queues";
 
 /// De-duplication id understood by JetStream.
 pub const HEADER_MSG_ID: &str = "Nats-Msg-Id";
@@ -55,11 +63,11 @@ pub const HEADER_MSG_ID: &str = "Nats-Msg-Id";
 pub const HEADER_MODEL: &str = "Metronome-Model";
 /// Leader epoch that produced an assignment.
 pub const HEADER_EPOCH: &str = "Metronome-Epoch";
-/// On a job the dispatcher put back on `jobs.submit` (a retry): the attempt it will be
-/// assigned as. Absent on a client's submission (attempt 1).
+/// On a job the dispatcher put back on `jobs.retry` (a retry): the attempt it will be
+/// assigned as. Ignored on `jobs.submit` (a client's submission is attempt 1).
 pub const HEADER_ATTEMPT: &str = "Metronome-Attempt";
-/// On a retry put back on `jobs.submit`: the JOBS sequence of the client's submission, so
-/// the job returns to its place in its model's queue.
+/// On a retry put back on `jobs.retry`: the JOBS sequence of the client's submission, so
+/// the job returns to its place in its model's queue. Ignored on `jobs.submit`.
 pub const HEADER_ORDER: &str = "Metronome-Order";
 /// Durable consumer of the dispatcher on EVENTS (`events.done.*`).
 pub const CONSUMER_DISPATCHER_EVENTS: &str = "dispatcher-events";
@@ -139,6 +147,14 @@ pub fn work_msg_id(job_id: &str, attempt: u32) -> String {
     format!("{job_id}:{attempt}")
 }
 
+/// `Nats-Msg-Id` of a job's final result, whoever publishes it (its worker, or the leader
+/// for a rejected job or one lost with its worker). One id per job, not per attempt: only
+/// the first final result of a job is stored, so a worker that finishes a job the leader
+/// has just declared lost (it was only silent) cannot add a second, contradicting one.
+pub fn final_msg_id(job_id: &str) -> String {
+    format!("{job_id}:final")
+}
+
 /// `Nats-Msg-Id` of a decision, so a leader that re-does a step after failover cannot
 /// publish the same outcome twice.
 pub fn decision_msg_id(job_id: &str, attempt: u32) -> String {
@@ -150,6 +166,22 @@ pub fn decision_msg_id(job_id: &str, attempt: u32) -> String {
 /// that user read. The shared `_INBOX.>` would let any identity read everyone's replies.
 pub fn inbox_prefix(user: &str) -> String {
     format!("_INBOX.{user}")
+}
+
+/// Key of `model` in [`BUCKET_QUEUES`]. Model names hold characters a KV key may not
+/// (`:`, spaces, non-ASCII), so every byte outside `[A-Za-z0-9_-]` is written `=XX`
+/// (hex): keys stay readable (`llama-3=2E1-8b`), and distinct models get distinct keys.
+/// Readers take the model name from the value, never from the key.
+pub fn queue_key(model: &str) -> String {
+    let mut out = String::with_capacity(model.len());
+    for b in model.bytes() {
+        if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("={b:02X}"));
+        }
+    }
+    out
 }
 
 /// True when `s` can be used as one NATS subject token (worker ids, job ids).
@@ -186,5 +218,17 @@ mod tests {
             "control.n1-gpu0.drain"
         );
         assert_eq!(control_subject_all("n1-gpu0"), "control.n1-gpu0.*");
+    }
+
+    #[test]
+    fn queue_keys_are_valid_kv_keys_and_distinct() {
+        assert_eq!(queue_key("llama-3.1-8b"), "llama-3=2E1-8b");
+        assert_eq!(queue_key("org/m:7b q"), "org=2Fm=3A7b=20q");
+        // `=` itself is escaped, so no two names share a key.
+        assert_ne!(queue_key("a=2E"), queue_key("a."));
+        let key = queue_key("ünï*>");
+        assert!(key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_=".contains(&b)));
     }
 }

@@ -86,8 +86,16 @@ impl SloRequest {
 pub struct Prediction {
     /// Time to first token once assigned (excluding the time already waited in the queue).
     pub ttft_ms: f64,
-    /// The job's own decode rate, tokens/s.
+    /// The job's own decode rate, tokens/s, averaged over its whole decode: the rate at the
+    /// batch it joins, less the share of time the prefills of later admissions are expected
+    /// to stall it (the stall rate the worker's running jobs have been charged recently).
+    /// What its measured tokens/s is compared with.
     pub decode_tok_s: f64,
+    /// The rate at the batch it joins, before any later stall: what the admission filter
+    /// compares with the job's floor (later admissions are held to every running job's
+    /// floor on their own). Absent in decisions of older dispatchers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_tok_s: Option<f64>,
     /// Lowest predicted decode rate over the jobs already running on the worker once this
     /// one is admitted (their whole-life average); `None` when nothing runs there.
     pub worst_running_tok_s: Option<f64>,

@@ -14,7 +14,9 @@
 //!   `workers.<id>.heartbeat`, `events.done.<id>`) and pulls only its own consumer
 //!   `worker-<id>`, which it can create only with the filter `work.<id>` (nats-server
 //!   checks the filter in the create subject against the request body);
-//! - only dispatchers write `work.*`, `decisions.*` and the `leader` bucket;
+//! - only dispatchers write `work.*`, `decisions.*` and the `leader`, `fairness` and
+//!   `queues` buckets; the gateway (console), auditors and admins read `queues`;
+//! - the gateway's Redis user reads the workers' EWMA hashes and writes nothing;
 //! - only dispatchers and admins create streams: a stream is a subscription to stored
 //!   messages, so creating one on `results.>` would read every result;
 //! - every identity reads replies only on its own inbox (`names::inbox_prefix`).
@@ -26,9 +28,9 @@
 use serde::Serialize;
 
 use crate::names::{
-    BUCKET_FAIRNESS, BUCKET_LEADER, BUCKET_WORKERS, CONTROL_REVOKE, LEADER_KEY, STREAM_DECISIONS,
-    STREAM_EVENTS, STREAM_JOBS, STREAM_RESULTS, STREAM_WORK, SUBJECT_CANCEL_ALL,
-    SUBJECT_DEAD_LETTER, SUBJECT_DECISIONS_ALL, SUBJECT_JOBS_SUBMIT,
+    BUCKET_FAIRNESS, BUCKET_LEADER, BUCKET_QUEUES, BUCKET_WORKERS, CONTROL_REVOKE, LEADER_KEY,
+    STREAM_DECISIONS, STREAM_EVENTS, STREAM_JOBS, STREAM_RESULTS, STREAM_WORK, SUBJECT_CANCEL_ALL,
+    SUBJECT_DEAD_LETTER, SUBJECT_DECISIONS_ALL, SUBJECT_JOBS_RETRY, SUBJECT_JOBS_SUBMIT,
 };
 
 /// One kind of identity.
@@ -84,6 +86,20 @@ fn js(api: &str) -> String {
     format!("$JS.API.{api}")
 }
 
+/// Reading every key of KV bucket `bucket`: open it (its stream's info), list the keys
+/// (an ordered consumer, with its flow control) and get each value (direct get).
+fn read_bucket(bucket: &str) -> Vec<String> {
+    vec![
+        js(&format!("STREAM.INFO.KV_{bucket}")),
+        js(&format!("CONSUMER.CREATE.KV_{bucket}")),
+        js(&format!("CONSUMER.CREATE.KV_{bucket}.>")),
+        js(&format!("CONSUMER.DELETE.KV_{bucket}.*")),
+        format!("$JS.FC.KV_{bucket}.>"),
+        js(&format!("DIRECT.GET.KV_{bucket}")),
+        js(&format!("DIRECT.GET.KV_{bucket}.>")),
+    ]
+}
+
 fn strings(items: &[&str]) -> Vec<String> {
     items.iter().map(|s| s.to_string()).collect()
 }
@@ -126,10 +142,17 @@ pub fn rules(role: Role) -> RoleRules {
                 js(&format!("CONSUMER.MSG.NEXT.{STREAM_EVENTS}.*")),
                 js(&format!("CONSUMER.DELETE.{STREAM_EVENTS}.*")),
                 format!("$JS.FC.{STREAM_EVENTS}.>"),
-            ],
+            ]
+            .into_iter()
+            // The console's queue table: the leader's per-model queue snapshots.
+            .chain(read_bucket(BUCKET_QUEUES))
+            .collect(),
             subscribe: strings(&[INBOX, "results.*.>", "decisions.*", SUBJECT_DECISIONS_ALL]),
             allow_responses: false,
-            redis: None,
+            // The console's EWMA columns: it reads each worker's EWMA hash, nothing else.
+            redis: Some(
+                "resetkeys %R~{prefix}:ewma:* resetchannels -@all +@connection +hgetall".into(),
+            ),
         },
         Role::Dispatcher => RoleRules {
             publish: vec![
@@ -139,16 +162,28 @@ pub fn rules(role: Role) -> RoleRules {
                 js("CONSUMER.>"),
                 js("DIRECT.GET.>"),
                 js("STREAM.MSG.GET.*"),
+                // A dead worker's pending assignments are purged before its jobs go
+                // elsewhere.
+                js(&format!("STREAM.PURGE.{STREAM_WORK}")),
                 format!("$JS.ACK.{STREAM_JOBS}.>"),
                 "$JS.FC.>".into(),
                 format!("$KV.{BUCKET_LEADER}.>"),
+                // A silent worker is declared dead by deleting its heartbeat key, on the
+                // condition that no later heartbeat was stored (the agent's next
+                // conditional put then fails, and it drops what it held).
+                format!("$KV.{BUCKET_WORKERS}.*"),
                 // Fair-share counters, saved for the next leader.
                 format!("$KV.{BUCKET_FAIRNESS}.>"),
+                // Per-model queue snapshots, for operators.
+                format!("$KV.{BUCKET_QUEUES}.>"),
                 // Completion events are read through a durable consumer and acknowledged.
                 format!("$JS.ACK.{STREAM_EVENTS}.>"),
-                // A refused or rescued job goes back on JOBS; a cancel is relayed once the
-                // worker reports the job; a worker declared dead has its jobs revoked.
-                SUBJECT_JOBS_SUBMIT.into(),
+                // A JOBS stream of an older version gains `jobs.retry`.
+                js(&format!("STREAM.UPDATE.{STREAM_JOBS}")),
+                // A refused or rescued job goes back on JOBS (`jobs.retry`, which only
+                // dispatchers may publish); a cancel is relayed once the worker reports
+                // the job; a worker declared dead has its jobs revoked.
+                SUBJECT_JOBS_RETRY.into(),
                 SUBJECT_CANCEL_ALL.into(),
                 format!("control.*.{CONTROL_REVOKE}"),
                 "work.*".into(),
@@ -218,7 +253,11 @@ pub fn rules(role: Role) -> RoleRules {
                 js(&format!("CONSUMER.MSG.NEXT.{STREAM_DECISIONS}.*")),
                 js(&format!("CONSUMER.DELETE.{STREAM_DECISIONS}.*")),
                 format!("$JS.FC.{STREAM_DECISIONS}.>"),
-            ],
+            ]
+            .into_iter()
+            // What waits, per model (the leader's queue snapshots).
+            .chain(read_bucket(BUCKET_QUEUES))
+            .collect(),
             subscribe: strings(&[INBOX, "decisions.>"]),
             allow_responses: false,
             redis: None,
@@ -391,7 +430,7 @@ mod tests {
     fn only_redis_roles_get_redis_users() {
         let acl = redis_acl(
             &[
-                Identity::new("gateway", "a", Role::Gateway),
+                Identity::new("client", "c", Role::Client),
                 Identity::new("dispatcher-a", "b", Role::Dispatcher),
             ],
             "metronome",
@@ -399,6 +438,21 @@ mod tests {
         assert_eq!(acl.lines().count(), 2, "{acl}");
         assert!(acl.starts_with("user default off\n"));
         assert!(acl.contains("user dispatcher-a on >b resetkeys %R~metronome:*"));
+    }
+
+    #[test]
+    fn the_gateway_reads_ewmas_and_queues_and_writes_neither() {
+        let acl = redis_acl(&[Identity::new("gateway", "a", Role::Gateway)], "m");
+        assert!(
+            acl.contains("user gateway on >a resetkeys %R~m:ewma:* resetchannels -@all +@connection +hgetall"),
+            "{acl}"
+        );
+        let publish = rules(Role::Gateway).publish;
+        assert!(publish.contains(&"$JS.API.DIRECT.GET.KV_queues.>".to_string()));
+        assert!(!publish.iter().any(|s| s.starts_with("$KV.")));
+        assert!(rules(Role::Dispatcher)
+            .publish
+            .contains(&"$KV.queues.>".to_string()));
     }
 
     /// The committed data file provisioning renders from is the rules above.

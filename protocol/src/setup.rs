@@ -27,6 +27,9 @@ pub struct StreamSettings {
     pub workers_max_age: Duration,
     /// Lifetime of the leader lease if it is not renewed.
     pub leader_ttl: Duration,
+    /// A model's queue snapshot not rewritten for this long vanishes (a model no leader
+    /// serves any more); a live leader rewrites each one every second.
+    pub queues_max_age: Duration,
     /// Largest message accepted on `jobs.submit`; larger publishes are refused by the
     /// server with an error the publisher sees.
     pub max_job_bytes: i32,
@@ -42,6 +45,7 @@ impl Default for StreamSettings {
             events_max_age: Duration::from_secs(3600),
             workers_max_age: Duration::from_secs(15),
             leader_ttl: Duration::from_secs(3),
+            queues_max_age: Duration::from_secs(600),
             max_job_bytes: 8 * 1024 * 1024,
         }
     }
@@ -65,6 +69,8 @@ pub enum SetupError {
         name: &'static str,
         source: jetstream::context::KeyValueError,
     },
+    #[error("adding this version's subjects to stream {name}: {reason}")]
+    Upgrade { name: &'static str, reason: String },
 }
 
 /// The KV buckets of the contract, opened.
@@ -73,6 +79,7 @@ pub struct Buckets {
     pub workers: kv::Store,
     pub leader: kv::Store,
     pub fairness: kv::Store,
+    pub queues: kv::Store,
 }
 
 /// Create (or find) every stream and bucket.
@@ -83,7 +90,7 @@ pub async fn ensure_all(
     let streams = [
         stream::Config {
             name: STREAM_JOBS.into(),
-            subjects: vec![SUBJECT_JOBS_SUBMIT.into()],
+            subjects: vec![SUBJECT_JOBS_SUBMIT.into(), SUBJECT_JOBS_RETRY.into()],
             retention: stream::RetentionPolicy::WorkQueue,
             storage: s.storage,
             duplicate_window: s.duplicate_window,
@@ -134,11 +141,54 @@ pub async fn ensure_all(
     let leader = ensure_bucket(js, BUCKET_LEADER, s.leader_ttl, s.storage).await?;
     // Counters are kept until overwritten: a failover may come at any time.
     let fairness = ensure_bucket(js, BUCKET_FAIRNESS, Duration::ZERO, s.storage).await?;
+    let queues = ensure_bucket(js, BUCKET_QUEUES, s.queues_max_age, s.storage).await?;
     Ok(Buckets {
         workers,
         leader,
         fairness,
+        queues,
     })
+}
+
+/// Add the subjects a newer contract gave the JOBS stream (`jobs.retry`) to a JOBS stream
+/// created by an older version, which `ensure_all` leaves as it finds it. Run by the
+/// dispatcher (the only role allowed to update JOBS) before it leads: until then its
+/// retries would find no stream. Returns whether the stream was updated.
+pub async fn upgrade_jobs_subjects(js: &jetstream::Context) -> Result<bool, SetupError> {
+    let wanted = [SUBJECT_JOBS_SUBMIT, SUBJECT_JOBS_RETRY];
+    let mut stream = js
+        .get_stream(STREAM_JOBS)
+        .await
+        .map_err(|e| SetupError::Upgrade {
+            name: STREAM_JOBS,
+            reason: e.to_string(),
+        })?;
+    let mut config = stream
+        .info()
+        .await
+        .map_err(|e| SetupError::Upgrade {
+            name: STREAM_JOBS,
+            reason: e.to_string(),
+        })?
+        .config
+        .clone();
+    let missing: Vec<&str> = wanted
+        .into_iter()
+        .filter(|w| !config.subjects.iter().any(|s| s == w))
+        .collect();
+    if missing.is_empty() {
+        return Ok(false);
+    }
+    config
+        .subjects
+        .extend(missing.iter().map(|s| s.to_string()));
+    js.update_stream(config)
+        .await
+        .map_err(|e| SetupError::Upgrade {
+            name: STREAM_JOBS,
+            reason: e.to_string(),
+        })?;
+    Ok(true)
 }
 
 /// Create a stream unless it exists. Components start together, so two may race to create

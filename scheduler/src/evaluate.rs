@@ -222,7 +222,7 @@ pub(crate) fn rank<'a>(
     let mut candidates = Vec::with_capacity(workers.len());
     let mut rejected = Vec::new();
     for view in workers {
-        let load = WorkerLoad::of(view, ledger, config);
+        let load = WorkerLoad::at(view, ledger, config, now_ms);
         let forecast = Forecast::of(job, view, &load, ledger, config);
         let fctx = FilterContext {
             job,

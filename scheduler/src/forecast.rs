@@ -8,7 +8,12 @@
 //! - the job's TTFT is `ttft_base + prefill_per_token · (p + q) + ttft_per_stream · s`;
 //! - every stream then decodes at one token per
 //!   `step = step_base + step_per_stream · s + step_per_ktok · (c + p + L/2) / 1000`;
-//! - the job's prefill stalls every running stream for `stall_per_prefill_token · p`.
+//! - the job's prefill stalls every running stream for `stall_per_prefill_token · p`;
+//! - the job itself, once running, stands still for a share `φ` of its decode while later
+//!   admissions are prefilled, `φ` being the stall rate the worker's running jobs have been
+//!   charged recently ([`Ledger::stall_fraction`]): its expected average is
+//!   `(1 − φ) · 1000 / step`. The admission filter judges the rate at the batch it joins
+//!   (`1000 / step`): later admissions are held to every running job's floor on their own.
 //!
 //! A running job `i` with expected output `Lᵢ`, already charged `σᵢ` ms of stall by
 //! admissions after it, is predicted to average `1000 · Lᵢ / (Lᵢ · step + σᵢ + stall)`
@@ -50,8 +55,11 @@ pub struct Forecast {
     pub ttft_ms: f64,
     /// Predicted decode step after admission, ms.
     pub step_ms: f64,
-    /// The job's own predicted decode rate, tokens/s.
+    /// The job's own decode rate at the batch it joins, tokens/s (`1000 / step`).
     pub decode_tok_s: f64,
+    /// The job's expected whole-decode average, tokens/s: `decode_tok_s` less the recent
+    /// stall share.
+    pub expected_tok_s: f64,
     /// Stall the job's prefill imposes on each running stream, ms.
     pub stall_ms: f64,
     /// The running job with the lowest predicted rate after admission.
@@ -149,6 +157,7 @@ impl Forecast {
             ttft_ms,
             step_ms,
             decode_tok_s: 1000.0 / step_ms,
+            expected_tok_s: (1.0 - load.stall_fraction.clamp(0.0, 1.0)) * 1000.0 / step_ms,
             stall_ms,
             worst_running,
             worst_violation: worst_violation.map(|(_, i)| i),
@@ -161,7 +170,8 @@ impl Forecast {
     pub fn prediction(&self) -> Prediction {
         Prediction {
             ttft_ms: self.ttft_ms,
-            decode_tok_s: self.decode_tok_s,
+            decode_tok_s: self.expected_tok_s,
+            step_tok_s: Some(self.decode_tok_s),
             worst_running_tok_s: self.worst_running.as_ref().map(|w| w.tok_s),
             streams_after: self.streams_before.saturating_add(1),
             model_samples: self.coefficients.samples,
@@ -284,6 +294,34 @@ mod tests {
         assert_eq!(f.worst_running, None);
         assert_eq!(f.prediction().model_samples, 12);
         assert_eq!(f.prediction().streams_after, 1);
+    }
+
+    #[test]
+    fn the_recorded_rate_expects_the_stall_share_the_worker_has_been_seeing() {
+        let mut w = worker("w1");
+        w.status.perf = Some(coefficients());
+        w.status.kv = None;
+        let mut l = Ledger::new();
+        l.reserve("w1", "a", 10, 0).unwrap();
+        l.charge_stall("w1", "none", 500.0); // a: 500 ms stalled over its first 2 s
+        let config = SchedulerConfig::default();
+        let load = WorkerLoad::at(&w, &l, &config, 2_000);
+        assert!((load.stall_fraction - 0.25).abs() < 1e-12);
+        let f = Forecast::of(&job("m"), &w, &load, &l, &config);
+        assert!(
+            (f.expected_tok_s - 0.75 * f.decode_tok_s).abs() < 1e-9,
+            "{f:?}"
+        );
+        let p = f.prediction();
+        assert_eq!(
+            p.decode_tok_s, f.expected_tok_s,
+            "the record expects the stalls"
+        );
+        assert_eq!(
+            p.step_tok_s,
+            Some(f.decode_tok_s),
+            "the filter's rate is kept beside it"
+        );
     }
 
     #[test]

@@ -89,6 +89,11 @@ impl Reservation {
     }
 }
 
+/// Reservations younger than this do not count in [`Ledger::stall_fraction`].
+pub const STALL_FRACTION_MIN_AGE_MS: u64 = 1_000;
+/// Ceiling of [`Ledger::stall_fraction`]: past it the prediction is not worth more.
+pub const STALL_FRACTION_MAX: f64 = 0.8;
+
 /// Why a ledger operation was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LedgerError {
@@ -177,6 +182,26 @@ impl Ledger {
                 }
             }
         }
+    }
+
+    /// Share of time the jobs running on the worker have been predicted to stand still for
+    /// later admissions' prefills: their charged stall over their age, pooled over the
+    /// jobs booked at least [`STALL_FRACTION_MIN_AGE_MS`] ago (younger ones say nothing
+    /// yet). The stall rate a job admitted now can expect, if admissions go on as they
+    /// have; 0 with no such job. At most [`STALL_FRACTION_MAX`].
+    pub fn stall_fraction(&self, worker_id: &str, now_ms: u64) -> f64 {
+        let (mut stall, mut age) = (0.0, 0.0);
+        for r in self.reservations_on(worker_id) {
+            let a = now_ms.saturating_sub(r.reserved_ms);
+            if a >= STALL_FRACTION_MIN_AGE_MS {
+                stall += r.stall_ms;
+                age += a as f64;
+            }
+        }
+        if age <= 0.0 {
+            return 0.0;
+        }
+        (stall / age).clamp(0.0, STALL_FRACTION_MAX)
     }
 
     /// The reservations on the worker, in booking order.
@@ -514,5 +539,26 @@ mod tests {
         assert_eq!(l.len(), 1);
         assert!(l.release_worker("w1").is_empty());
         assert_eq!(l.release("a"), None);
+    }
+
+    #[test]
+    fn stall_fraction_pools_charged_stall_over_the_age_of_settled_jobs() {
+        let mut l = Ledger::new();
+        l.reserve("w", "old", 10, 0).unwrap();
+        l.reserve("w", "older", 10, 0).unwrap();
+        assert_eq!(l.stall_fraction("w", 4_000), 0.0, "nothing charged yet");
+        // An admission at 2 s stalls both for 400 ms; a job booked at 3.5 s is too young to
+        // say anything and does not dilute the estimate.
+        l.reserve("w", "new", 10, 2_000).unwrap();
+        l.charge_stall("w", "new", 400.0);
+        l.reserve("w", "young", 10, 3_500).unwrap();
+        let f = l.stall_fraction("w", 4_000);
+        assert!(
+            (f - 800.0 / (4_000.0 + 4_000.0 + 2_000.0)).abs() < 1e-12,
+            "{f}"
+        );
+        assert_eq!(l.stall_fraction("other", 4_000), 0.0);
+        l.charge_stall("w", "young", 1e9);
+        assert_eq!(l.stall_fraction("w", 4_000), STALL_FRACTION_MAX);
     }
 }

@@ -27,6 +27,8 @@ pub struct WorkerLoad {
     pub effective_active: u32,
     /// The worker's cap, or the configured default when it reports 0.
     pub max_concurrency: u32,
+    /// [`Ledger::stall_fraction`] at decision time (0 where no time is known).
+    pub stall_fraction: f64,
 }
 
 impl WorkerLoad {
@@ -42,6 +44,15 @@ impl WorkerLoad {
             unreported_kv_tokens,
             effective_active: reported_active.saturating_add(unreported_reservations),
             max_concurrency: config.max_concurrency(s.max_concurrency),
+            stall_fraction: 0.0,
+        }
+    }
+
+    /// [`WorkerLoad::of`] with the worker's recent stall fraction at `now_ms`.
+    pub fn at(view: &WorkerView, ledger: &Ledger, config: &SchedulerConfig, now_ms: u64) -> Self {
+        WorkerLoad {
+            stall_fraction: ledger.stall_fraction(&view.status.worker_id, now_ms),
+            ..Self::of(view, ledger, config)
         }
     }
 

@@ -393,6 +393,10 @@ try:
     disp = tomllib.loads((ctl / "etc/metronome/dispatcher/a.toml").read_text())["redis_url"]
     expect(redis("HGET", f"metronome:ewma:{own}", "ttft_ms", url=disp) == "1", "the dispatcher reads the EWMAs")
     expect("NOPERM" in redis("DEL", f"metronome:ewma:{own}", url=disp), "the dispatcher deleting a key was not refused")
+    gw_redis = tomllib.loads((ctl / "etc/metronome/gateway.toml").read_text())["redis_url"]
+    expect("ttft_ms" in redis("HGETALL", f"metronome:ewma:{own}", url=gw_redis), "the gateway (console) reads the EWMAs")
+    expect("NOPERM" in redis("HSET", f"metronome:ewma:{own}", "ttft_ms", "2", url=gw_redis),
+           "the gateway writing an EWMA was not refused")
 finally:
     for p in procs:
         p.terminate()

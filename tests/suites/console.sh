@@ -83,6 +83,23 @@ until grep -q "^data: {\"job_id\":\"$JOB\"" "$WORK/events.txt" 2>/dev/null; do
   sleep 0.2
 done
 kill "$EVENTS_PID" 2>/dev/null || true
+grep -q '^event: queues' "$WORK/events.txt" || fail "the console's event stream sent no queue snapshot"
+# The leader publishes its queue of every model its workers serve (empty now, and fresh).
+curl -fsS "$URL/console/api/queues" | python3 -c '
+import json, sys
+rows = {r["model"]: r for r in json.load(sys.stdin)["queues"]}
+r = rows.get("llama-3.1-8b")
+sys.exit(0 if r and r["stale"] is False and r["waiting"] == 0 else 1)' \
+  || fail "/console/api/queues has no fresh, empty queue for llama-3.1-8b"
+# Under auth the gateway reads the EWMAs with its own Redis user: the winner's are shown.
+deadline=$((SECONDS + 20))
+until curl -fsS "$URL/console/api/workers" | python3 -c '
+import json, sys
+w = [x for x in json.load(sys.stdin)["workers"] if x["status"]["worker_id"] == sys.argv[1]]
+sys.exit(0 if w and (w[0].get("ewma") or {}).get("ttft_ms") is not None else 1)' "$WINNER"; do
+  [ $SECONDS -lt $deadline ] || fail "the console shows no EWMA for $WINNER (the gateway's Redis user)"
+  sleep 0.5
+done
 
 # `live=0`: the page loads its snapshots and opens no event stream (tested above), so the
 # network goes quiet and the virtual time budget lets every fetch and script finish.
@@ -107,7 +124,9 @@ for term in active_requests queue_depth latency_ewma job_cost throughput_ewma kv
   [ "$n" -ge 2 ] || fail "term $term shows for $n candidates in the explain view, expected both"
 done
 grep -q 'data-actual-outcome="done"' <<<"$explain" || fail "the explain view does not show the job's outcome"
+grep -q '<tr data-model="llama-3.1-8b" data-queue-state="fresh">' "$page" \
+  || fail "the models table shows no fresh queue snapshot for llama-3.1-8b"
 if grep -q 'console-secret-prompt' "$page"; then fail "the console shows a prompt"; fi
 OUTPUT=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["choices"][0]["message"]["content"][:40])' "$WORK/response.json")
 if [ -n "$OUTPUT" ] && grep -qF "$OUTPUT" "$page"; then fail "the console shows a model output"; fi
-log "console: workers ${WORKERS[*]} shown; job $JOB explained with winner $WINNER and seven terms"
+log "console: workers ${WORKERS[*]} shown with EWMAs; the queue snapshot shown; job $JOB explained with winner $WINNER and seven terms"

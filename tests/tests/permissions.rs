@@ -439,6 +439,7 @@ async fn a_client_submits_and_reads_results_but_cannot_touch_the_fleet() {
 
     client.publish_refused("$KV.workers.w1").await;
     client.publish_refused("work.w1").await;
+    client.publish_refused(names::SUBJECT_JOBS_RETRY).await;
     client
         .publish_refused(&names::decision_subject("job-7"))
         .await;
@@ -532,6 +533,8 @@ async fn gateway_and_dispatcher_do_their_part_only() {
         .expect("the gateway submits");
     gateway.no_violations();
     gateway.publish_refused("work.w1").await;
+    // Retries (whose headers place a job in its queue) come from dispatchers only.
+    gateway.publish_refused(names::SUBJECT_JOBS_RETRY).await;
     gateway.publish_refused(&names::decision_subject("j")).await;
     gateway.publish_refused("$KV.workers.w1").await;
     gateway.subscribe_refused("work.w1").await;
@@ -544,11 +547,97 @@ async fn gateway_and_dispatcher_do_their_part_only() {
         .create(names::LEADER_KEY, "dispatcher-a".into())
         .await
         .expect("the dispatcher takes the lease");
+    // Declaring a silent worker dead: a conditional delete of its key (refused while the
+    // revision is not the latest), and the purge of its pending assignments.
+    let rev = sys
+        .admin_buckets
+        .workers
+        .put("w1", "hb2".into())
+        .await
+        .unwrap();
+    d_buckets
+        .workers
+        .delete_expect_revision("w1", Some(rev - 1))
+        .await
+        .expect_err("a stale revision is refused by the server");
+    d_buckets
+        .workers
+        .delete_expect_revision("w1", Some(rev))
+        .await
+        .expect("the dispatcher deletes a silent worker's key");
+    let work = dispatcher.js.get_stream(names::STREAM_WORK).await.unwrap();
+    work.purge()
+        .filter(names::work_subject("w1"))
+        .await
+        .expect("the dispatcher purges a dead worker's assignments");
     dispatcher.no_violations();
-    dispatcher.publish_refused("$KV.workers.w1").await;
     dispatcher
         .publish_refused(&names::event_done_subject("w1"))
         .await;
+}
+
+/// The leader's per-model queue snapshots: the dispatcher writes them; the gateway (the
+/// console), the auditor and the admin (the CLI) list and read them the way
+/// `metronome status` does (the keys, then each value); a worker and the gateway may not
+/// write one.
+#[tokio::test]
+async fn queue_snapshots_are_written_by_the_dispatcher_and_read_by_operators() {
+    let sys = system().await;
+    let dispatcher = Conn::open(&sys.nats, "dispatcher-a").await;
+    let d_buckets = ensure_all(&dispatcher.js, &StreamSettings::default())
+        .await
+        .expect("the dispatcher opens the buckets");
+    let key = names::queue_key(MODEL);
+    d_buckets
+        .queues
+        .put(key.as_str(), "snapshot".into())
+        .await
+        .expect("the dispatcher writes a queue snapshot");
+    dispatcher.no_violations();
+
+    for reader in ["gateway", "auditor", "admin"] {
+        let conn = Conn::open(&sys.nats, reader).await;
+        let kv = conn
+            .js
+            .get_key_value(names::BUCKET_QUEUES)
+            .await
+            .unwrap_or_else(|e| panic!("{reader} opens the queues bucket: {e}"));
+        let keys: Vec<String> = within(
+            "the keys of the queues bucket",
+            kv.keys()
+                .await
+                .expect("keys")
+                .filter_map(|k| async { k.ok() })
+                .collect(),
+        )
+        .await;
+        assert_eq!(
+            keys,
+            std::slice::from_ref(&key),
+            "{reader} lists the snapshots"
+        );
+        let value = kv.get(key.as_str()).await.expect("get").expect("a value");
+        assert_eq!(value.as_ref(), b"snapshot", "{reader} reads a snapshot");
+        conn.no_violations();
+    }
+
+    let worker = Conn::open(&sys.nats, "worker-w1").await;
+    worker
+        .publish_refused(&format!("$KV.{}.{key}", names::BUCKET_QUEUES))
+        .await;
+    let gateway = Conn::open(&sys.nats, "gateway").await;
+    gateway
+        .publish_refused(&format!("$KV.{}.{key}", names::BUCKET_QUEUES))
+        .await;
+    // Seen from the admin: nothing but the dispatcher's snapshot was stored.
+    let stored = sys
+        .admin_buckets
+        .queues
+        .get(key.as_str())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(stored.as_ref(), b"snapshot");
 }
 
 #[tokio::test]
@@ -626,9 +715,37 @@ async fn redis_lets_each_agent_write_only_its_own_keys_and_the_dispatcher_only_r
         .await
         .expect("the dispatcher reads");
     assert_eq!(read.get("ttft_ms").map(String::as_str), Some("1"));
-    let err = hset(own)
+    let err = hset(own.clone())
         .query_async::<i64>(&mut dispatcher)
         .await
         .expect_err("the dispatcher writes nothing");
     assert_eq!(err.code(), Some("NOPERM"), "{err}");
+
+    // The gateway's console reads the EWMA hashes, and nothing else, and writes nothing.
+    let mut gateway = connect("gateway").await;
+    let read: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
+        .arg(&own)
+        .query_async(&mut gateway)
+        .await
+        .expect("the gateway reads the EWMAs");
+    assert_eq!(read.get("ttft_ms").map(String::as_str), Some("1"));
+    for (what, cmd) in [
+        ("the gateway writing an EWMA", hset(own.clone())),
+        ("the gateway deleting an EWMA", {
+            let mut c = redis::cmd("DEL");
+            c.arg(&own);
+            c
+        }),
+        ("the gateway reading a performance model", {
+            let mut c = redis::cmd("GET");
+            c.arg(metronome_protocol::redis_keys::perf_key(PREFIX, "w1"));
+            c
+        }),
+    ] {
+        let err = cmd
+            .query_async::<redis::Value>(&mut gateway)
+            .await
+            .expect_err(what);
+        assert_eq!(err.code(), Some("NOPERM"), "{what}: {err}");
+    }
 }

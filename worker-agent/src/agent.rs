@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, consumer, AckKind};
 use futures::StreamExt;
 use metronome_protocol::names::{
-    event_done_subject, result_final_subject, work_consumer, work_msg_id, work_subject,
-    STREAM_WORK, SUBJECT_CANCEL_ALL, SUBJECT_DEAD_LETTER,
+    event_done_subject, final_msg_id, result_final_subject, work_consumer, work_msg_id,
+    work_subject, STREAM_WORK, SUBJECT_CANCEL_ALL, SUBJECT_DEAD_LETTER,
 };
 use metronome_protocol::time::unix_ms;
 use metronome_protocol::{
@@ -101,6 +101,11 @@ pub(crate) struct Held {
     pub cancel: CancellationToken,
     /// Fired when the leader revokes this attempt (`control.<worker_id>.revoke`).
     pub revoke: CancellationToken,
+    /// Fired when the leader declared this worker dead while the job ran: it ends with
+    /// `worker_lost`, as the leader has told its client.
+    pub lost: CancellationToken,
+    /// Set once the job is reported and starting (before that, the fence refuses it).
+    pub started: std::sync::atomic::AtomicBool,
     pub attempt: u32,
 }
 
@@ -150,13 +155,36 @@ impl Shared {
         self.in_flight.lock().expect("in_flight lock").len()
     }
 
+    /// The jobs this worker holds for the leader: revoked or lost ones, still stopping, are
+    /// no longer its (the leader settled them), so a heartbeat does not list them.
     pub fn in_flight_ids(&self) -> Vec<String> {
         self.in_flight
             .lock()
             .expect("in_flight lock")
-            .keys()
-            .cloned()
+            .iter()
+            .filter(|(_, held)| !held.revoke.is_cancelled() && !held.lost.is_cancelled())
+            .map(|(id, _)| id.clone())
             .collect()
+    }
+
+    /// The leader deleted this worker's heartbeat key: it declared the worker dead and has
+    /// settled every job the worker held (retried the ones it never saw reported, failed
+    /// the others to their clients with `worker_lost`). Running jobs stop and end with
+    /// `worker_lost` (the same final result: RESULTS keeps one per job); the fence rises as
+    /// after a gap, so a job taken but not started is refused once reported, not started.
+    /// Returns how many running jobs were stopped.
+    pub fn given_away(&self) -> usize {
+        self.fence.given_away();
+        let map = self.in_flight.lock().expect("in_flight lock");
+        let mut n = 0;
+        for (job_id, held) in map.iter() {
+            if held.started.load(Ordering::SeqCst) && !held.lost.is_cancelled() {
+                tracing::warn!(%job_id, attempt = held.attempt, "the leader declared this worker dead while the job ran: stopping it as lost");
+                held.lost.cancel();
+                n += 1;
+            }
+        }
+        n
     }
 
     /// Prompt tokens of held jobs that have not produced their first token.
@@ -381,6 +409,7 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
     }
     let cancel = CancellationToken::new();
     let revoke = CancellationToken::new();
+    let lost = CancellationToken::new();
     let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
     let revoked = shared.was_revoked(&job_id, assignment.attempt);
     let ended = shared
@@ -405,6 +434,8 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
                 Held {
                     cancel: cancel.clone(),
                     revoke: revoke.clone(),
+                    lost: lost.clone(),
+                    started: std::sync::atomic::AtomicBool::new(false),
                     attempt: assignment.attempt,
                 },
             );
@@ -484,7 +515,15 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
     tokio::spawn(async move {
         match wait_until_reported(&shared, generation, episodes, &revoke).await {
             Reported::Start => {
-                run_job(shared.clone(), assignment, msg, cancel, revoke, start).await
+                if let Some(held) = shared
+                    .in_flight
+                    .lock()
+                    .expect("in_flight lock")
+                    .get(&job_id)
+                {
+                    held.started.store(true, Ordering::SeqCst);
+                }
+                run_job(shared.clone(), assignment, msg, cancel, revoke, lost, start).await
             }
             Reported::Fenced => {
                 tracing::warn!(%job_id, "the agent was fenced before the job was reported: refused");
@@ -600,7 +639,7 @@ async fn finish_without_running(
         publish_js(
             shared,
             result_final_subject(&a.job.id),
-            &msg_id,
+            &final_msg_id(&a.job.id),
             &a.job.model,
             &result,
         )

@@ -97,6 +97,18 @@ impl Fence {
         state
     }
 
+    /// The leader declared this worker dead (a conditional heartbeat put was refused):
+    /// raise the fence now, as a gap would, until the next heartbeat is stored.
+    pub fn given_away(&self) {
+        let mut inner = self.inner.lock().expect("fence lock");
+        if !inner.fenced {
+            inner.fenced = true;
+            inner.episodes += 1;
+            self.metrics.fenced.set(1);
+            self.metrics.fence_episodes.inc();
+        }
+    }
+
     /// Wait until the fence is down at the time of a check (a heartbeat is stored).
     pub async fn wait_lowered(&self) {
         let mut rx = self.stored.subscribe();
@@ -192,5 +204,29 @@ mod tests {
         assert!(!waiter.is_finished());
         f.stored(Instant::now());
         waiter.await.unwrap();
+    }
+
+    #[test]
+    fn given_away_counts_an_episode_until_the_next_store() {
+        let t0 = Instant::now();
+        let f = Fence::new(AFTER, t0, Arc::default());
+        f.given_away();
+        assert_eq!(
+            f.check(t0),
+            FenceState {
+                fenced: true,
+                episodes: 1
+            },
+            "a job accepted before this is refused when reported"
+        );
+        f.given_away();
+        assert_eq!(f.check(t0).episodes, 1, "one declaration, one episode");
+        assert_eq!(
+            f.stored(t0 + Duration::from_millis(5)),
+            FenceState {
+                fenced: false,
+                episodes: 1
+            }
+        );
     }
 }

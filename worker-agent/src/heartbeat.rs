@@ -18,6 +18,13 @@
 //! Each stored heartbeat lowers the agent's fence ([`crate::fence`]); a put that fails or
 //! hangs past `fence_after_ms` does not, so an agent whose heartbeats the dispatcher cannot
 //! see stops taking work before (or as) the dispatcher gives it away.
+//!
+//! After the first, every heartbeat is a conditional put: stored only if the key still holds
+//! this agent's previous heartbeat. The leader declares a silent worker dead by deleting the
+//! key on the same condition, so of "the agent reports job J" and "the leader gives J away"
+//! exactly one is stored. When the agent's put is the one refused, the leader has settled
+//! everything the agent held (retried or failed to its clients): the agent drops it all
+//! ([`Shared::given_away`]) and registers again with a plain put.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -31,6 +38,14 @@ use tokio_util::sync::CancellationToken;
 use crate::agent::Shared;
 use crate::probe::{ProbeCache, Probed};
 
+/// What became of a heartbeat put.
+enum Stored {
+    /// Stored at this revision.
+    Yes(u64),
+    /// Refused: the key no longer holds this run's previous heartbeat; the leader deleted it.
+    GivenAway,
+}
+
 /// Builds and sends heartbeats.
 pub(crate) struct Heartbeat {
     pub shared: Arc<Shared>,
@@ -40,6 +55,11 @@ pub(crate) struct Heartbeat {
     pub seq: u64,
     /// `accepted_generation` covered by the status being built.
     pub generation: u64,
+    /// Revision of this agent's last stored heartbeat; `None` until the first is stored in
+    /// this run (or after the leader deleted the key), when a plain put registers it.
+    pub revision: Option<u64>,
+    /// `seq` of that heartbeat.
+    pub confirmed_seq: u64,
 }
 
 impl Heartbeat {
@@ -87,14 +107,26 @@ impl Heartbeat {
         let shared = &self.shared;
         // A put that hangs is as good as a failed one for the dispatcher, and must not
         // hold the loop past the fence timeout.
-        let put = match tokio::time::timeout(
-            shared.config.fence_after(),
-            self.bucket.put(&shared.config.worker_id, body.clone()),
-        )
-        .await
+        let put = match tokio::time::timeout(shared.config.fence_after(), self.store(body.clone()))
+            .await
         {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(e.to_string()),
+            Ok(Ok(Stored::Yes(revision))) => {
+                self.revision = Some(revision);
+                self.confirmed_seq = status.seq;
+                Ok(())
+            }
+            Ok(Ok(Stored::GivenAway)) => {
+                self.revision = None;
+                let dropped = shared.given_away();
+                tracing::warn!(
+                    seq = status.seq,
+                    dropped,
+                    "the leader declared this worker dead (its key was deleted): dropped every job held, registering again"
+                );
+                shared.heartbeat_now.notify_one();
+                Err("declared dead by the leader".to_string())
+            }
+            Ok(Err(e)) => Err(e),
             Err(_) => Err(format!(
                 "no answer within {} ms",
                 shared.config.fence_after_ms
@@ -125,6 +157,49 @@ impl Heartbeat {
                 tracing::warn!(%error, seq = status.seq, fenced, "heartbeat not stored");
                 None
             }
+        }
+    }
+
+    /// Store `body` under this worker's key: a plain put when no heartbeat of this run is
+    /// stored yet, else a put conditional on the previous one still being there.
+    async fn store(&self, body: bytes::Bytes) -> Result<Stored, String> {
+        let key = &self.shared.config.worker_id;
+        let Some(revision) = self.revision else {
+            return self
+                .bucket
+                .put(key, body)
+                .await
+                .map(Stored::Yes)
+                .map_err(|e| e.to_string());
+        };
+        match self.bucket.update(key, body.clone(), revision).await {
+            Ok(r) => Ok(Stored::Yes(r)),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                // Our own earlier put may have been stored after it timed out here: then
+                // the key holds a heartbeat of this run (seq above the last confirmed one).
+                match self.bucket.entry(key).await {
+                    Ok(Some(entry)) if entry.operation == kv::Operation::Put => {
+                        let own =
+                            serde_json::from_slice::<WorkerStatus>(&entry.value).is_ok_and(|s| {
+                                s.worker_id == *key
+                                    && s.seq < self.seq
+                                    && s.seq > self.confirmed_seq
+                            });
+                        if own {
+                            self.bucket
+                                .update(key, body, entry.revision)
+                                .await
+                                .map(Stored::Yes)
+                                .map_err(|e| e.to_string())
+                        } else {
+                            Ok(Stored::GivenAway)
+                        }
+                    }
+                    Ok(_) => Ok(Stored::GivenAway),
+                    Err(e) => Err(format!("reading the key back after a refused put: {e}")),
+                }
+            }
+            Err(e) => Err(e.to_string()),
         }
     }
 

@@ -246,6 +246,8 @@ pub async fn start(
         probes,
         seq: last_seq,
         generation: 0,
+        revision: None,
+        confirmed_seq: last_seq,
     };
     // The first heartbeat goes out before any work is pulled, so the dispatcher sees the
     // worker as soon as it can run something.

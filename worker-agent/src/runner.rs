@@ -28,8 +28,8 @@ use async_nats::jetstream::{self, AckKind};
 use bytes::Bytes;
 use futures::StreamExt;
 use metronome_protocol::names::{
-    event_done_subject, result_chunk_subject, result_final_subject, work_msg_id, HEADER_MODEL,
-    HEADER_MSG_ID,
+    event_done_subject, final_msg_id, result_chunk_subject, result_final_subject, work_msg_id,
+    HEADER_MODEL, HEADER_MSG_ID,
 };
 use metronome_protocol::time::unix_ms;
 use metronome_protocol::{
@@ -92,6 +92,7 @@ pub(crate) async fn run_job(
     msg: jetstream::Message,
     cancel: CancellationToken,
     revoke: CancellationToken,
+    lost: CancellationToken,
     start: Instant,
 ) {
     let job_id = assignment.job.id.clone();
@@ -134,6 +135,10 @@ pub(crate) async fn run_job(
             tokio::select! {
                 biased;
                 _ = revoke.cancelled() => break Ending::Revoked,
+                _ = lost.cancelled() => break Ending::Failed(
+                    ErrorCode::WorkerLost,
+                    "the leader declared this worker dead while it ran the job (its heartbeats stopped arriving)".into(),
+                ),
                 _ = cancel.cancelled() => break Ending::Cancelled,
                 _ = shared.abort.cancelled() => break Ending::Failed(
                     ErrorCode::WorkerFailed,
@@ -240,8 +245,10 @@ pub(crate) async fn run_job(
             ttft_ms: sample.ttft_ms,
             e2e_ms: sample.e2e_ms,
         };
+        // One final result per job in RESULTS (`final_msg_id`): if the leader already
+        // declared this job lost (this agent was silent too long), its error stands.
+        publish_js(&shared, result_final_subject(&job.id), &final_msg_id(&job.id), &job.model, &final_result).await;
         let msg_id = work_msg_id(&job.id, assignment.attempt);
-        publish_js(&shared, result_final_subject(&job.id), &msg_id, &job.model, &final_result).await;
 
         if let Err(e) = msg.double_ack().await {
             // The final result is out; a redelivery would be refused as a duplicate by the

@@ -432,3 +432,71 @@ async fn a_second_delivery_of_an_attempt_that_already_ran_is_acknowledged_not_ru
     shutdown.cancel();
     agent.wait().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_whose_key_the_leader_deleted_stops_its_jobs_as_lost_and_registers_again() {
+    let env = Env::start().await;
+    let worker = "nd-gpu4";
+    let results = collect(
+        env.client
+            .subscribe(results_subject_all("job-given-away"))
+            .await
+            .unwrap(),
+    );
+    env.client.flush().await.unwrap();
+    let (agent, shutdown) = env.start_agent(env.config(worker)).await;
+    env.assign(
+        worker,
+        &job("job-given-away", Endpoint::Chat, 10_000, 20),
+        1,
+    )
+    .await;
+    wait_for("the job to stream", WAIT, || async {
+        (results.lock().unwrap().len() >= 2).then_some(())
+    })
+    .await;
+
+    // The leader declares the worker dead the way it does: a delete of the key at the
+    // revision of the last heartbeat it saw (retried at a newer one if a heartbeat landed
+    // in between: the very race the condition settles). The agent's next conditional put
+    // is then refused.
+    let bucket = env.js.get_key_value(BUCKET_WORKERS).await.unwrap();
+    wait_for("the key deleted at the latest revision", WAIT, || async {
+        let e = bucket.entry(worker).await.unwrap()?;
+        bucket
+            .delete_expect_revision(worker, Some(e.revision))
+            .await
+            .ok()
+    })
+    .await;
+
+    let fin = wait_for("the job's final result", WAIT, || async {
+        final_of(&results)
+    })
+    .await;
+    let err = fin.error.expect("the job did not finish: it was lost");
+    assert_eq!(
+        err.code,
+        metronome_protocol::ErrorCode::WorkerLost,
+        "{err:?}"
+    );
+    assert!(
+        env.stub.stats.aborted.load(Ordering::SeqCst) >= 1,
+        "the model request was stopped"
+    );
+
+    // It registers again with a plain put that no longer lists the job.
+    let back = wait_for("the worker to register again", WAIT, || async {
+        let e = bucket.entry(worker).await.unwrap()?;
+        (e.operation == async_nats::jetstream::kv::Operation::Put)
+            .then(|| serde_json::from_slice::<metronome_protocol::WorkerStatus>(&e.value).unwrap())
+    })
+    .await;
+    assert!(back.in_flight.is_empty(), "{:?}", back.in_flight);
+    assert_eq!(
+        metric(&agent, "metronome_worker_fence_episodes_total").await,
+        1.0
+    );
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+}

@@ -1,13 +1,13 @@
 //! The operator console at [`PATH`] (`/console`): workers with their load and EWMAs, the
-//! per-model picture (queues as far as the NATS contract shows them), a live decision feed
-//! and the explain view of any job, in the browser.
+//! per-model picture (the leader's admission queues from the `queues` bucket, stale ones
+//! marked), a live decision feed and the explain view of any job, in the browser.
 //!
 //! Everything is read through the documented NATS contract with the `metronome` CLI's own
 //! library (`metronome_cli`), so the console and `metronome status / workers / explain`
 //! can never disagree. The page is three static files embedded in the binary
 //! (`include_str!`, no build step); it loads snapshots from `/console/api/*` and then
-//! follows `/console/api/events`, an SSE stream of decisions as they are made and a
-//! workers/status snapshot every second.
+//! follows `/console/api/events`, an SSE stream of decisions as they are made, the
+//! workers and the queues every second, and the status every five.
 //!
 //! Invariants: the console shows ids, numbers and reasons, never a prompt or an output
 //! (a job's final result is stripped of its response before it leaves the gateway); every
@@ -63,6 +63,7 @@ pub fn router(state: AppState) -> Router<AppState> {
         .route("/console/console.css", get(style))
         .route("/console/api/workers", get(workers))
         .route("/console/api/status", get(status))
+        .route("/console/api/queues", get(queues))
         .route("/console/api/decisions", get(decisions))
         .route("/console/api/explain/{job_id}", get(explain))
         .route("/console/api/events", get(events))
@@ -164,6 +165,20 @@ async fn status_report(state: &AppState) -> Result<Value, CliError> {
     serde_json::to_value(report).map_err(|e| CliError::Usage(e.to_string()))
 }
 
+/// The leader's queue snapshots as `metronome status --json` shows them, each judged
+/// fresh or stale now (against the newest epoch in the bucket: the status event carries
+/// the leader's).
+async fn queue_list(state: &AppState) -> Result<Value, CliError> {
+    let (snapshots, _unreadable) = nats(state).queues().await?;
+    let now = unix_ms();
+    let rows = metronome_cli::status::QueueRow::rows(snapshots, None, now);
+    Ok(serde_json::json!({ "now_ms": now, "queues": rows }))
+}
+
+async fn queues(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    queue_list(&state).await.map(Json).map_err(api_error)
+}
+
 async fn workers(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
     worker_list(&state).await.map(Json).map_err(api_error)
 }
@@ -251,9 +266,9 @@ pub fn without_output(story: &mut metronome_cli::explain::Story) {
     }
 }
 
-/// `/console/api/events`: decisions as they are made (`decision`), the workers every
-/// second (`workers`) and the status every five (`status`), until the client leaves or the
-/// gateway shuts down.
+/// `/console/api/events`: decisions as they are made (`decision`), the workers and the
+/// queues every second (`workers`, `queues`) and the status every five (`status`), until
+/// the client leaves or the gateway shuts down.
 async fn events(
     State(state): State<AppState>,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
@@ -270,6 +285,9 @@ async fn events(
                     match worker_list(&state).await {
                         Ok(v) => yield Ok(json_event("workers", &v)),
                         Err(e) => yield Ok(json_event("problem", &serde_json::json!({"message": e.to_string()}))),
+                    }
+                    if let Ok(v) = queue_list(&state).await {
+                        yield Ok(json_event("queues", &v));
                     }
                     if ticks % STATUS_EVERY_SNAPSHOTS == 0 {
                         if let Ok(v) = status_report(&state).await {
@@ -311,6 +329,7 @@ mod tests {
         for path in [
             "/console/api/workers",
             "/console/api/status",
+            "/console/api/queues",
             "/console/api/decisions",
             "/console/api/explain/",
             "/console/api/events",

@@ -140,8 +140,12 @@ impl System {
             .arg(&spec.state_dir)
             .args(["--gateway-port", &port.to_string()])
             // Components log at warn: info-level per-request logs would cost CPU the
-            // measured system needs on a small machine.
-            .env("RUST_LOG", "warn")
+            // measured system needs on a small machine. METRONOME_SYSTEM_LOG overrides it
+            // (a `RUST_LOG` filter) to investigate a failed drill.
+            .env(
+                "RUST_LOG",
+                std::env::var("METRONOME_SYSTEM_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)

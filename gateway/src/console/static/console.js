@@ -40,6 +40,7 @@ async function getJson(path) {
 
 let lastWorkers = [];
 let lastStatus = null;
+let lastQueues = [];
 
 function renderWorkers(data) {
   lastWorkers = data.workers || [];
@@ -72,13 +73,26 @@ function renderStatus(report) {
   $("#epoch").textContent = l && l.epoch !== null ? l.epoch : "n/a";
   $("#jobs-waiting").textContent = na(report.jobs_waiting, (x) => x);
   $("#rate").textContent = report.decisions_per_s.toFixed(2);
+  // The status judges the snapshots against the leader's own epoch.
+  if (report.queues) lastQueues = report.queues;
   renderModels();
+}
+
+function renderQueues(data) {
+  lastQueues = data.queues || [];
+  renderModels();
+}
+
+function staleReason(f) {
+  if (!f || f.state === "fresh") return "";
+  if (f.state === "old") return `stale: written ${(f.age_ms / 1000).toFixed(1)} s ago`;
+  return `stale: from epoch ${f.epoch}, the leader is at ${f.leader_epoch}`;
 }
 
 function renderModels() {
   const models = new Map();
   const get = (m) => {
-    if (!models.has(m)) models.set(m, { up: 0, running: 0, queued: 0, stats: null });
+    if (!models.has(m)) models.set(m, { up: 0, running: 0, queued: 0, stats: null, queue: null });
     return models.get(m);
   };
   for (const w of lastWorkers) {
@@ -90,15 +104,22 @@ function renderModels() {
   for (const [name, stats] of Object.entries((lastStatus && lastStatus.models) || {})) {
     get(name).stats = stats;
   }
+  for (const q of lastQueues) get(q.model).queue = q;
   const body = $("#models tbody");
   body.replaceChildren();
   for (const name of [...models.keys()].sort()) {
     const m = models.get(name);
     const st = m.stats || { assigned: 0, rejected: 0, expired: 0, mean_queue_wait_ms: null, max_queue_wait_ms: null };
-    body.appendChild(row([
-      name, m.up, m.running, m.queued, st.assigned, st.rejected, st.expired,
+    const q = m.queue;
+    const stale = q ? staleReason(q.freshness) : "";
+    const waiting = q ? (stale ? `${q.waiting} (${stale})` : q.waiting) : "n/a";
+    const oldest = q && q.waiting > 0 ? ms(q.oldest_wait_ms) : (q ? "-" : "n/a");
+    const tr = row([
+      name, m.up, m.running, m.queued, waiting, oldest, st.assigned, st.rejected, st.expired,
       ms(st.mean_queue_wait_ms), ms(st.max_queue_wait_ms),
-    ], { "data-model": name }));
+    ], { "data-model": name, "data-queue-state": q ? (stale ? "stale" : "fresh") : "none" });
+    if (q) tr.children[4].setAttribute("data-waiting", q.waiting);
+    body.appendChild(tr);
   }
 }
 
@@ -228,6 +249,7 @@ function follow() {
   source.addEventListener("error", () => { live.textContent = "reconnecting"; live.setAttribute("data-state", "connecting"); });
   source.addEventListener("workers", (m) => renderWorkers(JSON.parse(m.data)));
   source.addEventListener("status", (m) => renderStatus(JSON.parse(m.data)));
+  source.addEventListener("queues", (m) => renderQueues(JSON.parse(m.data)));
   source.addEventListener("decision", (m) => addDecision(JSON.parse(m.data), true));
   source.addEventListener("problem", (m) => { $("#workers-note").textContent = JSON.parse(m.data).message; });
 }
@@ -238,6 +260,7 @@ async function start() {
   const loads = [
     getJson("/console/api/workers").then(renderWorkers),
     getJson("/console/api/status").then(renderStatus),
+    getJson("/console/api/queues").then(renderQueues),
     getJson("/console/api/decisions?n=50").then((ds) => { for (const d of ds) addDecision(d, true); }),
   ];
   if (job) loads.push(showExplain(job));
