@@ -49,6 +49,11 @@ pub struct Cli {
     #[arg(skip)]
     pub nats_auth: metronome_runtime::nats::NatsAuth,
 
+    /// Redis TLS for `workers --redis-url rediss://...`, from the `METRONOME_REDIS_*`
+    /// variables like every other binary (set by `main`).
+    #[arg(skip)]
+    pub redis_tls: metronome_runtime::redis::RedisTls,
+
     /// Print JSON instead of tables (one object; one object per line for `decisions`).
     #[arg(long, global = true)]
     pub json: bool,
@@ -193,8 +198,14 @@ pub async fn run(cli: Cli, out: &mut (dyn Write + Send)) -> Result<(), CliError>
             redis_prefix,
             stale_after_ms,
         } => {
-            let (views, warning) =
-                worker_views(&nats, stale_after_ms, redis_url.as_deref(), &redis_prefix).await?;
+            let (views, warning) = worker_views(
+                &nats,
+                stale_after_ms,
+                redis_url.as_deref(),
+                &cli.redis_tls,
+                &redis_prefix,
+            )
+            .await?;
             if let Some(w) = warning {
                 eprintln!("metronome: {w}");
             }
@@ -365,7 +376,7 @@ pub async fn status_report(
     let recent: Vec<status::Brief> = nats
         .decisions_since(now.saturating_sub(window_s * 1000), 200_000)
         .await?;
-    let (views, _) = worker_views(nats, stale_after_ms, None, "").await?;
+    let (views, _) = worker_views(nats, stale_after_ms, None, &Default::default(), "").await?;
     let (queues, _unreadable) = nats.queues().await?;
     Ok(status::Report::from_parts(
         leader,
@@ -384,6 +395,7 @@ pub async fn worker_views(
     nats: &Nats,
     stale_after_ms: u64,
     redis_url: Option<&str>,
+    redis_tls: &metronome_runtime::redis::RedisTls,
     redis_prefix: &str,
 ) -> Result<(Vec<workers::WorkerView>, Option<String>), CliError> {
     let (raw, unreadable) = nats.workers(unix_ms()).await?;
@@ -395,7 +407,7 @@ pub async fn worker_views(
         .then(|| format!("{unreadable} entries of the workers bucket could not be read"));
     if let Some(url) = redis_url {
         let ids: Vec<String> = views.iter().map(|v| v.status.worker_id.clone()).collect();
-        match source::ewmas(url, redis_prefix, &ids).await {
+        match source::ewmas(url, redis_tls, redis_prefix, &ids).await {
             Ok(map) => {
                 for v in &mut views {
                     v.ewma = map.get(&v.status.worker_id).copied();

@@ -8,6 +8,7 @@ use metronome_cli::Cli;
 fn main() -> ExitCode {
     let mut cli = Cli::parse();
     cli.nats_auth = metronome_runtime::nats::NatsAuth::from_env(|k| std::env::var(k).ok());
+    cli.redis_tls.apply_env(|k| std::env::var(k).ok());
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

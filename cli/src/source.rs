@@ -392,10 +392,13 @@ fn decode<T: DeserializeOwned>(payload: &[u8], what: &str) -> Result<T, CliError
 /// samples is absent from the map.
 pub async fn ewmas(
     redis_url: &str,
+    tls: &metronome_runtime::redis::RedisTls,
     prefix: &str,
     workers: &[String],
 ) -> Result<HashMap<String, Ewma>, CliError> {
-    let client = redis::Client::open(redis_url).map_err(|e| CliError::Redis(e.to_string()))?;
+    let client = tls
+        .client(redis_url)
+        .map_err(|e| CliError::Redis(e.to_string()))?;
     let read = async {
         let mut conn = client.get_multiplexed_async_connection().await?;
         let mut out = HashMap::new();

@@ -33,6 +33,8 @@ pub struct Config {
     /// Redis URL for the EWMAs (`REDIS_URL` overrides it), with the dispatcher's ACL user
     /// and password when Redis has them (`redis://<user>:<password>@host:port/`).
     pub redis_url: String,
+    /// Redis TLS (`[redis_tls]`; `METRONOME_REDIS_*` override it); needs a `rediss://` URL.
+    pub redis_tls: metronome_runtime::redis::RedisTls,
     /// Name of this instance in decisions and the lease; empty = generated at start.
     pub dispatcher_id: String,
     /// Lifetime of the leader lease (also the `leader` bucket's max age when this
@@ -103,6 +105,7 @@ impl Default for Config {
             nats_url: "nats://127.0.0.1:4222".into(),
             nats_auth: Default::default(),
             redis_url: "redis://127.0.0.1:6379/".into(),
+            redis_tls: Default::default(),
             dispatcher_id: String::new(),
             lease_ttl_ms: 3000,
             lease_renew_ms: 500,
@@ -178,6 +181,7 @@ impl Config {
     ) -> Result<(), ConfigError> {
         metronome_runtime::config::apply_env(self, &ENV, &lookup)?;
         self.nats_auth.apply_env(&lookup);
+        self.redis_tls.apply_env(&lookup);
         Ok(())
     }
 
@@ -185,7 +189,12 @@ impl Config {
     pub fn validate(&self) -> Result<(), Vec<FieldError>> {
         let mut errors = Vec::new();
         let mut err = |field: &str, message: String| errors.push(FieldError::new(field, message));
-        for (field, message) in self.nats_auth.validate() {
+        for (field, message) in self
+            .nats_auth
+            .validate()
+            .into_iter()
+            .chain(self.redis_tls.validate(&self.redis_url))
+        {
             err(field, message);
         }
         if !self.nats_url.contains("://") && !self.nats_url.contains(':') {

@@ -243,7 +243,7 @@ async fn run_term(
     );
     let (workers, last_revision) =
         registry::load_workers(&ctx.buckets.workers, &ctx.metrics).await?;
-    let mut reader = registry::EwmaReader::new(&c.redis_url, &c.redis_prefix)?;
+    let mut reader = registry::EwmaReader::new(&c.redis_url, &c.redis_tls, &c.redis_prefix)?;
     let redis = registry::refresh_once(&mut reader, &ctx.metrics).await;
     let settings = engine::EngineSettings {
         epoch,

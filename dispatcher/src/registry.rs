@@ -186,9 +186,14 @@ pub struct EwmaReader {
 }
 
 impl EwmaReader {
-    pub fn new(url: &str, prefix: &str) -> Result<EwmaReader, DispatcherError> {
-        let client = redis::Client::open(url)
-            .map_err(|e| DispatcherError::Redis(format!("bad Redis URL {url:?}: {e}")))?;
+    pub fn new(
+        url: &str,
+        tls: &metronome_runtime::redis::RedisTls,
+        prefix: &str,
+    ) -> Result<EwmaReader, DispatcherError> {
+        let client = tls
+            .client(url)
+            .map_err(|e| DispatcherError::Redis(e.to_string()))?;
         Ok(EwmaReader {
             client,
             conn: None,

@@ -80,6 +80,9 @@ pub struct Config {
     /// `REDIS_URL`); absent: the console shows the EWMA columns as n/a.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub redis_url: Option<String>,
+    /// Redis TLS for a `rediss://` `redis_url` (`[redis_tls]`; `METRONOME_REDIS_*`
+    /// override it).
+    pub redis_tls: metronome_runtime::redis::RedisTls,
     /// Tenants: the models each may use and its limits.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tenants: Vec<TenantConfig>,
@@ -198,6 +201,7 @@ impl Default for Config {
             stream_storage: StreamStorage::File,
             allow_anonymous: false,
             redis_url: None,
+            redis_tls: Default::default(),
             tenants: Vec::new(),
             keys: Vec::new(),
         }
@@ -244,6 +248,7 @@ impl Config {
     pub fn apply_env(&mut self, env: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
         metronome_runtime::config::apply_env(self, &ENV, &env)?;
         self.nats_auth.apply_env(&env);
+        self.redis_tls.apply_env(&env);
         Ok(())
     }
 
@@ -312,7 +317,19 @@ impl Config {
             "must be at least 1".into(),
         );
         self.validate_tenants(&mut errors);
-        for (field, message) in self.nats_auth.validate() {
+        let redis_tls_errors = match &self.redis_url {
+            Some(url) => self.redis_tls.validate(url),
+            None if self.redis_tls.is_set() => {
+                vec![("redis_tls", "is set without a redis_url".to_string())]
+            }
+            None => Vec::new(),
+        };
+        for (field, message) in self
+            .nats_auth
+            .validate()
+            .into_iter()
+            .chain(redis_tls_errors)
+        {
             errors.push(FieldError::new(field, message));
         }
         if errors.is_empty() {

@@ -11,7 +11,9 @@
 //! - [`report_invalid_config`]: the `invalid configuration:` report, one indented line per
 //!   field error, and exit code 2;
 //! - [`nats`]: NATS credentials and TLS ([`nats::NatsAuth`]), read the same way by every
-//!   binary and turned into `async_nats::ConnectOptions`.
+//!   binary and turned into `async_nats::ConnectOptions`;
+//! - [`redis`]: Redis TLS ([`redis::RedisTls`]) and the client every binary opens with it;
+//! - [`tls`]: the CA, certificate and key files both read, checked at start-up.
 //!
 //! Nothing here decides policy; each binary keeps its own configuration struct, checks,
 //! flags, messages and exit codes and only calls these helpers.
@@ -19,6 +21,10 @@
 pub mod config;
 
 pub mod nats;
+
+pub mod redis;
+
+pub mod tls;
 
 use std::fmt::Display;
 use std::process::ExitCode;

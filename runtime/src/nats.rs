@@ -76,6 +76,9 @@ pub enum NatsAuthError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// A CA, certificate or key file that is missing, unreadable or holds no PEM of its kind.
+    #[error(transparent)]
+    TlsFile(#[from] crate::tls::TlsFileError),
 }
 
 impl NatsAuth {
@@ -164,7 +167,8 @@ impl NatsAuth {
     }
 
     /// Connect options carrying these credentials and TLS settings; the caller adds its
-    /// name, timeouts and callbacks.
+    /// name, timeouts and callbacks. The TLS files are read and checked here, so a missing
+    /// or wrong one is an error naming its setting rather than a failed handshake later.
     pub fn connect_options(&self) -> Result<async_nats::ConnectOptions, NatsAuthError> {
         let mut options = async_nats::ConnectOptions::new();
         if let Some(user) = &self.user {
@@ -178,9 +182,12 @@ impl NatsAuth {
                 .custom_inbox_prefix(metronome_protocol::names::inbox_prefix(user));
         }
         if let Some(ca) = &self.ca_file {
+            crate::tls::read_certificates("nats_auth.ca_file", ca)?;
             options = options.add_root_certificates(ca.clone()).require_tls(true);
         }
         if let (Some(cert), Some(key)) = (&self.cert_file, &self.key_file) {
+            crate::tls::read_certificates("nats_auth.cert_file", cert)?;
+            crate::tls::read_private_key("nats_auth.key_file", key)?;
             options = options
                 .add_client_certificate(cert.clone(), key.clone())
                 .require_tls(true);
@@ -306,6 +313,18 @@ mod tests {
             missing.connect_options(),
             Err(NatsAuthError::PasswordFile { .. })
         ));
+    }
+
+    #[test]
+    fn a_missing_ca_file_is_refused_before_connecting() {
+        let dir = tempfile::tempdir().unwrap();
+        let auth = NatsAuth {
+            ca_file: Some(dir.path().join("ca.pem")),
+            ..NatsAuth::default()
+        };
+        let err = auth.connect_options().map(|_| ()).unwrap_err();
+        assert!(matches!(err, NatsAuthError::TlsFile(_)), "{err}");
+        assert!(err.to_string().starts_with("nats_auth.ca_file: "), "{err}");
     }
 
     #[test]

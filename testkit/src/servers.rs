@@ -42,7 +42,10 @@ pub fn free_port() -> u16 {
         .expect("binding 127.0.0.1:0")
 }
 
-fn find_binary(binary: &'static str, package: &'static str) -> Result<PathBuf, TestkitError> {
+pub(crate) fn find_binary(
+    binary: &'static str,
+    package: &'static str,
+) -> Result<PathBuf, TestkitError> {
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
         .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/bin")])
@@ -174,6 +177,17 @@ impl NatsServer {
         Ok(server)
     }
 
+    /// Start a server that requires TLS with `ca`'s server certificate (and, with
+    /// `verify_clients`, a client certificate signed by `ca`); `extra_config` as in
+    /// [`NatsServer::start_with_config`].
+    pub fn start_tls(
+        extra_config: &str,
+        ca: &crate::TestCa,
+        verify_clients: bool,
+    ) -> Result<Self, TestkitError> {
+        Self::start_with_config(&format!("{}{extra_config}", ca.nats_config(verify_clients)))
+    }
+
     fn spawn(&mut self) -> Result<(), TestkitError> {
         let log = self.dir.path().join("nats.log");
         let store = self.dir.path().join("js");
@@ -252,6 +266,8 @@ impl Drop for NatsServer {
 /// folder so a restart keeps the data.
 pub struct RedisServer {
     port: u16,
+    /// The TLS port, for a server started by [`RedisServer::start_tls`].
+    tls_port: Option<u16>,
     dir: TempDir,
     binary: PathBuf,
     extra_config: String,
@@ -277,12 +293,30 @@ impl RedisServer {
             })?;
         let mut server = RedisServer {
             port: free_port(),
+            tls_port: None,
             dir,
             binary,
             extra_config: extra_config.to_string(),
             child: None,
         };
         server.spawn()?;
+        Ok(server)
+    }
+
+    /// Start a server that also serves TLS on a second port ([`RedisServer::tls_url`])
+    /// with `ca`'s server certificate, accepting clients with or without a certificate
+    /// (`tls-auth-clients optional`). The plain port stays open on 127.0.0.1 only for the
+    /// readiness check, which speaks plain RESP.
+    pub fn start_tls(extra_config: &str, ca: &crate::TestCa) -> Result<Self, TestkitError> {
+        let tls_port = free_port();
+        let tls = format!(
+            "tls-port {tls_port}\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\ntls-auth-clients optional\n",
+            ca.server_cert().display(),
+            ca.server_key().display(),
+            ca.ca_file().display()
+        );
+        let mut server = Self::start_with_config(&format!("{tls}{extra_config}"))?;
+        server.tls_port = Some(tls_port);
         Ok(server)
     }
 
@@ -327,6 +361,18 @@ impl RedisServer {
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// `rediss://127.0.0.1:<tls port>/`, for a server started by [`RedisServer::start_tls`].
+    ///
+    /// # Panics
+    ///
+    /// When the server was started without TLS.
+    pub fn tls_url(&self) -> String {
+        format!(
+            "rediss://127.0.0.1:{}/",
+            self.tls_port.expect("a server started with start_tls")
+        )
     }
 
     /// Stop gracefully; the append-only file stays for [`RedisServer::restart`].

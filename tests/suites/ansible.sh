@@ -262,8 +262,12 @@ secrets_dir = inv / ".secrets"
 secrets = {p.stem: p.read_text().strip() for p in secrets_dir.glob("*.password")}
 expect(len(secrets) >= 10, f"expected a credential per identity in {secrets_dir}, found {sorted(secrets)}")
 expect(stat.S_IMODE(secrets_dir.stat().st_mode) == 0o700, f"{secrets_dir} is not mode 0700")
-for p in secrets_dir.iterdir():
-    expect(stat.S_IMODE(p.stat().st_mode) == 0o600, f"{p} is not mode 0600")
+for p in secrets_dir.rglob("*"):
+    want = 0o700 if p.is_dir() else 0o600
+    expect(stat.S_IMODE(p.stat().st_mode) == want, f"{p} is not mode {want:o}")
+# Every private key on a host is readable by its owner and the service group only.
+for p in stage.rglob("*.key"):
+    expect(stat.S_IMODE(p.stat().st_mode) & 0o037 == 0, f"{p.relative_to(stage)} is mode {stat.S_IMODE(p.stat().st_mode):o}")
 # No secret in a file anyone may read, on any host.
 for p in stage.rglob("*"):
     if p.is_file() and not p.is_symlink() and p.stat().st_mode & stat.S_IROTH:
@@ -290,16 +294,26 @@ nats_conf = re.sub(r"(?m)^http: .*$", f'http: "127.0.0.1:{mon_port}"', nats_conf
 nats_conf = re.sub(r'(?m)^(\s*)store_dir: .*$', f'\\1store_dir: "{work / "nats-js"}"', nats_conf)
 (work / "nats-check.conf").write_text(nats_conf)
 redis_conf = (ctl / "etc/metronome/redis/redis.conf").read_text()
-for key, value in (("bind", "127.0.0.1"), ("port", str(redis_port)), ("dir", str(work)),
-                   ("supervised", "no"), ("logfile", str(work / "redis.log"))):
+# With TLS the plain port stays closed (port 0) and the TLS port moves.
+tls = "\ntls-port " in redis_conf
+for key, value in (("bind", "127.0.0.1"), ("tls-port" if tls else "port", str(redis_port)),
+                   ("dir", str(work)), ("supervised", "no"), ("logfile", str(work / "redis.log"))):
     redis_conf = re.sub(rf"(?m)^{key} .*$", f"{key} {value}", redis_conf)
 (work / "redis-check.conf").write_text(redis_conf)
 procs = [
     subprocess.Popen(["nats-server", "-c", str(work / "nats-check.conf"), "-l", str(work / "nats.log")]),
     subprocess.Popen(["redis-server", str(work / "redis-check.conf")]),
 ]
+# The CA a component of the control host trusts, and the name it reaches NATS by: the
+# server must present a certificate for that name, from that CA.
+import ssl
+from urllib.parse import urlsplit
+gw_config = tomllib.loads((ctl / "etc/metronome/gateway.toml").read_text())
+ca_file = gw_config["nats_auth"].get("ca_file")
+expect(bool(ca_file) == tls, f"gateway ca_file {ca_file!r} while Redis TLS is {tls}")
+tls_context = ssl.create_default_context(cafile=ca_file) if ca_file else None
 try:
-    def nats_session(user, password, lines):
+    def nats_session(user, password, lines, plain=False, server_name=None):
         deadline = time.time() + 20
         while True:
             try:
@@ -309,8 +323,12 @@ try:
                 if time.time() > deadline:
                     raise
                 time.sleep(0.1)
+        info = json.loads(s.recv(4096).decode().split(" ", 1)[1])
+        if info.get("tls_required") and not plain:
+            # nats-server 2.9: the TLS handshake follows the plain INFO line.
+            s = tls_context.wrap_socket(
+                s, server_hostname=server_name or urlsplit(gw_config["nats_url"]).hostname)
         with s:
-            s.recv(4096)  # INFO
             connect = {"verbose": False, "pedantic": False}
             if user:
                 connect.update(user=user, **{"pass": password})
@@ -324,7 +342,13 @@ try:
                 out += chunk
             return out.decode(errors="replace")
 
-    gw = tomllib.loads((ctl / "etc/metronome/gateway.toml").read_text())["nats_auth"]
+    gw = gw_config["nats_auth"]
+    if tls:
+        out = nats_session(gw["user"], gw["password"], [], plain=True)
+        expect("TLS Required" in out or "PONG" not in out, f"NATS accepted a plain-text client: {out!r}")
+        for name in ("127.0.0.1", "localhost"):
+            out = nats_session(gw["user"], gw["password"], [], server_name=name)
+            expect("PONG" in out, f"the NATS certificate does not hold {name}: {out!r}")
     expect("Authorization Violation" in nats_session(None, None, []), "NATS accepted an anonymous connection")
     expect("Authorization Violation" in nats_session("gateway", "wrong", []), "NATS accepted a wrong password")
     out = nats_session(gw["user"], gw["password"], ["PUB jobs.submit 2\r\n{}\r\n"])
@@ -342,6 +366,8 @@ try:
     def redis(*args, url=None):
         # The rendered URL's user and password, against the server started here.
         cmd = ["redis-cli", "-h", "127.0.0.1", "-p", str(redis_port), "--no-auth-warning"]
+        if tls:
+            cmd += ["--tls", "--cacert", ca_file]
         if url:
             u = urlsplit(url)
             cmd += ["--user", u.username, "--pass", u.password]
@@ -351,6 +377,14 @@ try:
     while "NOAUTH" not in redis("PING") and time.time() < deadline:
         time.sleep(0.1)
     expect("NOAUTH" in redis("PING"), "Redis answered without authentication")
+    if tls:
+        plain = subprocess.run(["redis-cli", "-h", "127.0.0.1", "-p", str(redis_port), "PING"],
+                               capture_output=True, text=True, timeout=20)
+        expect("NOAUTH" not in plain.stdout + plain.stderr, "Redis answered a plain-text client on its TLS port")
+        for config in [ctl / "etc/metronome/dispatcher/a.toml", *stage.glob("*/etc/metronome/worker-agent/*.toml")]:
+            c = tomllib.loads(config.read_text())
+            expect(c["redis_url"].startswith("rediss://") and c["redis_tls"].get("ca_file")
+                   and c["nats_auth"].get("ca_file"), f"{config.relative_to(stage)} does not use TLS")
     url = agent["redis_url"]
     expect(redis("HSET", f"metronome:ewma:{own}", "ttft_ms", "1", url=url) == "1",
            f"{own} writing its own EWMA with its rendered Redis URL")
@@ -375,6 +409,74 @@ if out=$(auth_check "$INV" "$STAGE" 2>&1); then
   pass "nats-server and redis-server accept the rendered credentials and permissions (and refuse what a role may not do); no secret is world-readable"
 else
   fail "nats-server and redis-server accept the rendered credentials and permissions (and refuse what a role may not do); no secret is world-readable" "$out"
+fi
+
+# --- TLS: on by default, every file where it belongs, and off on request -----------------
+tls_check() { # $1 = staging base, $2 = on|off
+  "$PY" - "$1" "$2" <<'PYEOF'
+import pathlib, re, stat, subprocess, sys, tomllib
+
+stage, mode = pathlib.Path(sys.argv[1]), sys.argv[2]
+on = mode == "on"
+errors = []
+def expect(cond, msg):
+    if not cond:
+        errors.append(msg)
+
+ctl = stage / "gpu-node-1"
+nats = (ctl / "etc/metronome/nats/nats-server.conf").read_text()
+redis = (ctl / "etc/metronome/redis/redis.conf").read_text()
+expect(bool(re.search(r"(?m)^tls \{", nats)) == on, f"nats-server.conf tls block present: {not on}")
+expect(bool(re.search(r"(?m)^port 0$", redis) and re.search(r"(?m)^tls-port 6379$", redis)) == on,
+       "redis.conf: TLS only (port 0, tls-port 6379)" if on else "redis.conf: plain port 6379 expected")
+configs = [*stage.glob("*/etc/metronome/worker-agent/*.toml"), *stage.glob("*/etc/metronome/dispatcher/*.toml"),
+           *stage.glob("*/etc/metronome/gateway.toml")]
+expect(len(configs) >= 10, f"only {len(configs)} component configs found")
+for path in configs:
+    c, where = tomllib.loads(path.read_text()), path.relative_to(stage)
+    ca = c.get("nats_auth", {}).get("ca_file")
+    expect(bool(ca) == on, f"{where}: nats_auth.ca_file = {ca!r}")
+    if "redis_url" in c:
+        expect(c["redis_url"].startswith("rediss://") == on, f"{where}: redis_url scheme")
+        expect(bool(c.get("redis_tls", {}).get("ca_file")) == on, f"{where}: redis_tls.ca_file")
+    if on:
+        expect(pathlib.Path(ca).is_file(), f"{where}: {ca} is not installed")
+units = [*stage.glob("*/etc/systemd/system/metronome-worker-agent-*.service"),
+         *stage.glob("*/etc/systemd/system/metronome-dispatcher@.service"),
+         *stage.glob("*/etc/systemd/system/metronome-gateway.service")]
+for u in units:
+    text = u.read_text()
+    for var in ("METRONOME_NATS_CA", "METRONOME_REDIS_CA"):
+        expect((f"Environment={var}=/etc/metronome/tls/ca.pem" in text) == on, f"{u.relative_to(stage)}: {var}")
+if on:
+    for host in ("gpu-node-1", "gpu-node-2"):
+        expect((stage / host / "etc/metronome/tls/ca.pem").is_file(), f"{host}: CA certificate missing")
+    expect(not (stage / "gpu-node-2/etc/metronome/tls/server.key").exists(), "the server key reached a GPU-only host")
+    key = ctl / "etc/metronome/tls/server.key"
+    expect(stat.S_IMODE(key.stat().st_mode) == 0o640, f"server.key is mode {stat.S_IMODE(key.stat().st_mode):o}")
+    cert = ctl / "etc/metronome/tls/server.pem"
+    ca = ctl / "etc/metronome/tls/ca.pem"
+    r = subprocess.run(["openssl", "verify", "-CAfile", str(ca), str(cert)], capture_output=True, text=True)
+    expect(r.returncode == 0, f"server.pem does not verify against ca.pem: {r.stdout}{r.stderr}")
+    r = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in", str(cert)],
+                       capture_output=True, text=True)
+    for name in ("IP Address:10.0.0.11", "DNS:gpu-node-1", "IP Address:127.0.0.1"):
+        expect(name in r.stdout, f"server.pem lacks {name}: {r.stdout}")
+print("\n".join(errors))
+sys.exit(1 if errors else 0)
+PYEOF
+}
+if out=$(tls_check "$STAGE" on 2>&1); then
+  pass "TLS on by default: nats-server tls {}, Redis on TLS only, every component trusts the CA (config and unit), the server key 0640 on the control host only, its certificate names the control host"
+else
+  fail "TLS on by default: nats-server tls {}, Redis on TLS only, every component trusts the CA (config and unit), the server key 0640 on the control host only, its certificate names the control host" "$out"
+fi
+INV_PLAIN="$WORK/inventory-plain"
+cp -r "$ANSIBLE_DIR/inventories/example" "$INV_PLAIN"
+if play "$INV_PLAIN" "$WORK/stage-plain" site.yml -e metronome_tls=false && out=$(tls_check "$WORK/stage-plain" off 2>&1); then
+  pass "metronome_tls=false renders plain text everywhere (no tls block, redis:// URLs, no CA settings)"
+else
+  fail "metronome_tls=false renders plain text everywhere (no tls block, redis:// URLs, no CA settings)" "$(tail -n 30 "$WORK/last.log")${out:+$'\n'$out}"
 fi
 
 # --- each config accepted by its own binary -------------------------------------------

@@ -78,6 +78,8 @@ pub struct Config {
     pub nats_auth: metronome_runtime::nats::NatsAuth,
     /// `redis://[<user>:<password>@]host:port/` (the agent's own ACL user).
     pub redis_url: String,
+    /// Redis TLS (`[redis_tls]`; `METRONOME_REDIS_*` override it); needs a `rediss://` URL.
+    pub redis_tls: metronome_runtime::redis::RedisTls,
     pub redis_prefix: String,
     /// Weight of a new sample in the EWMAs when samples arrive back to back.
     pub ewma_alpha: f64,
@@ -119,6 +121,7 @@ impl Default for Config {
             nats_url: "nats://127.0.0.1:4222".into(),
             nats_auth: Default::default(),
             redis_url: "redis://127.0.0.1:6379/".into(),
+            redis_tls: Default::default(),
             redis_prefix: metronome_protocol::redis_keys::DEFAULT_PREFIX.into(),
             ewma_alpha: 0.2,
             ewma_half_life_ms: 60_000,
@@ -186,6 +189,7 @@ impl Config {
     ) -> Result<(), ConfigError> {
         metronome_runtime::config::apply_env(self, &ENV, &lookup)?;
         self.nats_auth.apply_env(&lookup);
+        self.redis_tls.apply_env(&lookup);
         Ok(())
     }
 
@@ -193,7 +197,12 @@ impl Config {
     pub fn validate(&self) -> Result<(), Vec<FieldError>> {
         let mut errors = Vec::new();
         let mut err = |field: &str, message: String| errors.push(FieldError::new(field, message));
-        for (field, message) in self.nats_auth.validate() {
+        for (field, message) in self
+            .nats_auth
+            .validate()
+            .into_iter()
+            .chain(self.redis_tls.validate(&self.redis_url))
+        {
             err(field, message);
         }
         if !is_subject_token(&self.worker_id) {

@@ -94,6 +94,9 @@ pub struct JobSample {
 pub enum EwmaError {
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
+    /// The URL and TLS settings could not make a client (a TLS file missing or wrong).
+    #[error("{0}")]
+    Client(#[from] metronome_runtime::redis::RedisClientError),
     #[error("redis did not answer within {0:?}")]
     Timeout(Duration),
 }
@@ -128,6 +131,18 @@ impl EwmaStore {
         metrics: Arc<AgentMetrics>,
     ) -> Result<Self, EwmaError> {
         let client = redis::Client::open(redis_url)?;
+        Self::with_client(client, prefix, alpha, half_life_ms, metrics)
+    }
+
+    /// [`EwmaStore::new`] on a client already made (with TLS settings, by
+    /// [`metronome_runtime::redis::RedisTls::client`]).
+    pub fn with_client(
+        client: redis::Client,
+        prefix: &str,
+        alpha: f64,
+        half_life_ms: u64,
+        metrics: Arc<AgentMetrics>,
+    ) -> Result<Self, EwmaError> {
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(1)))
             .set_response_timeout(Some(Duration::from_secs(2)))

@@ -126,8 +126,11 @@ pub async fn start(
     let cancel_sub = agent::subscribe_cancellations(&client).await?;
     let control_sub = control::subscribe(&client, &config.worker_id).await?;
     let metrics = Arc::new(AgentMetrics::default());
-    let ewma = ewma_store::EwmaStore::new(
-        &config.redis_url,
+    let ewma = ewma_store::EwmaStore::with_client(
+        config
+            .redis_tls
+            .client(&config.redis_url)
+            .map_err(ewma_store::EwmaError::from)?,
         &config.redis_prefix,
         config.ewma_alpha,
         config.ewma_half_life_ms,

@@ -511,3 +511,58 @@ async fn a_job_is_reported_in_a_heartbeat_before_its_first_token() {
         assert!(reported, "{id} streamed before any heartbeat listed it");
     }
 }
+
+#[tokio::test]
+async fn over_tls_the_agent_serves_a_job_and_writes_its_ewmas() {
+    let env = Env::start_tls().await;
+    let worker = "n1-gpu0";
+    let results = collect(
+        env.client
+            .subscribe(results_subject_all("job-tls"))
+            .await
+            .unwrap(),
+    );
+    env.client.flush().await.unwrap();
+
+    // Without the CA the agent does not start: the handshake refuses the server.
+    let mut untrusting = env.config(worker);
+    untrusting.nats_auth.ca_file = None;
+    let mut deps = metronome_worker_agent::Dependencies::from_config(&untrusting).expect("deps");
+    deps.gpu = std::sync::Arc::new(metronome_worker_agent::NoGpu);
+    let err =
+        metronome_worker_agent::start(untrusting, deps, tokio_util::sync::CancellationToken::new())
+            .await
+            .map(|_| ())
+            .expect_err("an agent that does not trust the CA");
+    assert!(
+        err.to_string().contains("invalid peer certificate"),
+        "{err}"
+    );
+
+    let (agent, shutdown) = env.start_agent(env.config(worker)).await;
+    env.assign(worker, &job("job-tls", Endpoint::Chat, 3, 0), 1)
+        .await;
+    let (_, fin) = final_of(&results, "final result over TLS").await;
+    assert_eq!(fin.error, None);
+
+    // The agent wrote the EWMA through its rediss:// URL; read it back the same way.
+    let (url, tls) = env.redis_settings();
+    let redis = tls
+        .client(&url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let key = ewma_key(DEFAULT_PREFIX, worker);
+    wait_for("EWMA hash with 1 sample over TLS", WAIT, || {
+        let mut r = redis.clone();
+        let key = key.clone();
+        async move {
+            let samples: Option<String> = r.hget(&key, "samples").await.ok()?;
+            (samples.as_deref() == Some("1")).then_some(())
+        }
+    })
+    .await;
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+}

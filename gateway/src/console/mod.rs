@@ -144,6 +144,7 @@ async fn worker_list(state: &AppState) -> Result<Value, CliError> {
         &nats(state),
         state.config.worker_stale_after_ms,
         state.config.redis_url.as_deref(),
+        &state.config.redis_tls,
         redis_keys::DEFAULT_PREFIX,
     )
     .await?;

@@ -24,7 +24,9 @@ use futures::StreamExt;
 use metronome_protocol::names::{work_msg_id, work_subject, HEADER_MSG_ID};
 use metronome_protocol::setup::{ensure_all, Buckets, StreamSettings};
 use metronome_protocol::{Assignment, Endpoint, Job, PROTOCOL_VERSION};
-use metronome_testkit::{NatsServer, RedisServer};
+use metronome_runtime::nats::NatsAuth;
+use metronome_runtime::redis::RedisTls;
+use metronome_testkit::{NatsServer, RedisServer, TestCa};
 use metronome_worker_agent::{Config, Dependencies, NoGpu, RunningAgent, ServerKind};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
@@ -175,14 +177,36 @@ pub struct Env {
     pub client: async_nats::Client,
     pub js: jetstream::Context,
     pub buckets: Buckets,
+    /// The CA of servers started by [`Env::start_tls`].
+    pub ca: Option<TestCa>,
 }
 
 impl Env {
     pub async fn start() -> Env {
         let nats = NatsServer::start().expect("nats-server");
         let redis = RedisServer::start().expect("redis-server");
+        Env::with_servers(nats, redis, None).await
+    }
+
+    /// As [`Env::start`], with NATS requiring TLS and Redis serving TLS, both with
+    /// certificates of a throwaway CA; [`Env::config`] then trusts it and uses `rediss://`.
+    pub async fn start_tls() -> Env {
+        let ca = TestCa::generate().expect("test CA");
+        let nats = NatsServer::start_tls("", &ca, false).expect("nats-server with TLS");
+        let redis = RedisServer::start_tls("", &ca).expect("redis-server with TLS");
+        Env::with_servers(nats, redis, Some(ca)).await
+    }
+
+    async fn with_servers(nats: NatsServer, redis: RedisServer, ca: Option<TestCa>) -> Env {
         let stub = Stub::start().await;
-        let client = async_nats::connect(nats.url())
+        let auth = NatsAuth {
+            ca_file: ca.as_ref().map(TestCa::ca_file),
+            ..NatsAuth::default()
+        };
+        let client = auth
+            .connect_options()
+            .expect("options")
+            .connect(nats.url())
             .await
             .expect("connect to nats");
         let js = jetstream::new(client.clone());
@@ -196,6 +220,21 @@ impl Env {
             client,
             js,
             buckets,
+            ca,
+        }
+    }
+
+    /// The Redis URL and TLS settings a component uses here.
+    pub fn redis_settings(&self) -> (String, RedisTls) {
+        match &self.ca {
+            Some(ca) => (
+                self.redis.tls_url(),
+                RedisTls {
+                    ca_file: Some(ca.ca_file()),
+                    ..RedisTls::default()
+                },
+            ),
+            None => (self.redis.url(), RedisTls::default()),
         }
     }
 
@@ -206,7 +245,12 @@ impl Env {
             model_server_url: self.stub.url(),
             model_server_kind: ServerKind::Vllm,
             nats_url: self.nats.url(),
-            redis_url: self.redis.url(),
+            nats_auth: NatsAuth {
+                ca_file: self.ca.as_ref().map(TestCa::ca_file),
+                ..NatsAuth::default()
+            },
+            redis_url: self.redis_settings().0,
+            redis_tls: self.redis_settings().1,
             heartbeat_interval_ms: 100,
             progress_ack_interval_ms: 200,
             ack_wait_ms: 5_000,
