@@ -184,6 +184,7 @@ pub(crate) mod fixtures {
             }),
             seq: 9,
             sent_ms: 0,
+            max_epoch: 0,
         }
     }
 }

@@ -392,6 +392,7 @@ async fn decisions_workers_and_status_read_the_contract() {
         }),
         seq: 1,
         sent_ms: now,
+        max_epoch: 0,
     };
     env.buckets
         .workers

@@ -89,6 +89,7 @@ async fn main() -> anyhow::Result<()> {
             perf: None,
             seq: 1,
             sent_ms: metronome_protocol::time::unix_ms(),
+            max_epoch: 0,
         };
         buckets
             .workers

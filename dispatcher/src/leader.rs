@@ -19,6 +19,20 @@ use metronome_protocol::names::LEADER_KEY;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
+/// The epoch of a term whose lease was created at `revision`, given the highest epoch any
+/// worker reports having accepted (`workers_max`). Normally the revision: revisions only
+/// grow, so it is above every earlier term's. But a rebuilt `leader` bucket (memory storage
+/// after a restart, an operator's delete) starts its revisions again, and agents refuse
+/// work of an epoch below one they have seen: then the epoch is lifted above theirs, by
+/// the revision, so later terms on the new bucket keep growing.
+pub fn term_epoch(revision: u64, workers_max: u64) -> u64 {
+    if revision > workers_max {
+        revision
+    } else {
+        workers_max.saturating_add(revision.max(1))
+    }
+}
+
 /// Value of the lease key, for operators reading the bucket.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LeaseValue {
@@ -203,4 +217,25 @@ fn lease_bytes(dispatcher_id: &str, acquired_ms: u64, renewed_ms: u64) -> Bytes 
         })
         .unwrap_or_default(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_epoch_is_the_revision_unless_workers_have_seen_higher() {
+        assert_eq!(term_epoch(42, 41), 42);
+        assert_eq!(term_epoch(42, 0), 42);
+        // A rebuilt bucket: revisions restart below what agents hold.
+        assert_eq!(term_epoch(1, 500), 501);
+        assert!(
+            term_epoch(2, 501) > 501,
+            "the next term on the new bucket is higher still"
+        );
+        assert!(
+            term_epoch(2, 500) > term_epoch(1, 500),
+            "also when no agent saw the last term"
+        );
+    }
 }

@@ -131,6 +131,14 @@ pub async fn start(
     if metronome_protocol::setup::upgrade_jobs_subjects(&js).await? {
         tracing::info!("added jobs.retry to the JOBS stream (created by an older version)");
     }
+    if let Some(old) = metronome_protocol::setup::align_leader_ttl(&js, settings.leader_ttl).await?
+    {
+        tracing::warn!(
+            old_ms = old.as_millis() as u64,
+            lease_ttl_ms = config.lease_ttl_ms,
+            "the leader bucket's TTL was not this dispatcher's lease TTL: changed (dispatchers with different lease_ttl_ms would keep changing it)"
+        );
+    }
     let metrics = Metrics::new();
     let metrics_addr = match &config.metrics_addr {
         Some(addr) => Some(
@@ -243,6 +251,23 @@ async fn run_term(
     );
     let (workers, last_revision) =
         registry::load_workers(&ctx.buckets.workers, &ctx.metrics).await?;
+    let workers_max_epoch = workers
+        .iter()
+        .filter_map(|u| match u {
+            registry::WorkerUpdate::Put { status, .. } => Some(status.max_epoch),
+            registry::WorkerUpdate::Gone { .. } => None,
+        })
+        .max()
+        .unwrap_or(0);
+    let epoch = leader::term_epoch(epoch, workers_max_epoch);
+    if epoch != ctx.metrics.epoch.load(Relaxed) {
+        tracing::warn!(
+            epoch,
+            workers_max_epoch,
+            "the lease revision is not above the epoch workers have seen (the leader bucket was rebuilt?): leading with a higher epoch"
+        );
+        ctx.metrics.epoch.store(epoch, Relaxed);
+    }
     let mut reader = registry::EwmaReader::new(&c.redis_url, &c.redis_tls, &c.redis_prefix)?;
     let redis = registry::refresh_once(&mut reader, &ctx.metrics).await;
     let settings = engine::EngineSettings {

@@ -213,6 +213,7 @@ mod tests {
             perf: None,
             seq: 1,
             sent_ms: 0,
+            max_epoch: 0,
         }
     }
 

@@ -178,8 +178,10 @@ pub fn rules(role: Role) -> RoleRules {
                 format!("$KV.{BUCKET_QUEUES}.>"),
                 // Completion events are read through a durable consumer and acknowledged.
                 format!("$JS.ACK.{STREAM_EVENTS}.>"),
-                // A JOBS stream of an older version gains `jobs.retry`.
+                // A JOBS stream of an older version gains `jobs.retry`; the lease bucket
+                // gets the configured lease TTL.
                 js(&format!("STREAM.UPDATE.{STREAM_JOBS}")),
+                js(&format!("STREAM.UPDATE.KV_{BUCKET_LEADER}")),
                 // A refused or rescued job goes back on JOBS (`jobs.retry`, which only
                 // dispatchers may publish); a cancel is relayed once the worker reports
                 // the job; a worker declared dead has its jobs revoked.

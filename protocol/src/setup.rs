@@ -191,6 +191,41 @@ pub async fn upgrade_jobs_subjects(js: &jetstream::Context) -> Result<bool, Setu
     Ok(true)
 }
 
+/// Make the `leader` bucket's TTL the lease TTL a dispatcher is configured with. The bucket
+/// keeps the TTL of whoever created it first (any component may, with the default), and a
+/// TTL longer than the dispatcher's lease timing delays every failover, a shorter one lets a
+/// standby take the lease from a healthy leader. Run by dispatchers (only they may update
+/// it). Returns the TTL that was replaced, if any.
+pub async fn align_leader_ttl(
+    js: &jetstream::Context,
+    ttl: Duration,
+) -> Result<Option<Duration>, SetupError> {
+    let name = format!("KV_{BUCKET_LEADER}");
+    let upgrade = |e: String| SetupError::Upgrade {
+        name: "KV_leader",
+        reason: e,
+    };
+    let mut stream = js
+        .get_stream(&name)
+        .await
+        .map_err(|e| upgrade(e.to_string()))?;
+    let mut config = stream
+        .info()
+        .await
+        .map_err(|e| upgrade(e.to_string()))?
+        .config
+        .clone();
+    if config.max_age == ttl {
+        return Ok(None);
+    }
+    let old = config.max_age;
+    config.max_age = ttl;
+    js.update_stream(config)
+        .await
+        .map_err(|e| upgrade(e.to_string()))?;
+    Ok(Some(old))
+}
+
 /// Create a stream unless it exists. Components start together, so two may race to create
 /// the same stream; the loser's error (e.g. "subjects overlap") means the winner made it,
 /// which a second lookup confirms.

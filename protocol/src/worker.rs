@@ -63,6 +63,11 @@ pub struct WorkerStatus {
     /// The worker's fitted performance model; `None` from an agent that fits none.
     #[serde(default)]
     pub perf: Option<crate::PerfCoefficients>,
+    /// Highest leader epoch the agent has accepted work from (0: none yet, or an older
+    /// agent). A new leader's epoch starts above every worker's, so an agent never refuses
+    /// it as stale, even after the `leader` bucket was rebuilt and its revisions restarted.
+    #[serde(default)]
+    pub max_epoch: u64,
     /// Monotonic per-agent counter, to ignore heartbeats that arrive out of order.
     pub seq: u64,
     /// When the heartbeat was sent (Unix ms).

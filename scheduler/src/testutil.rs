@@ -47,6 +47,7 @@ pub fn worker(id: &str) -> WorkerView {
             perf: None,
             seq: 1,
             sent_ms: NOW,
+            max_epoch: 0,
         },
         last_seen_ms: NOW,
         ewma: None,

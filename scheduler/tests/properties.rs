@@ -118,6 +118,7 @@ fn build(specs: &[WorkerSpec]) -> (Vec<WorkerView>, Ledger) {
                     perf: None,
                     seq: 1,
                     sent_ms: NOW,
+                    max_epoch: 0,
                 },
                 last_seen_ms: NOW - s.heartbeat_age_ms,
                 ewma: s.ewma.map(|(ttft_ms, tpot_ms, samples)| EwmaSnapshot {

@@ -91,6 +91,7 @@ impl Heartbeat {
             perf: Some(shared.perf_coefficients()),
             seq: self.seq,
             sent_ms: unix_ms(),
+            max_epoch: shared.max_epoch.load(Ordering::SeqCst),
         }
     }
 

@@ -183,6 +183,7 @@ async fn a_restarted_agent_continues_the_heartbeat_sequence() {
         perf: None,
         seq: seen + 1000,
         sent_ms: 0,
+        max_epoch: 0,
     };
     bucket
         .put(worker, serde_json::to_vec(&stale).unwrap().into())

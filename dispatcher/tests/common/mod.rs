@@ -351,6 +351,7 @@ pub fn worker(id: &str, model: &str, cap: u32) -> WorkerStatus {
         perf: None,
         seq: 1,
         sent_ms: metronome_protocol::time::unix_ms(),
+        max_epoch: 0,
     }
 }
 

@@ -136,6 +136,7 @@ impl Harness {
             perf: None,
             seq: 1,
             sent_ms: metronome_protocol::time::unix_ms(),
+            max_epoch: 0,
         };
         self.buckets
             .workers

@@ -53,6 +53,7 @@ pub fn pool(n: usize) -> (Vec<WorkerView>, Ledger) {
                     perf: None,
                     seq: 1,
                     sent_ms: NOW,
+                    max_epoch: 0,
                 },
                 last_seen_ms: NOW - 200,
                 ewma: (i % 4 != 0).then(|| EwmaSnapshot {

@@ -1,0 +1,61 @@
+//! A leader's epoch is above every epoch the workers have accepted, even when the `leader`
+//! bucket was rebuilt and its revisions (the usual epoch) start again: an agent refuses
+//! work of an epoch below one it has seen, so a lower epoch would stop all work. Against a
+//! real nats-server; the worker is a heartbeat from the test.
+
+mod common;
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use common::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_starts_above_the_epoch_workers_have_seen() {
+    let env = Env::start().await;
+    // The agent accepted work from epoch 1000, of a leader bucket since rebuilt: this
+    // leader's lease revision is 1.
+    let mut status = worker("e-0", "model-e", 8);
+    status.max_epoch = 1_000;
+    env.work_consumer(&status.worker_id).await;
+    env.heartbeat(&status).await;
+    let (running, token) = env.dispatcher(env.config("epoch")).await;
+    metronome_testkit::wait_for("worker registered", WAIT, || async {
+        (running.metrics.workers_known.load(Relaxed) == 1).then_some(())
+    })
+    .await;
+    env.submit("after-rebuild", "model-e", 10, 10).await;
+    let d = env.decisions_for(&["after-rebuild".to_string()]).await;
+    let epoch = d["after-rebuild"].epoch;
+    assert!(
+        epoch > 1_000,
+        "decided in epoch {epoch}, below the worker's 1000"
+    );
+    let work = env.take_work("e-0").await;
+    assert_eq!(work.len(), 1);
+    assert_eq!(
+        work[0].0.epoch, epoch,
+        "the assignment carries the same epoch"
+    );
+    assert_eq!(running.metrics.epoch.load(Relaxed), epoch);
+    token.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_bucket_gets_the_lease_ttl_the_dispatcher_is_configured_with() {
+    let env = Env::start().await;
+    let mut config = env.config("ttl");
+    config.lease_ttl_ms = 4_321;
+    let (_running, token) = env.dispatcher(config).await;
+    let max_age = env
+        .js
+        .get_stream("KV_leader")
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .config
+        .max_age;
+    assert_eq!(max_age, std::time::Duration::from_millis(4_321));
+    token.cancel();
+}
