@@ -184,7 +184,8 @@ fn passes_admission(
     ledger: &Ledger,
     config: &SchedulerConfig,
 ) -> bool {
-    let load = WorkerLoad::of(view, ledger, config);
+    // As the ranking builds it: with the decision's clock.
+    let load = WorkerLoad::at(view, ledger, config, NOW);
     let forecast = Forecast::of(job, view, &load, ledger, config);
     let ctx = FilterContext {
         job,
