@@ -184,8 +184,7 @@ fn passes_admission(
     ledger: &Ledger,
     config: &SchedulerConfig,
 ) -> bool {
-    // As the ranking builds it: with the decision's clock.
-    let load = WorkerLoad::at(view, ledger, config, NOW);
+    let load = WorkerLoad::of(view, ledger, config);
     let forecast = Forecast::of(job, view, &load, ledger, config);
     let ctx = FilterContext {
         job,
