@@ -570,6 +570,28 @@ fn stop_restarted(pids: &[u32]) {
     for pid in pids.iter().rev() {
         let _ = signal(*pid, "TERM");
     }
+    // A process that does not end on SIGTERM within 5 s (an agent whose NATS is already
+    // gone waits for it) is killed: a drill leaves nothing running behind it.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline && pids.iter().any(|p| alive(*p)) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for pid in pids {
+        if alive(*pid) {
+            let _ = signal(*pid, "KILL");
+        }
+    }
+}
+
+/// Whether `pid` runs (an exited child not yet reaped, a zombie, does not).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            stat.rsplit_once(") ")
+                .and_then(|(_, rest)| rest.chars().next())
+        })
+        .is_some_and(|state| state != 'Z')
 }
 
 /// What it takes to start a process again as it was.
