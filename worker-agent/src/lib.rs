@@ -285,31 +285,35 @@ pub async fn start(
         shutdown.cancelled().await;
         // No operator `undrain` may re-open the agent once it is on its way out.
         control_stop.cancel();
-        let _ = control_task.await;
+        bounded("the control loop", control_task).await;
         tracing::info!(in_flight = shared.running(), "shutdown requested: draining");
         shared.draining.store(true, Ordering::SeqCst);
         shared.metrics.draining.set(1);
         shared.heartbeat_now.notify_one();
         intake_stop.cancel();
-        let _ = intake_task.await;
+        bounded("the intake", intake_task).await;
 
         drain(&shared).await;
         // Every job has been folded in: save the final state for the next run.
         perf_stop.cancel();
-        let _ = perf_task.await;
-        perf_store::save_latest(&shared, &perf_store).await;
+        bounded("the performance-model saver", perf_task).await;
+        bounded(
+            "saving the performance model",
+            perf_store::save_latest(&shared, &perf_store),
+        )
+        .await;
 
         hb_stop.cancel();
-        if let Ok(mut hb) = hb_task.await {
-            hb.beat().await;
-            hb.withdraw().await;
+        if let Some(Ok(mut hb)) = bounded("the heartbeat loop", hb_task).await {
+            bounded("the last heartbeat", hb.beat()).await;
+            bounded("withdrawing from the workers bucket", hb.withdraw()).await;
         }
         probe_stop.cancel();
-        let _ = probe_task.await;
+        bounded("the probes", probe_task).await;
         cancel_stop.cancel();
-        let _ = cancel_task.await;
+        bounded("the cancellation listener", cancel_task).await;
         metrics_stop.cancel();
-        if let Err(e) = client.flush().await {
+        if let Some(Err(e)) = bounded("flushing NATS", client.flush()).await {
             tracing::warn!(error = %e, "flushing NATS at exit failed");
         }
         tracing::info!("worker-agent stopped");
@@ -321,6 +325,26 @@ pub async fn start(
         metrics,
         handle,
     })
+}
+
+/// How long one step of the shutdown may wait: a step that waits on NATS or Redis while
+/// they are unreachable (a flush waits for a reconnection that may never come) is given up,
+/// so SIGTERM always ends the agent.
+const SHUTDOWN_STEP: Duration = Duration::from_secs(3);
+
+/// `fut` within [`SHUTDOWN_STEP`]; `None` (and a warning naming `what`) past it.
+async fn bounded<T>(what: &str, fut: impl std::future::Future<Output = T>) -> Option<T> {
+    match tokio::time::timeout(SHUTDOWN_STEP, fut).await {
+        Ok(v) => Some(v),
+        Err(_) => {
+            tracing::warn!(
+                step = what,
+                "shutdown step gave up after {} s (NATS or Redis unreachable?)",
+                SHUTDOWN_STEP.as_secs()
+            );
+            None
+        }
+    }
 }
 
 /// Wait for in-flight jobs to finish; past the drain timeout, end them with an error and

@@ -334,3 +334,18 @@ async fn heartbeats_do_not_wait_for_a_hanging_metrics_endpoint() {
     agent.wait().await.unwrap();
     stop.cancel();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_whose_nats_is_gone_still_stops_when_asked() {
+    let mut env = Env::start().await;
+    let (agent, shutdown) = env.start_agent(env.config("gone-gpu0")).await;
+    env.nats.kill();
+    shutdown.cancel();
+    // Not a speed check: the bound only tells a stop from a hang (the agent's own waits
+    // on NATS are a few seconds each).
+    let stopped = tokio::time::timeout(std::time::Duration::from_secs(60), agent.wait()).await;
+    assert!(
+        stopped.is_ok(),
+        "the agent did not stop within 60 s of SIGTERM with NATS gone"
+    );
+}
