@@ -296,12 +296,15 @@ async fn publish_loop(
                         }
                         Ok(_) => {}
                     }
+                    // The decision is stored before the JOBS message is acknowledged: a leader
+                    // killed in between leaves the job to be redelivered and recognised as
+                    // decided, never a job that runs without a decision on record.
+                    publish_decision(&decision_js, &decision).await;
                     if let Some(acker) = &job.acker {
                         if let Err(error) = acker.ack().await {
                             tracing::warn!(job_id = %job.job.id, %error, "acknowledging the JOBS message failed");
                         }
                     }
-                    publish_decision(&decision_js, &decision).await;
                     metrics
                         .decisions_assigned_total
                         .fetch_add(1, Ordering::Relaxed);
