@@ -235,6 +235,7 @@ async fn run_term(
     let (publisher, publisher_task) = publish::Publisher::start(
         ctx.js.clone(),
         ctx.client.clone(),
+        ctx.buckets.workers.clone(),
         tx.clone(),
         ctx.metrics.clone(),
         publish::DEFAULT_CAPACITY,
@@ -259,8 +260,9 @@ async fn run_term(
         })
         .max()
         .unwrap_or(0);
-    let epoch = leader::term_epoch(epoch, workers_max_epoch);
-    if epoch != ctx.metrics.epoch.load(Relaxed) {
+    let lease_revision = epoch;
+    let epoch = leader::term_epoch(lease_revision, workers_max_epoch);
+    if epoch != lease_revision {
         tracing::warn!(
             epoch,
             workers_max_epoch,

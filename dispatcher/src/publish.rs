@@ -37,7 +37,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::message::{Acker, PublishMessage};
-use async_nats::jetstream::{self, context::PublishAckFuture};
+use async_nats::jetstream::{self, context::PublishAckFuture, kv};
 use bytes::Bytes;
 use metronome_protocol::headers::headers;
 use metronome_protocol::names::{self, HEADER_EPOCH, HEADER_MODEL, HEADER_MSG_ID};
@@ -151,6 +151,7 @@ impl Publisher {
     pub fn start(
         js: jetstream::Context,
         client: async_nats::Client,
+        workers: kv::Store,
         events: mpsc::Sender<Event>,
         metrics: Arc<Metrics>,
         capacity: usize,
@@ -161,6 +162,7 @@ impl Publisher {
             rx,
             js,
             client,
+            workers,
             events,
             metrics,
             in_flight.clone(),
@@ -216,6 +218,7 @@ async fn publish_loop(
     mut rx: mpsc::UnboundedReceiver<Outcome>,
     js: jetstream::Context,
     client: async_nats::Client,
+    workers: kv::Store,
     events: mpsc::Sender<Event>,
     metrics: Arc<Metrics>,
     in_flight: Arc<Pending>,
@@ -350,11 +353,11 @@ async fn publish_loop(
                 worker_id,
                 revision,
             } => {
-                let js = js.clone();
+                let workers = workers.clone();
                 let events = events.clone();
                 let in_flight = in_flight.clone();
                 tokio::spawn(async move {
-                    expire_worker(&js, &events, &worker_id, revision).await;
+                    expire_worker(&workers, &events, &worker_id, revision).await;
                     in_flight.fetch_sub(1, Ordering::AcqRel);
                 });
             }
@@ -445,18 +448,11 @@ async fn publish_loop(
 
 /// See [`Outcome::ExpireWorker`].
 async fn expire_worker(
-    js: &jetstream::Context,
+    store: &kv::Store,
     events: &mpsc::Sender<Event>,
     worker_id: &str,
     revision: u64,
 ) {
-    let store = match js.get_key_value(names::BUCKET_WORKERS).await {
-        Ok(s) => s,
-        Err(error) => {
-            tracing::warn!(worker_id, %error, "cannot open the workers bucket to declare the worker dead; tried again after the timeout");
-            return;
-        }
-    };
     let Err(error) = store
         .delete_expect_revision(worker_id, Some(revision))
         .await

@@ -46,16 +46,7 @@ async fn the_leader_bucket_gets_the_lease_ttl_the_dispatcher_is_configured_with(
     let mut config = env.config("ttl");
     config.lease_ttl_ms = 4_321;
     let (_running, token) = env.dispatcher(config).await;
-    let max_age = env
-        .js
-        .get_stream("KV_leader")
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .config
-        .max_age;
+    let max_age = env.stream_config("KV_leader").await.max_age;
     assert_eq!(max_age, std::time::Duration::from_millis(4_321));
     token.cancel();
 }

@@ -55,33 +55,15 @@ async fn retry_headers_count_on_jobs_retry_only() {
 async fn a_jobs_stream_of_an_older_version_gains_jobs_retry_when_a_dispatcher_starts() {
     let env = Env::start().await;
     // As an older version created it: jobs.submit only.
-    let mut config = env
-        .js
-        .get_stream(names::STREAM_JOBS)
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .config
-        .clone();
+    let mut config = env.stream_config(names::STREAM_JOBS).await;
     config.subjects = vec![names::SUBJECT_JOBS_SUBMIT.to_string()];
     env.js.update_stream(config).await.unwrap();
 
-    let (running, token) = env.dispatcher(env.config("upgrade")).await;
-    let _ = running;
+    let (_running, token) = env.dispatcher(env.config("upgrade")).await;
     metronome_testkit::wait_for("jobs.retry added to JOBS", WAIT, || async {
-        let info = env
-            .js
-            .get_stream(names::STREAM_JOBS)
+        env.stream_config(names::STREAM_JOBS)
             .await
-            .ok()?
-            .info()
-            .await
-            .ok()?
-            .config
-            .clone();
-        info.subjects
+            .subjects
             .iter()
             .any(|s| s == names::SUBJECT_JOBS_RETRY)
             .then_some(())

@@ -155,40 +155,16 @@ pub async fn ensure_all(
 /// dispatcher (the only role allowed to update JOBS) before it leads: until then its
 /// retries would find no stream. Returns whether the stream was updated.
 pub async fn upgrade_jobs_subjects(js: &jetstream::Context) -> Result<bool, SetupError> {
-    let wanted = [SUBJECT_JOBS_SUBMIT, SUBJECT_JOBS_RETRY];
-    let mut stream = js
-        .get_stream(STREAM_JOBS)
-        .await
-        .map_err(|e| SetupError::Upgrade {
-            name: STREAM_JOBS,
-            reason: e.to_string(),
-        })?;
-    let mut config = stream
-        .info()
-        .await
-        .map_err(|e| SetupError::Upgrade {
-            name: STREAM_JOBS,
-            reason: e.to_string(),
-        })?
-        .config
-        .clone();
-    let missing: Vec<&str> = wanted
-        .into_iter()
-        .filter(|w| !config.subjects.iter().any(|s| s == w))
-        .collect();
-    if missing.is_empty() {
-        return Ok(false);
-    }
-    config
-        .subjects
-        .extend(missing.iter().map(|s| s.to_string()));
-    js.update_stream(config)
-        .await
-        .map_err(|e| SetupError::Upgrade {
-            name: STREAM_JOBS,
-            reason: e.to_string(),
-        })?;
-    Ok(true)
+    let changed = amend_stream(js, STREAM_JOBS, |config| {
+        let missing: Vec<String> = [SUBJECT_JOBS_SUBMIT, SUBJECT_JOBS_RETRY]
+            .into_iter()
+            .filter(|w| !config.subjects.iter().any(|s| s == w))
+            .map(String::from)
+            .collect();
+        config.subjects.extend(missing);
+    })
+    .await?;
+    Ok(changed.is_some())
 }
 
 /// Make the `leader` bucket's TTL the lease TTL a dispatcher is configured with. The bucket
@@ -200,26 +176,36 @@ pub async fn align_leader_ttl(
     js: &jetstream::Context,
     ttl: Duration,
 ) -> Result<Option<Duration>, SetupError> {
-    let name = format!("KV_{BUCKET_LEADER}");
-    let upgrade = |e: String| SetupError::Upgrade {
-        name: "KV_leader",
-        reason: e,
-    };
+    let old = amend_stream(js, STREAM_KV_LEADER, |config| config.max_age = ttl).await?;
+    Ok(old.map(|old| old.max_age))
+}
+
+/// The stream behind the `leader` bucket (`KV_<bucket>`).
+const STREAM_KV_LEADER: &str = "KV_leader";
+
+/// Apply `change` to stream `name`'s configuration and update the stream if that changed
+/// anything. Returns the configuration it replaced, if any.
+async fn amend_stream(
+    js: &jetstream::Context,
+    name: &'static str,
+    change: impl FnOnce(&mut stream::Config),
+) -> Result<Option<stream::Config>, SetupError> {
+    let upgrade = |e: String| SetupError::Upgrade { name, reason: e };
     let mut stream = js
-        .get_stream(&name)
+        .get_stream(name)
         .await
         .map_err(|e| upgrade(e.to_string()))?;
-    let mut config = stream
+    let old = stream
         .info()
         .await
         .map_err(|e| upgrade(e.to_string()))?
         .config
         .clone();
-    if config.max_age == ttl {
+    let mut config = old.clone();
+    change(&mut config);
+    if config == old {
         return Ok(None);
     }
-    let old = config.max_age;
-    config.max_age = ttl;
     js.update_stream(config)
         .await
         .map_err(|e| upgrade(e.to_string()))?;
@@ -325,4 +311,14 @@ fn static_name(name: &str) -> &'static str {
     .into_iter()
     .find(|n| *n == name)
     .unwrap_or("?")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_leader_buckets_stream_is_named_as_kv_names_it() {
+        assert_eq!(STREAM_KV_LEADER, format!("KV_{BUCKET_LEADER}"));
+    }
 }

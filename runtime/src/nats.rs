@@ -140,24 +140,17 @@ impl NatsAuth {
                 "set password or password_file, not both".into(),
             ));
         }
-        if self.cert_file.is_some() != self.key_file.is_some() {
-            errors.push((
-                "nats_auth.cert_file",
-                "a client certificate needs both cert_file and key_file".into(),
-            ));
-        }
-        for (field, path) in [
-            ("nats_auth.password_file", &self.password_file),
-            ("nats_auth.ca_file", &self.ca_file),
-            ("nats_auth.cert_file", &self.cert_file),
-            ("nats_auth.key_file", &self.key_file),
-        ] {
-            if let Some(p) = path {
-                if !p.is_file() {
-                    errors.push((field, format!("{} is not a readable file", p.display())));
-                }
-            }
-        }
+        errors.extend(crate::tls::check_settings(
+            "nats_auth.cert_file",
+            &self.cert_file,
+            &self.key_file,
+            [
+                ("nats_auth.password_file", &self.password_file),
+                ("nats_auth.ca_file", &self.ca_file),
+                ("nats_auth.cert_file", &self.cert_file),
+                ("nats_auth.key_file", &self.key_file),
+            ],
+        ));
         errors
     }
 

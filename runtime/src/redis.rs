@@ -85,23 +85,16 @@ impl RedisTls {
                 ),
             ));
         }
-        if self.cert_file.is_some() != self.key_file.is_some() {
-            errors.push((
-                "redis_tls.cert_file",
-                "a client certificate needs both cert_file and key_file".into(),
-            ));
-        }
-        for (field, path) in [
-            ("redis_tls.ca_file", &self.ca_file),
-            ("redis_tls.cert_file", &self.cert_file),
-            ("redis_tls.key_file", &self.key_file),
-        ] {
-            if let Some(p) = path {
-                if !p.is_file() {
-                    errors.push((field, format!("{} is not a readable file", p.display())));
-                }
-            }
-        }
+        errors.extend(crate::tls::check_settings(
+            "redis_tls.cert_file",
+            &self.cert_file,
+            &self.key_file,
+            [
+                ("redis_tls.ca_file", &self.ca_file),
+                ("redis_tls.cert_file", &self.cert_file),
+                ("redis_tls.key_file", &self.key_file),
+            ],
+        ));
         errors
     }
 

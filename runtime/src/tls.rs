@@ -13,6 +13,32 @@ use std::path::{Path, PathBuf};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
+/// The settings-level checks of a set of TLS files, as `(field, message)`: a client
+/// certificate needs its key (and the other way round; reported on `cert_setting`), and every
+/// file named must be a readable file.
+pub fn check_settings<'a>(
+    cert_setting: &'static str,
+    cert: &Option<PathBuf>,
+    key: &Option<PathBuf>,
+    files: impl IntoIterator<Item = (&'static str, &'a Option<PathBuf>)>,
+) -> Vec<(&'static str, String)> {
+    let mut errors = Vec::new();
+    if cert.is_some() != key.is_some() {
+        errors.push((
+            cert_setting,
+            "a client certificate needs both cert_file and key_file".into(),
+        ));
+    }
+    for (field, path) in files {
+        if let Some(p) = path {
+            if !p.is_file() {
+                errors.push((field, format!("{} is not a readable file", p.display())));
+            }
+        }
+    }
+    errors
+}
+
 /// What is wrong with one PEM file.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsFileError {

@@ -288,6 +288,12 @@ impl Env {
         Some(serde_json::from_slice(&m.payload).expect("final result decodes"))
     }
 
+    /// The current configuration of stream `name`.
+    pub async fn stream_config(&self, name: &str) -> jetstream::stream::Config {
+        let mut s = self.js.get_stream(name).await.unwrap();
+        s.info().await.unwrap().config.clone()
+    }
+
     /// Number of messages on the WORK stream for one subject (i.e. one worker).
     pub async fn work_count(&self) -> u64 {
         let mut s = self.js.get_stream(names::STREAM_WORK).await.unwrap();
