@@ -27,6 +27,7 @@ use metronome_protocol::{
     CompletionEvent, CompletionOutcome, Decision, ErrorCode, Job, Outcome, QueueSnapshot,
     WorkerStatus,
 };
+use metronome_scheduler::calibration;
 use metronome_scheduler::filter::fits_when_empty;
 use metronome_scheduler::least_harm;
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
@@ -255,6 +256,9 @@ impl Engine {
                 self.capacity_changed = false;
                 self.dispatch_all();
             }
+            // The depth gauge follows the queue, not the tick: whoever compares it with a
+            // GPU's idleness must not count a job that already left the queue as waiting.
+            self.publish_depths();
         }
         self.persist_fairness();
         self.metrics.ledger_reservations.store(0, Relaxed);
@@ -612,6 +616,7 @@ impl Engine {
             }
         }
         self.dead.remove(worker_id);
+        self.ledger.forget_calibration(worker_id);
         self.revisions.remove(worker_id);
         self.expiring.remove(worker_id);
         self.per_model.clear();
@@ -666,7 +671,10 @@ impl Engine {
             }
         }
         if self.ledger.worker_of(&event.job_id) == Some(event.worker_id.as_str()) {
-            self.ledger.release(&event.job_id);
+            let measured = (event.outcome == CompletionOutcome::Done)
+                .then(|| calibration::measured_tok_s(event.output_tokens, event.tpot_ms))
+                .flatten();
+            self.ledger.settle(&event.job_id, measured);
             self.capacity_changed = true;
         }
         let ours = self
@@ -1009,13 +1017,17 @@ impl Engine {
         self.metrics
             .ledger_reservations
             .store(self.ledger.len() as u64, Relaxed);
-        if let Ok(mut depths) = self.metrics.queue_depth.lock() {
-            *depths = self.queues.depths();
-        }
+        self.publish_depths();
         self.publish_queues(now);
         self.persist_fairness();
         // Time alone changes eligibility (reservation and heartbeat ages).
         self.capacity_changed = !self.queues.is_empty();
+    }
+
+    fn publish_depths(&self) {
+        if let Ok(mut depths) = self.metrics.queue_depth.lock() {
+            *depths = self.queues.depths();
+        }
     }
 
     fn dispatch_all(&mut self) {
@@ -1124,6 +1136,7 @@ impl Engine {
                 }
             }
             let Some(winner) = evaluation.winner.clone() else {
+                self.metrics.held(model, &evaluation.rejected);
                 return;
             };
             let job = self.queues.take(model, pos).expect("position exists");
@@ -1148,8 +1161,12 @@ impl Engine {
                 tracing::error!(job_id = %job.job.id, %error, "reservation refused: job dropped from the queue");
                 continue;
             }
-            self.ledger
-                .charge_stall(&winner, &job.job.id, evaluation.winner_stall_ms);
+            self.ledger.charge_admission(
+                &winner,
+                &job.job.id,
+                evaluation.winner_stall_ms,
+                evaluation.winner_step_ms,
+            );
             self.charge_fair(&job, &request, now);
             let latency = started.elapsed();
             self.metrics

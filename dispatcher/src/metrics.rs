@@ -92,6 +92,9 @@ pub struct Metrics {
     queue_wait: Mutex<BTreeMap<(String, LeftAs), Histogram>>,
     /// Per tenant: what fair sharing gave it.
     tenants: Mutex<BTreeMap<String, TenantStats>>,
+    /// Why jobs waited: per model and rejection code, how many times a worker refused the
+    /// job at the head of the model's queue when no worker admitted it.
+    holds: Mutex<BTreeMap<(String, &'static str), u64>>,
 }
 
 /// One tenant's share, as counted by the leader.
@@ -128,6 +131,23 @@ impl Metrics {
                 .or_insert_with(|| Histogram::new(QUEUE_WAIT_BUCKETS_S)),
         };
         h.observe(waited_ms as f64 / 1000.0);
+    }
+
+    /// No worker of `model` admitted the job tried: count each worker's refusal by code,
+    /// so an operator sees what holds the queue (rate floor, KV, concurrency ceiling, ...).
+    pub fn held(&self, model: &str, rejected: &[metronome_protocol::Rejection]) {
+        let mut m = self.holds.lock().unwrap_or_else(|p| p.into_inner());
+        for r in rejected {
+            *m.entry((model.to_string(), r.code.as_str())).or_default() += 1;
+        }
+    }
+
+    /// Refusals counted by [`Metrics::held`] for `model` and `code`.
+    pub fn holds(&self, model: &str, code: &str) -> u64 {
+        let m = self.holds.lock().unwrap_or_else(|p| p.into_inner());
+        m.iter()
+            .find(|((mm, c), _)| mm == model && *c == code)
+            .map_or(0, |(_, n)| *n)
     }
 
     /// A job of `tenant` was assigned after waiting `queue_wait_ms`.
@@ -407,6 +427,19 @@ impl Collector for Exposition {
                 h.encode(wait.encode_family(&[("model", model.as_str()), ("outcome", *how)])?)?;
             }
         }
+        {
+            let holds = m.holds.lock().unwrap_or_else(|p| p.into_inner());
+            let mut held = enc.encode_descriptor(
+                "metronome_dispatcher_holds",
+                "Refusals of the job at the head of a model's queue while no worker admitted it, per model and rejection code: what made jobs wait.",
+                None,
+                prometheus_client::metrics::MetricType::Counter,
+            )?;
+            for ((model, code), n) in holds.iter() {
+                ConstCounter::new(*n)
+                    .encode(held.encode_family(&[("model", model.as_str()), ("reason", *code)])?)?;
+            }
+        }
         m.encode_tenants(&mut enc)?;
         m.decision_latency.0.encode(enc.encode_descriptor(
             "metronome_dispatcher_decision_latency_seconds",
@@ -447,6 +480,36 @@ async fn render(State(metrics): State<Arc<Metrics>>) -> impl IntoResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn holds_are_counted_per_model_and_reason() {
+        use metronome_protocol::{Rejection, RejectionCode};
+        let refusal = |worker: &str, code| Rejection {
+            worker_id: worker.into(),
+            code,
+            reason: String::new(),
+            prediction: None,
+        };
+        let m = Metrics::new();
+        m.held(
+            "m",
+            &[
+                refusal("a", RejectionCode::BelowSloFloor),
+                refusal("b", RejectionCode::InsufficientKv),
+            ],
+        );
+        m.held("m", &[refusal("a", RejectionCode::BelowSloFloor)]);
+        assert_eq!(m.holds("m", "below_slo_floor"), 2);
+        assert_eq!(m.holds("m", "insufficient_kv"), 1);
+        assert_eq!(m.holds("other", "below_slo_floor"), 0);
+        let text = m.render();
+        assert!(
+            text.contains(
+                "metronome_dispatcher_holds_total{model=\"m\",reason=\"below_slo_floor\"} 2"
+            ),
+            "{text}"
+        );
+    }
 
     #[test]
     fn renders_counters_histogram_and_queue_depths() {

@@ -108,6 +108,22 @@ pub enum RejectionCode {
     TtftOverBudget,
 }
 
+impl RejectionCode {
+    /// The code as it is serialised (snake case), for metric labels and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectionCode::Unhealthy => "unhealthy",
+            RejectionCode::StaleHeartbeat => "stale_heartbeat",
+            RejectionCode::WrongModel => "wrong_model",
+            RejectionCode::Draining => "draining",
+            RejectionCode::AtConcurrencyCap => "at_concurrency_cap",
+            RejectionCode::InsufficientKv => "insufficient_kv",
+            RejectionCode::BelowSloFloor => "below_slo_floor",
+            RejectionCode::TtftOverBudget => "ttft_over_budget",
+        }
+    }
+}
+
 /// A worker that was filtered out, with the reason in words and numbers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Rejection {
@@ -186,4 +202,26 @@ pub struct Decision {
     /// lowest counter among those waiting is served next.
     #[serde(default)]
     pub fair_counter: Option<f64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RejectionCode;
+
+    #[test]
+    fn a_rejection_code_label_is_its_serialised_name() {
+        for code in [
+            RejectionCode::Unhealthy,
+            RejectionCode::StaleHeartbeat,
+            RejectionCode::WrongModel,
+            RejectionCode::Draining,
+            RejectionCode::AtConcurrencyCap,
+            RejectionCode::InsufficientKv,
+            RejectionCode::BelowSloFloor,
+            RejectionCode::TtftOverBudget,
+        ] {
+            let json = serde_json::to_string(&code).unwrap();
+            assert_eq!(json.trim_matches('"'), code.as_str());
+        }
+    }
 }

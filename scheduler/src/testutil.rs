@@ -65,7 +65,8 @@ pub fn ewma(ttft_ms: f64, tpot_ms: f64) -> EwmaSnapshot {
     }
 }
 
-/// Run one filter against a worker with the given ledger and config.
+/// Run one filter against a worker with the given ledger and config, at [`NOW`], as a
+/// decision would.
 pub fn check(
     f: &dyn Filter,
     job: &JobRequest,
@@ -73,7 +74,7 @@ pub fn check(
     ledger: &Ledger,
     config: &SchedulerConfig,
 ) -> Result<(), String> {
-    let load = WorkerLoad::of(view, ledger, config);
+    let load = WorkerLoad::at(view, ledger, config, NOW);
     let forecast = crate::forecast::Forecast::of(job, view, &load, ledger, config);
     f.check(&FilterContext {
         job,

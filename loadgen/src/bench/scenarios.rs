@@ -247,6 +247,9 @@ struct Measured {
     result: RunResult,
     preemptions: f64,
     idle: IdleStats,
+    /// Refusals of queued jobs during the run, per reason (see
+    /// [`System::dispatcher_holds`]).
+    holds: BTreeMap<String, f64>,
 }
 
 /// Runs one load spec on a system: waits for idle GPUs, samples the cluster every ~100 ms
@@ -254,6 +257,7 @@ struct Measured {
 async fn measured_run(sys: &System, spec: LoadSpec, dir: &Path) -> anyhow::Result<Measured> {
     sys.wait_idle(Duration::from_secs(600)).await?;
     let before = sys.sim_metric_sum("vllm:num_preemptions_total").await?;
+    let holds_before = sys.dispatcher_holds().await;
     let stop = CancellationToken::new();
     let sampler = async {
         let t0 = Instant::now();
@@ -282,11 +286,19 @@ async fn measured_run(sys: &System, spec: LoadSpec, dir: &Path) -> anyhow::Resul
     let result = result?;
     sys.wait_idle(Duration::from_secs(600)).await.ok();
     let after = sys.sim_metric_sum("vllm:num_preemptions_total").await?;
+    let mut holds = sys.dispatcher_holds().await;
+    for (reason, n) in &holds_before {
+        if let Some(h) = holds.get_mut(reason) {
+            *h -= n;
+        }
+    }
+    holds.retain(|_, n| *n > 0.0);
     write_outputs(dir, &result).with_context(|| format!("writing {}", dir.display()))?;
     Ok(Measured {
         result,
         preemptions: after - before,
         idle: idle_stats(&samples),
+        holds,
     })
 }
 
@@ -533,7 +545,7 @@ pub async fn run_bench(plan: &BenchPlan) -> anyhow::Result<Report> {
                     progress(
                         start,
                         format!(
-                            "{c}/{w}/{policy} at {load} %: SLO attainment {:.1} %, goodput {goodput_rps:.2} req/s, TTFT p50 {:.0} ms p99 {:.0} ms, tok/s p1 {:.1} CV {:.2}, idle {:.1} GPU-s ({:.2} %, {} samples, max queue {:.0}), {} errors{}",
+                            "{c}/{w}/{policy} at {load} %: SLO attainment {:.1} %, goodput {goodput_rps:.2} req/s, TTFT p50 {:.0} ms p99 {:.0} ms, tok/s p1 {:.1} CV {:.2}, idle {:.1} GPU-s ({:.2} %, {} samples, max queue {:.0}), {} errors{}{}",
                             s.goodput_share * 100.0,
                             s.ttft_ms.p50.unwrap_or(0.0),
                             s.ttft_ms.p99.unwrap_or(0.0),
@@ -554,6 +566,18 @@ pub async fn run_bench(plan: &BenchPlan) -> anyhow::Result<Report> {
                                     ", {decisions_read} decisions read, none with a prediction"
                                 ),
                                 (None, false) => String::new(),
+                            },
+                            if m.holds.is_empty() {
+                                String::new()
+                            } else {
+                                format!(
+                                    ", holds {}",
+                                    m.holds
+                                        .iter()
+                                        .map(|(r, n)| format!("{r} {n:.0}"))
+                                        .collect::<Vec<_>>()
+                                        .join(" ")
+                                )
                             }
                         ),
                     );

@@ -8,6 +8,7 @@
 //! Invariant: a [`System`] is stopped when dropped, so a failed benchmark never leaves a
 //! cluster running; `stop` waits for `./dev up` to exit.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -318,6 +319,21 @@ impl System {
         Ok(total)
     }
 
+    /// What made jobs wait, from every dispatcher: `metronome_dispatcher_holds_total`
+    /// summed per reason over models and instances (a standby holds nothing, so the sum is
+    /// the leaders' across a takeover). Empty when no dispatcher answers.
+    pub async fn dispatcher_holds(&self) -> BTreeMap<String, f64> {
+        let mut holds = BTreeMap::new();
+        for url in &self.dispatcher_metrics {
+            if let Ok(text) = self.get_text(url).await {
+                for (reason, n) in parse_holds(&text) {
+                    *holds.entry(reason).or_insert(0.0) += n;
+                }
+            }
+        }
+        holds
+    }
+
     /// Waits until no simulated GPU has a running or waiting request.
     pub async fn wait_idle(&self, timeout: Duration) -> anyhow::Result<()> {
         let deadline = Instant::now() + timeout;
@@ -441,6 +457,27 @@ pub fn prometheus_sum(text: &str, name: &str) -> f64 {
         .sum()
 }
 
+/// `metronome_dispatcher_holds_total{model="..",reason=".."} N` lines, summed per reason.
+pub fn parse_holds(text: &str) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("metronome_dispatcher_holds_total{") else {
+            continue;
+        };
+        let Some((labels, value)) = rest.rsplit_once("} ") else {
+            continue;
+        };
+        let reason = labels
+            .split(',')
+            .find_map(|l| l.strip_prefix("reason=\""))
+            .map(|r| r.trim_end_matches('"'));
+        if let (Some(reason), Ok(n)) = (reason, value.trim().parse::<f64>()) {
+            *out.entry(reason.to_string()).or_insert(0.0) += n;
+        }
+    }
+    out
+}
+
 /// VmRSS of a process in KiB, from `/proc/<pid>/status`.
 pub fn rss_kib(pid: u32) -> Option<u64> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -452,6 +489,19 @@ pub fn rss_kib(pid: u32) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn holds_are_summed_per_reason_over_models() {
+        let text = "# TYPE metronome_dispatcher_holds counter\n\
+metronome_dispatcher_holds_total{model=\"a\",reason=\"below_slo_floor\"} 3\n\
+metronome_dispatcher_holds_total{model=\"b\",reason=\"below_slo_floor\"} 2\n\
+metronome_dispatcher_holds_total{model=\"a\",reason=\"insufficient_kv\"} 1\n\
+metronome_dispatcher_leader 1\n";
+        let h = parse_holds(text);
+        assert_eq!(h.get("below_slo_floor"), Some(&5.0));
+        assert_eq!(h.get("insufficient_kv"), Some(&1.0));
+        assert_eq!(h.len(), 2);
+    }
 
     #[test]
     fn sums_samples_of_one_metric_only() {
