@@ -2,23 +2,26 @@
 //! Redis) under a steady stream of jobs, one fault per drill, and an account of every job
 //! by its id.
 //!
-//! Jobs are submitted on `jobs.submit` (the NATS contract, `Nats-Msg-Id` = job id). The
-//! account reads the RESULTS stream (every final result of the drill's jobs, from the
+//! Jobs are submitted on `jobs.submit` (the NATS contract, `Nats-Msg-Id` = job id); in the
+//! rolling deploy, which restarts the gateway, a quarter go through the gateway over HTTP
+//! (`gateway_client`), and their clients' view counts too: a stream that broke without an
+//! error is lost, an error status or event is a failure with a reason. The account reads the RESULTS stream (every final result of the drill's jobs, from the
 //! stream's sequence at the drill's start) and the chunks the drill's own client received
 //! on `results.<job>.chunk`; never logs. Per job:
 //! - *completed exactly once*: exactly one final result, a success;
 //! - *failed with a reason*: final results, none a success (the client got an error);
-//! - *lost*: no final result once the system has been idle for the settle time;
+//! - *lost*: no final result once the system has been idle for the settle time (or an HTTP
+//!   stream that broke without an error);
 //! - *duplicated*: more than one successful final result, or chunks from more than one run
 //!   (worker and attempt) — a client would have seen output twice.
 //!
-//! Time to recover: from the fault (leader kill) or the repair (restart, SIGCONT) to the
-//! next decision on `decisions.>` (leader kill) or the next successful final result.
+//! The load runs for the plan's `load`, and for at least a third of it after the fault ends.
+//! Time to recover: from the fault (leader kill) or the repair (restart, SIGCONT, end of
+//! the rolling deploy) to the next decision on `decisions.>` (dispatcher kills) or the
+//! next successful final result.
 //!
-//! Processes are killed and restarted by their pid files under `<state>/run/`; a restarted
-//! process gets the command line, environment and working folder of the one it replaces
-//! (read from `/proc`), its log appended, and its new pid written back, so a later drill
-//! finds it. The drill stops what it started when the system stops.
+//! Processes are killed and restarted by their pid files (`process`). The drill stops
+//! what it started when the system stops.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -28,11 +31,20 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use async_nats::jetstream;
 use futures::StreamExt;
-use metronome_protocol::names::{HEADER_MSG_ID, STREAM_RESULTS, SUBJECT_JOBS_SUBMIT};
-use metronome_protocol::{Endpoint, FinalResult, Job, ResultChunk, PROTOCOL_VERSION};
+use metronome_protocol::names::{
+    BUCKET_WORKERS, HEADER_MSG_ID, STREAM_RESULTS, SUBJECT_JOBS_SUBMIT,
+};
+use metronome_protocol::{Endpoint, FinalResult, Job, ResultChunk, WorkerStatus, PROTOCOL_VERSION};
 use serde_json::json;
+use tokio_util::sync::CancellationToken;
 
 use crate::bench::system::{prometheus_sum, System, SystemSpec};
+
+mod gateway_client;
+mod process;
+
+use gateway_client::HttpOutcome;
+use process::{alive, read_env, signal, stop_restarted, Image};
 
 /// The faults a drill can inject.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,15 +59,27 @@ pub enum Fault {
     RedisDown,
     /// SIGTERM nats-server (file storage), start it again at once.
     RestartNats,
+    /// SIGKILL both dispatchers (no leader, no standby), restart both 2 s later.
+    KillDispatchers,
+    /// SIGKILL one GPU's model server (the simulator) under its agent, restart it after
+    /// the pause.
+    StopModelServer,
+    /// SIGTERM every process of Metronome one at a time (standby dispatcher, leader,
+    /// gateway, each agent), each restarted and back before the next; part of the load
+    /// goes through the gateway over HTTP.
+    RollingDeploy,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 5] = [
+    pub const ALL: [Fault; 8] = [
         Fault::KillLeader,
         Fault::RestartAgent,
         Fault::StopAgent,
         Fault::RedisDown,
         Fault::RestartNats,
+        Fault::KillDispatchers,
+        Fault::StopModelServer,
+        Fault::RollingDeploy,
     ];
 
     pub fn name(self) -> &'static str {
@@ -65,6 +89,9 @@ impl Fault {
             Fault::StopAgent => "stop-agent",
             Fault::RedisDown => "redis-down",
             Fault::RestartNats => "restart-nats",
+            Fault::KillDispatchers => "kill-dispatchers",
+            Fault::StopModelServer => "stop-model-server",
+            Fault::RollingDeploy => "rolling-deploy",
         }
     }
 }
@@ -79,7 +106,7 @@ pub struct DrillPlan {
     pub rate: f64,
     /// How long jobs are offered in each drill; the fault comes at a third of it.
     pub load: Duration,
-    /// SIGSTOP length.
+    /// SIGSTOP length, and how long a killed model server stays down.
     pub pause: Duration,
     /// Redis outage length.
     pub redis_outage: Duration,
@@ -108,12 +135,35 @@ pub struct DrillReport {
     /// (worker, error) and the runs its chunks came from, so a failed drill says where to
     /// look in the logs.
     pub anomalies: Vec<String>,
+    /// The jobs sent through the gateway over HTTP, as the client saw them (rolling deploy).
+    pub http: Option<HttpAccount>,
+    /// What else the drill noticed (a process that had to be killed).
+    pub notes: Vec<String>,
+}
+
+/// What the drill's HTTP client saw of the jobs it sent through the gateway.
+#[derive(Debug, Clone, Default)]
+pub struct HttpAccount {
+    /// Requests the gateway took (answered with a job id).
+    pub sent: usize,
+    /// Streams that ended with `[DONE]`.
+    pub complete: usize,
+    /// Error statuses or error events: the client knows why.
+    pub clear_error: usize,
+    /// Streams that broke without an error: counted lost.
+    pub broken: usize,
+    /// Tries the gateway did not take (no connection, 503), tried again by the client.
+    pub refused: usize,
+    /// Requests never taken within a minute.
+    pub not_taken: usize,
 }
 
 impl DrillReport {
     /// A drill passes when no job was lost or duplicated.
     pub fn passed(&self) -> bool {
-        self.lost == 0 && self.duplicated == 0
+        self.lost == 0
+            && self.duplicated == 0
+            && self.http.as_ref().is_none_or(|h| h.not_taken == 0)
     }
 }
 
@@ -233,36 +283,89 @@ async fn run_one(
 ) -> anyhow::Result<DrillReport> {
     let start_seq = results_last_seq(js).await?;
     let prefix = format!("drill{index}-{}-{}", fault.name(), std::process::id());
+    // The load runs for `load`, and at least a third of it past the end of the fault (a
+    // rolling deploy or an outage can outlast the rest of it), so recovery is seen.
+    let stop = CancellationToken::new();
+    let started = Instant::now();
     let sender = {
         let client = client.clone();
-        let (rate, load, prefix) = (plan.rate, plan.load, prefix.clone());
-        tokio::spawn(async move { send_jobs(client, rate, load, &prefix).await })
+        // A quarter of the rolling deploy's jobs go through the gateway, which it restarts.
+        let gateway = (fault == Fault::RollingDeploy).then(|| system.gateway_url.clone());
+        let (rate, prefix, stop) = (plan.rate, prefix.clone(), stop.clone());
+        tokio::spawn(async move { send_jobs(client, gateway, rate, stop, &prefix).await })
     };
     tokio::time::sleep(plan.load / 3).await;
     let agent = format!("worker-gpu{}", index % plan.gpus);
-    let (what, mark) = inject(plan, system, fault, &agent, restarted).await?;
+    let injected = inject(plan, system, js, fault, index % plan.gpus, restarted).await;
+    let (what, mark, notes) = match injected {
+        Ok(i) => i,
+        Err(e) => {
+            stop.cancel();
+            return Err(e);
+        }
+    };
+    let stop_at = (started + plan.load).max(Instant::now() + plan.load / 3);
+    tokio::time::sleep_until(stop_at.into()).await;
+    stop.cancel();
     let sent = sender.await??;
     let recover_ms = recovery(seen, fault, mark, &agent, plan.settle).await;
-    let finals = settle(js, start_seq, &sent, plan.settle).await?;
+    let finals = settle(js, start_seq, &sent.ids, plan.settle).await?;
     let runs = seen.lock().unwrap().runs.clone();
+    let mut report = account(&sent, &finals, &runs);
+    report.fault = fault.name().into();
+    report.what = what;
+    report.recover_ms = recover_ms;
+    report.notes = notes;
+    Ok(report)
+}
+
+/// The account of one drill's jobs from their final results in RESULTS, the runs their
+/// chunks came from, and what the HTTP client saw of the jobs sent through the gateway.
+fn account(
+    sent: &Sent,
+    finals: &BTreeMap<String, Vec<FinalResult>>,
+    runs: &BTreeMap<String, BTreeSet<(String, Option<u32>)>>,
+) -> DrillReport {
     let mut report = DrillReport {
-        fault: fault.name().into(),
-        what,
-        sent: sent.len(),
-        recover_ms,
+        sent: sent.ids.len(),
         ..Default::default()
     };
-    for id in &sent {
+    if sent.http_tries > 0 {
+        let mut http = HttpAccount {
+            refused: sent.http_refused,
+            ..Default::default()
+        };
+        for outcome in sent.http.values() {
+            match outcome {
+                HttpOutcome::Complete => http.complete += 1,
+                HttpOutcome::ClearError(_) => http.clear_error += 1,
+                HttpOutcome::Broken(_) => http.broken += 1,
+            }
+        }
+        http.sent = sent.http.len();
+        http.not_taken = sent.http_not_taken;
+        report.http = Some(http);
+    }
+    for id in &sent.ids {
         let list = finals.get(id).map(Vec::as_slice).unwrap_or_default();
         let ok = list.iter().filter(|f| f.error.is_none()).count();
         let run_count = runs.get(id).map_or(0, BTreeSet::len);
+        let client = sent.http.get(id);
         // Two successes, a success next to an error, or chunks of two runs: the job ran
         // twice as far as a client can tell.
         let duplicated = ok > 1 || run_count > 1 || (ok >= 1 && list.len() > 1);
+        // An HTTP client whose stream broke without an error has no answer, whatever the
+        // system stored; one that got a clear error before the job was queued has no final.
+        let broken = matches!(client, Some(HttpOutcome::Broken(_)));
+        let client_error = match client {
+            Some(HttpOutcome::ClearError(code)) => Some(code.clone()),
+            _ => None,
+        };
+        let lost = broken || (list.is_empty() && client_error.is_none());
         if duplicated {
             report.duplicated += 1;
         }
-        if duplicated || list.is_empty() {
+        if duplicated || lost {
             let finals: Vec<String> = list
                 .iter()
                 .map(|f| {
@@ -279,15 +382,24 @@ async fn run_one(
                 .flatten()
                 .map(|(w, a)| format!("{w}#{}", a.map_or("?".into(), |a| a.to_string())))
                 .collect();
+            let client = match client {
+                Some(HttpOutcome::Broken(why)) => format!(", HTTP client: {why}"),
+                _ => String::new(),
+            };
             report.anomalies.push(format!(
-                "{id}: {} — finals [{}], chunk runs [{}]",
+                "{id}: {} — finals [{}], chunk runs [{}]{client}",
                 if duplicated { "duplicated" } else { "lost" },
                 finals.join(", "),
                 runs.join(", ")
             ));
         }
-        if list.is_empty() {
+        if lost {
             report.lost += 1;
+        } else if let Some(code) = client_error {
+            // The client's error is what it saw; the stored final (if any) agrees or is
+            // absent (refused before the job was queued).
+            report.failed_with_reason += 1;
+            *report.failure_reasons.entry(code).or_default() += 1;
         } else if ok == 1 && list.len() == 1 {
             report.exactly_once += 1;
         } else if ok == 0 {
@@ -300,18 +412,22 @@ async fn run_one(
             *report.failure_reasons.entry(code).or_default() += 1;
         }
     }
-    Ok(report)
+    report
 }
 
-/// Inject `fault`; returns what was done and the instant recovery is measured from.
+/// Inject the fault on `gpu` (its agent or its model server, for the faults that touch
+/// one); returns what was done, the instant recovery is measured from, and notes.
 async fn inject(
     plan: &DrillPlan,
     system: &System,
+    js: &jetstream::Context,
     fault: Fault,
-    agent: &str,
+    gpu: usize,
     restarted: &mut Vec<u32>,
-) -> anyhow::Result<(String, Instant)> {
-    Ok(match fault {
+) -> anyhow::Result<(String, Instant, Vec<String>)> {
+    let agent = format!("worker-gpu{gpu}");
+    let mut notes = Vec::new();
+    let (what, mark) = match fault {
         Fault::KillLeader => {
             let leader = leader_name(system).await?;
             let pid = system.pid_of(&leader).context("leader pid")?;
@@ -326,25 +442,64 @@ async fn inject(
                 at,
             )
         }
+        Fault::KillDispatchers => {
+            let mut images = Vec::new();
+            for name in DISPATCHERS {
+                let pid = system.pid_of(name).context("dispatcher pid")?;
+                images.push((name, pid, Image::read(pid)?));
+            }
+            for (_, pid, _) in &images {
+                signal(*pid, "KILL")?;
+            }
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            for (name, _, image) in &images {
+                restarted.push(image.spawn(&system.state_dir, name)?);
+            }
+            (
+                "SIGKILL both dispatchers (leader and standby) mid-run; both restarted 2 s later"
+                    .into(),
+                Instant::now(),
+            )
+        }
         Fault::RestartAgent => {
-            let pid = system.pid_of(agent).context("agent pid")?;
+            let pid = system.pid_of(&agent).context("agent pid")?;
             let image = Image::read(pid)?;
             signal(pid, "KILL")?;
             tokio::time::sleep(Duration::from_millis(1_000)).await;
-            restarted.push(image.spawn(&system.state_dir, agent)?);
+            restarted.push(image.spawn(&system.state_dir, &agent)?);
             (
                 format!("SIGKILL {agent} with jobs in flight, restarted 1 s later"),
                 Instant::now(),
             )
         }
         Fault::StopAgent => {
-            let pid = system.pid_of(agent).context("agent pid")?;
+            let pid = system.pid_of(&agent).context("agent pid")?;
             signal(pid, "STOP")?;
             tokio::time::sleep(plan.pause).await;
             signal(pid, "CONT")?;
             (
                 format!(
                     "SIGSTOP {agent} for {} s (alive but silent), then SIGCONT",
+                    plan.pause.as_secs()
+                ),
+                Instant::now(),
+            )
+        }
+        Fault::StopModelServer => {
+            let sim = format!("sim-gpu{gpu}");
+            let pid = system.pid_of(&sim).context("model server pid")?;
+            let image = Image::read(pid)?;
+            // Killed while generating, so jobs break mid-stream, not only fail to connect.
+            let running = wait_running(system, gpu).await;
+            signal(pid, "KILL")?;
+            if running == 0 {
+                notes.push(format!("{sim} ran no request when it was killed"));
+            }
+            tokio::time::sleep(plan.pause).await;
+            restarted.push(image.spawn(&system.state_dir, &sim)?);
+            (
+                format!(
+                    "SIGKILL the model server of {agent} ({sim}) while it generated {running}, restarted {} s later",
                     plan.pause.as_secs()
                 ),
                 Instant::now(),
@@ -378,11 +533,155 @@ async fn inject(
                 Instant::now(),
             )
         }
-    })
+        Fault::RollingDeploy => {
+            let leader = leader_name(system).await?;
+            let standby = DISPATCHERS
+                .into_iter()
+                .find(|d| *d != leader)
+                .context("a standby dispatcher")?;
+            let mut order = vec![standby.to_string(), leader, "gateway".to_string()];
+            order.extend((0..plan.gpus).map(|g| format!("worker-gpu{g}")));
+            let mut longest = Duration::ZERO;
+            for name in &order {
+                let away = redeploy(system, js, name, restarted, &mut notes).await?;
+                longest = longest.max(away);
+            }
+            (
+                format!(
+                    "SIGTERM each process and start it again once it exited, the next once it is back: {} (longest away {:.1} s)",
+                    order.join(", "),
+                    longest.as_secs_f64()
+                ),
+                Instant::now(),
+            )
+        }
+    };
+    Ok((what, mark, notes))
 }
 
-/// Milliseconds from `mark` to the next decision (leader kill) or the next successful final
-/// result (from `agent`'s worker for agent faults).
+/// Requests the model server of `gpu` is running, once it runs any (polled for up to 10 s);
+/// 0 if it ran none in that time.
+async fn wait_running(system: &System, gpu: usize) -> u64 {
+    let Some(url) = system.sim_urls.get(gpu) else {
+        return 0;
+    };
+    let http = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        let text = match http
+            .get(format!("{url}/metrics"))
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+        {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(_) => String::new(),
+        };
+        let running = prometheus_sum(&text, metronome_gpu_sim::metrics::NUM_REQUESTS_RUNNING);
+        if running >= 1.0 {
+            return running as u64;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    0
+}
+
+/// The dispatchers `./dev up` starts, in the order of their metrics URLs.
+const DISPATCHERS: [&str; 2] = ["dispatcher-a", "dispatcher-b"];
+
+/// How long a process may take to drain and exit on SIGTERM before the drill kills it (and
+/// says so): above the agent's drain of its running jobs.
+const STOP_WITHIN: Duration = Duration::from_secs(40);
+
+/// How long a restarted process may take to be back.
+const BACK_WITHIN: Duration = Duration::from_secs(60);
+
+/// SIGTERM `name`, start it again once it has exited, and wait until it is back: a
+/// dispatcher serves its metrics and some dispatcher leads, the gateway is ready, an agent
+/// has stored a fresh heartbeat. Returns how long it was away.
+async fn redeploy(
+    system: &System,
+    js: &jetstream::Context,
+    name: &str,
+    restarted: &mut Vec<u32>,
+    notes: &mut Vec<String>,
+) -> anyhow::Result<Duration> {
+    let pid = system.pid_of(name).with_context(|| format!("{name} pid"))?;
+    let image = Image::read(pid)?;
+    let worker = name.strip_prefix("worker-").map(|g| format!("local-{g}"));
+    let workers = js.get_key_value(BUCKET_WORKERS).await?;
+    let t0 = Instant::now();
+    signal(pid, "TERM")?;
+    while alive(pid) && t0.elapsed() < STOP_WITHIN {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    if alive(pid) {
+        notes.push(format!(
+            "{name} did not exit within {} s of SIGTERM and was killed",
+            STOP_WITHIN.as_secs()
+        ));
+        signal(pid, "KILL")?;
+    }
+    let stopped_in = t0.elapsed();
+    // The revision of the last heartbeat of the agent that stopped: the new one's is later.
+    let before = match &worker {
+        Some(w) => workers.entry(w.as_str()).await?.map_or(0, |e| e.revision),
+        None => 0,
+    };
+    restarted.push(image.spawn(&system.state_dir, name)?);
+    let http = reqwest::Client::new();
+    let get_ok = |url: String| {
+        let http = http.clone();
+        async move {
+            http.get(url)
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success())
+        }
+    };
+    let deadline = Instant::now() + BACK_WITHIN;
+    loop {
+        let back = if let Some(w) = &worker {
+            match workers.entry(w.as_str()).await {
+                Ok(Some(e)) if e.revision > before => {
+                    serde_json::from_slice::<WorkerStatus>(&e.value).is_ok_and(|s| !s.draining)
+                }
+                _ => false,
+            }
+        } else if name == "gateway" {
+            get_ok(format!("{}/readyz", system.gateway_url)).await
+        } else {
+            let i = DISPATCHERS.iter().position(|d| *d == name).unwrap_or(0);
+            let url = system
+                .dispatcher_metrics
+                .get(i)
+                .cloned()
+                .unwrap_or_default();
+            get_ok(url).await && leader_name(system).await.is_ok()
+        };
+        if back {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "{name} not back {} s after its restart",
+                BACK_WITHIN.as_secs()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tracing::warn!(
+        name,
+        stopped_in_ms = stopped_in.as_millis() as u64,
+        away_ms = t0.elapsed().as_millis() as u64,
+        "redeployed"
+    );
+    Ok(t0.elapsed())
+}
+
+/// Milliseconds from `mark` to the next decision (dispatcher kills) or the next successful
+/// final result (from `agent`'s worker for agent and model-server faults).
 async fn recovery(
     seen: &Arc<Mutex<Seen>>,
     fault: Fault,
@@ -396,13 +695,15 @@ async fn recovery(
         {
             let s = seen.lock().unwrap();
             let next = match fault {
-                Fault::KillLeader => s.decisions.iter().copied().find(|t| *t > mark),
-                Fault::RestartAgent | Fault::StopAgent => s
+                Fault::KillLeader | Fault::KillDispatchers => {
+                    s.decisions.iter().copied().find(|t| *t > mark)
+                }
+                Fault::RestartAgent | Fault::StopAgent | Fault::StopModelServer => s
                     .finals
                     .iter()
                     .find(|(t, w)| *t > mark && w.as_deref() == worker.as_deref())
                     .map(|(t, _)| *t),
-                Fault::RedisDown | Fault::RestartNats => {
+                Fault::RedisDown | Fault::RestartNats | Fault::RollingDeploy => {
                     s.finals.iter().map(|(t, _)| *t).find(|t| *t > mark)
                 }
             };
@@ -478,63 +779,106 @@ async fn read_finals(
     Ok(out)
 }
 
-/// Offer jobs at `rate` per second for `load`; returns their ids.
+/// The jobs a drill offered, and what its HTTP client saw of those sent through the gateway.
+#[derive(Debug, Default)]
+struct Sent {
+    /// Every job the system took (JetStream acknowledged it, or the gateway answered with
+    /// its id), in order.
+    ids: Vec<String>,
+    /// What the HTTP client saw, by job id.
+    http: BTreeMap<String, HttpOutcome>,
+    /// HTTP requests made (each tried until the gateway took it).
+    http_tries: usize,
+    /// Tries the gateway did not take (no connection, no response, 503), tried again.
+    http_refused: usize,
+    /// Requests the gateway never took within a minute (no job id).
+    http_not_taken: usize,
+}
+
+/// Offer jobs at `rate` per second until `stop`; every fourth goes through `gateway` over
+/// HTTP when given, the rest on `jobs.submit`.
 async fn send_jobs(
     client: async_nats::Client,
+    gateway: Option<String>,
     rate: f64,
-    load: Duration,
+    stop: CancellationToken,
     prefix: &str,
-) -> anyhow::Result<Vec<String>> {
+) -> anyhow::Result<Sent> {
     let js = jetstream::new(client);
+    let http = reqwest::Client::new();
     let interval = Duration::from_secs_f64(1.0 / rate);
     let start = tokio::time::Instant::now();
-    let mut ids = Vec::new();
+    let mut sent = Sent::default();
+    let mut over_http = Vec::new();
     let mut n = 0u64;
-    while start.elapsed() < load {
+    while !stop.is_cancelled() {
         let id = format!("{prefix}-{n}");
         n += 1;
-        let job = Job {
-            v: PROTOCOL_VERSION,
-            id: id.clone(),
-            model: "llama-3.1-8b".into(),
-            endpoint: Endpoint::Chat,
-            request: json!({"model": "llama-3.1-8b", "stream": true,
-                "messages": [{"role": "user", "content": "a fault drill, tell me a story"}],
-                "max_tokens": 24}),
-            prompt_tokens: 12,
-            max_tokens: 24,
-            submitted_ms: metronome_protocol::time::unix_ms(),
-            deadline_ms: Some(metronome_protocol::time::unix_ms() + 120_000),
-            slo: None,
-            tenant: None,
-            priority: Default::default(),
-        };
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert(HEADER_MSG_ID, id.as_str());
-        // A submission during a NATS restart is retried until JetStream takes it: the
-        // client knows it was not accepted, so it is not counted as sent before then.
-        let body: bytes::Bytes = serde_json::to_vec(&job)?.into();
-        let mut accepted = false;
-        for _ in 0..200 {
-            let ack = match js
-                .publish_with_headers(SUBJECT_JOBS_SUBMIT, headers.clone(), body.clone())
-                .await
-            {
-                Ok(f) => f.await.is_ok(),
-                Err(_) => false,
-            };
-            if ack {
-                accepted = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+        if let Some(url) = gateway.as_ref().filter(|_| n % 4 == 0) {
+            let (http, url) = (http.clone(), url.clone());
+            over_http.push(tokio::spawn(async move {
+                gateway_client::stream_chat(&http, &url, "llama-3.1-8b").await
+            }));
+        } else if submit(&js, &id).await? {
+            sent.ids.push(id);
         }
-        if accepted {
-            ids.push(id);
+        tokio::select! {
+            _ = tokio::time::sleep_until(start + interval.mul_f64(n as f64)) => {}
+            _ = stop.cancelled() => {}
         }
-        tokio::time::sleep_until(start + interval.mul_f64(n as f64)).await;
     }
-    Ok(ids)
+    for task in over_http {
+        let job = task.await?;
+        sent.http_tries += 1;
+        sent.http_refused += job.refused;
+        match job.job_id {
+            Some(id) => {
+                sent.ids.push(id.clone());
+                sent.http.insert(id, job.outcome);
+            }
+            None => sent.http_not_taken += 1,
+        }
+    }
+    Ok(sent)
+}
+
+/// Submit job `id` on `jobs.submit`; whether JetStream took it.
+async fn submit(js: &jetstream::Context, id: &str) -> anyhow::Result<bool> {
+    let job = Job {
+        v: PROTOCOL_VERSION,
+        id: id.to_string(),
+        model: "llama-3.1-8b".into(),
+        endpoint: Endpoint::Chat,
+        request: json!({"model": "llama-3.1-8b", "stream": true,
+            "messages": [{"role": "user", "content": "a fault drill, tell me a story"}],
+            "max_tokens": 24}),
+        prompt_tokens: 12,
+        max_tokens: 24,
+        submitted_ms: metronome_protocol::time::unix_ms(),
+        deadline_ms: Some(metronome_protocol::time::unix_ms() + 120_000),
+        slo: None,
+        tenant: None,
+        priority: Default::default(),
+    };
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(HEADER_MSG_ID, id);
+    // A submission during a NATS restart is retried until JetStream takes it: the client
+    // knows it was not accepted, so it is not counted as sent before then.
+    let body: bytes::Bytes = serde_json::to_vec(&job)?.into();
+    for _ in 0..200 {
+        let ack = match js
+            .publish_with_headers(SUBJECT_JOBS_SUBMIT, headers.clone(), body.clone())
+            .await
+        {
+            Ok(f) => f.await.is_ok(),
+            Err(_) => false,
+        };
+        if ack {
+            return Ok(true);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(false)
 }
 
 /// Which dispatcher leads (`metronome_dispatcher_leader` 1 on its `/metrics`).
@@ -554,140 +898,6 @@ async fn leader_name(system: &System) -> anyhow::Result<String> {
         }
     }
     bail!("no dispatcher says it leads")
-}
-
-fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
-    let status = std::process::Command::new("kill")
-        .args([&format!("-{sig}"), &pid.to_string()])
-        .status()?;
-    if !status.success() {
-        bail!("kill -{sig} {pid} failed");
-    }
-    Ok(())
-}
-
-fn stop_restarted(pids: &[u32]) {
-    for pid in pids.iter().rev() {
-        let _ = signal(*pid, "TERM");
-    }
-    // A process that does not end on SIGTERM within 5 s (an agent whose NATS is already
-    // gone waits for it) is killed: a drill leaves nothing running behind it.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < deadline && pids.iter().any(|p| alive(*p)) {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    for pid in pids {
-        if alive(*pid) {
-            let _ = signal(*pid, "KILL");
-        }
-    }
-}
-
-/// Whether `pid` runs (an exited child not yet reaped, a zombie, does not).
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|stat| {
-            stat.rsplit_once(") ")
-                .and_then(|(_, rest)| rest.chars().next())
-        })
-        .is_some_and(|state| state != 'Z')
-}
-
-/// What it takes to start a process again as it was.
-struct Image {
-    argv: Vec<String>,
-    env: Vec<(String, String)>,
-    cwd: PathBuf,
-}
-
-impl Image {
-    fn read(pid: u32) -> anyhow::Result<Image> {
-        let split = |bytes: Vec<u8>| -> Vec<String> {
-            // NUL-terminated entries; an empty argument (`--save ""`) is kept.
-            let body = bytes.strip_suffix(&[0]).unwrap_or(&bytes);
-            if body.is_empty() {
-                return Vec::new();
-            }
-            body.split(|b| *b == 0)
-                .map(|s| String::from_utf8_lossy(s).into_owned())
-                .collect()
-        };
-        let argv = split(std::fs::read(format!("/proc/{pid}/cmdline"))?);
-        let env = split(std::fs::read(format!("/proc/{pid}/environ"))?)
-            .into_iter()
-            .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.into(), v.into())))
-            .collect();
-        let cwd = std::fs::read_link(format!("/proc/{pid}/cwd"))?;
-        if argv.is_empty() {
-            bail!("process {pid} has no command line");
-        }
-        Ok(Image { argv, env, cwd })
-    }
-
-    /// redis-server rewrites its command line (`redis-server 127.0.0.1:PORT`), so its
-    /// arguments are rebuilt as `./dev up` passes them, with the port from the env file.
-    fn redis(pid: u32, state_dir: &Path) -> anyhow::Result<Image> {
-        let mut image = Image::read(pid)?;
-        let env = read_env(&state_dir.join("env"))?;
-        let url = env.get("REDIS_URL").context("REDIS_URL in the env file")?;
-        let port = url
-            .trim_end_matches('/')
-            .rsplit(':')
-            .next()
-            .context("a port in REDIS_URL")?
-            .to_string();
-        let exe = std::fs::read_link(format!("/proc/{pid}/exe"))?;
-        let dir = state_dir.join("redis");
-        image.argv = vec![
-            exe.display().to_string(),
-            "--bind".into(),
-            "127.0.0.1".into(),
-            "--port".into(),
-            port,
-            "--dir".into(),
-            dir.display().to_string(),
-            "--appendonly".into(),
-            "yes".into(),
-            "--save".into(),
-            String::new(),
-            "--maxmemory".into(),
-            "256mb".into(),
-            "--maxmemory-policy".into(),
-            "noeviction".into(),
-        ];
-        Ok(image)
-    }
-
-    /// Start it again, appending to `<state>/logs/<name>.log`, and record its pid.
-    fn spawn(&self, state_dir: &Path, name: &str) -> anyhow::Result<u32> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(state_dir.join(format!("logs/{name}.log")))?;
-        let child = std::process::Command::new(&self.argv[0])
-            .args(&self.argv[1..])
-            .env_clear()
-            .envs(self.env.iter().map(|(k, v)| (k, v)))
-            .current_dir(&self.cwd)
-            .stdin(std::process::Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("restarting {name}"))?;
-        let pid = child.id();
-        std::fs::write(state_dir.join(format!("run/{name}.pid")), pid.to_string())?;
-        Ok(pid)
-    }
-}
-
-fn read_env(path: &Path) -> anyhow::Result<BTreeMap<String, String>> {
-    let text = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
-    Ok(text
-        .lines()
-        .filter_map(|l| l.split_once('='))
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect())
 }
 
 /// RELIABILITY.md from the reports.
@@ -737,6 +947,20 @@ pub fn render_report(plan: &DrillPlan, reports: &[DrillReport]) -> String {
             r.recover_ms
                 .map_or("not seen".into(), |ms| format!("{:.1} s", ms as f64 / 1e3)),
         ));
+    }
+    for r in reports {
+        if let Some(h) = &r.http {
+            out.push_str(&format!(
+                "\n{}: of its jobs, {} went through the gateway over HTTP (streaming): {} \
+                 complete, {} ended with a clear error, {} broke without one (counted lost); \
+                 the gateway did not take {} tries (no connection or 503 while it restarted), \
+                 which the client sent again; {} never taken.\n",
+                r.fault, h.sent, h.complete, h.clear_error, h.broken, h.refused, h.not_taken
+            ));
+        }
+        for note in &r.notes {
+            out.push_str(&format!("\n{}: {note}\n", r.fault));
+        }
     }
     let anomalies: Vec<(&str, &String)> = reports
         .iter()
