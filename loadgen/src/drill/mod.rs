@@ -918,9 +918,10 @@ pub fn render_report(plan: &DrillPlan, reports: &[DrillReport]) -> String {
          drill's client received, never from logs. *Exactly once*: one final result, a \
          success. *Failed*: final results, none a success (the client got an error with a \
          reason). *Lost*: no final result. *Duplicated*: two successful final results, or \
-         chunks from two runs (worker, attempt). *Recover*: fault (leader kill) or repair to \
-         the next decision (leader kill) or the next successful result (of the faulted \
-         worker for agent drills).\n\n",
+         chunks from two runs (worker, attempt). *Recover*: from the fault (leader kill) or the \
+         repair (restart, SIGCONT, end of the rolling deploy) to the next decision \
+         (dispatcher kills) or the next successful result (of the faulted worker for agent \
+         and model-server drills).\n\n",
     );
     out.push_str("| drill | what was done | sent | exactly once | failed (reason) | lost | duplicated | recover |\n");
     out.push_str("|---|---|---:|---:|---:|---:|---:|---:|\n");
