@@ -8,6 +8,7 @@
 //! clear error (an error status with its code, or an `error` event in the stream), or a
 //! stream that broke without either, which leaves the client without an answer.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -36,8 +37,14 @@ pub struct HttpJob {
 /// How long a request is tried again while the gateway does not take it (a restart).
 const TAKE_WITHIN: Duration = Duration::from_secs(60);
 
-/// Send one streaming chat completion to `gateway` (its base URL) for `model`.
-pub async fn stream_chat(http: &reqwest::Client, gateway: &str, model: &str) -> HttpJob {
+/// Send one streaming chat completion to `gateway` (its base URL) for `model`. `streaming`
+/// counts the responses being read at any moment (a restart's notes say how many it met).
+pub async fn stream_chat(
+    http: &reqwest::Client,
+    gateway: &str,
+    model: &str,
+    streaming: &AtomicUsize,
+) -> HttpJob {
     let body = json!({"model": model, "stream": true, "max_tokens": 24,
         "messages": [{"role": "user", "content": "a fault drill over HTTP, tell me a story"}]});
     let url = format!("{}/v1/chat/completions", gateway.trim_end_matches('/'));
@@ -55,7 +62,12 @@ pub async fn stream_chat(http: &reqwest::Client, gateway: &str, model: &str) -> 
             Ok(r) if r.status() == reqwest::StatusCode::SERVICE_UNAVAILABLE => {
                 format!("503 {}", r.text().await.unwrap_or_default())
             }
-            Ok(r) => return read_response(r, refused).await,
+            Ok(r) => {
+                streaming.fetch_add(1, Ordering::SeqCst);
+                let job = read_response(r, refused).await;
+                streaming.fetch_sub(1, Ordering::SeqCst);
+                return job;
+            }
         };
         refused += 1;
         if tokio::time::Instant::now() > give_up {

@@ -25,6 +25,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -287,16 +288,24 @@ async fn run_one(
     // rolling deploy or an outage can outlast the rest of it), so recovery is seen.
     let stop = CancellationToken::new();
     let started = Instant::now();
+    let streaming = Arc::new(AtomicUsize::new(0));
     let sender = {
         let client = client.clone();
         // A quarter of the rolling deploy's jobs go through the gateway, which it restarts.
         let gateway = (fault == Fault::RollingDeploy).then(|| system.gateway_url.clone());
         let (rate, prefix, stop) = (plan.rate, prefix.clone(), stop.clone());
-        tokio::spawn(async move { send_jobs(client, gateway, rate, stop, &prefix).await })
+        let streaming = streaming.clone();
+        tokio::spawn(
+            async move { send_jobs(client, gateway, rate, stop, streaming, &prefix).await },
+        )
     };
     tokio::time::sleep(plan.load / 3).await;
     let agent = format!("worker-gpu{}", index % plan.gpus);
-    let injected = inject(plan, system, js, fault, index % plan.gpus, restarted).await;
+    let target = Target {
+        gpu: index % plan.gpus,
+        streaming: &streaming,
+    };
+    let injected = inject(plan, system, js, fault, target, restarted).await;
     let (what, mark, notes) = match injected {
         Ok(i) => i,
         Err(e) => {
@@ -415,16 +424,24 @@ fn account(
     report
 }
 
-/// Inject the fault on `gpu` (its agent or its model server, for the faults that touch
+/// What a fault is aimed at: the GPU whose agent or model server it touches, and the count
+/// of HTTP responses being read (the gateway's restart notes it).
+struct Target<'a> {
+    gpu: usize,
+    streaming: &'a AtomicUsize,
+}
+
+/// Inject the fault on `target.gpu` (its agent or its model server, for the faults that touch
 /// one); returns what was done, the instant recovery is measured from, and notes.
 async fn inject(
     plan: &DrillPlan,
     system: &System,
     js: &jetstream::Context,
     fault: Fault,
-    gpu: usize,
+    target: Target<'_>,
     restarted: &mut Vec<u32>,
 ) -> anyhow::Result<(String, Instant, Vec<String>)> {
+    let gpu = target.gpu;
     let agent = format!("worker-gpu{gpu}");
     let mut notes = Vec::new();
     let (what, mark) = match fault {
@@ -543,6 +560,12 @@ async fn inject(
             order.extend((0..plan.gpus).map(|g| format!("worker-gpu{g}")));
             let mut longest = Duration::ZERO;
             for name in &order {
+                if name == "gateway" {
+                    notes.push(format!(
+                        "the gateway got SIGTERM with {} HTTP responses of the drill being read",
+                        target.streaming.load(Ordering::SeqCst)
+                    ));
+                }
                 let away = redeploy(system, js, name, restarted, &mut notes).await?;
                 longest = longest.max(away);
             }
@@ -802,6 +825,7 @@ async fn send_jobs(
     gateway: Option<String>,
     rate: f64,
     stop: CancellationToken,
+    streaming: Arc<AtomicUsize>,
     prefix: &str,
 ) -> anyhow::Result<Sent> {
     let js = jetstream::new(client);
@@ -815,9 +839,9 @@ async fn send_jobs(
         let id = format!("{prefix}-{n}");
         n += 1;
         if let Some(url) = gateway.as_ref().filter(|_| n % 4 == 0) {
-            let (http, url) = (http.clone(), url.clone());
+            let (http, url, streaming) = (http.clone(), url.clone(), streaming.clone());
             over_http.push(tokio::spawn(async move {
-                gateway_client::stream_chat(&http, &url, "llama-3.1-8b").await
+                gateway_client::stream_chat(&http, &url, "llama-3.1-8b", &streaming).await
             }));
         } else if submit(&js, &id).await? {
             sent.ids.push(id);
