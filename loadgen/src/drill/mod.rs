@@ -402,8 +402,12 @@ fn account(
                 runs.join(", ")
             ));
         }
+        // Each job lands in one column (a duplicated one, counted above, is not also
+        // "exactly once"), except a lost HTTP job that also ran twice, which counts in both.
         if lost {
             report.lost += 1;
+        } else if duplicated {
+            // Counted above.
         } else if let Some(code) = client_error {
             // The client's error is what it saw; the stored final (if any) agrees or is
             // absent (refused before the job was queued).
@@ -1000,4 +1004,96 @@ pub fn render_report(plan: &DrillPlan, reports: &[DrillReport]) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use metronome_protocol::{ErrorCode, ResultError, Usage};
+
+    use super::*;
+
+    fn fin(job: &str, worker: &str, error: Option<ErrorCode>) -> FinalResult {
+        FinalResult {
+            v: PROTOCOL_VERSION,
+            job_id: job.into(),
+            worker_id: Some(worker.into()),
+            response: None,
+            error: error.map(|code| ResultError {
+                code,
+                message: "why".into(),
+            }),
+            usage: Usage::default(),
+            chunks: 0,
+            ttft_ms: None,
+            e2e_ms: None,
+        }
+    }
+
+    /// Every job lands in exactly one of exactly once, failed, lost, duplicated (chunks of
+    /// two runs next to one success used to count as exactly once too); an HTTP client's
+    /// broken stream is lost whatever RESULTS holds, and its clear
+    /// error is a failure with the client's code even without a stored final result.
+    #[test]
+    fn each_job_is_counted_once_and_the_http_clients_view_counts() {
+        let ids = [
+            "ok", "failed", "missing", "twice", "two-runs", "broken", "refused",
+        ];
+        let mut sent = Sent {
+            ids: ids.iter().map(|s| s.to_string()).collect(),
+            http_tries: 3,
+            ..Default::default()
+        };
+        sent.http
+            .insert("broken".into(), HttpOutcome::Broken("cut".into()));
+        sent.http.insert(
+            "refused".into(),
+            HttpOutcome::ClearError("jobs_stream_full".into()),
+        );
+        sent.http.insert("ok".into(), HttpOutcome::Complete);
+        let mut finals: BTreeMap<String, Vec<FinalResult>> = BTreeMap::new();
+        finals.insert("ok".into(), vec![fin("ok", "w0", None)]);
+        finals.insert(
+            "failed".into(),
+            vec![fin("failed", "w1", Some(ErrorCode::WorkerFailed))],
+        );
+        finals.insert(
+            "twice".into(),
+            vec![fin("twice", "w0", None), fin("twice", "w1", None)],
+        );
+        finals.insert("two-runs".into(), vec![fin("two-runs", "w0", None)]);
+        finals.insert("broken".into(), vec![fin("broken", "w2", None)]);
+        let mut runs: BTreeMap<String, BTreeSet<(String, Option<u32>)>> = BTreeMap::new();
+        runs.entry("two-runs".into())
+            .or_default()
+            .extend([("w0".to_string(), Some(1)), ("w1".to_string(), Some(2))]);
+
+        let r = account(&sent, &finals, &runs);
+        assert_eq!(r.sent, 7);
+        assert_eq!(r.exactly_once, 1, "{r:?}");
+        assert_eq!(
+            r.exactly_once + r.failed_with_reason + r.lost + r.duplicated,
+            r.sent
+        );
+        assert_eq!(r.failed_with_reason, 2, "{r:?}");
+        assert_eq!(r.lost, 2, "missing, broken: {r:?}");
+        assert_eq!(r.duplicated, 2, "twice, two-runs: {r:?}");
+        assert_eq!(r.failure_reasons.get("WorkerFailed"), Some(&1));
+        assert_eq!(r.failure_reasons.get("jobs_stream_full"), Some(&1));
+        assert_eq!(r.anomalies.len(), 4, "{:?}", r.anomalies);
+        let http = r.http.expect("an HTTP account");
+        assert_eq!(
+            (http.sent, http.complete, http.clear_error, http.broken),
+            (3, 1, 1, 1)
+        );
+        assert!(!DrillReport {
+            lost: 0,
+            duplicated: 0,
+            http: Some(HttpAccount {
+                not_taken: 1,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+        .passed());
+    }
 }
