@@ -147,16 +147,18 @@ wait_tcp "$REDIS_PORT" redis-server
 
 source "$ROOT/scripts/render-config.sh"
 
-# Simulated GPUs: one simulator process serving every GPU on its own port.
-SIM_CMD=("$BIN/metronome-gpu-sim")
+# Simulated GPUs: one simulator process per GPU (sim-gpu<g>), as a host runs one model
+# server per GPU, so one model server can fail or restart without the others (the drill
+# stop-model-server). The GPUs are independent, so this serves exactly what one process
+# serving every GPU would.
 declare -a GPU_PORTS GPU_MODELS
 for ((g=0; g<GPUS; g++)); do
   GPU_PORTS[$g]=$(free_port)
   GPU_MODELS[$g]="${MODEL_LIST[$((g % ${#MODEL_LIST[@]}))]}"
   speed="${SPEED_LIST[$g]:-1.0}"
-  SIM_CMD+=(--gpu "model=${GPU_MODELS[$g]},port=${GPU_PORTS[$g]},speed=$speed")
+  start "sim-gpu$g" "$BIN/metronome-gpu-sim" --gpu "model=${GPU_MODELS[$g]},port=${GPU_PORTS[$g]},speed=$speed" \
+    ${SIM_ARGS[@]+"${SIM_ARGS[@]}"}
 done
-start gpu-sim "${SIM_CMD[@]}" ${SIM_ARGS[@]+"${SIM_ARGS[@]}"}
 for ((g=0; g<GPUS; g++)); do wait_tcp "${GPU_PORTS[$g]}" "simulated GPU $g"; done
 
 # Each dispatcher serves Prometheus /metrics (queue depth, decisions) on its own free port;

@@ -128,8 +128,10 @@ pub async fn start(
         ..StreamSettings::default()
     };
     let buckets = ensure_all(&js, &settings).await?;
-    if metronome_protocol::setup::upgrade_jobs_subjects(&js).await? {
-        tracing::info!("added jobs.retry to the JOBS stream (created by an older version)");
+    if metronome_protocol::setup::upgrade_jobs_stream(&js).await? {
+        tracing::info!(
+            "brought the JOBS stream (created by an older version) to this contract: jobs.retry, discard new"
+        );
     }
     if let Some(old) = metronome_protocol::setup::align_leader_ttl(&js, settings.leader_ttl).await?
     {

@@ -52,20 +52,24 @@ async fn retry_headers_count_on_jobs_retry_only() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_jobs_stream_of_an_older_version_gains_jobs_retry_when_a_dispatcher_starts() {
+async fn a_jobs_stream_of_an_older_version_gains_jobs_retry_and_discard_new_when_a_dispatcher_starts(
+) {
     let env = Env::start().await;
-    // As an older version created it: jobs.submit only.
+    // As an older version created it: jobs.submit only, and a full queue deleting its
+    // oldest jobs (the server's default).
     let mut config = env.stream_config(names::STREAM_JOBS).await;
     config.subjects = vec![names::SUBJECT_JOBS_SUBMIT.to_string()];
+    config.discard = async_nats::jetstream::stream::DiscardPolicy::Old;
     env.js.update_stream(config).await.unwrap();
 
     let (_running, token) = env.dispatcher(env.config("upgrade")).await;
-    metronome_testkit::wait_for("jobs.retry added to JOBS", WAIT, || async {
-        env.stream_config(names::STREAM_JOBS)
-            .await
+    metronome_testkit::wait_for("jobs.retry and discard new in JOBS", WAIT, || async {
+        let config = env.stream_config(names::STREAM_JOBS).await;
+        (config
             .subjects
             .iter()
             .any(|s| s == names::SUBJECT_JOBS_RETRY)
+            && config.discard == async_nats::jetstream::stream::DiscardPolicy::New)
             .then_some(())
     })
     .await;

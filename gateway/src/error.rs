@@ -202,6 +202,17 @@ impl ApiError {
         .with_code("payload_too_large")
     }
 
+    /// 503: the JOBS stream is at its limits and refused the job; nothing was queued.
+    pub fn jobs_stream_full(detail: impl std::fmt::Display, retry_after_secs: u64) -> Self {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            format!("the job queue is full ({detail}); retry after the time in Retry-After"),
+        )
+        .with_code("jobs_stream_full")
+        .with_retry_after(retry_after_secs)
+    }
+
     /// 503: NATS is not reachable, or did not acknowledge the job.
     pub fn nats_unavailable(detail: impl std::fmt::Display, retry_after_secs: u64) -> Self {
         ApiError::new(

@@ -36,6 +36,24 @@ const REFUSAL_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 use crate::openai::InferenceRequest;
 use crate::AppState;
 
+/// Whether JetStream refused the publish because JOBS is at its limits: a store refusal
+/// (max messages, max bytes) or the server out of storage. The stream discards new
+/// messages when full (`setup::ensure_all`), so the refusal comes at once and the jobs
+/// already queued stay.
+fn stream_full(error: &async_nats::jetstream::context::PublishError) -> bool {
+    use async_nats::jetstream::ErrorCode;
+    std::error::Error::source(error)
+        .and_then(|e| e.downcast_ref::<async_nats::jetstream::Error>())
+        .is_some_and(|e| {
+            [
+                ErrorCode::STREAM_STORE_FAILED,
+                ErrorCode::STORAGE_RESOURCES_EXCEEDED,
+                ErrorCode::INSUFFICIENT_RESOURCES,
+            ]
+            .contains(&e.error_code())
+        })
+}
+
 /// A new job id: a UUID v7 (time-ordered, so ids sort by submission), hyphenated, which
 /// is a valid subject token.
 pub fn new_job_id() -> String {
@@ -187,6 +205,7 @@ impl Submission {
                     async_nats::jetstream::context::PublishErrorKind::MaxPayloadExceeded => {
                         ApiError::job_too_large(state.client.server_info().max_payload)
                     }
+                    _ if stream_full(&error) => ApiError::jobs_stream_full(&error, retry),
                     _ => ApiError::nats_unavailable(
                         format!("publishing the job failed: {error}"),
                         retry,

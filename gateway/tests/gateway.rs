@@ -530,3 +530,61 @@ async fn a_job_larger_than_nats_accepts_is_a_413() {
     assert!(e["message"].as_str().unwrap().contains("job queue"), "{e}");
     h.assert_serving().await;
 }
+
+/// When JOBS is at its limits (an operator's `max_msgs`/`max_bytes`, or the server's
+/// storage), the server refuses the publish and the gateway answers 503 with
+/// `Retry-After` from that refusal, not after its publish timeout (set far beyond the
+/// test's wait here) or the job's deadline; the jobs already queued stay queued.
+#[tokio::test]
+async fn a_full_jobs_stream_is_a_503_with_retry_after_and_keeps_the_queued_jobs() {
+    let mut h = Harness::start(|c| {
+        c.retry_after_secs = 2;
+        c.publish_timeout_ms = 600_000;
+    })
+    .await;
+    h.stop_fake();
+    let mut stream =
+        h.js.get_stream(metronome_protocol::names::STREAM_JOBS)
+            .await
+            .unwrap();
+    let mut config = stream.info().await.unwrap().config.clone();
+    config.max_messages = 2;
+    h.js.update_stream(config).await.expect("JOBS limited to 2");
+
+    // Two requests whose jobs wait in JOBS (nothing consumes it).
+    let _waiting: Vec<_> = (0..2)
+        .map(|_| {
+            let request = h
+                .authorized(h.http.post(h.url("/v1/chat/completions")))
+                .json(&chat_body("hello", true))
+                .send();
+            tokio::spawn(request)
+        })
+        .collect();
+    wait_for("two jobs queued in JOBS", WAIT, || {
+        let mut stream = stream.clone();
+        async move {
+            let state = stream.info().await.ok()?.state.clone();
+            (state.messages == 2).then_some(())
+        }
+    })
+    .await;
+    let before = stream.info().await.unwrap().state.clone();
+
+    let resp = tokio::time::timeout(
+        WAIT,
+        h.post("/v1/chat/completions", &chat_body("one too many", false)),
+    )
+    .await
+    .expect("the gateway answers from the server's refusal, not its publish timeout");
+    assert_eq!(resp.headers()["retry-after"], "2");
+    let e = assert_openai_error(resp, 503, "service_unavailable").await;
+    assert_eq!(e["code"], "jobs_stream_full", "{e}");
+
+    let after = stream.info().await.unwrap().state.clone();
+    assert_eq!(
+        (after.messages, after.first_sequence, after.last_sequence),
+        (before.messages, before.first_sequence, before.last_sequence),
+        "the queued jobs are kept, nothing was added"
+    );
+}

@@ -95,6 +95,10 @@ pub async fn ensure_all(
             storage: s.storage,
             duplicate_window: s.duplicate_window,
             max_message_size: s.max_job_bytes,
+            // At its limits (an operator's max_msgs/max_bytes, the server's storage) a work
+            // queue refuses new messages, and the publisher sees it; the default (discard
+            // old) would delete the oldest queued jobs without a word.
+            discard: stream::DiscardPolicy::New,
             ..Default::default()
         },
         stream::Config {
@@ -103,6 +107,7 @@ pub async fn ensure_all(
             retention: stream::RetentionPolicy::WorkQueue,
             storage: s.storage,
             duplicate_window: s.duplicate_window,
+            discard: stream::DiscardPolicy::New,
             ..Default::default()
         },
         stream::Config {
@@ -150,11 +155,12 @@ pub async fn ensure_all(
     })
 }
 
-/// Add the subjects a newer contract gave the JOBS stream (`jobs.retry`) to a JOBS stream
-/// created by an older version, which `ensure_all` leaves as it finds it. Run by the
+/// Bring a JOBS stream created by an older version, which `ensure_all` leaves as it finds
+/// it, to this contract: the subjects a newer contract gave it (`jobs.retry`), and
+/// `discard: new` (a full queue refuses new jobs instead of deleting the oldest). Run by the
 /// dispatcher (the only role allowed to update JOBS) before it leads: until then its
 /// retries would find no stream. Returns whether the stream was updated.
-pub async fn upgrade_jobs_subjects(js: &jetstream::Context) -> Result<bool, SetupError> {
+pub async fn upgrade_jobs_stream(js: &jetstream::Context) -> Result<bool, SetupError> {
     let changed = amend_stream(js, STREAM_JOBS, |config| {
         let missing: Vec<String> = [SUBJECT_JOBS_SUBMIT, SUBJECT_JOBS_RETRY]
             .into_iter()
@@ -162,6 +168,7 @@ pub async fn upgrade_jobs_subjects(js: &jetstream::Context) -> Result<bool, Setu
             .map(String::from)
             .collect();
         config.subjects.extend(missing);
+        config.discard = stream::DiscardPolicy::New;
     })
     .await?;
     Ok(changed.is_some())

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Fault drills suite: the short drills of `metronome-drill --short` (leader SIGKILL, agent
-# SIGKILL + restart, agent SIGSTOP, Redis down, nats-server restart) on a real system of
-# debug binaries under load. Fails when any drill lost or duplicated a job, or when a
-# binary or server is missing (with the command that provides it), never skips.
+# SIGKILL + restart, agent SIGSTOP, Redis down, nats-server restart, both dispatchers
+# SIGKILLed, a model server SIGKILLed, a rolling deploy of every process) on a real system
+# of debug binaries under load, about 2 minutes in all. Fails when any drill lost or
+# duplicated a job, or when a binary or server is missing (with the command that provides
+# it), never skips.
 #
 # Run by `./dev test` after the workspace binaries are built into target/debug; alone:
 #   cargo build --bins && bash tests/suites/drills.sh

@@ -148,9 +148,24 @@ pub(crate) struct Shared {
     /// lost, e.g. in a NATS restart) is acknowledged, not refused, since refusing would make
     /// the dispatcher run a finished job again. Bounded.
     pub ended: Mutex<std::collections::VecDeque<(String, u32)>>,
+    /// Latest probe results (model server health, load, GPU), which the heartbeat sends.
+    pub probes: Arc<crate::probe::ProbeCache>,
 }
 
 impl Shared {
+    /// A job could not reach the model server, or lost it mid-stream: report the worker
+    /// unhealthy at once, so the dispatcher stops sending it work now rather than after the
+    /// next health probe (each job sent meanwhile would fail the same way). The health
+    /// probe reports it healthy again once the server answers.
+    pub fn model_server_lost(&self) {
+        if self.probes.mark_unhealthy() {
+            tracing::warn!(
+                "the model server does not answer: reporting this worker unhealthy until it does"
+            );
+            self.heartbeat_now.notify_one();
+        }
+    }
+
     pub fn running(&self) -> usize {
         self.in_flight.lock().expect("in_flight lock").len()
     }

@@ -8,7 +8,8 @@
 //! not read (no metrics, no NVML) is `None`, never a made-up zero. `active`/`queued` come
 //! from the server's own metrics when it exports them (they include requests the agent did
 //! not send), else from the agent's count. `healthy` means the model server answered its
-//! health endpoint within the probe timeout.
+//! health endpoint within the probe timeout, and no job lost the server since (a job that
+//! cannot reach it, or whose stream breaks, reports the worker unhealthy at once).
 //!
 //! The heartbeat never waits for a probe: the probes run in their own loops
 //! ([`crate::probe`]) and a heartbeat sends the latest results they stored, so a model server

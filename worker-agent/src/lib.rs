@@ -206,6 +206,7 @@ pub async fn start(
             tokio::time::Instant::now(),
             metrics.clone(),
         ),
+        probes: Arc::new(probe::ProbeCache::default()),
     });
 
     let metrics_stop = CancellationToken::new();
@@ -236,7 +237,7 @@ pub async fn start(
         });
     }
 
-    let probes = Arc::new(probe::ProbeCache::default());
+    let probes = shared.probes.clone();
     probe::probe_once(&shared, &deps.gpu, &probes).await;
     let probe_stop = CancellationToken::new();
     let probe_task = probe::spawn(shared.clone(), deps.gpu, probes.clone(), probe_stop.clone());

@@ -36,6 +36,12 @@ pub enum ModelError {
 }
 
 impl ModelError {
+    /// Whether the server itself is gone: no connection, or the connection broke
+    /// mid-stream (a crashed or killed server), rather than an answer it gave.
+    pub fn server_lost(&self) -> bool {
+        matches!(self, ModelError::Connect(_) | ModelError::Stream(_))
+    }
+
     /// Whether asking again later could succeed (the server may come back); a 4xx never will.
     pub fn is_retryable(&self) -> bool {
         match self {

@@ -43,6 +43,16 @@ impl ProbeCache {
         self.latest.lock().map(|p| *p).unwrap_or_default()
     }
 
+    /// Record that the model server stopped answering; whether it was healthy until now.
+    pub fn mark_unhealthy(&self) -> bool {
+        let mut was = false;
+        self.update(|p| {
+            was = p.healthy;
+            p.healthy = false;
+        });
+        was
+    }
+
     fn update(&self, f: impl FnOnce(&mut Probed)) {
         if let Ok(mut p) = self.latest.lock() {
             f(&mut p);

@@ -157,6 +157,9 @@ pub(crate) async fn run_job(
                     None => break Ending::Done,
                     Some(Err(e)) => {
                         tracing::warn!(error = %e, streamed = seq > 0, "model server failed");
+                        if e.server_lost() {
+                            shared.model_server_lost();
+                        }
                         break Ending::Failed(ErrorCode::WorkerFailed, e.to_string());
                     }
                     Some(Ok(data)) => {

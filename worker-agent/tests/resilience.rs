@@ -349,3 +349,85 @@ async fn an_agent_whose_nats_is_gone_still_stops_when_asked() {
         "the agent did not stop within 60 s of SIGTERM with NATS gone"
     );
 }
+
+/// A model server that answers `/health` and dies in the middle of every generation: one
+/// chunk, then its connection breaks (as when the process is killed). Dropped with the test.
+async fn dying_model_server() -> (String, CancellationToken) {
+    use axum::response::sse::{Event, Sse};
+    use axum::routing::{get, post};
+    let app = axum::Router::new()
+        .route("/health", get(|| async { "ok" }))
+        .route("/metrics", get(|| async { "" }))
+        .route(
+            "/v1/chat/completions",
+            post(|| async {
+                let chunk = serde_json::json!({"id": "c", "object": "chat.completion.chunk",
+                    "created": 1, "model": MODEL,
+                    "choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": null}]});
+                let events = futures::stream::iter([
+                    Ok(Event::default().data(chunk.to_string())),
+                    Err(std::io::Error::other("killed")),
+                ]);
+                Sse::new(events)
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move { s.cancelled().await })
+            .await
+            .unwrap();
+    });
+    (url, stop)
+}
+
+/// A job whose model server dies under it ends at once with a reason naming the model
+/// server (it does not wait for its deadline), and the worker reports itself unhealthy
+/// right away, so the dispatcher stops sending it work before more jobs fail the same way.
+/// The health probe runs once a minute here (the heartbeat interval): only the job's
+/// failure can make the heartbeat say unhealthy within the test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_server_that_dies_mid_job_fails_it_and_makes_the_worker_unhealthy_at_once() {
+    let env = Env::start().await;
+    let worker = "r-gpu9";
+    let (url, stop) = dying_model_server().await;
+    let results = collect(
+        env.client
+            .subscribe(results_subject_all("job-dies"))
+            .await
+            .unwrap(),
+    );
+    env.client.flush().await.unwrap();
+    let mut config = env.config(worker);
+    config.model_server_url = url;
+    config.heartbeat_interval_ms = 60_000;
+    config.fence_after_ms = 120_000;
+    let (agent, shutdown) = env.start_agent(config).await;
+    let status = |bytes: &[u8]| serde_json::from_slice::<metronome_protocol::WorkerStatus>(bytes);
+    wait_for("a healthy first heartbeat", WAIT, || async {
+        let entry = env.buckets.workers.get(worker).await.ok()??;
+        status(&entry).ok()?.healthy.then_some(())
+    })
+    .await;
+
+    env.assign(worker, &job("job-dies", Endpoint::Chat, 8, 0), 1)
+        .await;
+    let fin = wait_for("the job's final result", WAIT, || async {
+        final_in(&results)
+    })
+    .await;
+    let error = fin.error.expect("the job failed");
+    assert_eq!(error.code, ErrorCode::WorkerFailed);
+    assert!(error.message.contains("model server"), "{}", error.message);
+    wait_for("a heartbeat saying unhealthy", WAIT, || async {
+        let entry = env.buckets.workers.get(worker).await.ok()??;
+        (!status(&entry).ok()?.healthy).then_some(())
+    })
+    .await;
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+    stop.cancel();
+}

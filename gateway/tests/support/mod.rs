@@ -113,6 +113,13 @@ impl Harness {
         tokio::time::timeout(WAIT, server).await.is_ok()
     }
 
+    /// Stop the stand-in dispatcher and worker: nothing consumes JOBS any more.
+    pub fn stop_fake(&mut self) {
+        if let Some(f) = self.fake.take() {
+            f.abort();
+        }
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("{}{}", self.base, path)
     }

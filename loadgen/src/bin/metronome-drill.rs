@@ -11,19 +11,20 @@ use metronome_loadgen::drill::{render_report, run_drills, DrillPlan, Fault};
 use tracing_subscriber::EnvFilter;
 
 /// Fault drills: SIGKILL the leader, SIGKILL + restart a worker-agent, SIGSTOP an agent,
-/// Redis down, nats-server restart — each under load on a fresh `./dev up --keep-going`
+/// Redis down, nats-server restart, SIGKILL both dispatchers, SIGKILL a model server, a
+/// rolling deploy of every process — each under load on one `./dev up --keep-going`
 /// system, every job accounted for by id.
 ///
 /// Builds nothing: build the binaries of the chosen profile first
 /// (`cargo build --bins`, or `--release`). Needs nats-server and redis-server on PATH.
 ///
 /// Examples:
-///   metronome-drill                     # full: 30 s of load per drill, 10 s SIGSTOP, 30 s Redis outage
+///   metronome-drill                     # full: 30 s of load per drill, 10 s SIGSTOP and model-server outage, 30 s Redis outage
 ///   metronome-drill --short --report /tmp/R.md    # CI size (under 2 minutes)
 #[derive(Debug, Parser)]
 #[command(name = "metronome-drill", version, verbatim_doc_comment)]
 struct Cli {
-    /// CI size: 8 s of load per drill, 3 s SIGSTOP and Redis outage.
+    /// CI size: 8 s of load per drill, 3 s SIGSTOP, model-server and Redis outage.
     #[arg(long)]
     short: bool,
     /// Where to write the report [default: <repo>/RELIABILITY.md].
@@ -42,9 +43,12 @@ struct Cli {
     #[arg(long)]
     rate: Option<f64>,
     /// Drills not to run, comma-separated (kill-leader, restart-agent, stop-agent,
-    /// redis-down, restart-nats). The report lists what was skipped.
+    /// redis-down, restart-nats, kill-dispatchers, stop-model-server, rolling-deploy).
     #[arg(long, value_delimiter = ',')]
     skip: Vec<String>,
+    /// Run only these drills, comma-separated, in the usual order.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
 }
 
 fn main() -> ExitCode {
@@ -65,9 +69,14 @@ fn main() -> ExitCode {
         (30, 10, 30, cli.rate.unwrap_or(20.0))
     };
     let names: Vec<&str> = Fault::ALL.iter().map(|f| f.name()).collect();
-    if let Some(unknown) = cli.skip.iter().find(|s| !names.contains(&s.as_str())) {
+    if let Some(unknown) = cli
+        .skip
+        .iter()
+        .chain(&cli.only)
+        .find(|s| !names.contains(&s.as_str()))
+    {
         eprintln!(
-            "metronome-drill: --skip {unknown:?} is not a drill ({})",
+            "metronome-drill: {unknown:?} is not a drill ({})",
             names.join(", ")
         );
         return ExitCode::from(2);
@@ -75,6 +84,7 @@ fn main() -> ExitCode {
     let faults: Vec<Fault> = Fault::ALL
         .into_iter()
         .filter(|f| !cli.skip.iter().any(|s| s == f.name()))
+        .filter(|f| cli.only.is_empty() || cli.only.iter().any(|s| s == f.name()))
         .collect();
     let secs = Duration::from_secs;
     let command = std::env::args()

@@ -1,0 +1,1099 @@
+//! Fault drills: a real system (`./dev up --keep-going`, simulated GPUs, real NATS and
+//! Redis) under a steady stream of jobs, one fault per drill, and an account of every job
+//! by its id.
+//!
+//! Jobs are submitted on `jobs.submit` (the NATS contract, `Nats-Msg-Id` = job id); in the
+//! rolling deploy, which restarts the gateway, a quarter go through the gateway over HTTP
+//! (`gateway_client`), and their clients' view counts too: a stream that broke without an
+//! error is lost, an error status or event is a failure with a reason. The account reads the RESULTS stream (every final result of the drill's jobs, from the
+//! stream's sequence at the drill's start) and the chunks the drill's own client received
+//! on `results.<job>.chunk`; never logs. Per job:
+//! - *completed exactly once*: exactly one final result, a success;
+//! - *failed with a reason*: final results, none a success (the client got an error);
+//! - *lost*: no final result once the system has been idle for the settle time (or an HTTP
+//!   stream that broke without an error);
+//! - *duplicated*: more than one successful final result, or chunks from more than one run
+//!   (worker and attempt) — a client would have seen output twice.
+//!
+//! The load runs for the plan's `load`, and for at least a third of it after the fault ends.
+//! Time to recover: from the fault (leader kill) or the repair (restart, SIGCONT, end of
+//! the rolling deploy) to the next decision on `decisions.>` (dispatcher kills) or the
+//! next successful final result.
+//!
+//! Processes are killed and restarted by their pid files (`process`). The drill stops
+//! what it started when the system stops.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use async_nats::jetstream;
+use futures::StreamExt;
+use metronome_protocol::names::{
+    BUCKET_WORKERS, HEADER_MSG_ID, STREAM_RESULTS, SUBJECT_JOBS_SUBMIT,
+};
+use metronome_protocol::{Endpoint, FinalResult, Job, ResultChunk, WorkerStatus, PROTOCOL_VERSION};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::bench::system::{prometheus_sum, System, SystemSpec};
+
+mod gateway_client;
+mod process;
+
+use gateway_client::HttpOutcome;
+use process::{alive, read_env, signal, stop_restarted, Image};
+
+/// The faults a drill can inject.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// SIGKILL the leading dispatcher; the standby takes over; the killed one is restarted.
+    KillLeader,
+    /// SIGKILL a worker-agent with jobs in flight and restart it within 2 s.
+    RestartAgent,
+    /// SIGSTOP a worker-agent (alive but silent), SIGCONT after the pause.
+    StopAgent,
+    /// SIGKILL redis-server, start it again after the pause.
+    RedisDown,
+    /// SIGTERM nats-server (file storage), start it again at once.
+    RestartNats,
+    /// SIGKILL both dispatchers (no leader, no standby), restart both 2 s later.
+    KillDispatchers,
+    /// SIGKILL one GPU's model server (the simulator) under its agent, restart it after
+    /// the pause.
+    StopModelServer,
+    /// SIGTERM every process of Metronome one at a time (standby dispatcher, leader,
+    /// gateway, each agent), each restarted and back before the next; part of the load
+    /// goes through the gateway over HTTP.
+    RollingDeploy,
+}
+
+impl Fault {
+    pub const ALL: [Fault; 8] = [
+        Fault::KillLeader,
+        Fault::RestartAgent,
+        Fault::StopAgent,
+        Fault::RedisDown,
+        Fault::RestartNats,
+        Fault::KillDispatchers,
+        Fault::StopModelServer,
+        Fault::RollingDeploy,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::KillLeader => "kill-leader",
+            Fault::RestartAgent => "restart-agent",
+            Fault::StopAgent => "stop-agent",
+            Fault::RedisDown => "redis-down",
+            Fault::RestartNats => "restart-nats",
+            Fault::KillDispatchers => "kill-dispatchers",
+            Fault::StopModelServer => "stop-model-server",
+            Fault::RollingDeploy => "rolling-deploy",
+        }
+    }
+}
+
+/// Sizes of a drill run.
+#[derive(Debug, Clone)]
+pub struct DrillPlan {
+    pub repo: PathBuf,
+    pub profile: String,
+    pub gpus: usize,
+    /// Jobs per second offered during each drill.
+    pub rate: f64,
+    /// How long jobs are offered in each drill; the fault comes at a third of it.
+    pub load: Duration,
+    /// SIGSTOP length, and how long a killed model server stays down.
+    pub pause: Duration,
+    /// Redis outage length.
+    pub redis_outage: Duration,
+    /// Longest wait for the last jobs to settle after the load ends.
+    pub settle: Duration,
+    pub faults: Vec<Fault>,
+    pub state_dir: PathBuf,
+    /// The command line, for the report.
+    pub command: String,
+}
+
+/// The account of one drill.
+#[derive(Debug, Clone, Default)]
+pub struct DrillReport {
+    pub fault: String,
+    pub what: String,
+    pub sent: usize,
+    pub exactly_once: usize,
+    pub failed_with_reason: usize,
+    pub lost: usize,
+    pub duplicated: usize,
+    pub recover_ms: Option<u64>,
+    /// Error classes of the failed jobs, counted.
+    pub failure_reasons: BTreeMap<String, usize>,
+    /// One line per lost or duplicated job: its id, the final results stored for it
+    /// (worker, error) and the runs its chunks came from, so a failed drill says where to
+    /// look in the logs.
+    pub anomalies: Vec<String>,
+    /// The jobs sent through the gateway over HTTP, as the client saw them (rolling deploy).
+    pub http: Option<HttpAccount>,
+    /// What else the drill noticed (a process that had to be killed).
+    pub notes: Vec<String>,
+}
+
+/// What the drill's HTTP client saw of the jobs it sent through the gateway.
+#[derive(Debug, Clone, Default)]
+pub struct HttpAccount {
+    /// Requests the gateway took (answered with a job id).
+    pub sent: usize,
+    /// Streams that ended with `[DONE]`.
+    pub complete: usize,
+    /// Error statuses or error events: the client knows why.
+    pub clear_error: usize,
+    /// Streams that broke without an error: counted lost.
+    pub broken: usize,
+    /// Tries the gateway did not take (no connection, 503), tried again by the client.
+    pub refused: usize,
+    /// Requests never taken within a minute.
+    pub not_taken: usize,
+}
+
+impl DrillReport {
+    /// A drill passes when no job was lost or duplicated.
+    pub fn passed(&self) -> bool {
+        self.lost == 0
+            && self.duplicated == 0
+            && self.http.as_ref().is_none_or(|h| h.not_taken == 0)
+    }
+}
+
+/// What the drill's client saw of its jobs (chunks by run, decisions' arrival times).
+#[derive(Default)]
+struct Seen {
+    runs: BTreeMap<String, BTreeSet<(String, Option<u32>)>>,
+    decisions: Vec<Instant>,
+    /// (arrival, worker) of successful final results seen live.
+    finals: Vec<(Instant, Option<String>)>,
+}
+
+/// Run every drill of `plan` on one system; returns the reports in order.
+pub async fn run_drills(plan: &DrillPlan) -> anyhow::Result<Vec<DrillReport>> {
+    let spec = SystemSpec {
+        repo: plan.repo.clone(),
+        gpus: plan.gpus,
+        model: "llama-3.1-8b".into(),
+        speeds: vec!["1.0".into(); plan.gpus],
+        policy: "metronome".into(),
+        state_dir: plan.state_dir.clone(),
+        sim_args: Vec::new(),
+        worker_max_concurrency: None,
+        profile: plan.profile.clone(),
+        keep_going: true,
+    };
+    let mut system = System::up(&spec).await.context("starting the system")?;
+    let env = read_env(&plan.state_dir.join("env"))?;
+    let nats_url = env
+        .get("NATS_URL")
+        .context("NATS_URL in the env file")?
+        .clone();
+    // The operator's identity `./dev up` wrote beside the URL (`METRONOME_NATS_*`).
+    let auth = metronome_runtime::nats::NatsAuth::from_env(|k| env.get(k).cloned());
+    let client = auth
+        .connect_options()
+        .context("NATS credentials")?
+        .retry_on_initial_connect()
+        .connect(nats_url.as_str())
+        .await?;
+    let js = jetstream::new(client.clone());
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    spawn_watchers(&client, seen.clone()).await?;
+    let mut restarted = Vec::new();
+    let mut reports = Vec::new();
+    for (i, fault) in plan.faults.iter().enumerate() {
+        let r = run_one(
+            plan,
+            &system,
+            &client,
+            &js,
+            &seen,
+            *fault,
+            i,
+            &mut restarted,
+        )
+        .await;
+        match r {
+            Ok(report) => {
+                tracing::warn!(?report, "drill done");
+                reports.push(report);
+            }
+            Err(e) => {
+                stop_restarted(&restarted);
+                system.stop().await;
+                return Err(e.context(format!("drill {}", fault.name())));
+            }
+        }
+    }
+    stop_restarted(&restarted);
+    system.stop().await;
+    Ok(reports)
+}
+
+async fn spawn_watchers(client: &async_nats::Client, seen: Arc<Mutex<Seen>>) -> anyhow::Result<()> {
+    let mut results = client.subscribe("results.>").await?;
+    let s = seen.clone();
+    tokio::spawn(async move {
+        while let Some(m) = results.next().await {
+            let now = Instant::now();
+            if m.subject.ends_with(".chunk") {
+                if let Ok(c) = serde_json::from_slice::<ResultChunk>(&m.payload) {
+                    s.lock()
+                        .unwrap()
+                        .runs
+                        .entry(c.job_id)
+                        .or_default()
+                        .insert((c.worker_id, c.attempt));
+                }
+            } else if let Ok(f) = serde_json::from_slice::<FinalResult>(&m.payload) {
+                if f.error.is_none() {
+                    s.lock().unwrap().finals.push((now, f.worker_id));
+                }
+            }
+        }
+    });
+    let mut decisions = client.subscribe("decisions.>").await?;
+    tokio::spawn(async move {
+        while decisions.next().await.is_some() {
+            seen.lock().unwrap().decisions.push(Instant::now());
+        }
+    });
+    client.flush().await?;
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn run_one(
+    plan: &DrillPlan,
+    system: &System,
+    client: &async_nats::Client,
+    js: &jetstream::Context,
+    seen: &Arc<Mutex<Seen>>,
+    fault: Fault,
+    index: usize,
+    restarted: &mut Vec<u32>,
+) -> anyhow::Result<DrillReport> {
+    let start_seq = results_last_seq(js).await?;
+    let prefix = format!("drill{index}-{}-{}", fault.name(), std::process::id());
+    // The load runs for `load`, and at least a third of it past the end of the fault (a
+    // rolling deploy or an outage can outlast the rest of it), so recovery is seen.
+    let stop = CancellationToken::new();
+    let started = Instant::now();
+    let streaming = Arc::new(AtomicUsize::new(0));
+    let sender = {
+        let client = client.clone();
+        // A quarter of the rolling deploy's jobs go through the gateway, which it restarts.
+        let gateway = (fault == Fault::RollingDeploy).then(|| system.gateway_url.clone());
+        let (rate, prefix, stop) = (plan.rate, prefix.clone(), stop.clone());
+        let streaming = streaming.clone();
+        tokio::spawn(
+            async move { send_jobs(client, gateway, rate, stop, streaming, &prefix).await },
+        )
+    };
+    tokio::time::sleep(plan.load / 3).await;
+    let agent = format!("worker-gpu{}", index % plan.gpus);
+    let target = Target {
+        gpu: index % plan.gpus,
+        streaming: &streaming,
+    };
+    let injected = inject(plan, system, js, fault, target, restarted).await;
+    let (what, mark, notes) = match injected {
+        Ok(i) => i,
+        Err(e) => {
+            stop.cancel();
+            return Err(e);
+        }
+    };
+    let stop_at = (started + plan.load).max(Instant::now() + plan.load / 3);
+    tokio::time::sleep_until(stop_at.into()).await;
+    stop.cancel();
+    let sent = sender.await??;
+    let recover_ms = recovery(seen, fault, mark, &agent, plan.settle).await;
+    let finals = settle(js, start_seq, &sent.ids, plan.settle).await?;
+    let runs = seen.lock().unwrap().runs.clone();
+    let mut report = account(&sent, &finals, &runs);
+    report.fault = fault.name().into();
+    report.what = what;
+    report.recover_ms = recover_ms;
+    report.notes = notes;
+    Ok(report)
+}
+
+/// The account of one drill's jobs from their final results in RESULTS, the runs their
+/// chunks came from, and what the HTTP client saw of the jobs sent through the gateway.
+fn account(
+    sent: &Sent,
+    finals: &BTreeMap<String, Vec<FinalResult>>,
+    runs: &BTreeMap<String, BTreeSet<(String, Option<u32>)>>,
+) -> DrillReport {
+    let mut report = DrillReport {
+        sent: sent.ids.len(),
+        ..Default::default()
+    };
+    if sent.http_tries > 0 {
+        let mut http = HttpAccount {
+            refused: sent.http_refused,
+            ..Default::default()
+        };
+        for outcome in sent.http.values() {
+            match outcome {
+                HttpOutcome::Complete => http.complete += 1,
+                HttpOutcome::ClearError(_) => http.clear_error += 1,
+                HttpOutcome::Broken(_) => http.broken += 1,
+            }
+        }
+        http.sent = sent.http.len();
+        http.not_taken = sent.http_not_taken;
+        report.http = Some(http);
+    }
+    for id in &sent.ids {
+        let list = finals.get(id).map(Vec::as_slice).unwrap_or_default();
+        let ok = list.iter().filter(|f| f.error.is_none()).count();
+        let run_count = runs.get(id).map_or(0, BTreeSet::len);
+        let client = sent.http.get(id);
+        // Two successes, a success next to an error, or chunks of two runs: the job ran
+        // twice as far as a client can tell.
+        let duplicated = ok > 1 || run_count > 1 || (ok >= 1 && list.len() > 1);
+        // An HTTP client whose stream broke without an error has no answer, whatever the
+        // system stored; one that got a clear error before the job was queued has no final.
+        let broken = matches!(client, Some(HttpOutcome::Broken(_)));
+        let client_error = match client {
+            Some(HttpOutcome::ClearError(code)) => Some(code.clone()),
+            _ => None,
+        };
+        let lost = broken || (list.is_empty() && client_error.is_none());
+        if duplicated {
+            report.duplicated += 1;
+        }
+        if duplicated || lost {
+            let finals: Vec<String> = list
+                .iter()
+                .map(|f| {
+                    let who = f.worker_id.as_deref().unwrap_or("dispatcher");
+                    match &f.error {
+                        Some(e) => format!("{who}: {:?}", e.code),
+                        None => format!("{who}: ok"),
+                    }
+                })
+                .collect();
+            let runs: Vec<String> = runs
+                .get(id)
+                .into_iter()
+                .flatten()
+                .map(|(w, a)| format!("{w}#{}", a.map_or("?".into(), |a| a.to_string())))
+                .collect();
+            let client = match client {
+                Some(HttpOutcome::Broken(why)) => format!(", HTTP client: {why}"),
+                _ => String::new(),
+            };
+            report.anomalies.push(format!(
+                "{id}: {} — finals [{}], chunk runs [{}]{client}",
+                if duplicated { "duplicated" } else { "lost" },
+                finals.join(", "),
+                runs.join(", ")
+            ));
+        }
+        // Each job lands in one column (a duplicated one, counted above, is not also
+        // "exactly once"), except a lost HTTP job that also ran twice, which counts in both.
+        if lost {
+            report.lost += 1;
+        } else if duplicated {
+            // Counted above.
+        } else if let Some(code) = client_error {
+            // The client's error is what it saw; the stored final (if any) agrees or is
+            // absent (refused before the job was queued).
+            report.failed_with_reason += 1;
+            *report.failure_reasons.entry(code).or_default() += 1;
+        } else if ok == 1 && list.len() == 1 {
+            report.exactly_once += 1;
+        } else if ok == 0 {
+            report.failed_with_reason += 1;
+            let code = list[0]
+                .error
+                .as_ref()
+                .map(|e| format!("{:?}", e.code))
+                .unwrap_or_default();
+            *report.failure_reasons.entry(code).or_default() += 1;
+        }
+    }
+    report
+}
+
+/// What a fault is aimed at: the GPU whose agent or model server it touches, and the count
+/// of HTTP responses being read (the gateway's restart notes it).
+struct Target<'a> {
+    gpu: usize,
+    streaming: &'a AtomicUsize,
+}
+
+/// Inject the fault on `target.gpu` (its agent or its model server, for the faults that touch
+/// one); returns what was done, the instant recovery is measured from, and notes.
+async fn inject(
+    plan: &DrillPlan,
+    system: &System,
+    js: &jetstream::Context,
+    fault: Fault,
+    target: Target<'_>,
+    restarted: &mut Vec<u32>,
+) -> anyhow::Result<(String, Instant, Vec<String>)> {
+    let gpu = target.gpu;
+    let agent = format!("worker-gpu{gpu}");
+    let mut notes = Vec::new();
+    let (what, mark) = match fault {
+        Fault::KillLeader => {
+            let leader = leader_name(system).await?;
+            let pid = system.pid_of(&leader).context("leader pid")?;
+            let image = Image::read(pid)?;
+            signal(pid, "KILL")?;
+            let at = Instant::now();
+            // The killed instance comes back as a standby, as systemd would restart it.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            restarted.push(image.spawn(&system.state_dir, &leader)?);
+            (
+                format!("SIGKILL the leading dispatcher ({leader}) mid-run; restarted 1 s later as a standby"),
+                at,
+            )
+        }
+        Fault::KillDispatchers => {
+            let mut images = Vec::new();
+            for name in DISPATCHERS {
+                let pid = system.pid_of(name).context("dispatcher pid")?;
+                images.push((name, pid, Image::read(pid)?));
+            }
+            for (_, pid, _) in &images {
+                signal(*pid, "KILL")?;
+            }
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            for (name, _, image) in &images {
+                restarted.push(image.spawn(&system.state_dir, name)?);
+            }
+            (
+                "SIGKILL both dispatchers (leader and standby) mid-run; both restarted 2 s later"
+                    .into(),
+                Instant::now(),
+            )
+        }
+        Fault::RestartAgent => {
+            let pid = system.pid_of(&agent).context("agent pid")?;
+            let image = Image::read(pid)?;
+            signal(pid, "KILL")?;
+            tokio::time::sleep(Duration::from_millis(1_000)).await;
+            restarted.push(image.spawn(&system.state_dir, &agent)?);
+            (
+                format!("SIGKILL {agent} with jobs in flight, restarted 1 s later"),
+                Instant::now(),
+            )
+        }
+        Fault::StopAgent => {
+            let pid = system.pid_of(&agent).context("agent pid")?;
+            signal(pid, "STOP")?;
+            tokio::time::sleep(plan.pause).await;
+            signal(pid, "CONT")?;
+            (
+                format!(
+                    "SIGSTOP {agent} for {} s (alive but silent), then SIGCONT",
+                    plan.pause.as_secs()
+                ),
+                Instant::now(),
+            )
+        }
+        Fault::StopModelServer => {
+            let sim = format!("sim-gpu{gpu}");
+            let pid = system.pid_of(&sim).context("model server pid")?;
+            let image = Image::read(pid)?;
+            // Killed while generating, so jobs break mid-stream, not only fail to connect.
+            let running = wait_running(system, gpu).await;
+            signal(pid, "KILL")?;
+            if running == 0 {
+                notes.push(format!("{sim} ran no request when it was killed"));
+            }
+            tokio::time::sleep(plan.pause).await;
+            restarted.push(image.spawn(&system.state_dir, &sim)?);
+            (
+                format!(
+                    "SIGKILL the model server of {agent} ({sim}) while it generated {running}, restarted {} s later",
+                    plan.pause.as_secs()
+                ),
+                Instant::now(),
+            )
+        }
+        Fault::RedisDown => {
+            let pid = system.pid_of("redis").context("redis pid")?;
+            let image = Image::redis(pid, &system.state_dir)?;
+            signal(pid, "KILL")?;
+            tokio::time::sleep(plan.redis_outage).await;
+            restarted.push(image.spawn(&system.state_dir, "redis")?);
+            (
+                format!(
+                    "SIGKILL redis-server, started again {} s later",
+                    plan.redis_outage.as_secs()
+                ),
+                Instant::now(),
+            )
+        }
+        Fault::RestartNats => {
+            let pid = system.pid_of("nats").context("nats pid")?;
+            let image = Image::read(pid)?;
+            signal(pid, "TERM")?;
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            restarted.push(image.spawn(&system.state_dir, "nats")?);
+            (
+                "restart nats-server (SIGTERM, file storage kept, started again at once)".into(),
+                Instant::now(),
+            )
+        }
+        Fault::RollingDeploy => {
+            let leader = leader_name(system).await?;
+            let standby = DISPATCHERS
+                .into_iter()
+                .find(|d| *d != leader)
+                .context("a standby dispatcher")?;
+            let mut order = vec![standby.to_string(), leader, "gateway".to_string()];
+            order.extend((0..plan.gpus).map(|g| format!("worker-gpu{g}")));
+            let mut longest = Duration::ZERO;
+            for name in &order {
+                if name == "gateway" {
+                    notes.push(format!(
+                        "the gateway got SIGTERM with {} HTTP responses of the drill being read",
+                        target.streaming.load(Ordering::SeqCst)
+                    ));
+                }
+                let away = redeploy(system, js, name, restarted, &mut notes).await?;
+                longest = longest.max(away);
+            }
+            (
+                format!(
+                    "SIGTERM each process and start it again once it exited, the next once it is back: {} (longest away {:.1} s)",
+                    order.join(", "),
+                    longest.as_secs_f64()
+                ),
+                Instant::now(),
+            )
+        }
+    };
+    Ok((what, mark, notes))
+}
+
+/// Requests the model server of `gpu` is running, once it runs any (polled for up to 10 s);
+/// 0 if it ran none in that time.
+async fn wait_running(system: &System, gpu: usize) -> u64 {
+    let Some(url) = system.sim_urls.get(gpu) else {
+        return 0;
+    };
+    let http = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        let text = match http
+            .get(format!("{url}/metrics"))
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+        {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(_) => String::new(),
+        };
+        let running = prometheus_sum(&text, metronome_gpu_sim::metrics::NUM_REQUESTS_RUNNING);
+        if running >= 1.0 {
+            return running as u64;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    0
+}
+
+/// The dispatchers `./dev up` starts, in the order of their metrics URLs.
+const DISPATCHERS: [&str; 2] = ["dispatcher-a", "dispatcher-b"];
+
+/// How long a process may take to drain and exit on SIGTERM before the drill kills it (and
+/// says so): above the agent's drain of its running jobs.
+const STOP_WITHIN: Duration = Duration::from_secs(40);
+
+/// How long a restarted process may take to be back.
+const BACK_WITHIN: Duration = Duration::from_secs(60);
+
+/// SIGTERM `name`, start it again once it has exited, and wait until it is back: a
+/// dispatcher serves its metrics and some dispatcher leads, the gateway is ready, an agent
+/// has stored a fresh heartbeat. Returns how long it was away.
+async fn redeploy(
+    system: &System,
+    js: &jetstream::Context,
+    name: &str,
+    restarted: &mut Vec<u32>,
+    notes: &mut Vec<String>,
+) -> anyhow::Result<Duration> {
+    let pid = system.pid_of(name).with_context(|| format!("{name} pid"))?;
+    let image = Image::read(pid)?;
+    let worker = name.strip_prefix("worker-").map(|g| format!("local-{g}"));
+    let workers = js.get_key_value(BUCKET_WORKERS).await?;
+    let t0 = Instant::now();
+    signal(pid, "TERM")?;
+    while alive(pid) && t0.elapsed() < STOP_WITHIN {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    if alive(pid) {
+        notes.push(format!(
+            "{name} did not exit within {} s of SIGTERM and was killed",
+            STOP_WITHIN.as_secs()
+        ));
+        signal(pid, "KILL")?;
+    }
+    let stopped_in = t0.elapsed();
+    // The revision of the last heartbeat of the agent that stopped: the new one's is later.
+    let before = match &worker {
+        Some(w) => workers.entry(w.as_str()).await?.map_or(0, |e| e.revision),
+        None => 0,
+    };
+    restarted.push(image.spawn(&system.state_dir, name)?);
+    let http = reqwest::Client::new();
+    let get_ok = |url: String| {
+        let http = http.clone();
+        async move {
+            http.get(url)
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success())
+        }
+    };
+    let deadline = Instant::now() + BACK_WITHIN;
+    loop {
+        let back = if let Some(w) = &worker {
+            match workers.entry(w.as_str()).await {
+                Ok(Some(e)) if e.revision > before => {
+                    serde_json::from_slice::<WorkerStatus>(&e.value).is_ok_and(|s| !s.draining)
+                }
+                _ => false,
+            }
+        } else if name == "gateway" {
+            get_ok(format!("{}/readyz", system.gateway_url)).await
+        } else {
+            let i = DISPATCHERS.iter().position(|d| *d == name).unwrap_or(0);
+            let url = system
+                .dispatcher_metrics
+                .get(i)
+                .cloned()
+                .unwrap_or_default();
+            get_ok(url).await && leader_name(system).await.is_ok()
+        };
+        if back {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "{name} not back {} s after its restart",
+                BACK_WITHIN.as_secs()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tracing::warn!(
+        name,
+        stopped_in_ms = stopped_in.as_millis() as u64,
+        away_ms = t0.elapsed().as_millis() as u64,
+        "redeployed"
+    );
+    Ok(t0.elapsed())
+}
+
+/// Milliseconds from `mark` to the next decision (dispatcher kills) or the next successful
+/// final result (from `agent`'s worker for agent and model-server faults).
+async fn recovery(
+    seen: &Arc<Mutex<Seen>>,
+    fault: Fault,
+    mark: Instant,
+    agent: &str,
+    wait: Duration,
+) -> Option<u64> {
+    let worker = agent.strip_prefix("worker-").map(|g| format!("local-{g}"));
+    let deadline = Instant::now() + wait;
+    loop {
+        {
+            let s = seen.lock().unwrap();
+            let next = match fault {
+                Fault::KillLeader | Fault::KillDispatchers => {
+                    s.decisions.iter().copied().find(|t| *t > mark)
+                }
+                Fault::RestartAgent | Fault::StopAgent | Fault::StopModelServer => s
+                    .finals
+                    .iter()
+                    .find(|(t, w)| *t > mark && w.as_deref() == worker.as_deref())
+                    .map(|(t, _)| *t),
+                Fault::RedisDown | Fault::RestartNats | Fault::RollingDeploy => {
+                    s.finals.iter().map(|(t, _)| *t).find(|t| *t > mark)
+                }
+            };
+            if let Some(t) = next {
+                return Some(t.duration_since(mark).as_millis() as u64);
+            }
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Wait until every sent job has a final result, or until nothing new arrived for a while
+/// after `settle`; returns the final results by job id.
+async fn settle(
+    js: &jetstream::Context,
+    start_seq: u64,
+    sent: &[String],
+    settle: Duration,
+) -> anyhow::Result<BTreeMap<String, Vec<FinalResult>>> {
+    let deadline = Instant::now() + settle;
+    loop {
+        let finals = read_finals(js, start_seq).await?;
+        let missing = sent.iter().filter(|id| !finals.contains_key(*id)).count();
+        if missing == 0 || Instant::now() > deadline {
+            return Ok(finals);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+async fn results_last_seq(js: &jetstream::Context) -> anyhow::Result<u64> {
+    let mut stream = js.get_stream(STREAM_RESULTS).await?;
+    Ok(stream.info().await?.state.last_sequence)
+}
+
+/// Every final result in RESULTS after `start_seq`, by job id.
+async fn read_finals(
+    js: &jetstream::Context,
+    start_seq: u64,
+) -> anyhow::Result<BTreeMap<String, Vec<FinalResult>>> {
+    let mut stream = js.get_stream(STREAM_RESULTS).await?;
+    let last = stream.info().await?.state.last_sequence;
+    let mut out: BTreeMap<String, Vec<FinalResult>> = BTreeMap::new();
+    if last <= start_seq {
+        return Ok(out);
+    }
+    let consumer = stream
+        .create_consumer(jetstream::consumer::pull::OrderedConfig {
+            deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: start_seq + 1,
+            },
+            ..Default::default()
+        })
+        .await?;
+    let mut messages = consumer.messages().await?;
+    while let Some(m) = tokio::time::timeout(Duration::from_secs(5), messages.next())
+        .await
+        .ok()
+        .flatten()
+    {
+        let m = m?;
+        let seq = m.info().map(|i| i.stream_sequence).unwrap_or(last);
+        if let Ok(f) = serde_json::from_slice::<FinalResult>(&m.payload) {
+            out.entry(f.job_id.clone()).or_default().push(f);
+        }
+        if seq >= last {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+/// The jobs a drill offered, and what its HTTP client saw of those sent through the gateway.
+#[derive(Debug, Default)]
+struct Sent {
+    /// Every job the system took (JetStream acknowledged it, or the gateway answered with
+    /// its id), in order.
+    ids: Vec<String>,
+    /// What the HTTP client saw, by job id.
+    http: BTreeMap<String, HttpOutcome>,
+    /// HTTP requests made (each tried until the gateway took it).
+    http_tries: usize,
+    /// Tries the gateway did not take (no connection, no response, 503), tried again.
+    http_refused: usize,
+    /// Requests the gateway never took within a minute (no job id).
+    http_not_taken: usize,
+}
+
+/// Offer jobs at `rate` per second until `stop`; every fourth goes through `gateway` over
+/// HTTP when given, the rest on `jobs.submit`.
+async fn send_jobs(
+    client: async_nats::Client,
+    gateway: Option<String>,
+    rate: f64,
+    stop: CancellationToken,
+    streaming: Arc<AtomicUsize>,
+    prefix: &str,
+) -> anyhow::Result<Sent> {
+    let js = jetstream::new(client);
+    let http = reqwest::Client::new();
+    let interval = Duration::from_secs_f64(1.0 / rate);
+    let start = tokio::time::Instant::now();
+    let mut sent = Sent::default();
+    let mut over_http = Vec::new();
+    let mut n = 0u64;
+    while !stop.is_cancelled() {
+        let id = format!("{prefix}-{n}");
+        n += 1;
+        if let Some(url) = gateway.as_ref().filter(|_| n % 4 == 0) {
+            let (http, url, streaming) = (http.clone(), url.clone(), streaming.clone());
+            over_http.push(tokio::spawn(async move {
+                gateway_client::stream_chat(&http, &url, "llama-3.1-8b", &streaming).await
+            }));
+        } else if submit(&js, &id).await? {
+            sent.ids.push(id);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep_until(start + interval.mul_f64(n as f64)) => {}
+            _ = stop.cancelled() => {}
+        }
+    }
+    for task in over_http {
+        let job = task.await?;
+        sent.http_tries += 1;
+        sent.http_refused += job.refused;
+        match job.job_id {
+            Some(id) => {
+                sent.ids.push(id.clone());
+                sent.http.insert(id, job.outcome);
+            }
+            None => sent.http_not_taken += 1,
+        }
+    }
+    Ok(sent)
+}
+
+/// Submit job `id` on `jobs.submit`; whether JetStream took it.
+async fn submit(js: &jetstream::Context, id: &str) -> anyhow::Result<bool> {
+    let job = Job {
+        v: PROTOCOL_VERSION,
+        id: id.to_string(),
+        model: "llama-3.1-8b".into(),
+        endpoint: Endpoint::Chat,
+        request: json!({"model": "llama-3.1-8b", "stream": true,
+            "messages": [{"role": "user", "content": "a fault drill, tell me a story"}],
+            "max_tokens": 24}),
+        prompt_tokens: 12,
+        max_tokens: 24,
+        submitted_ms: metronome_protocol::time::unix_ms(),
+        deadline_ms: Some(metronome_protocol::time::unix_ms() + 120_000),
+        slo: None,
+        tenant: None,
+        priority: Default::default(),
+    };
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(HEADER_MSG_ID, id);
+    // A submission during a NATS restart is retried until JetStream takes it: the client
+    // knows it was not accepted, so it is not counted as sent before then.
+    let body: bytes::Bytes = serde_json::to_vec(&job)?.into();
+    for _ in 0..200 {
+        let ack = match js
+            .publish_with_headers(SUBJECT_JOBS_SUBMIT, headers.clone(), body.clone())
+            .await
+        {
+            Ok(f) => f.await.is_ok(),
+            Err(_) => false,
+        };
+        if ack {
+            return Ok(true);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(false)
+}
+
+/// Which dispatcher leads (`metronome_dispatcher_leader` 1 on its `/metrics`).
+async fn leader_name(system: &System) -> anyhow::Result<String> {
+    let http = reqwest::Client::new();
+    for (i, url) in system.dispatcher_metrics.iter().enumerate() {
+        let text = http
+            .get(url)
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await?
+            .text()
+            .await?;
+        if prometheus_sum(&text, "metronome_dispatcher_leader") > 0.0 {
+            // `./dev up` starts dispatcher-a then -b; their metrics URLs sort the same way.
+            return Ok(format!("dispatcher-{}", ["a", "b"][i.min(1)]));
+        }
+    }
+    bail!("no dispatcher says it leads")
+}
+
+/// RELIABILITY.md from the reports.
+pub fn render_report(plan: &DrillPlan, reports: &[DrillReport]) -> String {
+    let mut out = String::new();
+    out.push_str("# Reliability: fault drills\n\n");
+    out.push_str(&format!(
+        "Produced by `{}` on a real system (`./dev up --keep-going`, {} simulated GPUs, real \
+         nats-server with file storage and redis-server, dispatcher leader + standby), \
+         {:.0} jobs/s offered on `jobs.submit` for {} s per drill, fault at a third of it.\n\n",
+        plan.command,
+        plan.gpus,
+        plan.rate,
+        plan.load.as_secs()
+    ));
+    out.push_str(
+        "Counted by job id from the RESULTS stream (every final result) and the chunks the \
+         drill's client received, never from logs. *Exactly once*: one final result, a \
+         success. *Failed*: final results, none a success (the client got an error with a \
+         reason). *Lost*: no final result. *Duplicated*: two successful final results, or \
+         chunks from two runs (worker, attempt). *Recover*: from the fault (leader kill) or the \
+         repair (restart, SIGCONT, end of the rolling deploy) to the next decision \
+         (dispatcher kills) or the next successful result (of the faulted worker for agent \
+         and model-server drills).\n\n",
+    );
+    out.push_str("| drill | what was done | sent | exactly once | failed (reason) | lost | duplicated | recover |\n");
+    out.push_str("|---|---|---:|---:|---:|---:|---:|---:|\n");
+    for r in reports {
+        let reasons: Vec<String> = r
+            .failure_reasons
+            .iter()
+            .map(|(k, v)| format!("{v} {k}"))
+            .collect();
+        out.push_str(&format!(
+            "| {} | {} | {} | {} | {}{} | {} | {} | {} |\n",
+            r.fault,
+            r.what,
+            r.sent,
+            r.exactly_once,
+            r.failed_with_reason,
+            if reasons.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", reasons.join(", "))
+            },
+            r.lost,
+            r.duplicated,
+            r.recover_ms
+                .map_or("not seen".into(), |ms| format!("{:.1} s", ms as f64 / 1e3)),
+        ));
+    }
+    for r in reports {
+        if let Some(h) = &r.http {
+            out.push_str(&format!(
+                "\n{}: of its jobs, {} went through the gateway over HTTP (streaming): {} \
+                 complete, {} ended with a clear error, {} broke without one (counted lost); \
+                 the gateway did not take {} tries (no connection or 503 while it restarted), \
+                 which the client sent again; {} never taken.\n",
+                r.fault, h.sent, h.complete, h.clear_error, h.broken, h.refused, h.not_taken
+            ));
+        }
+        for note in &r.notes {
+            out.push_str(&format!("\n{}: {note}\n", r.fault));
+        }
+    }
+    let anomalies: Vec<(&str, &String)> = reports
+        .iter()
+        .flat_map(|r| r.anomalies.iter().map(move |a| (r.fault.as_str(), a)))
+        .collect();
+    if !anomalies.is_empty() {
+        out.push_str(
+            "\nLost or duplicated jobs (job: finals stored, runs whose chunks the client saw):\n\n",
+        );
+        for (fault, a) in anomalies {
+            out.push_str(&format!("- {fault}: {a}\n"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use metronome_protocol::{ErrorCode, ResultError, Usage};
+
+    use super::*;
+
+    fn fin(job: &str, worker: &str, error: Option<ErrorCode>) -> FinalResult {
+        FinalResult {
+            v: PROTOCOL_VERSION,
+            job_id: job.into(),
+            worker_id: Some(worker.into()),
+            response: None,
+            error: error.map(|code| ResultError {
+                code,
+                message: "why".into(),
+            }),
+            usage: Usage::default(),
+            chunks: 0,
+            ttft_ms: None,
+            e2e_ms: None,
+        }
+    }
+
+    /// Every job lands in exactly one of exactly once, failed, lost, duplicated (chunks of
+    /// two runs next to one success used to count as exactly once too); an HTTP client's
+    /// broken stream is lost whatever RESULTS holds, and its clear
+    /// error is a failure with the client's code even without a stored final result.
+    #[test]
+    fn each_job_is_counted_once_and_the_http_clients_view_counts() {
+        let ids = [
+            "ok", "failed", "missing", "twice", "two-runs", "broken", "refused",
+        ];
+        let mut sent = Sent {
+            ids: ids.iter().map(|s| s.to_string()).collect(),
+            http_tries: 3,
+            ..Default::default()
+        };
+        sent.http
+            .insert("broken".into(), HttpOutcome::Broken("cut".into()));
+        sent.http.insert(
+            "refused".into(),
+            HttpOutcome::ClearError("jobs_stream_full".into()),
+        );
+        sent.http.insert("ok".into(), HttpOutcome::Complete);
+        let mut finals: BTreeMap<String, Vec<FinalResult>> = BTreeMap::new();
+        finals.insert("ok".into(), vec![fin("ok", "w0", None)]);
+        finals.insert(
+            "failed".into(),
+            vec![fin("failed", "w1", Some(ErrorCode::WorkerFailed))],
+        );
+        finals.insert(
+            "twice".into(),
+            vec![fin("twice", "w0", None), fin("twice", "w1", None)],
+        );
+        finals.insert("two-runs".into(), vec![fin("two-runs", "w0", None)]);
+        finals.insert("broken".into(), vec![fin("broken", "w2", None)]);
+        let mut runs: BTreeMap<String, BTreeSet<(String, Option<u32>)>> = BTreeMap::new();
+        runs.entry("two-runs".into())
+            .or_default()
+            .extend([("w0".to_string(), Some(1)), ("w1".to_string(), Some(2))]);
+
+        let r = account(&sent, &finals, &runs);
+        assert_eq!(r.sent, 7);
+        assert_eq!(r.exactly_once, 1, "{r:?}");
+        assert_eq!(
+            r.exactly_once + r.failed_with_reason + r.lost + r.duplicated,
+            r.sent
+        );
+        assert_eq!(r.failed_with_reason, 2, "{r:?}");
+        assert_eq!(r.lost, 2, "missing, broken: {r:?}");
+        assert_eq!(r.duplicated, 2, "twice, two-runs: {r:?}");
+        assert_eq!(r.failure_reasons.get("WorkerFailed"), Some(&1));
+        assert_eq!(r.failure_reasons.get("jobs_stream_full"), Some(&1));
+        assert_eq!(r.anomalies.len(), 4, "{:?}", r.anomalies);
+        let http = r.http.expect("an HTTP account");
+        assert_eq!(
+            (http.sent, http.complete, http.clear_error, http.broken),
+            (3, 1, 1, 1)
+        );
+        assert!(!DrillReport {
+            lost: 0,
+            duplicated: 0,
+            http: Some(HttpAccount {
+                not_taken: 1,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+        .passed());
+    }
+}
