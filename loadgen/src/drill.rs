@@ -139,6 +139,7 @@ pub async fn run_drills(plan: &DrillPlan) -> anyhow::Result<Vec<DrillReport>> {
         worker_max_concurrency: None,
         profile: plan.profile.clone(),
         keep_going: true,
+        gateway_extra_toml: None,
     };
     let mut system = System::up(&spec).await.context("starting the system")?;
     let env = read_env(&plan.state_dir.join("env"))?;
@@ -538,7 +539,7 @@ async fn send_jobs(
 }
 
 /// Which dispatcher leads (`metronome_dispatcher_leader` 1 on its `/metrics`).
-async fn leader_name(system: &System) -> anyhow::Result<String> {
+pub(crate) async fn leader_name(system: &System) -> anyhow::Result<String> {
     let http = reqwest::Client::new();
     for (i, url) in system.dispatcher_metrics.iter().enumerate() {
         let text = http
@@ -556,7 +557,7 @@ async fn leader_name(system: &System) -> anyhow::Result<String> {
     bail!("no dispatcher says it leads")
 }
 
-fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
+pub(crate) fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
     let status = std::process::Command::new("kill")
         .args([&format!("-{sig}"), &pid.to_string()])
         .status()?;
@@ -566,7 +567,7 @@ fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn stop_restarted(pids: &[u32]) {
+pub(crate) fn stop_restarted(pids: &[u32]) {
     for pid in pids.iter().rev() {
         let _ = signal(*pid, "TERM");
     }
@@ -595,14 +596,14 @@ fn alive(pid: u32) -> bool {
 }
 
 /// What it takes to start a process again as it was.
-struct Image {
+pub(crate) struct Image {
     argv: Vec<String>,
     env: Vec<(String, String)>,
     cwd: PathBuf,
 }
 
 impl Image {
-    fn read(pid: u32) -> anyhow::Result<Image> {
+    pub(crate) fn read(pid: u32) -> anyhow::Result<Image> {
         let split = |bytes: Vec<u8>| -> Vec<String> {
             // NUL-terminated entries; an empty argument (`--save ""`) is kept.
             let body = bytes.strip_suffix(&[0]).unwrap_or(&bytes);
@@ -660,7 +661,7 @@ impl Image {
     }
 
     /// Start it again, appending to `<state>/logs/<name>.log`, and record its pid.
-    fn spawn(&self, state_dir: &Path, name: &str) -> anyhow::Result<u32> {
+    pub(crate) fn spawn(&self, state_dir: &Path, name: &str) -> anyhow::Result<u32> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
