@@ -635,7 +635,7 @@ fn render(
     }
     let _ = writeln!(
         s,
-        "\nA's errors are its flood's jobs that could not start before their deadline (the gateway's `queue_timeout_ms`): the share it is owed is served, the rest is refused. Per-request CSVs and summaries: `{}`.",
+        "\nA's errors are its flood's jobs refused at once (429 `deadline_unmeetable`, or expired) because they could not start before their deadline: the share it is owed is served, the rest is refused. Per-request CSVs and summaries: `{}`.",
         plan.out.display()
     );
     s
