@@ -725,7 +725,7 @@ mod tests {
         ];
         let f = tenant_figures(&records, 0.0, 2.0);
         assert_eq!(f["b"].sent, 2);
-        assert_eq!(f["b"].ttft_p99_ms.map(|x| x.round()), Some(298.0));
+        assert_eq!(f["b"].ttft_p99_ms, Some(300.0), "nearest rank");
         assert_eq!(f["b"].output_tok_s, 10.0, "20 tokens over 2 s");
         assert_eq!(f["a"].errors["http 503"], 1);
         assert_eq!(f["a"].ok, 1);
