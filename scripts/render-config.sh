@@ -55,6 +55,11 @@ redis_url = "$(redis_url_for gateway)"
 # Loopback demo: requests without an API key are served as tenant "anonymous".
 allow_anonymous = true
 TOML
+  # Extra gateway settings (TOML appended after the keys above, e.g. [[tenants]] and
+  # [[keys]]), so a benchmark can send with real API keys.
+  if [ -n "${METRONOME_GATEWAY_EXTRA_TOML:-}" ]; then
+    printf '%s\n' "$METRONOME_GATEWAY_EXTRA_TOML"
+  fi
 }
 
 # Prometheus scraping every process of ./dev up (--observe), with the project's alert rules.

@@ -223,6 +223,34 @@ impl Story {
     }
 }
 
+/// Who the job was for and where its tenant stood in the fair queue, when the decision
+/// says (older decisions carry none of it). The counter is what the dispatcher ordered
+/// tenants by: the lowest waiting one is served next.
+fn fairness_line(d: &Decision) -> Option<String> {
+    if d.tenant.is_none() && d.priority.is_none() && d.fair_counter.is_none() {
+        return None;
+    }
+    let tenant = match d.tenant.as_deref() {
+        Some("") | None => "(none)".to_string(),
+        Some(t) => t.to_string(),
+    };
+    let priority = d.priority.map_or("n/a", |p| p.as_str());
+    let counter = match d.fair_counter {
+        Some(c) => format!(
+            "{c:.0} weighted tokens{}",
+            if d.outcome == Outcome::Assigned {
+                " (after this job's charge)"
+            } else {
+                ""
+            }
+        ),
+        None => "n/a".into(),
+    };
+    Some(format!(
+        "  tenant {tenant}, priority {priority}, fair-share counter {counter}\n"
+    ))
+}
+
 /// The candidate that won: the decision's worker, else the best-scored candidate.
 fn winner(d: &Decision) -> Option<&CandidateScore> {
     match &d.worker_id {
@@ -254,6 +282,9 @@ fn render_decision(out: &mut String, d: &Decision) {
         d.policy,
         d.decision_latency_us
     ));
+    if let Some(line) = fairness_line(d) {
+        out.push_str(&line);
+    }
     if let Some(reason) = &d.reason {
         let code = d
             .reason_code
@@ -569,6 +600,33 @@ mod tests {
                 e2e_ms: Some(1720.0),
             }),
         }
+    }
+
+    #[test]
+    fn the_tenant_its_class_and_counter_are_told_when_recorded() {
+        let mut st = story();
+        assert!(
+            !st.render().contains("fair-share"),
+            "none recorded: no line"
+        );
+        st.decisions[0].tenant = Some("acme".into());
+        st.decisions[0].priority = Some(metronome_protocol::Priority::Batch);
+        st.decisions[0].fair_counter = Some(12_345.4);
+        let text = st.render();
+        assert!(
+            text.contains(
+                "  tenant acme, priority batch, fair-share counter 12345 weighted tokens (after this job's charge)\n"
+            ),
+            "{text}"
+        );
+        st.decisions[0].outcome = Outcome::Rejected;
+        st.decisions[0].tenant = Some(String::new());
+        st.decisions[0].fair_counter = None;
+        let text = st.render();
+        assert!(
+            text.contains("tenant (none), priority batch, fair-share counter n/a\n"),
+            "{text}"
+        );
     }
 
     #[test]

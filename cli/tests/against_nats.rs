@@ -176,12 +176,12 @@ async fn explain_tells_the_story_of_a_stored_decision() {
         &completion("other", "n1-gpu1", 1, now),
     )
     .await;
-    env.publish(
-        names::decision_subject("job-7"),
-        "job-7:1",
-        &decision("job-7", 1, now),
-    )
-    .await;
+    let mut first = decision("job-7", 1, now);
+    first.tenant = Some("acme".into());
+    first.priority = Some(metronome_protocol::Priority::Interactive);
+    first.fair_counter = Some(900.0);
+    env.publish(names::decision_subject("job-7"), "job-7:1", &first)
+        .await;
     let mut done = completion("job-7", "n1-gpu1", 1, now);
     done.ttft_ms = Some(140.0);
     env.publish(names::event_done_subject("n1-gpu1"), "e-job-7", &done)
@@ -212,6 +212,7 @@ async fn explain_tells_the_story_of_a_stored_decision() {
     for needle in [
         "Job job-7 (model llama-3.1-8b): assigned to n1-gpu1 on attempt 1",
         "waited in queue: 25 ms",
+        "tenant acme, priority interactive, fair-share counter 900 weighted tokens (after this job's charge)",
         "SLO: first token within 2000 ms of submission, at least 30.0 tok/s",
         "#1 n1-gpu1  total 0.700  ← winner",
         "predicted: TTFT 110 ms, 48.0 tok/s for this job",
@@ -249,6 +250,8 @@ async fn explain_tells_the_story_of_a_stored_decision() {
     assert_eq!(v["summary"]["actual"]["ttft_ms"], 140.0);
     assert_eq!(v["decisions"][0]["rejected"][0]["code"], "below_slo_floor");
     assert_eq!(v["result"]["chunks"], 41);
+    assert_eq!(v["decisions"][0]["tenant"], "acme");
+    assert_eq!(v["decisions"][0]["fair_counter"], 900.0);
 
     // A second attempt on the same subject: both are told, the last one counts.
     let mut second = decision("job-7", 2, now + 10);

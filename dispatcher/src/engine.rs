@@ -456,16 +456,26 @@ impl Engine {
         else {
             return;
         };
-        // Counted in arrival order: fair sharing may serve a light tenant's job sooner,
-        // so a flooding tenant's wait is underestimated, never a light tenant's overstated.
-        let mut waiting: Vec<(u64, u64, &str)> = self
+        // Counted in the order fair sharing will serve them, not in arrival order: a light
+        // tenant's job behind a flood is served next and must not be refused for the
+        // flood's length. Later arrivals of lighter tenants can still go ahead, so a
+        // flooding tenant's wait is underestimated, never a light tenant's overstated.
+        let predicted = self.output_len.get(model).copied();
+        let waiting: Vec<(u64, &str)> = self
             .queues
-            .waiting(model)
-            .map(|j| (j.seq, j.deadline_ms, j.job.id.as_str()))
+            .service_order(model, |j| Tokens {
+                prompt: f64::from(j.job.prompt_tokens),
+                output: predicted
+                    .filter(|p| p.is_finite())
+                    .map_or(f64::from(j.job.max_tokens), |p| {
+                        p.clamp(0.0, f64::from(j.job.max_tokens))
+                    }),
+            })
+            .into_iter()
+            .map(|j| (j.deadline_ms, j.job.id.as_str()))
             .collect();
-        waiting.sort_unstable();
         let mut doomed: Vec<(String, f64)> = Vec::new();
-        for (pos, &(_, deadline_ms, id)) in waiting.iter().enumerate() {
+        for (pos, &(deadline_ms, id)) in waiting.iter().enumerate() {
             // Jobs answered here leave the queue: they are not ahead of anyone.
             let Some(wait) = drain.predicted_wait_ms(pos - doomed.len(), now) else {
                 break;

@@ -66,7 +66,10 @@ impl Cli {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // File, then the environment (`METRONOME_NATS_*`, `METRONOME_REDIS_*` and the keys
+    // of `config::ENV`), then flags: the order every binary uses.
     let config = file_or_default::<Config>(cli.config.as_deref())
+        .and_then(|mut c| c.apply_env(|k| std::env::var(k).ok()).map(|()| c))
         .and_then(|mut c| apply_overrides(&mut c, cli.overrides()).map(|()| c));
     let config = match config {
         Ok(c) => c,

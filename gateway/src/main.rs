@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use metronome_gateway::{Config, ModelList, TenantConfig};
-use metronome_runtime::config::{apply_overrides, file_or_default, Override};
+use metronome_runtime::config::{apply_overrides, Override};
 
 /// Metronome's OpenAI-compatible HTTP gateway.
 ///
@@ -193,7 +193,9 @@ fn main() -> ExitCode {
     let overrides = flags
         .into_iter()
         .filter_map(|(flag, key, v)| v.as_ref().map(|v| Override::flag(flag, key, v)));
-    let config = file_or_default::<Config>(args.config.as_deref())
+    // File, then the environment (`METRONOME_NATS_*`, `METRONOME_REDIS_*` and the keys
+    // of `config::ENV`), then flags: the order every binary uses.
+    let config = Config::load(args.config.as_deref(), |k| std::env::var(k).ok())
         .and_then(|mut c| apply_overrides(&mut c, overrides).map(|()| c));
     let config = match config {
         Ok(c) => c,

@@ -133,7 +133,6 @@ pub fn interpret_chunk(data: &str) -> Result<ChunkInfo, String> {
 pub struct Client {
     http: reqwest::Client,
     url: String,
-    api_key: Option<String>,
     spec: std::sync::Arc<LoadSpec>,
     nonce: u64,
     timeout: Duration,
@@ -159,7 +158,6 @@ impl Client {
         Ok(Client {
             http,
             url: spec.request_url(),
-            api_key: spec.api_key.clone(),
             spec: std::sync::Arc::new(spec.clone()),
             // Random per run, not derived from the seed: two runs with the same seed
             // against the same server must not hit each other's prefix cache.
@@ -190,13 +188,18 @@ impl Client {
             scheduled_s: req.at_s,
             prompt_tokens: req.prompt_tokens,
             max_tokens: req.output_tokens,
+            tenant: req
+                .tenant
+                .and_then(|i| self.spec.tenants.get(i))
+                .map(|t| t.name.clone()),
             ..Default::default()
         };
+        let key = self.spec.api_key_for(req.tenant);
         let mut m = Measure::default();
         let t0 = Instant::now();
         rec.sent_s = (t0 - run_start).as_secs_f64();
         let outcome = tokio::select! {
-            r = tokio::time::timeout(self.timeout, self.exchange(&body, &mut rec, &mut m)) => match r {
+            r = tokio::time::timeout(self.timeout, self.exchange(&body, key, &mut rec, &mut m)) => match r {
                 Ok(r) => r,
                 Err(_) => Err((ErrorKind::Timeout, format!("request timed out after {:?}", self.timeout))),
             },
@@ -230,11 +233,12 @@ impl Client {
     async fn exchange(
         &self,
         body: &Value,
+        api_key: Option<&str>,
         rec: &mut RequestRecord,
         m: &mut Measure,
     ) -> Result<(), (ErrorKind, String)> {
         let mut builder = self.http.post(&self.url).json(body);
-        if let Some(key) = &self.api_key {
+        if let Some(key) = api_key {
             builder = builder.bearer_auth(key);
         }
         let resp = builder.send().await.map_err(|e| {

@@ -34,7 +34,7 @@ pub use plan::{plan_requests, poisson_plan, trace_plan, PlannedRequest, TraceSca
 pub use prompt::FIELD_PROMPT_TOKENS;
 pub use record::{ErrorKind, RequestRecord};
 pub use runner::{run, run_load, run_load_until, run_plan, RunResult};
-pub use spec::{Endpoint, LoadSpec, Slo, Workload};
+pub use spec::{Endpoint, LoadSpec, Slo, TenantLoad, Workload};
 pub use summary::{meets_slo, summarize, Dist, Summary, WorkerSummary};
 pub use trace::{load_trace, parse_trace, trace_stats, LengthStats, TraceRequest, TraceStats};
 

@@ -27,6 +27,9 @@ pub struct PlannedRequest {
     pub prompt_tokens: u32,
     /// Requested output length (`max_tokens`).
     pub output_tokens: u32,
+    /// Index of its tenant in the spec's `tenants`, when the spec has tenants.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<usize>,
 }
 
 /// Builds the plan of a (validated) spec. Reads the trace file for trace workloads.
@@ -51,6 +54,21 @@ pub fn plan_requests(spec: &LoadSpec) -> Result<Vec<PlannedRequest>, LoadError> 
                 spec.limit,
                 scaling,
                 spec.duration_s,
+            )
+        }
+        Workload::Poisson {
+            prompt_tokens,
+            output_tokens,
+            ..
+        } if !spec.tenants.is_empty() => {
+            let rates: Vec<f64> = spec.tenants.iter().map(|t| t.rate_rps).collect();
+            tenants_plan(
+                &rates,
+                spec.seed,
+                spec.limit,
+                spec.duration_s,
+                prompt_tokens,
+                output_tokens,
             )
         }
         Workload::Poisson {
@@ -118,6 +136,7 @@ pub fn trace_plan(
             at_s,
             prompt_tokens: r.prompt_tokens.max(1),
             output_tokens: r.output_tokens.max(1),
+            tenant: None,
         })
         .collect()
 }
@@ -157,7 +176,44 @@ pub fn poisson_plan(
             at_s: t,
             prompt_tokens: prompt.sample(&mut prompts),
             output_tokens: output.sample(&mut outputs),
+            tenant: None,
         });
+    }
+    plan
+}
+
+/// One Poisson stream per tenant (at `rates[i]`, tenant `i`), merged by arrival time and
+/// numbered `0..n` in that order; `limit` applies to the merged plan. Each tenant's stream
+/// has its own seed (derived from `seed` and its index), so adding a tenant does not move
+/// the arrivals of the others.
+pub fn tenants_plan(
+    rates: &[f64],
+    seed: u64,
+    limit: Option<usize>,
+    duration_s: Option<f64>,
+    prompt: &LengthDist,
+    output: &LengthDist,
+) -> Vec<PlannedRequest> {
+    let mut plan: Vec<PlannedRequest> = rates
+        .iter()
+        .enumerate()
+        .flat_map(|(i, &rate)| {
+            let tenant_seed = seed ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            poisson_plan(rate, tenant_seed, limit, duration_s, prompt, output)
+                .into_iter()
+                .map(move |r| PlannedRequest {
+                    tenant: Some(i),
+                    ..r
+                })
+        })
+        .collect();
+    // Stable: equal times keep tenant order, so the plan is reproducible.
+    plan.sort_by(|a, b| a.at_s.total_cmp(&b.at_s));
+    if let Some(n) = limit {
+        plan.truncate(n);
+    }
+    for (i, r) in plan.iter_mut().enumerate() {
+        r.id = i as u64;
     }
     plan
 }
@@ -179,6 +235,29 @@ mod tests {
         assert!((mean_gap - 0.05).abs() < 0.0025, "mean gap {mean_gap}");
         assert!(plan.windows(2).all(|w| w[0].at_s <= w[1].at_s));
         assert!(plan.iter().enumerate().all(|(i, r)| r.id == i as u64));
+    }
+
+    #[test]
+    fn tenants_get_their_own_rates_merged_in_time_order() {
+        let plan = tenants_plan(&[20.0, 2.0], 5, None, Some(500.0), &fixed(3), &fixed(4));
+        let count = |t| plan.iter().filter(|r| r.tenant == Some(t)).count() as f64;
+        // 10 000 and 1 000 expected arrivals: within 5 % (over 3 standard errors).
+        assert!((count(0) / 10_000.0 - 1.0).abs() < 0.05, "{}", count(0));
+        assert!((count(1) / 1_000.0 - 1.0).abs() < 0.1, "{}", count(1));
+        assert!(plan.windows(2).all(|w| w[0].at_s <= w[1].at_s));
+        assert!(plan.iter().enumerate().all(|(i, r)| r.id == i as u64));
+        // Tenant 1's arrivals do not depend on whether tenant 0 floods.
+        let alone = tenants_plan(&[20.0, 2.0], 5, None, Some(50.0), &fixed(3), &fixed(4));
+        let quieter = tenants_plan(&[1.0, 2.0], 5, None, Some(50.0), &fixed(3), &fixed(4));
+        let times = |p: &[PlannedRequest]| -> Vec<f64> {
+            p.iter()
+                .filter(|r| r.tenant == Some(1))
+                .map(|r| r.at_s)
+                .collect()
+        };
+        assert_eq!(times(&alone), times(&quieter));
+        let limited = tenants_plan(&[20.0, 2.0], 5, Some(7), None, &fixed(3), &fixed(4));
+        assert_eq!(limited.len(), 7);
     }
 
     #[test]

@@ -83,6 +83,9 @@ pub struct RequestRecord {
     pub job_id: Option<String>,
     /// `x-metronome-worker` response header.
     pub worker: Option<String>,
+    /// The spec's tenant that sent it, when the spec has tenants.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 impl RequestRecord {
@@ -103,7 +106,7 @@ impl RequestRecord {
 }
 
 /// Column names of `requests.csv`, in order.
-pub const CSV_HEADER: &str = "id,scheduled_s,sent_s,prompt_tokens,max_tokens,ok,status,error_kind,error,ttft_ms,tpot_ms,e2e_ms,output_tokens,tokens_per_s,usage_reported,chunks,job_id,worker";
+pub const CSV_HEADER: &str = "id,scheduled_s,sent_s,prompt_tokens,max_tokens,ok,status,error_kind,error,ttft_ms,tpot_ms,e2e_ms,output_tokens,tokens_per_s,usage_reported,chunks,job_id,worker,tenant";
 
 /// Renders records as CSV (RFC 4180 quoting for free-text fields).
 pub fn records_csv(records: &[RequestRecord]) -> String {
@@ -114,7 +117,7 @@ pub fn records_csv(records: &[RequestRecord]) -> String {
     for r in records {
         let _ = writeln!(
             out,
-            "{},{:.6},{:.6},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+            "{},{:.6},{:.6},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
             r.id,
             r.scheduled_s,
             r.sent_s,
@@ -133,6 +136,7 @@ pub fn records_csv(records: &[RequestRecord]) -> String {
             r.chunks,
             csv_field(r.job_id.as_deref().unwrap_or("")),
             csv_field(r.worker.as_deref().unwrap_or("")),
+            csv_field(r.tenant.as_deref().unwrap_or("")),
         );
     }
     out
@@ -197,6 +201,6 @@ mod tests {
         let row = lines.next().unwrap();
         assert!(row.starts_with("3,"));
         assert!(row.contains(",503,http,\"bad \"\"x\"\", y\","), "{row}");
-        assert_eq!(CSV_HEADER.split(',').count(), 18);
+        assert_eq!(CSV_HEADER.split(',').count(), 19);
     }
 }

@@ -128,7 +128,7 @@ pub async fn run_plan(
                 biased;
                 () = cancel.cancelled() => {
                     cancelled = true;
-                    records.push(not_sent(&req, start, ErrorKind::Cancelled, "run cancelled before its arrival time"));
+                    records.push(not_sent(&spec, &req, start, ErrorKind::Cancelled, "run cancelled before its arrival time"));
                     break 'arrivals;
                 }
                 () = sleep_until(at) => break,
@@ -139,6 +139,7 @@ pub async fn run_plan(
             counters.errors.fetch_add(1, Ordering::Relaxed);
             counters.done.fetch_add(1, Ordering::Relaxed);
             records.push(not_sent(
+                &spec,
                 &req,
                 start,
                 ErrorKind::Dropped,
@@ -168,6 +169,7 @@ pub async fn run_plan(
     }
     for req in plan_iter {
         records.push(not_sent(
+            &spec,
             &req,
             start,
             ErrorKind::Cancelled,
@@ -203,9 +205,19 @@ pub async fn run_plan(
     })
 }
 
-fn not_sent(req: &PlannedRequest, start: Instant, kind: ErrorKind, why: &str) -> RequestRecord {
+fn not_sent(
+    spec: &LoadSpec,
+    req: &PlannedRequest,
+    start: Instant,
+    kind: ErrorKind,
+    why: &str,
+) -> RequestRecord {
     RequestRecord {
         id: req.id,
+        tenant: req
+            .tenant
+            .and_then(|i| spec.tenants.get(i))
+            .map(|t| t.name.clone()),
         scheduled_s: req.at_s,
         sent_s: (Instant::now() - start).as_secs_f64(),
         prompt_tokens: req.prompt_tokens,

@@ -103,6 +103,22 @@ impl Default for Slo {
     }
 }
 
+/// One tenant's share of a Poisson workload: its own arrival stream at `rate_rps`, sent
+/// with its own API key, reported on its own (`Summary::per_tenant`). Lengths come from the
+/// workload's distributions.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantLoad {
+    /// Label of its requests in records and summaries (need not be the server's name).
+    pub name: String,
+    /// Sent as `Authorization: Bearer …` for this tenant's requests; absent: the spec's
+    /// `api_key`. Never written to outputs.
+    #[serde(default, skip_serializing)]
+    pub api_key: Option<String>,
+    /// Mean arrival rate of this tenant's requests, requests/s.
+    pub rate_rps: f64,
+}
+
 /// A complete description of one load run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -141,6 +157,11 @@ pub struct LoadSpec {
     /// Seconds between progress lines on stderr.
     pub progress_interval_s: f64,
     pub slo: Slo,
+    /// Traffic per tenant (`[[tenants]]`, Poisson workloads only): each tenant's arrivals
+    /// are drawn at its own rate, and the workload's `rate_rps` is unused. `limit` and
+    /// `duration_s` bound the merged plan.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<TenantLoad>,
 }
 
 impl Default for LoadSpec {
@@ -161,6 +182,7 @@ impl Default for LoadSpec {
             unique_prompts: true,
             progress_interval_s: 5.0,
             slo: Slo::default(),
+            tenants: Vec::new(),
         }
     }
 }
@@ -310,11 +332,39 @@ impl LoadSpec {
                 }
             }
         }
+        if !self.tenants.is_empty() && matches!(self.workload, Workload::Trace { .. }) {
+            bad(
+                "tenants",
+                "per-tenant traffic needs a Poisson workload (a trace has one arrival stream)",
+            );
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for (i, t) in self.tenants.iter().enumerate() {
+            if t.name.trim().is_empty() {
+                bad(&format!("tenants[{i}].name"), "required");
+            } else if !names.insert(t.name.as_str()) {
+                bad(
+                    &format!("tenants[{i}].name"),
+                    &format!("duplicate tenant {:?}", t.name),
+                );
+            }
+            if !positive(t.rate_rps) {
+                bad(&format!("tenants[{i}].rate_rps"), "must be > 0");
+            }
+        }
         if errs.is_empty() {
             Ok(())
         } else {
             Err(errs)
         }
+    }
+
+    /// The API key a request of tenant `tenant` (an index into `tenants`) is sent with.
+    pub fn api_key_for(&self, tenant: Option<usize>) -> Option<&str> {
+        tenant
+            .and_then(|i| self.tenants.get(i))
+            .and_then(|t| t.api_key.as_deref())
+            .or(self.api_key.as_deref())
     }
 }
 
@@ -407,6 +457,51 @@ mod tests {
         let back = LoadSpec::from_toml_str(&toml::to_string(&spec).unwrap()).unwrap();
         assert_eq!(back, spec);
         assert!(LoadSpec::from_toml_str("modle = \"typo\"").is_err());
+    }
+
+    #[test]
+    fn tenants_parse_keep_their_keys_out_of_outputs_and_are_checked() {
+        let text = r#"
+            model = "m"
+            duration_s = 10.0
+            api_key = "shared"
+            [[tenants]]
+            name = "flood"
+            api_key = "mtk_a"
+            rate_rps = 20.0
+            [[tenants]]
+            name = "steady"
+            rate_rps = 2.0
+        "#;
+        let spec = LoadSpec::from_toml_str(text).unwrap();
+        assert_eq!(spec.validate(), Ok(()));
+        assert_eq!(spec.api_key_for(Some(0)), Some("mtk_a"));
+        assert_eq!(spec.api_key_for(Some(1)), Some("shared"), "falls back");
+        assert_eq!(spec.api_key_for(None), Some("shared"));
+        let written = toml::to_string(&spec).unwrap();
+        assert!(
+            written.contains("steady") && !written.contains("mtk_a"),
+            "{written}"
+        );
+
+        let mut bad = spec.clone();
+        bad.tenants[1].name = "flood".into();
+        bad.tenants[0].rate_rps = 0.0;
+        bad.workload = Workload::Trace {
+            path: "/nonexistent".into(),
+            time_scale: None,
+            rate_rps: None,
+            start_offset_s: 0.0,
+        };
+        let fields: Vec<String> = bad
+            .validate()
+            .unwrap_err()
+            .into_iter()
+            .map(|e| e.field)
+            .collect();
+        for f in ["tenants", "tenants[1].name", "tenants[0].rate_rps"] {
+            assert!(fields.iter().any(|x| x == f), "{f} missing from {fields:?}");
+        }
     }
 
     #[test]

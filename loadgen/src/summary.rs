@@ -97,6 +97,10 @@ pub struct Summary {
     /// shows which GPU a slow tail came from.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub per_worker: BTreeMap<String, WorkerSummary>,
+    /// Per tenant of the spec (`[[tenants]]`), each summarised as a run of its own: one
+    /// tenant's tail is not hidden in the mix.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub per_tenant: BTreeMap<String, Summary>,
 }
 
 /// The figures of the requests one worker served.
@@ -125,6 +129,22 @@ pub fn meets_slo(r: &RequestRecord, slo: &Slo) -> bool {
 
 /// Summarises records (pure).
 pub fn summarize(records: &[RequestRecord], slo: Slo) -> Summary {
+    let mut by_tenant: BTreeMap<String, Vec<RequestRecord>> = BTreeMap::new();
+    for r in records {
+        if let Some(t) = &r.tenant {
+            by_tenant.entry(t.clone()).or_default().push(r.clone());
+        }
+    }
+    let mut summary = summarize_all(records, slo);
+    summary.per_tenant = by_tenant
+        .into_iter()
+        .map(|(t, rs)| (t, summarize_all(&rs, slo)))
+        .collect();
+    summary
+}
+
+/// The summary of `records` taken together (no per-tenant split).
+fn summarize_all(records: &[RequestRecord], slo: Slo) -> Summary {
     let ok: Vec<&RequestRecord> = records.iter().filter(|r| r.ok).collect();
     let mut errors_by_kind = BTreeMap::new();
     let mut errors_by_status = BTreeMap::new();
@@ -215,6 +235,7 @@ pub fn summarize(records: &[RequestRecord], slo: Slo) -> Summary {
         },
         goodput_rps: per_s(good as f64, duration_s),
         per_worker,
+        per_tenant: BTreeMap::new(),
     }
 }
 
@@ -299,6 +320,19 @@ impl Summary {
                 f(ws.e2e_ms.p99)
             );
         }
+        for (t, ts) in &self.per_tenant {
+            let _ = writeln!(
+                s,
+                "tenant {t}: {} requests, {} ok, {} good, offered {:.2} req/s, TTFT p50 {} p99 {} ms, {:.0} output tok/s",
+                ts.count,
+                ts.ok,
+                ts.good,
+                ts.offered_rate_rps,
+                f(ts.ttft_ms.p50),
+                f(ts.ttft_ms.p99),
+                ts.output_tokens_per_s
+            );
+        }
         let _ = writeln!(
             s,
             "goodput (TTFT <= {} ms and >= {} tok/s): {:.1}% = {:.2} req/s",
@@ -330,6 +364,38 @@ mod tests {
         };
         r.derive_rates();
         r
+    }
+
+    #[test]
+    fn each_tenant_is_summarised_on_its_own() {
+        let tagged = |mut r: RequestRecord, t: &str| {
+            r.tenant = Some(t.into());
+            r
+        };
+        let recs = vec![
+            tagged(ok(0, 0.0, 100.0, 300.0, 11), "steady"),
+            tagged(ok(1, 0.5, 2000.0, 2500.0, 11), "flood"),
+            tagged(ok(2, 1.0, 120.0, 320.0, 11), "steady"),
+            tagged(ok(3, 1.5, 3000.0, 3500.0, 11), "flood"),
+            ok(4, 2.0, 50.0, 250.0, 11),
+        ];
+        let s = summarize(&recs, Slo::default());
+        assert_eq!(s.count, 5);
+        assert_eq!(
+            s.per_tenant.len(),
+            2,
+            "untagged requests belong to no tenant"
+        );
+        let steady = &s.per_tenant["steady"];
+        assert_eq!((steady.count, steady.ok), (2, 2));
+        assert_eq!(steady.ttft_ms.max, Some(120.0));
+        assert_eq!(s.per_tenant["flood"].ttft_ms.min, Some(2000.0));
+        assert!(steady.per_tenant.is_empty());
+        assert!(
+            s.table().contains("tenant steady: 2 requests"),
+            "{}",
+            s.table()
+        );
     }
 
     #[test]

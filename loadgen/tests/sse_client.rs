@@ -249,6 +249,7 @@ fn burst(n: u64) -> Vec<PlannedRequest> {
             at_s: 0.0,
             prompt_tokens: 4,
             output_tokens: 4,
+            tenant: None,
         })
         .collect()
 }
@@ -302,6 +303,7 @@ async fn cancel_returns_a_partial_result_with_every_request_accounted_for() {
         at_s: 3600.0,
         prompt_tokens: 4,
         output_tokens: 4,
+        tenant: None,
     }));
     let cancel = CancellationToken::new();
     let run = tokio::spawn(run_plan(s, plan, false, cancel.clone()));

@@ -202,8 +202,20 @@ impl Vtc {
         }
     }
 
+    /// Jobs of `tenant` waiting.
+    pub fn waiting_jobs(&self, tenant: &str) -> usize {
+        self.waiting.get(tenant).copied().unwrap_or(0)
+    }
+
     /// Index of the candidate to serve next: the lowest effective class rank, then the
-    /// lowest tenant counter, then fresh before late, then the earliest sequence.
+    /// lowest tenant counter, then the tenant with fewer jobs waiting, then fresh before
+    /// late, then the earliest sequence.
+    ///
+    /// Fewer waiting jobs breaks a counter tie because ties are what the lift makes: a
+    /// tenant arriving behind a flood is lifted to the flooder's counter, and on sequence
+    /// alone the flooder's older job would go first, so every arrival of a light tenant
+    /// would wait one more dispatch. Shares do not move (the counters still decide them);
+    /// only who goes first among equals.
     pub fn pick(&self, candidates: &[Candidate<'_>], config: &FairnessConfig) -> Option<usize> {
         candidates
             .iter()
@@ -212,6 +224,10 @@ impl Vtc {
                 self.effective_rank(a.priority, config)
                     .cmp(&self.effective_rank(b.priority, config))
                     .then_with(|| self.counter(a.tenant).total_cmp(&self.counter(b.tenant)))
+                    .then_with(|| {
+                        self.waiting_jobs(a.tenant)
+                            .cmp(&self.waiting_jobs(b.tenant))
+                    })
                     .then_with(|| (!a.fresh).cmp(&!b.fresh))
                     .then_with(|| a.seq.cmp(&b.seq))
             })
@@ -452,6 +468,23 @@ mod tests {
             "equal counters: earlier sequence"
         );
         assert_eq!(v.pick(&[], &cfg()), None);
+    }
+
+    #[test]
+    fn a_light_tenant_lifted_to_a_flooders_counter_goes_first() {
+        let mut v = Vtc::default();
+        for _ in 0..50 {
+            v.arrive("flood");
+        }
+        v.charge("flood", 4000.0);
+        v.arrive("light");
+        assert_eq!(v.counter("light"), 4000.0, "lifted: a tie");
+        let i = Priority::Interactive;
+        let c = [cand("flood", i, true, 1), cand("light", i, true, 90)];
+        assert_eq!(v.pick(&c, &cfg()), Some(1), "the shorter backlog first");
+        // Once served, the light tenant's counter is higher: the counter decides again.
+        v.charge("light", 10.0);
+        assert_eq!(v.pick(&c, &cfg()), Some(0));
     }
 
     #[test]

@@ -95,6 +95,11 @@ impl Cli {
 
 fn load(cli: &Cli) -> Result<Config, String> {
     let mut config: Config = file_or_default(cli.config.as_deref()).map_err(|e| e.to_string())?;
+    // File, then the environment (`METRONOME_NATS_*`, `METRONOME_REDIS_*` and the keys of
+    // `config::ENV`), then flags: the order every binary uses.
+    config
+        .apply_env(|k| std::env::var(k).ok())
+        .map_err(|e| e.to_string())?;
     apply_overrides(&mut config, cli.overrides()).map_err(|e| e.to_string())?;
     Ok(config)
 }

@@ -121,3 +121,44 @@ fn sigterm_drains_and_leaves_the_registry() {
         );
     });
 }
+
+/// `METRONOME_NATS_*` and `METRONOME_REDIS_*` reach the agent: the identity from the
+/// environment is the one it connects as, and a TLS file named there is checked at start.
+#[test]
+fn nats_and_redis_settings_come_from_the_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good.toml");
+    std::fs::write(&good, "worker_id = \"n1-gpu0\"\nmodel = \"m\"\n").unwrap();
+    let out = bin()
+        .args(["--check-config", "--config"])
+        .arg(&good)
+        .env("METRONOME_NATS_USER", "worker-n1-gpu0")
+        .env("METRONOME_NATS_PASSWORD", "from-the-environment")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("user = \"worker-n1-gpu0\""), "{text}");
+    assert!(!text.contains("from-the-environment"), "{text}");
+
+    let out = bin()
+        .args(["--check-config", "--config"])
+        .arg(&good)
+        .env("REDIS_URL", "rediss://127.0.0.1:6390/")
+        .env("METRONOME_NATS_CA", "/nonexistent/nats-ca.pem")
+        .env("METRONOME_REDIS_CA", "/nonexistent/redis-ca.pem")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    for (field, path) in [
+        ("nats_auth.ca_file", "/nonexistent/nats-ca.pem"),
+        ("redis_tls.ca_file", "/nonexistent/redis-ca.pem"),
+    ] {
+        assert!(err.contains(field) && err.contains(path), "{field}: {err}");
+    }
+}

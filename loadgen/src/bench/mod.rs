@@ -9,11 +9,14 @@
 //! samples), [`prediction`] (prediction error from decisions), [`report`] (rows, targets,
 //! Markdown), [`capacity`] (the keep-up search the overhead runs use), [`system`] (one
 //! system under test and its probes), [`machine`] (machine facts, factual analysis),
-//! [`scenarios`] (the order of runs and the fairness rules). All but the last two and
+//! [`scenarios`] (the order of runs and the fairness rules).
+//! [`fairness`] is the tenant-fairness drill (`--fairness`): two tenants' API keys, one
+//! flooding, and a leader killed mid-run. All but the last two and
 //! `system` are pure and unit-tested; the rest is exercised by running the benchmark.
 
 pub mod capacity;
 pub mod curve;
+pub mod fairness;
 pub mod idle;
 pub mod machine;
 pub mod nominal;

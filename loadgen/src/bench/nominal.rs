@@ -144,6 +144,7 @@ mod tests {
             at_s: 0.0,
             prompt_tokens: p,
             output_tokens: o,
+            tenant: None,
         }
     }
 

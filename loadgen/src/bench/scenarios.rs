@@ -343,6 +343,7 @@ fn system_spec(plan: &BenchPlan, policy: &str, speeds: Vec<String>, tag: &str) -
         worker_max_concurrency: plan.worker_max_concurrency,
         profile: "release".into(),
         keep_going: false,
+        gateway_extra_toml: None,
     }
 }
 
@@ -412,6 +413,7 @@ async fn burst_round(sys: &System, n: usize) -> anyhow::Result<(Option<bool>, St
             at_s: 0.0,
             prompt_tokens: 512,
             output_tokens: 32,
+            tenant: None,
         })
         .collect();
     let r = run_plan(

@@ -37,11 +37,17 @@ pub struct SystemSpec {
     /// `./dev up --keep-going`: a process that exits does not stop the system (fault
     /// drills kill and restart processes).
     pub keep_going: bool,
+    /// TOML appended to the gateway's config (`[[tenants]]` and `[[keys]]`: the fairness
+    /// drill's API keys); `None` leaves `./dev up`'s gateway config as it is.
+    pub gateway_extra_toml: Option<String>,
 }
 
 /// Environment variable of `./dev up` that appends TOML to every dispatcher config. The
 /// runner removes it from the systems it starts so published figures come from defaults.
 pub const EXTRA_TOML_ENV: &str = "METRONOME_DISPATCHER_EXTRA_TOML";
+
+/// Environment variable of `./dev up` that appends TOML to the gateway config.
+pub const GATEWAY_EXTRA_TOML_ENV: &str = "METRONOME_GATEWAY_EXTRA_TOML";
 
 /// A running system.
 pub struct System {
@@ -159,6 +165,10 @@ impl System {
             cmd.args(["--sim-arg", a]);
         }
         cmd.env_remove(EXTRA_TOML_ENV);
+        cmd.env_remove(GATEWAY_EXTRA_TOML_ENV);
+        if let Some(extra) = &spec.gateway_extra_toml {
+            cmd.env(GATEWAY_EXTRA_TOML_ENV, extra);
+        }
         cmd.env_remove("WORKER_MAX_CONCURRENCY");
         if let Some(c) = spec.worker_max_concurrency {
             cmd.env("WORKER_MAX_CONCURRENCY", c.to_string());

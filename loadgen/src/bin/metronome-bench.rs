@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
+use metronome_loadgen::bench::fairness::{run_fairness, FairnessPlan};
 use metronome_loadgen::bench::{run_bench, BenchPlan, CLUSTERS, POLICIES, WORKLOADS};
 use metronome_loadgen::LengthDist;
 
@@ -25,6 +26,8 @@ use metronome_loadgen::LengthDist;
 ///   metronome-bench --quick                      # 60 requests per point
 ///   metronome-bench --quick --policies metronome,least_connections --workloads chat \
 ///     --clusters equal --loads 0.5,1.5 --skip-overhead --out /tmp/b --report /tmp/b/B.md
+///   metronome-bench --fairness        # only the tenant-fairness drill: writes the report's
+///                                     # "## Fairness" section, exits 1 when a target is missed
 #[derive(Debug, Parser)]
 #[command(name = "metronome-bench", version, verbatim_doc_comment)]
 struct Cli {
@@ -79,6 +82,17 @@ struct Cli {
     /// summary of targets met and missed is generated).
     #[arg(long, value_name = "FILE")]
     analysis: Option<PathBuf>,
+    /// Run only the fairness drill: tenant B steady, tenant A flooding at 10× its share,
+    /// through the gateway with one API key each, then a leader SIGKILL; replaces the
+    /// report's "## Fairness" section (outputs under <out>/fairness).
+    #[arg(long)]
+    fairness: bool,
+    /// Fairness drill: seconds of load per phase [default: 60].
+    #[arg(long, value_name = "S", requires = "fairness")]
+    phase_seconds: Option<f64>,
+    /// Fairness drill: simulated GPUs [default: 4].
+    #[arg(long, value_name = "N", requires = "fairness")]
+    gpus: Option<usize>,
 }
 
 fn invalid(msg: String) -> ExitCode {
@@ -101,6 +115,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if cli.fairness {
+        return fairness(&cli, repo, &argv);
+    }
     let mut plan = BenchPlan::new(cli.quick, repo.clone());
     if let Some(o) = cli.out {
         plan.out = o;
@@ -185,6 +202,64 @@ fn main() -> ExitCode {
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn fairness(cli: &Cli, repo: PathBuf, argv: &[String]) -> ExitCode {
+    let mut plan = FairnessPlan::new(repo);
+    if let Some(o) = &cli.out {
+        plan.out = o.join("fairness");
+    }
+    if let Some(r) = &cli.report {
+        plan.report_path = r.clone();
+    }
+    if let Some(s) = cli.phase_seconds {
+        if !(s.is_finite() && s >= 5.0) {
+            return invalid("--phase-seconds wants at least 5".into());
+        }
+        plan.phase_s = s;
+    }
+    if let Some(g) = cli.gpus {
+        if !(1..=64).contains(&g) {
+            return invalid("--gpus wants 1..64".into());
+        }
+        plan.gpus = g;
+    }
+    if let Some(d) = cli.chat_prompt {
+        plan.prompt = d;
+    }
+    if let Some(d) = cli.chat_output {
+        plan.output = d;
+    }
+    plan.command = format!(
+        "cargo build --release --bins && cargo run --release -p metronome-loadgen --bin metronome-bench -- {}",
+        argv.join(" ")
+    );
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = rt.block_on(async {
+        tokio::select! {
+            r = run_fairness(&plan) => r,
+            _ = shutdown_signal() => Err(anyhow::anyhow!("interrupted")),
+        }
+    });
+    match result {
+        Ok(verdicts) if verdicts.iter().all(|v| v.3) => ExitCode::SUCCESS,
+        Ok(verdicts) => {
+            for (what, figure, bound, _) in verdicts.iter().filter(|v| !v.3) {
+                eprintln!("missed: {what}: {figure} (target {bound})");
+            }
+            ExitCode::FAILURE
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

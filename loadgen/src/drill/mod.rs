@@ -45,7 +45,8 @@ mod gateway_client;
 mod process;
 
 use gateway_client::HttpOutcome;
-use process::{alive, read_env, signal, stop_restarted, Image};
+use process::{alive, read_env};
+pub(crate) use process::{signal, stop_restarted, Image};
 
 /// The faults a drill can inject.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -190,6 +191,7 @@ pub async fn run_drills(plan: &DrillPlan) -> anyhow::Result<Vec<DrillReport>> {
         worker_max_concurrency: None,
         profile: plan.profile.clone(),
         keep_going: true,
+        gateway_extra_toml: None,
     };
     let mut system = System::up(&spec).await.context("starting the system")?;
     let env = read_env(&plan.state_dir.join("env"))?;
@@ -910,7 +912,7 @@ async fn submit(js: &jetstream::Context, id: &str) -> anyhow::Result<bool> {
 }
 
 /// Which dispatcher leads (`metronome_dispatcher_leader` 1 on its `/metrics`).
-async fn leader_name(system: &System) -> anyhow::Result<String> {
+pub(crate) async fn leader_name(system: &System) -> anyhow::Result<String> {
     let http = reqwest::Client::new();
     for (i, url) in system.dispatcher_metrics.iter().enumerate() {
         let text = http
