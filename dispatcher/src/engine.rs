@@ -27,7 +27,6 @@ use metronome_protocol::{
     CompletionEvent, CompletionOutcome, Decision, ErrorCode, Job, Outcome, QueueSnapshot,
     WorkerStatus,
 };
-use metronome_scheduler::calibration;
 use metronome_scheduler::filter::fits_when_empty;
 use metronome_scheduler::least_harm;
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
@@ -626,7 +625,6 @@ impl Engine {
             }
         }
         self.dead.remove(worker_id);
-        self.ledger.forget_calibration(worker_id);
         self.revisions.remove(worker_id);
         self.expiring.remove(worker_id);
         self.per_model.clear();
@@ -681,10 +679,7 @@ impl Engine {
             }
         }
         if self.ledger.worker_of(&event.job_id) == Some(event.worker_id.as_str()) {
-            let measured = (event.outcome == CompletionOutcome::Done)
-                .then(|| calibration::measured_tok_s(event.output_tokens, event.tpot_ms))
-                .flatten();
-            self.ledger.settle(&event.job_id, measured);
+            self.ledger.release(&event.job_id);
             self.capacity_changed = true;
         }
         let ours = self
@@ -1171,12 +1166,8 @@ impl Engine {
                 tracing::error!(job_id = %job.job.id, %error, "reservation refused: job dropped from the queue");
                 continue;
             }
-            self.ledger.charge_admission(
-                &winner,
-                &job.job.id,
-                evaluation.winner_stall_ms,
-                evaluation.winner_step_ms,
-            );
+            self.ledger
+                .charge_stall(&winner, &job.job.id, evaluation.winner_stall_ms);
             self.charge_fair(&job, &request, now);
             let latency = started.elapsed();
             self.metrics

@@ -43,9 +43,6 @@ pub struct Evaluation {
     /// Prefill stall the job is predicted to impose on each job already running on the
     /// winner, ms (0 without a winner): the caller charges it to them in the ledger.
     pub winner_stall_ms: f64,
-    /// Predicted decode step on the winner once the job is admitted, ms (0 without a
-    /// winner): the caller renews the forecasts of the winner's jobs with it.
-    pub winner_step_ms: f64,
 }
 
 impl Evaluation {
@@ -69,7 +66,6 @@ pub fn evaluate(
     let best = ranked.best().next();
     let winner = best.map(|c| c.worker_id().to_owned());
     let winner_stall_ms = best.map_or(0.0, |c| c.forecast.stall_ms);
-    let winner_step_ms = best.map_or(0.0, |c| c.forecast.step_ms);
     let candidates = ranked.best().map(|c| c.to_score(&weights)).collect();
     Evaluation {
         winner,
@@ -77,7 +73,6 @@ pub fn evaluate(
         rejected: ranked.rejected,
         cost: job.cost_estimate(),
         winner_stall_ms,
-        winner_step_ms,
     }
 }
 

@@ -60,14 +60,9 @@ pub struct Forecast {
     /// The job's expected whole-decode average, tokens/s: `decode_tok_s` less the recent
     /// stall share.
     pub expected_tok_s: f64,
-    /// The worker's rate calibration ([`crate::calibration`]): the factor by which its
-    /// jobs have decoded faster (> 1) or slower (< 1) than forecast. Every rate compared
-    /// with a floor is multiplied by it: [`Forecast::admitted_tok_s`] and the running
-    /// jobs' rates below.
-    pub rate_calibration: f64,
     /// Stall the job's prefill imposes on each running stream, ms.
     pub stall_ms: f64,
-    /// The running job with the lowest predicted rate after admission (calibrated).
+    /// The running job with the lowest predicted rate after admission.
     pub worst_running: Option<RunningImpact>,
     /// The running job whose rate falls furthest below its own floor, if any does.
     pub worst_violation: Option<RunningImpact>,
@@ -124,7 +119,6 @@ impl Forecast {
             + c.step_per_ktok_ms * (context_tokens + p + default_output / 2.0) / 1000.0)
             .max(1e-3);
         let stall_ms = c.stall_per_prefill_token_ms * p;
-        let k = load.rate_calibration;
         let mut worst_running: Option<RunningImpact> = None;
         let mut worst_violation: Option<(f64, RunningImpact)> = None;
         let mut violations = 0u32;
@@ -137,7 +131,7 @@ impl Forecast {
                 (p.predicted_output, p.min_tok_s)
             });
             let out = out.max(1.0);
-            let tok_s = k * 1000.0 * out / (out * step_ms + r.stall_ms + stall_ms);
+            let tok_s = 1000.0 * out / (out * step_ms + r.stall_ms + stall_ms);
             let impact = RunningImpact {
                 job_id: r.job_id.clone(),
                 tok_s,
@@ -164,19 +158,12 @@ impl Forecast {
             step_ms,
             decode_tok_s: 1000.0 / step_ms,
             expected_tok_s: (1.0 - load.stall_fraction.clamp(0.0, 1.0)) * 1000.0 / step_ms,
-            rate_calibration: k,
             stall_ms,
             worst_running,
             worst_violation: worst_violation.map(|(_, i)| i),
             violations,
             shortfall_tok_s,
         }
-    }
-
-    /// The job's own rate as the floor check judges it: the rate at the batch it joins,
-    /// calibrated.
-    pub fn admitted_tok_s(&self) -> f64 {
-        self.rate_calibration * self.decode_tok_s
     }
 
     /// The prediction as a decision records it.
@@ -316,7 +303,7 @@ mod tests {
         w.status.kv = None;
         let mut l = Ledger::new();
         l.reserve("w1", "a", 10, 0).unwrap();
-        l.charge_admission("w1", "none", 500.0, 0.0); // a: 500 ms stalled over its first 2 s
+        l.charge_stall("w1", "none", 500.0); // a: 500 ms stalled over its first 2 s
         let config = SchedulerConfig::default();
         let load = WorkerLoad::at(&w, &l, &config, 2_000);
         assert!((load.stall_fraction - 0.25).abs() < 1e-12);
@@ -356,7 +343,7 @@ mod tests {
         l.reserve_profiled("w1", "short", 1_000, short, NOW)
             .unwrap();
         l.reserve_profiled("w1", "long", 1_000, long, NOW).unwrap();
-        l.charge_admission("w1", "long", 100.0, 0.0); // short already stalled by long's prefill
+        l.charge_stall("w1", "long", 100.0); // short already stalled by long's prefill
         let f = forecast(&w, &l, &job("m"));
         assert_eq!(f.streams_before, 2);
         // Unreported reservations: their prompts are still to prefill.

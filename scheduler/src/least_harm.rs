@@ -63,7 +63,6 @@ pub fn least_harm(
         rejected: ranked.rejected,
         cost: job.cost_estimate(),
         winner_stall_ms: pick.map_or(0.0, |p| ranked.candidates[p].forecast.stall_ms),
-        winner_step_ms: pick.map_or(0.0, |p| ranked.candidates[p].forecast.step_ms),
     }
 }
 

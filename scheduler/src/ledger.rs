@@ -22,8 +22,6 @@
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::calibration::RateCalibration;
-
 /// FNV-1a, 64-bit: deterministic and fast on short keys such as worker ids.
 #[derive(Debug, Clone, Copy)]
 struct Fnv1a(u64);
@@ -77,11 +75,6 @@ pub struct Reservation {
     /// Prefill stall charged to this job by admissions made on its worker after it (ms):
     /// the time its decode is predicted to stand still while their prompts are prefilled.
     pub stall_ms: f64,
-    /// The job's latest uncalibrated whole-decode rate forecast, tokens/s: made at its own
-    /// admission and again at every later admission on its worker
-    /// ([`Ledger::charge_admission`]). Compared with what it measured when it completes
-    /// ([`Ledger::settle`]); `None` until a forecast was made.
-    pub forecast_tok_s: Option<f64>,
 }
 
 impl Reservation {
@@ -141,8 +134,6 @@ struct WorkerBook {
 pub struct Ledger {
     jobs: BTreeMap<String, Reservation>,
     workers: HashMap<String, WorkerBook, FixedState>,
-    /// What completed jobs taught about each worker's forecasts.
-    calibration: RateCalibration,
 }
 
 impl Ledger {
@@ -174,61 +165,23 @@ impl Ledger {
         self.insert(worker_id, job_id, kv_tokens, now_ms, 0, Some(profile))
     }
 
-    /// An admission of `admitted_job` on `worker_id` was committed, predicted to stall every
-    /// other job booked there for `stall_ms` and to run the worker's batch at one token per
-    /// `step_ms`. Charges the stall to the others and renews every profiled job's forecast
-    /// (the admitted job's own: `1000 / step`; another's: its whole-decode average
-    /// `1000 · L / (L · step + stall charged)`, as [`crate::forecast`] predicts it).
-    /// Non-finite or negative values change nothing.
-    pub fn charge_admission(
-        &mut self,
-        worker_id: &str,
-        admitted_job: &str,
-        stall_ms: f64,
-        step_ms: f64,
-    ) {
-        let stall_ms = if stall_ms.is_finite() && stall_ms > 0.0 {
-            stall_ms
-        } else {
-            0.0
-        };
-        let step_ms = Some(step_ms).filter(|s| s.is_finite() && *s > 0.0);
+    /// Charge `stall_ms` of prefill stall to every job booked on `worker_id` except
+    /// `except_job` (the job whose prefill causes it). Non-finite or negative charges are
+    /// ignored.
+    pub fn charge_stall(&mut self, worker_id: &str, except_job: &str, stall_ms: f64) {
+        if !(stall_ms.is_finite() && stall_ms > 0.0) {
+            return;
+        }
         let Some(book) = self.workers.get(worker_id) else {
             return;
         };
         for (job, _) in &book.jobs {
-            let Some(r) = self.jobs.get_mut(job) else {
-                continue;
-            };
-            if job != admitted_job {
-                r.stall_ms += stall_ms;
-            }
-            if let (Some(step), Some(p)) = (step_ms, r.profile) {
-                let out = p.predicted_output.max(1.0);
-                r.forecast_tok_s = Some(1000.0 * out / (out * step + r.stall_ms));
+            if job != except_job {
+                if let Some(r) = self.jobs.get_mut(job) {
+                    r.stall_ms += stall_ms;
+                }
             }
         }
-    }
-
-    /// Release `job_id` because it completed, decoding at `actual_tok_s` when that is
-    /// known: its forecast and actual rate teach the worker's [`RateCalibration`].
-    pub fn settle(&mut self, job_id: &str, actual_tok_s: Option<f64>) -> Option<Reservation> {
-        let r = self.release(job_id)?;
-        if let (Some(forecast), Some(actual)) = (r.forecast_tok_s, actual_tok_s) {
-            self.calibration.observe(&r.worker_id, forecast, actual);
-        }
-        Some(r)
-    }
-
-    /// The factor `worker_id`'s decode-rate forecasts are multiplied by (see
-    /// [`RateCalibration`]).
-    pub fn rate_calibration(&self, worker_id: &str) -> f64 {
-        self.calibration.factor(worker_id)
-    }
-
-    /// Forget what `worker_id` taught (it left the registry).
-    pub fn forget_calibration(&mut self, worker_id: &str) {
-        self.calibration.forget(worker_id);
     }
 
     /// Share of time the jobs running on the worker have been predicted to stand still for
@@ -288,7 +241,6 @@ impl Ledger {
                 confirmed_ms,
                 profile,
                 stall_ms: 0.0,
-                forecast_tok_s: None,
             },
         );
         let book = match self.workers.get_mut(worker_id) {
@@ -493,49 +445,15 @@ mod tests {
         l.reserve_profiled("w1", "a", 100, profile, 10).unwrap();
         l.reserve("w1", "b", 100, 10).unwrap();
         l.reserve("w2", "c", 100, 10).unwrap();
-        l.charge_admission("w1", "b", 40.0, 0.0);
-        l.charge_admission("w1", "b", f64::NAN, 0.0);
-        l.charge_admission("w1", "b", -5.0, 0.0);
+        l.charge_stall("w1", "b", 40.0);
+        l.charge_stall("w1", "b", f64::NAN);
+        l.charge_stall("w1", "b", -5.0);
         assert_eq!(l.get("a").unwrap().stall_ms, 40.0);
         assert_eq!(l.get("b").unwrap().stall_ms, 0.0);
         assert_eq!(l.get("c").unwrap().stall_ms, 0.0);
         assert_eq!(l.get("a").unwrap().profile, Some(profile));
         let on: Vec<&str> = l.reservations_on("w1").map(|r| r.job_id.as_str()).collect();
         assert_eq!(on, ["a", "b"]);
-    }
-
-    #[test]
-    fn admissions_renew_forecasts_and_completions_calibrate_the_worker() {
-        let profile = JobProfile {
-            prompt_tokens: 100,
-            predicted_output: 100.0,
-            min_tok_s: 30.0,
-        };
-        let mut l = Ledger::new();
-        l.reserve_profiled("w1", "a", 100, profile, 10).unwrap();
-        l.charge_admission("w1", "a", 0.0, 20.0);
-        assert_eq!(
-            l.get("a").unwrap().forecast_tok_s,
-            Some(50.0),
-            "own: 1000 / step"
-        );
-        l.reserve_profiled("w1", "b", 100, profile, 20).unwrap();
-        l.charge_admission("w1", "b", 500.0, 25.0);
-        // a: 100 tokens at 25 ms plus 500 ms of stall = 3 s for 100 tokens.
-        let a = l.get("a").unwrap().forecast_tok_s.unwrap();
-        assert!((a - 100.0 / 3.0).abs() < 1e-9, "{a}");
-        assert_eq!(l.get("b").unwrap().forecast_tok_s, Some(40.0));
-        assert_eq!(l.rate_calibration("w1"), 1.0);
-        // a decoded faster than forecast: the worker's forecasts are loosened.
-        assert!(l.settle("a", Some(50.0)).is_some());
-        assert!(l.rate_calibration("w1") > 1.0);
-        assert!(l.settle("a", Some(50.0)).is_none(), "settled once");
-        // Without a measured rate nothing is learnt.
-        let before = l.rate_calibration("w1");
-        l.settle("b", None);
-        assert_eq!(l.rate_calibration("w1"), before);
-        l.forget_calibration("w1");
-        assert_eq!(l.rate_calibration("w1"), 1.0);
     }
 
     #[test]
@@ -632,7 +550,7 @@ mod tests {
         // An admission at 2 s stalls both for 400 ms; a job booked at 3.5 s is too young to
         // say anything and does not dilute the estimate.
         l.reserve("w", "new", 10, 2_000).unwrap();
-        l.charge_admission("w", "new", 400.0, 0.0);
+        l.charge_stall("w", "new", 400.0);
         l.reserve("w", "young", 10, 3_500).unwrap();
         let f = l.stall_fraction("w", 4_000);
         assert!(
@@ -640,7 +558,7 @@ mod tests {
             "{f}"
         );
         assert_eq!(l.stall_fraction("other", 4_000), 0.0);
-        l.charge_admission("w", "young", 1e9, 0.0);
+        l.charge_stall("w", "young", 1e9);
         assert_eq!(l.stall_fraction("w", 4_000), STALL_FRACTION_MAX);
     }
 }

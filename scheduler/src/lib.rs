@@ -34,7 +34,6 @@
 //!   concurrency cap.
 //! - A job is reserved on at most one worker; releasing is idempotent.
 
-pub mod calibration;
 pub mod config;
 pub mod drain;
 pub mod evaluate;

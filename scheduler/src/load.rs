@@ -29,9 +29,6 @@ pub struct WorkerLoad {
     pub max_concurrency: u32,
     /// [`Ledger::stall_fraction`] at decision time (0 where no time is known).
     pub stall_fraction: f64,
-    /// [`Ledger::rate_calibration`]: what the worker's decode-rate forecasts are
-    /// multiplied by (1 where nothing is known).
-    pub rate_calibration: f64,
 }
 
 impl WorkerLoad {
@@ -48,16 +45,13 @@ impl WorkerLoad {
             effective_active: reported_active.saturating_add(unreported_reservations),
             max_concurrency: config.max_concurrency(s.max_concurrency),
             stall_fraction: 0.0,
-            rate_calibration: 1.0,
         }
     }
 
-    /// [`WorkerLoad::of`] with what the ledger learnt of the worker: its recent stall
-    /// fraction at `now_ms` and its rate calibration.
+    /// [`WorkerLoad::of`] with the worker's recent stall fraction at `now_ms`.
     pub fn at(view: &WorkerView, ledger: &Ledger, config: &SchedulerConfig, now_ms: u64) -> Self {
         WorkerLoad {
             stall_fraction: ledger.stall_fraction(&view.status.worker_id, now_ms),
-            rate_calibration: ledger.rate_calibration(&view.status.worker_id),
             ..Self::of(view, ledger, config)
         }
     }

@@ -65,8 +65,7 @@ pub fn ewma(ttft_ms: f64, tpot_ms: f64) -> EwmaSnapshot {
     }
 }
 
-/// Run one filter against a worker with the given ledger and config, at [`NOW`], as a
-/// decision would.
+/// Run one filter against a worker with the given ledger and config.
 pub fn check(
     f: &dyn Filter,
     job: &JobRequest,
@@ -74,7 +73,7 @@ pub fn check(
     ledger: &Ledger,
     config: &SchedulerConfig,
 ) -> Result<(), String> {
-    let load = WorkerLoad::at(view, ledger, config, NOW);
+    let load = WorkerLoad::of(view, ledger, config);
     let forecast = crate::forecast::Forecast::of(job, view, &load, ledger, config);
     f.check(&FilterContext {
         job,
