@@ -661,7 +661,10 @@ mod tests {
         // b, behind 50 of a's jobs in arrival order, is served first (lifted to a's
         // counter, with the shorter backlog), and all of b within the first rounds.
         assert_eq!(order[0], "b0", "{order:?}");
-        assert!(order.iter().position(|id| id == "b2").unwrap() < 9, "{order:?}");
+        assert!(
+            order.iter().position(|id| id == "b2").unwrap() < 9,
+            "{order:?}"
+        );
         // Replaying changed nothing, and the queue really dispatches in that order.
         assert_eq!(q.counter("m", "a"), 0.0);
         assert_eq!(drain(&mut q, "m", |_| false), order);
