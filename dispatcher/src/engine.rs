@@ -1031,7 +1031,7 @@ impl Engine {
 
     fn publish_depths(&self) {
         if let Ok(mut depths) = self.metrics.queue_depth.lock() {
-            *depths = self.queues.depths();
+            self.queues.write_depths(&mut depths);
         }
     }
 

@@ -94,7 +94,7 @@ pub struct Metrics {
     tenants: Mutex<BTreeMap<String, TenantStats>>,
     /// Why jobs waited: per model and rejection code, how many times a worker refused the
     /// job at the head of the model's queue when no worker admitted it.
-    holds: Mutex<BTreeMap<(String, &'static str), u64>>,
+    holds: Mutex<BTreeMap<String, BTreeMap<&'static str, u64>>>,
 }
 
 /// One tenant's share, as counted by the leader.
@@ -137,17 +137,20 @@ impl Metrics {
     /// so an operator sees what holds the queue (rate floor, KV, concurrency ceiling, ...).
     pub fn held(&self, model: &str, rejected: &[metronome_protocol::Rejection]) {
         let mut m = self.holds.lock().unwrap_or_else(|p| p.into_inner());
+        // Called on every look at a held queue: the model's name is copied only once.
+        let by_code = match m.get_mut(model) {
+            Some(c) => c,
+            None => m.entry(model.to_string()).or_default(),
+        };
         for r in rejected {
-            *m.entry((model.to_string(), r.code.as_str())).or_default() += 1;
+            *by_code.entry(r.code.as_str()).or_default() += 1;
         }
     }
 
     /// Refusals counted by [`Metrics::held`] for `model` and `code`.
     pub fn holds(&self, model: &str, code: &str) -> u64 {
         let m = self.holds.lock().unwrap_or_else(|p| p.into_inner());
-        m.iter()
-            .find(|((mm, c), _)| mm == model && *c == code)
-            .map_or(0, |(_, n)| *n)
+        m.get(model).and_then(|c| c.get(code)).copied().unwrap_or(0)
     }
 
     /// A job of `tenant` was assigned after waiting `queue_wait_ms`.
@@ -435,9 +438,12 @@ impl Collector for Exposition {
                 None,
                 prometheus_client::metrics::MetricType::Counter,
             )?;
-            for ((model, code), n) in holds.iter() {
-                ConstCounter::new(*n)
-                    .encode(held.encode_family(&[("model", model.as_str()), ("reason", *code)])?)?;
+            for (model, by_code) in holds.iter() {
+                for (code, n) in by_code {
+                    ConstCounter::new(*n).encode(
+                        held.encode_family(&[("model", model.as_str()), ("reason", *code)])?,
+                    )?;
+                }
             }
         }
         m.encode_tenants(&mut enc)?;

@@ -468,12 +468,19 @@ impl Queues {
         self.by_model.keys().map(String::as_str)
     }
 
-    /// Depth per model, for the metrics.
-    pub fn depths(&self) -> BTreeMap<String, usize> {
-        self.by_model
-            .iter()
-            .map(|(m, q)| (m.clone(), q.len))
-            .collect()
+    /// Depth per model, for the metrics, written into `out` in place: a model already there
+    /// is updated without copying its name, so the engine can refresh its gauge after every
+    /// step.
+    pub fn write_depths(&self, out: &mut BTreeMap<String, usize>) {
+        out.retain(|m, _| self.by_model.contains_key(m));
+        for (m, q) in &self.by_model {
+            match out.get_mut(m) {
+                Some(n) => *n = q.len,
+                None => {
+                    out.insert(m.clone(), q.len);
+                }
+            }
+        }
     }
 }
 
@@ -621,6 +628,19 @@ mod tests {
         assert_eq!(order.len(), 12);
         assert_eq!(q.counter("m", "a"), 10.0 * 300.0);
         assert_eq!(q.counter("m", "b"), 2.0 * 300.0);
+    }
+
+    #[test]
+    fn depths_are_written_in_place_and_follow_the_queue() {
+        let mut q = Queues::new(10);
+        let mut depths = BTreeMap::from([("gone".to_string(), 3)]);
+        q.push(job("a", "m", 1)).ok().unwrap();
+        q.push(job("b", "m", 2)).ok().unwrap();
+        q.write_depths(&mut depths);
+        assert_eq!(depths, BTreeMap::from([("m".to_string(), 2)]));
+        q.take("m", q.next_to_try("m", |_| false).unwrap());
+        q.write_depths(&mut depths);
+        assert_eq!(depths, BTreeMap::from([("m".to_string(), 1)]));
     }
 
     #[test]

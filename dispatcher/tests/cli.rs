@@ -76,38 +76,13 @@ fn check_config_lists_every_invalid_field_and_exits_2() {
 /// is checked at start.
 #[test]
 fn nats_and_redis_settings_come_from_the_environment() {
-    let out = dispatcher()
-        .arg("--check-config")
-        .env("METRONOME_NATS_USER", "dispatcher-env")
-        .env("METRONOME_NATS_PASSWORD", "from-the-environment")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = metronome_testkit::assert_nats_and_redis_settings_from_env(
+        || {
+            let mut c = dispatcher();
+            c.arg("--check-config");
+            c
+        },
+        "dispatcher-env",
     );
-    assert!(stdout.contains("user = \"dispatcher-env\""), "{stdout}");
     assert!(stdout.contains("<redacted>"), "{stdout}");
-    assert!(!stdout.contains("from-the-environment"), "{stdout}");
-
-    let out = dispatcher()
-        .arg("--check-config")
-        .env("REDIS_URL", "rediss://127.0.0.1:6390/")
-        .env("METRONOME_NATS_CA", "/nonexistent/nats-ca.pem")
-        .env("METRONOME_REDIS_CA", "/nonexistent/redis-ca.pem")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
-    for (field, path) in [
-        ("nats_auth.ca_file", "/nonexistent/nats-ca.pem"),
-        ("redis_tls.ca_file", "/nonexistent/redis-ca.pem"),
-    ] {
-        assert!(
-            stderr.contains(field) && stderr.contains(path),
-            "{field}: {stderr}"
-        );
-    }
 }

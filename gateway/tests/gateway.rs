@@ -521,38 +521,14 @@ fn check_config_prints_the_effective_config_or_every_field_error() {
 /// environment is the one it connects as, and a TLS file named there is checked at start.
 #[test]
 fn nats_and_redis_settings_come_from_the_environment() {
-    let bin = env!("CARGO_BIN_EXE_metronome-gateway");
-    let out = std::process::Command::new(bin)
-        .arg("--check-config")
-        .env("METRONOME_NATS_USER", "gateway-env")
-        .env("METRONOME_NATS_PASSWORD", "from-the-environment")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    metronome_testkit::assert_nats_and_redis_settings_from_env(
+        || {
+            let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_metronome-gateway"));
+            c.arg("--check-config");
+            c
+        },
+        "gateway-env",
     );
-    assert!(text.contains("user = \"gateway-env\""), "{text}");
-    assert!(!text.contains("from-the-environment"), "{text}");
-
-    let out = std::process::Command::new(bin)
-        .arg("--check-config")
-        .env("REDIS_URL", "rediss://127.0.0.1:6390/")
-        .env("METRONOME_NATS_CA", "/nonexistent/nats-ca.pem")
-        .env("METRONOME_REDIS_CA", "/nonexistent/redis-ca.pem")
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    for (field, path) in [
-        ("nats_auth.ca_file", "/nonexistent/nats-ca.pem"),
-        ("redis_tls.ca_file", "/nonexistent/redis-ca.pem"),
-    ] {
-        assert!(err.contains(field) && err.contains(path), "{field}: {err}");
-    }
 }
 
 #[tokio::test]

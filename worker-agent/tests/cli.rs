@@ -129,36 +129,12 @@ fn nats_and_redis_settings_come_from_the_environment() {
     let dir = tempfile::tempdir().unwrap();
     let good = dir.path().join("good.toml");
     std::fs::write(&good, "worker_id = \"n1-gpu0\"\nmodel = \"m\"\n").unwrap();
-    let out = bin()
-        .args(["--check-config", "--config"])
-        .arg(&good)
-        .env("METRONOME_NATS_USER", "worker-n1-gpu0")
-        .env("METRONOME_NATS_PASSWORD", "from-the-environment")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    metronome_testkit::assert_nats_and_redis_settings_from_env(
+        || {
+            let mut c = bin();
+            c.args(["--check-config", "--config"]).arg(&good);
+            c
+        },
+        "worker-n1-gpu0",
     );
-    assert!(text.contains("user = \"worker-n1-gpu0\""), "{text}");
-    assert!(!text.contains("from-the-environment"), "{text}");
-
-    let out = bin()
-        .args(["--check-config", "--config"])
-        .arg(&good)
-        .env("REDIS_URL", "rediss://127.0.0.1:6390/")
-        .env("METRONOME_NATS_CA", "/nonexistent/nats-ca.pem")
-        .env("METRONOME_REDIS_CA", "/nonexistent/redis-ca.pem")
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    for (field, path) in [
-        ("nats_auth.ca_file", "/nonexistent/nats-ca.pem"),
-        ("redis_tls.ca_file", "/nonexistent/redis-ca.pem"),
-    ] {
-        assert!(err.contains(field) && err.contains(path), "{field}: {err}");
-    }
 }

@@ -275,16 +275,8 @@ async fn hanging_metrics_server() -> (String, std::sync::Arc<HangingStats>, Canc
                 }
             }),
         );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let stop = CancellationToken::new();
-    let s = stop.clone();
-    tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move { s.cancelled().await })
-            .await
-            .unwrap();
-    });
+    let (addr, stop) = serve(app).await;
+    let url = format!("http://{addr}");
     (url, stats, stop)
 }
 
@@ -371,16 +363,8 @@ async fn dying_model_server() -> (String, CancellationToken) {
                 Sse::new(events)
             }),
         );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let stop = CancellationToken::new();
-    let s = stop.clone();
-    tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move { s.cancelled().await })
-            .await
-            .unwrap();
-    });
+    let (addr, stop) = serve(app).await;
+    let url = format!("http://{addr}");
     (url, stop)
 }
 

@@ -29,9 +29,9 @@ use anyhow::{bail, Context};
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-use super::idle::{idle_stats, ClusterSample, IdleStats};
+use super::idle::{idle_stats, IdleStats};
 use super::scenarios::{nominal_for, BenchPlan, MODEL, SAMPLE_INTERVAL};
-use super::system::{prometheus_sum, System, SystemSpec};
+use super::system::{System, SystemSpec};
 use crate::drill::{signal, stop_restarted, Image};
 use crate::stats::percentile;
 use crate::{
@@ -334,34 +334,15 @@ async fn run_phase(
     sys.wait_workers_idle(Duration::from_secs(60)).await?;
     let stop = CancellationToken::new();
     let start = Instant::now();
-    let sampler = async {
-        let mut samples: Vec<ClusterSample> = Vec::new();
-        let mut tick = tokio::time::interval(SAMPLE_INTERVAL);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                () = stop.cancelled() => break,
-                _ = tick.tick() => {}
-            }
-            let t_s = start.elapsed().as_secs_f64();
-            // Only while load is offered: the drain after it, with the flood's jobs
-            // expiring, is not the steady state judged here.
-            if t_s > plan.phase_s {
-                continue;
-            }
-            if let Ok(mut s) = sys.sample().await {
-                s.t_s = t_s;
-                samples.push(s);
-            }
-        }
-        samples
-    };
+    // Only while load is offered: the drain after it, with the flood's jobs expiring, is
+    // not the steady state judged here.
+    let sampler = sys.sample_until(&stop, start, SAMPLE_INTERVAL, Some(plan.phase_s));
     let fault = async {
         if !kill {
             return anyhow::Ok((None, None, None));
         }
         tokio::time::sleep(Duration::from_secs_f64(plan.phase_s / 3.0)).await;
-        let name = leader(sys).await.context("finding the leader")?;
+        let name = sys.leader_name().await.context("finding the leader")?;
         let pid = sys.pid_of(&name).context("leader pid")?;
         let image = Image::read(pid)?;
         signal(pid, "KILL")?;
@@ -373,7 +354,7 @@ async fn run_phase(
         // race for the expired lease).
         let deadline = Instant::now() + Duration::from_secs(60);
         let takeover_s = loop {
-            if leader(sys).await.is_ok() {
+            if sys.leader_name().await.is_ok() {
                 break Some(start.elapsed().as_secs_f64());
             }
             if Instant::now() > deadline {
@@ -404,24 +385,6 @@ async fn run_phase(
         takeover_s,
         killed,
     })
-}
-
-/// The name of the dispatcher whose gauge says it leads; `./dev up` starts dispatcher-a
-/// then -b, and their metrics URLs sort the same way.
-async fn leader(sys: &System) -> anyhow::Result<String> {
-    let http = reqwest::Client::new();
-    for (i, url) in sys.dispatcher_metrics.iter().enumerate() {
-        let Ok(resp) = http.get(url).timeout(Duration::from_secs(2)).send().await else {
-            continue;
-        };
-        let Ok(text) = resp.text().await else {
-            continue;
-        };
-        if prometheus_sum(&text, "metronome_dispatcher_leader") > 0.0 {
-            return Ok(format!("dispatcher-{}", ["a", "b"][i.min(1)]));
-        }
-    }
-    bail!("no dispatcher says it leads")
 }
 
 /// Reads the decision of every successful request and counts those whose tenant is the

@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::capacity::{completion_rate, keeps_up, CapacitySearch, KeepUp};
 use super::curve::goodput_rate;
-use super::idle::{idle_stats, ClusterSample, IdleStats};
+use super::idle::{idle_stats, IdleStats};
 use super::nominal::{nominal_capacity, CostModel, Nominal};
 use super::prediction::{predicted, PredictionErrors};
 use super::report::{
@@ -259,24 +259,7 @@ async fn measured_run(sys: &System, spec: LoadSpec, dir: &Path) -> anyhow::Resul
     let before = sys.sim_metric_sum("vllm:num_preemptions_total").await?;
     let holds_before = sys.dispatcher_holds().await;
     let stop = CancellationToken::new();
-    let sampler = async {
-        let t0 = Instant::now();
-        let mut samples: Vec<ClusterSample> = Vec::new();
-        let mut tick = tokio::time::interval(SAMPLE_INTERVAL);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                () = stop.cancelled() => break,
-                _ = tick.tick() => {}
-            }
-            let t_s = t0.elapsed().as_secs_f64();
-            if let Ok(mut s) = sys.sample().await {
-                s.t_s = t_s;
-                samples.push(s);
-            }
-        }
-        samples
-    };
+    let sampler = sys.sample_until(&stop, Instant::now(), SAMPLE_INTERVAL, None);
     let run = async {
         let r = run_load(spec, true).await;
         stop.cancel();

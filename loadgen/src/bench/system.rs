@@ -329,6 +329,51 @@ impl System {
         Ok(total)
     }
 
+    /// Which dispatcher leads (`metronome_dispatcher_leader` 1 on its `/metrics`); one that
+    /// does not answer (killed, restarting) is passed over.
+    pub async fn leader_name(&self) -> anyhow::Result<String> {
+        for (i, url) in self.dispatcher_metrics.iter().enumerate() {
+            let Ok(text) = self.get_text(url).await else {
+                continue;
+            };
+            if prometheus_sum(&text, "metronome_dispatcher_leader") > 0.0 {
+                // `./dev up` starts dispatcher-a then -b; their metrics URLs sort the same way.
+                return Ok(format!("dispatcher-{}", ["a", "b"][i.min(1)]));
+            }
+        }
+        bail!("no dispatcher says it leads")
+    }
+
+    /// Samples the cluster every `interval` (see [`System::sample`]) until `stop` is
+    /// cancelled, each stamped with the seconds since `start`; samples after `until_s`
+    /// seconds are not taken.
+    pub async fn sample_until(
+        &self,
+        stop: &tokio_util::sync::CancellationToken,
+        start: Instant,
+        interval: Duration,
+        until_s: Option<f64>,
+    ) -> Vec<ClusterSample> {
+        let mut samples = Vec::new();
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => break,
+                _ = tick.tick() => {}
+            }
+            let t_s = start.elapsed().as_secs_f64();
+            if until_s.is_some_and(|u| t_s > u) {
+                continue;
+            }
+            if let Ok(mut s) = self.sample().await {
+                s.t_s = t_s;
+                samples.push(s);
+            }
+        }
+        samples
+    }
+
     /// What made jobs wait, from every dispatcher: `metronome_dispatcher_holds_total`
     /// summed per reason over models and instances (a standby holds nothing, so the sum is
     /// the leaders' across a takeover). Empty when no dispatcher answers.

@@ -185,21 +185,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     }
-    let rt = match tokio::runtime::Runtime::new() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    // SIGINT/SIGTERM: dropping the future drops every running System, whose Drop sends
-    // SIGTERM to its ./dev up.
-    let result = rt.block_on(async {
-        tokio::select! {
-            r = run_bench(&plan) => r.map(|_| ()),
-            _ = shutdown_signal() => Err(anyhow::anyhow!("interrupted")),
-        }
-    });
+    let result = run_until_signal(async { run_bench(&plan).await.map(|_| ()) });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -239,19 +225,7 @@ fn fairness(cli: &Cli, repo: PathBuf, argv: &[String]) -> ExitCode {
         "cargo build --release --bins && cargo run --release -p metronome-loadgen --bin metronome-bench -- {}",
         argv.join(" ")
     );
-    let rt = match tokio::runtime::Runtime::new() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let result = rt.block_on(async {
-        tokio::select! {
-            r = run_fairness(&plan) => r,
-            _ = shutdown_signal() => Err(anyhow::anyhow!("interrupted")),
-        }
-    });
+    let result = run_until_signal(run_fairness(&plan));
     match result {
         Ok(verdicts) if verdicts.iter().all(|v| v.3) => ExitCode::SUCCESS,
         Ok(verdicts) => {
@@ -265,6 +239,21 @@ fn fairness(cli: &Cli, repo: PathBuf, argv: &[String]) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Runs `work` on a new runtime until it ends or SIGINT/SIGTERM arrives. On a signal the
+/// future is dropped, and with it every running System, whose Drop sends SIGTERM to its
+/// `./dev up`.
+fn run_until_signal<T>(
+    work: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        tokio::select! {
+            r = work => r,
+            _ = shutdown_signal() => Err(anyhow::anyhow!("interrupted")),
+        }
+    })
 }
 
 async fn shutdown_signal() {

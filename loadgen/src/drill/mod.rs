@@ -452,7 +452,7 @@ async fn inject(
     let mut notes = Vec::new();
     let (what, mark) = match fault {
         Fault::KillLeader => {
-            let leader = leader_name(system).await?;
+            let leader = system.leader_name().await?;
             let pid = system.pid_of(&leader).context("leader pid")?;
             let image = Image::read(pid)?;
             signal(pid, "KILL")?;
@@ -557,7 +557,7 @@ async fn inject(
             )
         }
         Fault::RollingDeploy => {
-            let leader = leader_name(system).await?;
+            let leader = system.leader_name().await?;
             let standby = DISPATCHERS
                 .into_iter()
                 .find(|d| *d != leader)
@@ -687,7 +687,7 @@ async fn redeploy(
                 .get(i)
                 .cloned()
                 .unwrap_or_default();
-            get_ok(url).await && leader_name(system).await.is_ok()
+            get_ok(url).await && system.leader_name().await.is_ok()
         };
         if back {
             break;
@@ -909,25 +909,6 @@ async fn submit(js: &jetstream::Context, id: &str) -> anyhow::Result<bool> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     Ok(false)
-}
-
-/// Which dispatcher leads (`metronome_dispatcher_leader` 1 on its `/metrics`).
-pub(crate) async fn leader_name(system: &System) -> anyhow::Result<String> {
-    let http = reqwest::Client::new();
-    for (i, url) in system.dispatcher_metrics.iter().enumerate() {
-        let text = http
-            .get(url)
-            .timeout(Duration::from_secs(5))
-            .send()
-            .await?
-            .text()
-            .await?;
-        if prometheus_sum(&text, "metronome_dispatcher_leader") > 0.0 {
-            // `./dev up` starts dispatcher-a then -b; their metrics URLs sort the same way.
-            return Ok(format!("dispatcher-{}", ["a", "b"][i.min(1)]));
-        }
-    }
-    bail!("no dispatcher says it leads")
 }
 
 /// RELIABILITY.md from the reports.

@@ -60,6 +60,26 @@ impl Drop for AbortGuard {
     }
 }
 
+/// Serve `app` on a free port of 127.0.0.1 until the returned token is cancelled.
+pub async fn serve(app: Router) -> (SocketAddr, CancellationToken) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    // Without TCP_NODELAY small SSE writes wait for the client's delayed ACK (~40 ms),
+    // which real servers (uvicorn) avoid: set it, as they do.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move { s.cancelled().await })
+            .await
+            .unwrap();
+    });
+    (addr, stop)
+}
+
 pub struct Stub {
     pub addr: SocketAddr,
     pub stats: Arc<StubStats>,
@@ -75,21 +95,7 @@ impl Stub {
             .route("/health", get(|| async { "ok" }))
             .route("/metrics", get(metrics))
             .with_state(stats.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let stop = CancellationToken::new();
-        let s = stop.clone();
-        // Without TCP_NODELAY small SSE writes wait for the client's delayed ACK (~40 ms),
-        // which real servers (uvicorn) avoid: set it, as they do.
-        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move { s.cancelled().await })
-                .await
-                .unwrap();
-        });
+        let (addr, stop) = serve(app).await;
         Stub { addr, stats, stop }
     }
 
