@@ -39,8 +39,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::leader::Fence;
 use crate::metrics::Metrics;
+use crate::metrics::HELD_FOR_LIGHTER_TENANT;
 use crate::publish::{self, Publisher};
-use crate::queue::{tenant_of, QueuedJob, Queues};
+use crate::queue::{tenant_of, Pos, QueuedJob, Queues};
 use crate::recent::RecentIds;
 use crate::registry::{RedisSnapshot, WorkerUpdate};
 
@@ -973,6 +974,11 @@ impl Engine {
         for model in self.queues.models() {
             self.answer_unmeetable(&model, now);
         }
+        let window = self.s.fairness.light_tenant_window_ms;
+        if window > 0 {
+            self.queues
+                .forget_arrivals_before(now.saturating_sub(window));
+        }
         let due = self
             .queues
             .due_for_progress(now.saturating_sub(self.s.ack_wait_ms / 3), now);
@@ -1054,11 +1060,15 @@ impl Engine {
 
     /// Place the model's jobs until the next one cannot be placed. The oldest job that can
     /// still meet its TTFT target goes first; jobs already past it ("late": they will miss
-    /// their TTFT wherever they go) only when no such job waits, so in overload capacity
-    /// goes to the jobs it can still serve well. Among the jobs that can, the order is
-    /// FIFO and the first that cannot be placed holds the others back (head-of-line
-    /// blocking within a model only).
+    /// their TTFT wherever they go) only when no such job waits or when that job can afford
+    /// to wait two placements more, so in overload capacity goes to the jobs it can still
+    /// serve well, and short of it a late job is not passed over for seconds. Among the
+    /// jobs that can, the order is FIFO and the first that cannot be placed holds the
+    /// others back (head-of-line blocking within a model only).
     fn dispatch_model(&mut self, model: &str) {
+        // Tenants whose next job was held to keep room for a lighter tenant: the rest of
+        // this pass offers the room to the others' jobs, whatever the counters say.
+        let mut held_back: Vec<String> = Vec::new();
         loop {
             if !self.fence.is_fresh() {
                 return;
@@ -1070,13 +1080,27 @@ impl Engine {
                     .iter()
                     .filter(|w| w.status.model == model && self.alive(w, now)),
             );
-            let Some(pos) = self.queues.next_to_try(model, |j| {
+            // About two placements from now: how long a fresh job must be able to wait
+            // for a late one of its flow to go first (see `Queues::next_to_try`).
+            let patience_ms = self
+                .drain
+                .get(model)
+                .and_then(|d| d.predicted_wait_ms(1, now))
+                .unwrap_or(2.0 * self.s.tick.as_secs_f64() * 1000.0);
+            let slack = |j: &QueuedJob| {
                 let ttft = scheduler.slo_for(model, j.job.slo.as_ref()).ttft_ms;
                 let waited = Self::waited_ms(j, ttft, now) as f64;
-                waited + prefill.ttft_ms(j.job.prompt_tokens) >= ttft as f64
-            }) else {
-                if let Some(d) = self.drain.get_mut(model) {
-                    d.on_empty();
+                ttft as f64 - waited - prefill.ttft_ms(j.job.prompt_tokens)
+            };
+            let Some(pos) = self
+                .queues
+                .next_to_try(model, slack, patience_ms, &held_back)
+            else {
+                // Only jobs held back for a lighter tenant left: the queue is not empty.
+                if held_back.is_empty() {
+                    if let Some(d) = self.drain.get_mut(model) {
+                        d.on_empty();
+                    }
                 }
                 return;
             };
@@ -1144,6 +1168,31 @@ impl Engine {
                 self.metrics.held(model, &evaluation.rejected);
                 return;
             };
+            let profile = JobProfile {
+                prompt_tokens: request.prompt_tokens,
+                predicted_output: request.predicted_output(),
+                min_tok_s: slo.min_tok_s,
+            };
+            // An idle GPU is never kept idle for someone else: on a GPU that takes one job
+            // at a time, the room kept would be all of it.
+            let winner_idle = evaluation
+                .winner_score()
+                .and_then(|c| c.prediction.as_ref())
+                .is_some_and(|p| p.streams_after <= 1);
+            if least_harm_note.is_none()
+                && !winner_idle
+                && self.room_kept_for_lighter_tenant(
+                    model,
+                    pos,
+                    &request,
+                    (&winner, evaluation.winner_stall_ms, profile),
+                    now,
+                )
+            {
+                self.metrics.held_for(model, HELD_FOR_LIGHTER_TENANT);
+                held_back.push(tenant_of(&front.job).to_string());
+                continue;
+            }
             let job = self.queues.take(model, pos).expect("position exists");
             self.metrics
                 .observe_queue_wait(model, "assigned", now.saturating_sub(job.enqueued_ms));
@@ -1151,11 +1200,6 @@ impl Engine {
                 .entry(model.to_string())
                 .or_default()
                 .on_placement(now, self.queues.len(model));
-            let profile = JobProfile {
-                prompt_tokens: request.prompt_tokens,
-                predicted_output: request.predicted_output(),
-                min_tok_s: slo.min_tok_s,
-            };
             if let Err(error) = self.ledger.reserve_profiled(
                 &winner,
                 &job.job.id,
@@ -1233,6 +1277,69 @@ impl Engine {
                 decision: Box::new(decision),
             });
         }
+    }
+
+    /// Whether the job at `pos`, about to go to `winner`, must wait instead so that the
+    /// model keeps room for a lighter tenant: true when its tenant has more jobs waiting
+    /// than another tenant that submitted within `[fairness] light_tenant_window_ms`, and
+    /// no worker of the model could admit one more job like it once it is placed.
+    ///
+    /// Why: under a flood, admission fills every GPU to the edge of the SLO, so room opens
+    /// only as a job ends, and the light tenant's job, though first in the fair order,
+    /// waits for it (about a second, measured in the fairness drill: its TTFT went from
+    /// ~0.2 s alone to ~1.3 s). Keeping one job's room free in the whole model costs the
+    /// flooder that one job of throughput and lets the light tenant's next job start at
+    /// once. A single tenant, or tenants equally backlogged, keep nothing back, and a job
+    /// bound for an idle GPU is never held (the caller checks).
+    fn room_kept_for_lighter_tenant(
+        &self,
+        model: &str,
+        pos: Pos,
+        request: &JobRequest,
+        (winner, stall_ms, profile): (&str, f64, JobProfile),
+        now: u64,
+    ) -> bool {
+        let window = self.s.fairness.light_tenant_window_ms;
+        if window == 0 || self.s.policy != PolicyKind::Metronome {
+            return false;
+        }
+        let Some(front) = self.queues.get(model, pos) else {
+            return false;
+        };
+        let tenant = tenant_of(&front.job).to_string();
+        let job_id = front.job.id.clone();
+        if !self
+            .queues
+            .lighter_tenant_active(model, &tenant, now.saturating_sub(window))
+        {
+            return false;
+        }
+        // The model as it would be with the job placed; then one more like it, fresh.
+        let mut after = self.ledger.clone();
+        if after
+            .reserve_profiled(winner, &job_id, request.kv_tokens(), profile, now)
+            .is_err()
+        {
+            return false;
+        }
+        after.charge_stall(winner, &job_id, stall_ms);
+        let like_it = request.clone().waited(0);
+        let workers: &[WorkerView] = match self.per_model.get(model) {
+            Some(w) if !self.s.decision_list_wrong_model => w,
+            _ => &self.workers,
+        };
+        let mut scratch = self.policy_state.clone();
+        choose(
+            self.s.policy,
+            &mut scratch,
+            &like_it,
+            workers,
+            &after,
+            &self.s.scheduler,
+            now,
+        )
+        .winner
+        .is_none()
     }
 
     fn decision(

@@ -97,6 +97,10 @@ pub struct Metrics {
     holds: Mutex<BTreeMap<String, BTreeMap<&'static str, u64>>>,
 }
 
+/// The `reason` of `metronome_dispatcher_holds_total` when a job waited so that its model
+/// keeps room for a lighter tenant (no worker refused it).
+pub const HELD_FOR_LIGHTER_TENANT: &str = "room_for_lighter_tenant";
+
 /// One tenant's share, as counted by the leader.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct TenantStats {
@@ -136,14 +140,24 @@ impl Metrics {
     /// No worker of `model` admitted the job tried: count each worker's refusal by code,
     /// so an operator sees what holds the queue (rate floor, KV, concurrency ceiling, ...).
     pub fn held(&self, model: &str, rejected: &[metronome_protocol::Rejection]) {
+        self.count_holds(model, rejected.iter().map(|r| r.code.as_str()));
+    }
+
+    /// The head of `model`'s queue waited for a reason of the dispatcher's own (no
+    /// worker refused it), counted under `reason` beside the workers' refusals.
+    pub fn held_for(&self, model: &str, reason: &'static str) {
+        self.count_holds(model, [reason]);
+    }
+
+    fn count_holds(&self, model: &str, reasons: impl IntoIterator<Item = &'static str>) {
         let mut m = self.holds.lock().unwrap_or_else(|p| p.into_inner());
         // Called on every look at a held queue: the model's name is copied only once.
         let by_code = match m.get_mut(model) {
             Some(c) => c,
             None => m.entry(model.to_string()).or_default(),
         };
-        for r in rejected {
-            *by_code.entry(r.code.as_str()).or_default() += 1;
+        for reason in reasons {
+            *by_code.entry(reason).or_default() += 1;
         }
     }
 

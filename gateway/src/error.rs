@@ -38,7 +38,7 @@ impl ApiError {
         }
     }
 
-    fn with_code(mut self, code: &'static str) -> Self {
+    pub(crate) fn with_code(mut self, code: &'static str) -> Self {
         self.code = Some(code);
         self
     }

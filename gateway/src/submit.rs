@@ -362,10 +362,11 @@ impl Submission {
             Outcome::Rejected | Outcome::Expired => {
                 let error = refusal(&decision);
                 tracing::info!(job_id = %self.job_id, code = ?error.code, reason = %error.message, "dispatcher refused the job");
-                let retry_after_secs = decision
-                    .retry_after_ms
-                    .map_or(self.state.config.retry_after_secs, retry_after_secs);
-                Some(Err(ApiError::from_result_error(&error, retry_after_secs)))
+                Some(Err(refusal_response(
+                    &decision,
+                    &error,
+                    self.state.config.retry_after_secs,
+                )))
             }
         }
     }
@@ -375,6 +376,25 @@ impl Submission {
 /// least 1 (a client told "retry after 0 s" retries at once into the same queue).
 pub fn retry_after_secs(retry_after_ms: u64) -> u64 {
     retry_after_ms.div_ceil(1_000).max(1)
+}
+
+/// The HTTP answer to a refused or expired job: its error class's status and body, with a
+/// `Retry-After` from the dispatcher's predicted wait when it gave one. A job refused
+/// because its deadline cannot be met is told so (`code: "deadline_unmeetable"`), not
+/// "queue full": the queue had room, the wait did not fit the job's deadline.
+pub fn refusal_response(
+    decision: &Decision,
+    error: &ResultError,
+    default_retry_secs: u64,
+) -> ApiError {
+    let retry = decision
+        .retry_after_ms
+        .map_or(default_retry_secs, retry_after_secs);
+    let response = ApiError::from_result_error(error, retry);
+    match decision.reason_code.as_deref() {
+        Some("deadline_unmeetable") => response.with_code("deadline_unmeetable"),
+        _ => response,
+    }
 }
 
 /// The error class of a refused or expired job, from its decision.
@@ -417,6 +437,7 @@ pub fn refusal(decision: &Decision) -> ResultError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use axum::http::StatusCode;
     use metronome_protocol::names::is_subject_token;
 
     fn decision(outcome: Outcome, code: Option<&str>) -> Decision {
@@ -444,6 +465,25 @@ mod tests {
             priority: None,
             fair_counter: None,
         }
+    }
+
+    #[test]
+    fn an_unmeetable_deadline_is_answered_429_deadline_unmeetable_with_the_predicted_wait() {
+        let mut d = decision(Outcome::Rejected, Some("deadline_unmeetable"));
+        d.retry_after_ms = Some(2_500);
+        let answer = refusal_response(&d, &refusal(&d), 7);
+        assert_eq!(answer.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(answer.code, Some("deadline_unmeetable"));
+        assert_eq!(answer.retry_after_secs, Some(3));
+
+        let full = decision(Outcome::Rejected, Some("queue_full"));
+        let answer = refusal_response(&full, &refusal(&full), 7);
+        assert_eq!(answer.code, Some("queue_full"));
+        assert_eq!(
+            answer.retry_after_secs,
+            Some(7),
+            "no prediction: the configured default"
+        );
     }
 
     #[test]

@@ -43,6 +43,11 @@ pub struct FairnessConfig {
     /// A waiting lower class is served after at most this many consecutive dispatches of
     /// higher classes.
     pub aging_dispatches: u32,
+    /// While another tenant with fewer jobs waiting has submitted to the model within this
+    /// many ms, a job of a tenant with more waiting is placed only where it leaves the
+    /// model's workers room for one more job like it (0: never keep room). See
+    /// `dispatcher/src/engine.rs` (`room_kept_for_lighter_tenant`).
+    pub light_tenant_window_ms: u64,
 }
 
 impl Default for FairnessConfig {
@@ -51,6 +56,7 @@ impl Default for FairnessConfig {
             input_weight: 1.0,
             output_weight: 2.0,
             aging_dispatches: 8,
+            light_tenant_window_ms: 30_000,
         }
     }
 }
@@ -182,6 +188,15 @@ impl Vtc {
                 self.carried.clear();
             }
         }
+    }
+
+    /// The lowest counter among the waiting tenants other than `tenant`.
+    fn lowest_other_waiting(&self, tenant: &str) -> Option<f64> {
+        self.waiting
+            .keys()
+            .filter(|t| t.as_str() != tenant)
+            .map(|t| self.counter(t))
+            .min_by(f64::total_cmp)
     }
 
     /// Add `cost` to the tenant's counter; returns the new counter.
@@ -344,10 +359,24 @@ impl Fairness {
     /// Replace a job's estimate by its measured tokens (a refused job ran none: settle it
     /// with zeros). Returns the model, tenant and counter after settling, or `None` when
     /// this leader never charged the job (assigned by an earlier one, or already settled).
+    ///
+    /// A refund (the job used less than its estimate) never takes the tenant below the
+    /// lowest counter of the other tenants waiting. They were lifted to, or served
+    /// against, its counter as it stood with the estimate in it; dropping under them would
+    /// put it ahead of a tenant that waited, for credit it did not wait for (a flooder's
+    /// over-estimates, refunded one by one, would keep taking the turn of a light tenant
+    /// just lifted level with it).
     pub fn settle(&mut self, job_id: &str, actual: Tokens) -> Option<(String, String, f64)> {
         let charge = self.charges.remove(job_id)?;
         let delta = self.config.cost(actual) - charge.cost;
-        let counter = self.model_mut(&charge.model).charge(&charge.tenant, delta);
+        let vtc = self.model_mut(&charge.model);
+        let before = vtc.counter(&charge.tenant);
+        let floor = match vtc.lowest_other_waiting(&charge.tenant) {
+            Some(others) if delta < 0.0 => others.min(before),
+            _ => f64::NEG_INFINITY,
+        };
+        let after = (before + delta).max(floor);
+        let counter = vtc.charge(&charge.tenant, after - before);
         Some((charge.model, charge.tenant, counter))
     }
 
@@ -556,6 +585,49 @@ mod tests {
         );
         assert_eq!(f.counter("m", "a"), 200.0);
         assert_eq!(f.unsettled(), 0);
+    }
+
+    #[test]
+    fn a_refund_never_takes_a_tenant_below_another_that_waits() {
+        let mut f = Fairness::new(cfg());
+        let est = Tokens {
+            prompt: 100.0,
+            output: 400.0,
+        }; // 900
+        let short = Tokens {
+            prompt: 100.0,
+            output: 50.0,
+        }; // 200: a refund of 700
+        f.model_mut("m").arrive("a");
+        f.charge("a1", "m", "a", est);
+        f.charge("a2", "m", "a", est); // a: 1800
+                                       // b arrives while a waits: lifted to a's counter, then charged its job.
+        assert_eq!(f.model_mut("m").arrive("b"), 1800.0);
+        f.charge(
+            "b1",
+            "m",
+            "b",
+            Tokens {
+                prompt: 50.0,
+                output: 0.0,
+            },
+        ); // b: 1850
+        f.charge("a3", "m", "a", est); // a: 2700
+                                       // A refund that leaves a above b applies in full.
+        assert_eq!(f.settle("a1", short).unwrap().2, 2000.0);
+        // The next would take a to 1300, under b: it stops at b's counter.
+        assert_eq!(f.settle("a2", short).unwrap().2, 1850.0);
+        // Once nobody else waits, refunds apply in full.
+        f.model_mut("m").leave("b");
+        assert_eq!(f.settle("a3", short).unwrap().2, 1150.0);
+        // A surcharge is never held back.
+        f.model_mut("m").arrive("b");
+        f.charge("a4", "m", "a", short);
+        let long = Tokens {
+            prompt: 100.0,
+            output: 1000.0,
+        };
+        assert_eq!(f.settle("a4", long).unwrap().2, 1150.0 + 2100.0);
     }
 
     #[test]

@@ -250,6 +250,9 @@ struct Phase {
     /// Decisions read for successful requests, and how many named the key's tenant.
     decisions_checked: usize,
     tenant_matched: usize,
+    /// Per tenant, each served job's wait in the dispatcher's queue (its decision's
+    /// `queue_wait_ms`): the part of its TTFT that admission, not the GPU, decided.
+    queue_wait_ms: BTreeMap<String, Vec<f64>>,
     /// Failover only: seconds into the run of the kill and of the standby's takeover.
     kill_s: Option<f64>,
     takeover_s: Option<f64>,
@@ -374,37 +377,76 @@ async fn run_phase(
     let (kill_s, takeover_s, killed) = fault?;
     write_outputs(&plan.out.join(name), &result)
         .with_context(|| format!("writing the {name} phase's outputs"))?;
-    let (decisions_checked, tenant_matched) = check_tenants(sys, &result.records).await;
+    let read = read_decisions(sys, &result.records).await;
     Ok(Phase {
         name,
         result,
         idle: idle_stats(&samples),
-        decisions_checked,
-        tenant_matched,
+        decisions_checked: read.checked,
+        tenant_matched: read.tenant_matched,
+        queue_wait_ms: read.queue_wait_ms,
         kill_s,
         takeover_s,
         killed,
     })
 }
 
-/// Reads the decision of every successful request and counts those whose tenant is the
-/// one the request's key belongs to.
-async fn check_tenants(sys: &System, records: &[RequestRecord]) -> (usize, usize) {
+/// What the decisions of a phase's served requests say.
+struct DecisionsRead {
+    checked: usize,
+    /// Decisions whose tenant is the one the request's key belongs to.
+    tenant_matched: usize,
+    /// Per tenant (the key's), the decisions' `queue_wait_ms`.
+    queue_wait_ms: BTreeMap<String, Vec<f64>>,
+}
+
+/// Reads the decision of every successful request: whether it names the tenant of the
+/// request's key, and how long the job waited in the dispatcher's queue.
+async fn read_decisions(sys: &System, records: &[RequestRecord]) -> DecisionsRead {
     let jobs: Vec<(String, String)> = records
         .iter()
         .filter(|r| r.ok)
         .filter_map(|r| Some((r.job_id.clone()?, r.tenant.clone()?)))
         .collect();
-    let found: Vec<bool> = futures::stream::iter(jobs)
+    let found: Vec<(String, bool, Option<f64>)> = futures::stream::iter(jobs)
         .map(|(job, tenant)| async move {
             let d = sys.decision_json(&job).await?;
-            Some(d.get("tenant").and_then(|t| t.as_str()) == Some(tenant.as_str()))
+            let matched = d.get("tenant").and_then(|t| t.as_str()) == Some(tenant.as_str());
+            let wait = d.get("queue_wait_ms").and_then(|w| w.as_f64());
+            Some((tenant, matched, wait))
         })
         .buffer_unordered(16)
         .filter_map(|x| async move { x })
         .collect()
         .await;
-    (found.len(), found.iter().filter(|m| **m).count())
+    let mut queue_wait_ms: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for (tenant, _, wait) in &found {
+        if let Some(w) = wait {
+            queue_wait_ms.entry(tenant.clone()).or_default().push(*w);
+        }
+    }
+    DecisionsRead {
+        checked: found.len(),
+        tenant_matched: found.iter().filter(|(_, m, _)| *m).count(),
+        queue_wait_ms,
+    }
+}
+
+/// "; wait in the dispatcher's queue: steady p50 … / p99 …, flood …" from the decisions.
+fn queue_waits(by_tenant: &BTreeMap<String, Vec<f64>>) -> String {
+    let parts: Vec<String> = by_tenant
+        .iter()
+        .filter_map(|(tenant, waits)| {
+            let p50 = crate::stats::percentile(waits, 50.0)?;
+            let p99 = crate::stats::percentile(waits, 99.0)?;
+            Some(format!("{tenant} p50 {p50:.0} ms / p99 {p99:.0} ms"))
+        })
+        .collect();
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!("; wait in the dispatcher's queue: {}", parts.join(", "))
+    }
 }
 
 fn p99(s: &Summary, tenant: &str) -> Option<f64> {
@@ -579,13 +621,14 @@ fn render(
     for p in phases {
         let _ = writeln!(
             s,
-            "- {}: GPUs idle while a job waited {:.1} % of {:.0} GPU-seconds (deepest queue {:.0}); decisions read {}, naming the key's tenant {}{}.",
+            "- {}: GPUs idle while a job waited {:.1} % of {:.0} GPU-seconds (deepest queue {:.0}); decisions read {}, naming the key's tenant {}{}{}.",
             p.name,
             p.idle.share * 100.0,
             p.idle.total_gpu_s,
             p.idle.max_queued,
             p.decisions_checked,
             p.tenant_matched,
+            queue_waits(&p.queue_wait_ms),
             match (&p.killed, p.kill_s, p.takeover_s) {
                 (Some(k), Some(at), Some(t)) => format!(
                     "; SIGKILL {k} at {at:.1} s, the standby led {:.1} s later",
@@ -675,6 +718,18 @@ mod tests {
             error_kind: ttft.is_none().then_some(ErrorKind::Http),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn queue_waits_are_told_per_tenant_and_absent_without_decisions() {
+        assert_eq!(queue_waits(&BTreeMap::new()), "");
+        let mut waits = BTreeMap::new();
+        waits.insert("steady".to_string(), (1..=100).map(f64::from).collect());
+        waits.insert("flood".to_string(), vec![7.0]);
+        assert_eq!(
+            queue_waits(&waits),
+            "; wait in the dispatcher's queue: flood p50 7 ms / p99 7 ms, steady p50 50 ms / p99 99 ms"
+        );
     }
 
     #[test]
