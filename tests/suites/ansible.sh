@@ -351,7 +351,7 @@ try:
             expect("PONG" in out, f"the NATS certificate does not hold {name}: {out!r}")
     expect("Authorization Violation" in nats_session(None, None, []), "NATS accepted an anonymous connection")
     expect("Authorization Violation" in nats_session("gateway", "wrong", []), "NATS accepted a wrong password")
-    out = nats_session(gw["user"], gw["password"], ["PUB jobs.submit 2\r\n{}\r\n"])
+    out = nats_session(gw["user"], gw["password"], ["PUB jobs.submit.acme 2\r\n{}\r\n"])
     expect("PONG" in out and "Violation" not in out, f"the gateway's rendered credential: {out!r}")
     agent = tomllib.loads((stage / "gpu-node-2/etc/metronome/worker-agent/gpu0.toml").read_text())
     own, na = agent["worker_id"], agent["nats_auth"]
