@@ -312,8 +312,8 @@ mod tests {
         assert_eq!(tenant_of_token("_anon"), None);
         assert_eq!(tenant_of_token("acme"), Some("acme"));
         for tenant in [None, Some("acme")] {
-            let token = submit_subject_token(&submit_subject(tenant)).map(tenant_of_token);
-            assert_eq!(token, Some(tenant));
+            let subject = submit_subject(tenant);
+            assert_eq!(submit_subject_token(&subject).map(tenant_of_token), Some(tenant));
             assert_eq!(
                 subject_tenant_token(&decision_subject(tenant, "j")).map(tenant_of_token),
                 Some(tenant)
