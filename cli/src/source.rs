@@ -66,7 +66,10 @@ impl Nats {
         // The job's subject, whatever its tenant: its first record, found with the filter
         // in the request body (a direct get names a literal subject in its own subject).
         let any = names::decision_subject_any_tenant(job_id);
-        let subject = match stream.direct_get_next_for_subject(any.clone(), Some(1)).await {
+        let subject = match stream
+            .direct_get_next_for_subject(any.clone(), Some(1))
+            .await
+        {
             Ok(m) => m.subject.to_string(),
             Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => return Ok(Vec::new()),
             Err(e) => return Err(CliError::Nats(format!("direct get {any}: {e}"))),

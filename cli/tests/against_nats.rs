@@ -180,8 +180,12 @@ async fn explain_tells_the_story_of_a_stored_decision() {
     first.tenant = Some("acme".into());
     first.priority = Some(metronome_protocol::Priority::Interactive);
     first.fair_counter = Some(900.0);
-    env.publish(names::decision_subject(Some("acme"), "job-7"), "job-7:1", &first)
-        .await;
+    env.publish(
+        names::decision_subject(Some("acme"), "job-7"),
+        "job-7:1",
+        &first,
+    )
+    .await;
     let mut done = completion("job-7", "n1-gpu1", 1, now);
     done.ttft_ms = Some(140.0);
     env.publish(names::event_done_subject("n1-gpu1"), "e-job-7", &done)
@@ -258,8 +262,12 @@ async fn explain_tells_the_story_of_a_stored_decision() {
     second.reason = Some("rescued: n1-gpu1 stopped heartbeating".into());
     second.worker_id = Some("n1-gpu0".into());
     second.candidates = vec![candidate("n1-gpu0", 0.2, 150.0, 41.0)];
-    env.publish(names::decision_subject(Some("acme"), "job-7"), "job-7:2", &second)
-        .await;
+    env.publish(
+        names::decision_subject(Some("acme"), "job-7"),
+        "job-7:2",
+        &second,
+    )
+    .await;
     let text = env.cli(&["explain", "job-7"]).await.expect("explain");
     assert!(
         text.contains("── decision 1 of 2 ──") && text.contains("── decision 2 of 2 ──"),
@@ -635,8 +643,12 @@ async fn decisions_follow_prints_past_then_live_decisions_that_match() {
     rejected.worker_id = None;
     rejected.reason_code = Some("queue_full".into());
     rejected.reason = Some("queue full".into());
-    env.publish(names::decision_subject(None, "past-rejected"), "p:1", &rejected)
-        .await;
+    env.publish(
+        names::decision_subject(None, "past-rejected"),
+        "p:1",
+        &rejected,
+    )
+    .await;
     let out = Shared::default();
     let url = env.nats.url();
     let cli = Cli::try_parse_from([
@@ -670,8 +682,12 @@ async fn decisions_follow_prints_past_then_live_decisions_that_match() {
     .await;
     let mut live = rejected.clone();
     live.job_id = "live-rejected".into();
-    env.publish(names::decision_subject(None, "live-rejected"), "l2:1", &live)
-        .await;
+    env.publish(
+        names::decision_subject(None, "live-rejected"),
+        "l2:1",
+        &live,
+    )
+    .await;
     metronome_testkit::wait_for(
         "the live rejection",
         std::time::Duration::from_secs(10),

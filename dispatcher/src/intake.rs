@@ -31,10 +31,9 @@ use async_nats::jetstream::{self, consumer};
 use bytes::Bytes;
 use futures::StreamExt;
 use metronome_protocol::names::{
-    decision_subject, event_done_subject, is_subject_token, submit_subject_token,
-    tenant_of_token, CONSUMER_DISPATCHER, CONSUMER_DISPATCHER_EVENTS, HEADER_ATTEMPT,
-    HEADER_ORDER, STREAM_EVENTS, STREAM_JOBS, SUBJECT_CANCEL_ALL, SUBJECT_EVENTS_DONE_ALL,
-    SUBJECT_JOBS_RETRY,
+    decision_subject, event_done_subject, is_subject_token, submit_subject_token, tenant_of_token,
+    CONSUMER_DISPATCHER, CONSUMER_DISPATCHER_EVENTS, HEADER_ATTEMPT, HEADER_ORDER, STREAM_EVENTS,
+    STREAM_JOBS, SUBJECT_CANCEL_ALL, SUBJECT_EVENTS_DONE_ALL, SUBJECT_JOBS_RETRY,
 };
 use metronome_protocol::{CompletionEvent, Decision, ErrorCode, Job, JobError, JobLimits, Outcome};
 use tokio::sync::mpsc;

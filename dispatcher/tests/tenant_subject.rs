@@ -38,8 +38,12 @@ async fn the_subject_names_the_tenant_and_the_body_cannot_claim_another() {
     let body = |id: &str| job_json(id, "model-t", 10, 10);
 
     // No tenant in the body: the subject's.
-    env.submit_on(&acme, "t-plain", serde_json::to_vec(&body("t-plain")).unwrap())
-        .await;
+    env.submit_on(
+        &acme,
+        "t-plain",
+        serde_json::to_vec(&body("t-plain")).unwrap(),
+    )
+    .await;
     // The same tenant in both: fine.
     let mut same = body("t-same");
     same["tenant"] = json!("acme");
@@ -105,7 +109,10 @@ async fn the_subject_names_the_tenant_and_the_body_cannot_claim_another() {
     assert_eq!(d.outcome, Outcome::Rejected);
     assert_eq!(d.reason_code.as_deref(), Some("unsupported_version"));
     assert!(
-        d.reason.as_deref().unwrap_or("").contains("jobs.submit.<tenant>"),
+        d.reason
+            .as_deref()
+            .unwrap_or("")
+            .contains("jobs.submit.<tenant>"),
         "{d:?}"
     );
     let d: Decision = stored(

@@ -215,9 +215,7 @@ impl JobError {
         match self {
             JobError::TooLarge { .. } => "job_too_large",
             JobError::Malformed(_) => "malformed_job",
-            JobError::UnsupportedVersion(_) | JobError::UnscopedSubject(_) => {
-                "unsupported_version"
-            }
+            JobError::UnsupportedVersion(_) | JobError::UnscopedSubject(_) => "unsupported_version",
             JobError::TenantMismatch { .. } => "tenant_mismatch",
             JobError::BadId(_) => "bad_job_id",
             JobError::EmptyModel => "empty_model",
@@ -438,7 +436,10 @@ mod tests {
         v["v"] = json!(1);
         let error = parse(&v).unwrap_err();
         assert_eq!(error.code(), "unsupported_version");
-        assert!(error.to_string().contains("jobs.submit.<tenant>"), "{error}");
+        assert!(
+            error.to_string().contains("jobs.submit.<tenant>"),
+            "{error}"
+        );
     }
 
     #[test]
@@ -466,10 +467,7 @@ mod tests {
         }
         // A token no tenant may have.
         let mut j = job.clone();
-        assert_eq!(
-            j.bind_submit_token("a:b").unwrap_err().code(),
-            "bad_tenant"
-        );
+        assert_eq!(j.bind_submit_token("a:b").unwrap_err().code(), "bad_tenant");
     }
 
     #[test]

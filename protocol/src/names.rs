@@ -284,9 +284,15 @@ mod tests {
     #[test]
     fn subjects_are_built_from_tokens() {
         assert_eq!(work_subject("n1-gpu0"), "work.n1-gpu0");
-        assert_eq!(result_final_subject(Some("acme"), "j1"), "results.acme.j1.final");
+        assert_eq!(
+            result_final_subject(Some("acme"), "j1"),
+            "results.acme.j1.final"
+        );
         assert_eq!(result_final_subject(None, "j1"), "results._anon.j1.final");
-        assert_eq!(result_chunk_subject(Some("acme"), "j1"), "results.acme.j1.chunk");
+        assert_eq!(
+            result_chunk_subject(Some("acme"), "j1"),
+            "results.acme.j1.chunk"
+        );
         assert_eq!(results_subject_all(Some("acme"), "j1"), "results.acme.j1.>");
         assert_eq!(tenant_results_all(None), "results._anon.>");
         assert_eq!(decision_subject(Some("acme"), "j1"), "decisions.acme.j1");
@@ -313,7 +319,10 @@ mod tests {
         assert_eq!(tenant_of_token("acme"), Some("acme"));
         for tenant in [None, Some("acme")] {
             let subject = submit_subject(tenant);
-            assert_eq!(submit_subject_token(&subject).map(tenant_of_token), Some(tenant));
+            assert_eq!(
+                submit_subject_token(&subject).map(tenant_of_token),
+                Some(tenant)
+            );
             assert_eq!(
                 subject_tenant_token(&decision_subject(tenant, "j")).map(tenant_of_token),
                 Some(tenant)

@@ -190,8 +190,14 @@ pub async fn upgrade_jobs_stream(js: &jetstream::Context) -> Result<bool, SetupE
 /// results find no stream. Returns whether the stream was updated.
 pub async fn upgrade_results_stream(js: &jetstream::Context) -> Result<bool, SetupError> {
     let changed = amend_stream(js, STREAM_RESULTS, |config| {
-        config.subjects.retain(|s| s != SUBJECT_RESULTS_FINAL_ALL_V1);
-        if !config.subjects.iter().any(|s| s == SUBJECT_RESULTS_FINAL_ALL) {
+        config
+            .subjects
+            .retain(|s| s != SUBJECT_RESULTS_FINAL_ALL_V1);
+        if !config
+            .subjects
+            .iter()
+            .any(|s| s == SUBJECT_RESULTS_FINAL_ALL)
+        {
             config.subjects.push(SUBJECT_RESULTS_FINAL_ALL.into());
         }
     })

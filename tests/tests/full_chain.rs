@@ -204,7 +204,11 @@ async fn a_direct_nats_client_submits_for_its_tenant_and_reads_its_results() {
         chunks += 1;
     };
     assert_eq!(fin.error, None, "{}", cluster.logs());
-    assert!(chunks > 0 && fin.chunks == chunks, "{chunks} chunks, final says {}", fin.chunks);
+    assert!(
+        chunks > 0 && fin.chunks == chunks,
+        "{chunks} chunks, final says {}",
+        fin.chunks
+    );
     let decision = cluster.decision(id).await;
     assert_eq!(decision.outcome, Outcome::Assigned);
     assert_eq!(decision.tenant.as_deref(), Some("acme"));

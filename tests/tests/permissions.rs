@@ -518,13 +518,15 @@ async fn a_client_cannot_submit_for_or_read_another_tenant() {
     acme.subscribe_refused(&names::tenant_results_all(g)).await;
     acme.subscribe_refused(&names::results_subject_all(g, "job-8"))
         .await;
-    acme.subscribe_refused(&names::tenant_decisions_all(g)).await;
+    acme.subscribe_refused(&names::tenant_decisions_all(g))
+        .await;
     acme.subscribe_refused(&names::decision_subject(g, "job-8"))
         .await;
     acme.subscribe_refused("results.>").await;
     acme.subscribe_refused("results.*.job-8.>").await;
     acme.subscribe_refused("decisions.>").await;
-    acme.subscribe_refused(&names::tenant_results_all(None)).await;
+    acme.subscribe_refused(&names::tenant_results_all(None))
+        .await;
     // ...nor stored: not by subject, nor by the requests that name it in their body.
     let results = acme
         .js_denied
@@ -554,7 +556,8 @@ async fn a_client_cannot_submit_for_or_read_another_tenant() {
         .await;
     acme.publish_refused("$JS.API.DIRECT.GET.DECISIONS.decisions.globex.job-8")
         .await;
-    acme.publish_refused("$JS.API.STREAM.MSG.GET.DECISIONS").await;
+    acme.publish_refused("$JS.API.STREAM.MSG.GET.DECISIONS")
+        .await;
     // ...and it cannot submit for globex, nor for no tenant, nor on the version-1 subject.
     acme.publish_refused(&names::submit_subject(g)).await;
     acme.publish_refused(&names::submit_subject(None)).await;

@@ -503,7 +503,9 @@ async fn a_job_is_reported_in_a_heartbeat_before_its_first_token() {
         let id = format!("job-early-{i}");
         let first_chunk = messages
             .iter()
-            .position(|m| m.subject.as_str() == results_subject_all(None, &id).replace(">", "chunk"))
+            .position(|m| {
+                m.subject.as_str() == results_subject_all(None, &id).replace(">", "chunk")
+            })
             .expect("a chunk");
         let reported = messages[..first_chunk].iter().any(|m| {
             m.subject.as_str() == metronome_protocol::names::heartbeat_subject(worker)

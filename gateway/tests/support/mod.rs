@@ -463,14 +463,11 @@ async fn play(client: async_nats::Client, js: jetstream::Context, job: Job) {
         let js = js.clone();
         let subject = decision_subject(tenant.as_deref(), &d.job_id);
         async move {
-            js.publish(
-                subject,
-                serde_json::to_vec(&d).unwrap().into(),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+            js.publish(subject, serde_json::to_vec(&d).unwrap().into())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
         }
     };
     let chunk = |seq: u64, text: &str| ResultChunk {
@@ -486,10 +483,7 @@ async fn play(client: async_nats::Client, js: jetstream::Context, job: Job) {
         let subject = result_chunk_subject(tenant.as_deref(), &c.job_id);
         async move {
             client
-                .publish(
-                    subject,
-                    serde_json::to_vec(&c).unwrap().into(),
-                )
+                .publish(subject, serde_json::to_vec(&c).unwrap().into())
                 .await
                 .unwrap();
         }
@@ -498,14 +492,11 @@ async fn play(client: async_nats::Client, js: jetstream::Context, job: Job) {
         let js = js.clone();
         let subject = result_final_subject(tenant.as_deref(), &f.job_id);
         async move {
-            js.publish(
-                subject,
-                serde_json::to_vec(&f).unwrap().into(),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+            js.publish(subject, serde_json::to_vec(&f).unwrap().into())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
         }
     };
     match script_for(&job) {

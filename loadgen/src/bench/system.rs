@@ -308,7 +308,9 @@ impl System {
     pub async fn decision_json(&self, job_id: &str) -> Option<serde_json::Value> {
         let stream = self.decisions.as_ref()?;
         let msg = stream
-            .get_last_raw_message_by_subject(&metronome_protocol::names::decision_subject_any_tenant(job_id))
+            .get_last_raw_message_by_subject(
+                &metronome_protocol::names::decision_subject_any_tenant(job_id),
+            )
             .await
             .ok()?;
         serde_json::from_slice(&msg.payload).ok()

@@ -32,9 +32,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use async_nats::jetstream;
 use futures::StreamExt;
-use metronome_protocol::names::{
-    submit_subject, BUCKET_WORKERS, HEADER_MSG_ID, STREAM_RESULTS,
-};
+use metronome_protocol::names::{submit_subject, BUCKET_WORKERS, HEADER_MSG_ID, STREAM_RESULTS};
 use metronome_protocol::{Endpoint, FinalResult, Job, ResultChunk, WorkerStatus, PROTOCOL_VERSION};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
