@@ -151,7 +151,8 @@ async fn read_job(
         .then_some(msg.headers.as_ref())
         .flatten();
     let (attempt, order) = retry_headers(headers, seq);
-    let job = match bind_tenant(msg.subject.as_str(), Job::parse(&msg.payload, &limits)) {
+    let parsed = Job::parse(&msg.payload, &limits);
+    let job = match bind_tenant(msg.subject.as_str(), &msg.payload, parsed) {
         Ok(job) => job,
         Err((tenant, error)) => {
             return Step::Malformed {
@@ -194,10 +195,13 @@ async fn read_job(
 /// module docs); refused, with the tenant whose clients are told why.
 fn bind_tenant(
     subject: &str,
+    payload: &[u8],
     parsed: Result<Job, JobError>,
 ) -> Result<Job, (Option<String>, JobError)> {
     if subject == SUBJECT_JOBS_RETRY {
-        return parsed.map_err(|e| (None, e));
+        // A dispatcher wrote it: even unreadable (an older version's), its tenant is the
+        // one bound at submission.
+        return parsed.map_err(|e| (body_tenant(payload), e));
     }
     let Some(token) = submit_subject_token(subject) else {
         // The version-1 `jobs.submit` (or any other subject JOBS was given): no tenant.
@@ -211,6 +215,14 @@ fn bind_tenant(
     parsed
         .and_then(|mut job| job.bind_submit_token(token).map(|()| job))
         .map_err(|e| (tenant, e))
+}
+
+/// The valid `tenant` of a body that is not a valid job, if it has one.
+fn body_tenant(payload: &[u8]) -> Option<String> {
+    let body = serde_json::from_slice::<serde_json::Value>(payload).ok()?;
+    let tenant = body.get("tenant")?.as_str()?;
+    metronome_protocol::check_tenant(tenant).ok()?;
+    Some(tenant.to_string())
 }
 
 /// The attempt and queue place of a JOBS message: a client's submission is attempt 1 at
@@ -552,6 +564,53 @@ mod tests {
             e2e_ms: 1.0,
             finished_ms: 1,
         }
+    }
+
+    #[test]
+    fn the_subject_binds_the_tenant_and_refusals_go_to_the_subjects_tenant() {
+        let body = |tenant: Option<&str>, v: u32| {
+            let mut j = serde_json::json!({"v": v, "id": "j1", "model": "m", "endpoint": "chat",
+                "request": {}, "prompt_tokens": 1, "max_tokens": 1, "submitted_ms": 1});
+            if let Some(t) = tenant {
+                j["tenant"] = t.into();
+            }
+            serde_json::to_vec(&j).unwrap()
+        };
+        let bind = |subject: &str, payload: Vec<u8>| {
+            let parsed = Job::parse(&payload, &JobLimits::default());
+            bind_tenant(subject, &payload, parsed)
+        };
+        let v = metronome_protocol::PROTOCOL_VERSION;
+        let job = bind("jobs.submit.acme", body(None, v)).unwrap();
+        assert_eq!(job.tenant.as_deref(), Some("acme"));
+        assert_eq!(
+            bind("jobs.submit._anon", body(None, v)).unwrap().tenant,
+            None
+        );
+        // A retry keeps the tenant bound at submission.
+        let job = bind(SUBJECT_JOBS_RETRY, body(Some("acme"), v)).unwrap();
+        assert_eq!(job.tenant.as_deref(), Some("acme"));
+        let refused = |subject: &str, payload| {
+            let (tenant, error) = bind(subject, payload).unwrap_err();
+            (tenant, error.code())
+        };
+        assert_eq!(
+            refused("jobs.submit.acme", body(Some("other"), v)),
+            (Some("acme".to_string()), "tenant_mismatch")
+        );
+        assert_eq!(
+            refused("jobs.submit", body(Some("acme"), v)),
+            (None, "unsupported_version"),
+            "the version-1 subject: the body's tenant is not believed"
+        );
+        assert_eq!(
+            refused("jobs.submit.acme", body(None, 1)),
+            (Some("acme".to_string()), "unsupported_version")
+        );
+        assert_eq!(
+            refused(SUBJECT_JOBS_RETRY, body(Some("acme"), 1)),
+            (Some("acme".to_string()), "unsupported_version")
+        );
     }
 
     #[test]
