@@ -3,7 +3,9 @@
 
     render-auth.py --dir DIR [--prefix metronome] [--rotate] IDENTITY...
 
-IDENTITY is `user:role` or, for a worker-agent, `user:worker-agent:<worker_id>:<model>`.
+IDENTITY is `user:role`; for a worker-agent `user:worker-agent:<worker_id>:<model>`; for a
+direct-NATS client `user:client:<tenant>` (its tenant's subjects only; `_anon` is the
+tenant token of jobs submitted without a tenant).
 Roles and their permissions come from ansible/roles/metronome/files/permissions.json,
 generated from protocol/src/permissions.rs (the one definition; its tests run the same
 rules against real servers). Used by `./dev up` and by the Ansible playbook.
@@ -25,6 +27,9 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 RULES = os.path.join(HERE, "..", "ansible", "roles", "metronome", "files", "permissions.json")
 ALPHABET = string.ascii_letters + string.digits
+# protocol::names::NO_TENANT_TOKEN and protocol::job::MAX_TENANT_BYTES.
+NO_TENANT_TOKEN = "_anon"
+MAX_TENANT_BYTES = 64
 
 
 def glob_escape(s):
@@ -70,11 +75,18 @@ def main():
         worker_id, model = (parts[2], parts[3]) if role == "worker-agent" and len(parts) == 4 else ("", "")
         if role == "worker-agent" and not worker_id:
             sys.exit(f"render-auth: {spec}: a worker-agent is user:worker-agent:<worker_id>:<model>")
+        tenant = parts[2] if role == "client" and len(parts) == 3 else ""
+        if role == "client" and not (
+            tenant and len(tenant) <= MAX_TENANT_BYTES and all(c in ALPHABET + "-_" for c in tenant)
+        ):
+            sys.exit(f"render-auth: {spec}: a client is user:client:<tenant> (letters, digits, "
+                     f"'-' and '_', at most {MAX_TENANT_BYTES}; {NO_TENANT_TOKEN} for no tenant)")
         rules = roles[role]
         pw = password_for(a.dir, user, a.rotate)
 
         def fill(t):
             return (t.replace("{user}", user).replace("{worker_id}", worker_id)
+                    .replace("{tenant}", tenant)
                     .replace("{prefix}", a.prefix).replace("{model}", glob_escape(model)))
 
         pub = ", ".join(json.dumps(fill(s)) for s in rules["publish"])

@@ -126,7 +126,10 @@ wait_tcp() { # port, what
 
 # One identity per process, each with its role's permissions (docs/SECURITY.md).
 AUTH_DIR="$STATE_DIR/auth"
-IDENTITIES=(admin:admin dispatcher-a:dispatcher dispatcher-b:dispatcher gateway:gateway client:client auditor:auditor)
+# Direct-NATS clients: one per tenant (its own subjects only), here the demo tenant's and
+# the one of jobs without a tenant (`_anon`).
+IDENTITIES=(admin:admin dispatcher-a:dispatcher dispatcher-b:dispatcher gateway:gateway
+  client-demo:client:demo client-_anon:client:_anon auditor:auditor)
 for ((g=0; g<GPUS; g++)); do
   IDENTITIES+=("worker-local-gpu$g:worker-agent:local-gpu$g:${MODEL_LIST[$((g % ${#MODEL_LIST[@]}))]}")
 done
@@ -213,8 +216,9 @@ NATS_URL=$NATS_URL
 REDIS_URL=redis://admin:$(password admin)@127.0.0.1:$REDIS_PORT/
 METRONOME_NATS_USER=admin
 METRONOME_NATS_PASSWORD=$(password admin)
-METRONOME_CLIENT_NATS_USER=client
-METRONOME_CLIENT_NATS_PASSWORD=$(password client)
+METRONOME_CLIENT_NATS_USER=client-demo
+METRONOME_CLIENT_NATS_PASSWORD=$(password client-demo)
+METRONOME_CLIENT_TENANT=demo
 ENV
 )
 [ -n "$PROMETHEUS_URL" ] && echo "PROMETHEUS_URL=$PROMETHEUS_URL" >> "$STATE_DIR/env"

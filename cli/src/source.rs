@@ -59,11 +59,21 @@ impl Nats {
             .map_err(|e| CliError::Nats(format!("stream {name}: {e}")))
     }
 
-    /// Every decision stored on `decisions.<job_id>`, oldest first (one per attempt that
-    /// reached an outcome); empty for an unknown id.
+    /// Every decision stored on `decisions.<tenant>.<job_id>`, oldest first (one per
+    /// attempt that reached an outcome); empty for an unknown id.
     pub async fn decisions_of(&self, job_id: &str) -> Result<Vec<Decision>, CliError> {
         let stream = self.stream(STREAM_DECISIONS).await?;
-        let subject = names::decision_subject(job_id);
+        // The job's subject, whatever its tenant: its first record, found with the filter
+        // in the request body (a direct get names a literal subject in its own subject).
+        let any = names::decision_subject_any_tenant(job_id);
+        let subject = match stream
+            .direct_get_next_for_subject(any.clone(), Some(1))
+            .await
+        {
+            Ok(m) => m.subject.to_string(),
+            Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(CliError::Nats(format!("direct get {any}: {e}"))),
+        };
         let last = match stream.direct_get_last_for_subject(subject.clone()).await {
             Ok(m) => m,
             Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => return Ok(Vec::new()),
@@ -93,8 +103,12 @@ impl Nats {
     /// The final result of a job, while RESULTS still keeps it.
     pub async fn final_result(&self, job_id: &str) -> Result<Option<FinalResult>, CliError> {
         let stream = self.stream(STREAM_RESULTS).await?;
-        let subject = names::result_final_subject(job_id);
-        match stream.direct_get_last_for_subject(subject.clone()).await {
+        // One final result per job (its msg-id), whatever its tenant: the first is the one.
+        let subject = names::result_final_subject_any_tenant(job_id);
+        match stream
+            .direct_get_next_for_subject(subject.clone(), Some(1))
+            .await
+        {
             Ok(m) => decode(&m.payload, &subject).map(Some),
             Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => Ok(None),
             Err(e) => Err(CliError::Nats(format!("direct get {subject}: {e}"))),

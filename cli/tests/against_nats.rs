@@ -165,7 +165,7 @@ async fn explain_tells_the_story_of_a_stored_decision() {
     let now = unix_ms();
     // Noise first: another job's decision and completion on the same worker.
     env.publish(
-        names::decision_subject("other"),
+        names::decision_subject(None, "other"),
         "other:1",
         &decision("other", 1, now),
     )
@@ -180,14 +180,18 @@ async fn explain_tells_the_story_of_a_stored_decision() {
     first.tenant = Some("acme".into());
     first.priority = Some(metronome_protocol::Priority::Interactive);
     first.fair_counter = Some(900.0);
-    env.publish(names::decision_subject("job-7"), "job-7:1", &first)
-        .await;
+    env.publish(
+        names::decision_subject(Some("acme"), "job-7"),
+        "job-7:1",
+        &first,
+    )
+    .await;
     let mut done = completion("job-7", "n1-gpu1", 1, now);
     done.ttft_ms = Some(140.0);
     env.publish(names::event_done_subject("n1-gpu1"), "e-job-7", &done)
         .await;
     env.publish(
-        names::result_final_subject("job-7"),
+        names::result_final_subject(Some("acme"), "job-7"),
         "r-job-7",
         &FinalResult {
             v: 1,
@@ -258,8 +262,12 @@ async fn explain_tells_the_story_of_a_stored_decision() {
     second.reason = Some("rescued: n1-gpu1 stopped heartbeating".into());
     second.worker_id = Some("n1-gpu0".into());
     second.candidates = vec![candidate("n1-gpu0", 0.2, 150.0, 41.0)];
-    env.publish(names::decision_subject("job-7"), "job-7:2", &second)
-        .await;
+    env.publish(
+        names::decision_subject(Some("acme"), "job-7"),
+        "job-7:2",
+        &second,
+    )
+    .await;
     let text = env.cli(&["explain", "job-7"]).await.expect("explain");
     assert!(
         text.contains("── decision 1 of 2 ──") && text.contains("── decision 2 of 2 ──"),
@@ -303,7 +311,7 @@ async fn explain_of_an_unknown_or_rejected_job() {
     d.candidates.clear();
     d.reason = Some("the admission queue of llama-3.1-8b is full (512 jobs)".into());
     d.reason_code = Some("queue_full".into());
-    env.publish(names::decision_subject("full-1"), "full-1:1", &d)
+    env.publish(names::decision_subject(None, "full-1"), "full-1:1", &d)
         .await;
     let text = env.cli(&["explain", "full-1"]).await.expect("explain");
     assert!(text.contains("REJECTED on attempt 1"), "{text}");
@@ -336,7 +344,7 @@ async fn decisions_workers_and_status_read_the_contract() {
             d.reason = Some("no eligible worker before the deadline".into());
             d.reason_code = Some("deadline_exceeded".into());
         }
-        env.publish(names::decision_subject(id), &format!("{id}:1"), &d)
+        env.publish(names::decision_subject(None, id), &format!("{id}:1"), &d)
             .await;
     }
     let text = env.cli(&["decisions", "-n", "2"]).await.expect("decisions");
@@ -635,8 +643,12 @@ async fn decisions_follow_prints_past_then_live_decisions_that_match() {
     rejected.worker_id = None;
     rejected.reason_code = Some("queue_full".into());
     rejected.reason = Some("queue full".into());
-    env.publish(names::decision_subject("past-rejected"), "p:1", &rejected)
-        .await;
+    env.publish(
+        names::decision_subject(None, "past-rejected"),
+        "p:1",
+        &rejected,
+    )
+    .await;
     let out = Shared::default();
     let url = env.nats.url();
     let cli = Cli::try_parse_from([
@@ -663,15 +675,19 @@ async fn decisions_follow_prints_past_then_live_decisions_that_match() {
     )
     .await;
     env.publish(
-        names::decision_subject("live-assigned"),
+        names::decision_subject(None, "live-assigned"),
         "l:1",
         &decision("live-assigned", 1, now),
     )
     .await;
     let mut live = rejected.clone();
     live.job_id = "live-rejected".into();
-    env.publish(names::decision_subject("live-rejected"), "l2:1", &live)
-        .await;
+    env.publish(
+        names::decision_subject(None, "live-rejected"),
+        "l2:1",
+        &live,
+    )
+    .await;
     metronome_testkit::wait_for(
         "the live rejection",
         std::time::Duration::from_secs(10),

@@ -1,7 +1,7 @@
 //! Sustained decisions per second of the dispatcher against a real nats-server.
 //!
 //! Starts nats-server and redis-server (metronome-testkit), registers `--workers` idle
-//! workers (high caps, so no job waits), publishes `--jobs` jobs to `jobs.submit` and then
+//! workers (high caps, so no job waits), publishes `--jobs` jobs to `jobs.submit._anon` and then
 //! starts the dispatcher in-process: the figure is jobs decided (Assignment published and
 //! acknowledged by JetStream, JOBS acknowledged, Decision published) per second of wall
 //! time, from the moment the dispatcher leads until the last decision is stored. Run:
@@ -105,7 +105,7 @@ async fn main() -> anyhow::Result<()> {
     for i in 0..args.jobs {
         let id = format!("bench-job-{i}");
         let job = serde_json::json!({
-            "v": 1, "id": id, "model": format!("model-{}", i % args.models), "endpoint": "chat",
+            "v": metronome_protocol::PROTOCOL_VERSION, "id": id, "model": format!("model-{}", i % args.models), "endpoint": "chat",
             "request": {"messages": [{"role": "user", "content": "hello"}]},
             "prompt_tokens": 200, "max_tokens": 200,
             "submitted_ms": metronome_protocol::time::unix_ms(),
@@ -114,7 +114,7 @@ async fn main() -> anyhow::Result<()> {
         h.insert(names::HEADER_MSG_ID, id.as_str());
         acks.push(
             js.publish_with_headers(
-                names::SUBJECT_JOBS_SUBMIT,
+                names::submit_subject(None),
                 h,
                 serde_json::to_vec(&job)?.into(),
             )

@@ -4,8 +4,13 @@
 //! On every takeover the durable consumer `dispatcher` is deleted and created again
 //! (deliver all, explicit ack, long ack wait), so every job the previous leader left
 //! unacknowledged is redelivered at once, in stream order. Parsing happens here, off the
-//! deciding loop. A message that is not a valid job never reaches the engine: it gets a
-//! rejected Decision on `decisions.<salvaged id>` (with the parse error as reason) or,
+//! deciding loop. A job's tenant is the one its subject names (`jobs.submit.<tenant>`, which
+//! the server's permissions give only to that tenant's clients); a body naming another
+//! tenant is refused (`tenant_mismatch`), a job on the version-1 `jobs.submit` too
+//! (`unsupported_version`). Only on `jobs.retry`, which only dispatchers may publish, is the
+//! body's tenant believed (it is the one bound at submission). A message that is not a
+//! valid job never reaches the engine: it gets a rejected Decision on
+//! `decisions.<subject's tenant>.<salvaged id>` (with the parse error as reason) or,
 //! without a usable id, a record on `deadletter.jobs`; then it is acknowledged so it
 //! never comes back.
 //!
@@ -14,7 +19,7 @@
 //! (300 s), longer than its de-duplication window (120 s), so a lost ack or a restart
 //! would otherwise run a finished job again. "May already have decided" means delivered
 //! more than once, or stored before this term's consumer was created (a takeover resets
-//! the delivery count). When `decisions.<id>` holds a record (assigned, rejected or
+//! the delivery count). When `decisions.<tenant>.<id>` holds a record (assigned, rejected or
 //! expired), the message is acknowledged and logged, and nothing is assigned. The lookup
 //! is a direct get (nats-server 2.9), pipelined in stream order.
 
@@ -26,11 +31,11 @@ use async_nats::jetstream::{self, consumer};
 use bytes::Bytes;
 use futures::StreamExt;
 use metronome_protocol::names::{
-    decision_subject, event_done_subject, is_subject_token, CONSUMER_DISPATCHER,
-    CONSUMER_DISPATCHER_EVENTS, HEADER_ATTEMPT, HEADER_ORDER, STREAM_EVENTS, STREAM_JOBS,
-    SUBJECT_CANCEL_ALL, SUBJECT_EVENTS_DONE_ALL, SUBJECT_JOBS_RETRY,
+    decision_subject, event_done_subject, is_subject_token, submit_subject_token, tenant_of_token,
+    CONSUMER_DISPATCHER, CONSUMER_DISPATCHER_EVENTS, HEADER_ATTEMPT, HEADER_ORDER, STREAM_EVENTS,
+    STREAM_JOBS, SUBJECT_CANCEL_ALL, SUBJECT_EVENTS_DONE_ALL, SUBJECT_JOBS_RETRY,
 };
-use metronome_protocol::{CompletionEvent, Decision, ErrorCode, Job, JobLimits, Outcome};
+use metronome_protocol::{CompletionEvent, Decision, ErrorCode, Job, JobError, JobLimits, Outcome};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -76,7 +81,7 @@ pub async fn recreate_jobs_consumer(
 
 /// How the intake recognises a job that may already have been decided.
 pub struct SeenBefore {
-    /// The DECISIONS stream, for direct gets of `decisions.<job_id>`.
+    /// The DECISIONS stream, for direct gets of `decisions.<tenant>.<job_id>`.
     pub decisions: jetstream::stream::Stream,
     /// JOBS messages up to this stream sequence existed before this term's consumer.
     pub takeover_seq: u64,
@@ -90,11 +95,11 @@ fn may_be_decided(delivered: i64, stream_seq: u64, takeover_seq: u64) -> bool {
 }
 
 impl SeenBefore {
-    /// The latest stored decision of `job_id`, if any.
-    async fn stored_decision(&self, job_id: &str) -> Result<Option<Decision>, String> {
+    /// The latest stored decision of `job`, if any.
+    async fn stored_decision(&self, job: &Job) -> Result<Option<Decision>, String> {
         match self
             .decisions
-            .direct_get_last_for_subject(decision_subject(job_id))
+            .direct_get_last_for_subject(decision_subject(job.tenant.as_deref(), &job.id))
             .await
         {
             Ok(m) => serde_json::from_slice::<Decision>(&m.payload)
@@ -112,6 +117,8 @@ enum Step {
     Malformed {
         payload: Bytes,
         error: metronome_protocol::JobError,
+        /// The tenant the subject named, whose clients are told.
+        tenant: Option<String>,
         acker: Arc<jetstream::message::Acker>,
         seq: u64,
     },
@@ -144,19 +151,21 @@ async fn read_job(
         .then_some(msg.headers.as_ref())
         .flatten();
     let (attempt, order) = retry_headers(headers, seq);
-    let job = match Job::parse(&msg.payload, &limits) {
+    let parsed = Job::parse(&msg.payload, &limits);
+    let job = match bind_tenant(msg.subject.as_str(), &msg.payload, parsed) {
         Ok(job) => job,
-        Err(error) => {
+        Err((tenant, error)) => {
             return Step::Malformed {
                 payload: msg.payload,
                 error,
+                tenant,
                 acker,
                 seq,
             }
         }
     };
     if may_be_decided(delivered, seq, seen.takeover_seq) {
-        match seen.stored_decision(&job.id).await {
+        match seen.stored_decision(&job).await {
             // A decision of an earlier attempt does not settle a retry.
             Ok(Some(decision)) if decision.attempt >= attempt => {
                 return Step::AlreadyDecided {
@@ -182,9 +191,43 @@ async fn read_job(
     }))
 }
 
+/// The job of a JOBS message on `subject`, its tenant bound to the subject's (see the
+/// module docs); refused, with the tenant whose clients are told why.
+fn bind_tenant(
+    subject: &str,
+    payload: &[u8],
+    parsed: Result<Job, JobError>,
+) -> Result<Job, (Option<String>, JobError)> {
+    if subject == SUBJECT_JOBS_RETRY {
+        // A dispatcher wrote it: even unreadable (an older version's), its tenant is the
+        // one bound at submission.
+        return parsed.map_err(|e| (body_tenant(payload), e));
+    }
+    let Some(token) = submit_subject_token(subject) else {
+        // The version-1 `jobs.submit` (or any other subject JOBS was given): no tenant.
+        return Err((None, JobError::UnscopedSubject(subject.to_string())));
+    };
+    // A token that is no valid tenant name (only an admin could publish it): told to no
+    // tenant's clients.
+    let tenant = tenant_of_token(token)
+        .filter(|t| metronome_protocol::check_tenant(t).is_ok())
+        .map(str::to_string);
+    parsed
+        .and_then(|mut job| job.bind_submit_token(token).map(|()| job))
+        .map_err(|e| (tenant, e))
+}
+
+/// The valid `tenant` of a body that is not a valid job, if it has one.
+fn body_tenant(payload: &[u8]) -> Option<String> {
+    let body = serde_json::from_slice::<serde_json::Value>(payload).ok()?;
+    let tenant = body.get("tenant")?.as_str()?;
+    metronome_protocol::check_tenant(tenant).ok()?;
+    Some(tenant.to_string())
+}
+
 /// The attempt and queue place of a JOBS message: a client's submission is attempt 1 at
 /// its own sequence; a retry the dispatcher put back on `jobs.retry` says both in headers
-/// (the caller passes no headers for `jobs.submit`). Headers that do
+/// (the caller passes no headers for `jobs.submit.<tenant>`). Headers that do
 /// not parse count as a client's submission (a client cannot skip attempts that way).
 fn retry_headers(headers: Option<&async_nats::HeaderMap>, seq: u64) -> (u32, u64) {
     let read = |name: &str| -> Option<u64> {
@@ -244,9 +287,10 @@ pub fn spawn_jobs(
                 Some(Step::Malformed {
                     payload,
                     error,
+                    tenant,
                     acker,
                     seq,
-                }) => context.reject_malformed(&payload, &error, Some(acker), seq),
+                }) => context.reject_malformed(&payload, &error, tenant, Some(acker), seq),
                 Some(Step::AlreadyDecided {
                     job_id,
                     decision,
@@ -296,6 +340,7 @@ impl RejectContext {
         &self,
         body: &[u8],
         error: &metronome_protocol::JobError,
+        tenant: Option<String>,
         acker: Option<Arc<jetstream::message::Acker>>,
         seq: u64,
     ) {
@@ -331,7 +376,7 @@ impl RejectContext {
                     epoch: self.epoch,
                     dispatcher_id: self.dispatcher_id.clone(),
                     decided_ms: metronome_protocol::time::unix_ms(),
-                    tenant: None,
+                    tenant,
                     priority: None,
                     fair_counter: None,
                 };
@@ -519,6 +564,53 @@ mod tests {
             e2e_ms: 1.0,
             finished_ms: 1,
         }
+    }
+
+    #[test]
+    fn the_subject_binds_the_tenant_and_refusals_go_to_the_subjects_tenant() {
+        let body = |tenant: Option<&str>, v: u32| {
+            let mut j = serde_json::json!({"v": v, "id": "j1", "model": "m", "endpoint": "chat",
+                "request": {}, "prompt_tokens": 1, "max_tokens": 1, "submitted_ms": 1});
+            if let Some(t) = tenant {
+                j["tenant"] = t.into();
+            }
+            serde_json::to_vec(&j).unwrap()
+        };
+        let bind = |subject: &str, payload: Vec<u8>| {
+            let parsed = Job::parse(&payload, &JobLimits::default());
+            bind_tenant(subject, &payload, parsed)
+        };
+        let v = metronome_protocol::PROTOCOL_VERSION;
+        let job = bind("jobs.submit.acme", body(None, v)).unwrap();
+        assert_eq!(job.tenant.as_deref(), Some("acme"));
+        assert_eq!(
+            bind("jobs.submit._anon", body(None, v)).unwrap().tenant,
+            None
+        );
+        // A retry keeps the tenant bound at submission.
+        let job = bind(SUBJECT_JOBS_RETRY, body(Some("acme"), v)).unwrap();
+        assert_eq!(job.tenant.as_deref(), Some("acme"));
+        let refused = |subject: &str, payload| {
+            let (tenant, error) = bind(subject, payload).unwrap_err();
+            (tenant, error.code())
+        };
+        assert_eq!(
+            refused("jobs.submit.acme", body(Some("other"), v)),
+            (Some("acme".to_string()), "tenant_mismatch")
+        );
+        assert_eq!(
+            refused("jobs.submit", body(Some("acme"), v)),
+            (None, "unsupported_version"),
+            "the version-1 subject: the body's tenant is not believed"
+        );
+        assert_eq!(
+            refused("jobs.submit.acme", body(None, 1)),
+            (Some("acme".to_string()), "unsupported_version")
+        );
+        assert_eq!(
+            refused(SUBJECT_JOBS_RETRY, body(Some("acme"), 1)),
+            (Some("acme".to_string()), "unsupported_version")
+        );
     }
 
     #[test]

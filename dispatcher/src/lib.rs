@@ -130,7 +130,12 @@ pub async fn start(
     let buckets = ensure_all(&js, &settings).await?;
     if metronome_protocol::setup::upgrade_jobs_stream(&js).await? {
         tracing::info!(
-            "brought the JOBS stream (created by an older version) to this contract: jobs.retry, discard new"
+            "brought the JOBS stream (created by an older version) to this contract: jobs.submit.*, jobs.retry, discard new"
+        );
+    }
+    if metronome_protocol::setup::upgrade_results_stream(&js).await? {
+        tracing::info!(
+            "brought the RESULTS stream (created by protocol version 1) to this contract: results.*.*.final"
         );
     }
     if let Some(old) = metronome_protocol::setup::align_leader_ttl(&js, settings.leader_ttl).await?

@@ -17,7 +17,7 @@
 //!   acknowledged and the Decision still published (its own msg-id drops it if the
 //!   earlier leader's record exists).
 //! - rejected/expired: Decision, then the `FinalResult` with the error on
-//!   `results.<job>.final` (so a waiting client learns why), then the JOBS ack.
+//!   `results.<tenant>.<job>.final` (so a waiting client learns why), then the JOBS ack.
 //!
 //! - a dead worker's purge ([`Outcome::PurgeWork`]) removes only what was on its WORK
 //!   subject when the purge was handled: the stream's last sequence is read, and the purge
@@ -83,7 +83,7 @@ pub enum Outcome {
         body: Bytes,
         acker: Option<Arc<Acker>>,
     },
-    /// Put a job to retry back on `jobs.submit` (its JOBS message was acknowledged when it
+    /// Put a job to retry back on `jobs.retry` (its JOBS message was acknowledged when it
     /// was assigned): `Nats-Msg-Id` = [`names::retry_msg_id`], with its attempt and original
     /// place in headers. After the PubAck, `event` (the refusal that caused the retry) is
     /// acknowledged; if the publish fails the job goes back to the engine
@@ -321,7 +321,15 @@ async fn publish_loop(
                 acker,
             } => {
                 let d = publish_decision_start(&js, &decision).await;
-                let f = publish_final_start(&js, &decision.job_id, None, error, &message).await;
+                let f = publish_final_start(
+                    &js,
+                    decision.tenant.as_deref(),
+                    &decision.job_id,
+                    None,
+                    error,
+                    &message,
+                )
+                .await;
                 let metrics = metrics.clone();
                 let in_flight = in_flight.clone();
                 tokio::spawn(async move {
@@ -388,7 +396,7 @@ async fn publish_loop(
                     };
                     match stored {
                         Ok(()) => {
-                            tracing::info!(job_id = %job.job.id, attempt = job.attempt, "retry put back on jobs.submit");
+                            tracing::info!(job_id = %job.job.id, attempt = job.attempt, "retry put back on jobs.retry");
                             if let Some(event) = event {
                                 if let Err(error) = event.ack().await {
                                     tracing::warn!(job_id = %job.job.id, %error, "acknowledging the refusal failed");
@@ -396,7 +404,7 @@ async fn publish_loop(
                             }
                         }
                         Err(error) => {
-                            tracing::warn!(job_id = %job.job.id, %error, "could not put the retry back on jobs.submit: it waits in memory");
+                            tracing::warn!(job_id = %job.job.id, %error, "could not put the retry back on jobs.retry: it waits in memory");
                             let _ = events.send(Event::RequeueFailed { job }).await;
                         }
                     }
@@ -435,10 +443,29 @@ async fn publish_loop(
                 error,
                 message,
             } => {
-                let f = publish_final_start(&js, &job_id, worker_id, error, &message).await;
+                let js = js.clone();
                 let in_flight = in_flight.clone();
+                // Off the publishing loop: the tenant is looked up first.
                 tokio::spawn(async move {
-                    finish(f, "final result").await;
+                    match tenant_of_decided(&js, &job_id).await {
+                        Ok(tenant) => {
+                            let f = publish_final_start(
+                                &js,
+                                tenant.as_deref(),
+                                &job_id,
+                                worker_id,
+                                error,
+                                &message,
+                            )
+                            .await;
+                            finish(f, "final result").await;
+                        }
+                        Err(reason) => tracing::warn!(
+                            job_id,
+                            %reason,
+                            "no final error result: the job's tenant is unknown"
+                        ),
+                    }
                     in_flight.fetch_sub(1, Ordering::AcqRel);
                 });
             }
@@ -555,7 +582,8 @@ async fn publish_decision_start(js: &jetstream::Context, decision: &Decision) ->
         }
     };
     let msg = PublishMessage::build().payload(payload).headers(h);
-    js.send_publish(names::decision_subject(&decision.job_id), msg)
+    let subject = names::decision_subject(decision.tenant.as_deref(), &decision.job_id);
+    js.send_publish(subject, msg)
         .await
         .map_err(|e| e.to_string())
 }
@@ -567,6 +595,7 @@ async fn publish_decision(js: &jetstream::Context, decision: &Decision) {
 
 async fn publish_final_start(
     js: &jetstream::Context,
+    tenant: Option<&str>,
     job_id: &str,
     worker_id: Option<String>,
     code: ErrorCode,
@@ -590,9 +619,29 @@ async fn publish_final_start(
     let msg_id = names::final_msg_id(job_id);
     let h = headers([(HEADER_MSG_ID, msg_id.as_str())]).map_err(|e| e.to_string())?;
     let msg = PublishMessage::build().payload(payload).headers(h);
-    js.send_publish(names::result_final_subject(job_id), msg)
+    js.send_publish(names::result_final_subject(tenant, job_id), msg)
         .await
         .map_err(|e| e.to_string())
+}
+
+/// The tenant of a job whose body this leader does not hold (a refused job that never came
+/// back, a job lost with its worker), from the subject of its latest decision: a job
+/// reaches a worker only after its assigned decision is stored.
+async fn tenant_of_decided(
+    js: &jetstream::Context,
+    job_id: &str,
+) -> Result<Option<String>, String> {
+    let stream = js
+        .get_stream_no_info(names::STREAM_DECISIONS)
+        .await
+        .map_err(|e| e.to_string())?;
+    let record = stream
+        .get_last_raw_message_by_subject(&names::decision_subject_any_tenant(job_id))
+        .await
+        .map_err(|e| format!("its decision: {e}"))?;
+    let token = names::subject_tenant_token(&record.subject)
+        .ok_or_else(|| format!("decision stored on {}", record.subject))?;
+    Ok(names::tenant_of_token(token).map(str::to_string))
 }
 
 async fn requeue_start(js: &jetstream::Context, job: &QueuedJob) -> Started {

@@ -298,7 +298,7 @@ async fn leftover_assignment(env: &Env, job_id: &str, worker_id: &str, with_deci
         });
         env.js
             .publish_with_headers(
-                names::decision_subject(job_id),
+                names::decision_subject(None, job_id),
                 h,
                 serde_json::to_vec(&d).unwrap().into(),
             )

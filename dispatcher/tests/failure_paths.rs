@@ -202,7 +202,7 @@ async fn a_redelivered_job_with_a_stored_decision_is_not_assigned_again() {
         headers.insert(names::HEADER_MSG_ID, names::decision_msg_id(id, 1).as_str());
         env.js
             .publish_with_headers(
-                names::decision_subject(id),
+                names::decision_subject(None, id),
                 headers,
                 serde_json::to_vec(&decision).unwrap().into(),
             )

@@ -73,7 +73,7 @@ async fn malformed_jobs_are_rejected_with_reasons_and_dispatching_continues() {
     let huge = vec![b'{'; 10 * 1024 * 1024];
     let refused = match env
         .js
-        .publish(names::SUBJECT_JOBS_SUBMIT, huge.into())
+        .publish(names::submit_subject(None), huge.into())
         .await
     {
         Err(e) => Some(e.to_string()),

@@ -1,7 +1,8 @@
 //! Submitting one job and following it to its outcome.
 //!
-//! Order matters: the gateway subscribes to `results.<id>.>` and `decisions.<id>` *before*
-//! publishing the job on `jobs.submit`, on the same connection, so no chunk, final result
+//! Order matters: the gateway subscribes to `results.<tenant>.<id>.>` and
+//! `decisions.<tenant>.<id>` *before* publishing the job on `jobs.submit.<tenant>` (the
+//! tenant of the API key, which the dispatcher takes from the subject), on the same connection, so no chunk, final result
 //! or decision can be published before the subscriptions exist. The job is published
 //! through JetStream with `Nats-Msg-Id` = job id (a retried publish is de-duplicated) and
 //! the `Metronome-Model` header; a failed or unacknowledged publish is a 503.
@@ -18,8 +19,8 @@ use async_nats::{Client, Subscriber};
 use bytes::Bytes;
 use futures::StreamExt;
 use metronome_protocol::names::{
-    cancel_subject, decision_subject, results_subject_all, HEADER_MODEL, HEADER_MSG_ID,
-    SUBJECT_JOBS_SUBMIT,
+    cancel_subject, decision_subject, results_subject_all, submit_subject, HEADER_MODEL,
+    HEADER_MSG_ID,
 };
 use metronome_protocol::time::unix_ms;
 use metronome_protocol::{
@@ -177,8 +178,9 @@ impl Submission {
                 })
             }
         };
-        let results = subscribe(results_subject_all(&job.id)).await?;
-        let decisions = subscribe(decision_subject(&job.id)).await?;
+        let tenant = job.tenant.as_deref();
+        let results = subscribe(results_subject_all(tenant, &job.id)).await?;
+        let decisions = subscribe(decision_subject(tenant, &job.id)).await?;
         let payload = serde_json::to_vec(job)
             .map_err(|e| ApiError::internal(format!("cannot encode the job: {e}")))?;
         let headers = metronome_protocol::headers::headers([
@@ -189,7 +191,7 @@ impl Submission {
         let publish = async {
             state
                 .js
-                .publish_with_headers(SUBJECT_JOBS_SUBMIT, headers, payload.into())
+                .publish_with_headers(submit_subject(tenant), headers, payload.into())
                 .await?
                 .await
         };

@@ -6,7 +6,7 @@ mod support;
 use std::time::Duration;
 
 use futures::StreamExt;
-use metronome_protocol::names::{cancel_subject, SUBJECT_JOBS_SUBMIT};
+use metronome_protocol::names::{cancel_subject, SUBJECT_JOBS_SUBMIT_ALL};
 use metronome_testkit::wait_for;
 use serde_json::{json, Value};
 use support::*;
@@ -44,7 +44,7 @@ async fn non_streaming_chat_and_completion_return_the_response_with_both_headers
 async fn the_job_carries_model_header_msg_id_cost_and_deadline() {
     let h = Harness::start(|c| c.default_max_tokens = 100).await;
     // A second subscriber on jobs.submit sees exactly what the gateway published.
-    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT).await.unwrap();
+    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT_ALL).await.unwrap();
     sync_subscriptions(&h.client).await;
     let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "abcdefgh"}],
         "temperature": 0.5});
@@ -218,7 +218,7 @@ async fn request_errors_are_openai_shaped_and_the_gateway_keeps_serving() {
     h.assert_serving().await;
 
     // Unknown model: 404 before anything is published.
-    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT).await.unwrap();
+    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT_ALL).await.unwrap();
     sync_subscriptions(&h.client).await;
     let mut body = chat_body("hello", false);
     body["model"] = json!("no-such-model");

@@ -7,7 +7,7 @@ mod support;
 use futures::StreamExt;
 use metronome_gateway::auth::key_sha256;
 use metronome_gateway::{Config, KeyConfig, ModelList, TenantConfig};
-use metronome_protocol::names::SUBJECT_JOBS_SUBMIT;
+use metronome_protocol::names::SUBJECT_JOBS_SUBMIT_ALL;
 use serde_json::{json, Value};
 use support::*;
 
@@ -175,7 +175,7 @@ async fn a_wrong_revoked_or_malformed_key_is_401_and_never_echoed() {
 #[tokio::test]
 async fn a_valid_key_publishes_the_job_with_its_tenant_and_lists_only_its_models() {
     let h = Harness::start_with_key(tenants, Some(ACME_KEY)).await;
-    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT).await.unwrap();
+    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT_ALL).await.unwrap();
     sync_subscriptions(&h.client).await;
     let resp = post_as(&h, Some(ACME_KEY), &chat_body("hello", false)).await;
     assert_eq!(resp.status(), 200);
@@ -187,6 +187,11 @@ async fn a_valid_key_publishes_the_job_with_its_tenant_and_lists_only_its_models
         .unwrap();
     let job: metronome_protocol::Job = serde_json::from_slice(&message.payload).unwrap();
     assert_eq!(job.tenant.as_deref(), Some("acme"));
+    assert_eq!(
+        message.subject.as_str(),
+        "jobs.submit.acme",
+        "submitted on its tenant's subject, which the dispatcher believes"
+    );
     job.validate(&Default::default()).expect("a valid job");
     assert!(
         !String::from_utf8_lossy(&message.payload).contains(ACME_KEY),
@@ -224,7 +229,7 @@ async fn a_valid_key_publishes_the_job_with_its_tenant_and_lists_only_its_models
 async fn the_priority_class_is_the_keys_or_a_lower_one_the_request_asks_for() {
     use metronome_protocol::Priority;
     let h = Harness::start_with_key(tenants, Some(ACME_KEY)).await;
-    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT).await.unwrap();
+    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT_ALL).await.unwrap();
     sync_subscriptions(&h.client).await;
     let post = |key: &'static str, class: Option<&'static str>| {
         let mut request = h
@@ -361,7 +366,7 @@ async fn anonymous_access_when_enabled_runs_as_tenant_anonymous() {
         });
     })
     .await;
-    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT).await.unwrap();
+    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT_ALL).await.unwrap();
     sync_subscriptions(&h.client).await;
     let resp = post_as(&h, None, &chat_body("hello", false)).await;
     assert_eq!(resp.status(), 200);
@@ -426,7 +431,7 @@ async fn keys_create_prints_a_key_that_then_authenticates() {
         Some(key),
     )
     .await;
-    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT).await.unwrap();
+    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT_ALL).await.unwrap();
     sync_subscriptions(&h.client).await;
     let resp = h
         .post("/v1/chat/completions", &chat_body("hello", false))

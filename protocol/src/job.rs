@@ -1,4 +1,5 @@
-//! The Job: what a client (the gateway or any NATS publisher) puts on `jobs.submit`.
+//! The Job: what a client (the gateway or any NATS publisher) puts on
+//! `jobs.submit.<tenant>`.
 //!
 //! The body of the OpenAI request travels unchanged in `request`; the fields around it are
 //! what the dispatcher needs to decide without parsing the request: the model, the token
@@ -7,7 +8,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::names::is_subject_token;
+use crate::names::{is_subject_token, tenant_of_token, NO_TENANT_TOKEN};
 
 /// Which OpenAI endpoint of the model server runs the job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -29,7 +30,7 @@ impl Endpoint {
     }
 }
 
-/// A job as submitted on `jobs.submit`.
+/// A job as submitted on `jobs.submit.<tenant>`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Job {
     /// Schema version ([`crate::PROTOCOL_VERSION`]).
@@ -117,12 +118,18 @@ pub const MAX_TENANT_BYTES: usize = 64;
 /// `allow_anonymous` is on).
 pub const ANONYMOUS_TENANT: &str = "anonymous";
 
-/// A tenant name ends up in metric labels, logs and, later, in keys of the fairness
-/// counters: it must be a short token of ASCII letters, digits, `-` and `_` (a subject
-/// token, so it can also name a subject), at most [`MAX_TENANT_BYTES`] bytes.
+/// A tenant name ends up in metric labels, logs, keys of the fairness counters and
+/// subjects (`jobs.submit.<tenant>`, `results.<tenant>.…`): it must be a short token of
+/// ASCII letters, digits, `-` and `_`, at most [`MAX_TENANT_BYTES`] bytes, and not
+/// [`NO_TENANT_TOKEN`] (the subject token of jobs without a tenant).
 pub fn check_tenant(tenant: &str) -> Result<(), JobError> {
     if tenant.is_empty() {
         return Err(JobError::BadTenant("the tenant is empty".into()));
+    }
+    if tenant == NO_TENANT_TOKEN {
+        return Err(JobError::BadTenant(format!(
+            "{NO_TENANT_TOKEN:?} is reserved: it is the subject token of jobs without a tenant"
+        )));
     }
     if tenant.len() > MAX_TENANT_BYTES {
         return Err(JobError::BadTenant(format!(
@@ -167,15 +174,19 @@ impl Default for JobLimits {
     }
 }
 
-/// Why a message on `jobs.submit` is not a valid job.
+/// Why a message on `jobs.submit.<tenant>` is not a valid job.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum JobError {
     #[error("job is {size} bytes, larger than the limit of {limit} bytes")]
     TooLarge { size: usize, limit: usize },
     #[error("job is not valid JSON for the Job schema: {0}")]
     Malformed(String),
-    #[error("unsupported job schema version {0} (this dispatcher reads version 1)")]
+    #[error("unsupported job schema version {0} (this dispatcher reads version {current}: submit on jobs.submit.<tenant>, read results on results.<tenant>.<job_id>.>)", current = crate::PROTOCOL_VERSION)]
     UnsupportedVersion(u32),
+    #[error("job submitted on {0}, the subject of protocol version 1; this dispatcher reads version {current}: submit on jobs.submit.<tenant> (jobs.submit.{anon} without a tenant)", current = crate::PROTOCOL_VERSION, anon = crate::names::NO_TENANT_TOKEN)]
+    UnscopedSubject(String),
+    #[error("job submitted on jobs.submit.{subject} names tenant {body:?} in its body: a client submits only for the tenant of its subject")]
+    TenantMismatch { subject: String, body: String },
     #[error(
         "job id {0:?} is not a subject-safe token (letters, digits, '-' and '_', at most 128)"
     )]
@@ -204,7 +215,8 @@ impl JobError {
         match self {
             JobError::TooLarge { .. } => "job_too_large",
             JobError::Malformed(_) => "malformed_job",
-            JobError::UnsupportedVersion(_) => "unsupported_version",
+            JobError::UnsupportedVersion(_) | JobError::UnscopedSubject(_) => "unsupported_version",
+            JobError::TenantMismatch { .. } => "tenant_mismatch",
             JobError::BadId(_) => "bad_job_id",
             JobError::EmptyModel => "empty_model",
             JobError::ModelControlChar { .. } => "model_control_char",
@@ -245,6 +257,30 @@ pub fn check_model_name(model: &str) -> Result<(), JobError> {
 }
 
 impl Job {
+    /// Make the job's tenant the one its submission subject names (`jobs.submit.<token>`):
+    /// the server let the publisher use that subject, so it, not the body, says whose job
+    /// it is. A body that names no tenant takes the subject's; one that names another
+    /// tenant is refused ([`JobError::TenantMismatch`]) rather than silently moved: a
+    /// client that believes it submits for another tenant has a bug it should see.
+    pub fn bind_submit_token(&mut self, token: &str) -> Result<(), JobError> {
+        let subject_tenant = tenant_of_token(token);
+        if let Some(tenant) = subject_tenant {
+            check_tenant(tenant)?;
+        }
+        match (&self.tenant, subject_tenant) {
+            (Some(body), subject) if subject != Some(body.as_str()) => {
+                Err(JobError::TenantMismatch {
+                    subject: token.to_string(),
+                    body: body.clone(),
+                })
+            }
+            _ => {
+                self.tenant = subject_tenant.map(str::to_string);
+                Ok(())
+            }
+        }
+    }
+
     /// Parse and validate a job from the bytes of a NATS message.
     pub fn parse(bytes: &[u8], limits: &JobLimits) -> Result<Job, JobError> {
         if bytes.len() > limits.max_job_bytes {
@@ -330,7 +366,7 @@ mod tests {
 
     fn job_json() -> Value {
         json!({
-            "v": 1, "id": "job-1", "model": "llama-3.1-8b", "endpoint": "chat",
+            "v": 2, "id": "job-1", "model": "llama-3.1-8b", "endpoint": "chat",
             "request": {"messages": [{"role": "user", "content": "hi"}]},
             "prompt_tokens": 10, "max_tokens": 20, "submitted_ms": 1000
         })
@@ -382,6 +418,7 @@ mod tests {
             "tab\there",
             "has space",
             "a.b",
+            "_anon",
             &"t".repeat(MAX_TENANT_BYTES + 1),
         ] {
             v["tenant"] = json!(bad);
@@ -391,6 +428,46 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("control character"));
+    }
+
+    #[test]
+    fn a_version_1_job_is_refused_with_what_changed() {
+        let mut v = job_json();
+        v["v"] = json!(1);
+        let error = parse(&v).unwrap_err();
+        assert_eq!(error.code(), "unsupported_version");
+        assert!(
+            error.to_string().contains("jobs.submit.<tenant>"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn the_submission_subject_names_the_tenant() {
+        let job = parse(&job_json()).unwrap();
+        // No tenant in the body: the subject's.
+        let mut j = job.clone();
+        j.bind_submit_token("acme").unwrap();
+        assert_eq!(j.tenant.as_deref(), Some("acme"));
+        let mut j = job.clone();
+        j.bind_submit_token("_anon").unwrap();
+        assert_eq!(j.tenant, None);
+        // The same tenant in both: fine.
+        let mut j = job.clone();
+        j.tenant = Some("acme".into());
+        j.bind_submit_token("acme").unwrap();
+        assert_eq!(j.tenant.as_deref(), Some("acme"));
+        // Another tenant in the body: refused, never believed.
+        for (body, token) in [("other", "acme"), ("other", "_anon")] {
+            let mut j = job.clone();
+            j.tenant = Some(body.into());
+            let error = j.bind_submit_token(token).unwrap_err();
+            assert_eq!(error.code(), "tenant_mismatch", "{error}");
+            assert_eq!(j.tenant.as_deref(), Some(body), "unchanged");
+        }
+        // A token no tenant may have.
+        let mut j = job.clone();
+        assert_eq!(j.bind_submit_token("a:b").unwrap_err().code(), "bad_tenant");
     }
 
     #[test]

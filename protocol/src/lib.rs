@@ -40,4 +40,9 @@ pub use result::{ErrorCode, FinalResult, ResultChunk, ResultError, Usage};
 pub use worker::{GpuStats, KvUsage, WorkerStatus};
 
 /// Current version of every message schema in this crate.
-pub const PROTOCOL_VERSION: u32 = 1;
+///
+/// 2: subjects name the tenant (`jobs.submit.<tenant>`, `results.<tenant>.<job>.…`,
+/// `decisions.<tenant>.<job>`), so the servers' permissions keep each tenant's results and
+/// decisions to its own clients. A version-1 job (or one on the version-1 `jobs.submit`) is
+/// rejected with `unsupported_version`.
+pub const PROTOCOL_VERSION: u32 = 2;

@@ -15,19 +15,47 @@ pub const STREAM_RESULTS: &str = "RESULTS";
 /// Completion and failure events that release reservations.
 pub const STREAM_EVENTS: &str = "EVENTS";
 
-/// Subject on which jobs are submitted (by the gateway or any NATS client).
-pub const SUBJECT_JOBS_SUBMIT: &str = "jobs.submit";
+/// Subject token of the jobs of no tenant: `jobs.submit._anon`, `results._anon.<job>.…`,
+/// `decisions._anon.<job>`. No tenant may be called this ([`crate::check_tenant`]).
+pub const NO_TENANT_TOKEN: &str = "_anon";
+
+/// The subject token of `tenant` (`None`: [`NO_TENANT_TOKEN`]). Tenant names are checked
+/// subject tokens ([`crate::check_tenant`]).
+pub fn tenant_token(tenant: Option<&str>) -> &str {
+    tenant.unwrap_or(NO_TENANT_TOKEN)
+}
+
+/// The tenant a subject token names: the inverse of [`tenant_token`].
+pub fn tenant_of_token(token: &str) -> Option<&str> {
+    (token != NO_TENANT_TOKEN).then_some(token)
+}
+
+/// Prefix of the submission subjects: a job of tenant `t` is submitted on
+/// `jobs.submit.<t>` ([`submit_subject`]), and the dispatcher takes its tenant from there,
+/// so the server's permissions (a client may publish only on its own tenant's subject)
+/// decide whose job it is, not the body.
+pub const SUBJECT_JOBS_SUBMIT_PREFIX: &str = "jobs.submit.";
+/// Every tenant's submissions (a subject filter of the JOBS stream).
+pub const SUBJECT_JOBS_SUBMIT_ALL: &str = "jobs.submit.*";
+/// The submission subject of protocol version 1, which named no tenant. JOBS still
+/// captures it so that an old publisher's job is rejected with a reason
+/// (`unsupported_version`) rather than lost; no role may publish on it.
+pub const SUBJECT_JOBS_SUBMIT_V1: &str = "jobs.submit";
 /// Subject on which the leader puts a job back for another attempt (a retry), in the same
 /// JOBS stream. Only dispatchers may publish here, so only here are the retry headers
-/// ([`HEADER_ATTEMPT`], [`HEADER_ORDER`]) believed: on `jobs.submit` a client could use them
-/// to jump its model's queue.
+/// ([`HEADER_ATTEMPT`], [`HEADER_ORDER`]) and the body's tenant believed: on
+/// `jobs.submit.<tenant>` a client could use the headers to jump its model's queue.
 pub const SUBJECT_JOBS_RETRY: &str = "jobs.retry";
 /// Subject filter of the WORK stream.
 pub const SUBJECT_WORK_ALL: &str = "work.*";
-/// Subject filter of the DECISIONS stream; also what an auditor subscribes to.
+/// Subject filter of the DECISIONS stream (`decisions.<tenant>.<job_id>`); also what an
+/// auditor subscribes to.
 pub const SUBJECT_DECISIONS_ALL: &str = "decisions.>";
-/// Subject filter of the RESULTS stream.
-pub const SUBJECT_RESULTS_FINAL_ALL: &str = "results.*.final";
+/// Subject filter of the RESULTS stream (`results.<tenant>.<job_id>.final`).
+pub const SUBJECT_RESULTS_FINAL_ALL: &str = "results.*.*.final";
+/// The RESULTS filter of protocol version 1 (`results.<job_id>.final`), replaced by
+/// [`SUBJECT_RESULTS_FINAL_ALL`] when a dispatcher upgrades the stream.
+pub const SUBJECT_RESULTS_FINAL_ALL_V1: &str = "results.*.final";
 /// Subject filter of the EVENTS stream.
 pub const SUBJECT_EVENTS_ALL: &str = "events.>";
 /// Completion events of every worker.
@@ -64,15 +92,15 @@ pub const HEADER_MODEL: &str = "Metronome-Model";
 /// Leader epoch that produced an assignment.
 pub const HEADER_EPOCH: &str = "Metronome-Epoch";
 /// On a job the dispatcher put back on `jobs.retry` (a retry): the attempt it will be
-/// assigned as. Ignored on `jobs.submit` (a client's submission is attempt 1).
+/// assigned as. Ignored on `jobs.submit.<tenant>` (a client's submission is attempt 1).
 pub const HEADER_ATTEMPT: &str = "Metronome-Attempt";
 /// On a retry put back on `jobs.retry`: the JOBS sequence of the client's submission, so
-/// the job returns to its place in its model's queue. Ignored on `jobs.submit`.
+/// the job returns to its place in its model's queue. Ignored on `jobs.submit.<tenant>`.
 pub const HEADER_ORDER: &str = "Metronome-Order";
 /// Durable consumer of the dispatcher on EVENTS (`events.done.*`).
 pub const CONSUMER_DISPATCHER_EVENTS: &str = "dispatcher-events";
 
-/// `Nats-Msg-Id` of a retry put back on `jobs.submit`: one per attempt, distinct from the
+/// `Nats-Msg-Id` of a retry put back on `jobs.retry`: one per attempt, distinct from the
 /// client's own id (the job id).
 pub fn retry_msg_id(job_id: &str, attempt: u32) -> String {
     format!("{job_id}:retry:{attempt}")
@@ -88,24 +116,70 @@ pub fn work_consumer(worker_id: &str) -> String {
     format!("worker-{worker_id}")
 }
 
-/// `decisions.<job_id>`: the audit record(s) of one job.
-pub fn decision_subject(job_id: &str) -> String {
-    format!("decisions.{job_id}")
+/// `jobs.submit.<tenant>`: where a job of `tenant` (`None`: no tenant) is submitted.
+pub fn submit_subject(tenant: Option<&str>) -> String {
+    format!("{SUBJECT_JOBS_SUBMIT_PREFIX}{}", tenant_token(tenant))
 }
 
-/// `results.<job_id>.chunk`: streamed deltas (core NATS, ordered per publisher).
-pub fn result_chunk_subject(job_id: &str) -> String {
-    format!("results.{job_id}.chunk")
+/// The tenant token of a submission subject (`jobs.submit.<token>`); `None` for any other
+/// subject (`jobs.retry`, the version-1 `jobs.submit`).
+pub fn submit_subject_token(subject: &str) -> Option<&str> {
+    subject
+        .strip_prefix(SUBJECT_JOBS_SUBMIT_PREFIX)
+        .filter(|t| !t.is_empty() && !t.contains('.'))
 }
 
-/// `results.<job_id>.final`: the one final result of a job.
-pub fn result_final_subject(job_id: &str) -> String {
-    format!("results.{job_id}.final")
+/// `decisions.<tenant>.<job_id>`: the audit record(s) of one job of `tenant`.
+pub fn decision_subject(tenant: Option<&str>, job_id: &str) -> String {
+    format!("decisions.{}.{job_id}", tenant_token(tenant))
 }
 
-/// `results.<job_id>.>`: everything a client of one job subscribes to.
-pub fn results_subject_all(job_id: &str) -> String {
-    format!("results.{job_id}.>")
+/// `decisions.*.<job_id>`: the decisions of a job whatever its tenant, for readers that
+/// know only the job id (operators). A filter, not a subject: read it with a request that
+/// carries it in the body (`next_by_subj` / `last_by_subj`), never in a direct-get URL.
+pub fn decision_subject_any_tenant(job_id: &str) -> String {
+    format!("decisions.*.{job_id}")
+}
+
+/// `decisions.<tenant>.>`: every decision of one tenant's jobs.
+pub fn tenant_decisions_all(tenant: Option<&str>) -> String {
+    format!("decisions.{}.>", tenant_token(tenant))
+}
+
+/// `results.<tenant>.<job_id>.chunk`: streamed deltas (core NATS, ordered per publisher).
+pub fn result_chunk_subject(tenant: Option<&str>, job_id: &str) -> String {
+    format!("results.{}.{job_id}.chunk", tenant_token(tenant))
+}
+
+/// `results.<tenant>.<job_id>.final`: the one final result of a job.
+pub fn result_final_subject(tenant: Option<&str>, job_id: &str) -> String {
+    format!("results.{}.{job_id}.final", tenant_token(tenant))
+}
+
+/// `results.*.<job_id>.final`: the final result of a job whatever its tenant (a filter, see
+/// [`decision_subject_any_tenant`]).
+pub fn result_final_subject_any_tenant(job_id: &str) -> String {
+    format!("results.*.{job_id}.final")
+}
+
+/// `results.<tenant>.<job_id>.>`: everything a client of one job subscribes to.
+pub fn results_subject_all(tenant: Option<&str>, job_id: &str) -> String {
+    format!("results.{}.{job_id}.>", tenant_token(tenant))
+}
+
+/// `results.<tenant>.>`: every result of one tenant's jobs.
+pub fn tenant_results_all(tenant: Option<&str>) -> String {
+    format!("results.{}.>", tenant_token(tenant))
+}
+
+/// The tenant token of a stored decision's or result's subject (`decisions.<t>.<job>`,
+/// `results.<t>.<job>.final`).
+pub fn subject_tenant_token(subject: &str) -> Option<&str> {
+    let mut parts = subject.split('.');
+    match (parts.next(), parts.next()) {
+        (Some("decisions" | "results"), Some(token)) if !token.is_empty() => Some(token),
+        _ => None,
+    }
 }
 
 /// `events.done.<worker_id>`: completions and failures of one worker.
@@ -210,14 +284,54 @@ mod tests {
     #[test]
     fn subjects_are_built_from_tokens() {
         assert_eq!(work_subject("n1-gpu0"), "work.n1-gpu0");
-        assert_eq!(result_final_subject("j1"), "results.j1.final");
-        assert_eq!(results_subject_all("j1"), "results.j1.>");
+        assert_eq!(
+            result_final_subject(Some("acme"), "j1"),
+            "results.acme.j1.final"
+        );
+        assert_eq!(result_final_subject(None, "j1"), "results._anon.j1.final");
+        assert_eq!(
+            result_chunk_subject(Some("acme"), "j1"),
+            "results.acme.j1.chunk"
+        );
+        assert_eq!(results_subject_all(Some("acme"), "j1"), "results.acme.j1.>");
+        assert_eq!(tenant_results_all(None), "results._anon.>");
+        assert_eq!(decision_subject(Some("acme"), "j1"), "decisions.acme.j1");
+        assert_eq!(decision_subject(None, "j1"), "decisions._anon.j1");
+        assert_eq!(tenant_decisions_all(Some("acme")), "decisions.acme.>");
+        assert_eq!(submit_subject(Some("acme")), "jobs.submit.acme");
+        assert_eq!(submit_subject(None), "jobs.submit._anon");
         assert_eq!(work_msg_id("j1", 2), "j1:2");
         assert_eq!(
             control_subject("n1-gpu0", CONTROL_DRAIN),
             "control.n1-gpu0.drain"
         );
         assert_eq!(control_subject_all("n1-gpu0"), "control.n1-gpu0.*");
+    }
+
+    #[test]
+    fn tenant_tokens_round_trip_through_subjects() {
+        assert_eq!(submit_subject_token("jobs.submit.acme"), Some("acme"));
+        assert_eq!(submit_subject_token("jobs.submit._anon"), Some("_anon"));
+        assert_eq!(submit_subject_token("jobs.submit"), None);
+        assert_eq!(submit_subject_token("jobs.retry"), None);
+        assert_eq!(submit_subject_token("jobs.submit.a.b"), None);
+        assert_eq!(tenant_of_token("_anon"), None);
+        assert_eq!(tenant_of_token("acme"), Some("acme"));
+        for tenant in [None, Some("acme")] {
+            let subject = submit_subject(tenant);
+            assert_eq!(
+                submit_subject_token(&subject).map(tenant_of_token),
+                Some(tenant)
+            );
+            assert_eq!(
+                subject_tenant_token(&decision_subject(tenant, "j")).map(tenant_of_token),
+                Some(tenant)
+            );
+            assert_eq!(
+                subject_tenant_token(&result_final_subject(tenant, "j")).map(tenant_of_token),
+                Some(tenant)
+            );
+        }
     }
 
     #[test]

@@ -3,8 +3,9 @@
 //! syntax (nats-server 2.9 `authorization { users = [...] }`, Redis 7 ACL `user` lines).
 //!
 //! Roles: the gateway, each dispatcher instance, each worker-agent (one identity per
-//! worker), a direct-NATS client, an auditor (decisions only) and an admin (the operator
-//! CLI). Rules are templates over `{user}`, `{worker_id}`, `{prefix}` and `{model}`, so the
+//! worker), a direct-NATS client (one identity per tenant), an auditor (decisions only) and
+//! an admin (the operator CLI). Rules are templates over `{user}`, `{worker_id}`,
+//! `{tenant}` (a subject token, `names::tenant_token`), `{prefix}` and `{model}`, so the
 //! same rules can be written out as data ([`rules_json`], committed as
 //! `ansible/roles/metronome/files/permissions.json`) for provisioning to render without
 //! a second copy of them.
@@ -19,18 +20,24 @@
 //! - the gateway's Redis user reads the workers' EWMA hashes and writes nothing;
 //! - only dispatchers and admins create streams: a stream is a subscription to stored
 //!   messages, so creating one on `results.>` would read every result;
-//! - every identity reads replies only on its own inbox (`names::inbox_prefix`).
+//! - every identity reads replies only on its own inbox (`names::inbox_prefix`);
+//! - a client of tenant `t` submits only on `jobs.submit.<t>` (the dispatcher takes the
+//!   job's tenant from that subject) and reads only `results.<t>.>` and `decisions.<t>.>`,
+//!   live or stored (direct get with the subject in the request subject, which the server
+//!   matches against the permission; the body-addressed `STREAM.MSG.GET` is not granted,
+//!   since its subject or sequence travels in the body, where no permission looks).
 //!
-//! Not expressible with the current subjects: results are addressed by job id alone, so a
-//! worker may publish on any `results.<job>.*` and a client may read any job's results;
-//! scoping them needs the tenant or worker in the subject.
+//! Not expressible yet: a worker may publish on any tenant's `results.<t>.<job>.*` (the
+//! subject names the tenant, not the worker holding the job), and a client may cancel any
+//! job (`cancel.<job>`).
 
 use serde::Serialize;
 
 use crate::names::{
-    BUCKET_FAIRNESS, BUCKET_LEADER, BUCKET_QUEUES, BUCKET_WORKERS, CONTROL_REVOKE, LEADER_KEY,
-    STREAM_DECISIONS, STREAM_EVENTS, STREAM_JOBS, STREAM_RESULTS, STREAM_WORK, SUBJECT_CANCEL_ALL,
-    SUBJECT_DEAD_LETTER, SUBJECT_DECISIONS_ALL, SUBJECT_JOBS_RETRY, SUBJECT_JOBS_SUBMIT,
+    tenant_token, BUCKET_FAIRNESS, BUCKET_LEADER, BUCKET_QUEUES, BUCKET_WORKERS, CONTROL_REVOKE,
+    LEADER_KEY, STREAM_DECISIONS, STREAM_EVENTS, STREAM_JOBS, STREAM_RESULTS, STREAM_WORK,
+    SUBJECT_CANCEL_ALL, SUBJECT_DEAD_LETTER, SUBJECT_DECISIONS_ALL, SUBJECT_JOBS_RETRY,
+    SUBJECT_JOBS_SUBMIT_ALL, SUBJECT_JOBS_SUBMIT_PREFIX,
 };
 
 /// One kind of identity.
@@ -112,7 +119,8 @@ pub fn rules(role: Role) -> RoleRules {
     match role {
         Role::Gateway => RoleRules {
             publish: vec![
-                SUBJECT_JOBS_SUBMIT.into(),
+                // Every tenant's: the gateway submits for the tenant of each API key.
+                SUBJECT_JOBS_SUBMIT_ALL.into(),
                 SUBJECT_CANCEL_ALL.into(),
                 stream_info,
                 // `GET /v1/models` watches the `workers` bucket (an ordered consumer).
@@ -147,7 +155,7 @@ pub fn rules(role: Role) -> RoleRules {
             // The console's queue table: the leader's per-model queue snapshots.
             .chain(read_bucket(BUCKET_QUEUES))
             .collect(),
-            subscribe: strings(&[INBOX, "results.*.>", "decisions.*", SUBJECT_DECISIONS_ALL]),
+            subscribe: strings(&[INBOX, "results.>", SUBJECT_DECISIONS_ALL]),
             allow_responses: false,
             // The console's EWMA columns: it reads each worker's EWMA hash, nothing else.
             redis: Some(
@@ -178,9 +186,11 @@ pub fn rules(role: Role) -> RoleRules {
                 format!("$KV.{BUCKET_QUEUES}.>"),
                 // Completion events are read through a durable consumer and acknowledged.
                 format!("$JS.ACK.{STREAM_EVENTS}.>"),
-                // A JOBS stream of an older version gains `jobs.retry`; the lease bucket
-                // gets the configured lease TTL.
+                // A JOBS stream of an older version gains `jobs.retry` and
+                // `jobs.submit.*`, a RESULTS stream of version 1 the tenant in its subjects;
+                // the lease bucket gets the configured lease TTL.
                 js(&format!("STREAM.UPDATE.{STREAM_JOBS}")),
+                js(&format!("STREAM.UPDATE.{STREAM_RESULTS}")),
                 js(&format!("STREAM.UPDATE.KV_{BUCKET_LEADER}")),
                 // A refused or rescued job goes back on JOBS (`jobs.retry`, which only
                 // dispatchers may publish); a cancel is relayed once the worker reports
@@ -189,8 +199,8 @@ pub fn rules(role: Role) -> RoleRules {
                 SUBJECT_CANCEL_ALL.into(),
                 format!("control.*.{CONTROL_REVOKE}"),
                 "work.*".into(),
-                "decisions.*".into(),
-                "results.*.final".into(),
+                "decisions.*.*".into(),
+                "results.*.*.final".into(),
                 SUBJECT_DEAD_LETTER.into(),
             ],
             subscribe: strings(&[INBOX, SUBJECT_CANCEL_ALL, "workers.*.heartbeat"]),
@@ -214,8 +224,8 @@ pub fn rules(role: Role) -> RoleRules {
                 )),
                 "workers.{worker_id}.heartbeat".into(),
                 "events.done.{worker_id}".into(),
-                "results.*.chunk".into(),
-                "results.*.final".into(),
+                "results.*.*.chunk".into(),
+                "results.*.*.final".into(),
                 SUBJECT_DEAD_LETTER.into(),
             ],
             subscribe: strings(&[INBOX, SUBJECT_CANCEL_ALL, "control.{worker_id}.*"]),
@@ -229,19 +239,20 @@ pub fn rules(role: Role) -> RoleRules {
                     .into(),
             ),
         },
+        // One identity per tenant: only its own tenant's subjects.
         Role::Client => RoleRules {
             publish: vec![
-                SUBJECT_JOBS_SUBMIT.into(),
+                format!("{SUBJECT_JOBS_SUBMIT_PREFIX}{{tenant}}"),
                 SUBJECT_CANCEL_ALL.into(),
                 js(&format!("STREAM.INFO.{STREAM_JOBS}")),
-                js(&format!("DIRECT.GET.{STREAM_RESULTS}.>")),
-                js(&format!("DIRECT.GET.{STREAM_DECISIONS}.>")),
-                // The stored-message read of clients without direct get (nats-py's
-                // `get_last_msg`): the same records.
-                js(&format!("STREAM.MSG.GET.{STREAM_RESULTS}")),
-                js(&format!("STREAM.MSG.GET.{STREAM_DECISIONS}")),
+                // Stored records by subject, the subject in the request subject (a direct
+                // get "last by subject" carries no body, nats-server refuses one), so the
+                // permission sees whose record it is. Not the body-addressed
+                // `DIRECT.GET.<stream>` or `STREAM.MSG.GET.<stream>`: they read any record.
+                js(&format!("DIRECT.GET.{STREAM_RESULTS}.results.{{tenant}}.>")),
+                js(&format!("DIRECT.GET.{STREAM_DECISIONS}.decisions.{{tenant}}.>")),
             ],
-            subscribe: strings(&[INBOX, "results.*.>", "decisions.*"]),
+            subscribe: strings(&[INBOX, "results.{tenant}.>", "decisions.{tenant}.>"]),
             allow_responses: false,
             redis: None,
         },
@@ -283,7 +294,8 @@ pub const STREAMS_NAMED: [&str; 5] = [
 ];
 
 /// One identity to render: a user of `role` with its password; `worker_id` and `model`
-/// for a worker-agent.
+/// for a worker-agent, `tenant` for a client (`None`: the jobs of no tenant,
+/// `names::NO_TENANT_TOKEN`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Identity {
     pub user: String,
@@ -291,6 +303,7 @@ pub struct Identity {
     pub role: Role,
     pub worker_id: Option<String>,
     pub model: Option<String>,
+    pub tenant: Option<String>,
 }
 
 impl Identity {
@@ -301,6 +314,20 @@ impl Identity {
             role,
             worker_id: None,
             model: None,
+            tenant: None,
+        }
+    }
+
+    /// The direct-NATS client of `tenant` (`None`: of no tenant), user
+    /// `client-<tenant token>`.
+    pub fn client(tenant: Option<&str>, password: &str) -> Identity {
+        Identity {
+            user: client_user(tenant),
+            password: password.into(),
+            role: Role::Client,
+            worker_id: None,
+            model: None,
+            tenant: tenant.map(str::to_string),
         }
     }
 
@@ -312,6 +339,7 @@ impl Identity {
             role: Role::WorkerAgent,
             worker_id: Some(worker_id.into()),
             model: Some(model.into()),
+            tenant: None,
         }
     }
 
@@ -319,12 +347,18 @@ impl Identity {
         template
             .replace("{user}", &self.user)
             .replace("{worker_id}", self.worker_id.as_deref().unwrap_or(""))
+            .replace("{tenant}", tenant_token(self.tenant.as_deref()))
             .replace("{prefix}", prefix)
             .replace(
                 "{model}",
                 &redis_glob_escape(self.model.as_deref().unwrap_or("")),
             )
     }
+}
+
+/// NATS user of the direct-NATS client of `tenant`: `client-<tenant token>`.
+pub fn client_user(tenant: Option<&str>) -> String {
+    format!("client-{}", tenant_token(tenant))
 }
 
 /// `s` matched literally by a Redis key pattern (model names may hold `*`, `?`, `[`).
@@ -421,6 +455,32 @@ mod tests {
             acl.contains("~m:ewma:n1-gpu0 ~m:perf:n1-gpu0 ~m:outlen:llama-3.1-8b "),
             "{acl}"
         );
+    }
+
+    #[test]
+    fn a_client_names_only_its_own_tenant() {
+        let fill = |id: &Identity, v: &[String]| -> Vec<String> {
+            v.iter().map(|t| id.fill(t, "m")).collect()
+        };
+        let r = rules(Role::Client);
+        let acme = Identity::client(Some("acme"), "pw");
+        assert_eq!(acme.user, "client-acme");
+        let publish = fill(&acme, &r.publish);
+        let subscribe = fill(&acme, &r.subscribe);
+        assert!(publish.contains(&"jobs.submit.acme".to_string()));
+        assert!(subscribe.contains(&"results.acme.>".to_string()));
+        assert!(subscribe.contains(&"decisions.acme.>".to_string()));
+        assert!(publish.contains(&"$JS.API.DIRECT.GET.RESULTS.results.acme.>".to_string()));
+        for s in publish.iter().chain(&subscribe) {
+            assert!(
+                !s.contains('*') || s == "cancel.*",
+                "{s}: a wildcard would reach other tenants"
+            );
+            assert!(!s.contains("MSG.GET"), "{s}: body-addressed reads");
+        }
+        let anon = Identity::client(None, "pw");
+        assert_eq!(anon.user, "client-_anon");
+        assert!(fill(&anon, &r.subscribe).contains(&"results._anon.>".to_string()));
     }
 
     #[test]

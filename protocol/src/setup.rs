@@ -30,7 +30,7 @@ pub struct StreamSettings {
     /// A model's queue snapshot not rewritten for this long vanishes (a model no leader
     /// serves any more); a live leader rewrites each one every second.
     pub queues_max_age: Duration,
-    /// Largest message accepted on `jobs.submit`; larger publishes are refused by the
+    /// Largest message accepted on `jobs.submit.<tenant>`; larger publishes are refused by the
     /// server with an error the publisher sees.
     pub max_job_bytes: i32,
 }
@@ -90,7 +90,7 @@ pub async fn ensure_all(
     let streams = [
         stream::Config {
             name: STREAM_JOBS.into(),
-            subjects: vec![SUBJECT_JOBS_SUBMIT.into(), SUBJECT_JOBS_RETRY.into()],
+            subjects: JOBS_SUBJECTS.iter().map(|s| s.to_string()).collect(),
             retention: stream::RetentionPolicy::WorkQueue,
             storage: s.storage,
             duplicate_window: s.duplicate_window,
@@ -155,20 +155,51 @@ pub async fn ensure_all(
     })
 }
 
+/// Subjects of the JOBS stream: every tenant's submissions, retries, and the version-1
+/// submission subject (kept so that an old publisher's job is rejected with a reason).
+pub const JOBS_SUBJECTS: [&str; 3] = [
+    SUBJECT_JOBS_SUBMIT_ALL,
+    SUBJECT_JOBS_RETRY,
+    SUBJECT_JOBS_SUBMIT_V1,
+];
+
 /// Bring a JOBS stream created by an older version, which `ensure_all` leaves as it finds
-/// it, to this contract: the subjects a newer contract gave it (`jobs.retry`), and
-/// `discard: new` (a full queue refuses new jobs instead of deleting the oldest). Run by the
-/// dispatcher (the only role allowed to update JOBS) before it leads: until then its
-/// retries would find no stream. Returns whether the stream was updated.
+/// it, to this contract: the subjects a newer contract gave it (`jobs.retry`,
+/// `jobs.submit.*`), and `discard: new` (a full queue refuses new jobs instead of deleting
+/// the oldest). Run by the dispatcher (the only role allowed to update JOBS) before it
+/// leads: until then its retries would find no stream. Returns whether the stream was
+/// updated.
 pub async fn upgrade_jobs_stream(js: &jetstream::Context) -> Result<bool, SetupError> {
     let changed = amend_stream(js, STREAM_JOBS, |config| {
-        let missing: Vec<String> = [SUBJECT_JOBS_SUBMIT, SUBJECT_JOBS_RETRY]
+        let missing: Vec<String> = JOBS_SUBJECTS
             .into_iter()
             .filter(|w| !config.subjects.iter().any(|s| s == w))
             .map(String::from)
             .collect();
         config.subjects.extend(missing);
         config.discard = stream::DiscardPolicy::New;
+    })
+    .await?;
+    Ok(changed.is_some())
+}
+
+/// Bring a RESULTS stream created by version 1 (`results.*.final`, results addressed by job
+/// id alone) to this contract (`results.*.*.final`, the tenant first). Nobody publishes on
+/// the old subjects any more, so they are replaced, not kept. Run by the dispatcher (the
+/// only role allowed to update RESULTS) before it leads: until then the workers' final
+/// results find no stream. Returns whether the stream was updated.
+pub async fn upgrade_results_stream(js: &jetstream::Context) -> Result<bool, SetupError> {
+    let changed = amend_stream(js, STREAM_RESULTS, |config| {
+        config
+            .subjects
+            .retain(|s| s != SUBJECT_RESULTS_FINAL_ALL_V1);
+        if !config
+            .subjects
+            .iter()
+            .any(|s| s == SUBJECT_RESULTS_FINAL_ALL)
+        {
+            config.subjects.push(SUBJECT_RESULTS_FINAL_ALL.into());
+        }
     })
     .await?;
     Ok(changed.is_some())

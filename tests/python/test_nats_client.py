@@ -1,7 +1,8 @@
 """A client that never touches HTTP: the official Python NATS client submits a Job on
-`jobs.submit`, receives its streamed chunks and final result, and reads its decision, as
-the `client` identity of `./dev up` (its permissions: submit, read results and decisions,
-replies on its own inbox `_INBOX.client`)."""
+its tenant's `jobs.submit.<tenant>`, receives its streamed chunks and final result on
+`results.<tenant>.<job>.>`, and reads its stored decision, as the demo tenant's client
+identity of `./dev up` (`client-demo`; its permissions: submit for its tenant, read its
+tenant's results and decisions, replies on its own inbox `_INBOX.client-demo`)."""
 
 import asyncio
 import json
@@ -15,7 +16,7 @@ from conftest import MODELS
 
 def _job(job_id: str, model: str, max_tokens: int) -> dict:
     return {
-        "v": 1,
+        "v": 2,
         "id": job_id,
         "model": model,
         "endpoint": "chat",
@@ -33,6 +34,7 @@ def _job(job_id: str, model: str, max_tokens: int) -> dict:
 
 async def _submit_and_collect(system, job: dict):
     user = system.env["METRONOME_CLIENT_NATS_USER"]
+    tenant = system.env["METRONOME_CLIENT_TENANT"]
     nc = await nats.connect(
         system.nats_url,
         user=user,
@@ -50,19 +52,24 @@ async def _submit_and_collect(system, job: dict):
             elif not final.done():
                 final.set_result(body)
 
-        await nc.subscribe(f"results.{job['id']}.>", cb=on_result)
+        await nc.subscribe(f"results.{tenant}.{job['id']}.>", cb=on_result)
         await nc.flush()
-        ack = await js.publish("jobs.submit", json.dumps(job).encode(), headers={"Nats-Msg-Id": job["id"]})
+        ack = await js.publish(
+            f"jobs.submit.{tenant}", json.dumps(job).encode(), headers={"Nats-Msg-Id": job["id"]}
+        )
         assert ack.stream == "JOBS"
         result = await asyncio.wait_for(final, timeout=60)
         decision = None
+        # A direct get naming the subject in the request subject: what a client identity
+        # may do (the body-addressed reads would reach other tenants' records).
         for _ in range(100):
-            try:
-                msg = await js.get_last_msg("DECISIONS", f"decisions.{job['id']}")
+            msg = await nc.request(
+                f"$JS.API.DIRECT.GET.DECISIONS.decisions.{tenant}.{job['id']}", b"", timeout=2
+            )
+            if msg.data and not (msg.headers or {}).get("Status"):
                 decision = json.loads(msg.data)
                 break
-            except nats.js.errors.NotFoundError:
-                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)
         return chunks, result, decision
     finally:
         await nc.close()

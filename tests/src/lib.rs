@@ -343,7 +343,7 @@ impl Cluster {
             .get_stream(names::STREAM_DECISIONS)
             .await
             .expect("DECISIONS");
-        let subject = names::decision_subject(job_id);
+        let subject = names::decision_subject_any_tenant(job_id);
         wait_for(
             &format!("decision of {job_id}"),
             Duration::from_secs(30),

@@ -351,7 +351,7 @@ try:
             expect("PONG" in out, f"the NATS certificate does not hold {name}: {out!r}")
     expect("Authorization Violation" in nats_session(None, None, []), "NATS accepted an anonymous connection")
     expect("Authorization Violation" in nats_session("gateway", "wrong", []), "NATS accepted a wrong password")
-    out = nats_session(gw["user"], gw["password"], ["PUB jobs.submit 2\r\n{}\r\n"])
+    out = nats_session(gw["user"], gw["password"], ["PUB jobs.submit.acme 2\r\n{}\r\n"])
     expect("PONG" in out and "Violation" not in out, f"the gateway's rendered credential: {out!r}")
     agent = tomllib.loads((stage / "gpu-node-2/etc/metronome/worker-agent/gpu0.toml").read_text())
     own, na = agent["worker_id"], agent["nats_auth"]
@@ -361,6 +361,16 @@ try:
     expect("Permissions Violation" in out, f"{own} writing another worker's heartbeat was not refused: {out!r}")
     out = nats_session(na["user"], na["password"], ["SUB work.gpu-node-1-gpu0 1\r\n"])
     expect("Permissions Violation" in out, f"{own} reading another worker's work was not refused: {out!r}")
+    # One direct-NATS client per tenant of metronome_client_tenants: its own tenant only.
+    ca = secrets.get("client-acme")
+    expect(ca is not None, f"no client-acme identity rendered: {sorted(secrets)}")
+    if ca is not None:
+        out = nats_session("client-acme", ca, ["PUB jobs.submit.acme 2\r\n{}\r\n"])
+        expect("PONG" in out and "Violation" not in out, f"client-acme submitting for acme: {out!r}")
+        out = nats_session("client-acme", ca, ["SUB results._anon.> 1\r\n"])
+        expect("Permissions Violation" in out, f"client-acme reading another tenant's results was not refused: {out!r}")
+        out = nats_session("client-acme", ca, ["PUB jobs.submit._anon 2\r\n{}\r\n"])
+        expect("Permissions Violation" in out, f"client-acme submitting for another tenant was not refused: {out!r}")
 
     from urllib.parse import urlsplit
     def redis(*args, url=None):

@@ -153,3 +153,63 @@ async fn four_simultaneous_requests_land_on_four_distinct_gpus(speeds: &[f64]) {
         assert_eq!(header_workers, decision_workers, "round {round}");
     }
 }
+
+/// Without HTTP: a client publishes a Job on its tenant's `jobs.submit.<tenant>` (no tenant
+/// in the body) and reads the chunks and final result on `results.<tenant>.<job>.>`; the
+/// dispatcher charged the job to the subject's tenant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_nats_client_submits_for_its_tenant_and_reads_its_results() {
+    use futures::StreamExt;
+    use metronome_protocol::{names, FinalResult, ResultChunk};
+
+    let cluster = Cluster::start(ClusterSpec::uniform(1, MODEL)).await;
+    let client = cluster.nats_client().await;
+    let id = "direct-acme-1";
+    let tenant = Some("acme");
+    let mut results = client
+        .subscribe(names::results_subject_all(tenant, id))
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    let now = metronome_protocol::time::unix_ms();
+    let job = serde_json::json!({
+        "v": metronome_protocol::PROTOCOL_VERSION, "id": id, "model": MODEL,
+        "endpoint": "chat", "request": chat_body(MODEL, 8, true),
+        "prompt_tokens": 8, "max_tokens": 8, "submitted_ms": now, "deadline_ms": now + 30_000,
+    });
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(names::HEADER_MSG_ID, id);
+    async_nats::jetstream::new(client.clone())
+        .publish_with_headers(
+            names::submit_subject(tenant),
+            headers,
+            serde_json::to_vec(&job).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .expect("JOBS stores the job");
+
+    let mut chunks = 0;
+    let fin: FinalResult = loop {
+        let m = tokio::time::timeout(std::time::Duration::from_secs(30), results.next())
+            .await
+            .unwrap_or_else(|_| panic!("no result within 30 s: {}", cluster.logs()))
+            .expect("subscription open");
+        if m.subject.ends_with(".final") {
+            break serde_json::from_slice(&m.payload).expect("final result decodes");
+        }
+        let c: ResultChunk = serde_json::from_slice(&m.payload).expect("chunk decodes");
+        assert_eq!(c.seq, chunks, "chunks in order");
+        chunks += 1;
+    };
+    assert_eq!(fin.error, None, "{}", cluster.logs());
+    assert!(
+        chunks > 0 && fin.chunks == chunks,
+        "{chunks} chunks, final says {}",
+        fin.chunks
+    );
+    let decision = cluster.decision(id).await;
+    assert_eq!(decision.outcome, Outcome::Assigned);
+    assert_eq!(decision.tenant.as_deref(), Some("acme"));
+}

@@ -29,7 +29,9 @@ fn identities() -> Vec<Identity> {
         id("admin", Role::Admin),
         id("dispatcher-a", Role::Dispatcher),
         id("gateway", Role::Gateway),
-        id("client-acme", Role::Client),
+        Identity::client(Some("acme"), &password("client-acme")),
+        Identity::client(Some("globex"), &password("client-globex")),
+        Identity::client(None, &password("client-_anon")),
         id("auditor", Role::Auditor),
         Identity::worker("w1", MODEL, &password("worker-w1")),
         Identity::worker("w2", "qwen2.5-7b", &password("worker-w2")),
@@ -270,7 +272,10 @@ async fn a_worker_uses_its_own_consumer_heartbeat_and_events_and_nothing_else() 
         .await
         .expect("own completion event stored");
     w1.js
-        .publish(names::result_final_subject("job-1"), "final".into())
+        .publish(
+            names::result_final_subject(Some("acme"), "job-1"),
+            "final".into(),
+        )
         .await
         .unwrap()
         .await
@@ -354,7 +359,8 @@ async fn a_worker_uses_its_own_consumer_heartbeat_and_events_and_nothing_else() 
     assert_eq!(w2_entry.as_deref(), Some(&b"w2's heartbeat"[..]));
     w1.publish_refused(&names::event_done_subject("w2")).await;
     w1.publish_refused(&names::heartbeat_subject("w2")).await;
-    w1.publish_refused(&names::decision_subject("job-1")).await;
+    w1.publish_refused(&names::decision_subject(Some("acme"), "job-1"))
+        .await;
     w1.publish_refused("work.w2").await;
     let leader = w1
         .js_denied
@@ -393,31 +399,38 @@ async fn a_client_submits_and_reads_results_but_cannot_touch_the_fleet() {
     let sys = system().await;
     let client = Conn::open(&sys.nats, "client-acme").await;
     let dispatcher = Conn::open(&sys.nats, "dispatcher-a").await;
+    let acme = Some("acme");
 
     let mut results = client
         .client
-        .subscribe(names::results_subject_all("job-7"))
+        .subscribe(names::results_subject_all(acme, "job-7"))
         .await
         .expect("subscribes to its job's results");
+    let mut decisions = client
+        .client
+        .subscribe(names::tenant_decisions_all(acme))
+        .await
+        .expect("subscribes to its tenant's decisions");
+    client.client.flush().await.unwrap();
     let mut headers = async_nats::HeaderMap::new();
     headers.insert(names::HEADER_MSG_ID, "job-7");
     client
         .js
-        .publish_with_headers(names::SUBJECT_JOBS_SUBMIT, headers, "{}".into())
+        .publish_with_headers(names::submit_subject(acme), headers, "{}".into())
         .await
         .expect("publish")
         .await
         .expect("JOBS stores the job");
     dispatcher
         .js
-        .publish(names::decision_subject("job-7"), "assigned".into())
+        .publish(names::decision_subject(acme, "job-7"), "assigned".into())
         .await
         .unwrap()
         .await
         .unwrap();
     dispatcher
         .js
-        .publish(names::result_final_subject("job-7"), "final".into())
+        .publish(names::result_final_subject(acme, "job-7"), "final".into())
         .await
         .unwrap()
         .await
@@ -426,22 +439,35 @@ async fn a_client_submits_and_reads_results_but_cannot_touch_the_fleet() {
         .await
         .expect("the final result");
     assert_eq!(got.payload.as_ref(), b"final");
+    let got = within("decision", decisions.next())
+        .await
+        .expect("the decision");
+    assert_eq!(got.payload.as_ref(), b"assigned");
     let decision = client
         .js
         .get_stream_no_info(STREAM_DECISIONS)
         .await
         .expect("stream handle")
-        .direct_get_last_for_subject(names::decision_subject("job-7"))
+        .direct_get_last_for_subject(names::decision_subject(acme, "job-7"))
         .await
         .expect("direct get of its decision");
     assert_eq!(decision.payload.as_ref(), b"assigned");
+    let stored = client
+        .js
+        .get_stream_no_info(names::STREAM_RESULTS)
+        .await
+        .expect("stream handle")
+        .direct_get_last_for_subject(names::result_final_subject(acme, "job-7"))
+        .await
+        .expect("direct get of its final result");
+    assert_eq!(stored.payload.as_ref(), b"final");
     client.no_violations();
 
     client.publish_refused("$KV.workers.w1").await;
     client.publish_refused("work.w1").await;
     client.publish_refused(names::SUBJECT_JOBS_RETRY).await;
     client
-        .publish_refused(&names::decision_subject("job-7"))
+        .publish_refused(&names::decision_subject(acme, "job-7"))
         .await;
     client
         .publish_refused(&names::event_done_subject("w1"))
@@ -449,6 +475,111 @@ async fn a_client_submits_and_reads_results_but_cannot_touch_the_fleet() {
     client.subscribe_refused("work.w1").await;
     client.subscribe_refused("_INBOX.>").await;
     client.subscribe_refused("control.w1.drain").await;
+}
+
+/// Issue 10: a client cannot submit for, nor read the results or decisions of, another
+/// tenant; the server refuses it, live and stored.
+#[tokio::test]
+async fn a_client_cannot_submit_for_or_read_another_tenant() {
+    let sys = system().await;
+    let acme = Conn::open(&sys.nats, "client-acme").await;
+    let globex = Conn::open(&sys.nats, "client-globex").await;
+    let dispatcher = Conn::open(&sys.nats, "dispatcher-a").await;
+    let g = Some("globex");
+
+    // globex's own job, stored: globex reads it.
+    let mut own = globex
+        .client
+        .subscribe(names::tenant_results_all(g))
+        .await
+        .unwrap();
+    globex.client.flush().await.unwrap();
+    dispatcher
+        .js
+        .publish(names::decision_subject(g, "job-8"), "g-assigned".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    dispatcher
+        .js
+        .publish(names::result_final_subject(g, "job-8"), "g-final".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let got = within("globex's final result", own.next())
+        .await
+        .expect("globex's result");
+    assert_eq!(got.payload.as_ref(), b"g-final");
+    globex.no_violations();
+
+    // acme: not live...
+    acme.subscribe_refused(&names::tenant_results_all(g)).await;
+    acme.subscribe_refused(&names::results_subject_all(g, "job-8"))
+        .await;
+    acme.subscribe_refused(&names::tenant_decisions_all(g))
+        .await;
+    acme.subscribe_refused(&names::decision_subject(g, "job-8"))
+        .await;
+    acme.subscribe_refused("results.>").await;
+    acme.subscribe_refused("results.*.job-8.>").await;
+    acme.subscribe_refused("decisions.>").await;
+    acme.subscribe_refused(&names::tenant_results_all(None))
+        .await;
+    // ...nor stored: not by subject, nor by the requests that name it in their body.
+    let results = acme
+        .js_denied
+        .get_stream_no_info(names::STREAM_RESULTS)
+        .await
+        .unwrap();
+    assert!(results
+        .direct_get_last_for_subject(names::result_final_subject(g, "job-8"))
+        .await
+        .is_err());
+    acme.refused(
+        "a direct get of globex's result",
+        "$JS.API.DIRECT.GET.RESULTS.results.globex.job-8.final",
+    )
+    .await;
+    assert!(results
+        .direct_get_next_for_subject(names::result_final_subject(g, "job-8"), None)
+        .await
+        .is_err());
+    acme.refused("a body-addressed direct get", "$JS.API.DIRECT.GET.RESULTS")
+        .await;
+    assert!(results
+        .get_last_raw_message_by_subject(&names::result_final_subject(g, "job-8"))
+        .await
+        .is_err());
+    acme.refused("a stored-message get", "$JS.API.STREAM.MSG.GET.RESULTS")
+        .await;
+    acme.publish_refused("$JS.API.DIRECT.GET.DECISIONS.decisions.globex.job-8")
+        .await;
+    acme.publish_refused("$JS.API.STREAM.MSG.GET.DECISIONS")
+        .await;
+    // ...and it cannot submit for globex, nor for no tenant, nor on the version-1 subject.
+    acme.publish_refused(&names::submit_subject(g)).await;
+    acme.publish_refused(&names::submit_subject(None)).await;
+    acme.publish_refused(names::SUBJECT_JOBS_SUBMIT_V1).await;
+
+    // The client of no tenant is one more tenant (`_anon`), no wider.
+    let anon = Conn::open(&sys.nats, "client-_anon").await;
+    anon.js
+        .publish(names::submit_subject(None), "{}".into())
+        .await
+        .unwrap()
+        .await
+        .expect("JOBS stores the job of no tenant");
+    let _own = anon
+        .client
+        .subscribe(names::tenant_results_all(None))
+        .await
+        .unwrap();
+    anon.client.flush().await.unwrap();
+    anon.no_violations();
+    anon.subscribe_refused(&names::tenant_results_all(g)).await;
+    anon.publish_refused(&names::submit_subject(g)).await;
 }
 
 #[tokio::test]
@@ -469,7 +600,10 @@ async fn an_auditor_reads_decisions_only() {
         loop {
             dispatcher
                 .js
-                .publish(names::decision_subject("job-9"), "rejected".into())
+                .publish(
+                    names::decision_subject(Some("acme"), "job-9"),
+                    "rejected".into(),
+                )
                 .await
                 .unwrap()
                 .await
@@ -486,17 +620,19 @@ async fn an_auditor_reads_decisions_only() {
         .get_stream_no_info(STREAM_DECISIONS)
         .await
         .expect("stream handle")
-        .direct_get_last_for_subject(names::decision_subject("job-9"))
+        .direct_get_last_for_subject(names::decision_subject(Some("acme"), "job-9"))
         .await
         .expect("direct get");
     assert_eq!(stored.payload.as_ref(), b"rejected");
     auditor.no_violations();
 
-    auditor.subscribe_refused("results.job-9.>").await;
+    auditor.subscribe_refused("results.acme.job-9.>").await;
     auditor.subscribe_refused("work.*").await;
-    auditor.publish_refused(names::SUBJECT_JOBS_SUBMIT).await;
     auditor
-        .publish_refused(&names::decision_subject("job-9"))
+        .publish_refused(&names::submit_subject(Some("acme")))
+        .await;
+    auditor
+        .publish_refused(&names::decision_subject(Some("acme"), "job-9"))
         .await;
 }
 
@@ -524,18 +660,23 @@ async fn gateway_and_dispatcher_do_their_part_only() {
         .expect("entry")
         .expect("ok");
     assert_eq!(entry.key, "w1");
-    gateway
-        .js
-        .publish(names::SUBJECT_JOBS_SUBMIT, "{}".into())
-        .await
-        .unwrap()
-        .await
-        .expect("the gateway submits");
+    // For the tenant of each API key.
+    for tenant in [Some("acme"), Some("globex"), None] {
+        gateway
+            .js
+            .publish(names::submit_subject(tenant), "{}".into())
+            .await
+            .unwrap()
+            .await
+            .expect("the gateway submits");
+    }
     gateway.no_violations();
     gateway.publish_refused("work.w1").await;
     // Retries (whose headers place a job in its queue) come from dispatchers only.
     gateway.publish_refused(names::SUBJECT_JOBS_RETRY).await;
-    gateway.publish_refused(&names::decision_subject("j")).await;
+    gateway
+        .publish_refused(&names::decision_subject(Some("acme"), "j"))
+        .await;
     gateway.publish_refused("$KV.workers.w1").await;
     gateway.subscribe_refused("work.w1").await;
 

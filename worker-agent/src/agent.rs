@@ -653,7 +653,7 @@ async fn finish_without_running(
         };
         publish_js(
             shared,
-            result_final_subject(&a.job.id),
+            result_final_subject(a.job.tenant.as_deref(), &a.job.id),
             &final_msg_id(&a.job.id),
             &a.job.model,
             &result,

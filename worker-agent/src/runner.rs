@@ -2,10 +2,10 @@
 //! final result, acknowledge WORK, publish the completion event, update the averages.
 //!
 //! Order matters and is the contract with the dispatcher:
-//! 1. chunks on `results.<job>.chunk` (core NATS, `seq` 0, 1, 2… so a gap is visible),
+//! 1. chunks on `results.<tenant>.<job>.chunk` (core NATS, `seq` 0, 1, 2… so a gap is visible),
 //!    with `+WPI` progress acks on the WORK message while generating so it is not
 //!    redelivered;
-//! 2. the final result on `results.<job>.final` through JetStream (RESULTS keeps it for
+//! 2. the final result on `results.<tenant>.<job>.final` through JetStream (RESULTS keeps it for
 //!    late readers), published before the WORK ack so an acknowledged job always has a
 //!    final result;
 //! 3. the WORK ack; 4. the completion event on `events.done.<worker>` through JetStream
@@ -121,7 +121,7 @@ pub(crate) async fn run_job(
         let mut asm = Assembler::new(job.endpoint);
         let mut timing = Timing { start, first_token: None, last_token: None };
         let mut seq: u64 = 0;
-        let chunk_subject = result_chunk_subject(&job.id);
+        let chunk_subject = result_chunk_subject(job.tenant.as_deref(), &job.id);
         let mut progress = tokio::time::interval_at(
             tokio::time::Instant::now() + cfg.progress_ack_interval(),
             cfg.progress_ack_interval(),
@@ -250,7 +250,7 @@ pub(crate) async fn run_job(
         };
         // One final result per job in RESULTS (`final_msg_id`): if the leader already
         // declared this job lost (this agent was silent too long), its error stands.
-        publish_js(&shared, result_final_subject(&job.id), &final_msg_id(&job.id), &job.model, &final_result).await;
+        publish_js(&shared, result_final_subject(job.tenant.as_deref(), &job.id), &final_msg_id(&job.id), &job.model, &final_result).await;
         let msg_id = work_msg_id(&job.id, assignment.attempt);
 
         if let Err(e) = msg.double_ack().await {

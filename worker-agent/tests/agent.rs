@@ -65,21 +65,23 @@ async fn an_assignment_streams_chunks_then_a_final_result_an_event_and_ewmas() {
     );
     let chat = collect(
         env.client
-            .subscribe(results_subject_all("job-chat"))
+            // A tenant's job: its results are published under the tenant's subjects.
+            .subscribe(results_subject_all(Some("acme"), "job-chat"))
             .await
             .unwrap(),
     );
     let text = collect(
         env.client
-            .subscribe(results_subject_all("job-text"))
+            .subscribe(results_subject_all(None, "job-text"))
             .await
             .unwrap(),
     );
     env.client.flush().await.unwrap();
     let (agent, shutdown) = env.start_agent(env.config(worker)).await;
 
-    env.assign(worker, &job("job-chat", Endpoint::Chat, 6, 0), 1)
-        .await;
+    let mut chat_job = job("job-chat", Endpoint::Chat, 6, 0);
+    chat_job.tenant = Some("acme".into());
+    env.assign(worker, &chat_job, 1).await;
     env.assign(worker, &job("job-text", Endpoint::Completion, 4, 0), 1)
         .await;
 
@@ -199,7 +201,7 @@ async fn a_stale_epoch_is_refused_and_acknowledged() {
     );
     let stale = collect(
         env.client
-            .subscribe(results_subject_all("job-stale"))
+            .subscribe(results_subject_all(None, "job-stale"))
             .await
             .unwrap(),
     );
@@ -264,7 +266,7 @@ async fn heartbeats_list_running_jobs_and_shutdown_drains_then_leaves_the_regist
     );
     let results = collect(
         env.client
-            .subscribe(results_subject_all("job-long"))
+            .subscribe(results_subject_all(None, "job-long"))
             .await
             .unwrap(),
     );
@@ -347,7 +349,7 @@ async fn cancel_stops_a_running_job_and_closes_the_model_server_stream() {
     );
     let results = collect(
         env.client
-            .subscribe(results_subject_all("job-cancel"))
+            .subscribe(results_subject_all(None, "job-cancel"))
             .await
             .unwrap(),
     );
@@ -397,7 +399,7 @@ async fn malformed_messages_are_terminated_and_the_agent_keeps_serving() {
     );
     let failing = collect(
         env.client
-            .subscribe(results_subject_all("job-fail"))
+            .subscribe(results_subject_all(None, "job-fail"))
             .await
             .unwrap(),
     );
@@ -501,7 +503,9 @@ async fn a_job_is_reported_in_a_heartbeat_before_its_first_token() {
         let id = format!("job-early-{i}");
         let first_chunk = messages
             .iter()
-            .position(|m| m.subject.as_str() == results_subject_all(&id).replace(">", "chunk"))
+            .position(|m| {
+                m.subject.as_str() == results_subject_all(None, &id).replace(">", "chunk")
+            })
             .expect("a chunk");
         let reported = messages[..first_chunk].iter().any(|m| {
             m.subject.as_str() == metronome_protocol::names::heartbeat_subject(worker)
@@ -518,7 +522,7 @@ async fn over_tls_the_agent_serves_a_job_and_writes_its_ewmas() {
     let worker = "n1-gpu0";
     let results = collect(
         env.client
-            .subscribe(results_subject_all("job-tls"))
+            .subscribe(results_subject_all(None, "job-tls"))
             .await
             .unwrap(),
     );

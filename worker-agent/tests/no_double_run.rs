@@ -136,7 +136,7 @@ async fn a_redelivered_job_the_previous_run_had_reported_fails_as_lost_and_never
     );
     let results = collect(
         env.client
-            .subscribe(results_subject_all("job-was-running"))
+            .subscribe(results_subject_all(None, "job-was-running"))
             .await
             .unwrap(),
     );
@@ -186,7 +186,7 @@ async fn a_job_revoked_by_the_leader_stops_without_a_result_or_an_event() {
     );
     let results = collect(
         env.client
-            .subscribe(results_subject_all("job-revoked"))
+            .subscribe(results_subject_all(None, "job-revoked"))
             .await
             .unwrap(),
     );
@@ -349,7 +349,7 @@ async fn the_jobs_max_tokens_bounds_the_forwarded_request() {
     let worker = "nd-gpu3";
     let results = collect(
         env.client
-            .subscribe(results_subject_all("job-oversized"))
+            .subscribe(results_subject_all(None, "job-oversized"))
             .await
             .unwrap(),
     );
@@ -439,7 +439,7 @@ async fn an_agent_whose_key_the_leader_deleted_stops_its_jobs_as_lost_and_regist
     let worker = "nd-gpu4";
     let results = collect(
         env.client
-            .subscribe(results_subject_all("job-given-away"))
+            .subscribe(results_subject_all(None, "job-given-away"))
             .await
             .unwrap(),
     );

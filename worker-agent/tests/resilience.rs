@@ -28,7 +28,7 @@ async fn progress_acks_keep_a_long_job_from_being_redelivered() {
     let worker = "r-gpu0";
     let results = collect(
         env.client
-            .subscribe(results_subject_all("job-slow"))
+            .subscribe(results_subject_all(None, "job-slow"))
             .await
             .unwrap(),
     );
@@ -68,7 +68,7 @@ async fn a_drain_past_its_timeout_ends_the_job_with_an_error() {
     );
     let results = collect(
         env.client
-            .subscribe(results_subject_all("job-endless"))
+            .subscribe(results_subject_all(None, "job-endless"))
             .await
             .unwrap(),
     );
@@ -114,7 +114,7 @@ async fn jobs_still_run_while_redis_is_down() {
     let worker = "r-gpu2";
     let results = collect(
         env.client
-            .subscribe(results_subject_all("job-noredis"))
+            .subscribe(results_subject_all(None, "job-noredis"))
             .await
             .unwrap(),
     );
@@ -215,13 +215,13 @@ async fn an_assignment_with_a_cr_lf_model_fails_with_its_reason_and_the_agent_ke
     let worker = "r-gpu7";
     let bad_results = collect(
         env.client
-            .subscribe(results_subject_all("job-crlf"))
+            .subscribe(results_subject_all(None, "job-crlf"))
             .await
             .unwrap(),
     );
     let ok_results = collect(
         env.client
-            .subscribe(results_subject_all("job-fine"))
+            .subscribe(results_subject_all(None, "job-fine"))
             .await
             .unwrap(),
     );
@@ -380,7 +380,7 @@ async fn a_model_server_that_dies_mid_job_fails_it_and_makes_the_worker_unhealth
     let (url, stop) = dying_model_server().await;
     let results = collect(
         env.client
-            .subscribe(results_subject_all("job-dies"))
+            .subscribe(results_subject_all(None, "job-dies"))
             .await
             .unwrap(),
     );

@@ -35,7 +35,7 @@ async fn jobs_run_on_the_simulator_and_heartbeats_carry_its_kv_metrics() {
     );
     let results = collect(
         env.client
-            .subscribe(results_subject_all("job-sim"))
+            .subscribe(results_subject_all(None, "job-sim"))
             .await
             .unwrap(),
     );

@@ -167,11 +167,22 @@ impl Env {
             .await;
     }
 
+    /// Submit `body` as its tenant's client would: on `jobs.submit.<tenant>` of the tenant
+    /// the body names (`_anon` for none, or for a body that is not a job).
     pub async fn submit_bytes(&self, id: &str, body: Vec<u8>) {
+        let tenant = serde_json::from_slice::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|v| v.get("tenant").and_then(|t| t.as_str()).map(str::to_string));
+        self.submit_on(&names::submit_subject(tenant.as_deref()), id, body)
+            .await;
+    }
+
+    /// Submit `body` on `subject`.
+    pub async fn submit_on(&self, subject: &str, id: &str, body: Vec<u8>) {
         let mut headers = async_nats::HeaderMap::new();
         headers.insert(names::HEADER_MSG_ID, id);
         self.js
-            .publish_with_headers(names::SUBJECT_JOBS_SUBMIT, headers, body.into())
+            .publish_with_headers(subject.to_string(), headers, body.into())
             .await
             .expect("publish job")
             .await
@@ -244,11 +255,11 @@ impl Env {
         out
     }
 
-    /// The latest decision of one job, when there is one (direct get by subject).
+    /// The latest decision of one job, whatever its tenant, when there is one.
     pub async fn decision(&self, job_id: &str) -> Option<Decision> {
         let stream = self.js.get_stream(names::STREAM_DECISIONS).await.unwrap();
         let m = stream
-            .direct_get_last_for_subject(names::decision_subject(job_id))
+            .get_last_raw_message_by_subject(&names::decision_subject_any_tenant(job_id))
             .await
             .ok()?;
         Some(serde_json::from_slice(&m.payload).expect("decision decodes"))
@@ -282,7 +293,7 @@ impl Env {
     pub async fn final_result(&self, job_id: &str) -> Option<FinalResult> {
         let stream = self.js.get_stream(names::STREAM_RESULTS).await.unwrap();
         let m = stream
-            .direct_get_last_for_subject(names::result_final_subject(job_id))
+            .get_last_raw_message_by_subject(&names::result_final_subject_any_tenant(job_id))
             .await
             .ok()?;
         Some(serde_json::from_slice(&m.payload).expect("final result decodes"))
@@ -363,7 +374,7 @@ pub fn worker(id: &str, model: &str, cap: u32) -> WorkerStatus {
 
 pub fn job_json(id: &str, model: &str, prompt: u32, max_tokens: u32) -> serde_json::Value {
     json!({
-        "v": 1, "id": id, "model": model, "endpoint": "chat",
+        "v": 2, "id": id, "model": model, "endpoint": "chat",
         "request": {"messages": [{"role": "user", "content": "hello"}]},
         "prompt_tokens": prompt, "max_tokens": max_tokens,
         "submitted_ms": metronome_protocol::time::unix_ms(),

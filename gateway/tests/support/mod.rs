@@ -1,6 +1,6 @@
 //! Test harness: a real nats-server (testkit), the gateway in-process on 127.0.0.1:0,
 //! and a stand-in for the dispatcher and a worker that speaks the NATS contract: it
-//! consumes `jobs.submit` from JOBS, and publishes a decision, chunks and a final result
+//! consumes `jobs.submit.*` from JOBS, and publishes a decision, chunks and a final result
 //! chosen by a marker in the request text (`#queue_full`, `#hold`, …).
 
 #![allow(dead_code)]
@@ -457,17 +457,17 @@ fn final_result(job: &Job, error: Option<(ErrorCode, &str)>, chunks: u64) -> Fin
 }
 
 async fn play(client: async_nats::Client, js: jetstream::Context, job: Job) {
+    // The gateway names its key's tenant in both the subject and the body.
+    let tenant = job.tenant.clone();
     let publish_decision = |d: Decision| {
         let js = js.clone();
+        let subject = decision_subject(tenant.as_deref(), &d.job_id);
         async move {
-            js.publish(
-                decision_subject(&d.job_id),
-                serde_json::to_vec(&d).unwrap().into(),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+            js.publish(subject, serde_json::to_vec(&d).unwrap().into())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
         }
     };
     let chunk = |seq: u64, text: &str| ResultChunk {
@@ -480,27 +480,23 @@ async fn play(client: async_nats::Client, js: jetstream::Context, job: Job) {
     };
     let publish_chunk = |c: ResultChunk| {
         let client = client.clone();
+        let subject = result_chunk_subject(tenant.as_deref(), &c.job_id);
         async move {
             client
-                .publish(
-                    result_chunk_subject(&c.job_id),
-                    serde_json::to_vec(&c).unwrap().into(),
-                )
+                .publish(subject, serde_json::to_vec(&c).unwrap().into())
                 .await
                 .unwrap();
         }
     };
     let publish_final = |f: FinalResult| {
         let js = js.clone();
+        let subject = result_final_subject(tenant.as_deref(), &f.job_id);
         async move {
-            js.publish(
-                result_final_subject(&f.job_id),
-                serde_json::to_vec(&f).unwrap().into(),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+            js.publish(subject, serde_json::to_vec(&f).unwrap().into())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
         }
     };
     match script_for(&job) {

@@ -303,12 +303,14 @@ impl System {
         self.get_text(&url).await
     }
 
-    /// The last decision recorded for `job_id` (direct get on `decisions.<job_id>`), as
+    /// The last decision recorded for `job_id` (on `decisions.<tenant>.<job_id>`, any tenant), as
     /// untyped JSON so fields newer than this build are kept.
     pub async fn decision_json(&self, job_id: &str) -> Option<serde_json::Value> {
         let stream = self.decisions.as_ref()?;
         let msg = stream
-            .get_last_raw_message_by_subject(&metronome_protocol::names::decision_subject(job_id))
+            .get_last_raw_message_by_subject(
+                &metronome_protocol::names::decision_subject_any_tenant(job_id),
+            )
             .await
             .ok()?;
         serde_json::from_slice(&msg.payload).ok()

@@ -2,12 +2,12 @@
 //! Redis) under a steady stream of jobs, one fault per drill, and an account of every job
 //! by its id.
 //!
-//! Jobs are submitted on `jobs.submit` (the NATS contract, `Nats-Msg-Id` = job id); in the
+//! Jobs are submitted on `jobs.submit._anon` (the NATS contract, no tenant, `Nats-Msg-Id` = job id); in the
 //! rolling deploy, which restarts the gateway, a quarter go through the gateway over HTTP
 //! (`gateway_client`), and their clients' view counts too: a stream that broke without an
 //! error is lost, an error status or event is a failure with a reason. The account reads the RESULTS stream (every final result of the drill's jobs, from the
 //! stream's sequence at the drill's start) and the chunks the drill's own client received
-//! on `results.<job>.chunk`; never logs. Per job:
+//! on `results.<tenant>.<job>.chunk`; never logs. Per job:
 //! - *completed exactly once*: exactly one final result, a success;
 //! - *failed with a reason*: final results, none a success (the client got an error);
 //! - *lost*: no final result once the system has been idle for the settle time (or an HTTP
@@ -32,9 +32,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use async_nats::jetstream;
 use futures::StreamExt;
-use metronome_protocol::names::{
-    BUCKET_WORKERS, HEADER_MSG_ID, STREAM_RESULTS, SUBJECT_JOBS_SUBMIT,
-};
+use metronome_protocol::names::{submit_subject, BUCKET_WORKERS, HEADER_MSG_ID, STREAM_RESULTS};
 use metronome_protocol::{Endpoint, FinalResult, Job, ResultChunk, WorkerStatus, PROTOCOL_VERSION};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -825,7 +823,7 @@ struct Sent {
 }
 
 /// Offer jobs at `rate` per second until `stop`; every fourth goes through `gateway` over
-/// HTTP when given, the rest on `jobs.submit`.
+/// HTTP when given, the rest on `jobs.submit._anon`.
 async fn send_jobs(
     client: async_nats::Client,
     gateway: Option<String>,
@@ -872,7 +870,7 @@ async fn send_jobs(
     Ok(sent)
 }
 
-/// Submit job `id` on `jobs.submit`; whether JetStream took it.
+/// Submit job `id` (no tenant) on `jobs.submit._anon`; whether JetStream took it.
 async fn submit(js: &jetstream::Context, id: &str) -> anyhow::Result<bool> {
     let job = Job {
         v: PROTOCOL_VERSION,
@@ -897,7 +895,7 @@ async fn submit(js: &jetstream::Context, id: &str) -> anyhow::Result<bool> {
     let body: bytes::Bytes = serde_json::to_vec(&job)?.into();
     for _ in 0..200 {
         let ack = match js
-            .publish_with_headers(SUBJECT_JOBS_SUBMIT, headers.clone(), body.clone())
+            .publish_with_headers(submit_subject(None), headers.clone(), body.clone())
             .await
         {
             Ok(f) => f.await.is_ok(),
@@ -918,7 +916,7 @@ pub fn render_report(plan: &DrillPlan, reports: &[DrillReport]) -> String {
     out.push_str(&format!(
         "Produced by `{}` on a real system (`./dev up --keep-going`, {} simulated GPUs, real \
          nats-server with file storage and redis-server, dispatcher leader + standby), \
-         {:.0} jobs/s offered on `jobs.submit` for {} s per drill, fault at a third of it.\n\n",
+         {:.0} jobs/s offered on `jobs.submit._anon` for {} s per drill, fault at a third of it.\n\n",
         plan.command,
         plan.gpus,
         plan.rate,

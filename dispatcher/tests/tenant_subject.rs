@@ -1,0 +1,126 @@
+//! The tenant of a job is the one its subject names (`jobs.submit.<tenant>`, which the
+//! server's permissions give only to that tenant's clients), never a claim in its body:
+//! a body naming another tenant is refused (`tenant_mismatch`), and the refusal goes to the
+//! subject's tenant only. A job on the version-1 `jobs.submit`, or of schema version 1, is
+//! refused with `unsupported_version`. Against a real nats-server.
+
+mod common;
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use common::*;
+use metronome_protocol::{names, Decision, ErrorCode, FinalResult, Outcome};
+use serde_json::json;
+
+/// The latest record stored on `subject` of `stream`, waited for.
+async fn stored<T: serde::de::DeserializeOwned>(env: &Env, stream: &str, subject: String) -> T {
+    let stream = env.js.get_stream(stream).await.unwrap();
+    metronome_testkit::wait_for(&format!("a record on {subject}"), WAIT, || {
+        let (stream, subject) = (stream.clone(), subject.clone());
+        async move {
+            let m = stream.direct_get_last_for_subject(subject).await.ok()?;
+            Some(serde_json::from_slice(&m.payload).expect("decodes"))
+        }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_subject_names_the_tenant_and_the_body_cannot_claim_another() {
+    let env = Env::start().await;
+    let (running, token) = env.dispatcher(env.config("tenant-subject")).await;
+    env.workers("t", 1, "model-t", 8).await;
+    metronome_testkit::wait_for("worker registered", WAIT, || async {
+        (running.metrics.workers_known.load(Relaxed) == 1).then_some(())
+    })
+    .await;
+    let acme = names::submit_subject(Some("acme"));
+    let body = |id: &str| job_json(id, "model-t", 10, 10);
+
+    // No tenant in the body: the subject's.
+    env.submit_on(
+        &acme,
+        "t-plain",
+        serde_json::to_vec(&body("t-plain")).unwrap(),
+    )
+    .await;
+    // The same tenant in both: fine.
+    let mut same = body("t-same");
+    same["tenant"] = json!("acme");
+    env.submit_on(&acme, "t-same", serde_json::to_vec(&same).unwrap())
+        .await;
+    // Another tenant in the body: refused.
+    let mut forged = body("t-forged");
+    forged["tenant"] = json!("other");
+    env.submit_on(&acme, "t-forged", serde_json::to_vec(&forged).unwrap())
+        .await;
+    // The version-1 subject, and a version-1 job on the right subject.
+    env.submit_on(
+        names::SUBJECT_JOBS_SUBMIT_V1,
+        "t-v1-subject",
+        serde_json::to_vec(&body("t-v1-subject")).unwrap(),
+    )
+    .await;
+    let mut old = body("t-v1-body");
+    old["v"] = json!(1);
+    env.submit_on(&acme, "t-v1-body", serde_json::to_vec(&old).unwrap())
+        .await;
+
+    for id in ["t-plain", "t-same"] {
+        let d: Decision = stored(
+            &env,
+            names::STREAM_DECISIONS,
+            names::decision_subject(Some("acme"), id),
+        )
+        .await;
+        assert_eq!(d.outcome, Outcome::Assigned, "{id}: {d:?}");
+        assert_eq!(d.tenant.as_deref(), Some("acme"), "{id}");
+    }
+
+    let d: Decision = stored(
+        &env,
+        names::STREAM_DECISIONS,
+        names::decision_subject(Some("acme"), "t-forged"),
+    )
+    .await;
+    assert_eq!(d.outcome, Outcome::Rejected);
+    assert_eq!(d.reason_code.as_deref(), Some("tenant_mismatch"), "{d:?}");
+    assert_eq!(d.tenant.as_deref(), Some("acme"));
+    let f: FinalResult = stored(
+        &env,
+        names::STREAM_RESULTS,
+        names::result_final_subject(Some("acme"), "t-forged"),
+    )
+    .await;
+    assert_eq!(f.error.expect("an error").code, ErrorCode::InvalidJob);
+    // Nothing was told to, or charged to, the tenant the body named.
+    let others = env.all_decisions().await;
+    assert!(
+        others.iter().all(|d| d.tenant.as_deref() != Some("other")),
+        "{others:?}"
+    );
+
+    let d: Decision = stored(
+        &env,
+        names::STREAM_DECISIONS,
+        names::decision_subject(None, "t-v1-subject"),
+    )
+    .await;
+    assert_eq!(d.outcome, Outcome::Rejected);
+    assert_eq!(d.reason_code.as_deref(), Some("unsupported_version"));
+    assert!(
+        d.reason
+            .as_deref()
+            .unwrap_or("")
+            .contains("jobs.submit.<tenant>"),
+        "{d:?}"
+    );
+    let d: Decision = stored(
+        &env,
+        names::STREAM_DECISIONS,
+        names::decision_subject(Some("acme"), "t-v1-body"),
+    )
+    .await;
+    assert_eq!(d.reason_code.as_deref(), Some("unsupported_version"));
+    token.cancel();
+}
