@@ -1060,11 +1060,10 @@ impl Engine {
 
     /// Place the model's jobs until the next one cannot be placed. The oldest job that can
     /// still meet its TTFT target goes first; jobs already past it ("late": they will miss
-    /// their TTFT wherever they go) only when no such job waits or when that job can afford
-    /// to wait two placements more, so in overload capacity goes to the jobs it can still
-    /// serve well, and short of it a late job is not passed over for seconds. Among the
-    /// jobs that can, the order is FIFO and the first that cannot be placed holds the
-    /// others back (head-of-line blocking within a model only).
+    /// their TTFT wherever they go) only when no such job waits, so in overload capacity
+    /// goes to the jobs it can still serve well. Among the jobs that can, the order is
+    /// FIFO and the first that cannot be placed holds the others back (head-of-line
+    /// blocking within a model only).
     fn dispatch_model(&mut self, model: &str) {
         // Tenants whose next job was held to keep room for a lighter tenant: the rest of
         // this pass offers the room to the others' jobs, whatever the counters say.
@@ -1080,22 +1079,12 @@ impl Engine {
                     .iter()
                     .filter(|w| w.status.model == model && self.alive(w, now)),
             );
-            // About two placements from now: how long a fresh job must be able to wait
-            // for a late one of its flow to go first (see `Queues::next_to_try`).
-            let patience_ms = self
-                .drain
-                .get(model)
-                .and_then(|d| d.predicted_wait_ms(1, now))
-                .unwrap_or(2.0 * self.s.tick.as_secs_f64() * 1000.0);
-            let slack = |j: &QueuedJob| {
+            let late = |j: &QueuedJob| {
                 let ttft = scheduler.slo_for(model, j.job.slo.as_ref()).ttft_ms;
                 let waited = Self::waited_ms(j, ttft, now) as f64;
-                ttft as f64 - waited - prefill.ttft_ms(j.job.prompt_tokens)
+                waited + prefill.ttft_ms(j.job.prompt_tokens) >= ttft as f64
             };
-            let Some(pos) = self
-                .queues
-                .next_to_try(model, slack, patience_ms, &held_back)
-            else {
+            let Some(pos) = self.queues.next_to_try(model, late, &held_back) else {
                 // Only jobs held back for a lighter tenant left: the queue is not empty.
                 if held_back.is_empty() {
                     if let Some(d) = self.drain.get_mut(model) {

@@ -4,8 +4,7 @@
 //! Within a model, jobs wait in *flows*, one per (tenant, priority class), each ordered by
 //! JOBS stream sequence. Fairness chooses the flow, then the TTFT rule applies inside it:
 //! [`Queues::next_to_try`] offers each flow's candidate (its oldest job that can still meet
-//! its TTFT target, or its head when all of them are "late" or when that job can afford to
-//! wait for a late head to go first) to [`Vtc::pick`], which takes
+//! its TTFT target, or its head when all of them are "late") to [`Vtc::pick`], which takes
 //! the higher priority class (with the starvation guard), then the tenant with the lowest
 //! fair-share counter, then a fresh candidate before a late one, then the earliest. The
 //! engine charges the job to its tenant when it assigns it and settles the charge on
@@ -194,27 +193,16 @@ impl Queues {
         self.total += 1;
     }
 
-    /// Where the job to try next waits in the model's queue.
-    ///
-    /// `slack` is how long a job could still wait and meet its TTFT target (ms; zero or
-    /// less: it is *late*). In each flow the candidate is its first job that is not late,
-    /// so capacity goes to the jobs it can still serve well; but when the flow's head is
-    /// late and that fresh job could afford to wait `patience_ms` more (about two
-    /// placements), the late head goes first. Without that, a late job is passed over by
-    /// every younger job of its own tenant for as long as fresh ones keep arriving: in
-    /// overload that is right (the fresh job is about to turn late too, and serving the
-    /// late one would make two misses of one), but short of it, it turns a miss of a few
-    /// hundred ms into one of many seconds. A flow whose jobs are all late offers its head.
-    /// Among the candidates, [`Vtc::pick`] chooses. Stops at the first job of a flow that
-    /// is not late, so long flows of fresh jobs cost one look each, not a scan.
-    ///
-    /// Flows of the tenants in `skip` are passed over (the engine holds one tenant's jobs
-    /// back so a lighter tenant gets the room left; see `Engine::dispatch_model`).
+    /// Where the job to try next waits in the model's queue. In each flow the candidate is
+    /// the first job `late` says is not late, or else the flow's head; among the
+    /// candidates, [`Vtc::pick`] chooses. Flows of the tenants in `skip` are passed over
+    /// (the engine holds one tenant's jobs back so a lighter tenant gets the room left;
+    /// see `Engine::dispatch_model`). Stops at the first job of a flow that is not late,
+    /// so long flows of fresh jobs cost one look each, not a scan.
     pub fn next_to_try(
         &self,
         model: &str,
-        slack: impl Fn(&QueuedJob) -> f64,
-        patience_ms: f64,
+        late: impl Fn(&QueuedJob) -> bool,
         skip: &[String],
     ) -> Option<Pos> {
         let q = self.by_model.get(model).filter(|q| q.len > 0)?;
@@ -224,19 +212,12 @@ impl Queues {
             .enumerate()
             .filter(|(_, f)| !f.jobs.is_empty() && !skip.contains(&f.tenant))
             .map(|(flow, f)| {
-                let fresh = f
-                    .jobs
-                    .iter()
-                    .enumerate()
-                    .find_map(|(i, j)| Some((i, slack(j))).filter(|(_, s)| *s > 0.0));
-                let idx = match fresh {
-                    Some((i, s)) if i == 0 || s <= patience_ms => i,
-                    _ => 0,
-                };
+                let fresh = f.jobs.iter().position(|j| !late(j));
+                let idx = fresh.unwrap_or(0);
                 let candidate = Candidate {
                     tenant: &f.tenant,
                     priority: f.priority,
-                    fresh: fresh.is_some_and(|(i, _)| i == idx),
+                    fresh: fresh.is_some(),
                     seq: f.jobs[idx].seq,
                 };
                 (Pos { flow, idx }, candidate)
@@ -600,9 +581,9 @@ mod tests {
 
     /// Dispatch every job in the order the queue offers them, charging each, and return
     /// their ids.
-    fn drain(q: &mut Queues, model: &str, slack: impl Fn(&QueuedJob) -> f64) -> Vec<String> {
+    fn drain(q: &mut Queues, model: &str, late: impl Fn(&QueuedJob) -> bool) -> Vec<String> {
         let mut out = Vec::new();
-        while let Some(pos) = q.next_to_try(model, &slack, f64::INFINITY, &[]) {
+        while let Some(pos) = q.next_to_try(model, &late, &[]) {
             let j = q.take(model, pos).unwrap();
             q.charge(&j, EST);
             out.push(j.job.id.clone());
@@ -617,14 +598,14 @@ mod tests {
         q.push(job("b", "m1", 2)).ok().unwrap();
         assert!(q.push(job("c", "m1", 3)).is_err());
         q.push(job("x", "m2", 4)).ok().unwrap();
-        let pos = q.next_to_try("m1", |_| 1.0, f64::INFINITY, &[]).unwrap();
+        let pos = q.next_to_try("m1", |_| false, &[]).unwrap();
         let a = q.take("m1", pos).unwrap();
         assert_eq!(a.job.id, "a");
         q.push(job("c", "m1", 3)).ok().unwrap();
         // A returning job goes back to its place even past the bound.
         q.put_back(a);
         assert_eq!(q.len("m1"), 3);
-        assert_eq!(drain(&mut q, "m1", |_| 1.0), ["a", "b", "c"]);
+        assert_eq!(drain(&mut q, "m1", |_| false), ["a", "b", "c"]);
         assert_eq!(q.total(), 1);
     }
 
@@ -653,58 +634,16 @@ mod tests {
         {
             q.push(job(id, "m", i as u64 + 1)).ok().unwrap();
         }
-        let slack = |j: &QueuedJob| {
-            if j.job.id.starts_with("late") {
-                0.0
-            } else {
-                300.0
-            }
-        };
-        let pos = q.next_to_try("m", slack, f64::INFINITY, &[]).unwrap();
+        let late = |j: &QueuedJob| j.job.id.starts_with("late");
+        let pos = q.next_to_try("m", late, &[]).unwrap();
         assert_eq!(q.get("m", pos).unwrap().job.id, "fresh-c");
-        let head = q.next_to_try("m", |_| 0.0, f64::INFINITY, &[]).unwrap();
+        let head = q.next_to_try("m", |_| true, &[]).unwrap();
         assert_eq!(q.get("m", head).unwrap().job.id, "late-a");
         assert_eq!(q.take("m", pos).unwrap().job.id, "fresh-c");
         assert_eq!(q.total(), 3);
         assert!(!q.contains("fresh-c"));
-        assert_eq!(q.next_to_try("other", slack, f64::INFINITY, &[]), None);
-        assert_eq!(drain(&mut q, "m", slack), ["fresh-d", "late-a", "late-b"]);
-    }
-
-    #[test]
-    fn a_late_head_goes_first_when_the_fresh_job_behind_it_can_afford_the_wait() {
-        let mut q = Queues::new(10);
-        for (i, id) in ["late-a", "late-b", "fresh-c"].iter().enumerate() {
-            q.push(job(id, "m", i as u64 + 1)).ok().unwrap();
-        }
-        let slack = |j: &QueuedJob| {
-            if j.job.id.starts_with("late") {
-                -5.0
-            } else {
-                300.0
-            }
-        };
-        let id = |q: &Queues, patience| {
-            let pos = q.next_to_try("m", slack, patience, &[]).unwrap();
-            q.get("m", pos).unwrap().job.id.clone()
-        };
-        // The fresh job has 300 ms to spare: waiting 250 ms more costs it nothing.
-        assert_eq!(id(&q, 250.0), "late-a");
-        // It cannot afford 400 ms: it goes first, the late jobs wait.
-        assert_eq!(id(&q, 400.0), "fresh-c");
-        // Nothing fresh: the head, whatever the patience.
-        let pos = q.next_to_try("m", |_| -1.0, 400.0, &[]).unwrap();
-        assert_eq!(q.get("m", pos).unwrap().job.id, "late-a");
-        // A fresh head is the candidate, late ones behind it wait.
-        let pos = q
-            .next_to_try(
-                "m",
-                |j| if j.job.id == "late-a" { 10.0 } else { -1.0 },
-                0.0,
-                &[],
-            )
-            .unwrap();
-        assert_eq!(q.get("m", pos).unwrap().job.id, "late-a");
+        assert_eq!(q.next_to_try("other", late, &[]), None);
+        assert_eq!(drain(&mut q, "m", late), ["fresh-d", "late-a", "late-b"]);
     }
 
     #[test]
@@ -728,18 +667,16 @@ mod tests {
         // From b's side a is not lighter.
         assert!(!q.lighter_tenant_active("m", "b", 0));
         // b's job is served; b still counts while its last arrival is within the window.
-        let pos = q.next_to_try("m", |j| if j.job.id == "b0" { 1.0 } else { -1.0 }, 0.0, &[]);
+        let pos = q.next_to_try("m", |j| j.job.id != "b0", &[]);
         let b0 = q.take("m", pos.unwrap()).unwrap();
         assert_eq!(b0.job.id, "b0");
         assert!(q.lighter_tenant_active("m", "a", 4_000));
         // Holding a's jobs back, the queue offers only the others'.
         q.push(at("b1", 11, "b", 5_000)).ok().unwrap();
-        let pos = q
-            .next_to_try("m", |_| 1.0, 0.0, &["a".to_string()])
-            .unwrap();
+        let pos = q.next_to_try("m", |_| false, &["a".to_string()]).unwrap();
         assert_eq!(q.get("m", pos).unwrap().job.id, "b1");
         q.take("m", pos);
-        assert_eq!(q.next_to_try("m", |_| 1.0, 0.0, &["a".to_string()]), None);
+        assert_eq!(q.next_to_try("m", |_| false, &["a".to_string()]), None);
         // Forgotten arrivals no longer count; the queue itself is untouched.
         q.forget_arrivals_before(6_000);
         assert!(!q.lighter_tenant_active("m", "a", 0));
@@ -770,7 +707,7 @@ mod tests {
         q.push(job_for("b1", "m", 21, Some("b"), None))
             .ok()
             .unwrap();
-        let order = drain(&mut q, "m", |_| 1.0);
+        let order = drain(&mut q, "m", |_| false);
         // b was lifted to a's counter on arrival (0 then); on that tie the shorter backlog
         // goes first, then they alternate until b has nothing left; a gets the rest
         // (work-conserving).
@@ -788,10 +725,7 @@ mod tests {
         q.push(job("b", "m", 2)).ok().unwrap();
         q.write_depths(&mut depths);
         assert_eq!(depths, BTreeMap::from([("m".to_string(), 2)]));
-        q.take(
-            "m",
-            q.next_to_try("m", |_| 1.0, f64::INFINITY, &[]).unwrap(),
-        );
+        q.take("m", q.next_to_try("m", |_| false, &[]).unwrap());
         q.write_depths(&mut depths);
         assert_eq!(depths, BTreeMap::from([("m".to_string(), 1)]));
     }
@@ -840,7 +774,7 @@ mod tests {
         );
         // Replaying changed nothing, and the queue really dispatches in that order.
         assert_eq!(q.counter("m", "a"), 0.0);
-        assert_eq!(drain(&mut q, "m", |_| 1.0), order);
+        assert_eq!(drain(&mut q, "m", |_| false), order);
     }
 
     #[test]
@@ -851,7 +785,7 @@ mod tests {
                 .ok()
                 .unwrap();
         }
-        let pos = q.next_to_try("m", |_| 1.0, f64::INFINITY, &[]).unwrap();
+        let pos = q.next_to_try("m", |_| false, &[]).unwrap();
         let a0 = q.take("m", pos).unwrap();
         q.charge(&a0, EST);
         // Refused by its worker: back at its place, and its charge is refunded.
@@ -864,7 +798,7 @@ mod tests {
         );
         q.put_back(a0);
         assert_eq!(q.counter("m", "a"), 0.0);
-        assert_eq!(drain(&mut q, "m", |_| 1.0), ["a0", "a1", "a2"]);
+        assert_eq!(drain(&mut q, "m", |_| false), ["a0", "a1", "a2"]);
     }
 
     #[test]
@@ -893,7 +827,7 @@ mod tests {
                 .unwrap();
         }
         assert_eq!(
-            drain(&mut q, "m", |_| 1.0),
+            drain(&mut q, "m", |_| false),
             ["int0", "int1", "bat0", "int2", "int3", "bat1", "int4", "int5", "bat2"]
         );
     }
@@ -921,7 +855,7 @@ mod tests {
         assert_eq!(s.flows[0].waiting, 2);
         assert_eq!(s.validate(), Ok(()));
         // Emptied, the model is still known and reads as an empty queue.
-        drain(&mut q, "m", |_| 1.0);
+        drain(&mut q, "m", |_| false);
         let empty = q.snapshot("m", 3_000);
         assert_eq!((empty.waiting, empty.oldest_enqueued_ms), (0, None));
         assert_eq!(q.known_models().collect::<Vec<_>>(), ["m"]);
@@ -944,7 +878,7 @@ mod tests {
         assert_eq!(q.total(), 1);
         let vtc = q.fairness("m").unwrap();
         assert!(!vtc.is_waiting("a") && !vtc.is_waiting("b") && vtc.is_waiting("c"));
-        assert_eq!(drain(&mut q, "m", |_| 1.0), ["c"]);
+        assert_eq!(drain(&mut q, "m", |_| false), ["c"]);
         assert!(q.is_empty());
     }
 }

@@ -435,6 +435,7 @@ mod tests {
             input_weight: -1.0,
             output_weight: f64::NAN,
             aging_dispatches: 0,
+            light_tenant_window_ms: 0,
         };
         let fields: Vec<_> = bad.problems().into_iter().map(|(f, _)| f).collect();
         assert!(fields.contains(&"input_weight"));
