@@ -109,6 +109,15 @@ impl ModelQueue {
             .sum()
     }
 
+    /// The most jobs any one tenant has waiting.
+    fn heaviest_backlog(&self) -> usize {
+        let mut held: BTreeMap<&str, usize> = BTreeMap::new();
+        for f in &self.flows {
+            *held.entry(f.tenant.as_str()).or_default() += f.jobs.len();
+        }
+        held.into_values().max().unwrap_or(0)
+    }
+
     fn tenants(&self) -> HashSet<&str> {
         self.flows.iter().map(|f| f.tenant.as_str()).collect()
     }
@@ -194,8 +203,13 @@ impl Queues {
     }
 
     /// Where the job to try next waits in the model's queue. In each flow the candidate is
-    /// the first job `late` says is not late, or else the flow's head; among the
-    /// candidates, [`Vtc::pick`] chooses. Flows of the tenants in `skip` are passed over
+    /// the first job `late` says is not late, or else the flow's head; but a flow whose
+    /// tenant has fewer jobs waiting than another tenant offers its head, late or not.
+    /// Passing late jobs over is triage for a model short of capacity, and the tenant
+    /// with the longest backlog is the one short of it; a lighter tenant's jobs are served
+    /// in order, or its late job would wait behind every younger job of its own for as
+    /// long as they keep coming (measured in the fairness drill: seconds, until the
+    /// arrivals stopped). Among the candidates, [`Vtc::pick`] chooses. Flows of the tenants in `skip` are passed over
     /// (the engine holds one tenant's jobs back so a lighter tenant gets the room left;
     /// see `Engine::dispatch_model`). Stops at the first job of a flow that is not late,
     /// so long flows of fresh jobs cost one look each, not a scan.
@@ -206,18 +220,23 @@ impl Queues {
         skip: &[String],
     ) -> Option<Pos> {
         let q = self.by_model.get(model).filter(|q| q.len > 0)?;
+        let heaviest = q.heaviest_backlog();
         let found: Vec<(Pos, Candidate<'_>)> = q
             .flows
             .iter()
             .enumerate()
             .filter(|(_, f)| !f.jobs.is_empty() && !skip.contains(&f.tenant))
             .map(|(flow, f)| {
-                let fresh = f.jobs.iter().position(|j| !late(j));
-                let idx = fresh.unwrap_or(0);
+                let (idx, fresh) = if q.held_by(&f.tenant) < heaviest {
+                    (0, !late(&f.jobs[0]))
+                } else {
+                    let fresh = f.jobs.iter().position(|j| !late(j));
+                    (fresh.unwrap_or(0), fresh.is_some())
+                };
                 let candidate = Candidate {
                     tenant: &f.tenant,
                     priority: f.priority,
-                    fresh: fresh.is_some(),
+                    fresh,
                     seq: f.jobs[idx].seq,
                 };
                 (Pos { flow, idx }, candidate)
@@ -644,6 +663,37 @@ mod tests {
         assert!(!q.contains("fresh-c"));
         assert_eq!(q.next_to_try("other", late, &[]), None);
         assert_eq!(drain(&mut q, "m", late), ["fresh-d", "late-a", "late-b"]);
+    }
+
+    #[test]
+    fn a_lighter_tenant_is_served_in_order_while_the_heaviest_passes_late_jobs_over() {
+        let mut q = Queues::new(100);
+        for (i, id) in ["a-late", "a-fresh", "a-fresh2"].iter().enumerate() {
+            q.push(job_for(id, "m", i as u64, Some("a"), None))
+                .ok()
+                .unwrap();
+        }
+        for (i, id) in ["b-late", "b-fresh"].iter().enumerate() {
+            q.push(job_for(id, "m", 10 + i as u64, Some("b"), None))
+                .ok()
+                .unwrap();
+        }
+        let late = |j: &QueuedJob| j.job.id.ends_with("late");
+        // b (2 waiting) is lighter than a (3): its late head goes first, then in order;
+        // a, the heaviest, passes its late job over while it has fresh ones.
+        let only = |q: &Queues, tenant: &str| {
+            let other = if tenant == "a" { "b" } else { "a" };
+            let pos = q.next_to_try("m", late, &[other.to_string()]).unwrap();
+            q.get("m", pos).unwrap().job.id.clone()
+        };
+        assert_eq!(only(&q, "b"), "b-late");
+        assert_eq!(only(&q, "a"), "a-fresh");
+        // Alone (one tenant), the late-job triage applies as before.
+        let mut q = Queues::new(100);
+        for (i, id) in ["late", "fresh"].iter().enumerate() {
+            q.push(job(id, "m", i as u64)).ok().unwrap();
+        }
+        assert_eq!(drain(&mut q, "m", late), ["fresh", "late"]);
     }
 
     #[test]
