@@ -175,11 +175,10 @@ impl Class {
 
     pub fn sink(self) -> Sink {
         match self {
-            Class::Truncated | Class::CrLfInId | Class::NotUtf8 | Class::NotAnObject => {
+            Class::Truncated | Class::CrLfInId | Class::NotAnObject | Class::DeepNesting => {
                 Sink::DeadLetter
             }
-            Class::DeepNesting => Sink::DeadLetter,
-            Class::WrongType | Class::Unicode => Sink::DecisionOrDeadLetter,
+            Class::WrongType | Class::Unicode | Class::NotUtf8 => Sink::DecisionOrDeadLetter,
             Class::OverServerLimit => Sink::ServerRefusal,
             Class::HugeNumber
             | Class::NegativeNumber
@@ -438,7 +437,7 @@ pub fn message(seed: u64, index: u64, class: Class, ctx: &Context) -> Hostile {
             let at = rng.random_range(0..body.len());
             body[at] = [0xff, 0xc0, 0x80, 0xfe][rng.random_range(0..4)];
             // Some bytes land in the id; most leave it readable. Either way: rejected.
-            submit(body, None)
+            submit(body, Some(&id))
         }
         Class::NotAnObject => {
             let bodies: [&[u8]; 7] = [b"", b"null", b"[1,2,3]", b"42", b"\"job\"", b" ", b"{}"];
@@ -470,6 +469,7 @@ pub fn message(seed: u64, index: u64, class: Class, ctx: &Context) -> Hostile {
         }
         Class::ExpiredDeadline => {
             job["model"] = json!(ctx.model);
+            job["request"]["model"] = json!(ctx.model);
             job["deadline_ms"] = json!([0, 1, ctx.now_ms.saturating_sub(3_600_000)][rng.random_range(0..3)]);
             submit(enc(&job), Some(&id))
         }
@@ -589,10 +589,13 @@ pub fn message(seed: u64, index: u64, class: Class, ctx: &Context) -> Hostile {
             }
         }
         Class::HeartbeatMalformed | Class::HeartbeatForeignKey | Class::HeartbeatBadFields => {
-            let key = format!("{}-w{}", ctx.prefix, rng.random_range(0..50u32));
+            // One key per message: a later put to the same key would replace an earlier
+            // one before the dispatcher's watch reads it, and the count would not add up.
+            let key = format!("{}-w{index}", ctx.prefix);
             let mut status = json!({
                 "v": PROTOCOL_VERSION, "worker_id": key, "model": unknown, "healthy": true,
                 "draining": false, "max_concurrency": u32::MAX, "active": 0, "queued": 0,
+                "seq": 1, "sent_ms": ctx.now_ms,
             });
             let body = match class {
                 Class::HeartbeatMalformed => match rng.random_range(0..3) {
@@ -821,7 +824,18 @@ pub async fn flood(
     let js = async_nats::jetstream::new(client.clone());
     let mut decisions = client.subscribe(names::SUBJECT_DECISIONS_ALL).await?;
     let mut letters = client.subscribe(names::SUBJECT_DEAD_LETTER).await?;
+    let mut finals = client.subscribe(names::SUBJECT_RESULTS_FINAL_ALL).await?;
     client.flush().await?;
+    let finished = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
+    let f = finished.clone();
+    let final_prefix = format!("results.{}-", ctx.prefix);
+    let collect_finals = tokio::spawn(async move {
+        while let Some(m) = finals.next().await {
+            if let Some(rest) = m.subject.as_str().strip_prefix(&final_prefix) {
+                f.lock().unwrap().insert(rest.trim_end_matches(".final").to_string());
+            }
+        }
+    });
     let seen_decisions = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(String, String)>::new()));
     let letters_seen = std::sync::Arc::new(std::sync::Mutex::new((0usize, 0usize)));
     let prefix = format!("decisions.{}-", ctx.prefix);
@@ -861,8 +875,28 @@ pub async fn flood(
     let mut acks = FuturesUnordered::new();
     let start = Instant::now();
     let per = Duration::from_secs_f64(1.0 / rate.max(1.0));
-    for (i, class) in schedule(seed, total).into_iter().enumerate() {
+    let order = schedule(seed, total);
+    let dups_from = order
+        .iter()
+        .position(|c| *c == Class::DuplicateId)
+        .unwrap_or(order.len());
+    for (i, class) in order.into_iter().enumerate() {
         let index = i as u64;
+        if i == dups_from {
+            // The duplicates go once the jobs they repeat have finished (or after
+            // `settle`): a finished job's id must not run again.
+            let deadline = Instant::now() + settle;
+            while Instant::now() < deadline {
+                let all_done = {
+                    let done = finished.lock().unwrap();
+                    valid_sent.iter().all(|i| done.contains(&i.to_string()))
+                };
+                if all_done {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
         let m = if class == Class::DuplicateId {
             // The same job id again under a new msg id: it must not run a second time.
             let of = valid_sent
@@ -942,6 +976,7 @@ pub async fn flood(
     tokio::time::sleep(Duration::from_secs(2)).await;
     collect_decisions.abort();
     collect_letters.abort();
+    collect_finals.abort();
     let mut decided: HashMap<String, Vec<String>> = HashMap::new();
     for (id, what) in seen_decisions.lock().unwrap().iter() {
         decided.entry(id.clone()).or_default().push(what.clone());
