@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::kv;
 use bytes::Bytes;
 use metronome_protocol::names::LEADER_KEY;
-use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 /// The epoch of a term whose lease was created at `revision`, given the highest epoch any
@@ -33,12 +32,28 @@ pub fn term_epoch(revision: u64, workers_max: u64) -> u64 {
     }
 }
 
-/// Value of the lease key, for operators reading the bucket.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct LeaseValue {
-    pub dispatcher_id: String,
-    pub acquired_ms: u64,
-    pub renewed_ms: u64,
+pub use metronome_protocol::LeaseValue;
+
+/// The term's epoch as the lease records it ([`LeaseValue::epoch`]): set once the term
+/// knows it (after reading the workers' highest epochs), written by the renewer at once,
+/// so agents can check an epoch they have not seen before against the lease
+/// (`metronome_protocol::lease`).
+#[derive(Debug, Default)]
+pub struct EpochRecord {
+    epoch: AtomicU64,
+    changed: tokio::sync::Notify,
+}
+
+impl EpochRecord {
+    /// Record `epoch` in the lease (renewed at once).
+    pub fn set(&self, epoch: u64) {
+        self.epoch.store(epoch, Ordering::SeqCst);
+        self.changed.notify_one();
+    }
+
+    fn get(&self) -> Option<u64> {
+        Some(self.epoch.load(Ordering::SeqCst)).filter(|e| *e > 0)
+    }
 }
 
 /// Timing of the lease.
@@ -85,6 +100,8 @@ pub struct Leadership {
     pub epoch: u64,
     pub fence: Arc<Fence>,
     pub lost: CancellationToken,
+    /// What the lease says the term's epoch is.
+    pub record: Arc<EpochRecord>,
     renewer: tokio::task::JoinHandle<Option<u64>>,
 }
 
@@ -111,12 +128,13 @@ pub async fn acquire(
     let mut logged_standby = false;
     loop {
         let now = metronome_protocol::time::unix_ms();
-        let value = lease_bytes(dispatcher_id, now, now);
+        let value = lease_bytes(dispatcher_id, now, now, None);
         match kv.create(LEADER_KEY, value).await {
             Ok(revision) => {
                 let fence = Fence::new(timing.fence_after);
                 fence.mark_renewed();
                 let lost = CancellationToken::new();
+                let record = Arc::new(EpochRecord::default());
                 let renewer = tokio::spawn(renew_loop(
                     kv.clone(),
                     dispatcher_id.to_string(),
@@ -126,12 +144,14 @@ pub async fn acquire(
                     fence.clone(),
                     lost.clone(),
                     shutdown.clone(),
+                    record.clone(),
                 ));
                 tracing::info!(epoch = revision, dispatcher_id, "acquired the leader lease");
                 return Some(Leadership {
                     epoch: revision,
                     fence,
                     lost,
+                    record,
                     renewer,
                 });
             }
@@ -162,6 +182,7 @@ async fn renew_loop(
     fence: Arc<Fence>,
     lost: CancellationToken,
     shutdown: CancellationToken,
+    record: Arc<EpochRecord>,
 ) -> Option<u64> {
     let mut interval = tokio::time::interval(timing.renew);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -171,6 +192,9 @@ async fn renew_loop(
             _ = lost.cancelled() => return Some(revision),
             _ = shutdown.cancelled() => return Some(revision),
             _ = interval.tick() => {}
+            // The term's epoch became known: record it in the lease now, not a renewal
+            // interval later (until then agents bound new epochs by the revision).
+            _ = record.changed.notified() => {}
         }
         if !fence.is_fresh() {
             tracing::error!(
@@ -184,6 +208,7 @@ async fn renew_loop(
             &dispatcher_id,
             acquired_ms,
             metronome_protocol::time::unix_ms(),
+            record.get(),
         );
         let attempt =
             tokio::time::timeout(timing.renew, kv.update(LEADER_KEY, value, revision)).await;
@@ -208,12 +233,13 @@ async fn renew_loop(
     }
 }
 
-fn lease_bytes(dispatcher_id: &str, acquired_ms: u64, renewed_ms: u64) -> Bytes {
+fn lease_bytes(dispatcher_id: &str, acquired_ms: u64, renewed_ms: u64, epoch: Option<u64>) -> Bytes {
     Bytes::from(
         serde_json::to_vec(&LeaseValue {
             dispatcher_id: dispatcher_id.to_string(),
             acquired_ms,
             renewed_ms,
+            epoch,
         })
         .unwrap_or_default(),
     )

@@ -212,6 +212,11 @@ pub fn rules(role: Role) -> RoleRules {
                 js(&format!(
                     "DIRECT.GET.KV_{BUCKET_WORKERS}.$KV.{BUCKET_WORKERS}.{{worker_id}}"
                 )),
+                // It checks an assignment's new, higher epoch against the leader lease
+                // (`lease::lease_vouches_for`); the lease is no secret.
+                js(&format!(
+                    "DIRECT.GET.KV_{BUCKET_LEADER}.$KV.{BUCKET_LEADER}.{LEADER_KEY}"
+                )),
                 "workers.{worker_id}.heartbeat".into(),
                 "events.done.{worker_id}".into(),
                 "results.*.chunk".into(),
