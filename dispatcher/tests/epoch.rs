@@ -37,6 +37,23 @@ async fn a_new_leader_starts_above_the_epoch_workers_have_seen() {
         "the assignment carries the same epoch"
     );
     assert_eq!(running.metrics.epoch.load(Relaxed), epoch);
+    // The lease records the lifted epoch, so agents believe it (`protocol::lease`).
+    let lease = env
+        .js
+        .get_key_value(metronome_protocol::names::BUCKET_LEADER)
+        .await
+        .unwrap();
+    let recorded = metronome_testkit::wait_for("the lease to record the epoch", WAIT, || async {
+        let v = lease
+            .get(metronome_protocol::names::LEADER_KEY)
+            .await
+            .ok()??;
+        serde_json::from_slice::<metronome_protocol::LeaseValue>(&v)
+            .ok()?
+            .epoch
+    })
+    .await;
+    assert_eq!(recorded, epoch);
     token.cancel();
 }
 

@@ -385,7 +385,7 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
     };
     if let Err(e) = assignment.job.validate(&JobLimits::default()) {
         // The job id is known: tell its client rather than leave it waiting.
-        tracing::warn!(job_id = %assignment.job.id, error = %e, "assignment carries an invalid job; terminated");
+        tracing::warn!(job_id = %assignment.job.id, error = ?e.to_string(), "assignment carries an invalid job; terminated");
         shared.metrics.malformed_assignments.inc();
         if metronome_protocol::names::is_subject_token(&assignment.job.id) {
             finish_without_running(

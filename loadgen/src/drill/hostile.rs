@@ -892,6 +892,9 @@ pub async fn flood(
                     valid_sent.iter().all(|i| done.contains(&i.to_string()))
                 };
                 if all_done {
+                    // The leader releases a job on its completion event, which trails the
+                    // final result by moments.
+                    tokio::time::sleep(Duration::from_secs(2)).await;
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;

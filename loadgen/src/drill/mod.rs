@@ -856,6 +856,13 @@ async fn hostile_flood(
             stale - want_stale as f64
         ));
     }
+    let unvouched = delta("metronome_worker_unvouched_epoch_refusals_total", true);
+    let want_unvouched = stored(Class::WorkFutureEpoch);
+    if unvouched < want_unvouched as f64 {
+        fail(format!(
+            "work: {unvouched} assignments refused for an epoch the lease does not vouch for, {want_unvouched} sent"
+        ));
+    }
     notes.push(format!(
         "flood: {} messages (seed {}) in {:.1} s; JOBS backlog {} after it; leader {} epoch {} before and {} epoch {} after",
         a.sent.values().sum::<usize>(),
@@ -868,7 +875,7 @@ async fn hostile_flood(
         after.epoch
     ));
     notes.push(format!(
-        "rejections seen: {} dead letters from the dispatcher, {} from agents; dispatchers: malformed_jobs +{}, ignored_worker_messages +{ignored}; agents: malformed_assignments +{malformed_work}, stale_epoch_refusals +{stale}, refused jobs +{}",
+        "rejections seen: {} dead letters from the dispatcher, {} from agents; dispatchers: malformed_jobs +{}, ignored_worker_messages +{ignored}; agents: malformed_assignments +{malformed_work}, stale_epoch_refusals +{stale}, unvouched_epoch_refusals +{unvouched}, refused jobs +{}",
         a.dead_letters_dispatcher,
         a.dead_letters_agents,
         delta("metronome_dispatcher_malformed_jobs_total", false),
