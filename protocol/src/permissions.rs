@@ -420,7 +420,14 @@ mod tests {
             .contains(&"$JS.API.CONSUMER.CREATE.WORK.worker-n1-gpu0.work.n1-gpu0".to_string()));
         assert!(!publish
             .iter()
-            .any(|s| s.starts_with("decisions") || s.starts_with("work.") || s.contains("leader")));
+            .any(|s| s.starts_with("decisions") || s.starts_with("work.") || s.contains("$KV.leader.>")));
+        // Of the lease, it may only read the one key (to check a new epoch).
+        let leader: Vec<&String> = publish.iter().filter(|s| s.contains("leader")).collect();
+        assert_eq!(
+            leader,
+            ["$JS.API.DIRECT.GET.KV_leader.$KV.leader.dispatcher"],
+            "{leader:?}"
+        );
         let acl = redis_acl(&[id], "m");
         assert!(
             acl.contains("~m:ewma:n1-gpu0 ~m:perf:n1-gpu0 ~m:outlen:llama-3.1-8b "),
