@@ -685,7 +685,13 @@ struct Watch {
 async fn watch(system: &System, gpus: usize) -> anyhow::Result<Watch> {
     let dispatchers = scrape_all(&system.dispatcher_metrics).await;
     let agents = scrape_all(&agent_metrics_urls(system, gpus)).await;
-    let pids = system.pids();
+    // Only processes running now: an earlier drill's restart can leave a pid file naming a
+    // process that has gone (a server that forked), which the flood did not stop.
+    let pids: Vec<(String, u32)> = system
+        .pids()
+        .into_iter()
+        .filter(|(_, p)| alive(*p))
+        .collect();
     let rss_kib = pids
         .iter()
         .filter(|(n, _)| {
