@@ -373,7 +373,11 @@ impl Engine {
             );
             return;
         }
-        if let Some(deadline) = inc.job.deadline_ms.filter(|d| *d <= now && inc.attempt <= 1) {
+        if let Some(deadline) = inc
+            .job
+            .deadline_ms
+            .filter(|d| *d <= now && inc.attempt <= 1)
+        {
             // Its start deadline passed before it arrived (a client's clock, a job held
             // back, or a hostile one): starting it now would break the contract the
             // deadline states, so it is answered like one that expired in the queue. A

@@ -233,7 +233,12 @@ async fn renew_loop(
     }
 }
 
-fn lease_bytes(dispatcher_id: &str, acquired_ms: u64, renewed_ms: u64, epoch: Option<u64>) -> Bytes {
+fn lease_bytes(
+    dispatcher_id: &str,
+    acquired_ms: u64,
+    renewed_ms: u64,
+    epoch: Option<u64>,
+) -> Bytes {
     Bytes::from(
         serde_json::to_vec(&LeaseValue {
             dispatcher_id: dispatcher_id.to_string(),

@@ -237,7 +237,9 @@ async fn a_job_past_its_start_deadline_on_arrival_is_expired_not_run() {
         assert_eq!(d.outcome, Outcome::Expired, "{id}: {d:?}");
         assert_eq!(d.reason_code.as_deref(), Some("deadline_exceeded"), "{id}");
         assert!(
-            d.reason.as_deref().is_some_and(|r| r.contains("had passed")),
+            d.reason
+                .as_deref()
+                .is_some_and(|r| r.contains("had passed")),
             "{:?}",
             d.reason
         );

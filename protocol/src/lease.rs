@@ -56,8 +56,14 @@ mod tests {
     #[test]
     fn a_recorded_epoch_bounds_every_genuine_one() {
         assert!(lease_vouches_for(40, 57, &value(Some(40))));
-        assert!(lease_vouches_for(12, 57, &value(Some(40))), "an earlier term's");
-        assert!(!lease_vouches_for(41, 57, &value(Some(40))), "below the revision but above the term's");
+        assert!(
+            lease_vouches_for(12, 57, &value(Some(40))),
+            "an earlier term's"
+        );
+        assert!(
+            !lease_vouches_for(41, 57, &value(Some(40))),
+            "below the revision but above the term's"
+        );
         assert!(!lease_vouches_for(u64::MAX, 57, &value(Some(40))));
         // Lifted above the revision (a rebuilt bucket): recorded, so believed.
         assert!(lease_vouches_for(600, 3, &value(Some(600))));

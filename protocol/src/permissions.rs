@@ -418,9 +418,9 @@ mod tests {
         assert!(publish.contains(&"$KV.workers.n1-gpu0".to_string()));
         assert!(publish
             .contains(&"$JS.API.CONSUMER.CREATE.WORK.worker-n1-gpu0.work.n1-gpu0".to_string()));
-        assert!(!publish
-            .iter()
-            .any(|s| s.starts_with("decisions") || s.starts_with("work.") || s.contains("$KV.leader.>")));
+        assert!(!publish.iter().any(|s| s.starts_with("decisions")
+            || s.starts_with("work.")
+            || s.contains("$KV.leader.>")));
         // Of the lease, it may only read the one key (to check a new epoch).
         let leader: Vec<&String> = publish.iter().filter(|s| s.contains("leader")).collect();
         assert_eq!(

@@ -281,7 +281,10 @@ async fn an_epoch_the_lease_does_not_vouch_for_is_refused_and_the_leader_keeps_i
         assigned_ms: 0,
     };
     env.js
-        .publish(work_subject(worker), serde_json::to_vec(&poison).unwrap().into())
+        .publish(
+            work_subject(worker),
+            serde_json::to_vec(&poison).unwrap().into(),
+        )
         .await
         .unwrap()
         .await
@@ -294,7 +297,9 @@ async fn an_epoch_the_lease_does_not_vouch_for_is_refused_and_the_leader_keeps_i
     .await;
     assert_eq!(ev.outcome, CompletionOutcome::Refused);
     assert!(
-        ev.error.as_deref().is_some_and(|e| e.contains("not assigned by the leader")),
+        ev.error
+            .as_deref()
+            .is_some_and(|e| e.contains("not assigned by the leader")),
         "{:?}",
         ev.error
     );
@@ -309,7 +314,11 @@ async fn an_epoch_the_lease_does_not_vouch_for_is_refused_and_the_leader_keeps_i
     })
     .await;
     assert_eq!(ev.outcome, CompletionOutcome::Done, "{:?}", ev.error);
-    assert_eq!(env.stub.stats.requests.load(Ordering::SeqCst), 1, "the poison never ran");
+    assert_eq!(
+        env.stub.stats.requests.load(Ordering::SeqCst),
+        1,
+        "the poison never ran"
+    );
     let m = Env::agent_metrics(&agent).await;
     assert_eq!(
         metric_value(&m, "metronome_worker_unvouched_epoch_refusals_total"),

@@ -377,8 +377,13 @@ pub fn message(seed: u64, index: u64, class: Class, ctx: &Context) -> Hostile {
                 job["prompt_tokens"] = json!(u32::MAX);
                 return submit(enc(&job), Some(&id));
             }
-            let f = ["prompt_tokens", "max_tokens", "v", "submitted_ms", "deadline_ms"]
-                [rng.random_range(0..5)];
+            let f = [
+                "prompt_tokens",
+                "max_tokens",
+                "v",
+                "submitted_ms",
+                "deadline_ms",
+            ][rng.random_range(0..5)];
             // u32 and u64 overflow, floats, 1e300: each must be refused, not wrapped.
             let huge = [
                 "4294967296",
@@ -388,11 +393,19 @@ pub fn message(seed: u64, index: u64, class: Class, ctx: &Context) -> Hostile {
             ][rng.random_range(0..4)];
             job[f] = json!("__HUGE__");
             let text = String::from_utf8(enc(&job)).expect("utf8");
-            submit(text.replacen("\"__HUGE__\"", huge, 1).into_bytes(), Some(&id))
+            submit(
+                text.replacen("\"__HUGE__\"", huge, 1).into_bytes(),
+                Some(&id),
+            )
         }
         Class::NegativeNumber => {
-            let f = ["prompt_tokens", "max_tokens", "v", "submitted_ms", "deadline_ms"]
-                [rng.random_range(0..5)];
+            let f = [
+                "prompt_tokens",
+                "max_tokens",
+                "v",
+                "submitted_ms",
+                "deadline_ms",
+            ][rng.random_range(0..5)];
             job[f] = json!(-(rng.random_range(1..i64::MAX)));
             submit(enc(&job), Some(&id))
         }
@@ -445,11 +458,7 @@ pub fn message(seed: u64, index: u64, class: Class, ctx: &Context) -> Hostile {
         }
         Class::DeepNesting => {
             let depth = rng.random_range(200..20_000);
-            let text = format!(
-                "{{\"id\":{}{}}}",
-                "[".repeat(depth),
-                "]".repeat(depth)
-            );
+            let text = format!("{{\"id\":{}{}}}", "[".repeat(depth), "]".repeat(depth));
             submit(text.into_bytes(), None)
         }
         Class::OverJobLimit | Class::OverServerLimit => {
@@ -470,7 +479,8 @@ pub fn message(seed: u64, index: u64, class: Class, ctx: &Context) -> Hostile {
         Class::ExpiredDeadline => {
             job["model"] = json!(ctx.model);
             job["request"]["model"] = json!(ctx.model);
-            job["deadline_ms"] = json!([0, 1, ctx.now_ms.saturating_sub(3_600_000)][rng.random_range(0..3)]);
+            job["deadline_ms"] =
+                json!([0, 1, ctx.now_ms.saturating_sub(3_600_000)][rng.random_range(0..3)]);
             submit(enc(&job), Some(&id))
         }
         Class::UnknownModel => submit(enc(&job), Some(&id)),
@@ -672,10 +682,7 @@ pub fn message(seed: u64, index: u64, class: Class, ctx: &Context) -> Hostile {
             Hostile {
                 class,
                 subject: work_subject(&worker),
-                headers: Some(headers(&[(
-                    HEADER_MSG_ID,
-                    names::work_msg_id(&work_id, 1),
-                )])),
+                headers: Some(headers(&[(HEADER_MSG_ID, names::work_msg_id(&work_id, 1))])),
                 payload: body.into(),
                 jetstream: true,
                 job_id: None,
@@ -837,7 +844,9 @@ pub async fn flood(
     let collect_finals = tokio::spawn(async move {
         while let Some(m) = finals.next().await {
             if let Some(rest) = m.subject.as_str().strip_prefix(&final_prefix) {
-                f.lock().unwrap().insert(rest.trim_end_matches(".final").to_string());
+                f.lock()
+                    .unwrap()
+                    .insert(rest.trim_end_matches(".final").to_string());
             }
         }
     });

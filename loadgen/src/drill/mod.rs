@@ -748,7 +748,9 @@ async fn hostile_flood(
         .extend(a.served_ids.iter().cloned());
     // The JOBS backlog the flood left is worked off before the checks.
     let deadline = Instant::now() + plan.settle;
-    let mut jobs = js.get_stream(metronome_protocol::names::STREAM_JOBS).await?;
+    let mut jobs = js
+        .get_stream(metronome_protocol::names::STREAM_JOBS)
+        .await?;
     let mut backlog = u64::MAX;
     while Instant::now() < deadline {
         backlog = jobs.info().await?.state.messages;
@@ -760,7 +762,10 @@ async fn hostile_flood(
     let after = watch(system, plan.gpus).await?;
     let fail = |s: String| target.failures.lock().unwrap().push(s);
     if backlog > 50 {
-        fail(format!("JOBS still held {backlog} messages {} s after the flood", plan.settle.as_secs()));
+        fail(format!(
+            "JOBS still held {backlog} messages {} s after the flood",
+            plan.settle.as_secs()
+        ));
     }
     if after.leader != before.leader || after.epoch != before.epoch {
         fail(format!(
@@ -771,7 +776,9 @@ async fn hostile_flood(
     for (name, pid) in &before.pids {
         let now = after.pids.iter().find(|(n, _)| n == name).map(|(_, p)| *p);
         if now != Some(*pid) || !alive(*pid) {
-            fail(format!("{name} (pid {pid}) exited or restarted during the flood"));
+            fail(format!(
+                "{name} (pid {pid}) exited or restarted during the flood"
+            ));
         }
     }
     let delta = |name: &str, on_agents: bool| {
@@ -783,14 +790,18 @@ async fn hostile_flood(
         metric_sum(a, name) - metric_sum(b, name)
     };
     let stored = |class: Class| {
-        a.sent.get(&class).copied().unwrap_or(0) - a.server_refused.get(&class).copied().unwrap_or(0)
+        a.sent.get(&class).copied().unwrap_or(0)
+            - a.server_refused.get(&class).copied().unwrap_or(0)
     };
     let stored_of = |classes: &[Class]| classes.iter().map(|c| stored(*c)).sum::<usize>();
     // jobs.submit: every stored hostile job is decided (those with a readable id) or
     // dead-lettered; no class may go unanswered.
     for (class, n) in &a.undecided {
         if class.sink() == Sink::Decision || class.sink() == Sink::Served {
-            fail(format!("{}: {n} jobs with a readable id got no decision", class.name()));
+            fail(format!(
+                "{}: {n} jobs with a readable id got no decision",
+                class.name()
+            ));
         }
     }
     // Every stored hostile job is answered exactly once: a decision for those whose id
@@ -801,7 +812,11 @@ async fn hostile_flood(
             Sink::Decision | Sink::DeadLetter | Sink::DecisionOrDeadLetter
         ) && *c != Class::DuplicateId
     };
-    let stored_total: usize = Class::ALL.iter().filter(|c| answerable(c)).map(|c| stored(*c)).sum();
+    let stored_total: usize = Class::ALL
+        .iter()
+        .filter(|c| answerable(c))
+        .map(|c| stored(*c))
+        .sum();
     let decided: usize = Class::ALL
         .iter()
         .filter(|c| answerable(c) && c.sink() != Sink::DeadLetter)
@@ -827,9 +842,15 @@ async fn hostile_flood(
             "{expired_assigned} jobs whose start deadline had passed before they were submitted were assigned"
         ));
     }
-    let refused = a.server_refused.get(&Class::OverServerLimit).copied().unwrap_or(0);
+    let refused = a
+        .server_refused
+        .get(&Class::OverServerLimit)
+        .copied()
+        .unwrap_or(0);
     if refused != a.sent.get(&Class::OverServerLimit).copied().unwrap_or(0) {
-        fail(format!("{refused} of the jobs above the server's payload limit were refused"));
+        fail(format!(
+            "{refused} of the jobs above the server's payload limit were refused"
+        ));
     }
     let ignored = delta("metronome_dispatcher_ignored_worker_messages_total", false);
     let want_ignored = stored_of(&[
@@ -854,7 +875,9 @@ async fn hostile_flood(
     let stale = delta("metronome_worker_stale_epoch_refusals_total", true);
     let want_stale = stored(Class::WorkStaleEpoch);
     if stale < want_stale as f64 {
-        fail(format!("work: {stale} stale-epoch refusals, {want_stale} stale assignments sent"));
+        fail(format!(
+            "work: {stale} stale-epoch refusals, {want_stale} stale assignments sent"
+        ));
     }
     if stale > want_stale as f64 {
         fail(format!(
