@@ -967,11 +967,17 @@ pub async fn flood(
         }
     }
     account.elapsed = start.elapsed();
-    // Jobs refused by the server at publish time have no decision to wait for.
-    let expected: usize = ids
-        .values()
-        .filter(|c| !matches!(c, Class::OverServerLimit))
-        .count();
+    // Wait until every hostile job is answered: a decision for each whose id is surely
+    // readable, and decisions plus dead letters for the rest (jobs refused by the server
+    // at publish time have nothing to wait for).
+    let must = |c: &Class| matches!(c.sink(), Sink::Decision | Sink::Served);
+    let either = |c: &Class| matches!(c.sink(), Sink::DeadLetter | Sink::DecisionOrDeadLetter);
+    let expected = ids.values().filter(|c| must(c)).count();
+    let stored = |c: &Class| {
+        account.sent.get(c).copied().unwrap_or(0)
+            - account.server_refused.get(c).copied().unwrap_or(0)
+    };
+    let either_stored: usize = Class::ALL.iter().filter(|c| either(c)).map(stored).sum();
     let deadline = Instant::now() + settle;
     loop {
         let got: std::collections::HashSet<String> = seen_decisions
@@ -982,15 +988,20 @@ pub async fn flood(
             .collect();
         let have = ids
             .iter()
-            .filter(|(id, c)| !matches!(c, Class::OverServerLimit) && got.contains(*id))
+            .filter(|(id, c)| must(c) && got.contains(*id))
             .count();
-        if have >= expected || Instant::now() > deadline {
+        let answered = ids
+            .iter()
+            .filter(|(id, c)| either(c) && got.contains(*id))
+            .count()
+            + letters_seen.lock().unwrap().0;
+        if (have >= expected && answered >= either_stored) || Instant::now() > deadline {
             break;
         }
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // Dead letters trail the decisions by moments.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Agents' dead letters trail their WORK messages by moments.
+    tokio::time::sleep(Duration::from_millis(500)).await;
     collect_decisions.abort();
     collect_letters.abort();
     collect_finals.abort();

@@ -759,6 +759,63 @@ async fn hostile_flood(
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+    // The agents work off their WORK messages and the dispatchers their events and
+    // heartbeats at their own pace: wait (up to the settle time) until each counter has
+    // seen what was sent, so a shortfall below is one for good.
+    let sent_stored = |classes: &[Class]| -> f64 {
+        classes
+            .iter()
+            .map(|c| {
+                a.sent.get(c).copied().unwrap_or(0) - a.server_refused.get(c).copied().unwrap_or(0)
+            })
+            .sum::<usize>() as f64
+    };
+    let wants = [
+        (
+            "metronome_worker_malformed_assignments_total",
+            true,
+            sent_stored(&[Class::WorkMalformed, Class::WorkInvalidJob]),
+        ),
+        (
+            "metronome_worker_stale_epoch_refusals_total",
+            true,
+            sent_stored(&[Class::WorkStaleEpoch]),
+        ),
+        (
+            "metronome_worker_unvouched_epoch_refusals_total",
+            true,
+            sent_stored(&[Class::WorkFutureEpoch]),
+        ),
+        (
+            "metronome_dispatcher_ignored_worker_messages_total",
+            false,
+            sent_stored(&[
+                Class::EventMalformed,
+                Class::EventForged,
+                Class::HeartbeatMalformed,
+                Class::HeartbeatForeignKey,
+                Class::HeartbeatBadFields,
+            ]),
+        ),
+    ];
+    let deadline = Instant::now() + plan.settle;
+    let agent_urls = agent_metrics_urls(system, plan.gpus);
+    while Instant::now() < deadline {
+        let agents = scrape_all(&agent_urls).await;
+        let dispatchers = scrape_all(&system.dispatcher_metrics).await;
+        let done = wants.iter().all(|(name, on_agents, want)| {
+            let (b, now) = if *on_agents {
+                (&before.agents, &agents)
+            } else {
+                (&before.dispatchers, &dispatchers)
+            };
+            metric_sum(now, name) - metric_sum(b, name) >= *want
+        });
+        if done {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let after = watch(system, plan.gpus).await?;
     let fail = |s: String| target.failures.lock().unwrap().push(s);
     if backlog > 50 {
