@@ -218,9 +218,28 @@ async fn renew_loop(
                 fence.mark_renewed();
             }
             Ok(Err(error)) if error.kind() == kv::UpdateErrorKind::WrongLastRevision => {
-                tracing::error!(%error, "the lease changed hands: stepping down");
-                lost.cancel();
-                return None;
+                // An earlier renewal whose answer timed out may have been stored: then the
+                // key holds this term's own value at a later revision, and the lease is
+                // still ours (found by the hostile drill: under load the leader deposed
+                // itself). Only this term writes its value (its id and acquisition time).
+                match kv.entry(LEADER_KEY).await {
+                    Ok(Some(entry))
+                        if entry.operation == kv::Operation::Put
+                            && is_this_term(&entry.value, &dispatcher_id, acquired_ms) =>
+                    {
+                        tracing::warn!(
+                            revision = entry.revision,
+                            "an earlier renewal was stored after its answer timed out: still leading"
+                        );
+                        revision = entry.revision;
+                        continue;
+                    }
+                    _ => {
+                        tracing::error!(%error, "the lease changed hands: stepping down");
+                        lost.cancel();
+                        return None;
+                    }
+                }
             }
             Ok(Err(error)) => tracing::warn!(%error, "lease renewal failed; will retry"),
             Err(_) => tracing::warn!("lease renewal timed out; will retry"),
@@ -231,6 +250,13 @@ async fn renew_loop(
             return None;
         }
     }
+}
+
+/// Whether a lease value was written by the term of `dispatcher_id` that acquired the
+/// lease at `acquired_ms`.
+fn is_this_term(value: &[u8], dispatcher_id: &str, acquired_ms: u64) -> bool {
+    serde_json::from_slice::<LeaseValue>(value)
+        .is_ok_and(|v| v.dispatcher_id == dispatcher_id && v.acquired_ms == acquired_ms)
 }
 
 fn lease_bytes(
@@ -253,6 +279,18 @@ fn lease_bytes(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_this_terms_own_value_counts_as_still_ours() {
+        let v = lease_bytes("a", 10, 99, Some(3));
+        assert!(is_this_term(&v, "a", 10));
+        assert!(
+            !is_this_term(&v, "a", 11),
+            "a later term of the same dispatcher"
+        );
+        assert!(!is_this_term(&v, "b", 10));
+        assert!(!is_this_term(b"garbage", "a", 10));
+    }
 
     #[test]
     fn the_epoch_is_the_revision_unless_workers_have_seen_higher() {
