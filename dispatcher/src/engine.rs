@@ -374,6 +374,31 @@ impl Engine {
             );
             return;
         }
+        if let Some(deadline) = inc
+            .job
+            .deadline_ms
+            .filter(|d| *d <= now && inc.attempt <= 1)
+        {
+            // Its start deadline passed before it arrived (a client's clock, a job held
+            // back, or a hostile one): starting it now would break the contract the
+            // deadline states, so it is answered like one that expired in the queue. A
+            // retry keeps its chance: the leader gave it to a worker in time.
+            let reason = format!(
+                "the job's start deadline had passed {} ms before it reached the dispatcher",
+                now - deadline
+            );
+            self.reject(
+                &inc.job,
+                inc.attempt,
+                Outcome::Expired,
+                "deadline_exceeded",
+                &reason,
+                ErrorCode::DeadlineExceeded,
+                Some(inc.acker),
+                now.saturating_sub(inc.received_ms),
+            );
+            return;
+        }
         let latest = inc.received_ms.saturating_add(self.s.max_deadline_ms);
         let deadline_ms = inc
             .job

@@ -350,7 +350,9 @@ impl RejectContext {
         } else {
             None
         };
-        tracing::warn!(stream_seq = seq, job_id = ?salvaged, code = error.code(), %error, "rejected a malformed job");
+        // `?`: the error echoes the client's bytes (serde quotes unknown variants), and a
+        // CR/LF or NUL written raw would forge or break log lines.
+        tracing::warn!(stream_seq = seq, job_id = ?salvaged, code = error.code(), error = ?error.to_string(), "rejected a malformed job");
         match salvaged {
             Some(job_id) => {
                 let model = serde_json::from_slice::<serde_json::Value>(body)
@@ -487,7 +489,7 @@ pub async fn spawn_completions(
                 },
                 Err(error) => {
                     metrics.ignored_worker_messages_total.fetch_add(1, Relaxed);
-                    tracing::warn!(subject = %message.subject, %error, "malformed completion event ignored")
+                    tracing::warn!(subject = %message.subject, error = ?error.to_string(), "malformed completion event ignored")
                 }
             }
             // Ignored for good: not redelivered.

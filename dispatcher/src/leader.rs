@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::kv;
 use bytes::Bytes;
 use metronome_protocol::names::LEADER_KEY;
-use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 /// The epoch of a term whose lease was created at `revision`, given the highest epoch any
@@ -33,12 +32,28 @@ pub fn term_epoch(revision: u64, workers_max: u64) -> u64 {
     }
 }
 
-/// Value of the lease key, for operators reading the bucket.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct LeaseValue {
-    pub dispatcher_id: String,
-    pub acquired_ms: u64,
-    pub renewed_ms: u64,
+pub use metronome_protocol::LeaseValue;
+
+/// The term's epoch as the lease records it ([`LeaseValue::epoch`]): set once the term
+/// knows it (after reading the workers' highest epochs), written by the renewer at once,
+/// so agents can check an epoch they have not seen before against the lease
+/// (`metronome_protocol::lease`).
+#[derive(Debug, Default)]
+pub struct EpochRecord {
+    epoch: AtomicU64,
+    changed: tokio::sync::Notify,
+}
+
+impl EpochRecord {
+    /// Record `epoch` in the lease (renewed at once).
+    pub fn set(&self, epoch: u64) {
+        self.epoch.store(epoch, Ordering::SeqCst);
+        self.changed.notify_one();
+    }
+
+    fn get(&self) -> Option<u64> {
+        Some(self.epoch.load(Ordering::SeqCst)).filter(|e| *e > 0)
+    }
 }
 
 /// Timing of the lease.
@@ -85,6 +100,8 @@ pub struct Leadership {
     pub epoch: u64,
     pub fence: Arc<Fence>,
     pub lost: CancellationToken,
+    /// What the lease says the term's epoch is.
+    pub record: Arc<EpochRecord>,
     renewer: tokio::task::JoinHandle<Option<u64>>,
 }
 
@@ -111,12 +128,13 @@ pub async fn acquire(
     let mut logged_standby = false;
     loop {
         let now = metronome_protocol::time::unix_ms();
-        let value = lease_bytes(dispatcher_id, now, now);
+        let value = lease_bytes(dispatcher_id, now, now, None);
         match kv.create(LEADER_KEY, value).await {
             Ok(revision) => {
                 let fence = Fence::new(timing.fence_after);
                 fence.mark_renewed();
                 let lost = CancellationToken::new();
+                let record = Arc::new(EpochRecord::default());
                 let renewer = tokio::spawn(renew_loop(
                     kv.clone(),
                     dispatcher_id.to_string(),
@@ -126,12 +144,14 @@ pub async fn acquire(
                     fence.clone(),
                     lost.clone(),
                     shutdown.clone(),
+                    record.clone(),
                 ));
                 tracing::info!(epoch = revision, dispatcher_id, "acquired the leader lease");
                 return Some(Leadership {
                     epoch: revision,
                     fence,
                     lost,
+                    record,
                     renewer,
                 });
             }
@@ -162,6 +182,7 @@ async fn renew_loop(
     fence: Arc<Fence>,
     lost: CancellationToken,
     shutdown: CancellationToken,
+    record: Arc<EpochRecord>,
 ) -> Option<u64> {
     let mut interval = tokio::time::interval(timing.renew);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -171,6 +192,9 @@ async fn renew_loop(
             _ = lost.cancelled() => return Some(revision),
             _ = shutdown.cancelled() => return Some(revision),
             _ = interval.tick() => {}
+            // The term's epoch became known: record it in the lease now, not a renewal
+            // interval later (until then agents bound new epochs by the revision).
+            _ = record.changed.notified() => {}
         }
         if !fence.is_fresh() {
             tracing::error!(
@@ -184,6 +208,7 @@ async fn renew_loop(
             &dispatcher_id,
             acquired_ms,
             metronome_protocol::time::unix_ms(),
+            record.get(),
         );
         let attempt =
             tokio::time::timeout(timing.renew, kv.update(LEADER_KEY, value, revision)).await;
@@ -193,9 +218,28 @@ async fn renew_loop(
                 fence.mark_renewed();
             }
             Ok(Err(error)) if error.kind() == kv::UpdateErrorKind::WrongLastRevision => {
-                tracing::error!(%error, "the lease changed hands: stepping down");
-                lost.cancel();
-                return None;
+                // An earlier renewal whose answer timed out may have been stored: then the
+                // key holds this term's own value at a later revision, and the lease is
+                // still ours (found by the hostile drill: under load the leader deposed
+                // itself). Only this term writes its value (its id and acquisition time).
+                match kv.entry(LEADER_KEY).await {
+                    Ok(Some(entry))
+                        if entry.operation == kv::Operation::Put
+                            && is_this_term(&entry.value, &dispatcher_id, acquired_ms) =>
+                    {
+                        tracing::warn!(
+                            revision = entry.revision,
+                            "an earlier renewal was stored after its answer timed out: still leading"
+                        );
+                        revision = entry.revision;
+                        continue;
+                    }
+                    _ => {
+                        tracing::error!(%error, "the lease changed hands: stepping down");
+                        lost.cancel();
+                        return None;
+                    }
+                }
             }
             Ok(Err(error)) => tracing::warn!(%error, "lease renewal failed; will retry"),
             Err(_) => tracing::warn!("lease renewal timed out; will retry"),
@@ -208,12 +252,25 @@ async fn renew_loop(
     }
 }
 
-fn lease_bytes(dispatcher_id: &str, acquired_ms: u64, renewed_ms: u64) -> Bytes {
+/// Whether a lease value was written by the term of `dispatcher_id` that acquired the
+/// lease at `acquired_ms`.
+fn is_this_term(value: &[u8], dispatcher_id: &str, acquired_ms: u64) -> bool {
+    serde_json::from_slice::<LeaseValue>(value)
+        .is_ok_and(|v| v.dispatcher_id == dispatcher_id && v.acquired_ms == acquired_ms)
+}
+
+fn lease_bytes(
+    dispatcher_id: &str,
+    acquired_ms: u64,
+    renewed_ms: u64,
+    epoch: Option<u64>,
+) -> Bytes {
     Bytes::from(
         serde_json::to_vec(&LeaseValue {
             dispatcher_id: dispatcher_id.to_string(),
             acquired_ms,
             renewed_ms,
+            epoch,
         })
         .unwrap_or_default(),
     )
@@ -222,6 +279,18 @@ fn lease_bytes(dispatcher_id: &str, acquired_ms: u64, renewed_ms: u64) -> Bytes 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_this_terms_own_value_counts_as_still_ours() {
+        let v = lease_bytes("a", 10, 99, Some(3));
+        assert!(is_this_term(&v, "a", 10));
+        assert!(
+            !is_this_term(&v, "a", 11),
+            "a later term of the same dispatcher"
+        );
+        assert!(!is_this_term(&v, "b", 10));
+        assert!(!is_this_term(b"garbage", "a", 10));
+    }
 
     #[test]
     fn the_epoch_is_the_revision_unless_workers_have_seen_higher() {

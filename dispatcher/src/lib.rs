@@ -208,7 +208,14 @@ async fn lead_loop(ctx: Ctx, shutdown: CancellationToken) -> Result<(), Dispatch
                 term.cancel();
             });
         }
-        if let Err(error) = run_term(&ctx, lead.epoch, lead.fence.clone(), term.clone()).await {
+        let term_run = run_term(
+            &ctx,
+            lead.epoch,
+            lead.fence.clone(),
+            &lead.record,
+            term.clone(),
+        );
+        if let Err(error) = term_run.await {
             tracing::error!(%error, epoch = lead.epoch, "leadership term failed; standing by");
         }
         term.cancel();
@@ -234,6 +241,7 @@ async fn run_term(
     ctx: &Ctx,
     epoch: u64,
     fence: Arc<leader::Fence>,
+    record: &leader::EpochRecord,
     term: CancellationToken,
 ) -> Result<(), DispatcherError> {
     let c = &ctx.config;
@@ -277,6 +285,9 @@ async fn run_term(
         );
         ctx.metrics.epoch.store(epoch, Relaxed);
     }
+    // Before any assignment: agents believe an epoch they have not seen only when the
+    // lease vouches for it.
+    record.set(epoch);
     let mut reader = registry::EwmaReader::new(&c.redis_url, &c.redis_tls, &c.redis_prefix)?;
     let redis = registry::refresh_once(&mut reader, &ctx.metrics).await;
     let settings = engine::EngineSettings {

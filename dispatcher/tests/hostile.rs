@@ -210,3 +210,46 @@ async fn a_model_with_cr_lf_is_rejected_and_the_same_leader_keeps_assigning() {
     token.cancel();
     running.join().await.unwrap();
 }
+
+/// A job whose start deadline had already passed when it arrived (the hostile drill sent
+/// deadlines of 0, 1 and an hour ago) used to be assigned and run whenever a worker was
+/// free. It is expired with its reason instead, and the same leader goes on assigning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_past_its_start_deadline_on_arrival_is_expired_not_run() {
+    let env = Env::start().await;
+    let (running, token) = env.dispatcher(env.config("late")).await;
+    env.workers("l", 1, "model-l", 8).await;
+
+    let now = metronome_protocol::time::unix_ms();
+    let mut ids = Vec::new();
+    for (id, deadline) in [("late-zero", 0), ("late-hour", now - 3_600_000)] {
+        let mut j = job_json(id, "model-l", 10, 10);
+        j["deadline_ms"] = json!(deadline);
+        env.submit_raw(id, j).await;
+        ids.push(id.to_string());
+    }
+    env.submit("late-ok", "model-l", 10, 10).await;
+    ids.push("late-ok".into());
+
+    let decisions = env.decisions_for(&ids).await;
+    for id in ["late-zero", "late-hour"] {
+        let d = &decisions[id];
+        assert_eq!(d.outcome, Outcome::Expired, "{id}: {d:?}");
+        assert_eq!(d.reason_code.as_deref(), Some("deadline_exceeded"), "{id}");
+        assert!(
+            d.reason
+                .as_deref()
+                .is_some_and(|r| r.contains("had passed")),
+            "{:?}",
+            d.reason
+        );
+        let fin = metronome_testkit::wait_for("final result", WAIT, || env.final_result(id)).await;
+        assert_eq!(fin.error.expect("error").code, ErrorCode::DeadlineExceeded);
+    }
+    assert_eq!(decisions["late-ok"].outcome, Outcome::Assigned);
+    let work = env.take_work("l-0").await;
+    assert_eq!(work.len(), 1, "only the job in time reaches the worker");
+    assert_eq!(work[0].0.job.id, "late-ok");
+    token.cancel();
+    running.join().await.unwrap();
+}

@@ -13,6 +13,7 @@ pub mod event;
 #[cfg(feature = "nats")]
 pub mod headers;
 pub mod job;
+pub mod lease;
 pub mod names;
 pub mod perf;
 pub mod permissions;
@@ -34,6 +35,7 @@ pub use job::{
     check_model_name, check_tenant, Endpoint, Job, JobError, JobLimits, Priority, ANONYMOUS_TENANT,
     MAX_TENANT_BYTES,
 };
+pub use lease::{lease_vouches_for, LeaseValue};
 pub use perf::{PerfCoefficients, Prediction, Slo, SloRequest};
 pub use queues::{FlowCount, Freshness, QueueSnapshot, QueueSnapshotError};
 pub use result::{ErrorCode, FinalResult, ResultChunk, ResultError, Usage};

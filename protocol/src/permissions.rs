@@ -222,6 +222,11 @@ pub fn rules(role: Role) -> RoleRules {
                 js(&format!(
                     "DIRECT.GET.KV_{BUCKET_WORKERS}.$KV.{BUCKET_WORKERS}.{{worker_id}}"
                 )),
+                // It checks an assignment's new, higher epoch against the leader lease
+                // (`lease::lease_vouches_for`); the lease is no secret.
+                js(&format!(
+                    "DIRECT.GET.KV_{BUCKET_LEADER}.$KV.{BUCKET_LEADER}.{LEADER_KEY}"
+                )),
                 "workers.{worker_id}.heartbeat".into(),
                 "events.done.{worker_id}".into(),
                 "results.*.*.chunk".into(),
@@ -447,9 +452,16 @@ mod tests {
         assert!(publish.contains(&"$KV.workers.n1-gpu0".to_string()));
         assert!(publish
             .contains(&"$JS.API.CONSUMER.CREATE.WORK.worker-n1-gpu0.work.n1-gpu0".to_string()));
-        assert!(!publish
-            .iter()
-            .any(|s| s.starts_with("decisions") || s.starts_with("work.") || s.contains("leader")));
+        assert!(!publish.iter().any(|s| s.starts_with("decisions")
+            || s.starts_with("work.")
+            || s.contains("$KV.leader.>")));
+        // Of the lease, it may only read the one key (to check a new epoch).
+        let leader: Vec<&String> = publish.iter().filter(|s| s.contains("leader")).collect();
+        assert_eq!(
+            leader,
+            ["$JS.API.DIRECT.GET.KV_leader.$KV.leader.dispatcher"],
+            "{leader:?}"
+        );
         let acl = redis_acl(&[id], "m");
         assert!(
             acl.contains("~m:ewma:n1-gpu0 ~m:perf:n1-gpu0 ~m:outlen:llama-3.1-8b "),

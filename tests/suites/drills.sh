@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Fault drills suite: the short drills of `metronome-drill --short` (leader SIGKILL, agent
 # SIGKILL + restart, agent SIGSTOP, Redis down, nats-server restart, both dispatchers
-# SIGKILLed, a model server SIGKILLed, a rolling deploy of every process) on a real system
-# of debug binaries under load, about 2 minutes in all. Fails when any drill lost or
-# duplicated a job, or when a binary or server is missing (with the command that provides
-# it), never skips.
+# SIGKILLed, a model server SIGKILLed, a rolling deploy of every process, and `hostile`: 5,000
+# seeded hostile messages on every subject and bucket the admin identity can write, about
+# 20 s) on a real system of debug binaries under load, about 2.5 minutes in all. Fails when
+# any drill lost or duplicated a job, or when a check failed (hostile: a process exited,
+# the leader changed, a class of message went unanswered), or when a binary or server is
+# missing (with the command that provides it), never skips.
 #
 # Run by `./dev test` after the workspace binaries are built into target/debug; alone:
 #   cargo build --bins && bash tests/suites/drills.sh

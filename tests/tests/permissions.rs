@@ -381,6 +381,22 @@ async fn a_worker_uses_its_own_consumer_heartbeat_and_events_and_nothing_else() 
             .unwrap(),
         None
     );
+    // It reads the lease key, to check an assignment's new epoch against it.
+    sys.admin_buckets
+        .leader
+        .put(names::LEADER_KEY, "the lease".into())
+        .await
+        .unwrap();
+    let lease = w1
+        .js
+        .get_key_value(BUCKET_LEADER)
+        .await
+        .expect("lease bucket info");
+    let read = lease
+        .entry(names::LEADER_KEY)
+        .await
+        .expect("w1 reads the lease");
+    assert_eq!(read.map(|e| e.value.to_vec()), Some(b"the lease".to_vec()));
     assert!(w1
         .js_denied
         .create_stream(jetstream::stream::Config {

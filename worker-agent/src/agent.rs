@@ -23,16 +23,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::{self, consumer, AckKind};
+use async_nats::jetstream::{self, consumer, kv, AckKind};
 use futures::StreamExt;
 use metronome_protocol::names::{
     event_done_subject, final_msg_id, result_final_subject, work_consumer, work_msg_id,
-    work_subject, STREAM_WORK, SUBJECT_CANCEL_ALL, SUBJECT_DEAD_LETTER,
+    work_subject, LEADER_KEY, STREAM_WORK, SUBJECT_CANCEL_ALL, SUBJECT_DEAD_LETTER,
 };
 use metronome_protocol::time::unix_ms;
 use metronome_protocol::{
-    Assignment, CompletionEvent, CompletionOutcome, ErrorCode, FinalResult, JobLimits, ResultError,
-    Usage, PROTOCOL_VERSION,
+    lease_vouches_for, Assignment, CompletionEvent, CompletionOutcome, ErrorCode, FinalResult,
+    JobLimits, ResultError, Usage, PROTOCOL_VERSION,
 };
 use serde_json::json;
 use tokio::sync::Notify;
@@ -125,6 +125,8 @@ pub(crate) struct Shared {
     pub perf_changed: Notify,
     pub in_flight: Mutex<BTreeMap<String, Held>>,
     pub max_epoch: AtomicU64,
+    /// The `leader` bucket: a new, higher epoch is checked against the lease.
+    pub leader: kv::Store,
     pub draining: AtomicBool,
     /// A slot was freed: the intake may pull again.
     pub slot_freed: Notify,
@@ -383,7 +385,7 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
     };
     if let Err(e) = assignment.job.validate(&JobLimits::default()) {
         // The job id is known: tell its client rather than leave it waiting.
-        tracing::warn!(job_id = %assignment.job.id, error = %e, "assignment carries an invalid job; terminated");
+        tracing::warn!(job_id = %assignment.job.id, error = ?e.to_string(), "assignment carries an invalid job; terminated");
         shared.metrics.malformed_assignments.inc();
         if metronome_protocol::names::is_subject_token(&assignment.job.id) {
             finish_without_running(
@@ -405,6 +407,16 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
     if assignment.worker_id != shared.config.worker_id {
         tracing::warn!(%job_id, assigned_to = %assignment.worker_id, "assignment names another worker; refused");
         return refuse(shared, &msg, &assignment, "assignment names another worker").await;
+    }
+    let known = shared.max_epoch.load(Ordering::SeqCst);
+    if assignment.epoch > known {
+        // One message must not raise the bar for the real leader: a new epoch counts only
+        // when the lease vouches for it (`metronome_protocol::lease`).
+        if let Err(reason) = lease_vouches(shared, assignment.epoch).await {
+            shared.metrics.unvouched_epoch_refusals.inc();
+            tracing::warn!(%job_id, epoch = assignment.epoch, highest_epoch = known, reason, "assignment epoch not vouched for by the leader lease: refused");
+            return refuse(shared, &msg, &assignment, &reason).await;
+        }
     }
     let seen = shared
         .max_epoch
@@ -619,6 +631,30 @@ async fn wait_until_reported(
         return Reported::Fenced;
     }
     Reported::Start
+}
+
+/// Ok when the leader lease vouches for `epoch` (above every epoch this agent has seen);
+/// otherwise why not. An unreadable lease vouches for nothing: refusing is safe (the
+/// dispatcher decides again), believing could make the agent refuse the real leader.
+async fn lease_vouches(shared: &Shared, epoch: u64) -> Result<(), String> {
+    match shared.leader.entry(LEADER_KEY).await {
+        Ok(Some(entry)) if entry.operation == kv::Operation::Put => {
+            if lease_vouches_for(epoch, entry.revision, &entry.value) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "epoch {epoch} is above the leading term's (leader lease at revision {}): not assigned by the leader",
+                    entry.revision
+                ))
+            }
+        }
+        Ok(_) => Err(format!(
+            "epoch {epoch} is above every epoch seen and no dispatcher holds the leader lease"
+        )),
+        Err(e) => Err(format!(
+            "could not read the leader lease to check epoch {epoch}: {e}"
+        )),
+    }
 }
 
 /// Refuse without running: the dispatcher will decide again.

@@ -82,7 +82,7 @@ fn revoke(shared: &Shared, body: &[u8]) -> Option<String> {
             None
         }
         Err(e) => {
-            tracing::warn!(error = %e, "malformed revocation ignored");
+            tracing::warn!(error = ?e.to_string(), "malformed revocation ignored");
             Some(format!("not a revocation: {e}"))
         }
     }

@@ -192,6 +192,7 @@ pub async fn start(
         perf_changed: Notify::new(),
         in_flight: Mutex::new(BTreeMap::new()),
         max_epoch: AtomicU64::new(0),
+        leader: buckets.leader.clone(),
         draining: AtomicBool::new(false),
         slot_freed: Notify::new(),
         heartbeat_now: Notify::new(),

@@ -73,6 +73,9 @@ pub struct AgentMetrics {
     pub jobs_cancelled: Counter,
     pub jobs_refused: Counter,
     pub stale_epoch_refusals: Counter,
+    /// Assignments refused because their epoch was above every epoch seen and the leader
+    /// lease did not vouch for it (a buggy or hostile writer of `work.<worker_id>`).
+    pub unvouched_epoch_refusals: Counter,
     /// Redelivered assignments refused because the agent did not hold them (it restarted
     /// or never started them): running them could run the job twice.
     pub redelivery_refusals: Counter,
@@ -143,6 +146,11 @@ impl AgentMetrics {
                 "metronome_worker_stale_epoch_refusals",
                 "Assignments refused because a newer leader epoch had been seen.",
                 vec![(None, &self.stale_epoch_refusals)],
+            ),
+            c(
+                "metronome_worker_unvouched_epoch_refusals",
+                "Assignments refused because the leader lease did not vouch for their new, higher epoch.",
+                vec![(None, &self.unvouched_epoch_refusals)],
             ),
             c(
                 "metronome_worker_redelivery_refusals",

@@ -254,6 +254,88 @@ async fn a_stale_epoch_is_refused_and_acknowledged() {
     agent.wait().await.unwrap();
 }
 
+/// One assignment with an impossible epoch (u64::MAX, from a buggy or hostile writer of
+/// `work.<id>`; found by the hostile drill) used to raise the agent's highest epoch for
+/// good: it then refused every assignment of the real leader as stale, and the leader kept
+/// picking the idle-looking worker until the jobs ran out of attempts. Now a new, higher
+/// epoch counts only when the leader lease vouches for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_epoch_the_lease_does_not_vouch_for_is_refused_and_the_leader_keeps_its_worker() {
+    let env = Env::start().await;
+    let worker = "n1-gpu5";
+    let events = collect(
+        env.client
+            .subscribe(event_done_subject(worker))
+            .await
+            .unwrap(),
+    );
+    env.client.flush().await.unwrap();
+    env.lead(5).await;
+    let (agent, shutdown) = env.start_agent(env.config(worker)).await;
+
+    // Straight to NATS, as any writer of the subject could.
+    let poison = metronome_protocol::Assignment {
+        v: metronome_protocol::PROTOCOL_VERSION,
+        job: job("job-poison", Endpoint::Chat, 2, 0),
+        worker_id: worker.into(),
+        epoch: u64::MAX,
+        attempt: 1,
+        assigned_ms: 0,
+    };
+    env.js
+        .publish(
+            work_subject(worker),
+            serde_json::to_vec(&poison).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let ev = wait_for("refusal of the poison assignment", WAIT, || async {
+        events_of(&events)
+            .into_iter()
+            .find(|e| e.job_id == "job-poison")
+    })
+    .await;
+    assert_eq!(ev.outcome, CompletionOutcome::Refused);
+    assert!(
+        ev.error
+            .as_deref()
+            .is_some_and(|e| e.contains("not assigned by the leader")),
+        "{:?}",
+        ev.error
+    );
+
+    // The real leader (epoch 5) is still served.
+    env.assign(worker, &job("job-real", Endpoint::Chat, 2, 0), 5)
+        .await;
+    let ev = wait_for("the leader's job to finish", WAIT, || async {
+        events_of(&events)
+            .into_iter()
+            .find(|e| e.job_id == "job-real")
+    })
+    .await;
+    assert_eq!(ev.outcome, CompletionOutcome::Done, "{:?}", ev.error);
+    assert_eq!(
+        env.stub.stats.requests.load(Ordering::SeqCst),
+        1,
+        "the poison never ran"
+    );
+    let m = Env::agent_metrics(&agent).await;
+    assert_eq!(
+        metric_value(&m, "metronome_worker_unvouched_epoch_refusals_total"),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        metric_value(&m, "metronome_worker_stale_epoch_refusals_total"),
+        Some(0.0),
+        "{m}"
+    );
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn heartbeats_list_running_jobs_and_shutdown_drains_then_leaves_the_registry() {
     let env = Env::start().await;

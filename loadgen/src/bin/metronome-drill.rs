@@ -12,7 +12,7 @@ use tracing_subscriber::EnvFilter;
 
 /// Fault drills: SIGKILL the leader, SIGKILL + restart a worker-agent, SIGSTOP an agent,
 /// Redis down, nats-server restart, SIGKILL both dispatchers, SIGKILL a model server, a
-/// rolling deploy of every process — each under load on one `./dev up --keep-going`
+/// rolling deploy of every process, a flood of hostile messages — each under load on one `./dev up --keep-going`
 /// system, every job accounted for by id.
 ///
 /// Builds nothing: build the binaries of the chosen profile first
@@ -43,12 +43,22 @@ struct Cli {
     #[arg(long)]
     rate: Option<f64>,
     /// Drills not to run, comma-separated (kill-leader, restart-agent, stop-agent,
-    /// redis-down, restart-nats, kill-dispatchers, stop-model-server, rolling-deploy).
+    /// redis-down, restart-nats, kill-dispatchers, stop-model-server, rolling-deploy,
+    /// hostile).
     #[arg(long, value_delimiter = ',')]
     skip: Vec<String>,
     /// Run only these drills, comma-separated, in the usual order.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Hostile messages the `hostile` drill publishes [default: 5000 short, 100000 full].
+    #[arg(long, value_name = "N")]
+    hostile_messages: Option<usize>,
+    /// Seed of the hostile messages (the same seed sends the same messages).
+    #[arg(long, default_value_t = 9)]
+    hostile_seed: u64,
+    /// Most hostile messages per second [default: 1000 short, 1500 full].
+    #[arg(long, value_name = "PER_S")]
+    hostile_rate: Option<f64>,
 }
 
 fn main() -> ExitCode {
@@ -101,6 +111,13 @@ fn main() -> ExitCode {
         redis_outage: secs(redis_outage),
         settle: Duration::from_secs(if cli.short { 30 } else { 90 }),
         faults,
+        hostile_messages: cli
+            .hostile_messages
+            .unwrap_or(if cli.short { 5_000 } else { 100_000 }),
+        hostile_seed: cli.hostile_seed,
+        hostile_rate: cli
+            .hostile_rate
+            .unwrap_or(if cli.short { 1_000.0 } else { 1_500.0 }),
         state_dir: std::env::temp_dir().join(format!("metronome-drill-{}", std::process::id())),
         command,
     };

@@ -40,6 +40,7 @@ use tokio_util::sync::CancellationToken;
 use crate::bench::system::{prometheus_sum, System, SystemSpec};
 
 mod gateway_client;
+pub mod hostile;
 mod process;
 
 use gateway_client::HttpOutcome;
@@ -68,10 +69,14 @@ pub enum Fault {
     /// gateway, each agent), each restarted and back before the next; part of the load
     /// goes through the gateway over HTTP.
     RollingDeploy,
+    /// A seeded flood of hostile messages on every subject and bucket a client with the
+    /// admin identity can write (`hostile`): no component may stop, the leader may not
+    /// change, every class must be rejected visibly.
+    Hostile,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 8] = [
+    pub const ALL: [Fault; 9] = [
         Fault::KillLeader,
         Fault::RestartAgent,
         Fault::StopAgent,
@@ -80,6 +85,7 @@ impl Fault {
         Fault::KillDispatchers,
         Fault::StopModelServer,
         Fault::RollingDeploy,
+        Fault::Hostile,
     ];
 
     pub fn name(self) -> &'static str {
@@ -92,6 +98,7 @@ impl Fault {
             Fault::KillDispatchers => "kill-dispatchers",
             Fault::StopModelServer => "stop-model-server",
             Fault::RollingDeploy => "rolling-deploy",
+            Fault::Hostile => "hostile",
         }
     }
 }
@@ -113,6 +120,10 @@ pub struct DrillPlan {
     /// Longest wait for the last jobs to settle after the load ends.
     pub settle: Duration,
     pub faults: Vec<Fault>,
+    /// Hostile messages the `hostile` drill publishes, their seed and their rate (per s).
+    pub hostile_messages: usize,
+    pub hostile_seed: u64,
+    pub hostile_rate: f64,
     pub state_dir: PathBuf,
     /// The command line, for the report.
     pub command: String,
@@ -139,6 +150,9 @@ pub struct DrillReport {
     pub http: Option<HttpAccount>,
     /// What else the drill noticed (a process that had to be killed).
     pub notes: Vec<String>,
+    /// Checks the drill failed beyond lost and duplicated jobs (the hostile drill: a
+    /// process exited, the leader changed, a class was not visibly rejected).
+    pub failures: Vec<String>,
 }
 
 /// What the drill's HTTP client saw of the jobs it sent through the gateway.
@@ -163,6 +177,7 @@ impl DrillReport {
     pub fn passed(&self) -> bool {
         self.lost == 0
             && self.duplicated == 0
+            && self.failures.is_empty()
             && self.http.as_ref().is_none_or(|h| h.not_taken == 0)
     }
 }
@@ -301,11 +316,15 @@ async fn run_one(
     };
     tokio::time::sleep(plan.load / 3).await;
     let agent = format!("worker-gpu{}", index % plan.gpus);
+    let extra_ids = Mutex::new(Vec::new());
+    let failures = Mutex::new(Vec::new());
     let target = Target {
         gpu: index % plan.gpus,
         streaming: &streaming,
+        extra_ids: &extra_ids,
+        failures: &failures,
     };
-    let injected = inject(plan, system, js, fault, target, restarted).await;
+    let injected = inject(plan, system, client, js, fault, target, restarted).await;
     let (what, mark, notes) = match injected {
         Ok(i) => i,
         Err(e) => {
@@ -316,7 +335,8 @@ async fn run_one(
     let stop_at = (started + plan.load).max(Instant::now() + plan.load / 3);
     tokio::time::sleep_until(stop_at.into()).await;
     stop.cancel();
-    let sent = sender.await??;
+    let mut sent = sender.await??;
+    sent.ids.extend(extra_ids.into_inner().unwrap());
     let recover_ms = recovery(seen, fault, mark, &agent, plan.settle).await;
     let finals = settle(js, start_seq, &sent.ids, plan.settle).await?;
     let runs = seen.lock().unwrap().runs.clone();
@@ -325,6 +345,12 @@ async fn run_one(
     report.what = what;
     report.recover_ms = recover_ms;
     report.notes = notes;
+    report.failures = failures.into_inner().unwrap();
+    if fault == Fault::Hostile && report.recover_ms.is_none() {
+        report
+            .failures
+            .push("no normal job succeeded after the flood".into());
+    }
     Ok(report)
 }
 
@@ -433,6 +459,11 @@ fn account(
 struct Target<'a> {
     gpu: usize,
     streaming: &'a AtomicUsize,
+    /// Jobs the fault itself submitted that must be served (the hostile drill's valid
+    /// ones): they join the account.
+    extra_ids: &'a Mutex<Vec<String>>,
+    /// Checks the fault failed.
+    failures: &'a Mutex<Vec<String>>,
 }
 
 /// Inject the fault on `target.gpu` (its agent or its model server, for the faults that touch
@@ -440,6 +471,7 @@ struct Target<'a> {
 async fn inject(
     plan: &DrillPlan,
     system: &System,
+    client: &async_nats::Client,
     js: &jetstream::Context,
     fault: Fault,
     target: Target<'_>,
@@ -554,6 +586,10 @@ async fn inject(
                 Instant::now(),
             )
         }
+        Fault::Hostile => {
+            let what = hostile_flood(plan, system, client, js, &target, &mut notes).await?;
+            (what, Instant::now())
+        }
         Fault::RollingDeploy => {
             let leader = system.leader_name().await?;
             let standby = DISPATCHERS
@@ -584,6 +620,383 @@ async fn inject(
         }
     };
     Ok((what, mark, notes))
+}
+
+/// Prometheus text of every dispatcher (or agent) `/metrics` URL, one per entry.
+async fn scrape_all(urls: &[String]) -> Vec<String> {
+    let http = reqwest::Client::new();
+    let mut out = Vec::new();
+    for url in urls {
+        let text = match http.get(url).timeout(Duration::from_secs(5)).send().await {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(_) => String::new(),
+        };
+        out.push(text);
+    }
+    out
+}
+
+fn metric_sum(texts: &[String], name: &str) -> f64 {
+    texts.iter().map(|t| prometheus_sum(t, name)).sum()
+}
+
+/// Sum of the samples of `name` carrying `label` (`key="value"`), whatever other labels.
+fn metric_sum_labelled(texts: &[String], name: &str, label: &str) -> f64 {
+    texts
+        .iter()
+        .flat_map(|t| t.lines())
+        .filter_map(|l| l.strip_prefix(name)?.strip_prefix('{'))
+        .filter_map(|rest| rest.split_once("} "))
+        .filter(|(labels, _)| labels.split(',').any(|l| l == label))
+        .filter_map(|(_, v)| v.trim().parse::<f64>().ok())
+        .sum()
+}
+
+/// The agents' `/metrics` URLs, from the config files `./dev up` wrote.
+fn agent_metrics_urls(system: &System, gpus: usize) -> Vec<String> {
+    (0..gpus)
+        .filter_map(|g| {
+            let text = std::fs::read_to_string(
+                system.state_dir.join(format!("config/worker-gpu{g}.toml")),
+            )
+            .ok()?;
+            let port = text
+                .lines()
+                .find_map(|l| l.strip_prefix("metrics_port = "))?
+                .trim()
+                .to_string();
+            Some(format!("http://127.0.0.1:{port}/metrics"))
+        })
+        .collect()
+}
+
+/// What the hostile drill watches before and after the flood.
+struct Watch {
+    leader: String,
+    epoch: f64,
+    pids: Vec<(String, u32)>,
+    rss_kib: BTreeMap<String, u64>,
+    dispatchers: Vec<String>,
+    agents: Vec<String>,
+}
+
+async fn watch(system: &System, gpus: usize) -> anyhow::Result<Watch> {
+    let dispatchers = scrape_all(&system.dispatcher_metrics).await;
+    let agents = scrape_all(&agent_metrics_urls(system, gpus)).await;
+    // Only processes running now: an earlier drill's restart can leave a pid file naming a
+    // process that has gone (a server that forked), which the flood did not stop.
+    let pids: Vec<(String, u32)> = system
+        .pids()
+        .into_iter()
+        .filter(|(_, p)| alive(*p))
+        .collect();
+    let rss_kib = pids
+        .iter()
+        .filter(|(n, _)| {
+            n.starts_with("dispatcher") || n.starts_with("worker") || n.as_str() == "gateway"
+        })
+        .filter_map(|(n, p)| Some((n.clone(), crate::bench::system::rss_kib(*p)?)))
+        .collect();
+    Ok(Watch {
+        leader: system.leader_name().await?,
+        epoch: dispatchers
+            .iter()
+            .map(|t| prometheus_sum(t, "metronome_dispatcher_epoch"))
+            .fold(0.0, f64::max),
+        pids,
+        rss_kib,
+        dispatchers,
+        agents,
+    })
+}
+
+/// The hostile drill's fault: the flood, then the checks. Returns what was done; the
+/// per-class account goes to `notes`, failed checks to `target.failures`.
+async fn hostile_flood(
+    plan: &DrillPlan,
+    system: &System,
+    client: &async_nats::Client,
+    js: &jetstream::Context,
+    target: &Target<'_>,
+    notes: &mut Vec<String>,
+) -> anyhow::Result<String> {
+    use hostile::{Class, Sink};
+    let before = watch(system, plan.gpus).await?;
+    let ctx = hostile::Context {
+        prefix: format!("hostile{}", std::process::id()),
+        model: "llama-3.1-8b".into(),
+        workers: (0..plan.gpus).map(|g| format!("local-gpu{g}")).collect(),
+        epoch: before.epoch as u64,
+        max_job_bytes: metronome_protocol::JobLimits::default().max_job_bytes,
+        now_ms: metronome_protocol::time::unix_ms(),
+    };
+    let a = hostile::flood(
+        client,
+        plan.hostile_seed,
+        plan.hostile_messages,
+        plan.hostile_rate,
+        &ctx,
+        plan.settle,
+    )
+    .await?;
+    target
+        .extra_ids
+        .lock()
+        .unwrap()
+        .extend(a.served_ids.iter().cloned());
+    // The JOBS backlog the flood left is worked off before the checks.
+    let deadline = Instant::now() + plan.settle;
+    let mut jobs = js
+        .get_stream(metronome_protocol::names::STREAM_JOBS)
+        .await?;
+    let mut backlog = u64::MAX;
+    while Instant::now() < deadline {
+        backlog = jobs.info().await?.state.messages;
+        if backlog <= 50 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    // The agents work off their WORK messages and the dispatchers their events and
+    // heartbeats at their own pace: wait (up to the settle time) until each counter has
+    // seen what was sent, so a shortfall below is one for good.
+    let sent_stored = |classes: &[Class]| -> f64 {
+        classes
+            .iter()
+            .map(|c| {
+                a.sent.get(c).copied().unwrap_or(0) - a.server_refused.get(c).copied().unwrap_or(0)
+            })
+            .sum::<usize>() as f64
+    };
+    let wants = [
+        (
+            "metronome_worker_malformed_assignments_total",
+            true,
+            sent_stored(&[Class::WorkMalformed, Class::WorkInvalidJob]),
+        ),
+        (
+            "metronome_worker_stale_epoch_refusals_total",
+            true,
+            sent_stored(&[Class::WorkStaleEpoch]),
+        ),
+        (
+            "metronome_worker_unvouched_epoch_refusals_total",
+            true,
+            sent_stored(&[Class::WorkFutureEpoch]),
+        ),
+        (
+            "metronome_dispatcher_ignored_worker_messages_total",
+            false,
+            sent_stored(&[
+                Class::EventMalformed,
+                Class::EventForged,
+                Class::HeartbeatMalformed,
+                Class::HeartbeatForeignKey,
+                Class::HeartbeatBadFields,
+            ]),
+        ),
+    ];
+    let deadline = Instant::now() + plan.settle;
+    let agent_urls = agent_metrics_urls(system, plan.gpus);
+    while Instant::now() < deadline {
+        let agents = scrape_all(&agent_urls).await;
+        let dispatchers = scrape_all(&system.dispatcher_metrics).await;
+        let done = wants.iter().all(|(name, on_agents, want)| {
+            let (b, now) = if *on_agents {
+                (&before.agents, &agents)
+            } else {
+                (&before.dispatchers, &dispatchers)
+            };
+            metric_sum(now, name) - metric_sum(b, name) >= *want
+        });
+        if done {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let after = watch(system, plan.gpus).await?;
+    let fail = |s: String| target.failures.lock().unwrap().push(s);
+    if backlog > 50 {
+        fail(format!(
+            "JOBS still held {backlog} messages {} s after the flood",
+            plan.settle.as_secs()
+        ));
+    }
+    if after.leader != before.leader || after.epoch != before.epoch {
+        fail(format!(
+            "the leader changed: {} (epoch {}) before, {} (epoch {}) after",
+            before.leader, before.epoch, after.leader, after.epoch
+        ));
+    }
+    for (name, pid) in &before.pids {
+        let now = after.pids.iter().find(|(n, _)| n == name).map(|(_, p)| *p);
+        if now != Some(*pid) || !alive(*pid) {
+            fail(format!(
+                "{name} (pid {pid}) exited or restarted during the flood"
+            ));
+        }
+    }
+    let delta = |name: &str, on_agents: bool| {
+        let (b, a) = if on_agents {
+            (&before.agents, &after.agents)
+        } else {
+            (&before.dispatchers, &after.dispatchers)
+        };
+        metric_sum(a, name) - metric_sum(b, name)
+    };
+    let stored = |class: Class| {
+        a.sent.get(&class).copied().unwrap_or(0)
+            - a.server_refused.get(&class).copied().unwrap_or(0)
+    };
+    let stored_of = |classes: &[Class]| classes.iter().map(|c| stored(*c)).sum::<usize>();
+    // jobs.submit: every stored hostile job is decided (those with a readable id) or
+    // dead-lettered; no class may go unanswered.
+    for (class, n) in &a.undecided {
+        if class.sink() == Sink::Decision || class.sink() == Sink::Served {
+            fail(format!(
+                "{}: {n} jobs with a readable id got no decision",
+                class.name()
+            ));
+        }
+    }
+    // Every stored hostile job is answered exactly once: a decision for those whose id
+    // can be read, a dead letter for the rest.
+    let answerable = |c: &Class| {
+        matches!(
+            c.sink(),
+            Sink::Decision | Sink::DeadLetter | Sink::DecisionOrDeadLetter
+        ) && *c != Class::DuplicateId
+    };
+    let stored_total: usize = Class::ALL
+        .iter()
+        .filter(|c| answerable(c))
+        .map(|c| stored(*c))
+        .sum();
+    let decided: usize = Class::ALL
+        .iter()
+        .filter(|c| answerable(c) && c.sink() != Sink::DeadLetter)
+        .map(|c| stored(*c) - a.undecided.get(c).copied().unwrap_or(0))
+        .sum();
+    if decided + a.dead_letters_dispatcher < stored_total {
+        fail(format!(
+            "jobs.submit: {stored_total} hostile jobs stored, {decided} decided and {} dead-lettered: {} unanswered",
+            a.dead_letters_dispatcher,
+            stored_total - decided - a.dead_letters_dispatcher
+        ));
+    }
+    let expired_assigned: usize = a
+        .decisions
+        .get(&Class::ExpiredDeadline)
+        .into_iter()
+        .flatten()
+        .filter(|(k, _)| k.starts_with("assigned"))
+        .map(|(_, n)| *n)
+        .sum();
+    if expired_assigned > 0 {
+        fail(format!(
+            "{expired_assigned} jobs whose start deadline had passed before they were submitted were assigned"
+        ));
+    }
+    let refused = a
+        .server_refused
+        .get(&Class::OverServerLimit)
+        .copied()
+        .unwrap_or(0);
+    if refused != a.sent.get(&Class::OverServerLimit).copied().unwrap_or(0) {
+        fail(format!(
+            "{refused} of the jobs above the server's payload limit were refused"
+        ));
+    }
+    let ignored = delta("metronome_dispatcher_ignored_worker_messages_total", false);
+    let want_ignored = stored_of(&[
+        Class::EventMalformed,
+        Class::EventForged,
+        Class::HeartbeatMalformed,
+        Class::HeartbeatForeignKey,
+        Class::HeartbeatBadFields,
+    ]);
+    if ignored < want_ignored as f64 {
+        fail(format!(
+            "heartbeats and events: the dispatchers counted {ignored} ignored, {want_ignored} sent"
+        ));
+    }
+    let malformed_work = delta("metronome_worker_malformed_assignments_total", true);
+    let want_malformed = stored_of(&[Class::WorkMalformed, Class::WorkInvalidJob]);
+    if malformed_work < want_malformed as f64 {
+        fail(format!(
+            "work: the agents counted {malformed_work} malformed assignments, {want_malformed} sent"
+        ));
+    }
+    let stale = delta("metronome_worker_stale_epoch_refusals_total", true);
+    let want_stale = stored(Class::WorkStaleEpoch);
+    if stale < want_stale as f64 {
+        fail(format!(
+            "work: {stale} stale-epoch refusals, {want_stale} stale assignments sent"
+        ));
+    }
+    if stale > want_stale as f64 {
+        fail(format!(
+            "work: the agents refused {} real assignments as stale after the flood's impossible epoch",
+            stale - want_stale as f64
+        ));
+    }
+    let unvouched = delta("metronome_worker_unvouched_epoch_refusals_total", true);
+    let want_unvouched = stored(Class::WorkFutureEpoch);
+    if unvouched < want_unvouched as f64 {
+        fail(format!(
+            "work: {unvouched} assignments refused for an epoch the lease does not vouch for, {want_unvouched} sent"
+        ));
+    }
+    notes.push(format!(
+        "flood: {} messages (seed {}) in {:.1} s; JOBS backlog {} after it; leader {} epoch {} before and {} epoch {} after",
+        a.sent.values().sum::<usize>(),
+        plan.hostile_seed,
+        a.elapsed.as_secs_f64(),
+        backlog,
+        before.leader,
+        before.epoch,
+        after.leader,
+        after.epoch
+    ));
+    notes.push(format!(
+        "rejections seen: {} dead letters from the dispatcher, {} from agents; dispatchers: malformed_jobs +{}, ignored_worker_messages +{ignored}; agents: malformed_assignments +{malformed_work}, stale_epoch_refusals +{stale}, unvouched_epoch_refusals +{unvouched}, refused jobs +{}",
+        a.dead_letters_dispatcher,
+        a.dead_letters_agents,
+        delta("metronome_dispatcher_malformed_jobs_total", false),
+        metric_sum_labelled(&after.agents, "metronome_worker_jobs_total", "outcome=\"refused\"")
+            - metric_sum_labelled(&before.agents, "metronome_worker_jobs_total", "outcome=\"refused\""),
+    ));
+    let rss: Vec<String> = before
+        .rss_kib
+        .iter()
+        .map(|(n, b)| {
+            let a = after.rss_kib.get(n).copied().unwrap_or(0);
+            format!("{n} {:.0}→{:.0}", *b as f64 / 1024.0, a as f64 / 1024.0)
+        })
+        .collect();
+    notes.push(format!("RSS (MiB) before→after: {}", rss.join(", ")));
+    for class in Class::ALL {
+        let sent = a.sent.get(&class).copied().unwrap_or(0);
+        let decisions: Vec<String> = a
+            .decisions
+            .get(&class)
+            .into_iter()
+            .flatten()
+            .map(|(k, v)| format!("{v} {k}"))
+            .collect();
+        notes.push(format!(
+            "class `{}` ({:?}): sent {sent}, server refused {}, decisions [{}], undecided {}",
+            class.name(),
+            class.sink(),
+            a.server_refused.get(&class).copied().unwrap_or(0),
+            decisions.join(", "),
+            a.undecided.get(&class).copied().unwrap_or(0)
+        ));
+    }
+    Ok(format!(
+        "{} hostile messages (seed {}, up to {:.0}/s) on jobs.submit, cancel.*, events.done.*, the workers bucket and work.* with the admin identity",
+        plan.hostile_messages, plan.hostile_seed, plan.hostile_rate
+    ))
 }
 
 /// Requests the model server of `gpu` is running, once it runs any (polled for up to 10 s);
@@ -730,7 +1143,7 @@ async fn recovery(
                     .iter()
                     .find(|(t, w)| *t > mark && w.as_deref() == worker.as_deref())
                     .map(|(t, _)| *t),
-                Fault::RedisDown | Fault::RestartNats | Fault::RollingDeploy => {
+                Fault::RedisDown | Fault::RestartNats | Fault::RollingDeploy | Fault::Hostile => {
                     s.finals.iter().map(|(t, _)| *t).find(|t| *t > mark)
                 }
             };
@@ -970,6 +1383,9 @@ pub fn render_report(plan: &DrillPlan, reports: &[DrillReport]) -> String {
         }
         for note in &r.notes {
             out.push_str(&format!("\n{}: {note}\n", r.fault));
+        }
+        for failure in &r.failures {
+            out.push_str(&format!("\n{}: **check failed**: {failure}\n", r.fault));
         }
     }
     let anomalies: Vec<(&str, &String)> = reports

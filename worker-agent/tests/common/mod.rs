@@ -277,8 +277,10 @@ impl Env {
         (agent, shutdown)
     }
 
-    /// Publish an assignment of `job` on `work.<worker>` through JetStream.
+    /// Publish an assignment of `job` on `work.<worker>` through JetStream, as the leader
+    /// of `epoch` would: the lease records that epoch, so the agent believes it.
     pub async fn assign(&self, worker: &str, job: &Job, epoch: u64) {
+        self.lead(epoch).await;
         let a = Assignment {
             v: PROTOCOL_VERSION,
             job: job.clone(),
@@ -299,6 +301,38 @@ impl Env {
             .unwrap()
             .await
             .expect("WORK accepts the assignment");
+    }
+
+    /// Record `epoch` as the leading term's in the leader lease (what a dispatcher does on
+    /// taking over), unless the lease already records a higher one.
+    pub async fn lead(&self, epoch: u64) {
+        let kv = self
+            .js
+            .get_key_value(metronome_protocol::names::BUCKET_LEADER)
+            .await
+            .expect("leader bucket");
+        let current = kv
+            .get(metronome_protocol::names::LEADER_KEY)
+            .await
+            .unwrap()
+            .and_then(|v| serde_json::from_slice::<metronome_protocol::LeaseValue>(&v).ok())
+            .and_then(|v| v.epoch)
+            .unwrap_or(0);
+        if current >= epoch {
+            return;
+        }
+        let value = metronome_protocol::LeaseValue {
+            dispatcher_id: "test-leader".into(),
+            acquired_ms: 0,
+            renewed_ms: 0,
+            epoch: Some(epoch),
+        };
+        kv.put(
+            metronome_protocol::names::LEADER_KEY,
+            serde_json::to_vec(&value).unwrap().into(),
+        )
+        .await
+        .expect("lease written");
     }
 
     /// Fetch the agent's own /metrics text.
