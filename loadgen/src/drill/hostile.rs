@@ -32,7 +32,7 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use metronome_protocol::names::{
     self, event_done_subject, work_subject, BUCKET_WORKERS, HEADER_ATTEMPT, HEADER_MSG_ID,
-    HEADER_ORDER, SUBJECT_JOBS_SUBMIT,
+    HEADER_ORDER,
 };
 use metronome_protocol::PROTOCOL_VERSION;
 use rand::{Rng, SeedableRng};
@@ -330,9 +330,17 @@ pub fn message(seed: u64, index: u64, class: Class, ctx: &Context) -> Hostile {
     let unknown = format!("hostile-model-{}", rng.random_range(0..1_000_000u32));
     let mut job = valid_job(ctx, &id, &unknown);
     let worker = ctx.workers[rng.random_range(0..ctx.workers.len())].clone();
+    // On the subject of the tenant the body names when that is a subject token (so a job
+    // is judged on its own faults, not on a tenant mismatch), else the anonymous one.
     let submit = |payload: Vec<u8>, job_id: Option<&str>| Hostile {
         class,
-        subject: SUBJECT_JOBS_SUBMIT.into(),
+        subject: names::submit_subject(
+            serde_json::from_slice::<Value>(&payload)
+                .ok()
+                .and_then(|v| v["tenant"].as_str().map(str::to_string))
+                .filter(|t| names::is_subject_token(t) && !t.starts_with('_'))
+                .as_deref(),
+        ),
         headers: None,
         payload: payload.into(),
         jetstream: true,
@@ -473,7 +481,9 @@ pub fn message(seed: u64, index: u64, class: Class, ctx: &Context) -> Hostile {
             submit(enc(&job), Some(&id))
         }
         Class::BogusVersion => {
-            job["v"] = json!([0, 2, 99, u32::MAX][rng.random_range(0..4)]);
+            job["v"] = json!(
+                [0, PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, u32::MAX][rng.random_range(0..4)]
+            );
             submit(enc(&job), Some(&id))
         }
         Class::ExpiredDeadline => {
@@ -757,7 +767,7 @@ mod tests {
         for c in Class::ALL {
             for i in 0..200 {
                 let m = message(3, i, c, &ctx());
-                if m.subject != SUBJECT_JOBS_SUBMIT {
+                if !m.subject.starts_with(names::SUBJECT_JOBS_SUBMIT_PREFIX) {
                     continue;
                 }
                 let parsed = Job::parse(&m.payload, &limits);
@@ -840,23 +850,37 @@ pub async fn flood(
     client.flush().await?;
     let finished = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
     let f = finished.clone();
-    let final_prefix = format!("results.{}-", ctx.prefix);
+    // `results.<tenant>.<job>.final`: the job id is what follows the tenant.
+    let job_prefix = format!("{}-", ctx.prefix);
+    let final_prefix = job_prefix.clone();
     let collect_finals = tokio::spawn(async move {
         while let Some(m) = finals.next().await {
-            if let Some(rest) = m.subject.as_str().strip_prefix(&final_prefix) {
+            let job = m
+                .subject
+                .as_str()
+                .strip_prefix("results.")
+                .and_then(|rest| rest.split_once('.'))
+                .map(|(_, job)| job.trim_end_matches(".final"));
+            if let Some(job) = job.filter(|j| j.starts_with(&final_prefix)) {
                 f.lock()
                     .unwrap()
-                    .insert(rest.trim_end_matches(".final").to_string());
+                    .insert(job[final_prefix.len()..].to_string());
             }
         }
     });
     let seen_decisions = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(String, String)>::new()));
     let letters_seen = std::sync::Arc::new(std::sync::Mutex::new((0usize, 0usize)));
-    let prefix = format!("decisions.{}-", ctx.prefix);
     let d = seen_decisions.clone();
     let collect_decisions = tokio::spawn(async move {
         while let Some(m) = decisions.next().await {
-            if !m.subject.as_str().starts_with(&prefix) {
+            // `decisions.<tenant>.<job>`: only the flood's own jobs.
+            let ours = m
+                .subject
+                .as_str()
+                .rsplit('.')
+                .next()
+                .is_some_and(|job| job.starts_with(&job_prefix));
+            if !ours {
                 continue;
             }
             if let Ok(v) = serde_json::from_slice::<Value>(&m.payload) {
