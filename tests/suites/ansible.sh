@@ -361,7 +361,8 @@ try:
             out = nats_session(gw["user"], gw["password"], [], server_name=name)
             expect("PONG" in out, f"the NATS certificate does not hold {name}: {out!r}")
         # Without a certificate, or with one from another CA, the TLS handshake fails
-        # (TLS 1.3: the server's alert arrives with the first read) and no password is read.
+        # (TLS 1.3: the server's alert, or its hanging up, arrives with the first read) and
+        # no password is read.
         other = work / "other-ca"
         other.mkdir(exist_ok=True)
         subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
@@ -372,11 +373,8 @@ try:
             try:
                 out = nats_session(gw["user"], gw["password"], [], cert=cert)
                 errors.append(f"NATS accepted a client with {what}: {out!r}")
-            except ssl.SSLError as e:
-                expect("alert" in str(e).lower() or "certificate" in str(e).lower(),
-                       f"a client with {what}: unexpected TLS error {e}")
-            except ConnectionError as e:
-                pass  # the server closed the connection during the handshake
+            except (ssl.SSLError, ConnectionError):
+                pass  # an alert (certificate required, bad certificate) or the server hanging up
     expect("Authorization Violation" in nats_session(None, None, []), "NATS accepted an anonymous connection")
     expect("Authorization Violation" in nats_session("gateway", "wrong", []), "NATS accepted a wrong password")
     out = nats_session(gw["user"], gw["password"], ["PUB jobs.submit.acme 2\r\n{}\r\n"])
@@ -752,7 +750,7 @@ fi
 # --- client verification off on request ---------------------------------------------------
 if play "$INV" "$WORK/stage-noverify" site.yml --limit gpu-node-1 -e metronome_nats_verify_clients=false \
   && conf="$WORK/stage-noverify/gpu-node-1/etc/metronome/nats/nats-server.conf" \
-  && grep -q '^tls {' "$conf" && ! grep -q 'verify' "$conf" \
+  && grep -q '^tls {' "$conf" && ! grep -qE '^[[:space:]]*verify' "$conf" \
   && grep -q '^cert_file = ' "$WORK/stage-noverify/gpu-node-1/etc/metronome/gateway.toml"; then
   pass "metronome_nats_verify_clients=false: nats-server keeps TLS without verify (components keep their certificates)"
 else
