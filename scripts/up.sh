@@ -209,8 +209,9 @@ if [ "$OBSERVE" -eq 1 ]; then
 fi
 
 # The operator's identity for the CLI and tools (admin), and the direct-NATS client's.
+# Written whole, then moved into place: whoever waits for the file reads all of it.
 ( umask 077
-  cat > "$STATE_DIR/env" <<ENV
+  cat > "$STATE_DIR/env.tmp" <<ENV
 METRONOME_GATEWAY_URL=$GATEWAY_URL
 NATS_URL=$NATS_URL
 REDIS_URL=redis://admin:$(password admin)@127.0.0.1:$REDIS_PORT/
@@ -220,8 +221,9 @@ METRONOME_CLIENT_NATS_USER=client-demo
 METRONOME_CLIENT_NATS_PASSWORD=$(password client-demo)
 METRONOME_CLIENT_TENANT=demo
 ENV
+  if [ -n "$PROMETHEUS_URL" ]; then echo "PROMETHEUS_URL=$PROMETHEUS_URL" >> "$STATE_DIR/env.tmp"; fi
+  mv "$STATE_DIR/env.tmp" "$STATE_DIR/env"
 )
-[ -n "$PROMETHEUS_URL" ] && echo "PROMETHEUS_URL=$PROMETHEUS_URL" >> "$STATE_DIR/env"
 
 cat <<MSG
 

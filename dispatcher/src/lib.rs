@@ -236,6 +236,13 @@ async fn lead_loop(ctx: Ctx, shutdown: CancellationToken) -> Result<(), Dispatch
     Ok(())
 }
 
+/// How long a new term may take to list the workers bucket. Listing keys on nats-server
+/// 2.9 can stall for good (a key-listing consumer waiting for messages that expired:
+/// nats-io/nats-server#3481); seen once here, a leader silent after taking the lease,
+/// renewing it, so no standby took over. Past this, the term fails, the lease is let go
+/// and leadership is tried again.
+const LOAD_WORKERS_WITHIN: Duration = Duration::from_secs(10);
+
 /// One leadership term: rebuild, then decide until `term` is cancelled.
 async fn run_term(
     ctx: &Ctx,
@@ -266,7 +273,8 @@ async fn run_term(
         intake::spawn_cancels(&ctx.client, tx.clone(), term.clone()).await?,
     );
     let (workers, last_revision) =
-        registry::load_workers(&ctx.buckets.workers, &ctx.metrics).await?;
+        registry::load_workers_within(&ctx.buckets.workers, &ctx.metrics, LOAD_WORKERS_WITHIN)
+            .await?;
     let workers_max_epoch = workers
         .iter()
         .filter_map(|u| match u {

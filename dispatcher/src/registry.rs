@@ -51,6 +51,23 @@ pub enum WorkerUpdate {
 }
 
 /// Everything in the bucket now, and the revision to watch from.
+/// [`load_workers`], failing once `within` has passed (see `LOAD_WORKERS_WITHIN` in
+/// `lib.rs`: a stalled listing must end the term, not hold the lease forever).
+pub async fn load_workers_within(
+    store: &kv::Store,
+    metrics: &Metrics,
+    within: std::time::Duration,
+) -> Result<(Vec<WorkerUpdate>, u64), DispatcherError> {
+    tokio::time::timeout(within, load_workers(store, metrics))
+        .await
+        .map_err(|_| {
+            DispatcherError::Nats(format!(
+                "listing the workers bucket took over {} s",
+                within.as_secs()
+            ))
+        })?
+}
+
 pub async fn load_workers(
     store: &kv::Store,
     metrics: &Metrics,

@@ -311,9 +311,20 @@ from urllib.parse import urlsplit
 gw_config = tomllib.loads((ctl / "etc/metronome/gateway.toml").read_text())
 ca_file = gw_config["nats_auth"].get("ca_file")
 expect(bool(ca_file) == tls, f"gateway ca_file {ca_file!r} while Redis TLS is {tls}")
-tls_context = ssl.create_default_context(cafile=ca_file) if ca_file else None
+# Mutual TLS: nats-server asks every client for a certificate from the cluster's CA.
+verify = bool(re.search(r"(?m)^\s*verify: true$", nats_conf))
+expect(verify == tls, f"nats-server.conf verify: true is {verify} while TLS is {tls}")
+def own_cert(auth):
+    return (auth["cert_file"], auth["key_file"]) if auth.get("cert_file") else None
+def tls_context(cert):
+    ctx = ssl.create_default_context(cafile=ca_file)
+    if cert:
+        ctx.load_cert_chain(*cert)
+    return ctx
+gw_cert = own_cert(gw_config["nats_auth"])
+expect(bool(gw_cert) == tls, f"gateway nats_auth cert_file {gw_cert!r} while TLS is {tls}")
 try:
-    def nats_session(user, password, lines, plain=False, server_name=None):
+    def nats_session(user, password, lines, plain=False, server_name=None, cert=gw_cert):
         deadline = time.time() + 20
         while True:
             try:
@@ -326,7 +337,7 @@ try:
         info = json.loads(s.recv(4096).decode().split(" ", 1)[1])
         if info.get("tls_required") and not plain:
             # nats-server 2.9: the TLS handshake follows the plain INFO line.
-            s = tls_context.wrap_socket(
+            s = tls_context(cert).wrap_socket(
                 s, server_hostname=server_name or urlsplit(gw_config["nats_url"]).hostname)
         with s:
             connect = {"verbose": False, "pedantic": False}
@@ -349,27 +360,46 @@ try:
         for name in ("127.0.0.1", "localhost"):
             out = nats_session(gw["user"], gw["password"], [], server_name=name)
             expect("PONG" in out, f"the NATS certificate does not hold {name}: {out!r}")
+        # Without a certificate, or with one from another CA, the TLS handshake fails
+        # (TLS 1.3: the server's alert, or its hanging up, arrives with the first read) and
+        # no password is read.
+        other = work / "other-ca"
+        other.mkdir(exist_ok=True)
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                        "-nodes", "-keyout", str(other / "c.key"), "-out", str(other / "c.pem"), "-days", "2",
+                        "-subj", "/CN=gateway", "-addext", "extendedKeyUsage=clientAuth"],
+                       check=True, capture_output=True)
+        for what, cert in (("no certificate", None), ("a certificate from another CA", (other / "c.pem", other / "c.key"))):
+            try:
+                out = nats_session(gw["user"], gw["password"], [], cert=cert)
+                errors.append(f"NATS accepted a client with {what}: {out!r}")
+            except (ssl.SSLError, ConnectionError):
+                pass  # an alert (certificate required, bad certificate) or the server hanging up
     expect("Authorization Violation" in nats_session(None, None, []), "NATS accepted an anonymous connection")
     expect("Authorization Violation" in nats_session("gateway", "wrong", []), "NATS accepted a wrong password")
     out = nats_session(gw["user"], gw["password"], ["PUB jobs.submit.acme 2\r\n{}\r\n"])
     expect("PONG" in out and "Violation" not in out, f"the gateway's rendered credential: {out!r}")
     agent = tomllib.loads((stage / "gpu-node-2/etc/metronome/worker-agent/gpu0.toml").read_text())
     own, na = agent["worker_id"], agent["nats_auth"]
-    out = nats_session(na["user"], na["password"], [f"PUB $KV.workers.{own} 2\r\n{{}}\r\n"])
+    na_cert = own_cert(na)
+    out = nats_session(na["user"], na["password"], [f"PUB $KV.workers.{own} 2\r\n{{}}\r\n"], cert=na_cert)
     expect("PONG" in out and "Violation" not in out, f"{own} writing its own heartbeat: {out!r}")
-    out = nats_session(na["user"], na["password"], ["PUB $KV.workers.gpu-node-1-gpu0 2\r\n{}\r\n"])
+    out = nats_session(na["user"], na["password"], ["PUB $KV.workers.gpu-node-1-gpu0 2\r\n{}\r\n"], cert=na_cert)
     expect("Permissions Violation" in out, f"{own} writing another worker's heartbeat was not refused: {out!r}")
-    out = nats_session(na["user"], na["password"], ["SUB work.gpu-node-1-gpu0 1\r\n"])
+    out = nats_session(na["user"], na["password"], ["SUB work.gpu-node-1-gpu0 1\r\n"], cert=na_cert)
     expect("Permissions Violation" in out, f"{own} reading another worker's work was not refused: {out!r}")
     # One direct-NATS client per tenant of metronome_client_tenants: its own tenant only.
+    # Its certificate stays on the controller (metronome_secrets_dir/tls/clients/) for the
+    # operator to hand out with the password.
     ca = secrets.get("client-acme")
     expect(ca is not None, f"no client-acme identity rendered: {sorted(secrets)}")
+    acme_cert = (secrets_dir / "tls/clients/client-acme.pem", secrets_dir / "tls/clients/client-acme.key") if tls else None
     if ca is not None:
-        out = nats_session("client-acme", ca, ["PUB jobs.submit.acme 2\r\n{}\r\n"])
+        out = nats_session("client-acme", ca, ["PUB jobs.submit.acme 2\r\n{}\r\n"], cert=acme_cert)
         expect("PONG" in out and "Violation" not in out, f"client-acme submitting for acme: {out!r}")
-        out = nats_session("client-acme", ca, ["SUB results._anon.> 1\r\n"])
+        out = nats_session("client-acme", ca, ["SUB results._anon.> 1\r\n"], cert=acme_cert)
         expect("Permissions Violation" in out, f"client-acme reading another tenant's results was not refused: {out!r}")
-        out = nats_session("client-acme", ca, ["PUB jobs.submit._anon 2\r\n{}\r\n"])
+        out = nats_session("client-acme", ca, ["PUB jobs.submit._anon 2\r\n{}\r\n"], cert=acme_cert)
         expect("Permissions Violation" in out, f"client-acme submitting for another tenant was not refused: {out!r}")
 
     from urllib.parse import urlsplit
@@ -437,6 +467,7 @@ ctl = stage / "gpu-node-1"
 nats = (ctl / "etc/metronome/nats/nats-server.conf").read_text()
 redis = (ctl / "etc/metronome/redis/redis.conf").read_text()
 expect(bool(re.search(r"(?m)^tls \{", nats)) == on, f"nats-server.conf tls block present: {not on}")
+expect(bool(re.search(r"(?m)^tls \{[^}]*^  verify: true$", nats)) == on, f"nats-server.conf tls verify: true present: {not on}")
 expect(bool(re.search(r"(?m)^port 0$", redis) and re.search(r"(?m)^tls-port 6379$", redis)) == on,
        "redis.conf: TLS only (port 0, tls-port 6379)" if on else "redis.conf: plain port 6379 expected")
 configs = [*stage.glob("*/etc/metronome/worker-agent/*.toml"), *stage.glob("*/etc/metronome/dispatcher/*.toml"),
@@ -449,8 +480,36 @@ for path in configs:
     if "redis_url" in c:
         expect(c["redis_url"].startswith("rediss://") == on, f"{where}: redis_url scheme")
         expect(bool(c.get("redis_tls", {}).get("ca_file")) == on, f"{where}: redis_tls.ca_file")
+    # Each component's own NATS client certificate: from the cluster's CA, named after its
+    # NATS user, for client authentication, its key readable by the service group only.
+    # Redis does not ask for one.
+    na = c.get("nats_auth", {})
+    cert, key = na.get("cert_file"), na.get("key_file")
+    expect(bool(cert) == on and bool(key) == on, f"{where}: nats_auth cert_file/key_file = {cert!r}/{key!r}")
+    expect("cert_file" not in c.get("redis_tls", {}), f"{where}: redis_tls has a client certificate")
     if on:
         expect(pathlib.Path(ca).is_file(), f"{where}: {ca} is not installed")
+        r = subprocess.run(["openssl", "verify", "-purpose", "sslclient", "-CAfile", ca, cert], capture_output=True, text=True)
+        expect(r.returncode == 0, f"{where}: {cert} does not verify as a client certificate of the CA: {r.stdout}{r.stderr}")
+        r = subprocess.run(["openssl", "x509", "-noout", "-subject", "-nameopt", "RFC2253", "-in", cert],
+                           capture_output=True, text=True)
+        expect(r.stdout.strip() == f"subject=CN={na.get('user')}", f"{where}: {cert} subject {r.stdout.strip()!r}, want CN={na.get('user')}")
+        pub = subprocess.run(["openssl", "x509", "-noout", "-pubkey", "-in", cert], capture_output=True, text=True).stdout
+        kpub = subprocess.run(["openssl", "pkey", "-pubout", "-in", key], capture_output=True, text=True).stdout
+        expect(pub and pub == kpub, f"{where}: {key} is not the key of {cert}")
+        expect(stat.S_IMODE(pathlib.Path(key).stat().st_mode) == 0o640,
+               f"{where}: {key} is mode {stat.S_IMODE(pathlib.Path(key).stat().st_mode):o}")
+# Each host holds the CA, its server certificate (control host) and the client
+# certificates of the components it runs, and no other identity's.
+for host in sorted(p.name for p in stage.iterdir()) if on else []:
+    tls_dir = stage / host / "etc/metronome/tls"
+    held = {str(p.relative_to(tls_dir)) for p in tls_dir.rglob("*.pem")}
+    want = {"ca.pem"} | ({"server.pem"} if (stage / host / "etc/metronome/nats").exists() else set())
+    for path in configs:
+        if path.is_relative_to(stage / host):
+            cert = tomllib.loads(path.read_text())["nats_auth"]["cert_file"]
+            want.add(str(pathlib.Path(cert).relative_to(tls_dir)))
+    expect(held == want, f"{host}: certificates {sorted(held)}, want {sorted(want)}")
 units = [*stage.glob("*/etc/systemd/system/metronome-worker-agent-*.service"),
          *stage.glob("*/etc/systemd/system/metronome-dispatcher@.service"),
          *stage.glob("*/etc/systemd/system/metronome-gateway.service")]
@@ -458,6 +517,10 @@ for u in units:
     text = u.read_text()
     for var in ("METRONOME_NATS_CA", "METRONOME_REDIS_CA"):
         expect((f"Environment={var}=/etc/metronome/tls/ca.pem" in text) == on, f"{u.relative_to(stage)}: {var}")
+    own = {"metronome-gateway.service": "gateway", "metronome-dispatcher@.service": "dispatcher/%i"}.get(
+        u.name, "worker-agent/" + u.name.removeprefix("metronome-worker-agent-").removesuffix(".service"))
+    for var, ext in (("METRONOME_NATS_CERT", "pem"), ("METRONOME_NATS_KEY", "key")):
+        expect((f"Environment={var}=/etc/metronome/tls/{own}.{ext}\n" in text) == on, f"{u.relative_to(stage)}: {var}")
 if on:
     for host in ("gpu-node-1", "gpu-node-2"):
         expect((stage / host / "etc/metronome/tls/ca.pem").is_file(), f"{host}: CA certificate missing")
@@ -629,10 +692,10 @@ if play "$INV" "$STAGE" site.yml; then
   # retired GPU's worker-agent target), and the removed GPU's worker identity is revoked:
   # NATS's users and Redis's ACL change too.
   edited="gpu-node-1/etc/metronome/nats/nats-server.conf gpu-node-1/etc/metronome/redis/redis.conf gpu-node-1/etc/prometheus/prometheus.yml gpu-node-1/etc/systemd/system/metronome-model-gpu2.service gpu-node-2/etc/metronome/worker-agent/gpu0.toml "
-  gone="gpu-node-2/etc/metronome/worker-agent/gpu1.toml gpu-node-2/etc/systemd/system/metronome-model-gpu1.service gpu-node-2/etc/systemd/system/metronome-worker-agent-gpu1.service "
+  gone="gpu-node-2/etc/metronome/tls/worker-agent/gpu1.key gpu-node-2/etc/metronome/tls/worker-agent/gpu1.pem gpu-node-2/etc/metronome/worker-agent/gpu1.toml gpu-node-2/etc/systemd/system/metronome-model-gpu1.service gpu-node-2/etc/systemd/system/metronome-worker-agent-gpu1.service "
   want_removed=$(printf '%s\n' $edited $gone | sort | tr '\n' ' ')
   if [ "$removed" = "$want_removed" ] && [ "$added" = "$edited" ]; then
-    pass "removing gpu-node-2's GPU 1 removes exactly its two units and its config; the edits change exactly their two files and the scrape config"
+    pass "removing gpu-node-2's GPU 1 removes exactly its two units, its config and its client certificate; the edits change exactly their two files and the scrape config"
   else
     fail "removing a GPU removes exactly its files; edits change exactly their files" \
       "removed or changed: $removed"$'\n'"want:               $want_removed"$'\n'"written: $added"$'\n'"want:    $edited"
@@ -653,6 +716,45 @@ if play "$INV" "$STAGE" site.yml; then
   fi
 else
   fail "site.yml after editing the inventory" "$(tail -n 40 "$WORK/last.log")"
+fi
+
+# --- certificate renewal -------------------------------------------------------------------
+# On the controller, gpu-node-2 GPU 0's client certificate is replaced by one that expires
+# tomorrow (same CA and key) and dispatcher a's by one from another CA: the next run issues
+# both again, installs exactly those two certificates and restarts only that agent.
+SEC="$INV/.secrets/tls"
+snapshot > "$WORK/before-renew.txt"
+old_serial=$(openssl x509 -noout -serial -in "$SEC/clients/worker-gpu-node-2-gpu0.pem")
+if openssl req -x509 -CA "$SEC/ca.pem" -CAkey "$SEC/ca.key" -key "$SEC/clients/worker-gpu-node-2-gpu0.key"      -days 1 -subj /CN=worker-gpu-node-2-gpu0 -addext extendedKeyUsage=clientAuth      -out "$SEC/clients/worker-gpu-node-2-gpu0.pem" >/dev/null 2>&1   && openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 300      -subj /CN=dispatcher-gpu-node-1-a -keyout "$SEC/clients/dispatcher-gpu-node-1-a.key"      -out "$SEC/clients/dispatcher-gpu-node-1-a.pem" >/dev/null 2>&1   && play "$INV" "$STAGE" site.yml; then
+  snapshot > "$WORK/after-renew.txt"
+  written=$(diff "$WORK/before-renew.txt" "$WORK/after-renew.txt" | sed -n 's/^> [0-9a-f]*  \.\///p' | sort | tr '\n' ' ')
+  want_written="gpu-node-1/etc/metronome/tls/dispatcher/a.key gpu-node-1/etc/metronome/tls/dispatcher/a.pem gpu-node-2/etc/metronome/tls/worker-agent/gpu0.key gpu-node-2/etc/metronome/tls/worker-agent/gpu0.pem "
+  bad=""
+  [ "$written" = "$want_written" ] || bad+="written: $written"$'\n'"want:    $want_written"$'\n'
+  for f in "$STAGE/gpu-node-2/etc/metronome/tls/worker-agent/gpu0.pem" "$STAGE/gpu-node-1/etc/metronome/tls/dispatcher/a.pem"; do
+    openssl verify -CAfile "$SEC/ca.pem" "$f" >/dev/null 2>&1 || bad+="${f#"$STAGE"/} does not verify against the CA"$'\n'
+    openssl x509 -noout -checkend $((300 * 86400)) -in "$f" >/dev/null || bad+="${f#"$STAGE"/} expires within 300 days"$'\n'
+  done
+  [ "$(openssl x509 -noout -serial -in "$SEC/clients/worker-gpu-node-2-gpu0.pem")" != "$old_serial" ] || bad+="gpu0's certificate was not issued again"$'\n'
+  grep -qF "gpu-node-2: restart worker-agents [0]" "$WORK/last.log" || bad+="agent gpu-node-2/0 not restarted"$'\n'
+  grep -qF "gpu-node-1: restart worker-agents []" "$WORK/last.log" || bad+="gpu-node-1's agents restarted"$'\n'
+  if [ -z "$bad" ]; then
+    pass "a client certificate near expiry or from another CA is issued again: exactly its files change, only its agent restarts"
+  else
+    fail "a client certificate near expiry or from another CA is issued again" "$bad$(grep -E ': restart ' "$WORK/last.log")"
+  fi
+else
+  fail "a client certificate near expiry or from another CA is issued again" "$(tail -n 40 "$WORK/last.log")"
+fi
+
+# --- client verification off on request ---------------------------------------------------
+if play "$INV" "$WORK/stage-noverify" site.yml --limit gpu-node-1 -e metronome_nats_verify_clients=false \
+  && conf="$WORK/stage-noverify/gpu-node-1/etc/metronome/nats/nats-server.conf" \
+  && grep -q '^tls {' "$conf" && ! grep -qE '^[[:space:]]*verify' "$conf" \
+  && grep -q '^cert_file = ' "$WORK/stage-noverify/gpu-node-1/etc/metronome/gateway.toml"; then
+  pass "metronome_nats_verify_clients=false: nats-server keeps TLS without verify (components keep their certificates)"
+else
+  fail "metronome_nats_verify_clients=false: nats-server keeps TLS without verify" "$(tail -n 30 "$WORK/last.log")"
 fi
 
 # --- installing from a release archive ---------------------------------------------------
@@ -708,5 +810,7 @@ broken port-out-of-range "got 70000" 'g[0]["port"] = 70000'
 broken duplicate-gpu "GPU 0 is listed more than once" 'g[1]["gpu"] = 0'
 broken unknown-server-kind "got vllmx" 'g[0]["server"] = "vllmx"'
 broken duplicate-port "port 8000 is used by more than one GPU" 'g[1]["port"] = 8000'
+broken verify-clients-not-boolean "metronome_nats_verify_clients must be true or false" 'data["metronome_nats_verify_clients"] = "maybe"'
+broken renew-beyond-validity "below metronome_tls_server_days and metronome_tls_client_days" 'data["metronome_tls_renew_days"] = 400'
 
 finish
