@@ -236,11 +236,11 @@ async fn lead_loop(ctx: Ctx, shutdown: CancellationToken) -> Result<(), Dispatch
     Ok(())
 }
 
-/// How long a new term may take to list the workers bucket. Listing keys on nats-server
-/// 2.9 can stall for good (a key-listing consumer waiting for messages that expired:
-/// nats-io/nats-server#3481); seen once here, a leader silent after taking the lease,
-/// renewing it, so no standby took over. Past this, the term fails, the lease is let go
-/// and leadership is tried again.
+/// How long a new term may take to list the workers bucket. A key-listing consumer on
+/// nats-server 2.9 can stall for good (nats-io/nats-server#3481; seen once here: a leader
+/// silent after taking the lease, renewing it, so no standby took over). The listing no
+/// longer uses one (`registry::load_workers`); this bound stays as the backstop: past it
+/// the term fails, the lease is let go and leadership is tried again.
 const LOAD_WORKERS_WITHIN: Duration = Duration::from_secs(10);
 
 /// One leadership term: rebuild, then decide until `term` is cancelled.

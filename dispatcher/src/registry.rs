@@ -79,14 +79,23 @@ pub async fn load_workers(
         .map_err(|e| DispatcherError::Nats(format!("workers bucket info: {e}")))?
         .state
         .last_sequence;
-    let mut keys = store
-        .keys()
+    // The keys from the stream's per-subject counts (one request, paged), not from a
+    // key-listing consumer: that one can wait for good on nats-server 2.9 for messages
+    // that expired meanwhile (nats-io/nats-server#3481), and the workers bucket expires
+    // keys by design.
+    let subjects: Vec<String> = stream
+        .info_with_subjects(format!("{}>", store.prefix))
         .await
-        .map_err(|e| DispatcherError::Nats(format!("listing workers: {e}")))?;
+        .map_err(|e| DispatcherError::Nats(format!("listing workers: {e}")))?
+        .filter_map(|s| async move { s.ok().map(|(subject, _)| subject) })
+        .collect()
+        .await;
     let now = metronome_protocol::time::unix_ms();
     let mut out = Vec::new();
-    while let Some(key) = keys.next().await {
-        let Ok(key) = key else { continue };
+    for subject in subjects {
+        let Some(key) = subject.strip_prefix(&store.prefix).map(str::to_string) else {
+            continue;
+        };
         match store.entry(key.clone()).await {
             Ok(Some(entry)) if entry.operation == kv::Operation::Put => {
                 if let Some(status) = parse_status(&key, &entry.value, metrics) {
