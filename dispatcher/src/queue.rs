@@ -109,15 +109,6 @@ impl ModelQueue {
             .sum()
     }
 
-    /// The most jobs any one tenant has waiting.
-    fn heaviest_backlog(&self) -> usize {
-        let mut held: BTreeMap<&str, usize> = BTreeMap::new();
-        for f in &self.flows {
-            *held.entry(f.tenant.as_str()).or_default() += f.jobs.len();
-        }
-        held.into_values().max().unwrap_or(0)
-    }
-
     fn tenants(&self) -> HashSet<&str> {
         self.flows.iter().map(|f| f.tenant.as_str()).collect()
     }
@@ -220,14 +211,16 @@ impl Queues {
         skip: &[String],
     ) -> Option<Pos> {
         let q = self.by_model.get(model).filter(|q| q.len > 0)?;
-        let heaviest = q.heaviest_backlog();
+        let empty = Vtc::default();
+        let vtc = self.fairness.model(model).unwrap_or(&empty);
+        let heaviest = vtc.most_waiting();
         let found: Vec<(Pos, Candidate<'_>)> = q
             .flows
             .iter()
             .enumerate()
             .filter(|(_, f)| !f.jobs.is_empty() && !skip.contains(&f.tenant))
             .map(|(flow, f)| {
-                let (idx, fresh) = if q.held_by(&f.tenant) < heaviest {
+                let (idx, fresh) = if vtc.waiting_jobs(&f.tenant) < heaviest {
                     (0, !late(&f.jobs[0]))
                 } else {
                     let fresh = f.jobs.iter().position(|j| !late(j));
@@ -243,8 +236,6 @@ impl Queues {
             })
             .collect();
         let candidates: Vec<Candidate<'_>> = found.iter().map(|(_, c)| *c).collect();
-        let empty = Vtc::default();
-        let vtc = self.fairness.model(model).unwrap_or(&empty);
         vtc.pick(&candidates, &self.fairness.config)
             .map(|i| found[i].0)
     }
@@ -349,13 +340,13 @@ impl Queues {
     /// queued since `since_ms`: a lighter tenant still active, for which a backlogged
     /// tenant should leave room.
     pub fn lighter_tenant_active(&self, model: &str, tenant: &str, since_ms: u64) -> bool {
-        let Some(q) = self.by_model.get(model) else {
+        let (Some(q), Some(vtc)) = (self.by_model.get(model), self.fairness.model(model)) else {
             return false;
         };
-        let after = q.held_by(tenant).saturating_sub(1);
+        let after = vtc.waiting_jobs(tenant).saturating_sub(1);
         q.last_arrival_ms
             .iter()
-            .any(|(t, &at)| t != tenant && at >= since_ms && q.held_by(t) < after)
+            .any(|(t, &at)| t != tenant && at >= since_ms && vtc.waiting_jobs(t) < after)
     }
 
     /// Forget tenants' arrivals older than `before_ms` (they no longer count as active).

@@ -222,6 +222,11 @@ impl Vtc {
         self.waiting.get(tenant).copied().unwrap_or(0)
     }
 
+    /// The most jobs any one tenant has waiting (0 when none waits).
+    pub fn most_waiting(&self) -> usize {
+        self.waiting.values().copied().max().unwrap_or(0)
+    }
+
     /// Index of the candidate to serve next: the lowest effective class rank, then the
     /// lowest tenant counter, then the tenant with fewer jobs waiting, then fresh before
     /// late, then the earliest sequence.

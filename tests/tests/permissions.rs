@@ -437,20 +437,7 @@ async fn a_client_submits_and_reads_results_but_cannot_touch_the_fleet() {
         .expect("publish")
         .await
         .expect("JOBS stores the job");
-    dispatcher
-        .js
-        .publish(names::decision_subject(acme, "job-7"), "assigned".into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    dispatcher
-        .js
-        .publish(names::result_final_subject(acme, "job-7"), "final".into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    store_decision_and_final(&dispatcher.js, acme, "job-7", "assigned", "final").await;
     let got = within("final result", results.next())
         .await
         .expect("the final result");
@@ -510,20 +497,7 @@ async fn a_client_cannot_submit_for_or_read_another_tenant() {
         .await
         .unwrap();
     globex.client.flush().await.unwrap();
-    dispatcher
-        .js
-        .publish(names::decision_subject(g, "job-8"), "g-assigned".into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    dispatcher
-        .js
-        .publish(names::result_final_subject(g, "job-8"), "g-final".into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    store_decision_and_final(&dispatcher.js, g, "job-8", "g-assigned", "g-final").await;
     let got = within("globex's final result", own.next())
         .await
         .expect("globex's result");
@@ -904,5 +878,26 @@ async fn redis_lets_each_agent_write_only_its_own_keys_and_the_dispatcher_only_r
             .await
             .expect_err(what);
         assert_eq!(err.code(), Some("NOPERM"), "{what}: {err}");
+    }
+}
+
+/// Store a job's decision and final result in their streams, as the dispatcher and a
+/// worker would, waiting for both acks.
+async fn store_decision_and_final(
+    js: &async_nats::jetstream::Context,
+    tenant: Option<&str>,
+    job: &str,
+    decision: &'static str,
+    result: &'static str,
+) {
+    for (subject, payload) in [
+        (names::decision_subject(tenant, job), decision),
+        (names::result_final_subject(tenant, job), result),
+    ] {
+        js.publish(subject, payload.into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
     }
 }

@@ -291,6 +291,14 @@ pub struct Hostile {
 }
 
 const STRING_FIELDS: [&str; 4] = ["id", "model", "tenant", "endpoint"];
+/// The Job's integer fields.
+const NUMBER_FIELDS: [&str; 5] = [
+    "prompt_tokens",
+    "max_tokens",
+    "v",
+    "submitted_ms",
+    "deadline_ms",
+];
 
 fn valid_job(ctx: &Context, id: &str, model: &str) -> Value {
     json!({
@@ -385,13 +393,7 @@ pub fn message(seed: u64, index: u64, class: Class, ctx: &Context) -> Hostile {
                 job["prompt_tokens"] = json!(u32::MAX);
                 return submit(enc(&job), Some(&id));
             }
-            let f = [
-                "prompt_tokens",
-                "max_tokens",
-                "v",
-                "submitted_ms",
-                "deadline_ms",
-            ][rng.random_range(0..5)];
+            let f = NUMBER_FIELDS[rng.random_range(0..NUMBER_FIELDS.len())];
             // u32 and u64 overflow, floats, 1e300: each must be refused, not wrapped.
             let huge = [
                 "4294967296",
@@ -407,13 +409,7 @@ pub fn message(seed: u64, index: u64, class: Class, ctx: &Context) -> Hostile {
             )
         }
         Class::NegativeNumber => {
-            let f = [
-                "prompt_tokens",
-                "max_tokens",
-                "v",
-                "submitted_ms",
-                "deadline_ms",
-            ][rng.random_range(0..5)];
+            let f = NUMBER_FIELDS[rng.random_range(0..NUMBER_FIELDS.len())];
             job[f] = json!(-(rng.random_range(1..i64::MAX)));
             submit(enc(&job), Some(&id))
         }
