@@ -36,7 +36,7 @@ use metronome_scheduler::least_harm;
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
 use metronome_scheduler::{
     DrainRate, EwmaSnapshot, FairnessConfig, FairnessSnapshot, IdleTtft, JobProfile, JobRequest,
-    Ledger, SchedulerConfig, Tokens, WorkerView,
+    Ledger, OutputLength, SchedulerConfig, Tokens, WorkerView,
 };
 
 pub use crate::event::{Event, Incoming};
@@ -167,7 +167,11 @@ pub struct Engine {
     /// settled on the tick after [`ORPHAN_REFUSAL_GRACE_MS`].
     orphan_refusals: VecDeque<(String, String, u64)>,
     ewmas: HashMap<String, EwmaSnapshot>,
+    /// Each model's output-length EWMA (from Redis): the prior of its output model.
     output_len: HashMap<String, f64>,
+    /// Each model's output length given `max_tokens`, fitted from this term's completions
+    /// ([`OutputLength`]).
+    output_models: HashMap<String, OutputLength>,
     assigned: HashMap<String, AssignedJob>,
     /// How fast each model's queue drains while jobs wait: the predicted wait behind an
     /// unmeetable deadline's early answer.
@@ -207,6 +211,7 @@ impl Engine {
             orphan_refusals: VecDeque::new(),
             ewmas: HashMap::new(),
             output_len: HashMap::new(),
+            output_models: HashMap::new(),
             assigned: HashMap::new(),
             drain: HashMap::new(),
             policy_state: PolicyState::new(s.policy_seed),
@@ -226,6 +231,11 @@ impl Engine {
     /// publish each outcome, acknowledge each message.
     pub fn take_effects(&mut self) -> Vec<Effect> {
         std::mem::take(&mut self.effects)
+    }
+
+    /// The reservations, read-only (what tests and the policy lab inspect).
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
     }
 
     /// True while the lease allows deciding (always, unfenced).
@@ -300,6 +310,37 @@ impl Engine {
                 self.capacity_changed = true;
             }
         }
+    }
+
+    /// Expected output tokens of `job`: its model's output model when it has seen a
+    /// completion, else the model's output-length EWMA, else `max_tokens` (nothing known,
+    /// so the worst case).
+    fn predicted_output(&self, job: &Job) -> f64 {
+        match self.output_models.get(&job.model) {
+            Some(m) if m.samples() > 0 => m.predict(job.max_tokens),
+            _ => self
+                .output_len
+                .get(&job.model)
+                .copied()
+                .filter(|p| p.is_finite())
+                .map_or(f64::from(job.max_tokens), |p| {
+                    p.clamp(0.0, f64::from(job.max_tokens))
+                }),
+        }
+    }
+
+    /// Fit the model's output length from a completed job this leader assigned (its
+    /// `max_tokens` is in the body it holds).
+    fn learn_output_length(&mut self, event: &CompletionEvent) {
+        let Some(a) = self.assigned.get(&event.job_id) else {
+            return;
+        };
+        let (model, max_tokens) = (a.job.model.clone(), a.job.max_tokens);
+        let prior = self.output_len.get(&model).copied().unwrap_or(f64::NAN);
+        self.output_models
+            .entry(model)
+            .or_insert_with(|| OutputLength::new(prior))
+            .observe(max_tokens, event.output_tokens);
     }
 
     fn alive(&self, view: &WorkerView, now_ms: u64) -> bool {
@@ -492,16 +533,11 @@ impl Engine {
         // tenant's job behind a flood is served next and must not be refused for the
         // flood's length. Later arrivals of lighter tenants can still go ahead, so a
         // flooding tenant's wait is underestimated, never a light tenant's overstated.
-        let predicted = self.output_len.get(model).copied();
         let waiting: Vec<(u64, &str)> = self
             .queues
             .service_order(model, |j| Tokens {
                 prompt: f64::from(j.job.prompt_tokens),
-                output: predicted
-                    .filter(|p| p.is_finite())
-                    .map_or(f64::from(j.job.max_tokens), |p| {
-                        p.clamp(0.0, f64::from(j.job.max_tokens))
-                    }),
+                output: self.predicted_output(&j.job),
             })
             .into_iter()
             .map(|j| (j.deadline_ms, j.job.id.as_str()))
@@ -692,6 +728,9 @@ impl Engine {
     }
 
     fn completion(&mut self, event: CompletionEvent, acker: &mut Option<Arc<Acker>>) {
+        if event.outcome == CompletionOutcome::Done {
+            self.learn_output_length(&event);
+        }
         if event.outcome != CompletionOutcome::Refused {
             let now = self.now_ms;
             self.finished.insert(&event.job_id, now);
@@ -1110,16 +1149,7 @@ impl Engine {
                 }
                 return;
             };
-            let front = self.queues.get(model, pos).expect("position exists");
             let started = Instant::now();
-            let predicted = self
-                .output_len
-                .get(model)
-                .copied()
-                .unwrap_or(f64::from(front.job.max_tokens));
-            let slo = scheduler.slo_for(model, front.job.slo.as_ref());
-            let waited = Self::waited_ms(front, slo.ttft_ms, now);
-            let request = JobRequest::from_job(&front.job, predicted, slo).waited(waited);
             let all_workers = self.s.decision_list_wrong_model;
             if !all_workers && !self.per_model.contains_key(model) {
                 let views = self
@@ -1136,15 +1166,53 @@ impl Engine {
                 &self.per_model[model]
             };
             let other_models = self.workers.len() - workers.len();
-            let mut evaluation = choose(
-                self.s.policy,
-                &mut self.policy_state,
-                &request,
-                workers,
-                &self.ledger,
-                &self.s.scheduler,
-                now,
-            );
+            // The job to place: the one fairness and the TTFT rule chose, or, when no
+            // worker can take it now, a younger job of its flow that one can take
+            // without a predicted miss (see `lookahead`).
+            let mut tries = vec![pos];
+            if self.s.policy == PolicyKind::Metronome && self.s.scheduler.lookahead > 0 {
+                tries.extend(
+                    self.queues
+                        .following(model, pos, self.s.scheduler.lookahead),
+                );
+            }
+            let mut chosen = None;
+            let mut head_evaluation = None;
+            for (k, &at) in tries.iter().enumerate() {
+                let job = self.queues.get(model, at).expect("position exists");
+                if k > 0 && late(job) {
+                    continue;
+                }
+                let predicted = self.predicted_output(&job.job);
+                let slo = scheduler.slo_for(model, job.job.slo.as_ref());
+                let waited = Self::waited_ms(job, slo.ttft_ms, now);
+                let request = JobRequest::from_job(&job.job, predicted, slo).waited(waited);
+                let evaluation = choose(
+                    self.s.policy,
+                    &mut self.policy_state,
+                    &request,
+                    workers,
+                    &self.ledger,
+                    &self.s.scheduler,
+                    now,
+                );
+                if evaluation.winner.is_some() {
+                    chosen = Some((at, request, slo, evaluation));
+                    break;
+                }
+                if k == 0 {
+                    head_evaluation = Some((request, slo, evaluation));
+                }
+            }
+            let (pos, request, slo, mut evaluation) = match chosen {
+                Some(c) => c,
+                None => {
+                    let (r, s, e) = head_evaluation.expect("the head was evaluated");
+                    (pos, r, s, e)
+                }
+            };
+            let front = self.queues.get(model, pos).expect("position exists");
+            let waited = Self::waited_ms(front, slo.ttft_ms, now);
             let mut least_harm_note = None;
             let alone = self.queues.len(model) == 1;
             if evaluation.winner.is_none() && self.s.policy == PolicyKind::Metronome && alone {

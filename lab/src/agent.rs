@@ -37,6 +37,9 @@ pub struct Held {
     pub first_token_ms: Option<f64>,
     pub last_token_ms: Option<f64>,
     pub tokens: u32,
+    /// Prefill time of the steps that produced its tokens after the first: how long its
+    /// decode stood still for other jobs' prompts.
+    pub stall_ms: f64,
 }
 
 /// What the agent tells the world about a finished job.
@@ -50,6 +53,7 @@ pub struct Finished {
     pub output_tokens: u32,
     pub ttft_ms: Option<f64>,
     pub tpot_ms: Option<f64>,
+    pub stall_ms: f64,
 }
 
 /// What the agent's probe last read from its server.
@@ -165,6 +169,7 @@ impl Agent {
                 first_token_ms: None,
                 last_token_ms: None,
                 tokens: 0,
+                stall_ms: 0.0,
             },
         );
         true
@@ -237,7 +242,7 @@ impl Agent {
     /// the tokens that were first tokens (job ids) and when the next step ends.
     pub fn step_done(&mut self, now_ms: f64) -> (Vec<Finished>, Vec<String>, Option<f64>) {
         let at = self.instant(now_ms);
-        let tokens: Vec<Emitted> = self.gpu.finish_step();
+        let (tokens, step_stall_ms): (Vec<Emitted>, f64) = self.gpu.finish_step();
         let mut finished = Vec::new();
         let mut first = Vec::new();
         for t in tokens {
@@ -251,6 +256,8 @@ impl Agent {
                 h.first_token_ms = Some(now_ms);
                 self.tracker.first_token(&id, at);
                 first.push(id.clone());
+            } else {
+                h.stall_ms += step_stall_ms;
             }
             h.last_token_ms = Some(now_ms);
             h.tokens += 1;
@@ -308,6 +315,7 @@ impl Agent {
             output_tokens: h.tokens,
             ttft_ms: sample.ttft_ms,
             tpot_ms: sample.tpot_ms,
+            stall_ms: h.stall_ms,
         }
     }
 

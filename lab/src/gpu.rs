@@ -2,14 +2,16 @@
 //! it has work, each step's tokens delivered when the step ends (as the simulator's server
 //! loop does: a sequence added during a step joins the next one).
 
+use metronome_gpu_sim::cost::StepShape;
 use metronome_gpu_sim::engine::{Emitted, Engine, EngineStats, SeqId};
 use metronome_gpu_sim::SimGpuConfig;
 
 /// A GPU and the step it is running.
 pub struct Gpu {
     engine: Engine,
-    /// End of the step in progress and its tokens.
-    running: Option<(f64, Vec<Emitted>)>,
+    /// End of the step in progress, its tokens and the part of its time spent on prefill
+    /// (what every decoding sequence of the step stood still for).
+    running: Option<(f64, Vec<Emitted>, f64)>,
     /// Simulated milliseconds spent stepping.
     pub busy_ms: f64,
 }
@@ -39,15 +41,25 @@ impl Gpu {
             return None;
         }
         let ms = outcome.duration.as_secs_f64() * 1000.0;
+        let cost = self.engine.params().cost;
+        let stall_ms = cost.step_ms(outcome.shape)
+            - cost.step_ms(StepShape {
+                prefill_tokens: 0,
+                decode_seqs: outcome.shape.decode_seqs.max(1),
+                ..outcome.shape
+            });
         self.busy_ms += ms;
         let end = now_ms + ms;
-        self.running = Some((end, outcome.tokens));
+        self.running = Some((end, outcome.tokens, stall_ms.max(0.0)));
         Some(end)
     }
 
-    /// The step that ended: its tokens.
-    pub fn finish_step(&mut self) -> Vec<Emitted> {
-        self.running.take().map(|(_, t)| t).unwrap_or_default()
+    /// The step that ended: its tokens and its prefill time.
+    pub fn finish_step(&mut self) -> (Vec<Emitted>, f64) {
+        self.running
+            .take()
+            .map(|(_, t, s)| (t, s))
+            .unwrap_or_default()
     }
 
     /// Whether the GPU has anything running or waiting.

@@ -27,4 +27,4 @@ pub mod agent;
 pub mod gpu;
 pub mod world;
 
-pub use world::{run, LabConfig, LabRun, Latencies};
+pub use world::{run, Cluster, LabConfig, LabRun, Latencies, StallCheck};

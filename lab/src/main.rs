@@ -11,7 +11,8 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use metronome_dispatcher::Config as DispatcherConfig;
 use metronome_gpu_sim::SimGpuConfig;
-use metronome_lab::{run, LabConfig, LabRun, Latencies};
+use metronome_lab::{Cluster, LabConfig, LabRun, Latencies};
+use metronome_loadgen::bench::curve::{capacity_at_slo, CurvePoint, ATTAINMENT_TARGET};
 use metronome_loadgen::bench::scenarios::{cluster_speeds, nominal_for, BenchPlan, MODEL};
 use metronome_loadgen::{meets_slo, plan_requests, summarize, Slo, Workload};
 use metronome_scheduler::policy::PolicyKind;
@@ -65,6 +66,24 @@ struct Args {
     /// Dispatcher TOML appended to the defaults (experiments only).
     #[arg(long)]
     dispatcher_toml: Option<String>,
+    /// Write each point's per-request CSV under this folder
+    /// (`<cluster>/<workload>/<policy>/<load %>-<seed>.csv`).
+    #[arg(long)]
+    csv: Option<PathBuf>,
+    /// Print only the summary (attainment per load, capacity at SLO), not every point.
+    #[arg(long)]
+    summary_only: bool,
+}
+
+/// One measured point.
+struct Point {
+    cluster: String,
+    workload: String,
+    load: f64,
+    rate: f64,
+    policy: String,
+    good: usize,
+    count: usize,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -91,76 +110,91 @@ fn main() -> anyhow::Result<()> {
         None => DispatcherConfig::default(),
     };
     let slo = Slo::default();
-    println!(
+    let mut points: Vec<Point> = Vec::new();
+    if !args.summary_only {
+        println!(
         "{:<7} {:<6} {:>5} {:<18} {:>4} {:>7} {:>7} {:>7} {:>8} {:>6} {:>7} {:>6} {:>9} {:>9}  holds",
         "cluster", "load", "seed", "policy", "n", "attain", "goodput", "ttft50", "ttft99", "tps_p1", "out_tps", "idle%", "errTTFT50", "errDec50"
-    );
-    let mut totals: Vec<(String, f64, usize)> = Vec::new();
-    for cluster in &args.clusters {
-        let speeds = match cluster_speeds(cluster) {
-            Some(s) => s,
-            None => cluster
-                .split(',')
-                .map(|s| s.trim().parse::<f64>())
-                .collect::<Result<Vec<_>, _>>()
-                .with_context(|| format!("cluster {cluster:?}: a name or speeds"))?,
-        };
-        for workload in &args.workloads {
-            let nominal = nominal_for(&plan, workload, &speeds)?;
-            for &load in &args.loads {
-                let rate = load * nominal.capacity_rps;
-                for (k, &seed) in args.seeds.iter().enumerate() {
-                    let mut spec = plan.spec(workload, "http://127.0.0.1/v1".into(), rate);
-                    spec.seed = seed;
-                    if let Workload::Trace { start_offset_s, .. } = &mut spec.workload {
-                        *start_offset_s = k as f64 * plan.requests as f64 / rate;
-                    }
-                    let requests = plan_requests(&spec)
-                        .with_context(|| format!("planning {workload} at {rate} req/s"))?;
-                    for policy in &args.policies {
-                        let kind: PolicyKind = policy
-                            .parse()
-                            .map_err(|e| anyhow::anyhow!("policy {policy:?}: {e}"))?;
-                        dispatcher.policy = kind;
-                        let config = LabConfig {
-                            dispatcher: dispatcher.clone(),
-                            agent: metronome_worker_agent::Config::default(),
-                            gpus: speeds
-                                .iter()
-                                .map(|&speed| SimGpuConfig {
-                                    speed,
-                                    ..SimGpuConfig::new(MODEL)
-                                })
-                                .collect(),
-                            latencies: Latencies::default(),
-                            sample_ms: 100.0,
-                            warmup_ms: 3_000.0,
-                        };
-                        let out = run(&config, &requests);
-                        let line = point_line(cluster, workload, load, seed, policy, &out, slo);
-                        println!("{line}");
-                        let good = out.records.iter().filter(|r| meets_slo(r, &slo)).count();
-                        match totals.iter_mut().find(|(p, _, _)| p == policy) {
-                            Some(t) => {
-                                t.1 += good as f64;
-                                t.2 += out.records.len();
-                            }
-                            None => totals.push((policy.clone(), good as f64, out.records.len())),
+        );
+    }
+    // As metronome-bench does: per cluster and policy one system, every workload at every
+    // load in turn; each seed is a run of its own.
+    for (k, &seed) in args.seeds.iter().enumerate() {
+        for cluster in &args.clusters {
+            let speeds = match cluster_speeds(cluster) {
+                Some(s) => s,
+                None => cluster
+                    .split(',')
+                    .map(|s| s.trim().parse::<f64>())
+                    .collect::<Result<Vec<_>, _>>()
+                    .with_context(|| format!("cluster {cluster:?}: a name or speeds"))?,
+            };
+            for policy in &args.policies {
+                let kind: PolicyKind = policy
+                    .parse()
+                    .map_err(|e| anyhow::anyhow!("policy {policy:?}: {e}"))?;
+                dispatcher.policy = kind;
+                let config = LabConfig {
+                    dispatcher: dispatcher.clone(),
+                    agent: metronome_worker_agent::Config::default(),
+                    gpus: speeds
+                        .iter()
+                        .map(|&speed| SimGpuConfig {
+                            speed,
+                            ..SimGpuConfig::new(MODEL)
+                        })
+                        .collect(),
+                    latencies: Latencies::default(),
+                    sample_ms: 100.0,
+                    warmup_ms: 3_000.0,
+                };
+                let mut system = Cluster::new(&config);
+                for workload in &args.workloads {
+                    let nominal = nominal_for(&plan, workload, &speeds)?;
+                    for &load in &args.loads {
+                        let rate = load * nominal.capacity_rps;
+                        let mut spec = plan.spec(workload, "http://127.0.0.1/v1".into(), rate);
+                        spec.seed = seed;
+                        if let Workload::Trace { start_offset_s, .. } = &mut spec.workload {
+                            *start_offset_s = k as f64 * plan.requests as f64 / rate;
                         }
+                        let requests = plan_requests(&spec)
+                            .with_context(|| format!("planning {workload} at {rate} req/s"))?;
+                        let out = system.run(&requests);
+                        if let Some(dir) = &args.csv {
+                            let dir = dir
+                                .join(cluster.replace([',', ' '], "_"))
+                                .join(workload)
+                                .join(policy);
+                            std::fs::create_dir_all(&dir)?;
+                            let file = dir.join(format!("{:.0}-{seed}.csv", load * 100.0));
+                            metronome_loadgen::record::write_csv(&file, &out.records)
+                                .map_err(|e| anyhow::anyhow!("{e}"))?;
+                        }
+                        if !args.summary_only {
+                            println!(
+                                "{}",
+                                point_line(cluster, workload, load, seed, policy, &out, slo)
+                            );
+                        }
+                        points.push(Point {
+                            cluster: cluster.clone(),
+                            workload: workload.clone(),
+                            load,
+                            rate,
+                            policy: policy.clone(),
+                            good: out.records.iter().filter(|r| meets_slo(r, &slo)).count(),
+                            count: out.records.len(),
+                        });
                     }
                 }
             }
         }
     }
-    if totals.is_empty() {
+    if points.is_empty() {
         bail!("nothing to run");
     }
-    for (policy, good, n) in totals {
-        println!(
-            "overall {policy}: {:.1} % of {n} requests met the SLO",
-            100.0 * good / n as f64
-        );
-    }
+    print_summary(&points, &args.policies, &args.loads);
     Ok(())
 }
 
@@ -176,7 +210,12 @@ fn point_line(
     let s = summarize(&out.records, slo);
     let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
     let errors = prediction_errors(out);
-    let holds: Vec<String> = out.holds.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let mut holds: Vec<String> = out.holds.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let charged: f64 = out.stalls.iter().map(|c| c.charged_ms).sum();
+    let actual: f64 = out.stalls.iter().map(|c| c.actual_ms).sum();
+    if actual > 0.0 {
+        holds.push(format!("stall charged/actual {:.2}", charged / actual));
+    }
     format!(
         "{:<7} {:<6} {:>5} {:<18} {:>4} {:>6.1}% {:>7.2} {:>7} {:>8} {:>6.1} {:>7.0} {:>5.2}% {:>9} {:>9}  {}",
         cluster,
@@ -221,4 +260,77 @@ fn median(v: &mut [f64]) -> Option<f64> {
     }
     v.sort_by(f64::total_cmp);
     Some(v[(v.len() - 1) / 2])
+}
+
+/// Per cluster and workload: each policy's attainment at each load (pooled over seeds)
+/// and its capacity at SLO, with the ratio to least connections'.
+fn print_summary(points: &[Point], policies: &[String], loads: &[f64]) {
+    let mut keys: Vec<(String, String)> = Vec::new();
+    for p in points {
+        let k = (p.cluster.clone(), p.workload.clone());
+        if !keys.contains(&k) {
+            keys.push(k);
+        }
+    }
+    println!();
+    let header: Vec<String> = loads
+        .iter()
+        .map(|l| format!("{:>7.0}%", l * 100.0))
+        .collect();
+    println!(
+        "{:<20} {:<18}{}  capacity@SLO (x LC)",
+        "cluster/workload",
+        "policy",
+        header.join("")
+    );
+    for (cluster, workload) in keys {
+        let mut lc_capacity = None;
+        let mut rows = Vec::new();
+        for policy in policies {
+            let mut cells = Vec::new();
+            let mut curve = Vec::new();
+            for &load in loads {
+                let (good, count, rate) = points
+                    .iter()
+                    .filter(|p| {
+                        p.cluster == cluster
+                            && p.workload == workload
+                            && p.policy == *policy
+                            && p.load == load
+                    })
+                    .fold((0, 0, 0.0), |(g, c, _), p| {
+                        (g + p.good, c + p.count, p.rate)
+                    });
+                if count == 0 {
+                    cells.push(format!("{:>8}", "-"));
+                    continue;
+                }
+                let attainment = good as f64 / count as f64;
+                cells.push(format!("{:>7.1}%", attainment * 100.0));
+                curve.push(CurvePoint {
+                    rate_rps: rate,
+                    attainment,
+                });
+            }
+            let capacity = capacity_at_slo(&curve, ATTAINMENT_TARGET);
+            if policy == "least_connections" {
+                lc_capacity = capacity.map(|c| c.rate());
+            }
+            rows.push((policy.clone(), cells, capacity));
+        }
+        for (policy, cells, capacity) in rows {
+            let ratio = match (capacity.map(|c| c.rate()), lc_capacity) {
+                (Some(c), Some(lc)) if lc > 0.0 => format!(" ({:.2}x)", c / lc),
+                _ => String::new(),
+            };
+            println!(
+                "{:<20} {:<18}{}  {}{}",
+                format!("{cluster}/{workload}"),
+                policy,
+                cells.join(""),
+                capacity.map_or("-".into(), |c| c.display()),
+                ratio
+            );
+        }
+    }
 }

@@ -96,6 +96,20 @@ pub struct LabRun {
     pub holds: BTreeMap<String, u64>,
     /// Requests each worker ran.
     pub per_worker: BTreeMap<String, u64>,
+    /// Per completed job: the prefill stall admission charged it against the stall it
+    /// stood still for.
+    pub stalls: Vec<StallCheck>,
+}
+
+/// What admission control believed a running job would be stalled, against what it was.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StallCheck {
+    /// Stall charged to it in the ledger by admissions after it, ms.
+    pub charged_ms: f64,
+    /// Time its decode stood still for prefills, ms.
+    pub actual_ms: f64,
+    pub predicted_output: f64,
+    pub output_tokens: u32,
 }
 
 /// Rejection codes whose holds are reported.
@@ -201,75 +215,166 @@ struct World {
     output_len: HashMap<String, Average>,
     idle_ms: f64,
     sampled_ms: f64,
+    stalls: Vec<StallCheck>,
     outstanding: usize,
     warmup_ms: f64,
     model: String,
+    /// Points run so far (job ids carry it, so no two points share one).
+    points: usize,
+    /// When the current point's arrivals start.
+    point_start_ms: f64,
+    /// Hold counters at the start of the current point.
+    holds_before: BTreeMap<String, u64>,
 }
 
-/// Run the planned requests (all for the first GPU's model) on the configured cluster.
+/// A simulated cluster that keeps its state from one run to the next, as a system that
+/// `metronome-bench` starts once per cluster and policy does: the fitted models, the
+/// averages and the dispatcher's term carry over.
+pub struct Cluster {
+    world: World,
+}
+
+impl Cluster {
+    pub fn new(config: &LabConfig) -> Cluster {
+        Cluster {
+            world: World::new(config),
+        }
+    }
+
+    /// Run the planned requests (all for the first GPU's model), once the cluster is idle.
+    pub fn run(&mut self, plan: &[PlannedRequest]) -> LabRun {
+        let w = &mut self.world;
+        w.settle_idle();
+        w.begin(plan);
+        w.run();
+        w.end()
+    }
+}
+
+/// Run the planned requests on a fresh cluster.
 pub fn run(config: &LabConfig, plan: &[PlannedRequest]) -> LabRun {
-    let origin = Instant::now();
-    let prior = config.agent.perf_prior.unwrap_or_default();
-    let agents: Vec<Agent> = config
-        .gpus
-        .iter()
-        .enumerate()
-        .map(|(i, g)| {
-            Agent::new(
-                format!("lab-gpu{i}"),
-                i as u32,
-                g,
-                &config.agent,
-                &prior,
-                origin,
-                ORIGIN_UNIX_MS,
-            )
-        })
-        .collect();
-    let metrics = Metrics::new();
-    let settings = EngineSettings::from_config(&config.dispatcher, 1, "lab".into());
-    let engine = Engine::new(settings, metrics.clone(), None);
-    let model = config
-        .gpus
-        .first()
-        .map(|g| g.model.clone())
-        .unwrap_or_default();
-    let mut w = World {
-        now: 0.0,
-        seq: 0,
-        queue: BinaryHeap::new(),
-        engine,
-        metrics,
-        beats: vec![Beat::default(); agents.len()],
-        index: agents
-            .iter()
-            .enumerate()
-            .map(|(i, a)| (a.worker_id.clone(), i))
-            .collect(),
-        agents,
-        lat: config.latencies,
-        tick_ms: config.dispatcher.tick_ms as f64,
-        ewma_refresh_ms: config.dispatcher.ewma_refresh_ms as f64,
-        heartbeat_ms: config.agent.heartbeat_interval_ms as f64,
-        sample_ms: config.sample_ms,
-        revision: 0,
-        plan: plan.to_vec(),
-        jobs: HashMap::new(),
-        clients: vec![Client::default(); plan.len()],
-        predicted: vec![None; plan.len()],
-        output_len: HashMap::new(),
-        idle_ms: 0.0,
-        sampled_ms: 0.0,
-        outstanding: plan.len(),
-        warmup_ms: config.warmup_ms,
-        model,
-    };
-    w.start();
-    w.run();
-    w.finish()
+    Cluster::new(config).run(plan)
 }
 
 impl World {
+    fn new(config: &LabConfig) -> World {
+        let origin = Instant::now();
+        let prior = config.agent.perf_prior.unwrap_or_default();
+        let agents: Vec<Agent> = config
+            .gpus
+            .iter()
+            .enumerate()
+            .map(|(i, g)| {
+                Agent::new(
+                    format!("lab-gpu{i}"),
+                    i as u32,
+                    g,
+                    &config.agent,
+                    &prior,
+                    origin,
+                    ORIGIN_UNIX_MS,
+                )
+            })
+            .collect();
+        let metrics = Metrics::new();
+        let settings = EngineSettings::from_config(&config.dispatcher, 1, "lab".into());
+        let engine = Engine::new(settings, metrics.clone(), None);
+        let model = config
+            .gpus
+            .first()
+            .map(|g| g.model.clone())
+            .unwrap_or_default();
+        let mut w = World {
+            now: 0.0,
+            seq: 0,
+            queue: BinaryHeap::new(),
+            engine,
+            metrics,
+            beats: vec![Beat::default(); agents.len()],
+            index: agents
+                .iter()
+                .enumerate()
+                .map(|(i, a)| (a.worker_id.clone(), i))
+                .collect(),
+            agents,
+            lat: config.latencies,
+            tick_ms: config.dispatcher.tick_ms as f64,
+            ewma_refresh_ms: config.dispatcher.ewma_refresh_ms as f64,
+            heartbeat_ms: config.agent.heartbeat_interval_ms as f64,
+            sample_ms: config.sample_ms,
+            revision: 0,
+            plan: Vec::new(),
+            jobs: HashMap::new(),
+            clients: Vec::new(),
+            predicted: Vec::new(),
+            output_len: HashMap::new(),
+            idle_ms: 0.0,
+            sampled_ms: 0.0,
+            stalls: Vec::new(),
+            outstanding: 0,
+            warmup_ms: config.warmup_ms,
+            model,
+            points: 0,
+            point_start_ms: 0.0,
+            holds_before: BTreeMap::new(),
+        };
+        w.start();
+        w
+    }
+
+    fn holds(&self) -> BTreeMap<String, u64> {
+        HOLD_CODES
+            .iter()
+            .map(|code| (code.to_string(), self.metrics.holds(&self.model, code)))
+            .collect()
+    }
+
+    /// Let time pass until no job is held anywhere and the queue is empty (the bench waits
+    /// for idle GPUs between points), and at least the warm-up on the first point.
+    fn settle_idle(&mut self) {
+        let ready_at = if self.points == 0 {
+            self.warmup_ms
+        } else {
+            0.0
+        };
+        loop {
+            let idle = self
+                .agents
+                .iter()
+                .all(|a| a.held() == 0 && !a.gpu.has_work())
+                && self.engine.ledger().len() == 0;
+            let next = self.queue.peek().map_or(f64::INFINITY, |s| s.at);
+            if idle && next > ready_at {
+                break;
+            }
+            let Some(s) = self.queue.pop() else {
+                break;
+            };
+            self.now = s.at;
+            self.apply(s.ev);
+        }
+        self.now = self.now.max(ready_at);
+    }
+
+    /// Start a point: its arrivals from now on.
+    fn begin(&mut self, plan: &[PlannedRequest]) {
+        self.points += 1;
+        self.point_start_ms = self.now + 1.0;
+        self.plan = plan.to_vec();
+        self.jobs.clear();
+        self.clients = vec![Client::default(); plan.len()];
+        self.predicted = vec![None; plan.len()];
+        self.idle_ms = 0.0;
+        self.sampled_ms = 0.0;
+        self.stalls.clear();
+        self.outstanding = plan.len();
+        self.holds_before = self.holds();
+        for i in 0..plan.len() {
+            let at = self.point_start_ms + plan[i].at_s * 1000.0;
+            self.at(at, Ev::Arrive(i));
+        }
+    }
+
     fn at(&mut self, at: f64, ev: Ev) {
         self.seq += 1;
         self.queue.push(Scheduled {
@@ -292,22 +397,20 @@ impl World {
         }
         self.at(0.0, Ev::Tick);
         self.at(self.ewma_refresh_ms * 0.5, Ev::EwmaRefresh);
-        self.at(self.warmup_ms, Ev::Sample);
-        for i in 0..self.plan.len() {
-            let at = self.warmup_ms + self.plan[i].at_s * 1000.0;
-            self.at(at, Ev::Arrive(i));
-        }
+        self.at(0.0, Ev::Sample);
     }
 
     fn run(&mut self) {
         // A backlog drains at the cluster's pace; give up long after the last arrival
         // (every unanswered request then counts as timed out).
         let last_arrival = self.plan.last().map_or(0.0, |r| r.at_s * 1000.0);
-        let give_up = self.warmup_ms + last_arrival + 30.0 * 60_000.0;
-        while let Some(s) = self.queue.pop() {
-            if self.outstanding == 0 || s.at > give_up {
-                break;
+        let give_up = self.point_start_ms + last_arrival + 30.0 * 60_000.0;
+        while self.outstanding > 0 {
+            match self.queue.peek() {
+                Some(s) if s.at <= give_up => {}
+                _ => break,
             }
+            let s = self.queue.pop().expect("peeked");
             self.now = s.at;
             self.apply(s.ev);
         }
@@ -318,7 +421,7 @@ impl World {
         match ev {
             Ev::Arrive(i) => {
                 let r = self.plan[i];
-                let id = format!("lab-{i}");
+                let id = format!("lab-{}-{i}", self.points);
                 self.jobs.insert(id.clone(), i);
                 let job = Job {
                     v: PROTOCOL_VERSION,
@@ -338,7 +441,7 @@ impl World {
                 let incoming = Incoming {
                     job: Arc::new(job),
                     acker: None,
-                    seq: i as u64 + 1,
+                    seq: (self.points as u64) << 32 | (i as u64 + 1),
                     received_ms: self.unix(arrive),
                     attempt: 1,
                 };
@@ -448,7 +551,8 @@ impl World {
                     .lock()
                     .map(|d| d.get(&self.model).copied().unwrap_or(0))
                     .unwrap_or(0);
-                for a in &self.agents {
+                let running = self.outstanding > 0;
+                for a in self.agents.iter().filter(|_| running) {
                     self.sampled_ms += self.sample_ms;
                     if waiting > 0 && a.held() == 0 && !a.gpu.has_work() {
                         self.idle_ms += self.sample_ms;
@@ -504,7 +608,14 @@ impl World {
             e2e_ms: now - f.started_ms,
             finished_ms: self.unix(now),
         };
-        let _ = (f.first_token_ms, f.last_token_ms);
+        if let Some(r) = self.engine.ledger().get(&f.job.id) {
+            self.stalls.push(StallCheck {
+                charged_ms: r.stall_ms,
+                actual_ms: f.stall_ms,
+                predicted_output: r.profile.map_or(0.0, |p| p.predicted_output),
+                output_tokens: f.output_tokens,
+            });
+        }
         self.at(
             now + self.lat.complete_ms,
             Ev::ToEngine(Box::new(Event::Completion {
@@ -606,14 +717,14 @@ impl World {
         }
     }
 
-    fn finish(self) -> LabRun {
+    fn end(&mut self) -> LabRun {
         let mut per_worker = BTreeMap::new();
         let records = self
             .plan
             .iter()
             .zip(&self.clients)
             .map(|(r, c)| {
-                let sent = self.warmup_ms + r.at_s * 1000.0;
+                let sent = self.point_start_ms + r.at_s * 1000.0;
                 let ok = c.done && c.error.is_none();
                 if let (true, Some(w)) = (ok, &c.worker) {
                     *per_worker.entry(w.clone()).or_insert(0) += 1;
@@ -645,7 +756,7 @@ impl World {
                     tokens_per_s: None,
                     usage_reported: ok,
                     chunks: c.tokens,
-                    job_id: Some(format!("lab-{}", r.id)),
+                    job_id: Some(format!("lab-{}-{}", self.points, r.id)),
                     worker: c.worker.clone(),
                     tenant: None,
                 };
@@ -653,18 +764,23 @@ impl World {
                 rec
             })
             .collect();
-        let holds = HOLD_CODES
-            .iter()
-            .map(|code| (code.to_string(), self.metrics.holds(&self.model, code)))
+        let holds = self
+            .holds()
+            .into_iter()
+            .map(|(k, n)| {
+                let before = self.holds_before.get(&k).copied().unwrap_or(0);
+                (k, n - before)
+            })
             .filter(|(_, n)| *n > 0)
             .collect();
         LabRun {
             records,
-            predicted: self.predicted,
+            predicted: std::mem::take(&mut self.predicted),
             idle_ms: self.idle_ms,
             sampled_ms: self.sampled_ms,
             holds,
             per_worker,
+            stalls: std::mem::take(&mut self.stalls),
         }
     }
 }
