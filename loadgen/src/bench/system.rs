@@ -203,7 +203,7 @@ impl System {
             let client = auth
                 .connect_options()
                 .context("NATS credentials")?
-                .connect(nats_url.as_str())
+                .connect(metronome_runtime::nats::server_urls(&nats_url))
                 .await
                 .context("connecting to the system's NATS")?;
             let js = async_nats::jetstream::new(client);

@@ -218,7 +218,7 @@ pub async fn run_drills(plan: &DrillPlan) -> anyhow::Result<Vec<DrillReport>> {
         .connect_options()
         .context("NATS credentials")?
         .retry_on_initial_connect()
-        .connect(nats_url.as_str())
+        .connect(metronome_runtime::nats::server_urls(&nats_url))
         .await?;
     let js = jetstream::new(client.clone());
     let seen = Arc::new(Mutex::new(Seen::default()));
