@@ -13,7 +13,8 @@ use tracing_subscriber::EnvFilter;
 /// Fault drills: SIGKILL the leader, SIGKILL + restart a worker-agent, SIGSTOP an agent,
 /// Redis down, nats-server restart, SIGKILL both dispatchers, SIGKILL a model server, a
 /// rolling deploy of every process, a flood of hostile messages — each under load on one `./dev up --keep-going`
-/// system, every job accounted for by id.
+/// system, every job accounted for by id — and SIGKILL the NATS node leading the JOBS
+/// stream, on a second system with a 3-node NATS cluster (`--nats-cluster 3`, R3).
 ///
 /// Builds nothing: build the binaries of the chosen profile first
 /// (`cargo build --bins`, or `--release`). Needs nats-server and redis-server on PATH.
@@ -24,7 +25,7 @@ use tracing_subscriber::EnvFilter;
 #[derive(Debug, Parser)]
 #[command(name = "metronome-drill", version, verbatim_doc_comment)]
 struct Cli {
-    /// CI size: 8 s of load per drill, 3 s SIGSTOP, model-server and Redis outage.
+    /// CI size: 8 s of load per drill, 3 s SIGSTOP, model-server, Redis and NATS-node outage.
     #[arg(long)]
     short: bool,
     /// Where to write the report [default: <repo>/RELIABILITY.md].
@@ -44,7 +45,7 @@ struct Cli {
     rate: Option<f64>,
     /// Drills not to run, comma-separated (kill-leader, restart-agent, stop-agent,
     /// redis-down, restart-nats, kill-dispatchers, stop-model-server, rolling-deploy,
-    /// hostile).
+    /// hostile, kill-nats-leader).
     #[arg(long, value_delimiter = ',')]
     skip: Vec<String>,
     /// Run only these drills, comma-separated, in the usual order.

@@ -22,6 +22,12 @@
 //!
 //! Processes are killed and restarted by their pid files (`process`). The drill stops
 //! what it started when the system stops.
+//!
+//! The drills that need a NATS cluster (`kill-nats-leader`) run on a second system,
+//! started with `./dev up --nats-cluster 3` (three nats-servers, every stream and bucket
+//! R3), after the others. Its time to recover runs from the kill to the first successful
+//! result of a job submitted after it: JOBS took the job (a new stream leader), the
+//! dispatcher read and assigned it, a worker ran it and RESULTS stored its result.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -73,10 +79,13 @@ pub enum Fault {
     /// admin identity can write (`hostile`): no component may stop, the leader may not
     /// change, every class must be rejected visibly.
     Hostile,
+    /// On a three-node NATS cluster (streams and buckets R3): SIGKILL the nats-server that
+    /// leads the JOBS stream, start it again after the pause; the service goes on.
+    KillNatsLeader,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 9] = [
+    pub const ALL: [Fault; 10] = [
         Fault::KillLeader,
         Fault::RestartAgent,
         Fault::StopAgent,
@@ -86,6 +95,7 @@ impl Fault {
         Fault::StopModelServer,
         Fault::RollingDeploy,
         Fault::Hostile,
+        Fault::KillNatsLeader,
     ];
 
     pub fn name(self) -> &'static str {
@@ -99,9 +109,21 @@ impl Fault {
             Fault::StopModelServer => "stop-model-server",
             Fault::RollingDeploy => "rolling-deploy",
             Fault::Hostile => "hostile",
+            Fault::KillNatsLeader => "kill-nats-leader",
+        }
+    }
+
+    /// NATS servers of the system the drill runs on: a cluster of three, or one.
+    pub fn nats_nodes(self) -> usize {
+        match self {
+            Fault::KillNatsLeader => CLUSTER_NODES,
+            _ => 1,
         }
     }
 }
+
+/// Nodes of the cluster the cluster drills run on (`./dev up --nats-cluster 3`).
+pub const CLUSTER_NODES: usize = 3;
 
 /// Sizes of a drill run.
 #[derive(Debug, Clone)]
@@ -113,7 +135,7 @@ pub struct DrillPlan {
     pub rate: f64,
     /// How long jobs are offered in each drill; the fault comes at a third of it.
     pub load: Duration,
-    /// SIGSTOP length, and how long a killed model server stays down.
+    /// SIGSTOP length, and how long a killed model server or NATS node stays down.
     pub pause: Duration,
     /// Redis outage length.
     pub redis_outage: Duration,
@@ -187,27 +209,60 @@ impl DrillReport {
 struct Seen {
     runs: BTreeMap<String, BTreeSet<(String, Option<u32>)>>,
     decisions: Vec<Instant>,
-    /// (arrival, worker) of successful final results seen live.
-    finals: Vec<(Instant, Option<String>)>,
+    /// (arrival, worker, job) of successful final results seen live.
+    finals: Vec<(Instant, Option<String>, String)>,
 }
 
-/// Run every drill of `plan` on one system; returns the reports in order.
+/// Run every drill of `plan`, those on one NATS server on one system and those on a
+/// cluster on a second; returns the reports in the order of [`Fault::ALL`].
 pub async fn run_drills(plan: &DrillPlan) -> anyhow::Result<Vec<DrillReport>> {
+    let mut reports = Vec::new();
+    for nodes in [1, CLUSTER_NODES] {
+        let faults: Vec<Fault> = plan
+            .faults
+            .iter()
+            .copied()
+            .filter(|f| f.nats_nodes() == nodes)
+            .collect();
+        if faults.is_empty() {
+            continue;
+        }
+        let state_dir = if nodes == 1 {
+            plan.state_dir.clone()
+        } else {
+            let mut dir = plan.state_dir.clone().into_os_string();
+            dir.push("-cluster");
+            PathBuf::from(dir)
+        };
+        reports.extend(run_on_one_system(plan, &faults, nodes, &state_dir).await?);
+    }
+    reports.sort_by_key(|r| Fault::ALL.iter().position(|f| f.name() == r.fault));
+    Ok(reports)
+}
+
+/// Run `faults` in order on one system of `nats_nodes` NATS servers.
+async fn run_on_one_system(
+    plan: &DrillPlan,
+    faults: &[Fault],
+    nats_nodes: usize,
+    state_dir: &Path,
+) -> anyhow::Result<Vec<DrillReport>> {
     let spec = SystemSpec {
         repo: plan.repo.clone(),
         gpus: plan.gpus,
         model: "llama-3.1-8b".into(),
         speeds: vec!["1.0".into(); plan.gpus],
         policy: "metronome".into(),
-        state_dir: plan.state_dir.clone(),
+        state_dir: state_dir.to_path_buf(),
         sim_args: Vec::new(),
         worker_max_concurrency: None,
         profile: plan.profile.clone(),
         keep_going: true,
         gateway_extra_toml: None,
+        nats_cluster: nats_nodes,
     };
     let mut system = System::up(&spec).await.context("starting the system")?;
-    let env = read_env(&plan.state_dir.join("env"))?;
+    let env = read_env(&state_dir.join("env"))?;
     let nats_url = env
         .get("NATS_URL")
         .context("NATS_URL in the env file")?
@@ -225,7 +280,9 @@ pub async fn run_drills(plan: &DrillPlan) -> anyhow::Result<Vec<DrillReport>> {
     spawn_watchers(&client, seen.clone()).await?;
     let mut restarted = Vec::new();
     let mut reports = Vec::new();
-    for (i, fault) in plan.faults.iter().enumerate() {
+    for fault in faults {
+        // Job ids and the GPU a fault touches follow the drill's place in the whole plan.
+        let i = plan.faults.iter().position(|f| f == fault).unwrap_or(0);
         let r = run_one(
             plan,
             &system,
@@ -271,7 +328,7 @@ async fn spawn_watchers(client: &async_nats::Client, seen: Arc<Mutex<Seen>>) -> 
                 }
             } else if let Ok(f) = serde_json::from_slice::<FinalResult>(&m.payload) {
                 if f.error.is_none() {
-                    s.lock().unwrap().finals.push((now, f.worker_id));
+                    s.lock().unwrap().finals.push((now, f.worker_id, f.job_id));
                 }
             }
         }
@@ -337,7 +394,11 @@ async fn run_one(
     stop.cancel();
     let mut sent = sender.await??;
     sent.ids.extend(extra_ids.into_inner().unwrap());
-    let recover_ms = recovery(seen, fault, mark, &agent, plan.settle).await;
+    let recover_ms = recovery(seen, fault, mark, &agent, &sent, plan.settle).await;
+    let mut notes = notes;
+    if fault == Fault::KillNatsLeader {
+        notes.extend(outage_notes(seen, mark, &sent));
+    }
     let finals = settle(js, start_seq, &sent.ids, plan.settle).await?;
     let runs = seen.lock().unwrap().runs.clone();
     let mut report = account(&sent, &finals, &runs);
@@ -589,6 +650,9 @@ async fn inject(
         Fault::Hostile => {
             let what = hostile_flood(plan, system, client, js, &target, &mut notes).await?;
             (what, Instant::now())
+        }
+        Fault::KillNatsLeader => {
+            kill_nats_leader(plan, system, js, &target, restarted, &mut notes).await?
         }
         Fault::RollingDeploy => {
             let leader = system.leader_name().await?;
@@ -999,6 +1063,112 @@ async fn hostile_flood(
     ))
 }
 
+/// The JOBS stream's cluster as the drill's client reads it: its leader, and each other
+/// copy (server name, whether it is current). `None` while it cannot be read or has no
+/// leader (during an election).
+async fn jobs_cluster(js: &jetstream::Context) -> Option<(String, Vec<(String, bool)>)> {
+    let mut stream = js
+        .get_stream(metronome_protocol::names::STREAM_JOBS)
+        .await
+        .ok()?;
+    let info = stream.info().await.ok()?;
+    let cluster = info.cluster.clone()?;
+    let copies = cluster
+        .replicas
+        .iter()
+        .map(|p| (p.name.clone(), p.current))
+        .collect();
+    Some((cluster.leader?, copies))
+}
+
+/// The cluster drill's fault: find the nats-server leading JOBS (its server name is the
+/// process name `./dev up` gave it, `nats-<n>`), SIGKILL it under load, watch the other
+/// copies elect a leader, start it again after the pause and watch it catch up. Checks
+/// (to `target.failures`): JOBS keeps three copies, a new leader is elected, the
+/// restarted node is current again within the settle time.
+async fn kill_nats_leader(
+    plan: &DrillPlan,
+    system: &System,
+    js: &jetstream::Context,
+    target: &Target<'_>,
+    restarted: &mut Vec<u32>,
+    notes: &mut Vec<String>,
+) -> anyhow::Result<(String, Instant)> {
+    let fail = |s: String| target.failures.lock().unwrap().push(s);
+    let mut jobs = js
+        .get_stream(metronome_protocol::names::STREAM_JOBS)
+        .await?;
+    let replicas = jobs.info().await?.config.num_replicas;
+    if replicas != CLUSTER_NODES {
+        fail(format!(
+            "JOBS keeps {replicas} copies on a cluster of {CLUSTER_NODES}: losing its node loses it"
+        ));
+    }
+    let (leader, _) = jobs_cluster(js)
+        .await
+        .context("the JOBS stream has no cluster leader (is NATS a cluster?)")?;
+    let pid = system
+        .pid_of(&leader)
+        .with_context(|| format!("no pid file for the JOBS leader {leader}"))?;
+    let image = Image::read(pid)?;
+    signal(pid, "KILL")?;
+    let at = Instant::now();
+    let deadline = at + plan.settle;
+    let mut elected = None;
+    while Instant::now() < deadline {
+        if let Some((new, _)) = jobs_cluster(js).await.filter(|(l, _)| *l != leader) {
+            elected = Some((new, at.elapsed()));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    match &elected {
+        Some((new, after)) => notes.push(format!(
+            "{new} leads JOBS {:.1} s after {leader} was killed",
+            after.as_secs_f64()
+        )),
+        None => fail(format!(
+            "no new JOBS leader {} s after {leader} was killed",
+            plan.settle.as_secs()
+        )),
+    }
+    tokio::time::sleep_until((at + plan.pause).into()).await;
+    restarted.push(image.spawn(&system.state_dir, &leader)?);
+    let back = Instant::now();
+    let deadline = back + plan.settle;
+    let mut current = false;
+    while Instant::now() < deadline {
+        if let Some((l, copies)) = jobs_cluster(js).await {
+            let all = std::iter::once(l)
+                .chain(copies.iter().filter(|(_, c)| *c).map(|(n, _)| n.clone()))
+                .collect::<BTreeSet<_>>();
+            if all.len() == CLUSTER_NODES && all.contains(&leader) {
+                current = true;
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if current {
+        notes.push(format!(
+            "{leader}, started again, holds a current copy of JOBS {:.1} s after its restart",
+            back.elapsed().as_secs_f64()
+        ));
+    } else {
+        fail(format!(
+            "{leader} holds no current copy of JOBS {} s after its restart",
+            plan.settle.as_secs()
+        ));
+    }
+    Ok((
+        format!(
+            "SIGKILL the nats-server leading the JOBS stream ({leader}) of a {CLUSTER_NODES}-node cluster (every stream and bucket R{replicas}) mid-run; started again {} s later",
+            plan.pause.as_secs()
+        ),
+        at,
+    ))
+}
+
 /// Requests the model server of `gpu` is running, once it runs any (polled for up to 10 s);
 /// 0 if it ran none in that time.
 async fn wait_running(system: &System, gpu: usize) -> u64 {
@@ -1120,13 +1290,39 @@ async fn redeploy(
     Ok(t0.elapsed())
 }
 
-/// Milliseconds from `mark` to the next decision (dispatcher kills) or the next successful
-/// final result (from `agent`'s worker for agent and model-server faults).
+/// What the clients saw of a NATS node's loss at `mark`: how long no submission was
+/// acknowledged (the sender waits for each acknowledgement, so this is how long JOBS took
+/// nothing), and how long until the next decision.
+fn outage_notes(seen: &Arc<Mutex<Seen>>, mark: Instant, sent: &Sent) -> Vec<String> {
+    let secs = |t: Option<Instant>| {
+        t.map_or("not seen".to_string(), |t| {
+            format!("{:.1} s", t.duration_since(mark).as_secs_f64())
+        })
+    };
+    let first_ack = sent.acked_at.values().copied().filter(|t| *t > mark).min();
+    let first_decision = seen
+        .lock()
+        .unwrap()
+        .decisions
+        .iter()
+        .copied()
+        .find(|t| *t > mark);
+    vec![format!(
+        "after the kill: first submission acknowledged by JOBS {}, first decision {}",
+        secs(first_ack),
+        secs(first_decision)
+    )]
+}
+
+/// Milliseconds from `mark` to the next decision (dispatcher kills), the next successful
+/// final result (from `agent`'s worker for agent and model-server faults), or the first
+/// successful final result of a job JetStream took after `mark` (a NATS node's kill).
 async fn recovery(
     seen: &Arc<Mutex<Seen>>,
     fault: Fault,
     mark: Instant,
     agent: &str,
+    sent: &Sent,
     wait: Duration,
 ) -> Option<u64> {
     let worker = agent.strip_prefix("worker-").map(|g| format!("local-{g}"));
@@ -1141,11 +1337,18 @@ async fn recovery(
                 Fault::RestartAgent | Fault::StopAgent | Fault::StopModelServer => s
                     .finals
                     .iter()
-                    .find(|(t, w)| *t > mark && w.as_deref() == worker.as_deref())
-                    .map(|(t, _)| *t),
+                    .find(|(t, w, _)| *t > mark && w.as_deref() == worker.as_deref())
+                    .map(|(t, _, _)| *t),
                 Fault::RedisDown | Fault::RestartNats | Fault::RollingDeploy | Fault::Hostile => {
-                    s.finals.iter().map(|(t, _)| *t).find(|t| *t > mark)
+                    s.finals.iter().map(|(t, _, _)| *t).find(|t| *t > mark)
                 }
+                Fault::KillNatsLeader => s
+                    .finals
+                    .iter()
+                    .find(|(t, _, job)| {
+                        *t > mark && sent.acked_at.get(job).is_some_and(|a| *a > mark)
+                    })
+                    .map(|(t, _, _)| *t),
             };
             if let Some(t) = next {
                 return Some(t.duration_since(mark).as_millis() as u64);
@@ -1225,6 +1428,8 @@ struct Sent {
     /// Every job the system took (JetStream acknowledged it, or the gateway answered with
     /// its id), in order.
     ids: Vec<String>,
+    /// When JetStream acknowledged each job submitted on `jobs.submit` (not over HTTP).
+    acked_at: BTreeMap<String, Instant>,
     /// What the HTTP client saw, by job id.
     http: BTreeMap<String, HttpOutcome>,
     /// HTTP requests made (each tried until the gateway took it).
@@ -1261,6 +1466,7 @@ async fn send_jobs(
                 gateway_client::stream_chat(&http, &url, "llama-3.1-8b", &streaming).await
             }));
         } else if submit(&js, &id).await? {
+            sent.acked_at.insert(id.clone(), Instant::now());
             sent.ids.push(id);
         }
         tokio::select! {
@@ -1343,8 +1549,17 @@ pub fn render_report(plan: &DrillPlan, reports: &[DrillReport]) -> String {
          chunks from two runs (worker, attempt). *Recover*: from the fault (leader kill) or the \
          repair (restart, SIGCONT, end of the rolling deploy) to the next decision \
          (dispatcher kills) or the next successful result (of the faulted worker for agent \
-         and model-server drills).\n\n",
+         and model-server drills); for a NATS node's kill, from the kill to the first \
+         successful result of a job JetStream took after it.\n\n",
     );
+    if plan.faults.iter().any(|f| f.nats_nodes() > 1) {
+        out.push_str(&format!(
+            "The NATS cluster drills run on a second system, `./dev up --keep-going \
+             --nats-cluster {CLUSTER_NODES}`: {CLUSTER_NODES} nats-servers clustered on \
+             loopback, each with its own file store, every stream and bucket with \
+             {CLUSTER_NODES} replicas, every component given every node's URL.\n\n"
+        ));
+    }
     out.push_str("| drill | what was done | sent | exactly once | failed (reason) | lost | duplicated | recover |\n");
     out.push_str("|---|---|---:|---:|---:|---:|---:|---:|\n");
     for r in reports {
