@@ -28,6 +28,14 @@ TOML
   if [ -n "${METRONOME_DISPATCHER_EXTRA_TOML:-}" ]; then
     printf '%s\n' "$METRONOME_DISPATCHER_EXTRA_TOML"
   fi
+  # On a NATS cluster, losing the node that leads the workers bucket leaves the bucket
+  # without a leader until the other copies elect one (about 5 s measured, up to JetStream's
+  # election timeout): no heartbeat can be stored meanwhile. A heartbeat timeout shorter
+  # than that declares every worker dead at each such failover (docs/DELIVERY.md). Last, in
+  # a table of its own, unless the extra TOML sets [scheduler] itself.
+  if [ "${NATS_CLUSTER:-1}" -gt 1 ] && ! grep -q '^\[scheduler\]' <<< "${METRONOME_DISPATCHER_EXTRA_TOML:-}"; then
+    printf '[scheduler]\nheartbeat_timeout_ms = %s\n' "$CLUSTER_HEARTBEAT_TIMEOUT_MS"
+  fi
 }
 
 render_worker_config() { # worker id, model, model server port, gpu index, metrics port

@@ -62,7 +62,7 @@ done
 # losses than one or three.
 case "$NATS_CLUSTER" in
   1) NATS_REPLICAS=1 ;;
-  3|5) NATS_REPLICAS=3 ;;
+  3|5) NATS_REPLICAS=3; CLUSTER_HEARTBEAT_TIMEOUT_MS=12000 ;;
   *) die "--nats-cluster must be 1 (one server), 3 or 5" ;;
 esac
 IFS=',' read -r -a MODEL_LIST <<< "$MODELS"

@@ -355,6 +355,10 @@ async fn run_one(
     restarted: &mut Vec<u32>,
 ) -> anyhow::Result<DrillReport> {
     let start_seq = results_last_seq(js).await?;
+    let mut gathered = Vec::new();
+    if fault == Fault::KillNatsLeader {
+        gathered = gather_leaders(client, js).await?;
+    }
     let prefix = format!("drill{index}-{}-{}", fault.name(), std::process::id());
     // The load runs for `load`, and at least a third of it past the end of the fault (a
     // rolling deploy or an outage can outlast the rest of it), so recovery is seen.
@@ -396,6 +400,12 @@ async fn run_one(
     sent.ids.extend(extra_ids.into_inner().unwrap());
     let recover_ms = recovery(seen, fault, mark, &agent, &sent, plan.settle).await;
     let mut notes = notes;
+    if !gathered.is_empty() {
+        notes.insert(0, format!(
+            "before the load, every stream's leadership was moved to the JOBS leader (stream leader stepdowns: {})",
+            gathered.join(", ")
+        ));
+    }
     if fault == Fault::KillNatsLeader {
         notes.extend(outage_notes(seen, mark, &sent));
     }
@@ -407,6 +417,13 @@ async fn run_one(
     report.recover_ms = recover_ms;
     report.notes = notes;
     report.failures = failures.into_inner().unwrap();
+    // A NATS node is one of three copies: losing it may delay jobs, never fail them.
+    if fault == Fault::KillNatsLeader && report.failed_with_reason > 0 {
+        report.failures.push(format!(
+            "{} jobs failed while a NATS node was down ({:?}): the service did not go on for them",
+            report.failed_with_reason, report.failure_reasons
+        ));
+    }
     if fault == Fault::Hostile && report.recover_ms.is_none() {
         report
             .failures
@@ -652,7 +669,7 @@ async fn inject(
             (what, Instant::now())
         }
         Fault::KillNatsLeader => {
-            kill_nats_leader(plan, system, js, &target, restarted, &mut notes).await?
+            kill_nats_leader(plan, system, client, js, &target, restarted, &mut notes).await?
         }
         Fault::RollingDeploy => {
             let leader = system.leader_name().await?;
@@ -1081,14 +1098,103 @@ async fn jobs_cluster(js: &jetstream::Context) -> Option<(String, Vec<(String, b
     Some((cluster.leader?, copies))
 }
 
+/// Move the leadership of every stream of the contract to the node that leads JOBS
+/// (`$JS.API.STREAM.LEADER.STEPDOWN.<stream>` until that node is elected), so that killing
+/// it takes every leader at once: the worst case of where a cluster places its leaders,
+/// the same in every run. Returns `stream ×stepdowns` for each stream moved.
+async fn gather_leaders(
+    client: &async_nats::Client,
+    js: &jetstream::Context,
+) -> anyhow::Result<Vec<String>> {
+    const TRIES: usize = 20;
+    let leader_of = |name: &'static str| async move {
+        let mut stream = js.get_stream(name).await.ok()?;
+        let info = stream.info().await.ok()?;
+        info.cluster.clone()?.leader
+    };
+    let wait_leader = |name: &'static str| async move {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(l) = leader_of(name).await {
+                return Ok(l);
+            }
+            if Instant::now() > deadline {
+                bail!("{name} has no leader 30 s after a stepdown");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let target = wait_leader(metronome_protocol::names::STREAM_JOBS).await?;
+    let mut moved = Vec::new();
+    for name in metronome_protocol::setup::ALL_STREAMS {
+        let mut stepdowns = 0;
+        let mut now = wait_leader(name).await?;
+        while now != target {
+            if stepdowns == TRIES {
+                bail!("{name} still led by {now}, not {target}, after {TRIES} stepdowns");
+            }
+            client
+                .request(format!("$JS.API.STREAM.LEADER.STEPDOWN.{name}"), "".into())
+                .await
+                .with_context(|| format!("stepdown of {name}"))?;
+            stepdowns += 1;
+            // The old leader answers at once and leaves; wait for the one elected next.
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                match leader_of(name).await {
+                    Some(l) if l != now => {
+                        now = l;
+                        break;
+                    }
+                    _ if Instant::now() > deadline => {
+                        bail!("{name}: no new leader 30 s after a stepdown")
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if stepdowns > 0 {
+            moved.push(format!("{name} ×{stepdowns}"));
+        }
+    }
+    Ok(moved)
+}
+
+/// A JetStream context on its own connection to one node other than `avoid`, which it
+/// never leaves (no reconnection elsewhere), with short request timeouts: it sees the
+/// cluster as a client of a surviving node does, without waiting out the reconnection of
+/// a client that was on the killed node. Returns the node's name too.
+async fn probe_off(system: &System, avoid: &str) -> anyhow::Result<(String, jetstream::Context)> {
+    let env = read_env(&system.state_dir.join("env"))?;
+    let urls = env.get("NATS_URL").context("NATS_URL in the env file")?;
+    let auth = metronome_runtime::nats::NatsAuth::from_env(|k| env.get(k).cloned());
+    for url in metronome_runtime::nats::server_urls(urls) {
+        let client = auth
+            .connect_options()?
+            .ignore_discovered_servers()
+            .connect(url)
+            .await?;
+        let name = client.server_info().server_name;
+        if name != avoid {
+            let js = jetstream::ContextBuilder::new()
+                .timeout(Duration::from_secs(1))
+                .build(client);
+            return Ok((name, js));
+        }
+    }
+    bail!("no NATS node other than {avoid} in {urls}")
+}
+
 /// The cluster drill's fault: find the nats-server leading JOBS (its server name is the
 /// process name `./dev up` gave it, `nats-<n>`), SIGKILL it under load, watch the other
-/// copies elect a leader, start it again after the pause and watch it catch up. Checks
-/// (to `target.failures`): JOBS keeps three copies, a new leader is elected, the
-/// restarted node is current again within the settle time.
+/// copies elect a leader (from a client of a surviving node), start it again after the
+/// pause and watch it catch up. Checks (to `target.failures`): JOBS keeps three copies, a
+/// leader is elected, the restarted node holds a current copy within the settle time.
 async fn kill_nats_leader(
     plan: &DrillPlan,
     system: &System,
+    client: &async_nats::Client,
     js: &jetstream::Context,
     target: &Target<'_>,
     restarted: &mut Vec<u32>,
@@ -1111,34 +1217,66 @@ async fn kill_nats_leader(
         .pid_of(&leader)
         .with_context(|| format!("no pid file for the JOBS leader {leader}"))?;
     let image = Image::read(pid)?;
+    // What else loses its leader with it: the streams are spread over the nodes, and the
+    // failover of the workers or leader bucket is what tests the components' timeouts.
+    let mut led = Vec::new();
+    for name in metronome_protocol::setup::ALL_STREAMS {
+        if let Ok(mut stream) = js.get_stream(name).await {
+            if let Ok(info) = stream.info().await {
+                if info.cluster.as_ref().and_then(|c| c.leader.as_deref()) == Some(leader.as_str()) {
+                    led.push(name);
+                }
+            }
+        }
+    }
+    notes.push(format!("{leader} led {}", led.join(", ")));
+    let (survivor, probe) = probe_off(system, &leader).await?;
+    notes.push(format!(
+        "the drill's client (submissions, live results and decisions) was connected to {}; the election was watched from {survivor}",
+        client.server_info().server_name
+    ));
     signal(pid, "KILL")?;
     let at = Instant::now();
+    let restart_at = at + plan.pause;
     let deadline = at + plan.settle;
+    let mut back = None;
     let mut elected = None;
-    while Instant::now() < deadline {
-        if let Some((new, _)) = jobs_cluster(js).await.filter(|(l, _)| *l != leader) {
-            elected = Some((new, at.elapsed()));
+    while elected.is_none() && Instant::now() < deadline {
+        if back.is_none() && Instant::now() >= restart_at {
+            restarted.push(image.spawn(&system.state_dir, &leader)?);
+            back = Some(Instant::now());
+        }
+        // Before the restart a leader is a new one; after it, the old one may win again.
+        if let Some((new, _)) = jobs_cluster(&probe)
+            .await
+            .filter(|(l, _)| *l != leader || back.is_some())
+        {
+            elected = Some((new, at.elapsed(), back.is_some()));
             break;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     match &elected {
-        Some((new, after)) => notes.push(format!(
-            "{new} leads JOBS {:.1} s after {leader} was killed",
-            after.as_secs_f64()
+        Some((new, after, restarted)) => notes.push(format!(
+            "{new} leads JOBS {:.1} s after {leader} was killed{}",
+            after.as_secs_f64(),
+            if *restarted { " (after its restart)" } else { "" }
         )),
         None => fail(format!(
-            "no new JOBS leader {} s after {leader} was killed",
+            "no JOBS leader {} s after {leader} was killed",
             plan.settle.as_secs()
         )),
     }
-    tokio::time::sleep_until((at + plan.pause).into()).await;
-    restarted.push(image.spawn(&system.state_dir, &leader)?);
-    let back = Instant::now();
+    if back.is_none() {
+        tokio::time::sleep_until(restart_at.into()).await;
+        restarted.push(image.spawn(&system.state_dir, &leader)?);
+        back = Some(Instant::now());
+    }
+    let back = back.unwrap_or_else(Instant::now);
     let deadline = back + plan.settle;
     let mut current = false;
     while Instant::now() < deadline {
-        if let Some((l, copies)) = jobs_cluster(js).await {
+        if let Some((l, copies)) = jobs_cluster(&probe).await {
             let all = std::iter::once(l)
                 .chain(copies.iter().filter(|(_, c)| *c).map(|(n, _)| n.clone()))
                 .collect::<BTreeSet<_>>();
@@ -1162,8 +1300,8 @@ async fn kill_nats_leader(
     }
     Ok((
         format!(
-            "SIGKILL the nats-server leading the JOBS stream ({leader}) of a {CLUSTER_NODES}-node cluster (every stream and bucket R{replicas}) mid-run; started again {} s later",
-            plan.pause.as_secs()
+            "SIGKILL the nats-server leading the JOBS stream ({leader}) of a {CLUSTER_NODES}-node cluster (every stream and bucket R{replicas}) mid-run; started again {:.0} s later",
+            back.duration_since(at).as_secs_f64()
         ),
         at,
     ))
