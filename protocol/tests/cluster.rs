@@ -134,3 +134,4 @@ async fn streams_made_with_fewer_copies_are_named_and_left_as_they_are() {
     assert_eq!(names, ALL_STREAMS, "{short:?}");
     assert!(short.iter().all(|(_, have)| *have == 1), "{short:?}");
 }
+
