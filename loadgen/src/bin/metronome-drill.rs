@@ -60,6 +60,10 @@ struct Cli {
     /// Most hostile messages per second [default: 1000 short, 1500 full].
     #[arg(long, value_name = "PER_S")]
     hostile_rate: Option<f64>,
+    /// kill-nats-leader: the killed node also leads the dispatchers' lease bucket (by
+    /// default another node does, so the leader decides through the failover).
+    #[arg(long)]
+    nats_lease_on_killed_node: bool,
 }
 
 fn main() -> ExitCode {
@@ -119,6 +123,7 @@ fn main() -> ExitCode {
         hostile_rate: cli
             .hostile_rate
             .unwrap_or(if cli.short { 1_000.0 } else { 1_500.0 }),
+        lease_on_killed_node: cli.nats_lease_on_killed_node,
         state_dir: std::env::temp_dir().join(format!("metronome-drill-{}", std::process::id())),
         command,
     };
