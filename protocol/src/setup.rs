@@ -220,7 +220,10 @@ pub const ALL_STREAMS: [&str; 9] = [
 /// The contract's streams (and bucket streams) that exist with fewer than `replicas`
 /// copies, with the copies each keeps. A stream that cannot be read is left out: the
 /// setup that precedes this has already reported it.
-pub async fn under_replicated(js: &jetstream::Context, replicas: usize) -> Vec<(&'static str, usize)> {
+pub async fn under_replicated(
+    js: &jetstream::Context,
+    replicas: usize,
+) -> Vec<(&'static str, usize)> {
     let mut out = Vec::new();
     for name in ALL_STREAMS {
         if let Ok(mut stream) = js.get_stream(name).await {
@@ -445,8 +448,16 @@ mod tests {
 
     #[test]
     fn every_bucket_stream_is_listed_as_kv_names_it() {
-        for bucket in [BUCKET_WORKERS, BUCKET_LEADER, BUCKET_FAIRNESS, BUCKET_QUEUES] {
-            assert!(ALL_STREAMS.contains(&format!("KV_{bucket}").as_str()), "{bucket}");
+        for bucket in [
+            BUCKET_WORKERS,
+            BUCKET_LEADER,
+            BUCKET_FAIRNESS,
+            BUCKET_QUEUES,
+        ] {
+            assert!(
+                ALL_STREAMS.contains(&format!("KV_{bucket}").as_str()),
+                "{bucket}"
+            );
         }
     }
 

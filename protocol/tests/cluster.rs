@@ -71,14 +71,14 @@ async fn three_copies_keep_every_job_and_take_new_ones_when_the_leading_node_die
         jobs_cluster(&js).await.filter(|(_, current, _)| *current)
     })
     .await;
-    let dead = cluster.index_of(&leader).expect("a node of the cluster leads");
+    let dead = cluster
+        .index_of(&leader)
+        .expect("a node of the cluster leads");
     cluster.kill(dead);
 
     // The other two copies elect a leader, and every job stored before the kill is there.
     let (new_leader, _, _) = wait_for("a new JOBS leader", WAIT, || async {
-        jobs_cluster(&js)
-            .await
-            .filter(|(l, _, _)| *l != leader)
+        jobs_cluster(&js).await.filter(|(l, _, _)| *l != leader)
     })
     .await;
     assert_ne!(new_leader, leader);
@@ -92,7 +92,10 @@ async fn three_copies_keep_every_job_and_take_new_ones_when_the_leading_node_die
     let (_, _, messages) = wait_for("JOBS info", WAIT, || jobs_cluster(&late)).await;
     assert_eq!(messages, 100, "every job before and after the kill, once");
     // The dispatchers' lease bucket takes writes too.
-    let leader_kv = late.get_key_value(BUCKET_LEADER).await.expect("leader bucket");
+    let leader_kv = late
+        .get_key_value(BUCKET_LEADER)
+        .await
+        .expect("leader bucket");
     wait_for("a write to the leader bucket", WAIT, || async {
         leader_kv.put("probe", "x".into()).await.ok()
     })
@@ -134,4 +137,3 @@ async fn streams_made_with_fewer_copies_are_named_and_left_as_they_are() {
     assert_eq!(names, ALL_STREAMS, "{short:?}");
     assert!(short.iter().all(|(_, have)| *have == 1), "{short:?}");
 }
-

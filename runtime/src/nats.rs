@@ -357,7 +357,10 @@ mod tests {
                 "nats://10.0.0.3:4222"
             ]
         );
-        assert_eq!(server_urls("nats://127.0.0.1:4222"), ["nats://127.0.0.1:4222"]);
+        assert_eq!(
+            server_urls("nats://127.0.0.1:4222"),
+            ["nats://127.0.0.1:4222"]
+        );
         assert_eq!(check_server_urls("nats://a:1,tls://b:2,c:3"), None);
         assert!(check_server_urls(" , ").is_some());
         let bad = check_server_urls("nats://a:1,http://b:2").expect("refused");

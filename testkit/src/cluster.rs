@@ -15,7 +15,9 @@ use crate::TestkitError;
 
 const ROUTE_USER: &str = "route";
 const ROUTE_PASSWORD: &str = "route-secret";
-const READY_TIMEOUT: Duration = Duration::from_secs(30);
+// Electing the meta leader takes a few seconds, more on a loaded 2-core machine running
+// several clusters at once.
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
 
 struct Node {
     port: u16,
@@ -175,9 +177,8 @@ impl NatsCluster {
         let size = format!("\"cluster_size\": {}", self.nodes.len());
         while Instant::now() < deadline {
             let ready = self.nodes.iter().any(|n| {
-                http_get_body(n.monitor_port, "/jsz").is_some_and(|body| {
-                    body.contains("\"leader\": \"n") && body.contains(&size)
-                })
+                http_get_body(n.monitor_port, "/jsz")
+                    .is_some_and(|body| body.contains("\"leader\": \"n") && body.contains(&size))
             });
             if ready {
                 return Ok(());

@@ -77,7 +77,10 @@ pub(crate) fn http_get_body(port: u16, path: &str) -> Option<String> {
     if !(buf.starts_with("HTTP/1.1 200") || buf.starts_with("HTTP/1.0 200")) {
         return None;
     }
-    Some(buf.split_once("\r\n\r\n").map_or(String::new(), |(_, b)| b.to_string()))
+    Some(
+        buf.split_once("\r\n\r\n")
+            .map_or(String::new(), |(_, b)| b.to_string()),
+    )
 }
 
 /// Alive means answering: `+PONG`, or `-NOAUTH` from a server whose default user is off.

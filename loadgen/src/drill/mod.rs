@@ -1232,7 +1232,8 @@ async fn kill_nats_leader(
     for name in metronome_protocol::setup::ALL_STREAMS {
         if let Ok(mut stream) = js.get_stream(name).await {
             if let Ok(info) = stream.info().await {
-                if info.cluster.as_ref().and_then(|c| c.leader.as_deref()) == Some(leader.as_str()) {
+                if info.cluster.as_ref().and_then(|c| c.leader.as_deref()) == Some(leader.as_str())
+                {
                     led.push(name);
                 }
             }
@@ -1269,7 +1270,11 @@ async fn kill_nats_leader(
         Some((new, after, restarted)) => notes.push(format!(
             "{new} leads JOBS {:.1} s after {leader} was killed{}",
             after.as_secs_f64(),
-            if *restarted { " (after its restart)" } else { "" }
+            if *restarted {
+                " (after its restart)"
+            } else {
+                ""
+            }
         )),
         None => fail(format!(
             "no JOBS leader {} s after {leader} was killed",
