@@ -9,7 +9,8 @@
 # Starts its own nats-server (JetStream) and redis-server on free ports with their state under
 # the state folder (default .metronome/), never touching servers already running on the
 # machine (--nats-cluster 3: three nats-servers clustered on loopback, nats-1..3, each with
-# its own store, and every stream and bucket kept on all three, R3; see docs/DELIVERY.md); a dispatcher leader and a standby; the gateway; N simulated GPUs (one simulator
+# its own store, every stream and bucket kept on all three, R3; docs/DELIVERY.md); a
+# dispatcher leader and a standby; the gateway; N simulated GPUs (one simulator
 # process) with one worker-agent each, models assigned round-robin. Every process serves
 # Prometheus /metrics (the addresses are printed); --observe also starts a local Prometheus
 # (Debian's `prometheus`) scraping all of them with ops/prometheus/alerts.yml loaded.
@@ -284,6 +285,11 @@ ENV
   mv "$STATE_DIR/env.tmp" "$STATE_DIR/env"
 )
 
+NATS_CLUSTER_LINE=""
+if [ "$NATS_CLUSTER" -gt 1 ]; then
+  NATS_CLUSTER_LINE=$(printf '                 a cluster of %s nodes (nats-1..%s), streams and buckets R%s; monitoring %s' \
+    "$NATS_CLUSTER" "$NATS_CLUSTER" "$NATS_REPLICAS" "$(printf 'http://127.0.0.1:%s ' "${NATS_MONITORS[@]}")")$'\n'
+fi
 cat <<MSG
 
   Metronome is up: $GPUS simulated GPUs serving ${MODELS}, policy $POLICY.
@@ -291,9 +297,7 @@ cat <<MSG
     gateway      $GATEWAY_URL   (OpenAI API; /metrics, /readyz)
                  anonymous access ON (loopback demo): no API key needed
     NATS         $NATS_URL   (users and permissions per role; credentials in $AUTH_DIR)
-$(if [ "$NATS_CLUSTER" -gt 1 ]; then printf '                 a cluster of %s nodes (nats-1..%s), streams and buckets R%s; monitoring %s\n' \
-    "$NATS_CLUSTER" "$NATS_CLUSTER" "$NATS_REPLICAS" "$(printf 'http://127.0.0.1:%s ' "${NATS_MONITORS[@]}")"; fi)
-    Redis        redis://127.0.0.1:$REDIS_PORT/   (ACL users per role)
+${NATS_CLUSTER_LINE}    Redis        redis://127.0.0.1:$REDIS_PORT/   (ACL users per role)
     console      $GATEWAY_URL/console   (workers, queues, live decisions, explain)
     logs         $STATE_DIR/logs/
 
