@@ -28,7 +28,7 @@
 use metronome_protocol::{PerfCoefficients, Prediction};
 
 use crate::filter::kv_tokens_in_use;
-use crate::ledger::JobProfile;
+use crate::ledger::{JobProfile, STALL_FRACTION_MAX};
 use crate::{JobRequest, Ledger, SchedulerConfig, WorkerLoad, WorkerView};
 
 /// The effect on one running job.
@@ -90,6 +90,12 @@ impl Forecast {
         let mut ledger_context = 0.0;
         let mut unreported_context = 0.0;
         let mut unreported_prompt = 0.0;
+        // Prompt tokens still to prefill ahead of a job placed now, from the jobs booked
+        // here: each one's prompt, scaled by the share of its predicted TTFT still to
+        // come. Fresher than the heartbeat's count (up to a heartbeat interval old, and a
+        // long prompt long done would still count there); used only when every booking
+        // carries its prediction and nothing runs there that is not booked.
+        let mut booked_pending = Some(0.0);
         for r in ledger.reservations_on(&status.worker_id) {
             let (prompt, out) = r.profile.map_or((0.0, default_output), |p| {
                 (f64::from(p.prompt_tokens), p.protected_output)
@@ -100,6 +106,14 @@ impl Forecast {
                 unreported_context += context;
                 unreported_prompt += prompt;
             }
+            booked_pending = match (booked_pending, r.profile) {
+                (Some(sum), Some(p)) if p.decoding_from_ms > 0 && load.now_ms > 0 => {
+                    let span = p.decoding_from_ms.saturating_sub(r.reserved_ms).max(1) as f64;
+                    let left = p.decoding_from_ms.saturating_sub(load.now_ms) as f64 / span;
+                    Some(sum + prompt * left.min(1.0))
+                }
+                _ => None,
+            };
         }
         let context_tokens = match status.kv.and_then(|kv| kv.capacity_tokens.map(|c| (kv, c))) {
             Some((kv, capacity)) => {
@@ -107,7 +121,11 @@ impl Forecast {
             }
             None => ledger_context,
         };
-        let pending_prefill_tokens = status.prefill_pending_tokens as f64 + unreported_prompt;
+        // The booked count stands only when the ledger knows everything the worker runs.
+        let booked_everything = load.reported_active <= ledger.reserved_count(&status.worker_id);
+        let pending_prefill_tokens = booked_pending
+            .filter(|_| booked_everything)
+            .unwrap_or(status.prefill_pending_tokens as f64 + unreported_prompt);
         let streams_before = load.effective_active;
         let s = f64::from(streams_before);
         let p = f64::from(job.prompt_tokens);
@@ -161,7 +179,12 @@ impl Forecast {
             ttft_ms,
             step_ms,
             decode_tok_s: 1000.0 / step_ms,
-            expected_tok_s: (1.0 - load.stall_fraction.clamp(0.0, 1.0)) * 1000.0 / step_ms,
+            expected_tok_s: expected_rate(
+                step_ms,
+                load.stall_fraction,
+                default_output,
+                job.slo.min_tok_s,
+            ),
             stall_ms,
             worst_running,
             worst_violation: worst_violation.map(|(_, i)| i),
@@ -187,6 +210,32 @@ impl Forecast {
     pub fn service_ms(&self, job: &JobRequest) -> f64 {
         self.ttft_ms + job.predicted_output() * self.step_ms
     }
+}
+
+/// The whole-decode rate a job admitted now can expect: its decode at `step_ms`, standing
+/// still for later admissions' prefills at the worker's recent stall share `φ`
+/// (`φ / (1 − φ)` of its decode time), but never for more than its stall budget, the stall
+/// that would take it to its floor: admission refuses any later prefill that would charge
+/// it more. Without that cap a short job on a prefill-heavy worker is predicted far below
+/// what it gets, for the protection it gets is exactly what makes it meet its floor.
+fn expected_rate(step_ms: f64, stall_fraction: f64, output: f64, floor_tok_s: f64) -> f64 {
+    let phi = stall_fraction.clamp(0.0, STALL_FRACTION_MAX);
+    let out = output.max(1.0);
+    let decode_ms = intervals(out) * step_ms;
+    let stall_ms = phi / (1.0 - phi) * decode_ms;
+    let budget_ms = if floor_tok_s > 0.0 {
+        (out * 1000.0 / floor_tok_s - decode_ms).max(0.0)
+    } else {
+        f64::INFINITY
+    };
+    1000.0 * out / (decode_ms + stall_ms.min(budget_ms))
+}
+
+/// Decode steps between a job's first and last token: what its tokens/s is measured over
+/// (`output tokens / (last token − first token)`, the load generator's definition). At
+/// least one, so a one-token job has a finite rate.
+fn intervals(output: f64) -> f64 {
+    (output - 1.0).max(1.0)
 }
 
 /// The output a running job is judged on: its expected length, or, once it has been
@@ -338,10 +387,12 @@ mod tests {
         let load = WorkerLoad::at(&w, &l, &config, 2_000);
         assert!((load.stall_fraction - 0.25).abs() < 1e-12);
         let f = Forecast::of(&job("m"), &w, &load, &l, &config);
-        assert!(
-            (f.expected_tok_s - 0.75 * f.decode_tok_s).abs() < 1e-9,
-            "{f:?}"
-        );
+        // 50 tokens, 49 steps of 20 ms, a third more for the stalls (φ / (1 − φ)); under
+        // its stall budget (50 tokens at 30 tok/s = 1667 ms), so not capped.
+        let decode = 49.0 * f.step_ms;
+        let expected = 1000.0 * 50.0 / (decode + decode / 3.0);
+        assert!((f.expected_tok_s - expected).abs() < 1e-9, "{f:?}");
+        assert!(f.expected_tok_s < f.decode_tok_s * 50.0 / 49.0);
         let p = f.prediction();
         assert_eq!(
             p.decode_tok_s, f.expected_tok_s,
@@ -352,6 +403,49 @@ mod tests {
             Some(f.decode_tok_s),
             "the filter's rate is kept beside it"
         );
+    }
+
+    #[test]
+    fn prefill_ahead_comes_from_the_bookings_when_they_cover_the_worker() {
+        let mut w = worker("w1");
+        w.status.perf = Some(coefficients());
+        w.status.kv = None;
+        // The heartbeat, a second old, still counts a long prompt since prefilled.
+        w.status.prefill_pending_tokens = 5_000;
+        w.status.active = 1;
+        w.status.in_flight = vec!["a".into()];
+        let mut l = Ledger::new();
+        let booked = JobProfile {
+            prompt_tokens: 1_000,
+            protected_output: 100.0,
+            min_tok_s: 30.0,
+            max_tokens: 100,
+            decoding_from_ms: NOW + 200, // placed at NOW, first token predicted at +200
+        };
+        l.reserve_profiled("w1", "a", 1_100, booked, NOW).unwrap();
+        let config = SchedulerConfig::default();
+        let load = WorkerLoad::at(&w, &l, &config, NOW + 100);
+        let f = Forecast::of(&job("m"), &w, &load, &l, &config);
+        assert!(
+            (f.pending_prefill_tokens - 500.0).abs() < 1e-9,
+            "half of its TTFT is left: {f:?}"
+        );
+        // A job the ledger does not know runs there too: the heartbeat's count stands.
+        w.status.active = 2;
+        let load = WorkerLoad::at(&w, &l, &config, NOW + 100);
+        let f = Forecast::of(&job("m"), &w, &load, &l, &config);
+        assert_eq!(f.pending_prefill_tokens, 5_000.0);
+    }
+
+    #[test]
+    fn the_expected_rate_never_falls_below_the_floor_admission_keeps() {
+        // φ at its ceiling would predict 1000/20 × 0.2 = 10 tok/s; later admissions may
+        // only stall the job down to its floor.
+        let r = expected_rate(20.0, 0.95, 100.0, 30.0);
+        assert!((r - 30.0).abs() < 1e-9, "{r}");
+        // No stall: the per-interval rate, 100 tokens over 99 steps.
+        let r = expected_rate(20.0, 0.0, 100.0, 30.0);
+        assert!((r - 1000.0 * 100.0 / (99.0 * 20.0)).abs() < 1e-9, "{r}");
     }
 
     #[test]
