@@ -370,7 +370,7 @@ impl World {
                 .agents
                 .iter()
                 .all(|a| a.held() == 0 && !a.gpu.has_work())
-                && self.engine.ledger().len() == 0;
+                && self.engine.ledger().is_empty();
             let next = self.queue.peek().map_or(f64::INFINITY, |s| s.at);
             if idle && next > ready_at {
                 break;
@@ -397,8 +397,8 @@ impl World {
         self.stalls.clear();
         self.outstanding = plan.len();
         self.holds_before = self.holds();
-        for i in 0..plan.len() {
-            let at = self.point_start_ms + plan[i].at_s * 1000.0;
+        for (i, r) in plan.iter().enumerate() {
+            let at = self.point_start_ms + r.at_s * 1000.0;
             self.at(at, Ev::Arrive(i));
         }
     }

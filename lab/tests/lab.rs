@@ -7,10 +7,11 @@ use metronome_loadgen::PlannedRequest;
 use metronome_scheduler::PolicyKind;
 
 fn config(policy: PolicyKind, gpus: usize) -> LabConfig {
-    let mut dispatcher = metronome_dispatcher::Config::default();
-    dispatcher.policy = policy;
     LabConfig {
-        dispatcher,
+        dispatcher: metronome_dispatcher::Config {
+            policy,
+            ..Default::default()
+        },
         agent: metronome_worker_agent::Config::default(),
         gpus: (0..gpus).map(|_| SimGpuConfig::new("m")).collect(),
         latencies: Latencies::default(),
