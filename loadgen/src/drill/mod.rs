@@ -323,6 +323,7 @@ async fn run_one(
         streaming: &streaming,
         extra_ids: &extra_ids,
         failures: &failures,
+        victims: &prefix,
     };
     let injected = inject(plan, system, client, js, fault, target, restarted).await;
     let (what, mark, notes) = match injected {
@@ -350,6 +351,29 @@ async fn run_one(
         report
             .failures
             .push("no normal job succeeded after the flood".into());
+    }
+    if fault == Fault::Hostile {
+        // The flood cancels the load's jobs only under other tenants than theirs: none may
+        // end cancelled.
+        let cancelled: Vec<&String> = sent
+            .ids
+            .iter()
+            .filter(|id| {
+                finals.get(*id).is_some_and(|list| {
+                    list.iter().any(|f| {
+                        f.error.as_ref().map(|e| e.code)
+                            == Some(metronome_protocol::ErrorCode::Cancelled)
+                    })
+                })
+            })
+            .collect();
+        if !cancelled.is_empty() {
+            report.failures.push(format!(
+                "{} of the load's jobs were cancelled by the flood's cancels under other tenants: {:?}",
+                cancelled.len(),
+                &cancelled[..cancelled.len().min(5)]
+            ));
+        }
     }
     Ok(report)
 }
@@ -464,6 +488,9 @@ struct Target<'a> {
     extra_ids: &'a Mutex<Vec<String>>,
     /// Checks the fault failed.
     failures: &'a Mutex<Vec<String>>,
+    /// Id prefix of the load's jobs (`<victims>-<n>`), which the hostile flood names in
+    /// cancels under other tenants.
+    victims: &'a str,
 }
 
 /// Inject the fault on `target.gpu` (its agent or its model server, for the faults that touch
@@ -727,6 +754,7 @@ async fn hostile_flood(
         model: "llama-3.1-8b".into(),
         workers: (0..plan.gpus).map(|g| format!("local-gpu{g}")).collect(),
         epoch: before.epoch as u64,
+        victims: target.victims.to_string(),
         max_job_bytes: metronome_protocol::JobLimits::default().max_job_bytes,
         now_ms: metronome_protocol::time::unix_ms(),
     };
@@ -994,7 +1022,7 @@ async fn hostile_flood(
         ));
     }
     Ok(format!(
-        "{} hostile messages (seed {}, up to {:.0}/s) on jobs.submit, cancel.*, events.done.*, the workers bucket and work.* with the admin identity",
+        "{} hostile messages (seed {}, up to {:.0}/s) on jobs.submit, cancel.*.*, events.done.*, the workers bucket and work.* with the admin identity",
         plan.hostile_messages, plan.hostile_seed, plan.hostile_rate
     ))
 }
