@@ -652,8 +652,14 @@ async fn a_client_cancels_only_its_own_tenants_jobs() {
         .subscribe(names::SUBJECT_CANCEL_ALL)
         .await
         .expect("a worker hears cancellations");
-    dispatcher.client.flush().await.unwrap();
-    w1.client.flush().await.unwrap();
+    // A flush does not wait for the server; a request on the same connection does, and the
+    // server handles a connection's messages in order: both subscriptions are in place.
+    for conn in [&dispatcher, &w1] {
+        conn.js
+            .get_stream(names::STREAM_JOBS)
+            .await
+            .expect("a round trip");
+    }
     let mut heard = [heard_by_dispatcher, heard_by_worker];
 
     acme.client
