@@ -32,9 +32,9 @@ use bytes::Bytes;
 use futures::StreamExt;
 use metronome_protocol::names::{
     decision_subject, event_done_subject, is_subject_token, parse_cancel_subject,
-    submit_subject_token, tenant_of_token,
-    CONSUMER_DISPATCHER, CONSUMER_DISPATCHER_EVENTS, HEADER_ATTEMPT, HEADER_ORDER, STREAM_EVENTS,
-    STREAM_JOBS, SUBJECT_CANCEL_ALL, SUBJECT_EVENTS_DONE_ALL, SUBJECT_JOBS_RETRY,
+    submit_subject_token, tenant_of_token, CONSUMER_DISPATCHER, CONSUMER_DISPATCHER_EVENTS,
+    HEADER_ATTEMPT, HEADER_ORDER, STREAM_EVENTS, STREAM_JOBS, SUBJECT_CANCEL_ALL,
+    SUBJECT_EVENTS_DONE_ALL, SUBJECT_JOBS_RETRY,
 };
 use metronome_protocol::{CompletionEvent, Decision, ErrorCode, Job, JobError, JobLimits, Outcome};
 use tokio::sync::mpsc;

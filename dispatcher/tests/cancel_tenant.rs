@@ -63,7 +63,12 @@ async fn a_cancel_naming_another_tenant_leaves_a_queued_job_alone() {
     cancel(&env, Some("globex"), "cq-1").await;
     cancel(&env, None, "cq-1").await;
     wait_for("both forged cancels ignored", WAIT, || async {
-        (running.metrics.cancels_of_another_tenant_total.load(Relaxed) == 2).then_some(())
+        (running
+            .metrics
+            .cancels_of_another_tenant_total
+            .load(Relaxed)
+            == 2)
+            .then_some(())
     })
     .await;
     // acme's own cancel of the job behind it.
@@ -102,7 +107,12 @@ async fn a_cancel_that_overtakes_its_job_applies_only_to_a_job_of_its_tenant() {
     let d = env
         .decisions_for(&["co-forged".to_string(), "co-own".to_string()])
         .await;
-    assert_eq!(d["co-forged"].outcome, Outcome::Assigned, "{:?}", d["co-forged"]);
+    assert_eq!(
+        d["co-forged"].outcome,
+        Outcome::Assigned,
+        "{:?}",
+        d["co-forged"]
+    );
     assert_eq!(d["co-own"].outcome, Outcome::Rejected, "{:?}", d["co-own"]);
     assert_eq!(d["co-own"].reason_code.as_deref(), Some("cancelled"));
     let fin = wait_for("final result", WAIT, || env.final_result("co-own")).await;
@@ -135,7 +145,12 @@ async fn only_a_cancel_of_the_jobs_tenant_is_relayed_to_its_worker() {
     env.client.flush().await.unwrap();
     cancel(&env, Some("globex"), "cr-1").await;
     wait_for("the forged cancel ignored", WAIT, || async {
-        (running.metrics.cancels_of_another_tenant_total.load(Relaxed) == 1).then_some(())
+        (running
+            .metrics
+            .cancels_of_another_tenant_total
+            .load(Relaxed)
+            == 1)
+            .then_some(())
     })
     .await;
     cancel(&env, ACME, "cr-1").await;

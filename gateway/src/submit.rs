@@ -450,8 +450,7 @@ impl Submission {
     /// body names another worker than its subject (counted).
     fn read_result(&self, message: &async_nats::Message) -> Option<(Option<String>, JobEvent)> {
         let subject = message.subject.as_str();
-        let Some(parts) = parse_result_subject(subject).filter(|p| p.job_id == self.job_id)
-        else {
+        let Some(parts) = parse_result_subject(subject).filter(|p| p.job_id == self.job_id) else {
             self.state.metrics.malformed_message("results");
             tracing::warn!(job_id = %self.job_id, %subject, "ignoring a result on an unexpected subject");
             return None;

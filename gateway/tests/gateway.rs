@@ -325,7 +325,10 @@ async fn no_result_in_time_is_a_504_and_cancels_the_job() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(cancel.subject.as_str(), cancel_subject(Some(ANONYMOUS_TENANT), &job_id));
+    assert_eq!(
+        cancel.subject.as_str(),
+        cancel_subject(Some(ANONYMOUS_TENANT), &job_id)
+    );
     h.assert_serving().await;
 }
 
@@ -352,7 +355,10 @@ async fn a_client_that_disconnects_cancels_its_job() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(cancel.subject.as_str(), cancel_subject(Some(ANONYMOUS_TENANT), &job_id));
+    assert_eq!(
+        cancel.subject.as_str(),
+        cancel_subject(Some(ANONYMOUS_TENANT), &job_id)
+    );
     let payload: Value = serde_json::from_slice(&cancel.payload).unwrap();
     assert_eq!(payload["job_id"], job_id.as_str());
 
@@ -373,7 +379,10 @@ async fn a_client_that_disconnects_cancels_its_job() {
         .subject
         .as_str()
         .starts_with(&format!("cancel.{ANONYMOUS_TENANT}.")));
-    assert_ne!(cancel.subject.as_str(), cancel_subject(Some(ANONYMOUS_TENANT), &job_id));
+    assert_ne!(
+        cancel.subject.as_str(),
+        cancel_subject(Some(ANONYMOUS_TENANT), &job_id)
+    );
 
     // Finished jobs are never cancelled.
     h.assert_serving().await;
@@ -629,7 +638,10 @@ async fn answer_text(resp: reqwest::Response, stream: bool, what: &str) -> Strin
     assert_eq!(resp.status(), 200, "{what}");
     assert_eq!(resp.headers()["x-metronome-worker"], WORKER, "{what}");
     let body = resp.text().await.unwrap();
-    assert!(!body.contains(FORGED), "{what}: forged output relayed: {body}");
+    assert!(
+        !body.contains(FORGED),
+        "{what}: forged output relayed: {body}"
+    );
     if !stream {
         let v: Value = serde_json::from_str(&body).unwrap();
         return v["choices"][0]["message"]["content"]
@@ -646,7 +658,11 @@ async fn answer_text(resp: reqwest::Response, stream: bool, what: &str) -> Strin
     events[..events.len() - 1]
         .iter()
         .map(|e| serde_json::from_str::<Value>(e).unwrap())
-        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(String::from))
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
         .collect()
 }
 
@@ -668,7 +684,9 @@ async fn results_from_a_worker_that_does_not_hold_the_job_are_not_relayed() {
     }
     // A forged chunk and final result per request: held, then dropped at its end
     // (`not_assigned`), or dropped at once for a body naming another worker.
-    let row = |reason: &str| format!("metronome_gateway_unattributed_results_total{{reason=\"{reason}\"}}");
+    let row = |reason: &str| {
+        format!("metronome_gateway_unattributed_results_total{{reason=\"{reason}\"}}")
+    };
     wait_for("the ignored results counted", WAIT, || async {
         let held = counter(&h, &row("not_assigned")).await;
         let mismatched = counter(&h, &row("body_mismatch")).await;

@@ -131,7 +131,9 @@ async fn results_wait_for_a_decision_read_from_the_stream_when_the_live_one_was_
         client
             .publish(
                 result_final_subject(TENANT, id, worker),
-                serde_json::to_vec(&final_result(id, worker)).unwrap().into(),
+                serde_json::to_vec(&final_result(id, worker))
+                    .unwrap()
+                    .into(),
             )
             .await
             .unwrap();

@@ -165,13 +165,19 @@ pub fn is_worker_id(s: &str) -> bool {
 /// `worker_id` (core NATS, ordered per publisher). A worker may publish only under its own
 /// id (the servers' permissions), so the subject, not the body, says whose output it is.
 pub fn result_chunk_subject(tenant: Option<&str>, job_id: &str, worker_id: &str) -> String {
-    format!("results.{}.{job_id}.{worker_id}.chunk", tenant_token(tenant))
+    format!(
+        "results.{}.{job_id}.{worker_id}.chunk",
+        tenant_token(tenant)
+    )
 }
 
 /// `results.<tenant>.<job_id>.<publisher>.final`: the final result of a job, written by the
 /// worker that ran it (its id) or the leader ([`DISPATCHER_PUBLISHER`]).
 pub fn result_final_subject(tenant: Option<&str>, job_id: &str, publisher: &str) -> String {
-    format!("results.{}.{job_id}.{publisher}.final", tenant_token(tenant))
+    format!(
+        "results.{}.{job_id}.{publisher}.final",
+        tenant_token(tenant)
+    )
 }
 
 /// `results.<tenant>.<job_id>._dispatcher.final`: a final result the leader writes.
@@ -391,7 +397,10 @@ mod tests {
             result_chunk_subject(Some("acme"), "j1", "w1"),
             "results.acme.j1.w1.chunk"
         );
-        assert_eq!(result_final_subject_any_tenant("j1"), "results.*.j1.*.final");
+        assert_eq!(
+            result_final_subject_any_tenant("j1"),
+            "results.*.j1.*.final"
+        );
         assert_eq!(cancel_subject(Some("acme"), "j1"), "cancel.acme.j1");
         assert_eq!(cancel_subject(None, "j1"), "cancel._anon.j1");
         assert_eq!(tenant_cancel_all(Some("acme")), "cancel.acme.*");
@@ -476,7 +485,13 @@ mod tests {
     #[test]
     fn cancel_subjects_name_the_tenant() {
         assert_eq!(parse_cancel_subject("cancel.acme.j1"), Some(("acme", "j1")));
-        for other in ["cancel.j1", "cancel.acme.j1.x", "cancel..j1", "cancel.acme.", "x.acme.j1"] {
+        for other in [
+            "cancel.j1",
+            "cancel.acme.j1.x",
+            "cancel..j1",
+            "cancel.acme.",
+            "x.acme.j1",
+        ] {
             assert_eq!(parse_cancel_subject(other), None, "{other}");
         }
     }

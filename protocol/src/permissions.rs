@@ -39,10 +39,10 @@
 use serde::Serialize;
 
 use crate::names::{
-    self, tenant_token, BUCKET_FAIRNESS, BUCKET_LEADER, BUCKET_QUEUES, BUCKET_WORKERS, CONTROL_REVOKE,
-    LEADER_KEY, STREAM_DECISIONS, STREAM_EVENTS, STREAM_JOBS, STREAM_RESULTS, STREAM_WORK,
-    SUBJECT_CANCEL_ALL, SUBJECT_DEAD_LETTER, SUBJECT_DECISIONS_ALL, SUBJECT_JOBS_RETRY,
-    SUBJECT_JOBS_SUBMIT_ALL, SUBJECT_JOBS_SUBMIT_PREFIX,
+    self, tenant_token, BUCKET_FAIRNESS, BUCKET_LEADER, BUCKET_QUEUES, BUCKET_WORKERS,
+    CONTROL_REVOKE, LEADER_KEY, STREAM_DECISIONS, STREAM_EVENTS, STREAM_JOBS, STREAM_RESULTS,
+    STREAM_WORK, SUBJECT_CANCEL_ALL, SUBJECT_DEAD_LETTER, SUBJECT_DECISIONS_ALL,
+    SUBJECT_JOBS_RETRY, SUBJECT_JOBS_SUBMIT_ALL, SUBJECT_JOBS_SUBMIT_PREFIX,
 };
 
 /// One kind of identity.
@@ -474,7 +474,10 @@ mod tests {
         assert!(!publish.iter().any(|s| s.starts_with("decisions")
             || s.starts_with("work.")
             || s.contains("$KV.leader.>")));
-        let results: Vec<&String> = publish.iter().filter(|s| s.starts_with("results.")).collect();
+        let results: Vec<&String> = publish
+            .iter()
+            .filter(|s| s.starts_with("results."))
+            .collect();
         assert_eq!(
             results,
             ["results.*.*.n1-gpu0.chunk", "results.*.*.n1-gpu0.final"],

@@ -191,9 +191,9 @@ pub async fn upgrade_jobs_stream(js: &jetstream::Context) -> Result<bool, SetupE
 /// Returns whether the stream was updated.
 pub async fn upgrade_results_stream(js: &jetstream::Context) -> Result<bool, SetupError> {
     let changed = amend_stream(js, STREAM_RESULTS, |config| {
-        config.subjects.retain(|s| {
-            s != SUBJECT_RESULTS_FINAL_ALL_V1 && s != SUBJECT_RESULTS_FINAL_ALL_V2
-        });
+        config
+            .subjects
+            .retain(|s| s != SUBJECT_RESULTS_FINAL_ALL_V1 && s != SUBJECT_RESULTS_FINAL_ALL_V2);
         if !config
             .subjects
             .iter()

@@ -341,7 +341,9 @@ async fn the_gateway_relays_only_the_assigned_workers_results() {
                 .await
                 .ok()?;
             m.lines()
-                .any(|l| l == "metronome_gateway_unattributed_results_total{reason=\"not_assigned\"} 2")
+                .any(|l| {
+                    l == "metronome_gateway_unattributed_results_total{reason=\"not_assigned\"} 2"
+                })
                 .then_some(())
         },
     )

@@ -667,21 +667,30 @@ async fn a_client_cancels_only_its_own_tenants_jobs() {
         .await
         .unwrap();
     acme.client.flush().await.unwrap();
-    assert_eq!(next_cancel(&mut heard, "acme's cancel").await, "cancel.acme.job-1");
+    assert_eq!(
+        next_cancel(&mut heard, "acme's cancel").await,
+        "cancel.acme.job-1"
+    );
     gateway
         .client
         .publish(names::cancel_subject(Some("globex"), "job-2"), "".into())
         .await
         .unwrap();
     gateway.client.flush().await.unwrap();
-    assert_eq!(next_cancel(&mut heard, "the gateway's cancel").await, "cancel.globex.job-2");
+    assert_eq!(
+        next_cancel(&mut heard, "the gateway's cancel").await,
+        "cancel.globex.job-2"
+    );
     dispatcher
         .client
         .publish(names::cancel_subject(Some("acme"), "job-1"), "".into())
         .await
         .unwrap();
     dispatcher.client.flush().await.unwrap();
-    assert_eq!(next_cancel(&mut heard, "the dispatcher's relay").await, "cancel.acme.job-1");
+    assert_eq!(
+        next_cancel(&mut heard, "the dispatcher's relay").await,
+        "cancel.acme.job-1"
+    );
     for conn in [&acme, &gateway, &dispatcher, &w1] {
         conn.no_violations();
     }
@@ -699,7 +708,10 @@ async fn a_client_cancels_only_its_own_tenants_jobs() {
         .await
         .unwrap();
     acme.client.flush().await.unwrap();
-    assert_eq!(next_cancel(&mut heard, "acme's marker").await, "cancel.acme.marker");
+    assert_eq!(
+        next_cancel(&mut heard, "acme's marker").await,
+        "cancel.acme.marker"
+    );
 }
 
 #[tokio::test]
