@@ -566,7 +566,7 @@ pub fn message(seed: u64, index: u64, class: Class, ctx: &Context) -> Hostile {
             ];
             // Another tenant's client naming one of the drill's own (running or queued)
             // jobs; the version-2 subject without a tenant; odd ids and tenants.
-            let victim = format!("{}-{}", ctx.victims, rng.random_range(0..2_000u32));
+            let victim = format!("{}-{}", ctx.victims, rng.random_range(0..256u32));
             let subject = match rng.random_range(0..4) {
                 0 | 1 => format!(
                     "cancel.{}.{victim}",
