@@ -28,7 +28,15 @@ pub fn least_harm(
     config: &SchedulerConfig,
     now_ms: u64,
 ) -> Evaluation {
-    let ranked = rank(&filter::LEAST_HARM, job, workers, ledger, config, now_ms);
+    let ranked = rank(
+        &filter::LEAST_HARM,
+        true,
+        job,
+        workers,
+        ledger,
+        config,
+        now_ms,
+    );
     let weights = config.weights.as_array();
     // Best score first, so the stable minimum below breaks harm ties by score.
     let pick = ranked
