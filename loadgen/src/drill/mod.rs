@@ -987,10 +987,12 @@ async fn hostile_flood(
         after.epoch
     ));
     notes.push(format!(
-        "rejections seen: {} dead letters from the dispatcher, {} from agents; dispatchers: malformed_jobs +{}, ignored_worker_messages +{ignored}; agents: malformed_assignments +{malformed_work}, stale_epoch_refusals +{stale}, unvouched_epoch_refusals +{unvouched}, refused jobs +{}",
+        "rejections seen: {} dead letters from the dispatcher, {} from agents; dispatchers: malformed_jobs +{}, ignored_worker_messages +{ignored}, cancels_of_another_tenant +{}; agents: malformed_assignments +{malformed_work}, stale_epoch_refusals +{stale}, unvouched_epoch_refusals +{unvouched}, cancels_of_another_tenant +{}, refused jobs +{}",
         a.dead_letters_dispatcher,
         a.dead_letters_agents,
         delta("metronome_dispatcher_malformed_jobs_total", false),
+        delta("metronome_dispatcher_cancels_of_another_tenant_total", false),
+        delta("metronome_worker_cancels_of_another_tenant_total", true),
         metric_sum_labelled(&after.agents, "metronome_worker_jobs_total", "outcome=\"refused\"")
             - metric_sum_labelled(&before.agents, "metronome_worker_jobs_total", "outcome=\"refused\""),
     ));
