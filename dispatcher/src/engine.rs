@@ -1287,10 +1287,16 @@ impl Engine {
                 self.metrics.held(model, &evaluation.rejected);
                 return;
             };
+            let decoding_from_ms = evaluation
+                .winner_score()
+                .and_then(|c| c.prediction)
+                .map_or(0, |p| now.saturating_add(p.ttft_ms.max(0.0) as u64));
             let profile = JobProfile {
                 prompt_tokens: request.prompt_tokens,
                 predicted_output: request.predicted_output(),
                 min_tok_s: slo.min_tok_s,
+                max_tokens: request.max_tokens,
+                decoding_from_ms,
             };
             // An idle GPU is never kept idle for someone else: on a GPU that takes one job
             // at a time, the room kept would be all of it.

@@ -30,6 +30,8 @@ use crate::gpu::Gpu;
 pub struct Held {
     pub job: Arc<Job>,
     pub attempt: u32,
+    /// Tokens it will write (its `max_tokens` or fewer: where the model stops).
+    writes: u32,
     /// Accept counter value when it was taken: a heartbeat built after it reports it.
     generation: u64,
     seq_id: Option<SeqId>,
@@ -151,7 +153,7 @@ impl Agent {
     }
 
     /// An assignment arrived. Returns whether it was taken (a duplicate is not).
-    pub fn accept(&mut self, job: Arc<Job>, attempt: u32, epoch: u64) -> bool {
+    pub fn accept(&mut self, job: Arc<Job>, attempt: u32, epoch: u64, writes: u32) -> bool {
         if self.held.contains_key(&job.id) {
             return false;
         }
@@ -163,6 +165,7 @@ impl Agent {
             Held {
                 job,
                 attempt,
+                writes: writes.max(1),
                 generation: self.accepted_generation,
                 seq_id: None,
                 started_ms: None,
@@ -230,9 +233,7 @@ impl Agent {
             h.started_ms = Some(now_ms);
             self.by_seq.insert(seq_id, id.clone());
             self.tracker.started(id, h.job.prompt_tokens, at);
-            let added = self
-                .gpu
-                .add(seq_id, h.job.prompt_tokens, h.job.max_tokens.max(1));
+            let added = self.gpu.add(seq_id, h.job.prompt_tokens, h.writes);
             debug_assert!(added, "the dispatcher placed a job its GPU cannot hold");
         }
         self.gpu.kick(now_ms)

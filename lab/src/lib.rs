@@ -27,4 +27,4 @@ pub mod agent;
 pub mod gpu;
 pub mod world;
 
-pub use world::{run, Cluster, LabConfig, LabRun, Latencies, StallCheck};
+pub use world::{run, Cluster, LabConfig, LabRun, Latencies, MaxTokens, StallCheck};

@@ -11,7 +11,7 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use metronome_dispatcher::Config as DispatcherConfig;
 use metronome_gpu_sim::SimGpuConfig;
-use metronome_lab::{Cluster, LabConfig, LabRun, Latencies};
+use metronome_lab::{Cluster, LabConfig, LabRun, Latencies, MaxTokens};
 use metronome_loadgen::bench::curve::{capacity_at_slo, CurvePoint, ATTAINMENT_TARGET};
 use metronome_loadgen::bench::scenarios::{cluster_speeds, nominal_for, BenchPlan, MODEL};
 use metronome_loadgen::{meets_slo, plan_requests, summarize, Slo, Workload};
@@ -70,6 +70,10 @@ struct Args {
     /// (`<cluster>/<workload>/<policy>/<load %>-<seed>.csv`).
     #[arg(long)]
     csv: Option<PathBuf>,
+    /// How jobs set max_tokens: `exact` (the output length, as the load generator does),
+    /// `scaled:F` (F times the output length) or `fixed:N` (N for every job).
+    #[arg(long, default_value = "exact")]
+    max_tokens: String,
     /// Print only the summary (attainment per load, capacity at SLO), not every point.
     #[arg(long)]
     summary_only: bool,
@@ -109,6 +113,12 @@ fn main() -> anyhow::Result<()> {
             .map_err(|e| anyhow::anyhow!("{e}"))?,
         None => DispatcherConfig::default(),
     };
+    let max_tokens = match args.max_tokens.split_once(':') {
+        None if args.max_tokens == "exact" => MaxTokens::Exact,
+        Some(("scaled", f)) => MaxTokens::Scaled(f.parse().context("--max-tokens scaled:F")?),
+        Some(("fixed", n)) => MaxTokens::Fixed(n.parse().context("--max-tokens fixed:N")?),
+        _ => bail!("--max-tokens: exact, scaled:F or fixed:N"),
+    };
     let slo = Slo::default();
     let mut points: Vec<Point> = Vec::new();
     if !args.summary_only {
@@ -147,6 +157,7 @@ fn main() -> anyhow::Result<()> {
                     latencies: Latencies::default(),
                     sample_ms: 100.0,
                     warmup_ms: 3_000.0,
+                    max_tokens,
                 };
                 let mut system = Cluster::new(&config);
                 for workload in &args.workloads {

@@ -72,6 +72,31 @@ pub struct LabConfig {
     pub sample_ms: f64,
     /// Simulated time before the first request, for every agent to register.
     pub warmup_ms: f64,
+    /// What each job asks for as `max_tokens`, against the length it will write.
+    pub max_tokens: MaxTokens,
+}
+
+/// How clients set `max_tokens`. The load generator asks for exactly the length a request
+/// will write; many clients ask for a cap instead, which tells the dispatcher less.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum MaxTokens {
+    /// `max_tokens` is the output length.
+    Exact,
+    /// `max_tokens` is the output length times this factor (≥ 1), rounded up.
+    Scaled(f64),
+    /// Every job asks for this many (or its output length, if longer).
+    Fixed(u32),
+}
+
+impl MaxTokens {
+    pub fn of(self, output_tokens: u32) -> u32 {
+        match self {
+            MaxTokens::Exact => output_tokens,
+            MaxTokens::Scaled(f) => ((f64::from(output_tokens) * f.max(1.0)).ceil() as u32)
+                .max(output_tokens),
+            MaxTokens::Fixed(n) => n.max(output_tokens),
+        }
+    }
 }
 
 /// What the winner's candidate predicted for a job, with the job's queue wait.
@@ -218,6 +243,7 @@ struct World {
     stalls: Vec<StallCheck>,
     outstanding: usize,
     warmup_ms: f64,
+    max_tokens: MaxTokens,
     model: String,
     /// Points run so far (job ids carry it, so no two points share one).
     points: usize,
@@ -313,6 +339,7 @@ impl World {
             stalls: Vec::new(),
             outstanding: 0,
             warmup_ms: config.warmup_ms,
+            max_tokens: config.max_tokens,
             model,
             points: 0,
             point_start_ms: 0.0,
@@ -430,7 +457,7 @@ impl World {
                     endpoint: Endpoint::Completion,
                     request: serde_json::Value::Null,
                     prompt_tokens: r.prompt_tokens,
-                    max_tokens: r.output_tokens,
+                    max_tokens: self.max_tokens.of(r.output_tokens),
                     submitted_ms: self.unix(now),
                     deadline_ms: None,
                     slo: None,
@@ -482,7 +509,11 @@ impl World {
                 attempt,
                 epoch,
             } => {
-                if self.agents[gpu].accept(job, attempt, epoch) {
+                let writes = self
+                    .jobs
+                    .get(&job.id)
+                    .map_or(job.max_tokens, |&i| self.plan[i].output_tokens);
+                if self.agents[gpu].accept(job, attempt, epoch, writes) {
                     self.beat_now(gpu);
                 }
             }

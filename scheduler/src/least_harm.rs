@@ -105,6 +105,7 @@ mod tests {
                 prompt_tokens: 10,
                 predicted_output: 8.0,
                 min_tok_s: 30.0,
+                ..Default::default()
             };
             ledger
                 .reserve_profiled(id, &format!("{id}-{k}"), 20, p, NOW)
