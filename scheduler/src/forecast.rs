@@ -92,7 +92,7 @@ impl Forecast {
         let mut unreported_prompt = 0.0;
         for r in ledger.reservations_on(&status.worker_id) {
             let (prompt, out) = r.profile.map_or((0.0, default_output), |p| {
-                (f64::from(p.prompt_tokens), p.predicted_output)
+                (f64::from(p.prompt_tokens), p.protected_output)
             });
             let context = prompt + out / 2.0;
             ledger_context += context;
@@ -129,7 +129,10 @@ impl Forecast {
                 continue;
             }
             let (out, floor) = r.profile.map_or((default_output, job.slo.min_tok_s), |p| {
-                (written_at_least(&p, r.stall_ms, step_ms, load.now_ms), p.min_tok_s)
+                (
+                    written_at_least(&p, r.stall_ms, step_ms, load.now_ms),
+                    p.min_tok_s,
+                )
             });
             let out = out.max(1.0);
             let tok_s = 1000.0 * out / (out * step_ms + r.stall_ms + stall_ms);
@@ -198,7 +201,7 @@ impl Forecast {
 /// turn work away for a job with room to spare (seen when clients ask for a large
 /// `max_tokens` whatever they write, so every job is expected to write the mean).
 fn written_at_least(p: &JobProfile, stall_ms: f64, step_ms: f64, now_ms: u64) -> f64 {
-    let expected = p.predicted_output;
+    let expected = p.protected_output;
     if p.decoding_from_ms == 0 || now_ms <= p.decoding_from_ms || step_ms <= 0.0 {
         return expected;
     }
@@ -359,13 +362,13 @@ mod tests {
         let mut l = Ledger::new();
         let short = JobProfile {
             prompt_tokens: 500,
-            predicted_output: 10.0,
+            protected_output: 10.0,
             min_tok_s: 30.0,
             ..Default::default()
         };
         let long = JobProfile {
             prompt_tokens: 500,
-            predicted_output: 400.0,
+            protected_output: 400.0,
             min_tok_s: 30.0,
             ..Default::default()
         };
@@ -402,7 +405,7 @@ mod tests {
         let mut l = Ledger::new();
         let profile = JobProfile {
             prompt_tokens: 500,
-            predicted_output: 100.0,
+            protected_output: 100.0,
             min_tok_s: 30.0,
             ..Default::default()
         };
