@@ -32,9 +32,11 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 RULES = os.path.join(HERE, "..", "ansible", "roles", "metronome", "files", "permissions.json")
 ALPHABET = string.ascii_letters + string.digits
-# protocol::names::NO_TENANT_TOKEN and protocol::job::MAX_TENANT_BYTES.
+# protocol::names::NO_TENANT_TOKEN, protocol::job::MAX_TENANT_BYTES and
+# protocol::names::DISPATCHER_PUBLISHER (the leader's results: no worker may be called so).
 NO_TENANT_TOKEN = "_anon"
 MAX_TENANT_BYTES = 64
+DISPATCHER_PUBLISHER = "_dispatcher"
 
 
 def glob_escape(s):
@@ -87,6 +89,12 @@ def main():
         worker_id, model = (parts[2], parts[3]) if role == "worker-agent" and len(parts) == 4 else ("", "")
         if role == "worker-agent" and not worker_id:
             sys.exit(f"render-auth: {spec}: a worker-agent is user:worker-agent:<worker_id>:<model>")
+        if role == "worker-agent" and (
+            worker_id == DISPATCHER_PUBLISHER or not all(c in ALPHABET + "-_" for c in worker_id)
+        ):
+            # It would be allowed to publish results readers take for the leader's.
+            sys.exit(f"render-auth: {spec}: a worker id is letters, digits, '-' and '_', "
+                     f"and not {DISPATCHER_PUBLISHER}")
         tenant = parts[2] if role == "client" and len(parts) == 3 else ""
         if role == "client" and not (
             tenant and len(tenant) <= MAX_TENANT_BYTES and all(c in ALPHABET + "-_" for c in tenant)

@@ -1,7 +1,7 @@
 //! `metronome explain <job-id>`: the story of one job, told from the records the system
 //! already keeps: every decision on `decisions.<tenant>.<job_id>` (one per attempt that reached an
 //! outcome), the worker's completion event on `events.done.<worker_id>`, and the final
-//! result on `results.<tenant>.<job_id>.final`.
+//! result on `results.<tenant>.<job_id>.<publisher>.final`.
 //!
 //! Pure: [`Story`] holds the records, [`Story::summary`] derives the numbers (winner,
 //! margin over the runner-up, predicted against measured, SLO met or not) and

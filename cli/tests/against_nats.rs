@@ -191,7 +191,7 @@ async fn explain_tells_the_story_of_a_stored_decision() {
     env.publish(names::event_done_subject("n1-gpu1"), "e-job-7", &done)
         .await;
     env.publish(
-        names::result_final_subject(Some("acme"), "job-7"),
+        names::result_final_subject(Some("acme"), "job-7", "n1-gpu1"),
         "r-job-7",
         &FinalResult {
             v: 1,

@@ -119,6 +119,11 @@ const CANCELLED_MAX: usize = 100_000;
 /// back through JOBS (a takeover redelivers pending jobs at once) before its client is told.
 const ORPHAN_REFUSAL_GRACE_MS: u64 = 5_000;
 
+/// The key of a cancel of `job_id` naming `tenant` in [`Engine::cancelled`]: its subject.
+fn cancel_key(tenant: Option<&str>, job_id: &str) -> String {
+    metronome_protocol::names::cancel_subject(tenant, job_id)
+}
+
 /// A job this leader assigned and has not seen finish.
 struct AssignedJob {
     job: Arc<Job>,
@@ -158,10 +163,14 @@ pub struct Engine {
     finished: RecentIds,
     /// Cancellations this leader could not apply at once: the job was still in the intake
     /// (or not submitted yet), or assigned but not yet reported by its worker. Kept for one
-    /// JOBS ack wait, the longest a job can take to reach the engine.
+    /// JOBS ack wait, the longest a job can take to reach the engine. Keyed by
+    /// [`cancel_key`] (tenant and job): a cancel applies only to a job of the tenant it
+    /// names, so one naming another tenant's job never matches it (nor displaces a real
+    /// cancel of that job).
     cancelled: RecentIds,
-    /// Cancellations already relayed to the worker that reported the job: our own relay
-    /// comes back on `cancel.*` and must not be relayed again.
+    /// Cancellations already relayed to the worker that reported the job (by
+    /// [`cancel_key`]): our own relay comes back on `cancel.*.*` and must not be relayed
+    /// again.
     relayed: RecentIds,
     /// Refusals of jobs whose body this leader does not hold, oldest first, with when:
     /// settled on the tick after [`ORPHAN_REFUSAL_GRACE_MS`].
@@ -292,7 +301,7 @@ impl Engine {
                 self.queues.put_back(*job);
                 self.capacity_changed = true;
             }
-            Event::Cancel(job_id) => self.on_cancel(&job_id),
+            Event::Cancel { tenant, job_id } => self.on_cancel(tenant.as_deref(), &job_id),
             Event::PublishFailed { job, worker_id } => {
                 if self.ledger.worker_of(&job.job.id) == Some(worker_id.as_str()) {
                     self.ledger.release(&job.job.id);
@@ -376,7 +385,10 @@ impl Engine {
             // A redelivery of a job already waiting here: the queued copy stands.
             return;
         }
-        if self.cancelled.remove(&job_id) {
+        if self
+            .cancelled
+            .remove(&cancel_key(inc.job.tenant.as_deref(), &job_id))
+        {
             // Its cancel overtook it (the cancel is a core message, the job waits in JOBS).
             tracing::info!(job_id = %job_id, "cancelled before it reached the queue");
             self.reject(
@@ -734,7 +746,10 @@ impl Engine {
         if event.outcome != CompletionOutcome::Refused {
             let now = self.now_ms;
             self.finished.insert(&event.job_id, now);
-            self.cancelled.remove(&event.job_id);
+            if let Some(a) = self.assigned.get(&event.job_id) {
+                self.cancelled
+                    .remove(&cancel_key(a.job.tenant.as_deref(), &event.job_id));
+            }
             if let Some(&i) = self.index.get(&event.worker_id) {
                 let mut patched = self.workers[i].status.clone();
                 self.drop_finished(&mut patched);
@@ -799,7 +814,9 @@ impl Engine {
     /// `event` (the refusal that caused it) is acknowledged once the retry is stored.
     fn retry(&mut self, a: AssignedJob, why: &str, mut event: Option<Arc<Acker>>) {
         let now = self.now_ms;
-        let cancelled = self.cancelled.remove(&a.job.id);
+        let cancelled = self
+            .cancelled
+            .remove(&cancel_key(a.job.tenant.as_deref(), &a.job.id));
         if cancelled || a.attempt >= self.s.max_attempts {
             // Settled here: nothing to wait for before acknowledging the event.
             self.ack(event.take());
@@ -873,10 +890,32 @@ impl Engine {
         self.capacity_changed = true;
     }
 
-    fn on_cancel(&mut self, job_id: &str) {
-        if self.relayed.contains(job_id) {
+    /// A client's `cancel.<tenant>.<job_id>`. Its permissions let it name only its own
+    /// tenant, but any job id: a cancel of a job this leader holds for another tenant is
+    /// ignored and counted, and a remembered one matches only a job of its tenant.
+    fn on_cancel(&mut self, tenant: Option<&str>, job_id: &str) {
+        let key = cancel_key(tenant, job_id);
+        if self.relayed.contains(&key) {
             // Our own relay coming back.
             return;
+        }
+        let holder = self
+            .queues
+            .tenant_of_waiting(job_id)
+            .or_else(|| self.assigned.get(job_id).map(|a| tenant_of(&a.job)));
+        if let Some(holder) = holder {
+            if holder != tenant.unwrap_or("") {
+                self.metrics
+                    .cancels_of_another_tenant_total
+                    .fetch_add(1, Relaxed);
+                tracing::warn!(
+                    job_id,
+                    cancel_tenant = tenant.unwrap_or(""),
+                    job_tenant = holder,
+                    "ignoring a cancel that names another tenant than the job's"
+                );
+                return;
+            }
         }
         if let Some(job) = self.queues.remove(job_id) {
             let now = self.now_ms;
@@ -901,20 +940,26 @@ impl Engine {
         // remembered, applied when the job arrives, is refused or rescued, or relayed once
         // its worker reports it.
         tracing::info!(job_id, "cancel for a job not queued here: remembered");
-        self.cancelled.insert(job_id, self.now_ms);
+        self.cancelled.insert(&key, self.now_ms);
     }
 
     /// Relay remembered cancels of jobs a worker now reports holding: the client's cancel
-    /// may have reached the worker before the Assignment did.
+    /// may have reached the worker before the Assignment did. Only jobs this leader assigned
+    /// (it knows their tenant, which the cancel must name); the agent checks it again.
     fn relay_cancels(&mut self, in_flight: &[String], now: u64) {
         if self.cancelled.is_empty() {
             return;
         }
         for job_id in in_flight {
-            if self.cancelled.remove(job_id) {
+            let Some(tenant) = self.assigned.get(job_id).map(|a| a.job.tenant.clone()) else {
+                continue;
+            };
+            let key = cancel_key(tenant.as_deref(), job_id);
+            if self.cancelled.remove(&key) {
                 tracing::info!(job_id = %job_id, "relaying a cancel to the worker that reports the job");
-                self.relayed.insert(job_id, now);
+                self.relayed.insert(&key, now);
                 self.emit(publish::Outcome::RelayCancel {
+                    tenant,
                     job_id: job_id.clone(),
                 });
             }

@@ -40,7 +40,11 @@ pub enum Event {
     RequeueFailed {
         job: Box<QueuedJob>,
     },
-    Cancel(String),
+    /// `cancel.<tenant>.<job_id>`: applied only to a job of that tenant.
+    Cancel {
+        tenant: Option<String>,
+        job_id: String,
+    },
     /// The Assignment could not be published: roll back and requeue.
     PublishFailed {
         job: Box<QueuedJob>,

@@ -31,9 +31,10 @@ use async_nats::jetstream::{self, consumer};
 use bytes::Bytes;
 use futures::StreamExt;
 use metronome_protocol::names::{
-    decision_subject, event_done_subject, is_subject_token, submit_subject_token, tenant_of_token,
-    CONSUMER_DISPATCHER, CONSUMER_DISPATCHER_EVENTS, HEADER_ATTEMPT, HEADER_ORDER, STREAM_EVENTS,
-    STREAM_JOBS, SUBJECT_CANCEL_ALL, SUBJECT_EVENTS_DONE_ALL, SUBJECT_JOBS_RETRY,
+    decision_subject, event_done_subject, is_subject_token, parse_cancel_subject,
+    submit_subject_token, tenant_of_token, CONSUMER_DISPATCHER, CONSUMER_DISPATCHER_EVENTS,
+    HEADER_ATTEMPT, HEADER_ORDER, STREAM_EVENTS, STREAM_JOBS, SUBJECT_CANCEL_ALL,
+    SUBJECT_EVENTS_DONE_ALL, SUBJECT_JOBS_RETRY,
 };
 use metronome_protocol::{CompletionEvent, Decision, ErrorCode, Job, JobError, JobLimits, Outcome};
 use tokio::sync::mpsc;
@@ -513,7 +514,9 @@ fn untrusted_event(event: &CompletionEvent, subject: &str) -> Option<&'static st
     None
 }
 
-/// Forward `cancel.<job_id>` requests until `token`.
+/// Forward `cancel.<tenant>.<job_id>` requests until `token`. The tenant travels with the
+/// job id: the engine cancels a job only for its own tenant (a client may name any job id
+/// under its tenant's subject).
 pub async fn spawn_cancels(
     client: &async_nats::Client,
     tx: mpsc::Sender<Event>,
@@ -530,13 +533,15 @@ pub async fn spawn_cancels(
                 m = sub.next() => m,
             };
             let Some(message) = next else { break };
-            if let Some(job_id) = message.subject.as_str().strip_prefix("cancel.") {
-                if !is_subject_token(job_id) {
-                    continue;
-                }
-                if tx.send(Event::Cancel(job_id.to_string())).await.is_err() {
-                    break;
-                }
+            let Some((tenant, job_id)) = parse_cancel_subject(message.subject.as_str()) else {
+                continue;
+            };
+            let event = Event::Cancel {
+                tenant: tenant_of_token(tenant).map(str::to_string),
+                job_id: job_id.to_string(),
+            };
+            if tx.send(event).await.is_err() {
+                break;
             }
         }
         let _ = sub.unsubscribe().await;

@@ -138,7 +138,7 @@ pub async fn start(
     }
     if metronome_protocol::setup::upgrade_results_stream(&js).await? {
         tracing::info!(
-            "brought the RESULTS stream (created by protocol version 1) to this contract: results.*.*.final"
+            "brought the RESULTS stream (created by an older protocol version) to this contract: results.*.*.*.final"
         );
     }
     if let Some(old) = metronome_protocol::setup::align_leader_ttl(&js, settings.leader_ttl).await?

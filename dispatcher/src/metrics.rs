@@ -70,6 +70,9 @@ pub struct Metrics {
     /// Heartbeats and completion events ignored because they could not be trusted
     /// (malformed, or an id that is not a subject token).
     pub ignored_worker_messages_total: AtomicU64,
+    /// Cancellations ignored because they named another tenant than the job's (a client
+    /// may name any job id under its own tenant's `cancel.<tenant>.*`).
+    pub cancels_of_another_tenant_total: AtomicU64,
     /// Workers declared dead (heartbeat timeout or key removed).
     pub workers_lost_total: AtomicU64,
     /// Redelivered jobs acknowledged without a new assignment because a decision for them
@@ -354,6 +357,11 @@ impl Collector for Exposition {
                 "metronome_dispatcher_ignored_worker_messages",
                 "Heartbeats and completion events ignored as malformed or with a bad id.",
                 &m.ignored_worker_messages_total,
+            ),
+            (
+                "metronome_dispatcher_cancels_of_another_tenant",
+                "Cancellations ignored because they named another tenant than the job's.",
+                &m.cancels_of_another_tenant_total,
             ),
             (
                 "metronome_dispatcher_workers_lost",

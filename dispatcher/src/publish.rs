@@ -17,7 +17,8 @@
 //!   acknowledged and the Decision still published (its own msg-id drops it if the
 //!   earlier leader's record exists).
 //! - rejected/expired: Decision, then the `FinalResult` with the error on
-//!   `results.<tenant>.<job>.final` (so a waiting client learns why), then the JOBS ack.
+//!   `results.<tenant>.<job>._dispatcher.final` (so a waiting client learns why), then the
+//!   JOBS ack.
 //!
 //! - a dead worker's purge ([`Outcome::PurgeWork`]) removes only what was on its WORK
 //!   subject when the purge was handled: the stream's last sequence is read, and the purge
@@ -92,9 +93,13 @@ pub enum Outcome {
         job: Box<QueuedJob>,
         event: Option<Arc<Acker>>,
     },
-    /// Send `cancel.<job_id>` again: the worker now reports holding a job whose client's
-    /// cancel may have reached it before its Assignment did.
-    RelayCancel { job_id: String },
+    /// Send `cancel.<tenant>.<job_id>` again: the worker now reports holding a job whose
+    /// client's cancel may have reached it before its Assignment did. `tenant` is the one
+    /// the client's cancel named (the agent acts only if it is the job's).
+    RelayCancel {
+        tenant: Option<String>,
+        job_id: String,
+    },
     /// Tell a worker declared dead to stop the jobs this leader settled without it (core
     /// NATS `control.<worker_id>.revoke`): a worker that was only silent must not keep
     /// running a job that now runs elsewhere or was failed to its client.
@@ -421,9 +426,12 @@ async fn publish_loop(
                     in_flight.fetch_sub(1, Ordering::AcqRel);
                 });
             }
-            Outcome::RelayCancel { job_id } => {
+            Outcome::RelayCancel { tenant, job_id } => {
                 if let Err(error) = client
-                    .publish(names::cancel_subject(&job_id), Bytes::new())
+                    .publish(
+                        names::cancel_subject(tenant.as_deref(), &job_id),
+                        Bytes::new(),
+                    )
                     .await
                 {
                     tracing::warn!(job_id, %error, "relaying a cancel failed");
@@ -699,7 +707,7 @@ async fn publish_final_start(
     let msg_id = names::final_msg_id(job_id);
     let h = headers([(HEADER_MSG_ID, msg_id.as_str())]).map_err(|e| e.to_string())?;
     let msg = PublishMessage::build().payload(payload).headers(h);
-    js.send_publish(names::result_final_subject(tenant, job_id), msg)
+    js.send_publish(names::dispatcher_final_subject(tenant, job_id), msg)
         .await
         .map_err(|e| e.to_string())
 }

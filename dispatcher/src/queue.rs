@@ -432,6 +432,21 @@ impl Queues {
         Some(found)
     }
 
+    /// The tenant ([`tenant_of`]) of the waiting job with this id: a cancel must name it.
+    /// Linear in the queues, like [`Queues::remove`].
+    pub fn tenant_of_waiting(&self, job_id: &str) -> Option<&str> {
+        if !self.ids.contains(job_id) {
+            return None;
+        }
+        self.by_model.values().find_map(|q| {
+            q.flows
+                .iter()
+                .flat_map(|f| f.jobs.iter())
+                .find(|j| j.job.id == job_id)
+                .map(|j| tenant_of(&j.job))
+        })
+    }
+
     /// True when a job with this id is waiting.
     pub fn contains(&self, job_id: &str) -> bool {
         self.ids.contains(job_id)

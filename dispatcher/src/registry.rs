@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::kv;
 use futures::StreamExt;
-use metronome_protocol::names::is_subject_token;
+use metronome_protocol::names::{is_subject_token, is_worker_id};
 use metronome_protocol::redis_keys::{self, ewma_pattern};
 use metronome_protocol::WorkerStatus;
 use metronome_scheduler::EwmaSnapshot;
@@ -176,8 +176,8 @@ pub fn spawn_watch(
 /// and ignore it.
 fn parse_status(key: &str, value: &[u8], metrics: &Metrics) -> Option<WorkerStatus> {
     let reason = match serde_json::from_slice::<WorkerStatus>(value) {
-        Ok(status) if !is_subject_token(&status.worker_id) => {
-            "worker id is not a subject token (letters, digits, '-' and '_', at most 128)"
+        Ok(status) if !is_worker_id(&status.worker_id) => {
+            "worker id is not a subject token (letters, digits, '-' and '_', at most 128) or is the dispatcher's publisher token"
                 .to_string()
         }
         Ok(status) if metronome_protocol::check_model_name(&status.model).is_err() => {

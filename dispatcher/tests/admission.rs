@@ -124,7 +124,7 @@ async fn waiting_jobs_expire_cancel_and_unknown_models_are_rejected_with_reasons
     })
     .await;
     env.client
-        .publish(names::cancel_subject("cancel-me"), "".into())
+        .publish(names::cancel_subject(None, "cancel-me"), "".into())
         .await
         .unwrap();
     // Nobody serves this model.

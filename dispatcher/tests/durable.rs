@@ -101,7 +101,7 @@ async fn a_cancel_that_overtakes_its_job_is_applied_when_the_job_arrives() {
     env.workers("co", 1, "model-co", 4).await;
     let (running, token) = env.dispatcher(env.config("cancel")).await;
     env.client
-        .publish(names::cancel_subject("co-1"), bytes::Bytes::new())
+        .publish(names::cancel_subject(None, "co-1"), bytes::Bytes::new())
         .await
         .unwrap();
     env.client.flush().await.unwrap();
@@ -143,12 +143,12 @@ async fn a_cancel_for_an_unreported_assignment_is_relayed_when_the_worker_report
     .await;
     let mut cancels = env
         .client
-        .subscribe(names::cancel_subject("cr-1"))
+        .subscribe(names::cancel_subject(None, "cr-1"))
         .await
         .unwrap();
     env.client.flush().await.unwrap();
     env.client
-        .publish(names::cancel_subject("cr-1"), bytes::Bytes::new())
+        .publish(names::cancel_subject(None, "cr-1"), bytes::Bytes::new())
         .await
         .unwrap();
     assert!(cancels.next().await.is_some(), "the client's cancel");

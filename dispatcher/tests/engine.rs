@@ -308,6 +308,105 @@ fn the_expected_output_follows_max_tokens_once_completions_show_it() {
     );
 }
 
+/// A job of `tenant` (`None`: of no tenant).
+fn job_of(tenant: Option<&str>, id: &str, at: u64) -> Event {
+    let Event::Job(mut incoming) = job(id, 100, 10, at) else {
+        unreachable!()
+    };
+    let mut j = (*incoming.job).clone();
+    j.tenant = tenant.map(String::from);
+    incoming.job = Arc::new(j);
+    Event::Job(incoming)
+}
+
+fn cancel(tenant: Option<&str>, id: &str) -> Event {
+    Event::Cancel {
+        tenant: tenant.map(String::from),
+        job_id: id.into(),
+    }
+}
+
+/// Issue 10: a cancellation applies only to a job of the tenant it names (a client may name
+/// any job id under its own tenant's subject). One that overtakes its job is remembered with
+/// its tenant; one for an assigned job of another tenant is ignored and counted; the relay to
+/// the worker that reports the job names the job's own tenant, once.
+#[test]
+fn a_cancel_applies_only_to_a_job_of_the_tenant_it_names() {
+    let metrics = Metrics::new();
+    let mut e = Engine::new(
+        EngineSettings::from_config(&Config::default(), 7, "test".into()),
+        metrics.clone(),
+        None,
+    );
+    let acme = Some("acme");
+    step(&mut e, vec![heartbeat("w1", &[], 1, T0)], T0);
+    let out = step(
+        &mut e,
+        vec![
+            cancel(Some("globex"), "forged"),
+            cancel(None, "forged"),
+            cancel(acme, "own"),
+            job_of(acme, "forged", T0 + 1),
+            job_of(acme, "own", T0 + 1),
+        ],
+        T0 + 1,
+    );
+    let assigned_ids: Vec<String> = assigned(&out).into_iter().map(|(j, _)| j).collect();
+    assert_eq!(assigned_ids, ["forged"], "{:?}", names(&out));
+    let rejected: Vec<(String, Option<String>)> = out
+        .iter()
+        .filter_map(|o| match o {
+            Outcome::Reject { decision, .. } => {
+                Some((decision.job_id.clone(), decision.reason_code.clone()))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        rejected,
+        [("own".to_string(), Some("cancelled".to_string()))]
+    );
+
+    // Assigned to w1, not reported yet: another tenant's cancel is ignored, acme's is
+    // remembered and relayed on acme's subject once w1 reports the job.
+    let out = step(
+        &mut e,
+        vec![cancel(Some("globex"), "forged"), cancel(None, "forged")],
+        T0 + 2,
+    );
+    assert!(out.is_empty(), "{:?}", names(&out));
+    assert_eq!(
+        metrics
+            .cancels_of_another_tenant_total
+            .load(std::sync::atomic::Ordering::Relaxed),
+        2
+    );
+    step(&mut e, vec![cancel(acme, "forged")], T0 + 3);
+    let relays = |out: &[Outcome]| -> Vec<(Option<String>, String)> {
+        out.iter()
+            .filter_map(|o| match o {
+                Outcome::RelayCancel { tenant, job_id } => Some((tenant.clone(), job_id.clone())),
+                _ => None,
+            })
+            .collect()
+    };
+    let out = step(
+        &mut e,
+        vec![heartbeat("w1", &["forged"], 2, T0 + 4)],
+        T0 + 4,
+    );
+    assert_eq!(
+        relays(&out),
+        [(Some("acme".to_string()), "forged".to_string())]
+    );
+    let out = step(
+        &mut e,
+        vec![heartbeat("w1", &["forged"], 3, T0 + 5)],
+        T0 + 5,
+    );
+    assert!(relays(&out).is_empty(), "relayed once");
+}
+
 #[test]
 fn a_small_job_goes_ahead_of_a_large_one_that_fits_nowhere_yet() {
     let run = |lookahead: usize| {

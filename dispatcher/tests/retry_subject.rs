@@ -56,18 +56,22 @@ async fn a_jobs_stream_of_an_older_version_gains_jobs_retry_and_discard_new_when
 ) {
     let env = Env::start().await;
     // As an older version created it: jobs.submit only, and a full queue deleting its
-    // oldest jobs (the server's default); RESULTS as version 1 made it (no tenant token).
+    // oldest jobs (the server's default); RESULTS with the subjects of versions 1 (no
+    // tenant token) and 2 (no publisher token).
     let mut config = env.stream_config(names::STREAM_JOBS).await;
     config.subjects = vec![names::SUBJECT_JOBS_SUBMIT_V1.to_string()];
     config.discard = async_nats::jetstream::stream::DiscardPolicy::Old;
     env.js.update_stream(config).await.unwrap();
     let mut config = env.stream_config(names::STREAM_RESULTS).await;
-    config.subjects = vec![names::SUBJECT_RESULTS_FINAL_ALL_V1.to_string()];
+    config.subjects = vec![
+        names::SUBJECT_RESULTS_FINAL_ALL_V1.to_string(),
+        names::SUBJECT_RESULTS_FINAL_ALL_V2.to_string(),
+    ];
     env.js.update_stream(config).await.unwrap();
 
     let (_running, token) = env.dispatcher(env.config("upgrade")).await;
     metronome_testkit::wait_for(
-        "jobs.submit.*, jobs.retry and discard new in JOBS; results.*.*.final in RESULTS",
+        "jobs.submit.*, jobs.retry and discard new in JOBS; results.*.*.*.final in RESULTS",
         WAIT,
         || async {
             let jobs = env.stream_config(names::STREAM_JOBS).await;

@@ -1,8 +1,9 @@
 //! The tenant of a job is the one its subject names (`jobs.submit.<tenant>`, which the
 //! server's permissions give only to that tenant's clients), never a claim in its body:
 //! a body naming another tenant is refused (`tenant_mismatch`), and the refusal goes to the
-//! subject's tenant only. A job on the version-1 `jobs.submit`, or of schema version 1, is
-//! refused with `unsupported_version`. Against a real nats-server.
+//! subject's tenant only. A job on the version-1 `jobs.submit`, or of schema version 1 or
+//! 2, is refused with `unsupported_version` and a reason naming this version's subjects.
+//! Against a real nats-server.
 
 mod common;
 
@@ -65,6 +66,12 @@ async fn the_subject_names_the_tenant_and_the_body_cannot_claim_another() {
     old["v"] = json!(1);
     env.submit_on(&acme, "t-v1-body", serde_json::to_vec(&old).unwrap())
         .await;
+    // A version-2 job: its client would read results without their publisher and cancel on
+    // `cancel.<job_id>`, so it is told what changed rather than served.
+    let mut v2 = body("t-v2-body");
+    v2["v"] = json!(2);
+    env.submit_on(&acme, "t-v2-body", serde_json::to_vec(&v2).unwrap())
+        .await;
 
     for id in ["t-plain", "t-same"] {
         let d: Decision = stored(
@@ -89,7 +96,7 @@ async fn the_subject_names_the_tenant_and_the_body_cannot_claim_another() {
     let f: FinalResult = stored(
         &env,
         names::STREAM_RESULTS,
-        names::result_final_subject(Some("acme"), "t-forged"),
+        names::dispatcher_final_subject(Some("acme"), "t-forged"),
     )
     .await;
     assert_eq!(f.error.expect("an error").code, ErrorCode::InvalidJob);
@@ -122,5 +129,26 @@ async fn the_subject_names_the_tenant_and_the_body_cannot_claim_another() {
     )
     .await;
     assert_eq!(d.reason_code.as_deref(), Some("unsupported_version"));
+    let d: Decision = stored(
+        &env,
+        names::STREAM_DECISIONS,
+        names::decision_subject(Some("acme"), "t-v2-body"),
+    )
+    .await;
+    assert_eq!(d.reason_code.as_deref(), Some("unsupported_version"));
+    let reason = d.reason.unwrap_or_default();
+    for named in [
+        "results.<tenant>.<job_id>.<worker_id>.chunk|final",
+        "cancel.<tenant>.<job_id>",
+    ] {
+        assert!(reason.contains(named), "{named} in {reason}");
+    }
+    let f: FinalResult = stored(
+        &env,
+        names::STREAM_RESULTS,
+        names::dispatcher_final_subject(Some("acme"), "t-v2-body"),
+    )
+    .await;
+    assert_eq!(f.error.expect("an error").code, ErrorCode::InvalidJob);
     token.cancel();
 }

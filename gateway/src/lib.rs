@@ -4,7 +4,8 @@
 //! The gateway holds no scheduling state: it validates a request, refuses models no live
 //! worker serves, publishes the job to `jobs.submit.<tenant>` and relays what the
 //! dispatcher (`decisions.<tenant>.<id>`) and the worker (`results.<tenant>.<id>.>`) publish
-//! back. The OpenAI endpoints
+//! back, a worker's results only once a decision gave it the job ([`submit`]). The OpenAI
+//! endpoints
 //! need an API key (`Authorization: Bearer`) mapped to a tenant, whose allowed models and
 //! limits are checked before anything is published ([`auth`], [`limits`]). Tests and the binary
 //! share [`bind`] / [`Gateway::serve`] (or [`run`]); [`app`] builds the router alone.

@@ -35,6 +35,7 @@ pub const JOBS_SUBMITTED_TOTAL: &str = "metronome_gateway_jobs_submitted_total";
 pub const JOBS_CANCELLED_TOTAL: &str = "metronome_gateway_jobs_cancelled_total";
 pub const STREAM_GAPS_TOTAL: &str = "metronome_gateway_stream_gaps_total";
 pub const MALFORMED_MESSAGES_TOTAL: &str = "metronome_gateway_malformed_messages_total";
+pub const UNATTRIBUTED_RESULTS_TOTAL: &str = "metronome_gateway_unattributed_results_total";
 pub const AUTH_FAILURES_TOTAL: &str = "metronome_gateway_auth_failures_total";
 pub const TENANT_REQUESTS_TOTAL: &str = "metronome_gateway_tenant_requests_total";
 pub const TENANT_REJECTIONS_TOTAL: &str = "metronome_gateway_tenant_rejections_total";
@@ -80,6 +81,7 @@ pub struct Metrics {
     jobs_submitted: Counter,
     jobs_cancelled: Counter,
     stream_gaps: Counter,
+    unattributed_results: Family<Labels, Counter>,
 }
 
 /// A counter's registered name: the text format appends `_total` itself.
@@ -104,6 +106,7 @@ impl Default for Metrics {
             jobs_submitted: Counter::default(),
             jobs_cancelled: Counter::default(),
             stream_gaps: Counter::default(),
+            unattributed_results: Family::default(),
         };
         // `register` ends each help text with a period itself.
         let r = &mut m.registry;
@@ -151,6 +154,11 @@ impl Default for Metrics {
             counter_name(MALFORMED_MESSAGES_TOTAL),
             "NATS messages and KV entries ignored as malformed, by source",
             m.malformed.clone(),
+        );
+        r.register(
+            counter_name(UNATTRIBUTED_RESULTS_TOTAL),
+            "Result messages not relayed because no decision gave their job to the worker that published them (held until the job ended), or whose body named another worker than their subject, by reason",
+            m.unattributed_results.clone(),
         );
         r.register(
             counter_name(AUTH_FAILURES_TOTAL),
@@ -219,6 +227,15 @@ impl Metrics {
         self.malformed
             .get_or_create(&vec![("source", source.to_string())])
             .inc();
+    }
+
+    /// Result messages not relayed: `not_assigned` (their publisher never held the job
+    /// per its decisions), `body_mismatch` (the body named another worker than the
+    /// subject).
+    pub fn unattributed_results(&self, reason: &'static str, n: u64) {
+        self.unattributed_results
+            .get_or_create(&vec![("reason", reason.to_string())])
+            .inc_by(n);
     }
 
     /// A request refused with 401, by reason (`missing`, `malformed`, `invalid`, `revoked`),

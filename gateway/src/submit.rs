@@ -7,11 +7,23 @@
 //! through JetStream with `Nats-Msg-Id` = job id (a retried publish is de-duplicated) and
 //! the `Metronome-Model` header; a failed or unacknowledged publish is a 503.
 //!
+//! Whose results are relayed: a result's subject names its publisher
+//! (`results.<tenant>.<id>.<worker>.…`, which the servers let only that worker write, or
+//! `…._dispatcher.final`, only dispatchers). The leader's are relayed as they come; a
+//! worker's only once a decision on `decisions.<tenant>.<id>` (only dispatchers write
+//! those) assigned the job to it, so a worker that does not hold the job cannot answer it.
+//! A worker may stream before its decision reaches the gateway (the assignment is
+//! published first), so results of a worker no decision has named yet are held, in
+//! arrival order and bounded, and relayed when one does; if none arrives, the stored
+//! decision is read once in a while ([`DECISION_LOOKUP`]) in case the live one was missed.
+//! Held results still unnamed when the job ends are dropped and counted.
+//!
 //! Invariants: a job whose client goes away before its final result is cancelled on
-//! `cancel.<id>` (the [`CancelGuard`] publishes when dropped while armed); a job with a
-//! final result, or one the dispatcher refused, is never cancelled. Messages that cannot
-//! be read are logged with their reason, counted, and skipped; they never fail the request
-//! on their own. Waiting is bounded by the job's deadline plus the generation allowance.
+//! `cancel.<tenant>.<id>` (the [`CancelGuard`] publishes when dropped while armed); a job
+//! with a final result, or one the dispatcher refused, is never cancelled. Messages that
+//! cannot be read are logged with their reason, counted, and skipped; they never fail the
+//! request on their own. Waiting is bounded by the job's deadline plus the generation
+//! allowance.
 
 use std::collections::VecDeque;
 
@@ -19,8 +31,8 @@ use async_nats::{Client, Subscriber};
 use bytes::Bytes;
 use futures::StreamExt;
 use metronome_protocol::names::{
-    cancel_subject, decision_subject, results_subject_all, submit_subject, HEADER_MODEL,
-    HEADER_MSG_ID,
+    cancel_subject, decision_subject, parse_result_subject, results_subject_all, submit_subject,
+    ResultKind, HEADER_MODEL, HEADER_MSG_ID, STREAM_DECISIONS,
 };
 use metronome_protocol::time::unix_ms;
 use metronome_protocol::{
@@ -34,6 +46,14 @@ use crate::error::ApiError;
 /// How long a refusal in a decision waits for the final result that the dispatcher
 /// publishes right after it (the final result's error class is authoritative).
 const REFUSAL_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+/// How long results of a worker no decision has named wait before the stored decision is
+/// read (and again as long as they wait): the live decision normally comes first or
+/// within milliseconds, so this only matters when the gateway missed it.
+const DECISION_LOOKUP: std::time::Duration = std::time::Duration::from_secs(1);
+/// At most this many results of workers no decision has named are held per job; beyond
+/// it they are dropped (and counted): only a worker that does not hold the job sends
+/// that many before its decision.
+const MAX_HELD: usize = 4096;
 use crate::openai::InferenceRequest;
 use crate::AppState;
 
@@ -88,6 +108,9 @@ pub fn build_job(
 /// Publishes a cancellation for its job when dropped while armed.
 pub struct CancelGuard {
     client: Client,
+    /// The job's tenant (the API key's): the cancel names it, and the dispatcher and the
+    /// agent act only on a cancel naming the job's own tenant.
+    tenant: Option<String>,
     job_id: String,
     state: AppState,
     armed: bool,
@@ -111,6 +134,7 @@ impl Drop for CancelGuard {
         };
         let client = self.client.clone();
         let job_id = std::mem::take(&mut self.job_id);
+        let subject = cancel_subject(self.tenant.as_deref(), &job_id);
         self.state.metrics.job_cancelled();
         runtime.spawn(async move {
             let payload = json!({
@@ -120,7 +144,7 @@ impl Drop for CancelGuard {
                 "sent_ms": unix_ms(),
             });
             let payload = Bytes::from(payload.to_string());
-            match client.publish(cancel_subject(&job_id), payload).await {
+            match client.publish(subject, payload).await {
                 Ok(()) => {
                     let _ = client.flush().await;
                     tracing::info!(%job_id, "client went away; job cancelled");
@@ -145,10 +169,18 @@ pub enum JobEvent {
 /// A submitted job being followed.
 pub struct Submission {
     pub job_id: String,
-    /// Worker that runs the job, once known (decision or first chunk).
+    /// Worker that runs the job, once a decision named it (the latest attempt's).
     pub worker_id: Option<String>,
+    /// The attempt of the decision that named [`Submission::worker_id`].
+    assigned_attempt: u32,
+    tenant: Option<String>,
     results: Subscriber,
     decisions: Subscriber,
+    /// Results of workers no decision has named (yet), with their publisher, in arrival
+    /// order.
+    held: VecDeque<(String, JobEvent)>,
+    /// When to read the stored decision for the held results.
+    lookup_at: Option<Instant>,
     cancel: CancelGuard,
     /// Events read ahead (while waiting for the worker before the response headers).
     replay: VecDeque<JobEvent>,
@@ -229,10 +261,15 @@ impl Submission {
         Ok(Submission {
             job_id: job.id.clone(),
             worker_id: None,
+            assigned_attempt: 0,
+            tenant: job.tenant.clone(),
             results,
             decisions,
+            held: VecDeque::new(),
+            lookup_at: None,
             cancel: CancelGuard {
                 client,
+                tenant: job.tenant.clone(),
                 job_id: job.id.clone(),
                 state: state.clone(),
                 armed: true,
@@ -258,9 +295,10 @@ impl Submission {
         tracing::warn!(job_id = %self.job_id, missing, "streamed chunks missing at the final result");
     }
 
-    /// Put an event back, to be returned first by [`Submission::next_event`].
+    /// Put an event back, to be returned first by [`Submission::next_event`] (before held
+    /// results released by a decision, which follow it in their order).
     pub fn replay(&mut self, event: JobEvent) {
-        self.replay.push_back(event);
+        self.replay.push_front(event);
     }
 
     /// The next event of the job. A refusal by the dispatcher, a lost connection or the
@@ -276,38 +314,53 @@ impl Submission {
                 Some((_, at)) => (*at).min(self.give_up_at),
                 None => self.give_up_at,
             };
+            let lookup_at = self.lookup_at.unwrap_or(self.give_up_at);
             tokio::select! {
                 message = self.results.next() => {
                     let Some(message) = message else {
                         return Err(self.lost_subscription());
                     };
-                    if let Some(event) = self.read_result(&message) {
-                        if let JobEvent::Chunk(chunk) = &event {
-                            self.worker_id.get_or_insert_with(|| chunk.worker_id.clone());
-                        }
-                        if let JobEvent::Final(f) = &event {
-                            if let Some(w) = &f.worker_id {
-                                self.worker_id.get_or_insert_with(|| w.clone());
-                            }
-                        }
+                    let Some((publisher, event)) = self.read_result(&message) else {
+                        continue;
+                    };
+                    if publisher.is_none() || publisher == self.worker_id {
                         return Ok(event);
                     }
+                    self.hold(publisher.unwrap_or_default(), event);
                 }
                 message = self.decisions.next() => {
                     let Some(message) = message else {
                         return Err(self.lost_subscription());
                     };
-                    match self.read_decision(&message) {
-                        Some(Ok(worker)) => {
-                            self.worker_id = Some(worker.clone());
-                            return Ok(JobEvent::Assigned(worker));
+                    let decision = match serde_json::from_slice::<Decision>(&message.payload) {
+                        Ok(d) => d,
+                        Err(error) => {
+                            self.state.metrics.malformed_message("decisions");
+                            tracing::warn!(job_id = %self.job_id, %error, "ignoring a malformed decision");
+                            continue;
                         }
-                        Some(Err(error)) => {
-                            // The job is over for the dispatcher: nothing left to cancel.
-                            self.finished();
-                            self.refused = Some((error, Instant::now() + REFUSAL_GRACE));
+                    };
+                    if let Some(event) = self.on_decision(decision) {
+                        return Ok(event);
+                    }
+                    if let Some(event) = self.replay.pop_front() {
+                        return Ok(event);
+                    }
+                }
+                _ = tokio::time::sleep_until(lookup_at), if self.lookup_at.is_some() => {
+                    let stored = self.stored_decision().await;
+                    // Again later while results still wait (the decision may not be stored
+                    // yet); a decision that releases them all stops it.
+                    self.lookup_at = Some(Instant::now() + DECISION_LOOKUP);
+                    // Only an assignment: a refusal comes live, with the leader's final
+                    // result, and applying it again would restart its grace.
+                    if let Some(decision) = stored.filter(|d| d.outcome == Outcome::Assigned) {
+                        if let Some(event) = self.on_decision(decision) {
+                            return Ok(event);
                         }
-                        None => {}
+                        if let Some(event) = self.replay.pop_front() {
+                            return Ok(event);
+                        }
                     }
                 }
                 _ = tokio::time::sleep_until(wake_at) => {
@@ -322,6 +375,69 @@ impl Submission {
         }
     }
 
+    /// Hold a result of `publisher`, which no decision has given the job (yet).
+    fn hold(&mut self, publisher: String, event: JobEvent) {
+        if self.held.len() >= MAX_HELD {
+            self.state.metrics.unattributed_results("not_assigned", 1);
+            return;
+        }
+        tracing::debug!(job_id = %self.job_id, %publisher, "holding a result until a decision names its worker");
+        self.held.push_back((publisher, event));
+        self.lookup_at
+            .get_or_insert_with(|| Instant::now() + DECISION_LOOKUP);
+    }
+
+    /// Apply a decision: an assignment (of this attempt or a later one) makes its worker
+    /// the one whose results are relayed, and releases that worker's held results into the
+    /// replay queue; a refusal is remembered ([`REFUSAL_GRACE`]). Returns the event to
+    /// report, if any.
+    fn on_decision(&mut self, decision: Decision) -> Option<JobEvent> {
+        if decision.job_id != self.job_id {
+            return None;
+        }
+        match self.read_decision(&decision)? {
+            Ok(worker) => {
+                if decision.attempt < self.assigned_attempt {
+                    // An earlier attempt's record, read late: the later one stands.
+                    return None;
+                }
+                let known = self.worker_id.as_deref() == Some(worker.as_str())
+                    && decision.attempt == self.assigned_attempt;
+                self.assigned_attempt = decision.attempt;
+                self.worker_id = Some(worker.clone());
+                let (released, rest): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut self.held)
+                    .into_iter()
+                    .partition(|(publisher, _)| *publisher == worker);
+                self.held = rest;
+                self.replay.extend(released.into_iter().map(|(_, e)| e));
+                if self.held.is_empty() {
+                    self.lookup_at = None;
+                }
+                (!known).then_some(JobEvent::Assigned(worker))
+            }
+            Err(error) => {
+                // The job is over for the dispatcher: nothing left to cancel.
+                self.finished();
+                self.refused = Some((error, Instant::now() + REFUSAL_GRACE));
+                None
+            }
+        }
+    }
+
+    /// The job's latest stored decision, for held results whose live decision may have been
+    /// missed.
+    async fn stored_decision(&self) -> Option<Decision> {
+        let subject = decision_subject(self.tenant.as_deref(), &self.job_id);
+        let stream = self
+            .state
+            .js
+            .get_stream_no_info(STREAM_DECISIONS)
+            .await
+            .ok()?;
+        let message = stream.direct_get_last_for_subject(subject).await.ok()?;
+        serde_json::from_slice(&message.payload).ok()
+    }
+
     fn lost_subscription(&self) -> ApiError {
         ApiError::nats_unavailable(
             "the NATS connection closed while waiting for the result",
@@ -329,48 +445,79 @@ impl Submission {
         )
     }
 
-    fn read_result(&self, message: &async_nats::Message) -> Option<JobEvent> {
+    /// A result message and its publisher: `None` for the leader (relayed as it comes),
+    /// else the worker its subject names. `None` for a message that cannot be read or whose
+    /// body names another worker than its subject (counted).
+    fn read_result(&self, message: &async_nats::Message) -> Option<(Option<String>, JobEvent)> {
         let subject = message.subject.as_str();
-        let parsed = if subject.ends_with(".chunk") {
-            serde_json::from_slice::<ResultChunk>(&message.payload).map(JobEvent::Chunk)
-        } else if subject.ends_with(".final") {
-            serde_json::from_slice::<FinalResult>(&message.payload).map(JobEvent::Final)
-        } else {
+        let Some(parts) = parse_result_subject(subject).filter(|p| p.job_id == self.job_id) else {
+            self.state.metrics.malformed_message("results");
+            tracing::warn!(job_id = %self.job_id, %subject, "ignoring a result on an unexpected subject");
             return None;
         };
-        match parsed {
-            Ok(event) => Some(event),
+        let parsed = match parts.kind {
+            ResultKind::Chunk => {
+                serde_json::from_slice::<ResultChunk>(&message.payload).map(JobEvent::Chunk)
+            }
+            ResultKind::Final => {
+                serde_json::from_slice::<FinalResult>(&message.payload).map(JobEvent::Final)
+            }
+        };
+        let event = match parsed {
+            Ok(event) => event,
             Err(error) => {
                 self.state.metrics.malformed_message("results");
                 tracing::warn!(job_id = %self.job_id, %subject, %error, "ignoring a malformed result message");
-                None
-            }
-        }
-    }
-
-    /// `Some(Ok(worker))` for an assignment, `Some(Err)` for a refusal, `None` for
-    /// anything to skip.
-    fn read_decision(&self, message: &async_nats::Message) -> Option<Result<String, ApiError>> {
-        let decision = match serde_json::from_slice::<Decision>(&message.payload) {
-            Ok(d) => d,
-            Err(error) => {
-                self.state.metrics.malformed_message("decisions");
-                tracing::warn!(job_id = %self.job_id, %error, "ignoring a malformed decision");
                 return None;
             }
         };
+        if parts.from_dispatcher() {
+            return Some((None, event));
+        }
+        // The subject is the server's word for who wrote it; the body must agree, since the
+        // relay tells runs apart by the body's worker.
+        let claimed = match &event {
+            JobEvent::Chunk(c) => Some(c.worker_id.as_str()),
+            JobEvent::Final(f) => f.worker_id.as_deref(),
+            JobEvent::Assigned(_) => None,
+        };
+        if claimed != Some(parts.publisher) {
+            self.state.metrics.unattributed_results("body_mismatch", 1);
+            tracing::warn!(job_id = %self.job_id, %subject, claimed = ?claimed, "ignoring a result whose body names another worker than its subject");
+            return None;
+        }
+        Some((Some(parts.publisher.to_string()), event))
+    }
+
+    /// `Some(Ok(worker))` for an assignment, `Some(Err)` for a refusal, `None` for
+    /// anything to skip (an assignment that names no worker: an earlier leader's stands).
+    fn read_decision(&self, decision: &Decision) -> Option<Result<String, ApiError>> {
         match decision.outcome {
-            Outcome::Assigned => decision.worker_id.map(Ok),
+            Outcome::Assigned => decision.worker_id.clone().map(Ok),
             Outcome::Rejected | Outcome::Expired => {
-                let error = refusal(&decision);
+                let error = refusal(decision);
                 tracing::info!(job_id = %self.job_id, code = ?error.code, reason = %error.message, "dispatcher refused the job");
                 Some(Err(refusal_response(
-                    &decision,
+                    decision,
                     &error,
                     self.state.config.retry_after_secs,
                 )))
             }
         }
+    }
+}
+
+impl Drop for Submission {
+    fn drop(&mut self) {
+        if self.held.is_empty() {
+            return;
+        }
+        let publishers: std::collections::BTreeSet<&str> =
+            self.held.iter().map(|(p, _)| p.as_str()).collect();
+        self.state
+            .metrics
+            .unattributed_results("not_assigned", self.held.len() as u64);
+        tracing::warn!(job_id = %self.job_id, held = self.held.len(), ?publishers, assigned = ?self.worker_id, "dropped results of workers no decision gave the job to");
     }
 }
 

@@ -6,7 +6,8 @@ mod support;
 use std::time::Duration;
 
 use futures::StreamExt;
-use metronome_protocol::names::{cancel_subject, SUBJECT_JOBS_SUBMIT_ALL};
+use metronome_protocol::names::{cancel_subject, SUBJECT_CANCEL_ALL, SUBJECT_JOBS_SUBMIT_ALL};
+use metronome_protocol::ANONYMOUS_TENANT;
 use metronome_testkit::wait_for;
 use serde_json::{json, Value};
 use support::*;
@@ -308,7 +309,7 @@ async fn no_result_in_time_is_a_504_and_cancels_the_job() {
         c.max_generation_ms = 300;
     })
     .await;
-    let mut cancels = h.client.subscribe("cancel.*").await.unwrap();
+    let mut cancels = h.client.subscribe(SUBJECT_CANCEL_ALL).await.unwrap();
     sync_subscriptions(&h.client).await;
     let resp = h
         .post("/v1/completions", &completion_body("#hold", false))
@@ -324,14 +325,17 @@ async fn no_result_in_time_is_a_504_and_cancels_the_job() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(cancel.subject.as_str(), cancel_subject(&job_id));
+    assert_eq!(
+        cancel.subject.as_str(),
+        cancel_subject(Some(ANONYMOUS_TENANT), &job_id)
+    );
     h.assert_serving().await;
 }
 
 #[tokio::test]
 async fn a_client_that_disconnects_cancels_its_job() {
     let h = Harness::start(|_| {}).await;
-    let mut cancels = h.client.subscribe("cancel.*").await.unwrap();
+    let mut cancels = h.client.subscribe(SUBJECT_CANCEL_ALL).await.unwrap();
     sync_subscriptions(&h.client).await;
 
     // Streaming: read the first chunk, then go away.
@@ -351,7 +355,10 @@ async fn a_client_that_disconnects_cancels_its_job() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(cancel.subject.as_str(), cancel_subject(&job_id));
+    assert_eq!(
+        cancel.subject.as_str(),
+        cancel_subject(Some(ANONYMOUS_TENANT), &job_id)
+    );
     let payload: Value = serde_json::from_slice(&cancel.payload).unwrap();
     assert_eq!(payload["job_id"], job_id.as_str());
 
@@ -368,8 +375,14 @@ async fn a_client_that_disconnects_cancels_its_job() {
         .await
         .unwrap()
         .unwrap();
-    assert!(cancel.subject.as_str().starts_with("cancel."));
-    assert_ne!(cancel.subject.as_str(), cancel_subject(&job_id));
+    assert!(cancel
+        .subject
+        .as_str()
+        .starts_with(&format!("cancel.{ANONYMOUS_TENANT}.")));
+    assert_ne!(
+        cancel.subject.as_str(),
+        cancel_subject(Some(ANONYMOUS_TENANT), &job_id)
+    );
 
     // Finished jobs are never cancelled.
     h.assert_serving().await;
@@ -601,4 +614,101 @@ async fn a_full_jobs_stream_is_a_503_with_retry_after_and_keeps_the_queued_jobs(
         (before.messages, before.first_sequence, before.last_sequence),
         "the queued jobs are kept, nothing was added"
     );
+}
+
+/// The value of a counter row of the gateway's `/metrics` whose line starts with `row`.
+async fn counter(h: &Harness, row: &str) -> Option<f64> {
+    let text = h
+        .http
+        .get(h.url("/metrics"))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(row))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// The text the client received: the message of a response, or the deltas of a stream
+/// (which must end with `[DONE]`).
+async fn answer_text(resp: reqwest::Response, stream: bool, what: &str) -> String {
+    assert_eq!(resp.status(), 200, "{what}");
+    assert_eq!(resp.headers()["x-metronome-worker"], WORKER, "{what}");
+    let body = resp.text().await.unwrap();
+    assert!(
+        !body.contains(FORGED),
+        "{what}: forged output relayed: {body}"
+    );
+    if !stream {
+        let v: Value = serde_json::from_str(&body).unwrap();
+        return v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+    }
+    let events = sse_data(&body);
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{what}: {events:?}"
+    );
+    events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<Value>(e).unwrap())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect()
+}
+
+/// Issue 10: results published under the id of a worker the job was not assigned to are
+/// never relayed, streaming or not, whether they come before or after the decision, or
+/// name the assigned worker in their body; the assigned worker's results come through, and
+/// the ignored ones are counted.
+#[tokio::test]
+async fn results_from_a_worker_that_does_not_hold_the_job_are_not_relayed() {
+    let h = Harness::start(|_| {}).await;
+    for marker in ["#forged", "#forged_early", "#forged_body"] {
+        for stream in [false, true] {
+            let what = format!("{marker} stream={stream}");
+            let resp = h
+                .post("/v1/chat/completions", &chat_body(marker, stream))
+                .await;
+            assert_eq!(answer_text(resp, stream, &what).await, "Hello", "{what}");
+        }
+    }
+    // A forged chunk and final result per request: held, then dropped at its end
+    // (`not_assigned`), or dropped at once for a body naming another worker.
+    let row = |reason: &str| {
+        format!("metronome_gateway_unattributed_results_total{{reason=\"{reason}\"}}")
+    };
+    wait_for("the ignored results counted", WAIT, || async {
+        let held = counter(&h, &row("not_assigned")).await;
+        let mismatched = counter(&h, &row("body_mismatch")).await;
+        (held == Some(8.0) && mismatched == Some(4.0)).then_some(())
+    })
+    .await;
+    h.assert_serving().await;
+}
+
+/// The assigned worker may stream before its decision reaches the gateway (the dispatcher
+/// publishes the Assignment first): its results wait for the decision and are then relayed
+/// in order, the final result too.
+#[tokio::test]
+async fn the_assigned_workers_results_that_precede_its_decision_are_relayed() {
+    let h = Harness::start(|_| {}).await;
+    for marker in ["#early", "#early_final"] {
+        for stream in [false, true] {
+            let what = format!("{marker} stream={stream}");
+            let resp = h
+                .post("/v1/chat/completions", &chat_body(marker, stream))
+                .await;
+            assert_eq!(answer_text(resp, stream, &what).await, "Hello", "{what}");
+        }
+    }
 }

@@ -181,7 +181,7 @@ pub enum JobError {
     TooLarge { size: usize, limit: usize },
     #[error("job is not valid JSON for the Job schema: {0}")]
     Malformed(String),
-    #[error("unsupported job schema version {0} (this dispatcher reads version {current}: submit on jobs.submit.<tenant>, read results on results.<tenant>.<job_id>.>)", current = crate::PROTOCOL_VERSION)]
+    #[error("unsupported job schema version {0} (this dispatcher reads version {current}: submit on jobs.submit.<tenant>; results arrive on results.<tenant>.<job_id>.<worker_id>.chunk|final, accept them only from the worker the decision on decisions.<tenant>.<job_id> names (or _dispatcher); cancel on cancel.<tenant>.<job_id>)", current = crate::PROTOCOL_VERSION)]
     UnsupportedVersion(u32),
     #[error("job submitted on {0}, the subject of protocol version 1; this dispatcher reads version {current}: submit on jobs.submit.<tenant> (jobs.submit.{anon} without a tenant)", current = crate::PROTOCOL_VERSION, anon = crate::names::NO_TENANT_TOKEN)]
     UnscopedSubject(String),
@@ -366,7 +366,7 @@ mod tests {
 
     fn job_json() -> Value {
         json!({
-            "v": 2, "id": "job-1", "model": "llama-3.1-8b", "endpoint": "chat",
+            "v": 3, "id": "job-1", "model": "llama-3.1-8b", "endpoint": "chat",
             "request": {"messages": [{"role": "user", "content": "hi"}]},
             "prompt_tokens": 10, "max_tokens": 20, "submitted_ms": 1000
         })
@@ -431,15 +431,21 @@ mod tests {
     }
 
     #[test]
-    fn a_version_1_job_is_refused_with_what_changed() {
-        let mut v = job_json();
-        v["v"] = json!(1);
-        let error = parse(&v).unwrap_err();
-        assert_eq!(error.code(), "unsupported_version");
-        assert!(
-            error.to_string().contains("jobs.submit.<tenant>"),
-            "{error}"
-        );
+    fn an_older_job_is_refused_with_what_changed() {
+        for old in [1, 2] {
+            let mut v = job_json();
+            v["v"] = json!(old);
+            let error = parse(&v).unwrap_err();
+            assert_eq!(error.code(), "unsupported_version");
+            let text = error.to_string();
+            for named in [
+                "jobs.submit.<tenant>",
+                "results.<tenant>.<job_id>.<worker_id>.chunk|final",
+                "cancel.<tenant>.<job_id>",
+            ] {
+                assert!(text.contains(named), "{named} in {text}");
+            }
+        }
     }
 
     #[test]

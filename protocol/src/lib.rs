@@ -47,4 +47,10 @@ pub use worker::{GpuStats, KvUsage, WorkerStatus};
 /// `decisions.<tenant>.<job>`), so the servers' permissions keep each tenant's results and
 /// decisions to its own clients. A version-1 job (or one on the version-1 `jobs.submit`) is
 /// rejected with `unsupported_version`.
-pub const PROTOCOL_VERSION: u32 = 2;
+///
+/// 3: result subjects name their publisher (`results.<tenant>.<job>.<worker>.{chunk,final}`,
+/// `…._dispatcher.final` for the leader's), so a worker can write results only under its
+/// own id and a reader accepts a job's results only from the worker its decision names;
+/// cancellations name the tenant (`cancel.<tenant>.<job>`), so a client can cancel only its
+/// own tenant's jobs. A version-2 job is rejected with `unsupported_version`.
+pub const PROTOCOL_VERSION: u32 = 3;

@@ -51,19 +51,22 @@ pub const SUBJECT_WORK_ALL: &str = "work.*";
 /// Subject filter of the DECISIONS stream (`decisions.<tenant>.<job_id>`); also what an
 /// auditor subscribes to.
 pub const SUBJECT_DECISIONS_ALL: &str = "decisions.>";
-/// Subject filter of the RESULTS stream (`results.<tenant>.<job_id>.final`).
-pub const SUBJECT_RESULTS_FINAL_ALL: &str = "results.*.*.final";
+/// Subject filter of the RESULTS stream (`results.<tenant>.<job_id>.<publisher>.final`).
+pub const SUBJECT_RESULTS_FINAL_ALL: &str = "results.*.*.*.final";
 /// The RESULTS filter of protocol version 1 (`results.<job_id>.final`), replaced by
 /// [`SUBJECT_RESULTS_FINAL_ALL`] when a dispatcher upgrades the stream.
 pub const SUBJECT_RESULTS_FINAL_ALL_V1: &str = "results.*.final";
+/// The RESULTS filter of protocol version 2 (`results.<tenant>.<job_id>.final`, no
+/// publisher), replaced the same way.
+pub const SUBJECT_RESULTS_FINAL_ALL_V2: &str = "results.*.*.final";
 /// Subject filter of the EVENTS stream.
 pub const SUBJECT_EVENTS_ALL: &str = "events.>";
 /// Completion events of every worker.
 pub const SUBJECT_EVENTS_DONE_ALL: &str = "events.done.*";
 /// Heartbeats of every worker (core NATS; the KV bucket holds the latest one).
 pub const SUBJECT_HEARTBEAT_ALL: &str = "workers.*.heartbeat";
-/// Cancellation requests of every job (core NATS).
-pub const SUBJECT_CANCEL_ALL: &str = "cancel.*";
+/// Cancellation requests of every tenant's jobs (`cancel.<tenant>.<job_id>`, core NATS).
+pub const SUBJECT_CANCEL_ALL: &str = "cancel.*.*";
 /// Malformed messages that could not be attributed to a job id.
 pub const SUBJECT_DEAD_LETTER: &str = "deadletter.jobs";
 
@@ -146,20 +149,46 @@ pub fn tenant_decisions_all(tenant: Option<&str>) -> String {
     format!("decisions.{}.>", tenant_token(tenant))
 }
 
-/// `results.<tenant>.<job_id>.chunk`: streamed deltas (core NATS, ordered per publisher).
-pub fn result_chunk_subject(tenant: Option<&str>, job_id: &str) -> String {
-    format!("results.{}.{job_id}.chunk", tenant_token(tenant))
+/// Publisher token of the results the leader writes itself (the final result of a job it
+/// rejects, or of one lost with its worker): `results.<tenant>.<job_id>._dispatcher.final`.
+/// Only dispatchers may publish there, and no worker may be called this
+/// ([`is_worker_id`]), so a result under this token is the leader's.
+pub const DISPATCHER_PUBLISHER: &str = "_dispatcher";
+
+/// True when `s` may be a worker id: a subject token other than [`DISPATCHER_PUBLISHER`]
+/// (a worker of that name could write results a reader takes for the leader's).
+pub fn is_worker_id(s: &str) -> bool {
+    is_subject_token(s) && s != DISPATCHER_PUBLISHER
 }
 
-/// `results.<tenant>.<job_id>.final`: the one final result of a job.
-pub fn result_final_subject(tenant: Option<&str>, job_id: &str) -> String {
-    format!("results.{}.{job_id}.final", tenant_token(tenant))
+/// `results.<tenant>.<job_id>.<worker_id>.chunk`: streamed deltas of a job run by
+/// `worker_id` (core NATS, ordered per publisher). A worker may publish only under its own
+/// id (the servers' permissions), so the subject, not the body, says whose output it is.
+pub fn result_chunk_subject(tenant: Option<&str>, job_id: &str, worker_id: &str) -> String {
+    format!(
+        "results.{}.{job_id}.{worker_id}.chunk",
+        tenant_token(tenant)
+    )
 }
 
-/// `results.*.<job_id>.final`: the final result of a job whatever its tenant (a filter, see
-/// [`decision_subject_any_tenant`]).
+/// `results.<tenant>.<job_id>.<publisher>.final`: the final result of a job, written by the
+/// worker that ran it (its id) or the leader ([`DISPATCHER_PUBLISHER`]).
+pub fn result_final_subject(tenant: Option<&str>, job_id: &str, publisher: &str) -> String {
+    format!(
+        "results.{}.{job_id}.{publisher}.final",
+        tenant_token(tenant)
+    )
+}
+
+/// `results.<tenant>.<job_id>._dispatcher.final`: a final result the leader writes.
+pub fn dispatcher_final_subject(tenant: Option<&str>, job_id: &str) -> String {
+    result_final_subject(tenant, job_id, DISPATCHER_PUBLISHER)
+}
+
+/// `results.*.<job_id>.*.final`: the final result of a job whatever its tenant and
+/// publisher (a filter, see [`decision_subject_any_tenant`]).
 pub fn result_final_subject_any_tenant(job_id: &str) -> String {
-    format!("results.*.{job_id}.final")
+    format!("results.*.{job_id}.*.final")
 }
 
 /// `results.<tenant>.<job_id>.>`: everything a client of one job subscribes to.
@@ -170,6 +199,63 @@ pub fn results_subject_all(tenant: Option<&str>, job_id: &str) -> String {
 /// `results.<tenant>.>`: every result of one tenant's jobs.
 pub fn tenant_results_all(tenant: Option<&str>) -> String {
     format!("results.{}.>", tenant_token(tenant))
+}
+
+/// Which kind of result a subject carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResultKind {
+    Chunk,
+    Final,
+}
+
+/// The parts of a result subject, `results.<tenant>.<job_id>.<publisher>.<chunk|final>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResultSubject<'a> {
+    /// The tenant token ([`tenant_of_token`] gives the tenant).
+    pub tenant_token: &'a str,
+    pub job_id: &'a str,
+    /// The worker that published it, or [`DISPATCHER_PUBLISHER`]. The servers let a
+    /// worker publish only under its own id, so this is who wrote the message (what the
+    /// body's `worker_id` claims is not).
+    pub publisher: &'a str,
+    pub kind: ResultKind,
+}
+
+impl ResultSubject<'_> {
+    /// Published by the leader.
+    pub fn from_dispatcher(&self) -> bool {
+        self.publisher == DISPATCHER_PUBLISHER
+    }
+}
+
+/// Split a result subject; `None` for anything else (the subjects of protocol version 2,
+/// which named no publisher, among them).
+pub fn parse_result_subject(subject: &str) -> Option<ResultSubject<'_>> {
+    let mut parts = subject.split('.');
+    let (Some("results"), Some(tenant_token), Some(job_id), Some(publisher), Some(kind), None) = (
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+    ) else {
+        return None;
+    };
+    let kind = match kind {
+        "chunk" => ResultKind::Chunk,
+        "final" => ResultKind::Final,
+        _ => return None,
+    };
+    [tenant_token, job_id, publisher]
+        .iter()
+        .all(|t| is_subject_token(t))
+        .then_some(ResultSubject {
+            tenant_token,
+            job_id,
+            publisher,
+            kind,
+        })
 }
 
 /// The tenant token of a stored decision's or result's subject (`decisions.<t>.<job>`,
@@ -192,9 +278,24 @@ pub fn heartbeat_subject(worker_id: &str) -> String {
     format!("workers.{worker_id}.heartbeat")
 }
 
-/// `cancel.<job_id>`: ask the dispatcher (queued) and the worker (running) to drop a job.
-pub fn cancel_subject(job_id: &str) -> String {
-    format!("cancel.{job_id}")
+/// `cancel.<tenant>.<job_id>`: ask the dispatcher (queued) and the worker (running) to drop
+/// a job of `tenant`. A client may publish only under its own tenant (the servers'
+/// permissions), and the dispatcher and the agent act only when the job is that tenant's,
+/// so no tenant can cancel another's jobs.
+pub fn cancel_subject(tenant: Option<&str>, job_id: &str) -> String {
+    format!("cancel.{}.{job_id}", tenant_token(tenant))
+}
+
+/// `cancel.<tenant>.*`: every cancellation of one tenant's jobs (what its client may send).
+pub fn tenant_cancel_all(tenant: Option<&str>) -> String {
+    format!("cancel.{}.*", tenant_token(tenant))
+}
+
+/// The tenant token and job id of `cancel.<tenant>.<job_id>`; `None` for anything else
+/// (the version-2 `cancel.<job_id>` among them).
+pub fn parse_cancel_subject(subject: &str) -> Option<(&str, &str)> {
+    let (tenant_token, job_id) = subject.strip_prefix("cancel.")?.split_once('.')?;
+    (is_subject_token(tenant_token) && is_subject_token(job_id)).then_some((tenant_token, job_id))
 }
 
 /// Control action: stop taking new work, finish what runs (last token of a control subject).
@@ -285,14 +386,24 @@ mod tests {
     fn subjects_are_built_from_tokens() {
         assert_eq!(work_subject("n1-gpu0"), "work.n1-gpu0");
         assert_eq!(
-            result_final_subject(Some("acme"), "j1"),
-            "results.acme.j1.final"
+            result_final_subject(Some("acme"), "j1", "w1"),
+            "results.acme.j1.w1.final"
         );
-        assert_eq!(result_final_subject(None, "j1"), "results._anon.j1.final");
         assert_eq!(
-            result_chunk_subject(Some("acme"), "j1"),
-            "results.acme.j1.chunk"
+            dispatcher_final_subject(None, "j1"),
+            "results._anon.j1._dispatcher.final"
         );
+        assert_eq!(
+            result_chunk_subject(Some("acme"), "j1", "w1"),
+            "results.acme.j1.w1.chunk"
+        );
+        assert_eq!(
+            result_final_subject_any_tenant("j1"),
+            "results.*.j1.*.final"
+        );
+        assert_eq!(cancel_subject(Some("acme"), "j1"), "cancel.acme.j1");
+        assert_eq!(cancel_subject(None, "j1"), "cancel._anon.j1");
+        assert_eq!(tenant_cancel_all(Some("acme")), "cancel.acme.*");
         assert_eq!(results_subject_all(Some("acme"), "j1"), "results.acme.j1.>");
         assert_eq!(tenant_results_all(None), "results._anon.>");
         assert_eq!(decision_subject(Some("acme"), "j1"), "decisions.acme.j1");
@@ -328,9 +439,60 @@ mod tests {
                 Some(tenant)
             );
             assert_eq!(
-                subject_tenant_token(&result_final_subject(tenant, "j")).map(tenant_of_token),
+                subject_tenant_token(&result_final_subject(tenant, "j", "w")).map(tenant_of_token),
                 Some(tenant)
             );
+            assert_eq!(
+                parse_cancel_subject(&cancel_subject(tenant, "j"))
+                    .map(|(t, j)| (tenant_of_token(t), j)),
+                Some((tenant, "j"))
+            );
+        }
+    }
+
+    #[test]
+    fn result_subjects_name_their_publisher() {
+        let chunk = result_chunk_subject(Some("acme"), "j1", "n1-gpu0");
+        assert_eq!(
+            parse_result_subject(&chunk),
+            Some(ResultSubject {
+                tenant_token: "acme",
+                job_id: "j1",
+                publisher: "n1-gpu0",
+                kind: ResultKind::Chunk,
+            })
+        );
+        let subject = dispatcher_final_subject(None, "j1");
+        let leader = parse_result_subject(&subject).unwrap();
+        assert!(leader.from_dispatcher());
+        assert_eq!(leader.kind, ResultKind::Final);
+        assert_eq!(leader.tenant_token, NO_TENANT_TOKEN);
+        // Version 2 named no publisher; nothing else is a result either.
+        for other in [
+            "results.acme.j1.final",
+            "results.acme.j1.w1.other",
+            "results.acme.j1.w1.final.x",
+            "results..j1.w1.final",
+            "decisions.acme.j1",
+        ] {
+            assert_eq!(parse_result_subject(other), None, "{other}");
+        }
+        assert!(is_worker_id("n1-gpu0"));
+        assert!(!is_worker_id(DISPATCHER_PUBLISHER));
+        assert!(!is_worker_id("a.b"));
+    }
+
+    #[test]
+    fn cancel_subjects_name_the_tenant() {
+        assert_eq!(parse_cancel_subject("cancel.acme.j1"), Some(("acme", "j1")));
+        for other in [
+            "cancel.j1",
+            "cancel.acme.j1.x",
+            "cancel..j1",
+            "cancel.acme.",
+            "x.acme.j1",
+        ] {
+            assert_eq!(parse_cancel_subject(other), None, "{other}");
         }
     }
 

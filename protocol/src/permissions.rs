@@ -12,7 +12,8 @@
 //!
 //! Invariants (tested against real servers in `tests/tests/permissions.rs`):
 //! - a worker publishes only under its own id (heartbeat key `$KV.workers.<id>`,
-//!   `workers.<id>.heartbeat`, `events.done.<id>`) and pulls only its own consumer
+//!   `workers.<id>.heartbeat`, `events.done.<id>`, results
+//!   `results.*.*.<id>.{chunk,final}`) and pulls only its own consumer
 //!   `worker-<id>`, which it can create only with the filter `work.<id>` (nats-server
 //!   checks the filter in the create subject against the request body);
 //! - only dispatchers write `work.*`, `decisions.*` and the `leader`, `fairness` and
@@ -25,19 +26,23 @@
 //!   job's tenant from that subject) and reads only `results.<t>.>` and `decisions.<t>.>`,
 //!   live or stored (direct get with the subject in the request subject, which the server
 //!   matches against the permission; the body-addressed `STREAM.MSG.GET` is not granted,
-//!   since its subject or sequence travels in the body, where no permission looks).
+//!   since its subject or sequence travels in the body, where no permission looks), and
+//!   cancels only on `cancel.<t>.*`;
+//! - only dispatchers publish results under [`names::DISPATCHER_PUBLISHER`].
 //!
-//! Not expressible yet: a worker may publish on any tenant's `results.<t>.<job>.*` (the
-//! subject names the tenant, not the worker holding the job), and a client may cancel any
-//! job (`cancel.<job>`).
+//! What permissions cannot say, readers and the dispatcher check: a worker may publish
+//! results for any job under its own id (the server does not know which jobs it holds), so
+//! readers accept a job's results only from the worker its decision names; a client may
+//! name any job id under its own tenant's `cancel.<t>.<job>`, so the dispatcher and the
+//! agent act only when the job is tenant `t`'s.
 
 use serde::Serialize;
 
 use crate::names::{
-    tenant_token, BUCKET_FAIRNESS, BUCKET_LEADER, BUCKET_QUEUES, BUCKET_WORKERS, CONTROL_REVOKE,
-    LEADER_KEY, STREAM_DECISIONS, STREAM_EVENTS, STREAM_JOBS, STREAM_RESULTS, STREAM_WORK,
-    SUBJECT_CANCEL_ALL, SUBJECT_DEAD_LETTER, SUBJECT_DECISIONS_ALL, SUBJECT_JOBS_RETRY,
-    SUBJECT_JOBS_SUBMIT_ALL, SUBJECT_JOBS_SUBMIT_PREFIX,
+    self, tenant_token, BUCKET_FAIRNESS, BUCKET_LEADER, BUCKET_QUEUES, BUCKET_WORKERS,
+    CONTROL_REVOKE, LEADER_KEY, STREAM_DECISIONS, STREAM_EVENTS, STREAM_JOBS, STREAM_RESULTS,
+    STREAM_WORK, SUBJECT_CANCEL_ALL, SUBJECT_DEAD_LETTER, SUBJECT_DECISIONS_ALL,
+    SUBJECT_JOBS_RETRY, SUBJECT_JOBS_SUBMIT_ALL, SUBJECT_JOBS_SUBMIT_PREFIX,
 };
 
 /// One kind of identity.
@@ -119,7 +124,8 @@ pub fn rules(role: Role) -> RoleRules {
     match role {
         Role::Gateway => RoleRules {
             publish: vec![
-                // Every tenant's: the gateway submits for the tenant of each API key.
+                // Every tenant's: the gateway submits (and cancels when its client goes
+                // away) for the tenant of each API key.
                 SUBJECT_JOBS_SUBMIT_ALL.into(),
                 SUBJECT_CANCEL_ALL.into(),
                 stream_info,
@@ -200,7 +206,9 @@ pub fn rules(role: Role) -> RoleRules {
                 format!("control.*.{CONTROL_REVOKE}"),
                 "work.*".into(),
                 "decisions.*.*".into(),
-                "results.*.*.final".into(),
+                // Final results of the jobs it rejects or declares lost, under its own
+                // publisher token, never a worker's.
+                format!("results.*.*.{}.final", names::DISPATCHER_PUBLISHER),
                 SUBJECT_DEAD_LETTER.into(),
             ],
             subscribe: strings(&[INBOX, SUBJECT_CANCEL_ALL, "workers.*.heartbeat"]),
@@ -229,8 +237,10 @@ pub fn rules(role: Role) -> RoleRules {
                 )),
                 "workers.{worker_id}.heartbeat".into(),
                 "events.done.{worker_id}".into(),
-                "results.*.*.chunk".into(),
-                "results.*.*.final".into(),
+                // Results of any tenant's job, but only under its own id: which jobs it
+                // holds the server cannot know, so readers check the job's decision.
+                "results.*.*.{worker_id}.chunk".into(),
+                "results.*.*.{worker_id}.final".into(),
                 SUBJECT_DEAD_LETTER.into(),
             ],
             subscribe: strings(&[INBOX, SUBJECT_CANCEL_ALL, "control.{worker_id}.*"]),
@@ -248,7 +258,9 @@ pub fn rules(role: Role) -> RoleRules {
         Role::Client => RoleRules {
             publish: vec![
                 format!("{SUBJECT_JOBS_SUBMIT_PREFIX}{{tenant}}"),
-                SUBJECT_CANCEL_ALL.into(),
+                // Its own tenant's cancellations only; the dispatcher and the agent check
+                // that the job named is that tenant's.
+                "cancel.{tenant}.*".into(),
                 js(&format!("STREAM.INFO.{STREAM_JOBS}")),
                 // Stored records by subject, the subject in the request subject (a direct
                 // get "last by subject" carries no body, nats-server refuses one), so the
@@ -337,7 +349,14 @@ impl Identity {
     }
 
     /// The worker-agent of `worker_id` serving `model`, user `worker-<worker_id>`.
+    ///
+    /// Panics when `worker_id` is not a worker id ([`names::is_worker_id`]): such an
+    /// identity could publish results readers take for the leader's.
     pub fn worker(worker_id: &str, model: &str, password: &str) -> Identity {
+        assert!(
+            names::is_worker_id(worker_id),
+            "{worker_id:?} cannot be a worker id"
+        );
         Identity {
             user: format!("worker-{worker_id}"),
             password: password.into(),
@@ -455,6 +474,15 @@ mod tests {
         assert!(!publish.iter().any(|s| s.starts_with("decisions")
             || s.starts_with("work.")
             || s.contains("$KV.leader.>")));
+        let results: Vec<&String> = publish
+            .iter()
+            .filter(|s| s.starts_with("results."))
+            .collect();
+        assert_eq!(
+            results,
+            ["results.*.*.n1-gpu0.chunk", "results.*.*.n1-gpu0.final"],
+            "results under its own id only"
+        );
         // Of the lease, it may only read the one key (to check a new epoch).
         let leader: Vec<&String> = publish.iter().filter(|s| s.contains("leader")).collect();
         assert_eq!(
@@ -483,9 +511,10 @@ mod tests {
         assert!(subscribe.contains(&"results.acme.>".to_string()));
         assert!(subscribe.contains(&"decisions.acme.>".to_string()));
         assert!(publish.contains(&"$JS.API.DIRECT.GET.RESULTS.results.acme.>".to_string()));
+        assert!(publish.contains(&"cancel.acme.*".to_string()));
         for s in publish.iter().chain(&subscribe) {
             assert!(
-                !s.contains('*') || s == "cancel.*",
+                !s.contains('*') || s == "cancel.acme.*",
                 "{s}: a wildcard would reach other tenants"
             );
             assert!(!s.contains("MSG.GET"), "{s}: body-addressed reads");

@@ -265,16 +265,17 @@ pub async fn upgrade_jobs_stream(js: &jetstream::Context) -> Result<bool, SetupE
     Ok(changed.is_some())
 }
 
-/// Bring a RESULTS stream created by version 1 (`results.*.final`, results addressed by job
-/// id alone) to this contract (`results.*.*.final`, the tenant first). Nobody publishes on
-/// the old subjects any more, so they are replaced, not kept. Run by the dispatcher (the
-/// only role allowed to update RESULTS) before it leads: until then the workers' final
-/// results find no stream. Returns whether the stream was updated.
+/// Bring a RESULTS stream created by an older version (version 1: `results.*.final`, by
+/// job id alone; version 2: `results.*.*.final`, no publisher) to this contract
+/// (`results.*.*.*.final`: tenant, job, publisher). Nobody publishes on the old subjects any
+/// more, so they are replaced, not kept. Run by the dispatcher (the only role allowed to
+/// update RESULTS) before it leads: until then the workers' final results find no stream.
+/// Returns whether the stream was updated.
 pub async fn upgrade_results_stream(js: &jetstream::Context) -> Result<bool, SetupError> {
     let changed = amend_stream(js, STREAM_RESULTS, |config| {
         config
             .subjects
-            .retain(|s| s != SUBJECT_RESULTS_FINAL_ALL_V1);
+            .retain(|s| s != SUBJECT_RESULTS_FINAL_ALL_V1 && s != SUBJECT_RESULTS_FINAL_ALL_V2);
         if !config
             .subjects
             .iter()

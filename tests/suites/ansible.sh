@@ -388,6 +388,12 @@ try:
     expect("Permissions Violation" in out, f"{own} writing another worker's heartbeat was not refused: {out!r}")
     out = nats_session(na["user"], na["password"], ["SUB work.gpu-node-1-gpu0 1\r\n"], cert=na_cert)
     expect("Permissions Violation" in out, f"{own} reading another worker's work was not refused: {out!r}")
+    # Results only under its own id (protocol v3): readers trust the subject's publisher.
+    out = nats_session(na["user"], na["password"], [f"PUB results.acme.j1.{own}.chunk 2\r\n{{}}\r\n"], cert=na_cert)
+    expect("PONG" in out and "Violation" not in out, f"{own} publishing a result under its own id: {out!r}")
+    for forged in ("results.acme.j1.gpu-node-1-gpu0.final", "results.acme.j1._dispatcher.final"):
+        out = nats_session(na["user"], na["password"], [f"PUB {forged} 2\r\n{{}}\r\n"], cert=na_cert)
+        expect("Permissions Violation" in out, f"{own} publishing {forged} was not refused: {out!r}")
     # One direct-NATS client per tenant of metronome_client_tenants: its own tenant only.
     # Its certificate stays on the controller (metronome_secrets_dir/tls/clients/) for the
     # operator to hand out with the password.
@@ -401,6 +407,10 @@ try:
         expect("Permissions Violation" in out, f"client-acme reading another tenant's results was not refused: {out!r}")
         out = nats_session("client-acme", ca, ["PUB jobs.submit._anon 2\r\n{}\r\n"], cert=acme_cert)
         expect("Permissions Violation" in out, f"client-acme submitting for another tenant was not refused: {out!r}")
+        out = nats_session("client-acme", ca, ["PUB cancel.acme.j1 0\r\n\r\n"], cert=acme_cert)
+        expect("PONG" in out and "Violation" not in out, f"client-acme cancelling for acme: {out!r}")
+        out = nats_session("client-acme", ca, ["PUB cancel._anon.j1 0\r\n\r\n"], cert=acme_cert)
+        expect("Permissions Violation" in out, f"client-acme cancelling another tenant's job was not refused: {out!r}")
 
     from urllib.parse import urlsplit
     def redis(*args, url=None):

@@ -155,12 +155,15 @@ async fn four_simultaneous_requests_land_on_four_distinct_gpus(speeds: &[f64]) {
 }
 
 /// Without HTTP: a client publishes a Job on its tenant's `jobs.submit.<tenant>` (no tenant
-/// in the body) and reads the chunks and final result on `results.<tenant>.<job>.>`; the
-/// dispatcher charged the job to the subject's tenant.
+/// in the body) and reads the chunks and final result on `results.<tenant>.<job>.>`,
+/// accepting them only from the worker the job's decision names (the subject's publisher
+/// token, which the servers let only that worker write): results another worker published
+/// for the job first are ignored. The dispatcher charged the job to the subject's tenant.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_direct_nats_client_submits_for_its_tenant_and_reads_its_results() {
     use futures::StreamExt;
-    use metronome_protocol::{names, FinalResult, ResultChunk};
+    use metronome_protocol::names::{self, parse_result_subject, ResultKind};
+    use metronome_protocol::{Decision, FinalResult, ResultChunk};
 
     let cluster = Cluster::start(ClusterSpec::uniform(1, MODEL)).await;
     let client = cluster.nats_client().await;
@@ -168,6 +171,31 @@ async fn a_direct_nats_client_submits_for_its_tenant_and_reads_its_results() {
     let tenant = Some("acme");
     let mut results = client
         .subscribe(names::results_subject_all(tenant, id))
+        .await
+        .unwrap();
+    let mut decisions = client
+        .subscribe(names::decision_subject(tenant, id))
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    // A worker that does not hold the job answers it first, under its own id.
+    let forged = serde_json::json!({"v": 1, "job_id": id, "worker_id": "intruder", "seq": 0,
+        "data": {"choices": [{"index": 0, "delta": {"content": "FORGED"}}]}});
+    client
+        .publish(
+            names::result_chunk_subject(tenant, id, "intruder"),
+            forged.to_string().into(),
+        )
+        .await
+        .unwrap();
+    let forged = serde_json::json!({"v": 1, "job_id": id, "worker_id": "intruder",
+        "response": {"choices": [{"message": {"content": "FORGED"}}]}, "error": null,
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}, "chunks": 1});
+    client
+        .publish(
+            names::result_final_subject(tenant, id, "intruder"),
+            forged.to_string().into(),
+        )
         .await
         .unwrap();
     client.flush().await.unwrap();
@@ -190,20 +218,45 @@ async fn a_direct_nats_client_submits_for_its_tenant_and_reads_its_results() {
         .await
         .expect("JOBS stores the job");
 
+    // The reference client: results of a worker no decision has named wait; the
+    // decision's worker's are read in order; the leader's (`_dispatcher`) always count.
+    let mut assigned: Option<String> = None;
+    let mut waiting: Vec<async_nats::Message> = Vec::new();
+    let mut ignored = 0;
     let mut chunks = 0;
-    let fin: FinalResult = loop {
-        let m = tokio::time::timeout(std::time::Duration::from_secs(30), results.next())
-            .await
-            .unwrap_or_else(|_| panic!("no result within 30 s: {}", cluster.logs()))
-            .expect("subscription open");
-        if m.subject.ends_with(".final") {
-            break serde_json::from_slice(&m.payload).expect("final result decodes");
+    let fin: FinalResult = 'read: loop {
+        tokio::select! {
+            m = results.next() => waiting.push(m.expect("subscription open")),
+            d = decisions.next() => {
+                let d: Decision = serde_json::from_slice(&d.expect("open").payload).unwrap();
+                if let Some(w) = d.worker_id {
+                    assigned = Some(w);
+                }
+            }
+            _ = tokio::time::sleep(std::time::Duration::from_secs(30)) => {
+                panic!("no result within 30 s: {}", cluster.logs())
+            }
         }
-        let c: ResultChunk = serde_json::from_slice(&m.payload).expect("chunk decodes");
-        assert_eq!(c.seq, chunks, "chunks in order");
-        chunks += 1;
+        let Some(worker) = assigned.clone() else {
+            continue;
+        };
+        for m in std::mem::take(&mut waiting) {
+            let parts = parse_result_subject(m.subject.as_str()).expect("a result subject");
+            if !parts.from_dispatcher() && parts.publisher != worker {
+                ignored += 1;
+                continue;
+            }
+            if parts.kind == ResultKind::Final {
+                break 'read serde_json::from_slice(&m.payload).expect("final result decodes");
+            }
+            let c: ResultChunk = serde_json::from_slice(&m.payload).expect("chunk decodes");
+            assert_eq!(c.seq, chunks, "chunks in order");
+            assert_eq!(c.worker_id, worker);
+            chunks += 1;
+        }
     };
     assert_eq!(fin.error, None, "{}", cluster.logs());
+    assert_eq!(ignored, 2, "the forged chunk and final result");
     assert!(
         chunks > 0 && fin.chunks == chunks,
         "{chunks} chunks, final says {}",
@@ -212,4 +265,87 @@ async fn a_direct_nats_client_submits_for_its_tenant_and_reads_its_results() {
     let decision = cluster.decision(id).await;
     assert_eq!(decision.outcome, Outcome::Assigned);
     assert_eq!(decision.tenant.as_deref(), Some("acme"));
+    assert_eq!(fin.worker_id, decision.worker_id);
+}
+
+/// Through the gateway: while a job streams, another worker publishes a chunk and a final
+/// result for it under its own id. The client gets only the assigned worker's output, to
+/// its end, and the gateway counts the two it did not relay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_relays_only_the_assigned_workers_results() {
+    use futures::StreamExt;
+    use metronome_protocol::names;
+
+    let cluster = Cluster::start(ClusterSpec::uniform(1, MODEL)).await;
+    let client = cluster.nats_client().await;
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", cluster.gateway_url))
+        .json(&chat_body(MODEL, 200, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "{}", cluster.logs());
+    let id = resp.headers()["x-metronome-job-id"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let mut body = resp.bytes_stream();
+    let mut text = String::from_utf8(body.next().await.unwrap().unwrap().to_vec()).unwrap();
+    // The gateway's anonymous tenant.
+    let tenant = Some(metronome_protocol::ANONYMOUS_TENANT);
+    let chunk = serde_json::json!({"v": 1, "job_id": id, "worker_id": "intruder", "seq": 1,
+        "data": {"choices": [{"index": 0, "delta": {"content": "FORGED"}}]}});
+    client
+        .publish(
+            names::result_chunk_subject(tenant, &id, "intruder"),
+            chunk.to_string().into(),
+        )
+        .await
+        .unwrap();
+    let fin = serde_json::json!({"v": 1, "job_id": id, "worker_id": "intruder",
+        "response": null, "error": {"code": "worker_failed", "message": "FORGED"},
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}, "chunks": 1});
+    client
+        .publish(
+            names::result_final_subject(tenant, &id, "intruder"),
+            fin.to_string().into(),
+        )
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    while let Some(part) = body.next().await {
+        text.push_str(&String::from_utf8_lossy(&part.unwrap()));
+    }
+    assert!(!text.contains("FORGED"), "{text}");
+    let events = sse_events(&text);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{text}");
+    let usage: Vec<serde_json::Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str::<serde_json::Value>(e).unwrap())
+        .filter(|c| c["usage"].is_object())
+        .collect();
+    assert_eq!(usage.len(), 1, "{text}");
+    assert_eq!(usage[0]["usage"]["completion_tokens"], 200);
+    // Both forged messages reached the gateway and were held, then dropped.
+    let http = reqwest::Client::new();
+    metronome_testkit::wait_for(
+        "the gateway to count the forged results",
+        std::time::Duration::from_secs(30),
+        || async {
+            let m = http
+                .get(format!("{}/metrics", cluster.gateway_url))
+                .send()
+                .await
+                .ok()?
+                .text()
+                .await
+                .ok()?;
+            m.lines()
+                .any(|l| {
+                    l == "metronome_gateway_unattributed_results_total{reason=\"not_assigned\"} 2"
+                })
+                .then_some(())
+        },
+    )
+    .await;
 }

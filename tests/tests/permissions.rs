@@ -271,9 +271,17 @@ async fn a_worker_uses_its_own_consumer_heartbeat_and_events_and_nothing_else() 
         .unwrap()
         .await
         .expect("own completion event stored");
+    // Results of any tenant's job, under its own id.
+    w1.client
+        .publish(
+            names::result_chunk_subject(Some("acme"), "job-1", "w1"),
+            "chunk".into(),
+        )
+        .await
+        .unwrap();
     w1.js
         .publish(
-            names::result_final_subject(Some("acme"), "job-1"),
+            names::result_final_subject(Some("acme"), "job-1", "w1"),
             "final".into(),
         )
         .await
@@ -359,6 +367,19 @@ async fn a_worker_uses_its_own_consumer_heartbeat_and_events_and_nothing_else() 
     assert_eq!(w2_entry.as_deref(), Some(&b"w2's heartbeat"[..]));
     w1.publish_refused(&names::event_done_subject("w2")).await;
     w1.publish_refused(&names::heartbeat_subject("w2")).await;
+    // Issue 10: results under another worker's id, or the leader's, or with no publisher
+    // (the subjects of version 2), are refused: a worker can only answer as itself.
+    w1.publish_refused(&names::result_chunk_subject(Some("acme"), "job-2", "w2"))
+        .await;
+    w1.publish_refused(&names::result_final_subject(Some("acme"), "job-2", "w2"))
+        .await;
+    w1.publish_refused(&names::dispatcher_final_subject(Some("acme"), "job-2"))
+        .await;
+    w1.publish_refused("results.acme.job-2.final").await;
+    w1.publish_refused("results.acme.job-2.chunk").await;
+    // Nor does it cancel anyone's jobs (it only hears cancellations).
+    w1.publish_refused(&names::cancel_subject(Some("acme"), "job-2"))
+        .await;
     w1.publish_refused(&names::decision_subject(Some("acme"), "job-1"))
         .await;
     w1.publish_refused("work.w2").await;
@@ -460,10 +481,24 @@ async fn a_client_submits_and_reads_results_but_cannot_touch_the_fleet() {
         .get_stream_no_info(names::STREAM_RESULTS)
         .await
         .expect("stream handle")
-        .direct_get_last_for_subject(names::result_final_subject(acme, "job-7"))
+        .direct_get_last_for_subject(names::dispatcher_final_subject(acme, "job-7"))
         .await
         .expect("direct get of its final result");
     assert_eq!(stored.payload.as_ref(), b"final");
+    // Whoever published it: the publisher token is a wildcard of the subject in the
+    // request subject, and the record says whose it is.
+    let stored = client
+        .js
+        .get_stream_no_info(names::STREAM_RESULTS)
+        .await
+        .unwrap()
+        .direct_get_last_for_subject("results.acme.job-7.*.final")
+        .await
+        .expect("direct get of its final result, any publisher");
+    assert_eq!(
+        stored.subject.as_str(),
+        names::dispatcher_final_subject(acme, "job-7")
+    );
     client.no_violations();
 
     client.publish_refused("$KV.workers.w1").await;
@@ -514,6 +549,7 @@ async fn a_client_cannot_submit_for_or_read_another_tenant() {
         .await;
     acme.subscribe_refused("results.>").await;
     acme.subscribe_refused("results.*.job-8.>").await;
+    acme.subscribe_refused("results.*.*.*.final").await;
     acme.subscribe_refused("decisions.>").await;
     acme.subscribe_refused(&names::tenant_results_all(None))
         .await;
@@ -524,22 +560,32 @@ async fn a_client_cannot_submit_for_or_read_another_tenant() {
         .await
         .unwrap();
     assert!(results
-        .direct_get_last_for_subject(names::result_final_subject(g, "job-8"))
+        .direct_get_last_for_subject(names::dispatcher_final_subject(g, "job-8"))
         .await
         .is_err());
     acme.refused(
         "a direct get of globex's result",
-        "$JS.API.DIRECT.GET.RESULTS.results.globex.job-8.final",
+        "$JS.API.DIRECT.GET.RESULTS.results.globex.job-8._dispatcher.final",
+    )
+    .await;
+    // A wildcard in the tenant's place is no way around it.
+    assert!(results
+        .direct_get_last_for_subject(names::result_final_subject_any_tenant("job-8"))
+        .await
+        .is_err());
+    acme.refused(
+        "a direct get of any tenant's result",
+        "$JS.API.DIRECT.GET.RESULTS.results.*.job-8.*.final",
     )
     .await;
     assert!(results
-        .direct_get_next_for_subject(names::result_final_subject(g, "job-8"), None)
+        .direct_get_next_for_subject(names::dispatcher_final_subject(g, "job-8"), None)
         .await
         .is_err());
     acme.refused("a body-addressed direct get", "$JS.API.DIRECT.GET.RESULTS")
         .await;
     assert!(results
-        .get_last_raw_message_by_subject(&names::result_final_subject(g, "job-8"))
+        .get_last_raw_message_by_subject(&names::dispatcher_final_subject(g, "job-8"))
         .await
         .is_err());
     acme.refused("a stored-message get", "$JS.API.STREAM.MSG.GET.RESULTS")
@@ -570,6 +616,102 @@ async fn a_client_cannot_submit_for_or_read_another_tenant() {
     anon.no_violations();
     anon.subscribe_refused(&names::tenant_results_all(g)).await;
     anon.publish_refused(&names::submit_subject(g)).await;
+}
+
+/// The next cancellation both the dispatcher's and the worker's subscription heard (the
+/// same one), by subject.
+async fn next_cancel(heard: &mut [async_nats::Subscriber; 2], what: &str) -> String {
+    let mut subjects = Vec::new();
+    for sub in heard.iter_mut() {
+        let m = within(what, sub.next()).await.expect("subscription open");
+        subjects.push(m.subject.to_string());
+    }
+    assert_eq!(subjects[0], subjects[1], "{what}");
+    subjects.remove(0)
+}
+
+/// Issue 10: a client cancels only under its own tenant (`cancel.<tenant>.<job>`): the
+/// server refuses its cancels under another tenant, of no tenant, and on the version-2
+/// `cancel.<job>`, and none reaches the dispatcher or a worker. The gateway cancels for
+/// any tenant (its API keys'); the dispatcher and the workers hear every cancellation, and
+/// the dispatcher relays them.
+#[tokio::test]
+async fn a_client_cancels_only_its_own_tenants_jobs() {
+    let sys = system().await;
+    let acme = Conn::open(&sys.nats, "client-acme").await;
+    let gateway = Conn::open(&sys.nats, "gateway").await;
+    let dispatcher = Conn::open(&sys.nats, "dispatcher-a").await;
+    let w1 = Conn::open(&sys.nats, "worker-w1").await;
+    let heard_by_dispatcher = dispatcher
+        .client
+        .subscribe(names::SUBJECT_CANCEL_ALL)
+        .await
+        .expect("the dispatcher hears cancellations");
+    let heard_by_worker = w1
+        .client
+        .subscribe(names::SUBJECT_CANCEL_ALL)
+        .await
+        .expect("a worker hears cancellations");
+    // A flush does not wait for the server; a request on the same connection does, and the
+    // server handles a connection's messages in order: both subscriptions are in place.
+    for conn in [&dispatcher, &w1] {
+        conn.js
+            .get_stream(names::STREAM_JOBS)
+            .await
+            .expect("a round trip");
+    }
+    let mut heard = [heard_by_dispatcher, heard_by_worker];
+
+    acme.client
+        .publish(names::cancel_subject(Some("acme"), "job-1"), "".into())
+        .await
+        .unwrap();
+    acme.client.flush().await.unwrap();
+    assert_eq!(
+        next_cancel(&mut heard, "acme's cancel").await,
+        "cancel.acme.job-1"
+    );
+    gateway
+        .client
+        .publish(names::cancel_subject(Some("globex"), "job-2"), "".into())
+        .await
+        .unwrap();
+    gateway.client.flush().await.unwrap();
+    assert_eq!(
+        next_cancel(&mut heard, "the gateway's cancel").await,
+        "cancel.globex.job-2"
+    );
+    dispatcher
+        .client
+        .publish(names::cancel_subject(Some("acme"), "job-1"), "".into())
+        .await
+        .unwrap();
+    dispatcher.client.flush().await.unwrap();
+    assert_eq!(
+        next_cancel(&mut heard, "the dispatcher's relay").await,
+        "cancel.acme.job-1"
+    );
+    for conn in [&acme, &gateway, &dispatcher, &w1] {
+        conn.no_violations();
+    }
+
+    acme.publish_refused(&names::cancel_subject(Some("globex"), "job-2"))
+        .await;
+    acme.publish_refused(&names::cancel_subject(None, "job-2"))
+        .await;
+    acme.publish_refused("cancel.job-2").await;
+    acme.subscribe_refused(names::SUBJECT_CANCEL_ALL).await;
+    // Published after the refused ones on the same connection: it is the next heard, so
+    // none of them got through.
+    acme.client
+        .publish(names::cancel_subject(Some("acme"), "marker"), "".into())
+        .await
+        .unwrap();
+    acme.client.flush().await.unwrap();
+    assert_eq!(
+        next_cancel(&mut heard, "acme's marker").await,
+        "cancel.acme.marker"
+    );
 }
 
 #[tokio::test]
@@ -892,7 +1034,7 @@ async fn store_decision_and_final(
 ) {
     for (subject, payload) in [
         (names::decision_subject(tenant, job), decision),
-        (names::result_final_subject(tenant, job), result),
+        (names::dispatcher_final_subject(tenant, job), result),
     ] {
         js.publish(subject, payload.into())
             .await

@@ -26,8 +26,9 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, consumer, kv, AckKind};
 use futures::StreamExt;
 use metronome_protocol::names::{
-    event_done_subject, final_msg_id, result_final_subject, work_consumer, work_msg_id,
-    work_subject, LEADER_KEY, STREAM_WORK, SUBJECT_CANCEL_ALL, SUBJECT_DEAD_LETTER,
+    event_done_subject, final_msg_id, parse_cancel_subject, result_final_subject, tenant_token,
+    work_consumer, work_msg_id, work_subject, LEADER_KEY, STREAM_WORK, SUBJECT_CANCEL_ALL,
+    SUBJECT_DEAD_LETTER,
 };
 use metronome_protocol::time::unix_ms;
 use metronome_protocol::{
@@ -97,8 +98,10 @@ impl AgentError {
 
 /// A job the agent holds.
 pub(crate) struct Held {
-    /// Fired by its client's `cancel.<job_id>`.
+    /// Fired by its client's `cancel.<tenant>.<job_id>`.
     pub cancel: CancellationToken,
+    /// The job's tenant: a cancel naming another tenant is not the job's client's.
+    pub tenant: Option<String>,
     /// Fired when the leader revokes this attempt (`control.<worker_id>.revoke`).
     pub revoke: CancellationToken,
     /// Fired when the leader declared this worker dead while the job ran: it ends with
@@ -460,6 +463,7 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
                 job_id.clone(),
                 Held {
                     cancel: cancel.clone(),
+                    tenant: assignment.job.tenant.clone(),
                     revoke: revoke.clone(),
                     lost: lost.clone(),
                     started: std::sync::atomic::AtomicBool::new(false),
@@ -689,7 +693,7 @@ async fn finish_without_running(
         };
         publish_js(
             shared,
-            result_final_subject(a.job.tenant.as_deref(), &a.job.id),
+            result_final_subject(a.job.tenant.as_deref(), &a.job.id, &shared.config.worker_id),
             &final_msg_id(&a.job.id),
             &a.job.model,
             &result,
@@ -762,7 +766,9 @@ async fn reject_malformed(shared: &Shared, msg: &jetstream::Message, reason: &st
     }
 }
 
-/// Cancel running jobs when their client asks on `cancel.<job_id>`, until `stop`.
+/// Cancel running jobs when their client asks on `cancel.<tenant>.<job_id>`, until `stop`.
+/// A client may publish only under its own tenant but may name any job id, so a cancel
+/// naming another tenant than the held job's is ignored (and counted).
 pub(crate) async fn cancellations(
     shared: Arc<Shared>,
     mut sub: async_nats::Subscriber,
@@ -773,7 +779,7 @@ pub(crate) async fn cancellations(
             m = sub.next() => match m { Some(m) => m, None => break },
             _ = stop.cancelled() => break,
         };
-        let Some(job_id) = msg.subject.split('.').nth(1) else {
+        let Some((tenant, job_id)) = parse_cancel_subject(msg.subject.as_str()) else {
             continue;
         };
         let held = shared
@@ -781,11 +787,17 @@ pub(crate) async fn cancellations(
             .lock()
             .expect("in_flight lock")
             .get(job_id)
-            .map(|h| h.cancel.clone());
-        if let Some(cancel) = held {
-            tracing::info!(%job_id, "cancellation requested: stopping generation");
-            cancel.cancel();
+            .map(|h| (h.cancel.clone(), h.tenant.clone()));
+        let Some((cancel, job_tenant)) = held else {
+            continue;
+        };
+        if tenant_token(job_tenant.as_deref()) != tenant {
+            shared.metrics.cancels_of_another_tenant.inc();
+            tracing::warn!(%job_id, cancel_tenant = tenant, job_tenant = tenant_token(job_tenant.as_deref()), "ignoring a cancel that names another tenant than the job's");
+            continue;
         }
+        tracing::info!(%job_id, "cancellation requested: stopping generation");
+        cancel.cancel();
     }
 }
 

@@ -219,6 +219,14 @@ impl Config {
                     self.worker_id
                 ),
             );
+        } else if !metronome_protocol::names::is_worker_id(&self.worker_id) {
+            err(
+                "worker_id",
+                format!(
+                    "{:?} is reserved: it names the results the dispatcher writes",
+                    self.worker_id
+                ),
+            );
         }
         if self.model.trim().is_empty() {
             err(
@@ -400,6 +408,21 @@ mod tests {
     #[test]
     fn unknown_keys_are_refused() {
         assert!(Config::from_toml_str("worker_idd = \"x\"", "test").is_err());
+    }
+
+    #[test]
+    fn the_dispatchers_publisher_token_is_no_worker_id() {
+        let c = Config {
+            worker_id: metronome_protocol::names::DISPATCHER_PUBLISHER.into(),
+            ..Config::default()
+        };
+        let errors = c.validate().unwrap_err();
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.field == "worker_id" && e.message.contains("reserved")),
+            "{errors:?}"
+        );
     }
 
     #[test]

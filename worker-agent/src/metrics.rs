@@ -84,6 +84,9 @@ pub struct AgentMetrics {
     /// Times the agent fenced itself (no heartbeat stored for `fence_after_ms`).
     pub fence_episodes: Counter,
     pub malformed_assignments: Counter,
+    /// Cancellations of a held job ignored because they named another tenant than the
+    /// job's (a client may name any job id under its own tenant's subject).
+    pub cancels_of_another_tenant: Counter,
     pub output_tokens: Counter,
     pub prompt_tokens: Counter,
     pub redis_errors: Counter,
@@ -171,6 +174,11 @@ impl AgentMetrics {
                 "metronome_worker_malformed_assignments",
                 "Messages on the WORK subject that were not valid assignments (terminated).",
                 vec![(None, &self.malformed_assignments)],
+            ),
+            c(
+                "metronome_worker_cancels_of_another_tenant",
+                "Cancellations of a held job ignored because they named another tenant than the job's.",
+                vec![(None, &self.cancels_of_another_tenant)],
             ),
             c(
                 "metronome_worker_tokens",

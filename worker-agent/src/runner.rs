@@ -121,7 +121,7 @@ pub(crate) async fn run_job(
         let mut asm = Assembler::new(job.endpoint);
         let mut timing = Timing { start, first_token: None, last_token: None };
         let mut seq: u64 = 0;
-        let chunk_subject = result_chunk_subject(job.tenant.as_deref(), &job.id);
+        let chunk_subject = result_chunk_subject(job.tenant.as_deref(), &job.id, &cfg.worker_id);
         let mut progress = tokio::time::interval_at(
             tokio::time::Instant::now() + cfg.progress_ack_interval(),
             cfg.progress_ack_interval(),
@@ -250,7 +250,7 @@ pub(crate) async fn run_job(
         };
         // One final result per job in RESULTS (`final_msg_id`): if the leader already
         // declared this job lost (this agent was silent too long), its error stands.
-        publish_js(&shared, result_final_subject(job.tenant.as_deref(), &job.id), &final_msg_id(&job.id), &job.model, &final_result).await;
+        publish_js(&shared, result_final_subject(job.tenant.as_deref(), &job.id, &cfg.worker_id), &final_msg_id(&job.id), &job.model, &final_result).await;
         let msg_id = work_msg_id(&job.id, assignment.attempt);
 
         if let Err(e) = msg.double_ack().await {

@@ -419,10 +419,14 @@ async fn heartbeats_list_running_jobs_and_shutdown_drains_then_leaves_the_regist
     );
 }
 
+/// A cancel on the job's own tenant's `cancel.<tenant>.<job>` stops it; one naming another
+/// tenant (a client may name any job id under its own tenant's subject) is ignored and
+/// counted, and the job keeps streaming.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_stops_a_running_job_and_closes_the_model_server_stream() {
     let env = Env::start().await;
     let worker = "n1-gpu3";
+    let acme = Some("acme");
     let events = collect(
         env.client
             .subscribe(event_done_subject(worker))
@@ -431,7 +435,7 @@ async fn cancel_stops_a_running_job_and_closes_the_model_server_stream() {
     );
     let results = collect(
         env.client
-            .subscribe(results_subject_all(None, "job-cancel"))
+            .subscribe(results_subject_all(acme, "job-cancel"))
             .await
             .unwrap(),
     );
@@ -439,14 +443,38 @@ async fn cancel_stops_a_running_job_and_closes_the_model_server_stream() {
     let (agent, shutdown) = env.start_agent(env.config(worker)).await;
 
     // Long enough that it cannot finish on its own during the test.
-    env.assign(worker, &job("job-cancel", Endpoint::Chat, 1000, 50), 1)
-        .await;
+    let mut long = job("job-cancel", Endpoint::Chat, 1000, 50);
+    long.tenant = acme.map(String::from);
+    env.assign(worker, &long, 1).await;
     wait_for("a token chunk", WAIT, || async {
         (results_of(&results).0.len() >= 2).then_some(())
     })
     .await;
+    // Another tenant's client, and the client of no tenant, name this job.
+    for forged in [
+        cancel_subject(Some("globex"), "job-cancel"),
+        cancel_subject(None, "job-cancel"),
+    ] {
+        env.client.publish(forged, "".into()).await.unwrap();
+    }
+    env.client.flush().await.unwrap();
+    wait_for("both forged cancels ignored", WAIT, || async {
+        let m = Env::agent_metrics(&agent).await;
+        (metric_value(&m, "metronome_worker_cancels_of_another_tenant_total") == Some(2.0))
+            .then_some(())
+    })
+    .await;
+    let streamed = results_of(&results).0.len();
+    wait_for("the job to keep streaming", WAIT, || async {
+        (results_of(&results).0.len() >= streamed + 10).then_some(())
+    })
+    .await;
+    assert!(
+        results_of(&results).1.is_none(),
+        "a forged cancel ended the job"
+    );
     env.client
-        .publish(cancel_subject("job-cancel"), "".into())
+        .publish(cancel_subject(acme, "job-cancel"), "".into())
         .await
         .unwrap();
 
@@ -586,7 +614,8 @@ async fn a_job_is_reported_in_a_heartbeat_before_its_first_token() {
         let first_chunk = messages
             .iter()
             .position(|m| {
-                m.subject.as_str() == results_subject_all(None, &id).replace(">", "chunk")
+                m.subject.as_str()
+                    == metronome_protocol::names::result_chunk_subject(None, &id, worker)
             })
             .expect("a chunk");
         let reported = messages[..first_chunk].iter().any(|m| {

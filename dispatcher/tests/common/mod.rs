@@ -374,7 +374,7 @@ pub fn worker(id: &str, model: &str, cap: u32) -> WorkerStatus {
 
 pub fn job_json(id: &str, model: &str, prompt: u32, max_tokens: u32) -> serde_json::Value {
     json!({
-        "v": 2, "id": id, "model": model, "endpoint": "chat",
+        "v": metronome_protocol::PROTOCOL_VERSION, "id": id, "model": model, "endpoint": "chat",
         "request": {"messages": [{"role": "user", "content": "hello"}]},
         "prompt_tokens": prompt, "max_tokens": max_tokens,
         "submitted_ms": metronome_protocol::time::unix_ms(),

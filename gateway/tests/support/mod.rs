@@ -12,8 +12,8 @@ use bytes::Bytes;
 use futures::StreamExt;
 use metronome_gateway::{bind, Config};
 use metronome_protocol::names::{
-    decision_subject, result_chunk_subject, result_final_subject, CONSUMER_DISPATCHER, LEADER_KEY,
-    STREAM_JOBS,
+    decision_subject, result_chunk_subject, result_final_subject, CONSUMER_DISPATCHER,
+    DISPATCHER_PUBLISHER, LEADER_KEY, STREAM_JOBS,
 };
 use metronome_protocol::setup::{ensure_all, Buckets, StreamSettings};
 use metronome_protocol::{
@@ -26,6 +26,11 @@ use tokio_util::sync::CancellationToken;
 
 pub const MODEL: &str = "llama-3.1-8b";
 pub const WORKER: &str = "node1-gpu0";
+/// A worker the fake never assigns a job to, whose (forged) results the gateway must not
+/// relay.
+pub const INTRUDER: &str = "node9-gpu9";
+/// The text of every forged result.
+pub const FORGED: &str = "FORGED";
 pub const WAIT: Duration = Duration::from_secs(15);
 
 pub struct Harness {
@@ -316,6 +321,17 @@ enum Script {
     /// Attempt 1 streams "Hel" and its worker restarts; attempt 2 runs on the same worker
     /// and streams "Bye" "now" with `seq` from 0, then finishes.
     Rerun,
+    /// Assigned; a worker that does not hold the job streams and finishes [`FORGED`] under
+    /// its own id, then the assigned worker answers "Hel" "lo".
+    Forged,
+    /// As [`Script::Forged`], the forged results sent before the decision.
+    ForgedEarly,
+    /// As [`Script::Forged`], the forged bodies naming the assigned worker.
+    ForgedBody,
+    /// The assigned worker's first chunk before its decision, the rest after.
+    Early,
+    /// The assigned worker's chunks and final result all before its decision.
+    EarlyFinal,
 }
 
 fn script_for(job: &Job) -> Script {
@@ -328,6 +344,11 @@ fn script_for(job: &Job) -> Script {
         ("#lost", Script::LostAfterChunk),
         ("#hold", Script::Hold),
         ("#rerun", Script::Rerun),
+        ("#forged_early", Script::ForgedEarly),
+        ("#forged_body", Script::ForgedBody),
+        ("#forged", Script::Forged),
+        ("#early_final", Script::EarlyFinal),
+        ("#early", Script::Early),
     ] {
         if text.contains(marker) {
             return script;
@@ -478,9 +499,11 @@ async fn play(client: async_nats::Client, js: jetstream::Context, job: Job) {
         attempt: None,
         data: chunk_data(&job, text),
     };
+    // Each result on its publisher's subject: a worker's own id (the body's), or the
+    // leader's token for a final result that names no worker.
     let publish_chunk = |c: ResultChunk| {
         let client = client.clone();
-        let subject = result_chunk_subject(tenant.as_deref(), &c.job_id);
+        let subject = result_chunk_subject(tenant.as_deref(), &c.job_id, &c.worker_id);
         async move {
             client
                 .publish(subject, serde_json::to_vec(&c).unwrap().into())
@@ -490,7 +513,8 @@ async fn play(client: async_nats::Client, js: jetstream::Context, job: Job) {
     };
     let publish_final = |f: FinalResult| {
         let js = js.clone();
-        let subject = result_final_subject(tenant.as_deref(), &f.job_id);
+        let publisher = f.worker_id.as_deref().unwrap_or(DISPATCHER_PUBLISHER);
+        let subject = result_final_subject(tenant.as_deref(), &f.job_id, publisher);
         async move {
             js.publish(subject, serde_json::to_vec(&f).unwrap().into())
                 .await
@@ -500,6 +524,70 @@ async fn play(client: async_nats::Client, js: jetstream::Context, job: Job) {
         }
     };
     match script_for(&job) {
+        Script::Forged | Script::ForgedEarly | Script::ForgedBody => {
+            // A worker that does not hold the job answers it first, under its own id
+            // (what the servers allow it) or, for `ForgedBody`, under its own id with a
+            // body naming the assigned worker; the real worker answers after it.
+            let forged_chunk = ResultChunk {
+                worker_id: INTRUDER.into(),
+                data: chunk_data(&job, FORGED),
+                ..chunk(0, FORGED)
+            };
+            let mut forged_final = final_result(&job, None, 1);
+            forged_final.worker_id = Some(INTRUDER.into());
+            forged_final.response = Some(json!({
+                "id": "forged", "object": "chat.completion", "created": 1, "model": job.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": FORGED},
+                             "text": FORGED, "finish_reason": "stop"}],
+            }));
+            let forge = || async {
+                if script_for(&job) == Script::ForgedBody {
+                    // The body claims the assigned worker; the subject is the intruder's.
+                    let mut c = forged_chunk.clone();
+                    c.worker_id = WORKER.into();
+                    let subject = result_chunk_subject(tenant.as_deref(), &c.job_id, INTRUDER);
+                    client
+                        .publish(subject, serde_json::to_vec(&c).unwrap().into())
+                        .await
+                        .unwrap();
+                    let mut f = forged_final.clone();
+                    f.worker_id = Some(WORKER.into());
+                    let subject = result_final_subject(tenant.as_deref(), &f.job_id, INTRUDER);
+                    client
+                        .publish(subject, serde_json::to_vec(&f).unwrap().into())
+                        .await
+                        .unwrap();
+                } else {
+                    publish_chunk(forged_chunk.clone()).await;
+                    publish_final(forged_final.clone()).await;
+                }
+            };
+            if script_for(&job) == Script::ForgedEarly {
+                forge().await;
+                publish_decision(decision(&job, Outcome::Assigned, None)).await;
+            } else {
+                publish_decision(decision(&job, Outcome::Assigned, None)).await;
+                forge().await;
+            }
+            publish_chunk(chunk(0, "Hel")).await;
+            publish_chunk(chunk(1, "lo")).await;
+            publish_final(final_result(&job, None, 2)).await;
+        }
+        Script::Early => {
+            // The assigned worker streams before its decision reaches the gateway (the
+            // Assignment is published first): held, then relayed once the decision comes.
+            publish_chunk(chunk(0, "Hel")).await;
+            publish_decision(decision(&job, Outcome::Assigned, None)).await;
+            publish_chunk(chunk(1, "lo")).await;
+            publish_final(final_result(&job, None, 2)).await;
+        }
+        Script::EarlyFinal => {
+            // All of it before the decision: the final result too.
+            publish_chunk(chunk(0, "Hel")).await;
+            publish_chunk(chunk(1, "lo")).await;
+            publish_final(final_result(&job, None, 2)).await;
+            publish_decision(decision(&job, Outcome::Assigned, None)).await;
+        }
         Script::Reply => {
             publish_decision(decision(&job, Outcome::Assigned, None)).await;
             // Out of order on the wire: the gateway must put them back in order.

@@ -11,7 +11,9 @@
 //!   tenants, priorities and SLOs, forged retry headers). Each gets a rejected (or expired)
 //!   decision with a reason code when its id can be read, a `deadletter.jobs` record when it
 //!   cannot, or the server's refusal at publish time.
-//! - `cancel.<id>`: unknown and odd job ids, any payload: a no-op (nothing is cancelled).
+//! - `cancel.<tenant>.<id>`: unknown and odd job ids and tenant tokens, any payload, and
+//!   the drill's own running jobs (tenant `_anon`) named under other tenants: a no-op
+//!   (nothing is cancelled; the drill fails if one of its jobs ends `cancelled`).
 //! - `events.done.<worker>`: malformed events, events naming another worker or non-token
 //!   ids: ignored and counted (`metronome_dispatcher_ignored_worker_messages_total`).
 //! - `$KV.workers.<key>` (heartbeats): malformed values, values under another worker's key,
@@ -159,7 +161,7 @@ impl Class {
             Class::ForgedRetryHeaders => "submit: forged retry headers",
             Class::DuplicateId => "submit: duplicate id (new msg id)",
             Class::ValidOddPrompt => "submit: valid, odd prompt (served)",
-            Class::Cancel => "cancel: unknown / odd ids",
+            Class::Cancel => "cancel: another tenant's / unknown / odd ids",
             Class::EventMalformed => "events: malformed",
             Class::EventForged => "events: foreign worker / non-token ids",
             Class::HeartbeatMalformed => "heartbeat KV: malformed",
@@ -272,6 +274,9 @@ pub struct Context {
     pub workers: Vec<String>,
     /// The leader's epoch now (assignments below it are stale).
     pub epoch: u64,
+    /// Id prefix of the drill's normal jobs (`<victims>-<n>`, tenant `_anon`), named in
+    /// cancels under other tenants.
+    pub victims: String,
     /// The dispatcher's job size limit, in bytes.
     pub max_job_bytes: usize,
     pub now_ms: u64,
@@ -559,9 +564,24 @@ pub fn message(seed: u64, index: u64, class: Class, ctx: &Context) -> Hostile {
                 "%00".into(),
                 "ünï".into(),
             ];
+            // Another tenant's client naming one of the drill's own (running or queued)
+            // jobs; the version-2 subject without a tenant; odd ids and tenants.
+            let victim = format!("{}-{}", ctx.victims, rng.random_range(0..256u32));
+            let subject = match rng.random_range(0..4) {
+                0 | 1 => format!(
+                    "cancel.{}.{victim}",
+                    ["acme", "hostile-tenant", "anonymous"][rng.random_range(0..3)]
+                ),
+                2 => format!("cancel.{victim}"),
+                _ => format!(
+                    "cancel.{}.{}",
+                    ["_anon", "x.y", "ünï", ""][rng.random_range(0..4)],
+                    odd[rng.random_range(0..odd.len())]
+                ),
+            };
             Hostile {
                 class,
-                subject: format!("cancel.{}", odd[rng.random_range(0..odd.len())]),
+                subject,
                 headers: None,
                 payload: Bytes::from_static(b"\x00\xff{not json"),
                 jetstream: false,
@@ -727,6 +747,7 @@ mod tests {
             model: "llama-3.1-8b".into(),
             workers: vec!["local-gpu0".into(), "local-gpu1".into()],
             epoch: 7,
+            victims: "drill-t".into(),
             max_job_bytes: 64 * 1024,
             now_ms: 1_700_000_000_000,
         }
@@ -846,17 +867,12 @@ pub async fn flood(
     client.flush().await?;
     let finished = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
     let f = finished.clone();
-    // `results.<tenant>.<job>.final`: the job id is what follows the tenant.
+    // `results.<tenant>.<job>.<publisher>.final`.
     let job_prefix = format!("{}-", ctx.prefix);
     let final_prefix = job_prefix.clone();
     let collect_finals = tokio::spawn(async move {
         while let Some(m) = finals.next().await {
-            let job = m
-                .subject
-                .as_str()
-                .strip_prefix("results.")
-                .and_then(|rest| rest.split_once('.'))
-                .map(|(_, job)| job.trim_end_matches(".final"));
+            let job = names::parse_result_subject(m.subject.as_str()).map(|r| r.job_id);
             if let Some(job) = job.filter(|j| j.starts_with(&final_prefix)) {
                 f.lock()
                     .unwrap()

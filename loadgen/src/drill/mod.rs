@@ -387,6 +387,7 @@ async fn run_one(
         streaming: &streaming,
         extra_ids: &extra_ids,
         failures: &failures,
+        victims: &prefix,
     };
     let injected = inject(plan, system, client, js, fault, target, restarted).await;
     let (what, mark, notes) = match injected {
@@ -432,6 +433,29 @@ async fn run_one(
         report
             .failures
             .push("no normal job succeeded after the flood".into());
+    }
+    if fault == Fault::Hostile {
+        // The flood cancels the load's jobs only under other tenants than theirs: none may
+        // end cancelled.
+        let cancelled: Vec<&String> = sent
+            .ids
+            .iter()
+            .filter(|id| {
+                finals.get(*id).is_some_and(|list| {
+                    list.iter().any(|f| {
+                        f.error.as_ref().map(|e| e.code)
+                            == Some(metronome_protocol::ErrorCode::Cancelled)
+                    })
+                })
+            })
+            .collect();
+        if !cancelled.is_empty() {
+            report.failures.push(format!(
+                "{} of the load's jobs were cancelled by the flood's cancels under other tenants: {:?}",
+                cancelled.len(),
+                &cancelled[..cancelled.len().min(5)]
+            ));
+        }
     }
     Ok(report)
 }
@@ -546,6 +570,9 @@ struct Target<'a> {
     extra_ids: &'a Mutex<Vec<String>>,
     /// Checks the fault failed.
     failures: &'a Mutex<Vec<String>>,
+    /// Id prefix of the load's jobs (`<victims>-<n>`), which the hostile flood names in
+    /// cancels under other tenants.
+    victims: &'a str,
 }
 
 /// Inject the fault on `target.gpu` (its agent or its model server, for the faults that touch
@@ -812,6 +839,7 @@ async fn hostile_flood(
         model: "llama-3.1-8b".into(),
         workers: (0..plan.gpus).map(|g| format!("local-gpu{g}")).collect(),
         epoch: before.epoch as u64,
+        victims: target.victims.to_string(),
         max_job_bytes: metronome_protocol::JobLimits::default().max_job_bytes,
         now_ms: metronome_protocol::time::unix_ms(),
     };
@@ -1044,10 +1072,12 @@ async fn hostile_flood(
         after.epoch
     ));
     notes.push(format!(
-        "rejections seen: {} dead letters from the dispatcher, {} from agents; dispatchers: malformed_jobs +{}, ignored_worker_messages +{ignored}; agents: malformed_assignments +{malformed_work}, stale_epoch_refusals +{stale}, unvouched_epoch_refusals +{unvouched}, refused jobs +{}",
+        "rejections seen: {} dead letters from the dispatcher, {} from agents; dispatchers: malformed_jobs +{}, ignored_worker_messages +{ignored}, cancels_of_another_tenant +{}; agents: malformed_assignments +{malformed_work}, stale_epoch_refusals +{stale}, unvouched_epoch_refusals +{unvouched}, cancels_of_another_tenant +{}, refused jobs +{}",
         a.dead_letters_dispatcher,
         a.dead_letters_agents,
         delta("metronome_dispatcher_malformed_jobs_total", false),
+        delta("metronome_dispatcher_cancels_of_another_tenant_total", false),
+        delta("metronome_worker_cancels_of_another_tenant_total", true),
         metric_sum_labelled(&after.agents, "metronome_worker_jobs_total", "outcome=\"refused\"")
             - metric_sum_labelled(&before.agents, "metronome_worker_jobs_total", "outcome=\"refused\""),
     ));
@@ -1079,7 +1109,7 @@ async fn hostile_flood(
         ));
     }
     Ok(format!(
-        "{} hostile messages (seed {}, up to {:.0}/s) on jobs.submit, cancel.*, events.done.*, the workers bucket and work.* with the admin identity",
+        "{} hostile messages (seed {}, up to {:.0}/s) on jobs.submit, cancel.*.*, events.done.*, the workers bucket and work.* with the admin identity",
         plan.hostile_messages, plan.hostile_seed, plan.hostile_rate
     ))
 }
