@@ -167,6 +167,24 @@ async fn complete(
     }
 }
 
+/// CPU time (user + system, all threads) a process has used so far, in seconds; `None`
+/// where `/proc` cannot tell. Wall time on a shared machine says how much CPU the run was
+/// given; CPU time per decision says what a decision costs.
+fn cpu_seconds(pid: Option<u32>) -> Option<f64> {
+    let stat = std::fs::read_to_string(match pid {
+        Some(p) => format!("/proc/{p}/stat"),
+        None => "/proc/self/stat".to_string(),
+    })
+    .ok()?;
+    // Fields after the command name (which may hold spaces, so split after its ')'):
+    // utime and stime are the 12th and 13th, in clock ticks (USER_HZ, 100 on Linux).
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) / 100.0)
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -288,6 +306,7 @@ async fn main() -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     let start = Instant::now();
+    let cpu_start = (cpu_seconds(None), cpu_seconds(nats.pid()));
     let mut last = (Instant::now(), 0u64);
     let mut progress = (Instant::now(), 0u64);
     loop {
@@ -322,6 +341,12 @@ async fn main() -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let secs = start.elapsed().as_secs_f64();
+    let cpu_end = (cpu_seconds(None), cpu_seconds(nats.pid()));
+    let per_decision_us = |a: Option<f64>, b: Option<f64>| {
+        a.zip(b)
+            .map(|(a, b)| format!("{:.0}", (b - a) * 1e6 / args.jobs as f64))
+            .unwrap_or_else(|| "?".into())
+    };
     let mut decisions = js.get_stream(names::STREAM_DECISIONS).await?;
     let stored = decisions.info().await?.state.clone();
     let last: metronome_protocol::Decision = serde_json::from_slice(
@@ -331,7 +356,7 @@ async fn main() -> anyhow::Result<()> {
             .payload,
     )?;
     println!(
-        "workers={} models={} jobs={} policy={} storage={} max_candidates={} hide_wrong_model={} complete={}: {:.0} decisions/s ({:.2} s); decisions stored: {} ({} bytes, {:.0} bytes/decision); completions sent: {}; last decision: {:?} {}",
+        "workers={} models={} jobs={} policy={} storage={} max_candidates={} hide_wrong_model={} complete={}: {:.0} decisions/s ({:.2} s); CPU per decision: {} µs in this process (dispatcher and the workers' side), {} µs in nats-server; decisions stored: {} ({} bytes, {:.0} bytes/decision); completions sent: {}; last decision: {:?} {}",
         args.workers,
         args.models,
         args.jobs,
@@ -342,6 +367,8 @@ async fn main() -> anyhow::Result<()> {
         !args.no_complete,
         args.jobs as f64 / secs,
         secs,
+        per_decision_us(cpu_start.0, cpu_end.0),
+        per_decision_us(cpu_start.1, cpu_end.1),
         stored.messages,
         stored.bytes,
         stored.bytes as f64 / stored.messages.max(1) as f64,
