@@ -1,12 +1,16 @@
-//! The deciding loop: one task owns the admission queues, the reservation ledger and the
-//! registry snapshot, and turns events into decisions.
+//! The engine: the dispatcher's state machine. It owns the admission queues, the
+//! reservation ledger and the registry snapshot, and turns inputs into decisions.
 //!
-//! Everything that changes scheduling state arrives as an [`Event`] on one channel (new
-//! job, worker update, EWMA refresh, completion, cancellation, publish rollback) or from
-//! the periodic tick. Because a single task reads the state, picks a worker and commits the
-//! reservation before it looks at the next job, N simultaneous jobs on N idle workers land
-//! on N distinct workers: no job ever decides on a view that misses an earlier pick.
-//! Publishing happens after the commit, pipelined ([`crate::publish`]).
+//! Everything that changes scheduling state arrives as an [`Event`] (new job, worker
+//! update, EWMA refresh, completion, cancellation, publish rollback) or as the periodic
+//! [`Engine::tick`], each with the time it is applied at: the engine reads no clock and
+//! does no I/O. What it decides comes back as [`Effect`]s (publish an outcome, acknowledge
+//! a message), which the deciding loop ([`crate::deciding`]) performs; a test or the policy
+//! lab drives the same engine in simulated time. Because one owner reads the state, picks
+//! a worker and commits the reservation before it looks at the next job, N simultaneous
+//! jobs on N idle workers land on N distinct workers: no job ever decides on a view that
+//! misses an earlier pick. Publishing happens after the commit, pipelined
+//! ([`crate::publish`]).
 //!
 //! Invariants:
 //! - No decision is made while the lease is not fresh (self-fencing, [`crate::leader`]).
@@ -22,7 +26,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::AckKind;
+use async_nats::jetstream::message::Acker;
 use metronome_protocol::{
     CompletionEvent, CompletionOutcome, Decision, ErrorCode, Job, Outcome, QueueSnapshot,
     WorkerStatus,
@@ -32,57 +36,27 @@ use metronome_scheduler::least_harm;
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
 use metronome_scheduler::{
     DrainRate, EwmaSnapshot, FairnessConfig, FairnessSnapshot, IdleTtft, JobProfile, JobRequest,
-    Ledger, SchedulerConfig, Tokens, WorkerView,
+    Ledger, OutputLength, SchedulerConfig, Tokens, WorkerView,
 };
-use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 
+pub use crate::event::{Event, Incoming};
 use crate::leader::Fence;
 use crate::metrics::Metrics;
 use crate::metrics::HELD_FOR_LIGHTER_TENANT;
-use crate::publish::{self, Publisher};
+use crate::publish;
 use crate::queue::{tenant_of, Pos, QueuedJob, Queues};
 use crate::recent::RecentIds;
 use crate::registry::{RedisSnapshot, WorkerUpdate};
 
-/// A job read from JOBS.
-pub struct Incoming {
-    pub job: Arc<Job>,
-    pub acker: Arc<async_nats::jetstream::message::Acker>,
-    /// Its place in its model's queue: the JOBS sequence of the client's submission (a
-    /// retry put back on `jobs.submit` carries the original one).
-    pub seq: u64,
-    pub received_ms: u64,
-    /// The attempt it will be assigned as: 1, or a retry's `Metronome-Attempt`.
-    pub attempt: u32,
-}
-
-/// Everything that reaches the deciding loop.
-pub enum Event {
-    Job(Box<Incoming>),
-    Worker(WorkerUpdate),
-    Redis(RedisSnapshot),
-    /// A completion event; a refusal carries its EVENTS acknowledgement, given once the job
-    /// is back in JOBS (so the refusal is seen again if this leader dies first).
-    Completion {
-        event: Box<CompletionEvent>,
-        acker: Option<Arc<async_nats::jetstream::message::Acker>>,
-    },
-    /// A retry could not be put back on `jobs.submit`: keep it in memory instead.
-    RequeueFailed {
-        job: Box<QueuedJob>,
-    },
-    Cancel(String),
-    /// The Assignment could not be published: roll back and requeue.
-    PublishFailed {
-        job: Box<QueuedJob>,
-        worker_id: String,
-    },
-    /// JetStream said an earlier leader already sent this attempt.
-    AlreadyAssigned {
-        job_id: String,
-        worker_id: String,
-    },
+/// What the engine asks of the outside world; the deciding loop ([`crate::deciding`])
+/// performs them in order.
+pub enum Effect {
+    /// Publish an outcome ([`crate::publish`]).
+    Publish(publish::Outcome),
+    /// Acknowledge a message.
+    Ack(Arc<Acker>),
+    /// Extend the ack wait of waiting jobs' JOBS messages (`+WPI`).
+    Progress(Vec<Arc<Acker>>),
 }
 
 /// Settings of one leadership term.
@@ -105,6 +79,33 @@ pub struct EngineSettings {
     /// A worker dead this long (no heartbeat) leaves the registry, and so the decisions.
     pub forget_dead_after_ms: u64,
     pub fairness: FairnessConfig,
+}
+
+impl EngineSettings {
+    /// The settings of a term led at `epoch` under configuration `c`.
+    pub fn from_config(c: &crate::Config, epoch: u64, dispatcher_id: String) -> EngineSettings {
+        EngineSettings {
+            epoch,
+            dispatcher_id,
+            policy: c.policy,
+            policy_seed: c.policy_seed,
+            scheduler: c.scheduler.clone(),
+            queue_bound_per_model: c.queue_bound_per_model,
+            max_attempts: c.max_attempts,
+            default_deadline_ms: c.default_deadline_ms,
+            max_deadline_ms: c.max_deadline_ms,
+            adopt_kv_tokens: c.adopt_kv_tokens,
+            ack_wait_ms: c.ack_wait_ms,
+            tick: Duration::from_millis(c.tick_ms),
+            decision_max_candidates: c.decision_max_candidates,
+            decision_list_wrong_model: c.decision_list_wrong_model,
+            // Long enough for the worker to come back from a restart as the same entry,
+            // short enough that decisions stop listing a dead worker within a minute by
+            // default.
+            forget_dead_after_ms: c.scheduler.heartbeat_timeout_ms.saturating_mul(5),
+            fairness: c.fairness,
+        }
+    }
 }
 
 /// How long a completion is remembered: heartbeats come every second, and one sent before
@@ -166,16 +167,25 @@ pub struct Engine {
     /// settled on the tick after [`ORPHAN_REFUSAL_GRACE_MS`].
     orphan_refusals: VecDeque<(String, String, u64)>,
     ewmas: HashMap<String, EwmaSnapshot>,
+    /// Each model's output-length EWMA (from Redis): the prior of its output model.
     output_len: HashMap<String, f64>,
+    /// Each model's output length given `max_tokens`, fitted from this term's completions
+    /// ([`OutputLength`]).
+    output_models: HashMap<String, OutputLength>,
     assigned: HashMap<String, AssignedJob>,
     /// How fast each model's queue drains while jobs wait: the predicted wait behind an
     /// unmeetable deadline's early answer.
     drain: HashMap<String, DrainRate>,
     policy_state: PolicyState,
-    publisher: Publisher,
     metrics: Arc<Metrics>,
-    fence: Arc<Fence>,
+    /// The lease's freshness: no decision once it is stale. `None` runs unfenced (engine
+    /// tests, the policy lab), where no lease exists.
+    fence: Option<Arc<Fence>>,
     capacity_changed: bool,
+    /// The time of the input being applied (Unix ms): the engine reads no clock.
+    now_ms: u64,
+    /// What the applied inputs asked the outside world to do, in order.
+    effects: Vec<Effect>,
     /// Where changed fair-share counters go to be persisted ([`crate::fairness_store`]).
     fairness_out: Option<tokio::sync::watch::Sender<FairnessSnapshot>>,
     /// Where the queue snapshots go to be published ([`crate::queue_store`]), how often at
@@ -185,12 +195,7 @@ pub struct Engine {
 }
 
 impl Engine {
-    pub fn new(
-        s: EngineSettings,
-        publisher: Publisher,
-        metrics: Arc<Metrics>,
-        fence: Arc<Fence>,
-    ) -> Engine {
+    pub fn new(s: EngineSettings, metrics: Arc<Metrics>, fence: Option<Arc<Fence>>) -> Engine {
         Engine {
             queues: Queues::with_fairness(s.queue_bound_per_model, s.fairness),
             ledger: Ledger::new(),
@@ -206,13 +211,15 @@ impl Engine {
             orphan_refusals: VecDeque::new(),
             ewmas: HashMap::new(),
             output_len: HashMap::new(),
+            output_models: HashMap::new(),
             assigned: HashMap::new(),
             drain: HashMap::new(),
             policy_state: PolicyState::new(s.policy_seed),
-            publisher,
             metrics,
             fence,
             capacity_changed: false,
+            now_ms: 0,
+            effects: Vec::new(),
             fairness_out: None,
             queues_out: None,
             queues_taken_ms: 0,
@@ -220,52 +227,62 @@ impl Engine {
         }
     }
 
-    /// Run until `token` is cancelled or the lease goes stale.
-    pub async fn run(mut self, mut rx: mpsc::Receiver<Event>, token: CancellationToken) {
-        let publisher = self.publisher.clone();
-        let mut tick = tokio::time::interval(self.s.tick);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                biased;
-                _ = token.cancelled() => break,
-                // Back-pressure: no new input while the publisher is behind.
-                event = async { publisher.ready().await; rx.recv().await } => {
-                    let Some(event) = event else { break };
-                    self.handle(event);
-                    // Drain what is already queued before re-evaluating, bounded so the
-                    // tick still runs under sustained load.
-                    for _ in 0..4096 {
-                        match rx.try_recv() {
-                            Ok(event) => self.handle(event),
-                            Err(_) => break,
-                        }
-                    }
-                }
-                _ = tick.tick() => self.on_tick(),
-            }
-            if !self.fence.is_fresh() {
-                tracing::error!(
-                    epoch = self.s.epoch,
-                    "lease is stale: no more decisions in this term"
-                );
-                token.cancel();
-                break;
-            }
-            if self.capacity_changed {
-                self.capacity_changed = false;
-                self.dispatch_all();
-            }
-            // The depth gauge follows the queue, not the tick: whoever compares it with a
-            // GPU's idleness must not count a job that already left the queue as waiting.
-            self.publish_depths();
+    /// The effects of the inputs applied since the last call, in the order they arose:
+    /// publish each outcome, acknowledge each message.
+    pub fn take_effects(&mut self) -> Vec<Effect> {
+        std::mem::take(&mut self.effects)
+    }
+
+    /// The reservations, read-only (what tests and the policy lab inspect).
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    /// True while the lease allows deciding (always, unfenced).
+    pub fn is_fresh(&self) -> bool {
+        self.fence.as_ref().is_none_or(|f| f.is_fresh())
+    }
+
+    /// Look at the waiting jobs again when something changed what workers can take, and
+    /// bring the queue-depth gauge up to date. Called after every batch of inputs.
+    pub fn dispatch_if_changed(&mut self, now_ms: u64) {
+        self.advance(now_ms);
+        if self.capacity_changed {
+            self.capacity_changed = false;
+            self.dispatch_all();
         }
+        // The depth gauge follows the queue, not the tick: whoever compares it with a
+        // GPU's idleness must not count a job that already left the queue as waiting.
+        self.publish_depths();
+    }
+
+    /// The term ends: hand over the last fair-share counters.
+    pub fn finish(&mut self) {
         self.persist_fairness();
         self.metrics.ledger_reservations.store(0, Relaxed);
     }
 
-    /// Apply one event.
-    pub fn handle(&mut self, event: Event) {
+    /// Time only moves forward, even if the caller's clock steps back.
+    fn advance(&mut self, now_ms: u64) {
+        self.now_ms = self.now_ms.max(now_ms);
+    }
+
+    fn emit(&mut self, outcome: publish::Outcome) {
+        self.effects.push(Effect::Publish(outcome));
+    }
+
+    /// Acknowledge a message (an EVENTS message once handled).
+    fn ack(&mut self, acker: Option<Arc<Acker>>) {
+        if let Some(acker) = acker {
+            self.effects.push(Effect::Ack(acker));
+        }
+    }
+
+    /// Apply one event at `now_ms`. Its effects wait in [`Engine::take_effects`];
+    /// waiting jobs are looked at again by [`Engine::dispatch_if_changed`], so a burst of
+    /// events is applied before the queues are re-evaluated once.
+    pub fn handle(&mut self, event: Event, now_ms: u64) {
+        self.advance(now_ms);
         match event {
             Event::Job(incoming) => self.on_job(*incoming),
             Event::Worker(update) => self.on_worker(update),
@@ -295,13 +312,44 @@ impl Engine {
         }
     }
 
+    /// Expected output tokens of `job`: its model's output model when it has seen a
+    /// completion, else the model's output-length EWMA, else `max_tokens` (nothing known,
+    /// so the worst case).
+    fn predicted_output(&self, job: &Job) -> f64 {
+        match self.output_models.get(&job.model) {
+            Some(m) if m.samples() > 0 => m.predict(job.max_tokens),
+            _ => self
+                .output_len
+                .get(&job.model)
+                .copied()
+                .filter(|p| p.is_finite())
+                .map_or(f64::from(job.max_tokens), |p| {
+                    p.clamp(0.0, f64::from(job.max_tokens))
+                }),
+        }
+    }
+
+    /// Fit the model's output length from a completed job this leader assigned (its
+    /// `max_tokens` is in the body it holds).
+    fn learn_output_length(&mut self, event: &CompletionEvent) {
+        let Some(a) = self.assigned.get(&event.job_id) else {
+            return;
+        };
+        let (model, max_tokens) = (a.job.model.clone(), a.job.max_tokens);
+        let prior = self.output_len.get(&model).copied().unwrap_or(f64::NAN);
+        self.output_models
+            .entry(model)
+            .or_insert_with(|| OutputLength::new(prior))
+            .observe(max_tokens, event.output_tokens);
+    }
+
     fn alive(&self, view: &WorkerView, now_ms: u64) -> bool {
         now_ms.saturating_sub(view.last_seen_ms) <= self.s.scheduler.heartbeat_timeout_ms
             && !self.dead.contains(&view.status.worker_id)
     }
 
     fn on_job(&mut self, inc: Incoming) {
-        let now = metronome_protocol::time::unix_ms();
+        let now = self.now_ms;
         let job_id = inc.job.id.clone();
         if let Some(worker) = self.ledger.worker_of(&job_id) {
             // Redelivered after a leader change, but a worker already holds it (adopted
@@ -318,9 +366,9 @@ impl Engine {
             decision.reason =
                 Some("already held by the worker (adopted from its heartbeat)".into());
             decision.reason_code = Some("already_assigned".into());
-            self.publisher.send(publish::Outcome::DecisionOnly {
+            self.emit(publish::Outcome::DecisionOnly {
                 decision: Box::new(decision),
-                acker: Some(inc.acker),
+                acker: inc.acker,
             });
             return;
         }
@@ -338,7 +386,7 @@ impl Engine {
                 "cancelled",
                 "cancelled by its client before it was queued",
                 ErrorCode::Cancelled,
-                Some(inc.acker),
+                inc.acker,
                 now.saturating_sub(inc.received_ms),
             );
             return;
@@ -356,7 +404,7 @@ impl Engine {
                 "unknown_model",
                 &reason,
                 ErrorCode::UnknownModel,
-                Some(inc.acker),
+                inc.acker,
                 now.saturating_sub(inc.received_ms),
             );
             return;
@@ -369,7 +417,7 @@ impl Engine {
                 "unplaceable",
                 &reason,
                 ErrorCode::InvalidJob,
-                Some(inc.acker),
+                inc.acker,
                 now.saturating_sub(inc.received_ms),
             );
             return;
@@ -394,7 +442,7 @@ impl Engine {
                 "deadline_exceeded",
                 &reason,
                 ErrorCode::DeadlineExceeded,
-                Some(inc.acker),
+                inc.acker,
                 now.saturating_sub(inc.received_ms),
             );
             return;
@@ -409,7 +457,7 @@ impl Engine {
         let queued = QueuedJob {
             job: inc.job,
             attempt: inc.attempt.max(1),
-            acker: Some(inc.acker),
+            acker: inc.acker,
             seq: inc.seq,
             enqueued_ms: inc.received_ms,
             deadline_ms,
@@ -485,16 +533,11 @@ impl Engine {
         // tenant's job behind a flood is served next and must not be refused for the
         // flood's length. Later arrivals of lighter tenants can still go ahead, so a
         // flooding tenant's wait is underestimated, never a light tenant's overstated.
-        let predicted = self.output_len.get(model).copied();
         let waiting: Vec<(u64, &str)> = self
             .queues
             .service_order(model, |j| Tokens {
                 prompt: f64::from(j.job.prompt_tokens),
-                output: predicted
-                    .filter(|p| p.is_finite())
-                    .map_or(f64::from(j.job.max_tokens), |p| {
-                        p.clamp(0.0, f64::from(j.job.max_tokens))
-                    }),
+                output: self.predicted_output(&j.job),
             })
             .into_iter()
             .map(|j| (j.deadline_ms, j.job.id.as_str()))
@@ -535,7 +578,7 @@ impl Engine {
     }
 
     fn on_worker(&mut self, update: WorkerUpdate) {
-        let now = metronome_protocol::time::unix_ms();
+        let now = self.now_ms;
         self.per_model.clear();
         match update {
             WorkerUpdate::Put {
@@ -630,7 +673,7 @@ impl Engine {
                 worker_id,
                 "refused job never came back: its client is told"
             );
-            self.publisher.send(publish::Outcome::FinalError {
+            self.emit(publish::Outcome::FinalError {
                 job_id,
                 worker_id: Some(worker_id.clone()),
                 error: ErrorCode::WorkerFailed,
@@ -676,25 +719,20 @@ impl Engine {
         status.active = status.active.saturating_sub(gone);
     }
 
-    fn on_completion(
-        &mut self,
-        event: CompletionEvent,
-        acker: Option<Arc<async_nats::jetstream::message::Acker>>,
-    ) {
+    fn on_completion(&mut self, event: CompletionEvent, acker: Option<Arc<Acker>>) {
         // Acknowledged once handled, unless the job is retried: then once it is back in
         // JOBS (the publisher acknowledges it with the retry's PubAck).
         let mut acker = acker;
         self.completion(event, &mut acker);
-        ack_later(acker);
+        self.ack(acker);
     }
 
-    fn completion(
-        &mut self,
-        event: CompletionEvent,
-        acker: &mut Option<Arc<async_nats::jetstream::message::Acker>>,
-    ) {
+    fn completion(&mut self, event: CompletionEvent, acker: &mut Option<Arc<Acker>>) {
+        if event.outcome == CompletionOutcome::Done {
+            self.learn_output_length(&event);
+        }
         if event.outcome != CompletionOutcome::Refused {
-            let now = metronome_protocol::time::unix_ms();
+            let now = self.now_ms;
             self.finished.insert(&event.job_id, now);
             self.cancelled.remove(&event.job_id);
             if let Some(&i) = self.index.get(&event.worker_id) {
@@ -739,7 +777,7 @@ impl Engine {
                 // died (the refusal is acknowledged only after that), and the retry then
                 // arrives within moments of the takeover: look again after a grace period,
                 // and tell the client only if the job has not come back by then.
-                let now = metronome_protocol::time::unix_ms();
+                let now = self.now_ms;
                 self.orphan_refusals.push_back((
                     event.job_id.clone(),
                     event.worker_id.clone(),
@@ -759,17 +797,12 @@ impl Engine {
     /// `jobs.submit` (own msg-id per attempt, its attempt and original place in headers)
     /// rather than kept in memory: a leader that dies now leaves it to the next one.
     /// `event` (the refusal that caused it) is acknowledged once the retry is stored.
-    fn retry(
-        &mut self,
-        a: AssignedJob,
-        why: &str,
-        mut event: Option<Arc<async_nats::jetstream::message::Acker>>,
-    ) {
-        let now = metronome_protocol::time::unix_ms();
+    fn retry(&mut self, a: AssignedJob, why: &str, mut event: Option<Arc<Acker>>) {
+        let now = self.now_ms;
         let cancelled = self.cancelled.remove(&a.job.id);
         if cancelled || a.attempt >= self.s.max_attempts {
             // Settled here: nothing to wait for before acknowledging the event.
-            ack_later(event.take());
+            self.ack(event.take());
         }
         if cancelled {
             // Cancelled while its assignment was on the way: not assigned again.
@@ -799,7 +832,7 @@ impl Engine {
             );
             return;
         }
-        self.publisher.send(publish::Outcome::Requeue {
+        self.emit(publish::Outcome::Requeue {
             job: Box::new(QueuedJob {
                 job: a.job,
                 attempt: a.attempt + 1,
@@ -822,7 +855,7 @@ impl Engine {
                 "gave up after {} attempts (last: publishing the assignment to {worker_id} failed)",
                 job.attempt
             );
-            let now = metronome_protocol::time::unix_ms();
+            let now = self.now_ms;
             self.reject(
                 &job.job,
                 job.attempt + 1,
@@ -846,7 +879,7 @@ impl Engine {
             return;
         }
         if let Some(job) = self.queues.remove(job_id) {
-            let now = metronome_protocol::time::unix_ms();
+            let now = self.now_ms;
             tracing::info!(job_id, "cancelled while queued");
             self.reject(
                 &job.job,
@@ -868,8 +901,7 @@ impl Engine {
         // remembered, applied when the job arrives, is refused or rescued, or relayed once
         // its worker reports it.
         tracing::info!(job_id, "cancel for a job not queued here: remembered");
-        self.cancelled
-            .insert(job_id, metronome_protocol::time::unix_ms());
+        self.cancelled.insert(job_id, self.now_ms);
     }
 
     /// Relay remembered cancels of jobs a worker now reports holding: the client's cancel
@@ -882,7 +914,7 @@ impl Engine {
             if self.cancelled.remove(job_id) {
                 tracing::info!(job_id = %job_id, "relaying a cancel to the worker that reports the job");
                 self.relayed.insert(job_id, now);
-                self.publisher.send(publish::Outcome::RelayCancel {
+                self.emit(publish::Outcome::RelayCancel {
                     job_id: job_id.clone(),
                 });
             }
@@ -913,7 +945,7 @@ impl Engine {
                 why: why.to_string(),
             },
         );
-        self.publisher.send(publish::Outcome::ExpireWorker {
+        self.emit(publish::Outcome::ExpireWorker {
             worker_id: worker_id.to_string(),
             revision,
         });
@@ -936,11 +968,11 @@ impl Engine {
         if !reservations.is_empty() {
             // Before anything is assigned again: a worker that comes back must not find
             // (and run) the Assignments that are now going elsewhere.
-            self.publisher.send(publish::Outcome::PurgeWork {
+            self.emit(publish::Outcome::PurgeWork {
                 worker_id: worker_id.to_string(),
             });
             // And a worker that was only silent stops what it still runs of them.
-            self.publisher.send(publish::revoke(
+            self.emit(publish::revoke(
                 worker_id,
                 self.s.epoch,
                 reservations.iter().map(|r| {
@@ -955,7 +987,7 @@ impl Engine {
         for r in reservations {
             let assigned = self.assigned.remove(&r.job_id);
             if r.is_confirmed() {
-                self.publisher.send(publish::Outcome::FinalError {
+                self.emit(publish::Outcome::FinalError {
                     job_id: r.job_id.clone(),
                     worker_id: Some(worker_id.to_string()),
                     error: ErrorCode::WorkerLost,
@@ -973,8 +1005,11 @@ impl Engine {
         self.capacity_changed = true;
     }
 
-    fn on_tick(&mut self) {
-        let now = metronome_protocol::time::unix_ms();
+    /// The periodic tick at `now_ms`: expiries, early answers, progress acks, dead
+    /// workers, snapshots.
+    pub fn tick(&mut self, now_ms: u64) {
+        self.advance(now_ms);
+        let now = self.now_ms;
         for job in self.queues.take_expired(now) {
             self.metrics.observe_queue_wait(
                 &job.job.model,
@@ -1008,11 +1043,7 @@ impl Engine {
             .queues
             .due_for_progress(now.saturating_sub(self.s.ack_wait_ms / 3), now);
         if !due.is_empty() {
-            tokio::spawn(async move {
-                for acker in due {
-                    let _ = acker.ack_with(AckKind::Progress).await;
-                }
-            });
+            self.effects.push(Effect::Progress(due));
         }
         let timeout = self.s.scheduler.heartbeat_timeout_ms;
         let stale: Vec<String> = self
@@ -1094,10 +1125,10 @@ impl Engine {
         // this pass offers the room to the others' jobs, whatever the counters say.
         let mut held_back: Vec<String> = Vec::new();
         loop {
-            if !self.fence.is_fresh() {
+            if !self.is_fresh() {
                 return;
             }
-            let now = metronome_protocol::time::unix_ms();
+            let now = self.now_ms;
             let scheduler = &self.s.scheduler;
             let prefill = IdleTtft::of(
                 self.workers
@@ -1118,16 +1149,7 @@ impl Engine {
                 }
                 return;
             };
-            let front = self.queues.get(model, pos).expect("position exists");
             let started = Instant::now();
-            let predicted = self
-                .output_len
-                .get(model)
-                .copied()
-                .unwrap_or(f64::from(front.job.max_tokens));
-            let slo = scheduler.slo_for(model, front.job.slo.as_ref());
-            let waited = Self::waited_ms(front, slo.ttft_ms, now);
-            let request = JobRequest::from_job(&front.job, predicted, slo).waited(waited);
             let all_workers = self.s.decision_list_wrong_model;
             if !all_workers && !self.per_model.contains_key(model) {
                 let views = self
@@ -1144,15 +1166,53 @@ impl Engine {
                 &self.per_model[model]
             };
             let other_models = self.workers.len() - workers.len();
-            let mut evaluation = choose(
-                self.s.policy,
-                &mut self.policy_state,
-                &request,
-                workers,
-                &self.ledger,
-                &self.s.scheduler,
-                now,
-            );
+            // The job to place: the one fairness and the TTFT rule chose, or, when no
+            // worker can take it now, a younger job of its flow that one can take
+            // without a predicted miss (see `lookahead`).
+            let mut tries = vec![pos];
+            if self.s.policy == PolicyKind::Metronome && self.s.scheduler.lookahead > 0 {
+                tries.extend(
+                    self.queues
+                        .following(model, pos, self.s.scheduler.lookahead),
+                );
+            }
+            let mut chosen = None;
+            let mut head_evaluation = None;
+            for (k, &at) in tries.iter().enumerate() {
+                let job = self.queues.get(model, at).expect("position exists");
+                if k > 0 && late(job) {
+                    continue;
+                }
+                let predicted = self.predicted_output(&job.job);
+                let slo = scheduler.slo_for(model, job.job.slo.as_ref());
+                let waited = Self::waited_ms(job, slo.ttft_ms, now);
+                let request = JobRequest::from_job(&job.job, predicted, slo).waited(waited);
+                let evaluation = choose(
+                    self.s.policy,
+                    &mut self.policy_state,
+                    &request,
+                    workers,
+                    &self.ledger,
+                    &self.s.scheduler,
+                    now,
+                );
+                if evaluation.winner.is_some() {
+                    chosen = Some((at, request, slo, evaluation));
+                    break;
+                }
+                if k == 0 {
+                    head_evaluation = Some((request, slo, evaluation));
+                }
+            }
+            let (pos, request, slo, mut evaluation) = match chosen {
+                Some(c) => c,
+                None => {
+                    let (r, s, e) = head_evaluation.expect("the head was evaluated");
+                    (pos, r, s, e)
+                }
+            };
+            let front = self.queues.get(model, pos).expect("position exists");
+            let waited = Self::waited_ms(front, slo.ttft_ms, now);
             let mut least_harm_note = None;
             let alone = self.queues.len(model) == 1;
             if evaluation.winner.is_none() && self.s.policy == PolicyKind::Metronome && alone {
@@ -1182,10 +1242,16 @@ impl Engine {
                 self.metrics.held(model, &evaluation.rejected);
                 return;
             };
+            let decoding_from_ms = evaluation
+                .winner_score()
+                .and_then(|c| c.prediction)
+                .map_or(0, |p| now.saturating_add(p.ttft_ms.max(0.0) as u64));
             let profile = JobProfile {
                 prompt_tokens: request.prompt_tokens,
                 predicted_output: request.predicted_output(),
                 min_tok_s: slo.min_tok_s,
+                max_tokens: request.max_tokens,
+                decoding_from_ms,
             };
             // An idle GPU is never kept idle for someone else: on a GPU that takes one job
             // at a time, the room kept would be all of it.
@@ -1285,7 +1351,7 @@ impl Engine {
                     deadline_ms: job.deadline_ms,
                 },
             );
-            self.publisher.send(publish::Outcome::Assign {
+            self.emit(publish::Outcome::Assign {
                 job,
                 worker_id: winner,
                 epoch: self.s.epoch,
@@ -1402,7 +1468,7 @@ impl Engine {
         code: &str,
         reason: &str,
         error: ErrorCode,
-        acker: Option<Arc<async_nats::jetstream::message::Acker>>,
+        acker: Option<Arc<Acker>>,
         queue_wait_ms: u64,
     ) {
         self.refuse(
@@ -1427,11 +1493,11 @@ impl Engine {
         code: &str,
         reason: &str,
         error: ErrorCode,
-        acker: Option<Arc<async_nats::jetstream::message::Acker>>,
+        acker: Option<Arc<Acker>>,
         queue_wait_ms: u64,
         retry_after_ms: Option<u64>,
     ) {
-        let now = metronome_protocol::time::unix_ms();
+        let now = self.now_ms;
         tracing::info!(job_id = %job.id, model = %job.model, reason_code = code, reason, "job not assigned");
         self.metrics.tenant_rejected(tenant_of(job), code);
         let mut decision = self.decision(job, outcome, attempt, queue_wait_ms, 0, now);
@@ -1442,7 +1508,7 @@ impl Engine {
         let request = JobRequest::from_job(job, f64::from(job.max_tokens), slo);
         decision.cost = Some(request.cost_estimate());
         decision.slo = Some(slo);
-        self.publisher.send(publish::Outcome::Reject {
+        self.emit(publish::Outcome::Reject {
             decision: Box::new(decision),
             error,
             message: reason.to_string(),
@@ -1548,10 +1614,12 @@ impl Engine {
         &mut self,
         out: tokio::sync::watch::Sender<Vec<QueueSnapshot>>,
         min_interval_ms: u64,
+        now_ms: u64,
     ) {
+        self.advance(now_ms);
         self.queues_out = Some((out, min_interval_ms));
         self.queues_taken_ms = 0;
-        self.publish_queues(metronome_protocol::time::unix_ms());
+        self.publish_queues(self.now_ms);
     }
 
     /// Start from the counters an earlier leader persisted, and persist changes to `out`.
@@ -1572,7 +1640,8 @@ impl Engine {
     }
 
     /// Adopt in-flight work from loaded heartbeats (takeover), before any job is read.
-    pub fn load(&mut self, updates: Vec<WorkerUpdate>, redis: Option<RedisSnapshot>) {
+    pub fn load(&mut self, updates: Vec<WorkerUpdate>, redis: Option<RedisSnapshot>, now_ms: u64) {
+        self.advance(now_ms);
         if let Some(snapshot) = redis {
             self.ewmas = snapshot.ewmas;
             self.output_len = snapshot.output_len;
@@ -1585,16 +1654,5 @@ impl Engine {
             adopted = self.ledger.len(),
             "state rebuilt"
         );
-    }
-}
-
-/// Acknowledge an EVENTS message off the deciding loop.
-fn ack_later(acker: Option<Arc<async_nats::jetstream::message::Acker>>) {
-    if let Some(acker) = acker {
-        tokio::spawn(async move {
-            if let Err(error) = acker.ack().await {
-                tracing::warn!(%error, "acknowledging a completion event failed");
-            }
-        });
     }
 }

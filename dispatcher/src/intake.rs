@@ -39,7 +39,7 @@ use metronome_protocol::{CompletionEvent, Decision, ErrorCode, Job, JobError, Jo
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::engine::{Event, Incoming};
+use crate::event::{Event, Incoming};
 use crate::metrics::Metrics;
 use crate::publish::{self, Publisher};
 use crate::DispatcherError;
@@ -184,7 +184,7 @@ async fn read_job(
     }
     Step::Job(Box::new(Incoming {
         job: Arc::new(job),
-        acker,
+        acker: Some(acker),
         seq: order,
         received_ms: metronome_protocol::time::unix_ms(),
         attempt,

@@ -11,7 +11,9 @@
 //! A term never carries state into the next: everything is rebuilt from NATS and Redis.
 
 pub mod config;
+pub mod deciding;
 pub mod engine;
+pub mod event;
 pub mod fairness_store;
 pub mod intake;
 pub mod leader;
@@ -298,26 +300,7 @@ async fn run_term(
     record.set(epoch);
     let mut reader = registry::EwmaReader::new(&c.redis_url, &c.redis_tls, &c.redis_prefix)?;
     let redis = registry::refresh_once(&mut reader, &ctx.metrics).await;
-    let settings = engine::EngineSettings {
-        epoch,
-        dispatcher_id: ctx.dispatcher_id.clone(),
-        policy: c.policy,
-        policy_seed: c.policy_seed,
-        scheduler: c.scheduler.clone(),
-        queue_bound_per_model: c.queue_bound_per_model,
-        max_attempts: c.max_attempts,
-        default_deadline_ms: c.default_deadline_ms,
-        max_deadline_ms: c.max_deadline_ms,
-        adopt_kv_tokens: c.adopt_kv_tokens,
-        ack_wait_ms: c.ack_wait_ms,
-        tick: Duration::from_millis(c.tick_ms),
-        decision_max_candidates: c.decision_max_candidates,
-        decision_list_wrong_model: c.decision_list_wrong_model,
-        // Long enough for the worker to come back from a restart as the same entry, short
-        // enough that decisions stop listing a dead worker within a minute by default.
-        forget_dead_after_ms: c.scheduler.heartbeat_timeout_ms.saturating_mul(5),
-        fairness: c.fairness,
-    };
+    let settings = engine::EngineSettings::from_config(c, epoch, ctx.dispatcher_id.clone());
     let saved_fairness = fairness_store::load(&ctx.buckets.fairness).await?;
     let (fairness_tx, fairness_rx) = tokio::sync::watch::channel(Default::default());
     // Not watched like the other tasks: it ends when the engine does, after writing the
@@ -329,16 +312,16 @@ async fn run_term(
         fence.clone(),
         term.clone(),
     );
-    let mut engine = engine::Engine::new(
-        settings,
-        publisher.clone(),
-        ctx.metrics.clone(),
-        fence.clone(),
-    );
+    let tick = settings.tick;
+    let mut engine = engine::Engine::new(settings, ctx.metrics.clone(), Some(fence.clone()));
     engine.fairness(saved_fairness, fairness_tx);
-    engine.load(workers, redis);
+    engine.load(workers, redis, metronome_protocol::time::unix_ms());
     let (queues_tx, queues_rx) = tokio::sync::watch::channel(Vec::new());
-    engine.queue_snapshots(queues_tx, c.queue_snapshot_ms);
+    engine.queue_snapshots(
+        queues_tx,
+        c.queue_snapshot_ms,
+        metronome_protocol::time::unix_ms(),
+    );
     // Like the fairness writer, it ends with the engine (its sender dropped) or the term.
     let _queue_writer = queue_store::spawn_writer(
         ctx.buckets.queues.clone(),
@@ -399,7 +382,7 @@ async fn run_term(
         ),
     );
     tracing::info!(epoch, dispatcher_id = %ctx.dispatcher_id, "leading: deciding");
-    engine.run(rx, term).await;
+    deciding::run(engine, publisher.clone(), tick, rx, term).await;
     if tokio::time::timeout(Duration::from_secs(2), fairness_writer)
         .await
         .is_err()

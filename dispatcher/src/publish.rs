@@ -44,7 +44,7 @@ use metronome_protocol::names::{self, HEADER_EPOCH, HEADER_MODEL, HEADER_MSG_ID}
 use metronome_protocol::{Decision, ErrorCode, FinalResult, ResultError, Usage};
 use tokio::sync::{mpsc, Notify};
 
-use crate::engine::Event;
+use crate::event::Event;
 use crate::metrics::Metrics;
 use crate::queue::QueuedJob;
 use crate::registry::WorkerUpdate;

@@ -289,6 +289,21 @@ impl Queues {
         out
     }
 
+    /// Up to `n` positions after `pos` in its flow, in order: the younger jobs of the
+    /// same tenant and class.
+    pub fn following(&self, model: &str, pos: Pos, n: usize) -> Vec<Pos> {
+        let Some(flow) = self.by_model.get(model).and_then(|q| q.flows.get(pos.flow)) else {
+            return Vec::new();
+        };
+        (pos.idx + 1..flow.jobs.len())
+            .take(n)
+            .map(|idx| Pos {
+                flow: pos.flow,
+                idx,
+            })
+            .collect()
+    }
+
     /// The job at `pos` in the model's queue.
     pub fn get(&self, model: &str, pos: Pos) -> Option<&QueuedJob> {
         self.by_model

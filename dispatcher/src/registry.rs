@@ -32,7 +32,7 @@ use metronome_scheduler::EwmaSnapshot;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::engine::Event;
+use crate::event::Event;
 use crate::metrics::Metrics;
 use crate::DispatcherError;
 

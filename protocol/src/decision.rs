@@ -238,7 +238,8 @@ pub struct Rejection {
 pub struct JobCostEstimate {
     pub prompt_tokens: u32,
     pub max_tokens: u32,
-    /// Output tokens expected (from the per-model output-length EWMA, capped by max_tokens).
+    /// Output tokens expected: the model's output length given `max_tokens`, learned from
+    /// its completed jobs (the output-length EWMA until one completed), at most max_tokens.
     pub predicted_output_tokens: f64,
     /// KV tokens reserved for the job.
     pub kv_tokens: u64,

@@ -136,6 +136,9 @@ pub struct SchedulerConfig {
     pub perf_prior: PerfPrior,
     /// A reservation that no heartbeat has confirmed for this long expires.
     pub reservation_ttl_ms: u64,
+    /// When no worker can take the job next in line without a predicted miss, how many
+    /// younger jobs of its flow are tried in its place (0: strict order).
+    pub lookahead: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -152,6 +155,7 @@ impl Default for SchedulerConfig {
             perf_prior: PerfPrior::default(),
             // Several heartbeats' worth, so one late heartbeat never drops live work.
             reservation_ttl_ms: 10_000,
+            lookahead: 0,
         }
     }
 }

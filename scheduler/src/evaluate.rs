@@ -20,7 +20,7 @@
 //! not touched; the caller reserves the winner.
 
 use metronome_protocol::decision::JobCostEstimate;
-use metronome_protocol::{CandidateScore, Rejection, Scoring, TermName};
+use metronome_protocol::{CandidateScore, Rejection, RejectionCode, Scoring, TermName};
 
 use crate::filter::{self, Filter, FilterContext};
 use crate::forecast::Forecast;
@@ -63,7 +63,15 @@ pub fn evaluate(
     config: &SchedulerConfig,
     now_ms: u64,
 ) -> Evaluation {
-    let ranked = rank(&filter::ADMISSION, job, workers, ledger, config, now_ms);
+    let ranked = rank(
+        &filter::ADMISSION,
+        true,
+        job,
+        workers,
+        ledger,
+        config,
+        now_ms,
+    );
     let best = ranked.best().next();
     let winner = best.map(|c| c.worker_id().to_owned());
     let winner_stall_ms = best.map_or(0.0, |c| c.forecast.stall_ms);
@@ -189,8 +197,15 @@ impl<'a> Ranked<'a> {
     }
 }
 
+/// Filter, score and order `workers` for `job`. With `floor_first`, a worker that would give
+/// the job a decode rate below its floor even with nothing else running (an idle GPU
+/// too slow for the SLO) is a candidate only while no worker that meets the floor is: the
+/// idle-worker exception of [`filter::OwnRateFloor`] keeps such a GPU busy when nothing
+/// better can take the job, but it must not win a job a fast GPU could serve within the
+/// SLO just because it is idle.
 pub(crate) fn rank<'a>(
     filters: &[&dyn Filter],
+    floor_first: bool,
     job: &JobRequest,
     workers: &'a [WorkerView],
     ledger: &Ledger,
@@ -229,6 +244,25 @@ pub(crate) fn rank<'a>(
             raw,
             normalised: [0.0; TERMS],
             total: 0.0,
+        });
+    }
+    let floor = job.slo.min_tok_s;
+    if floor_first && candidates.iter().any(|c| c.forecast.decode_tok_s >= floor) {
+        candidates.retain(|c| {
+            let f = &c.forecast;
+            if f.decode_tok_s >= floor {
+                return true;
+            }
+            rejected.push(Rejection {
+                worker_id: c.worker_id().to_owned(),
+                code: RejectionCode::BelowSloFloor,
+                reason: format!(
+                    "below SLO: the job would decode at {:.1} tok/s here even beside {} streams (step {:.1} ms) < floor {floor} tok/s, and another worker meets the floor",
+                    f.decode_tok_s, f.streams_before, f.step_ms
+                ),
+                prediction: Some(f.prediction()),
+            });
+            false
         });
     }
     normalise(&mut candidates);

@@ -28,6 +28,7 @@
 use metronome_protocol::{PerfCoefficients, Prediction};
 
 use crate::filter::kv_tokens_in_use;
+use crate::ledger::JobProfile;
 use crate::{JobRequest, Ledger, SchedulerConfig, WorkerLoad, WorkerView};
 
 /// The effect on one running job.
@@ -128,7 +129,7 @@ impl Forecast {
                 continue;
             }
             let (out, floor) = r.profile.map_or((default_output, job.slo.min_tok_s), |p| {
-                (p.predicted_output, p.min_tok_s)
+                (written_at_least(&p, r.stall_ms, step_ms, load.now_ms), p.min_tok_s)
             });
             let out = out.max(1.0);
             let tok_s = 1000.0 * out / (out * step_ms + r.stall_ms + stall_ms);
@@ -183,6 +184,32 @@ impl Forecast {
     pub fn service_ms(&self, job: &JobRequest) -> f64 {
         self.ttft_ms + job.predicted_output() * self.step_ms
     }
+}
+
+/// The output a running job is judged on: its expected length, or, once it has been
+/// decoding for longer than that length takes, what it has written by now plus the token
+/// still to come (it has not finished, so it is longer than expected). Written tokens are
+/// counted from the decode time since its predicted first token, less the stall charged to
+/// it, at `step_ms` (the step after this admission, at least any step it ran at): an
+/// undercount, so the job is never judged longer than it can be. At most its `max_tokens`.
+///
+/// Why: the stall charged to a job grows with its life, and judging a long job on a short
+/// expected length divides that stall by too few tokens; every GPU running one would then
+/// turn work away for a job with room to spare (seen when clients ask for a large
+/// `max_tokens` whatever they write, so every job is expected to write the mean).
+fn written_at_least(p: &JobProfile, stall_ms: f64, step_ms: f64, now_ms: u64) -> f64 {
+    let expected = p.predicted_output;
+    if p.decoding_from_ms == 0 || now_ms <= p.decoding_from_ms || step_ms <= 0.0 {
+        return expected;
+    }
+    let decoding = (now_ms - p.decoding_from_ms) as f64 - stall_ms.max(0.0);
+    let written = (decoding / step_ms).floor().max(0.0) + 1.0;
+    let bound = if p.max_tokens > 0 {
+        f64::from(p.max_tokens)
+    } else {
+        f64::INFINITY
+    };
+    expected.max(written.min(bound))
 }
 
 /// The soonest a job of one model could see its first token: its prefill on the fastest of
@@ -334,11 +361,13 @@ mod tests {
             prompt_tokens: 500,
             predicted_output: 10.0,
             min_tok_s: 30.0,
+            ..Default::default()
         };
         let long = JobProfile {
             prompt_tokens: 500,
             predicted_output: 400.0,
             min_tok_s: 30.0,
+            ..Default::default()
         };
         l.reserve_profiled("w1", "short", 1_000, short, NOW)
             .unwrap();
@@ -375,6 +404,7 @@ mod tests {
             prompt_tokens: 500,
             predicted_output: 100.0,
             min_tok_s: 30.0,
+            ..Default::default()
         };
         l.reserve_profiled("w1", "a", 600, profile, NOW).unwrap();
         let f = forecast(&w, &l, &job("m"));

@@ -28,7 +28,15 @@ pub fn least_harm(
     config: &SchedulerConfig,
     now_ms: u64,
 ) -> Evaluation {
-    let ranked = rank(&filter::LEAST_HARM, job, workers, ledger, config, now_ms);
+    let ranked = rank(
+        &filter::LEAST_HARM,
+        true,
+        job,
+        workers,
+        ledger,
+        config,
+        now_ms,
+    );
     // Best score first, so the stable minimum below breaks harm ties by score.
     let pick = ranked
         .order
@@ -97,6 +105,7 @@ mod tests {
                 prompt_tokens: 10,
                 predicted_output: 8.0,
                 min_tok_s: 30.0,
+                ..Default::default()
             };
             ledger
                 .reserve_profiled(id, &format!("{id}-{k}"), 20, p, NOW)

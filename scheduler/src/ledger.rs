@@ -49,13 +49,21 @@ type FixedState = BuildHasherDefault<Fnv1a>;
 /// What admission control needs to know about a booked job to protect its SLO while it
 /// runs: its prompt (prefill still to come while unreported), its expected output and the
 /// decode-rate floor it was promised.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 pub struct JobProfile {
     pub prompt_tokens: u32,
     /// Output tokens expected (never more than its `max_tokens`).
     pub predicted_output: f64,
     /// Its decode-rate floor, tokens/s.
     pub min_tok_s: f64,
+    /// The most it can write (0: unknown, `predicted_output` is the bound).
+    #[serde(default)]
+    pub max_tokens: u32,
+    /// When it was predicted to start decoding (Unix ms: its placement plus its predicted
+    /// TTFT; 0: unknown). A job still running long after that has written more than a
+    /// job just started, whatever its expected length said ([`crate::forecast`]).
+    #[serde(default)]
+    pub decoding_from_ms: u64,
 }
 
 /// One booked job.
@@ -442,6 +450,7 @@ mod tests {
             prompt_tokens: 100,
             predicted_output: 50.0,
             min_tok_s: 30.0,
+            ..Default::default()
         };
         let mut l = Ledger::new();
         l.reserve_profiled("w1", "a", 100, profile, 10).unwrap();

@@ -45,6 +45,7 @@ pub mod job;
 pub mod least_harm;
 pub mod ledger;
 pub mod load;
+pub mod output_len;
 pub mod perf;
 pub mod policy;
 pub mod term;
@@ -61,6 +62,7 @@ pub use job::JobRequest;
 pub use least_harm::least_harm;
 pub use ledger::{JobProfile, Ledger, LedgerError, Reconciliation, Reservation};
 pub use load::WorkerLoad;
+pub use output_len::OutputLength;
 pub use policy::{choose, PolicyKind, PolicyState};
 pub use view::{EwmaSnapshot, WorkerView};
 

@@ -29,6 +29,8 @@ pub struct WorkerLoad {
     pub max_concurrency: u32,
     /// [`Ledger::stall_fraction`] at decision time (0 where no time is known).
     pub stall_fraction: f64,
+    /// Decision time (Unix ms; 0 where no time is known).
+    pub now_ms: u64,
 }
 
 impl WorkerLoad {
@@ -45,6 +47,7 @@ impl WorkerLoad {
             effective_active: reported_active.saturating_add(unreported_reservations),
             max_concurrency: config.max_concurrency(s.max_concurrency),
             stall_fraction: 0.0,
+            now_ms: 0,
         }
     }
 
@@ -52,6 +55,7 @@ impl WorkerLoad {
     pub fn at(view: &WorkerView, ledger: &Ledger, config: &SchedulerConfig, now_ms: u64) -> Self {
         WorkerLoad {
             stall_fraction: ledger.stall_fraction(&view.status.worker_id, now_ms),
+            now_ms,
             ..Self::of(view, ledger, config)
         }
     }

@@ -117,7 +117,15 @@ pub fn choose(
     if kind == PolicyKind::Metronome {
         return evaluate(job, workers, ledger, config, now_ms);
     }
-    let ranked = rank(&filter::ELIGIBILITY, job, workers, ledger, config, now_ms);
+    let ranked = rank(
+        &filter::ELIGIBILITY,
+        false,
+        job,
+        workers,
+        ledger,
+        config,
+        now_ms,
+    );
     let cands = &ranked.candidates;
     let pick = if cands.is_empty() {
         None

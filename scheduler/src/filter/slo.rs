@@ -81,6 +81,7 @@ mod tests {
             prompt_tokens: 100,
             predicted_output: out,
             min_tok_s: 30.0,
+            ..Default::default()
         }
     }
 

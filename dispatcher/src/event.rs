@@ -1,0 +1,54 @@
+//! What reaches the deciding loop ([`crate::engine`]): the one input type shared by the
+//! tasks that feed it (intake, registry watch, EWMA refresher, completions, publisher
+//! rollbacks), kept apart from the engine so those tasks and the engine do not import each
+//! other.
+
+use std::sync::Arc;
+
+use async_nats::jetstream::message::Acker;
+use metronome_protocol::{CompletionEvent, Job};
+
+use crate::queue::QueuedJob;
+use crate::registry::{RedisSnapshot, WorkerUpdate};
+
+/// A job read from JOBS.
+pub struct Incoming {
+    pub job: Arc<Job>,
+    /// The JOBS message, acknowledged once the job is assigned or rejected; `None` where
+    /// no JetStream message stands behind the job (the policy lab, engine tests).
+    pub acker: Option<Arc<Acker>>,
+    /// Its place in its model's queue: the JOBS sequence of the client's submission (a
+    /// retry put back on `jobs.submit` carries the original one).
+    pub seq: u64,
+    pub received_ms: u64,
+    /// The attempt it will be assigned as: 1, or a retry's `Metronome-Attempt`.
+    pub attempt: u32,
+}
+
+/// Everything that reaches the deciding loop.
+pub enum Event {
+    Job(Box<Incoming>),
+    Worker(WorkerUpdate),
+    Redis(RedisSnapshot),
+    /// A completion event; a refusal carries its EVENTS acknowledgement, given once the job
+    /// is back in JOBS (so the refusal is seen again if this leader dies first).
+    Completion {
+        event: Box<CompletionEvent>,
+        acker: Option<Arc<Acker>>,
+    },
+    /// A retry could not be put back on `jobs.submit`: keep it in memory instead.
+    RequeueFailed {
+        job: Box<QueuedJob>,
+    },
+    Cancel(String),
+    /// The Assignment could not be published: roll back and requeue.
+    PublishFailed {
+        job: Box<QueuedJob>,
+        worker_id: String,
+    },
+    /// JetStream said an earlier leader already sent this attempt.
+    AlreadyAssigned {
+        job_id: String,
+        worker_id: String,
+    },
+}

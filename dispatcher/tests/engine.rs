@@ -1,0 +1,309 @@
+//! The engine as a state machine: inputs with the time they are applied at, effects out.
+//! No NATS, no Redis, no clock: every test is exact and instant.
+
+use std::sync::Arc;
+
+use metronome_dispatcher::engine::{Effect, Engine, EngineSettings};
+use metronome_dispatcher::event::{Event, Incoming};
+use metronome_dispatcher::publish::Outcome;
+use metronome_dispatcher::registry::{RedisSnapshot, WorkerUpdate};
+use metronome_dispatcher::{Config, Metrics};
+use metronome_protocol::{
+    CompletionEvent, CompletionOutcome, Endpoint, ErrorCode, Job, KvUsage, PerfCoefficients,
+    WorkerStatus, PROTOCOL_VERSION,
+};
+
+const T0: u64 = 1_800_000_000_000;
+
+fn engine_with(config: &Config) -> Engine {
+    Engine::new(
+        EngineSettings::from_config(config, 7, "test".into()),
+        Metrics::new(),
+        None,
+    )
+}
+
+fn engine() -> Engine {
+    engine_with(&Config::default())
+}
+
+/// A worker's heartbeat: `in_flight` jobs held, a 40k-token cache, a fitted model of a
+/// GPU that decodes at 50 tok/s alone and prefills 10,000 tokens/s.
+fn heartbeat(id: &str, in_flight: &[&str], seq: u64, at: u64) -> Event {
+    let status = WorkerStatus {
+        v: PROTOCOL_VERSION,
+        worker_id: id.into(),
+        model: "m".into(),
+        node: None,
+        gpu_index: None,
+        healthy: true,
+        draining: false,
+        max_concurrency: 256,
+        active: in_flight.len() as u32,
+        queued: 0,
+        in_flight: in_flight.iter().map(|s| s.to_string()).collect(),
+        kv: Some(KvUsage {
+            used_frac: 0.0,
+            capacity_tokens: Some(40_000),
+        }),
+        gpu: None,
+        prefill_pending_tokens: 0,
+        perf: Some(PerfCoefficients {
+            step_base_ms: 20.0,
+            step_per_stream_ms: 0.2,
+            step_per_ktok_ms: 0.1,
+            stall_per_prefill_token_ms: 0.1,
+            ttft_base_ms: 20.0,
+            prefill_per_token_ms: 0.1,
+            ttft_per_stream_ms: 1.0,
+            samples: 100,
+        }),
+        max_epoch: 0,
+        seq,
+        sent_ms: at,
+    };
+    Event::Worker(WorkerUpdate::Put {
+        status: Box::new(status),
+        seen_ms: at,
+        revision: seq,
+    })
+}
+
+fn job(id: &str, prompt: u32, max_tokens: u32, at: u64) -> Event {
+    let job = Job {
+        v: PROTOCOL_VERSION,
+        id: id.into(),
+        model: "m".into(),
+        endpoint: Endpoint::Completion,
+        request: serde_json::Value::Null,
+        prompt_tokens: prompt,
+        max_tokens,
+        submitted_ms: at,
+        deadline_ms: None,
+        slo: None,
+        tenant: None,
+        priority: None,
+    };
+    Event::Job(Box::new(Incoming {
+        job: Arc::new(job),
+        acker: None,
+        seq: at,
+        received_ms: at,
+        attempt: 1,
+    }))
+}
+
+fn done(id: &str, worker: &str, output_tokens: u32, outcome: CompletionOutcome) -> Event {
+    Event::Completion {
+        event: Box::new(CompletionEvent {
+            v: PROTOCOL_VERSION,
+            job_id: id.into(),
+            worker_id: worker.into(),
+            model: "m".into(),
+            epoch: 7,
+            attempt: 1,
+            outcome,
+            streamed: outcome == CompletionOutcome::Done,
+            error: None,
+            prompt_tokens: 100,
+            output_tokens,
+            ttft_ms: Some(30.0),
+            tpot_ms: Some(20.0),
+            e2e_ms: 1_000.0,
+            finished_ms: T0,
+        }),
+        acker: None,
+    }
+}
+
+/// Apply inputs at `at`, let the engine look at its queues, and return what it published.
+fn step(e: &mut Engine, inputs: Vec<Event>, at: u64) -> Vec<Outcome> {
+    for i in inputs {
+        e.handle(i, at);
+    }
+    e.dispatch_if_changed(at);
+    e.take_effects()
+        .into_iter()
+        .filter_map(|f| match f {
+            Effect::Publish(o) => Some(o),
+            _ => None,
+        })
+        .collect()
+}
+
+fn assigned(outcomes: &[Outcome]) -> Vec<(String, String)> {
+    outcomes
+        .iter()
+        .filter_map(|o| match o {
+            Outcome::Assign { job, worker_id, .. } => Some((job.job.id.clone(), worker_id.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// What each outcome is, for failure messages (outcomes hold message handles, not Debug).
+fn names(outcomes: &[Outcome]) -> Vec<&'static str> {
+    outcomes
+        .iter()
+        .map(|o| match o {
+            Outcome::Assign { .. } => "assign",
+            Outcome::Reject { .. } => "reject",
+            Outcome::DecisionOnly { .. } => "decision_only",
+            Outcome::PurgeWork { .. } => "purge_work",
+            Outcome::ExpireWorker { .. } => "expire_worker",
+            Outcome::DeadLetter { .. } => "dead_letter",
+            Outcome::Requeue { .. } => "requeue",
+            Outcome::RelayCancel { .. } => "relay_cancel",
+            Outcome::Revoke { .. } => "revoke",
+            Outcome::FinalError { .. } => "final_error",
+        })
+        .collect()
+}
+
+#[test]
+fn simultaneous_jobs_on_idle_workers_land_on_distinct_workers() {
+    let mut e = engine();
+    let workers = ["w1", "w2", "w3", "w4"];
+    step(
+        &mut e,
+        workers.iter().map(|w| heartbeat(w, &[], 1, T0)).collect(),
+        T0,
+    );
+    let out = step(
+        &mut e,
+        (0..4)
+            .map(|i| job(&format!("j{i}"), 500, 100, T0 + 1))
+            .collect(),
+        T0 + 1,
+    );
+    let mut on: Vec<String> = assigned(&out).into_iter().map(|(_, w)| w).collect();
+    on.sort();
+    assert_eq!(on, workers, "{:?}", names(&out));
+}
+
+#[test]
+fn the_same_inputs_give_the_same_decisions() {
+    let run = || {
+        let mut e = engine();
+        step(
+            &mut e,
+            vec![heartbeat("a", &[], 1, T0), heartbeat("b", &[], 1, T0)],
+            T0,
+        );
+        let mut all = Vec::new();
+        for i in 0..20u64 {
+            let at = T0 + 10 * i;
+            all.extend(assigned(&step(
+                &mut e,
+                vec![job(
+                    &format!("j{i}"),
+                    200 + 97 * i as u32 % 900,
+                    50 + i as u32,
+                    at,
+                )],
+                at,
+            )));
+        }
+        all
+    };
+    assert_eq!(run(), run());
+}
+
+#[test]
+fn a_waiting_job_expires_when_time_passes_its_deadline() {
+    // No worker listed for the model would reject it as unknown; one busy to its ceiling
+    // keeps it waiting instead.
+    let mut config = Config::default();
+    config.scheduler.default_max_concurrency = 1;
+    config.default_deadline_ms = 5_000;
+    let mut e2 = engine_with(&config);
+    let busy = heartbeat("w", &["running"], 1, T0);
+    let Event::Worker(WorkerUpdate::Put { mut status, .. }) = busy else {
+        unreachable!()
+    };
+    status.max_concurrency = 1;
+    step(
+        &mut e2,
+        vec![Event::Worker(WorkerUpdate::Put {
+            status,
+            seen_ms: T0,
+            revision: 1,
+        })],
+        T0,
+    );
+    assert!(assigned(&step(&mut e2, vec![job("late", 100, 10, T0)], T0)).is_empty());
+    // Before the deadline, a tick changes nothing; after it, the job is answered.
+    e2.tick(T0 + 4_000);
+    let before: Vec<_> = e2.take_effects();
+    assert!(
+        !before
+            .iter()
+            .any(|f| matches!(f, Effect::Publish(Outcome::Reject { .. }))),
+        "nothing is due before the deadline"
+    );
+    e2.tick(T0 + 5_001);
+    let rejected = e2.take_effects().into_iter().any(|f| {
+        matches!(f, Effect::Publish(Outcome::Reject { error: ErrorCode::DeadlineExceeded, ref decision, .. }) if decision.job_id == "late")
+    });
+    assert!(rejected, "the job past its deadline is answered");
+}
+
+#[test]
+fn a_refused_job_goes_back_through_jobs_for_another_attempt() {
+    let mut e = engine();
+    step(&mut e, vec![heartbeat("w", &[], 1, T0)], T0);
+    let out = step(&mut e, vec![job("j", 100, 10, T0)], T0);
+    assert_eq!(assigned(&out), vec![("j".to_string(), "w".to_string())]);
+    let out = step(
+        &mut e,
+        vec![done("j", "w", 0, CompletionOutcome::Refused)],
+        T0 + 10,
+    );
+    let retry = out.iter().find_map(|o| match o {
+        Outcome::Requeue { job, .. } => Some(job.attempt),
+        _ => None,
+    });
+    assert_eq!(retry, Some(2), "{:?}", names(&out));
+}
+
+#[test]
+fn the_expected_output_follows_max_tokens_once_completions_show_it() {
+    let mut e = engine();
+    // The model's outputs average 150 tokens (the agents' EWMA in Redis).
+    let redis = Event::Redis(RedisSnapshot {
+        ewmas: Default::default(),
+        output_len: [("m".to_string(), 150.0)].into(),
+    });
+    step(&mut e, vec![heartbeat("w", &[], 1, T0), redis], T0);
+    // Jobs that write exactly what they ask for.
+    for i in 0..30u32 {
+        let at = T0 + 100 * u64::from(i + 1);
+        let id = format!("j{i}");
+        let n = 50 + (i * 53) % 500;
+        let beat = heartbeat("w", &[], u64::from(i) + 2, at);
+        step(&mut e, vec![beat, job(&id, 100, n, at)], at);
+        step(
+            &mut e,
+            vec![done(&id, "w", n, CompletionOutcome::Done)],
+            at + 50,
+        );
+    }
+    let at = T0 + 10_000;
+    let out = step(
+        &mut e,
+        vec![heartbeat("w", &[], 100, at), job("probe", 100, 400, at)],
+        at,
+    );
+    let cost = out
+        .iter()
+        .find_map(|o| match o {
+            Outcome::Assign { decision, .. } => decision.cost.clone(),
+            _ => None,
+        })
+        .expect("assigned with a cost");
+    let predicted = cost.predicted_output_tokens;
+    assert!(
+        (predicted - 400.0).abs() < 20.0,
+        "a job asking for 400 is expected to write about 400, not the mean: {predicted}"
+    );
+}
