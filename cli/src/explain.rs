@@ -509,7 +509,7 @@ pub(crate) mod fixtures {
 
     pub fn assigned() -> Decision {
         Decision {
-            v: 1,
+            v: DECISION_VERSION,
             job_id: "job-1".into(),
             model: Some("llama-3.1-8b".into()),
             outcome: Outcome::Assigned,
