@@ -354,7 +354,10 @@ async fn an_older_dispatchers_record_is_explained_and_replayed() {
         "{active}"
     );
     // --json gives the record in the current form.
-    let json = env.cli(&["--json", "explain", "old-1"]).await.expect("json");
+    let json = env
+        .cli(&["--json", "explain", "old-1"])
+        .await
+        .expect("json");
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(v["decisions"][0]["v"], DECISION_VERSION);
     assert_eq!(
@@ -369,15 +372,27 @@ async fn an_older_dispatchers_record_is_explained_and_replayed() {
     // (default) weights, and moves with active requests weighing nothing.
     let same = env.cli(&["replay", "--since", "1h"]).await.expect("replay");
     assert!(same.contains("1 re-decided, 0 not replayable"), "{same}");
-    assert!(same.contains("placements that would change: 0 of 1"), "{same}");
+    assert!(
+        same.contains("placements that would change: 0 of 1"),
+        "{same}"
+    );
     let other = std::env::temp_dir().join(format!("replay-old-{}.toml", std::process::id()));
     std::fs::write(&other, "[scheduler.weights]\nactive_requests = 0.0\n").unwrap();
     let moved = env
-        .cli(&["replay", "--since", "1h", "--config", other.to_str().unwrap()])
+        .cli(&[
+            "replay",
+            "--since",
+            "1h",
+            "--config",
+            other.to_str().unwrap(),
+        ])
         .await
         .expect("replay with other weights");
     let _ = std::fs::remove_file(&other);
-    assert!(moved.contains("placements that would change: 1 of 1"), "{moved}");
+    assert!(
+        moved.contains("placements that would change: 1 of 1"),
+        "{moved}"
+    );
 }
 
 #[tokio::test]

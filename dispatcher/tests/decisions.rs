@@ -437,11 +437,7 @@ async fn a_stored_decision_is_compact_and_replays_to_itself() {
     for id in &ids {
         let json = env.decision_json(id).await.unwrap();
         assert_eq!(json["v"], metronome_protocol::DECISION_VERSION, "{json}");
-        assert_eq!(
-            json["scoring"]["terms"],
-            serde_json::json!(names),
-            "{json}"
-        );
+        assert_eq!(json["scoring"]["terms"], serde_json::json!(names), "{json}");
         assert_eq!(
             json["scoring"]["weights"],
             serde_json::json!(weights.as_array()),

@@ -121,7 +121,10 @@ fn the_compact_form_names_the_terms_once_and_lists_values_as_arrays() {
     );
     assert_eq!(v["scoring"]["weights"][0], 2.0);
     let c = &v["candidates"][0];
-    assert_eq!(c["raw"], json!([1.0, 0.0, null, 696.1234567890123, 58.9, 1e-9, null]));
+    assert_eq!(
+        c["raw"],
+        json!([1.0, 0.0, null, 696.1234567890123, 58.9, 1e-9, null])
+    );
     assert_eq!(c["normalised"][5], 1.0);
     assert_eq!(c["prediction"]["ttft_ms"], 52.3);
     let keys: Vec<&str> = c.as_object().unwrap().keys().map(String::as_str).collect();
@@ -141,7 +144,10 @@ fn a_record_read_as_version_2_is_written_as_version_3() {
     let mut d = full();
     d.v = 2;
     let v = serde_json::to_value(&d).unwrap();
-    assert_eq!(v["v"], DECISION_VERSION, "the form written is the compact one");
+    assert_eq!(
+        v["v"], DECISION_VERSION,
+        "the form written is the compact one"
+    );
 }
 
 #[test]
@@ -154,7 +160,10 @@ fn the_expanded_terms_are_the_ones_the_dispatcher_derived() {
         assert_eq!(t.raw, d.candidates[0].raw[i]);
         assert_eq!(t.normalised, d.candidates[0].normalised[i]);
         assert_eq!(t.weight, scoring.weights[i]);
-        assert_eq!(t.contribution, d.candidates[0].normalised[i] * scoring.weights[i]);
+        assert_eq!(
+            t.contribution,
+            d.candidates[0].normalised[i] * scoring.weights[i]
+        );
         assert_eq!(t.available, d.candidates[0].raw[i].is_some());
     }
     assert!(!terms[TermName::LatencyEwma.index()].available);
@@ -233,7 +242,15 @@ fn a_version_2_record_still_reads_to_the_same_values() {
     assert_eq!(c.total, 3.0);
     assert_eq!(
         c.raw,
-        [Some(2.0), Some(0.0), None, Some(702.0), None, Some(0.0), None]
+        [
+            Some(2.0),
+            Some(0.0),
+            None,
+            Some(702.0),
+            None,
+            Some(0.0),
+            None
+        ]
     );
     assert_eq!(c.normalised, [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]);
     assert_eq!(c.prediction.unwrap().streams_after, 3);
@@ -267,7 +284,11 @@ fn a_version_2_record_without_terms_or_tenancy_reads() {
     let d: Decision = serde_json::from_value(old).unwrap();
     assert_eq!((d.tenant, d.priority, d.fair_counter), (None, None, None));
     assert_eq!(d.candidates[1].raw, [None; TERM_COUNT]);
-    assert_eq!(d.scoring.unwrap().weights[0], 2.0, "from the first candidate");
+    assert_eq!(
+        d.scoring.unwrap().weights[0],
+        2.0,
+        "from the first candidate"
+    );
 }
 
 #[test]

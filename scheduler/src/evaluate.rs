@@ -407,7 +407,10 @@ mod tests {
             let names: Vec<TermName> = terms.iter().map(|t| t.term).collect();
             assert_eq!(names, TermName::ALL);
             let sum: f64 = terms.iter().map(|t| t.contribution).sum();
-            assert_eq!(sum, c.total, "the total is the contributions summed in term order");
+            assert_eq!(
+                sum, c.total,
+                "the total is the contributions summed in term order"
+            );
         }
         let a = term(&e.candidates[1], TermName::ActiveRequests);
         assert_eq!((a.raw, a.normalised, a.available), (Some(2.0), 1.0, true));

@@ -132,7 +132,10 @@ impl Forecast {
                 continue;
             }
             let (out, floor) = r.profile.map_or((default_output, job.slo.min_tok_s), |p| {
-                (written_at_least(&p, r.stall_ms, step_ms, load.now_ms), p.min_tok_s)
+                (
+                    written_at_least(&p, r.stall_ms, step_ms, load.now_ms),
+                    p.min_tok_s,
+                )
             });
             let out = out.max(1.0);
             let tok_s = 1000.0 * out / (out * step_ms + r.stall_ms + stall_ms);

@@ -379,7 +379,7 @@ impl Ledger {
         }
         let stale: Vec<String> = self
             .reservations_on(worker_id)
-            .filter(|r| !in_flight.iter().any(|f| *f == r.job_id))
+            .filter(|r| !in_flight.contains(&r.job_id))
             .filter(|r| now_ms.saturating_sub(r.last_seen_ms()) > ttl_ms)
             .map(|r| r.job_id.clone())
             .collect();

@@ -278,7 +278,10 @@ mod tests {
             );
             assert_eq!(e.winner.as_deref(), Some("w0"), "{kind}");
             assert_eq!(e.rejected[0].code, RejectionCode::Unhealthy);
-            assert_eq!(e.scoring, crate::evaluate::scoring(&SchedulerConfig::default()));
+            assert_eq!(
+                e.scoring,
+                crate::evaluate::scoring(&SchedulerConfig::default())
+            );
         }
         let e = evaluate(
             &job("m"),
