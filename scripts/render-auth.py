@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Generate Metronome's NATS and Redis credentials and render the servers' auth config.
 
-    render-auth.py --dir DIR [--prefix metronome] [--rotate] IDENTITY...
+    render-auth.py --dir DIR [--prefix metronome] [--rotate] [--route-user USER] IDENTITY...
 
 IDENTITY is `user:role`; for a worker-agent `user:worker-agent:<worker_id>:<model>`; for a
 direct-NATS client `user:client:<tenant>` (its tenant's subjects only; `_anon` is the
@@ -15,6 +15,11 @@ Writes, all mode 0600 in DIR (mode 0700):
   nats-authorization.conf  the nats-server `authorization` block (passwords in clear:
                            nats-server 2.9 compares them as given)
   redis-acl.conf           Redis `user` lines, passwords as SHA-256 (`#<hex>`)
+
+With --route-user (a NATS cluster), also <USER>.password: the credential the cluster's
+nodes present to each other on their routes (the `cluster { authorization }` block and
+the `nats-route://USER:<password>@host:port` route URLs). It is not a client identity:
+no client can log in with it, and it is in no `authorization` users list.
 """
 import argparse
 import hashlib
@@ -57,12 +62,19 @@ def main():
     p.add_argument("--prefix", default="metronome")
     p.add_argument("--rules", default=RULES)
     p.add_argument("--rotate", action="store_true")
+    p.add_argument("--route-user", default="")
     p.add_argument("identities", nargs="+")
     a = p.parse_args()
     with open(a.rules) as f:
         roles = json.load(f)["roles"]
     os.makedirs(a.dir, mode=0o700, exist_ok=True)
     os.chmod(a.dir, 0o700)
+    identity_users = {spec.split(":")[0] for spec in a.identities}
+    if a.route_user:
+        if not all(c in ALPHABET + "-_" for c in a.route_user) or a.route_user in identity_users:
+            sys.exit(f"render-auth: --route-user {a.route_user!r} must be letters, digits, '-' and '_', "
+                     "and no client identity's name")
+        password_for(a.dir, a.route_user, a.rotate)
     nats = ["authorization {", "  users = ["]
     redis = ["user default off"]
     for spec in a.identities:

@@ -1,6 +1,6 @@
 # Configuration files of ./dev up, one per process. Sourced by scripts/up.sh, which sets
-# NATS_URL, REDIS_PORT, GATEWAY_PORT, POLICY, STATE_DIR and AUTH_DIR (one password file
-# per identity). Every key is documented in the README's configuration reference.
+# NATS_URL (every node of a cluster, comma-separated), NATS_REPLICAS, REDIS_PORT,
+# GATEWAY_PORT, POLICY, STATE_DIR and AUTH_DIR (one password file per identity). Every key is documented in the README's configuration reference.
 
 # The identity's NATS credentials, as an inline table so keys appended after it stay
 # top-level.
@@ -16,6 +16,7 @@ redis_url_for() { # user
 render_dispatcher_config() { # dispatcher id, metrics port
   cat <<TOML
 nats_url = "$NATS_URL"
+stream_replicas = ${NATS_REPLICAS:-1}
 $(nats_auth_line "$1")
 redis_url = "$(redis_url_for "$1")"
 dispatcher_id = "$1"
@@ -26,6 +27,14 @@ TOML
   # table), so benchmarks can run a tuned scheduler without editing defaults.
   if [ -n "${METRONOME_DISPATCHER_EXTRA_TOML:-}" ]; then
     printf '%s\n' "$METRONOME_DISPATCHER_EXTRA_TOML"
+  fi
+  # On a NATS cluster, losing the node that leads the workers bucket leaves the bucket
+  # without a leader until the other copies elect one (about 5 s measured, up to JetStream's
+  # election timeout): no heartbeat can be stored meanwhile. A heartbeat timeout shorter
+  # than that declares every worker dead at each such failover (docs/DELIVERY.md). Last, in
+  # a table of its own, unless the extra TOML sets [scheduler] itself.
+  if [ "${NATS_CLUSTER:-1}" -gt 1 ] && ! grep -q '^\[scheduler\]' <<< "${METRONOME_DISPATCHER_EXTRA_TOML:-}"; then
+    printf '[scheduler]\nheartbeat_timeout_ms = %s\n' "$CLUSTER_HEARTBEAT_TIMEOUT_MS"
   fi
 }
 
@@ -40,6 +49,7 @@ model_server_url = "http://127.0.0.1:$3"
 model_server_kind = "simulator"
 max_concurrency = ${WORKER_MAX_CONCURRENCY:-256}
 nats_url = "$NATS_URL"
+stream_replicas = ${NATS_REPLICAS:-1}
 $(nats_auth_line "worker-$1")
 redis_url = "$(redis_url_for "worker-$1")"
 TOML
@@ -49,6 +59,7 @@ render_gateway_config() {
   cat <<TOML
 listen = "127.0.0.1:$GATEWAY_PORT"
 nats_url = "$NATS_URL"
+stream_replicas = ${NATS_REPLICAS:-1}
 $(nats_auth_line gateway)
 # The console's EWMA columns (a read-only Redis user).
 redis_url = "$(redis_url_for gateway)"

@@ -4,11 +4,13 @@
 #   ./dev up [--gpus N] [--models a,b] [--gateway-port P] [--speeds 1,1,1,0.5]
 #            [--policy metronome|least_connections|round_robin|random|power_of_two]
 #            [--state-dir DIR] [--profile release|debug] [--no-build] [--observe]
-#            [--keep-going]
+#            [--keep-going] [--nats-cluster 3]
 #
 # Starts its own nats-server (JetStream) and redis-server on free ports with their state under
 # the state folder (default .metronome/), never touching servers already running on the
-# machine; a dispatcher leader and a standby; the gateway; N simulated GPUs (one simulator
+# machine (--nats-cluster 3: three nats-servers clustered on loopback, nats-1..3, each with
+# its own store, every stream and bucket kept on all three, R3; docs/DELIVERY.md); a
+# dispatcher leader and a standby; the gateway; N simulated GPUs (one simulator
 # process) with one worker-agent each, models assigned round-robin. Every process serves
 # Prometheus /metrics (the addresses are printed); --observe also starts a local Prometheus
 # (Debian's `prometheus`) scraping all of them with ops/prometheus/alerts.yml loaded.
@@ -32,6 +34,7 @@ PROFILE="release"
 BUILD=1
 OBSERVE=0
 KEEP_GOING=0
+NATS_CLUSTER=1
 SIM_ARGS=()
 
 while [ $# -gt 0 ]; do
@@ -46,14 +49,23 @@ while [ $# -gt 0 ]; do
     --no-build) BUILD=0; shift ;;
     --observe) OBSERVE=1; shift ;;
     --keep-going) KEEP_GOING=1; shift ;;
+    --nats-cluster) NATS_CLUSTER="$2"; shift 2 ;;
     --sim-arg) SIM_ARGS+=("$2"); shift 2 ;;
-    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option $1 (see ./dev up --help)" ;;
   esac
 done
 
 [[ "$GPUS" =~ ^[0-9]+$ ]] && [ "$GPUS" -ge 1 ] && [ "$GPUS" -le 64 ] || die "--gpus must be 1..64"
 [[ "$GATEWAY_PORT" =~ ^[0-9]+$ ]] && [ "$GATEWAY_PORT" -ge 1 ] && [ "$GATEWAY_PORT" -le 65535 ] || die "--gateway-port must be 1..65535"
+# A cluster of 3 (or 5) keeps 3 copies of every stream: one node can be lost (two of
+# five) with no message lost and the service going on. Two or four nodes survive no more
+# losses than one or three.
+case "$NATS_CLUSTER" in
+  1) NATS_REPLICAS=1 ;;
+  3|5) NATS_REPLICAS=3; CLUSTER_HEARTBEAT_TIMEOUT_MS=12000 ;;
+  *) die "--nats-cluster must be 1 (one server), 3 or 5" ;;
+esac
 IFS=',' read -r -a MODEL_LIST <<< "$MODELS"
 [ ${#MODEL_LIST[@]} -ge 1 ] || die "--models needs at least one name"
 IFS=',' read -r -a SPEED_LIST <<< "$SPEEDS"
@@ -83,8 +95,12 @@ STATE_DIR="$(cd "$STATE_DIR" && pwd)"
 rm -rf "$STATE_DIR/run"
 mkdir -p "$STATE_DIR/run" "$STATE_DIR/logs" "$STATE_DIR/nats" "$STATE_DIR/redis" "$STATE_DIR/config"
 
-NATS_PORT=$(free_port); REDIS_PORT=$(free_port)
-NATS_URL="nats://127.0.0.1:$NATS_PORT"
+REDIS_PORT=$(free_port)
+# One client port per NATS node; the components get all of them (nats_url lists every
+# node), so they connect and reconnect to whichever nodes are up.
+NATS_PORTS=()
+for ((n=1; n<=NATS_CLUSTER; n++)); do NATS_PORTS+=("$(free_port)"); done
+NATS_URL=$(printf 'nats://127.0.0.1:%s,' "${NATS_PORTS[@]}"); NATS_URL="${NATS_URL%,}"
 GATEWAY_URL="http://127.0.0.1:$GATEWAY_PORT"
 export NATS_URL
 # Each process gets its own identity from its config file; credentials left in this shell
@@ -133,7 +149,9 @@ IDENTITIES=(admin:admin dispatcher-a:dispatcher dispatcher-b:dispatcher gateway:
 for ((g=0; g<GPUS; g++)); do
   IDENTITIES+=("worker-local-gpu$g:worker-agent:local-gpu$g:${MODEL_LIST[$((g % ${#MODEL_LIST[@]}))]}")
 done
-python3 "$ROOT/scripts/render-auth.py" --dir "$AUTH_DIR" "${IDENTITIES[@]}"
+# A cluster's nodes authenticate to each other with their own credential (route user).
+ROUTE_USER=nats-route
+python3 "$ROOT/scripts/render-auth.py" --dir "$AUTH_DIR" --route-user "$ROUTE_USER" "${IDENTITIES[@]}"
 password() { cat "$AUTH_DIR/$1.password"; }
 
 # Jobs carry whole prompts: allow messages up to the gateway's 4 MiB body limit and more.
@@ -141,11 +159,53 @@ password() { cat "$AUTH_DIR/$1.password"; }
   printf 'max_payload: 8MB\n' > "$STATE_DIR/config/nats.conf"
   cat "$AUTH_DIR/nats-authorization.conf" >> "$STATE_DIR/config/nats.conf"
   cp "$AUTH_DIR/redis-acl.conf" "$STATE_DIR/config/redis.conf" )
-start nats nats-server -c "$STATE_DIR/config/nats.conf" -a 127.0.0.1 -p "$NATS_PORT" -js -sd "$STATE_DIR/nats"
+NATS_MONITORS=()
+if [ "$NATS_CLUSTER" -eq 1 ]; then
+  start nats nats-server -c "$STATE_DIR/config/nats.conf" -a 127.0.0.1 -p "${NATS_PORTS[0]}" -js -sd "$STATE_DIR/nats"
+else
+  # Each node: its own name (JetStream's peers are named), store and ports; the shared
+  # users and limits of nats.conf; routes to the others, authenticated with the route user.
+  ROUTE_PORTS=()
+  for ((n=1; n<=NATS_CLUSTER; n++)); do ROUTE_PORTS+=("$(free_port)"); NATS_MONITORS+=("$(free_port)"); done
+  route_pw=$(password "$ROUTE_USER")
+  mkdir -p "$STATE_DIR/nats-cluster"
+  for ((n=1; n<=NATS_CLUSTER; n++)); do
+    routes=""
+    for ((m=1; m<=NATS_CLUSTER; m++)); do
+      [ "$m" -eq "$n" ] || routes+="    \"nats-route://$ROUTE_USER:$route_pw@127.0.0.1:${ROUTE_PORTS[$((m-1))]}\"\n"
+    done
+    ( umask 077
+      cat > "$STATE_DIR/config/nats-$n.conf" <<CONF
+include "nats.conf"
+server_name: "nats-$n"
+listen: "127.0.0.1:${NATS_PORTS[$((n-1))]}"
+http: "127.0.0.1:${NATS_MONITORS[$((n-1))]}"
+jetstream { store_dir: "$STATE_DIR/nats-cluster/nats-$n" }
+cluster {
+  name: "metronome-dev"
+  listen: "127.0.0.1:${ROUTE_PORTS[$((n-1))]}"
+  authorization { user: "$ROUTE_USER", password: "$route_pw", timeout: 2 }
+  routes: [
+$(printf "$routes")
+  ]
+}
+CONF
+    )
+    start "nats-$n" nats-server -c "$STATE_DIR/config/nats-$n.conf"
+  done
+fi
 # noeviction: Metronome's keys are state, never a cache (docs/PROVISIONING.md).
 start redis redis-server "$STATE_DIR/config/redis.conf" --bind 127.0.0.1 --protected-mode yes --port "$REDIS_PORT" --dir "$STATE_DIR/redis" --appendonly yes --save "" \
   --maxmemory 256mb --maxmemory-policy noeviction
-wait_tcp "$NATS_PORT" nats-server
+for port in "${NATS_PORTS[@]}"; do wait_tcp "$port" nats-server; done
+if [ "$NATS_CLUSTER" -gt 1 ]; then
+  # Streams can be created once the JetStream cluster has elected its meta leader.
+  deadline=$((SECONDS + 60))
+  until curl -fsS "http://127.0.0.1:${NATS_MONITORS[0]}/jsz" 2>/dev/null | grep -q '"leader": *"nats-'; do
+    [ $SECONDS -lt $deadline ] || die "the NATS cluster elected no JetStream leader in 60 s (see $STATE_DIR/logs/nats-*.log)"
+    sleep 0.2
+  done
+fi
 wait_tcp "$REDIS_PORT" redis-server
 
 source "$ROOT/scripts/render-config.sh"
@@ -225,6 +285,11 @@ ENV
   mv "$STATE_DIR/env.tmp" "$STATE_DIR/env"
 )
 
+NATS_CLUSTER_LINE=""
+if [ "$NATS_CLUSTER" -gt 1 ]; then
+  NATS_CLUSTER_LINE=$(printf '                 a cluster of %s nodes (nats-1..%s), streams and buckets R%s; monitoring %s' \
+    "$NATS_CLUSTER" "$NATS_CLUSTER" "$NATS_REPLICAS" "$(printf 'http://127.0.0.1:%s ' "${NATS_MONITORS[@]}")")$'\n'
+fi
 cat <<MSG
 
   Metronome is up: $GPUS simulated GPUs serving ${MODELS}, policy $POLICY.
@@ -232,7 +297,7 @@ cat <<MSG
     gateway      $GATEWAY_URL   (OpenAI API; /metrics, /readyz)
                  anonymous access ON (loopback demo): no API key needed
     NATS         $NATS_URL   (users and permissions per role; credentials in $AUTH_DIR)
-    Redis        redis://127.0.0.1:$REDIS_PORT/   (ACL users per role)
+${NATS_CLUSTER_LINE}    Redis        redis://127.0.0.1:$REDIS_PORT/   (ACL users per role)
     console      $GATEWAY_URL/console   (workers, queues, live decisions, explain)
     logs         $STATE_DIR/logs/
 

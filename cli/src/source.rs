@@ -42,7 +42,7 @@ impl Nats {
         let client = options
             .name("metronome-cli")
             .connection_timeout(Duration::from_secs(5))
-            .connect(url)
+            .connect(metronome_runtime::nats::server_urls(url))
             .await
             .map_err(|e| CliError::Connect {
                 url: url.to_string(),

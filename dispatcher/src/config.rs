@@ -26,7 +26,8 @@ pub enum Storage {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
-    /// NATS server URL (`NATS_URL` overrides it).
+    /// NATS server URL, or every node of a cluster separated by commas (`NATS_URL`
+    /// overrides it).
     pub nats_url: String,
     /// NATS credentials and TLS (`[nats_auth]`; `METRONOME_NATS_*` override them).
     pub nats_auth: metronome_runtime::nats::NatsAuth,
@@ -76,6 +77,9 @@ pub struct Config {
     pub metrics_addr: Option<String>,
     /// Storage of the streams this dispatcher creates when they do not exist yet.
     pub storage: Storage,
+    /// Copies of each stream and bucket this dispatcher creates: 1 on a single server, 3
+    /// on a three-node NATS cluster (1, 3 or 5).
+    pub stream_replicas: usize,
     /// Most candidates listed in a decision, best first (0 = every candidate). The
     /// record is the largest cost of a decision: 64 candidates with seven terms each is
     /// about 50 kB of JSON.
@@ -125,6 +129,7 @@ impl Default for Config {
             tick_ms: 100,
             metrics_addr: None,
             storage: Storage::File,
+            stream_replicas: 1,
             decision_max_candidates: 0,
             decision_list_wrong_model: true,
             job_limits: JobLimits::default(),
@@ -197,8 +202,11 @@ impl Config {
         {
             err(field, message);
         }
-        if !self.nats_url.contains("://") && !self.nats_url.contains(':') {
-            err("nats_url", format!("{:?} is not a NATS URL", self.nats_url));
+        if let Some(why) = metronome_runtime::nats::check_server_urls(&self.nats_url) {
+            err("nats_url", why);
+        }
+        if let Some(why) = metronome_protocol::setup::check_replicas(self.stream_replicas) {
+            err("stream_replicas", why);
         }
         if !self.redis_url.starts_with("redis://") && !self.redis_url.starts_with("rediss://") {
             err(
@@ -365,6 +373,17 @@ mod tests {
     }
 
     #[test]
+    fn a_cluster_is_every_node_and_three_replicas() {
+        let c = Config::from_toml(
+            "nats_url = \"nats://10.0.0.1:4222,nats://10.0.0.2:4222,nats://10.0.0.3:4222\"\nstream_replicas = 3\n",
+            "t",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.stream_replicas, 3);
+    }
+
+    #[test]
     fn every_bad_field_is_reported() {
         let c = Config {
             lease_ttl_ms: 1000,
@@ -373,6 +392,8 @@ mod tests {
             queue_bound_per_model: 0,
             redis_url: "http://x".into(),
             metrics_addr: Some("nope".into()),
+            nats_url: "nats://10.0.0.1:4222,http://10.0.0.2:4222".into(),
+            stream_replicas: 2,
             ..Config::default()
         };
         let fields: Vec<String> = c
@@ -387,6 +408,8 @@ mod tests {
             "queue_bound_per_model",
             "redis_url",
             "metrics_addr",
+            "nats_url",
+            "stream_replicas",
         ] {
             assert!(fields.iter().any(|x| x == f), "{f} missing from {fields:?}");
         }

@@ -1246,9 +1246,20 @@ impl Engine {
                 .winner_score()
                 .and_then(|c| c.prediction)
                 .map_or(0, |p| now.saturating_add(p.ttft_ms.max(0.0) as u64));
+            // Running, it is protected as if it were short: at a length it is unlikely to
+            // fall short of, since a job that ends sooner than expected has less time to
+            // absorb the stalls later admissions charge it.
+            let protect = self
+                .output_models
+                .get(model)
+                .filter(|m| m.samples() > 0)
+                .map_or(request.predicted_output(), |m| {
+                    m.predict_low(request.max_tokens)
+                        .min(request.predicted_output())
+                });
             let profile = JobProfile {
                 prompt_tokens: request.prompt_tokens,
-                predicted_output: request.predicted_output(),
+                protected_output: protect,
                 min_tok_s: slo.min_tok_s,
                 max_tokens: request.max_tokens,
                 decoding_from_ms,

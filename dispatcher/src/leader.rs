@@ -127,6 +127,24 @@ pub async fn acquire(
 ) -> Option<Leadership> {
     let mut logged_standby = false;
     loop {
+        // A lease that someone holds is seen with a read (a direct get, answered by any
+        // copy) before a create is proposed: a standby's create that fails is a failed
+        // proposal on the lease stream, four a second per standby, and on nats-server 2.9
+        // a stream that had many of them took no write for about a minute after its
+        // leader's node was lost (the drill kill-nats-leader). The create still decides.
+        if let Ok(Some(entry)) = kv.entry(LEADER_KEY).await {
+            if entry.operation == kv::Operation::Put {
+                if !logged_standby {
+                    tracing::info!(dispatcher_id, "another dispatcher leads; standing by");
+                    logged_standby = true;
+                }
+                tokio::select! {
+                    _ = shutdown.cancelled() => return None,
+                    _ = tokio::time::sleep(timing.standby_poll) => {}
+                }
+                continue;
+            }
+        }
         let now = metronome_protocol::time::unix_ms();
         let value = lease_bytes(dispatcher_id, now, now, None);
         match kv.create(LEADER_KEY, value).await {

@@ -110,7 +110,7 @@ pub async fn start(
         })?;
     let client = options
         .name(dispatcher_id.clone())
-        .connect(config.nats_url.as_str())
+        .connect(metronome_runtime::nats::server_urls(&config.nats_url))
         .await
         .map_err(|e| DispatcherError::Connect {
             url: config.nats_url.clone(),
@@ -127,6 +127,7 @@ pub async fn start(
             config::Storage::Memory => jetstream::stream::StorageType::Memory,
         },
         leader_ttl: Duration::from_millis(config.lease_ttl_ms),
+        replicas: config.stream_replicas,
         ..StreamSettings::default()
     };
     let buckets = ensure_all(&js, &settings).await?;

@@ -244,27 +244,37 @@ async fn publish_loop(
                 let epoch_text = epoch.to_string();
                 // A header that cannot be written fails this publish like a NATS error
                 // would (rolled back, counted as an attempt), never the publisher task.
-                let work = match headers([
+                let (work, resend) = match headers([
                     (HEADER_MSG_ID, msg_id.as_str()),
                     (HEADER_EPOCH, epoch_text.as_str()),
                     (HEADER_MODEL, job.job.model.as_str()),
                 ]) {
                     Ok(h) => {
                         let msg = PublishMessage::build().payload(payload).headers(h);
-                        js.send_publish(names::work_subject(&worker_id), msg)
-                            .await
-                            .map_err(|e| e.to_string())
+                        let subject = names::work_subject(&worker_id);
+                        let sent = js.send_publish(subject.clone(), msg.clone()).await;
+                        (sent.map_err(|e| e.to_string()), Some((subject, msg)))
                     }
-                    Err(e) => Err(e.to_string()),
+                    Err(e) => (Err(e.to_string()), None),
                 };
                 let decision_js = js.clone();
                 let events = events.clone();
                 let metrics = metrics.clone();
                 let in_flight = in_flight.clone();
                 tokio::spawn(async move {
-                    let acked = match work {
-                        Ok(fut) => fut.await.map_err(|e| e.to_string()),
-                        Err(e) => Err(e),
+                    // Whether a failed publish may have been stored: only "no stream
+                    // answered" says for sure that it was not.
+                    let first = match work {
+                        Ok(fut) => fut.await.map_err(|e| (may_be_stored(&e), e.to_string())),
+                        Err(e) => Err((false, e)),
+                    };
+                    let acked = match (first, resend) {
+                        (Ok(ack), _) => Ok(ack),
+                        (Err((maybe, error)), Some((subject, msg))) => {
+                            republish_through_election(&decision_js, subject, msg, error, maybe)
+                                .await
+                        }
+                        (Err((_, error)), None) => Err(error),
                     };
                     let mut decision = decision;
                     match acked {
@@ -597,6 +607,76 @@ async fn publish_decision_start(js: &jetstream::Context, decision: &Decision) ->
     js.send_publish(subject, msg)
         .await
         .map_err(|e| e.to_string())
+}
+
+/// How long an Assignment whose WORK publish failed is sent again while the WORK stream
+/// has no leader: on a NATS cluster, the node leading it lost, the other copies elect one
+/// within JetStream's election timeout (4 to 9 s in current servers; 5 to 7 s measured on
+/// 2.9 by the drill `kill-nats-leader`), and a second round can follow.
+const ELECTION_WINDOW: Duration = Duration::from_secs(20);
+
+/// After the first publish of an Assignment failed with `error`: while the WORK stream
+/// exists but does not answer (no leader), send it again with its message id (the
+/// stream keeps one copy of a repeat) until it is stored or [`ELECTION_WINDOW`] is over.
+/// A stream that answers that it does not exist fails the attempt at once, as before.
+/// Without this, every job decided during an election spent its attempts in milliseconds
+/// and failed (`max_attempts`: 47 of 127 jobs in one run of the drill). A repeat the
+/// stream reports as a duplicate is this attempt's own earlier publish, stored although
+/// its answer was lost (`maybe_stored`: an earlier try failed in a way that does not rule
+/// that out), so it counts as stored; after tries that no stream answered, a duplicate is
+/// an earlier leader's Assignment of the same attempt, as on a first publish.
+async fn republish_through_election(
+    js: &jetstream::Context,
+    subject: String,
+    msg: PublishMessage,
+    error: String,
+    mut maybe_stored: bool,
+) -> Result<jetstream::publish::PublishAck, String> {
+    let started = tokio::time::Instant::now();
+    let mut last = error;
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match js.get_stream(names::STREAM_WORK).await {
+            Err(e)
+                if matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(j)
+                    if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND) =>
+            {
+                return Err(last);
+            }
+            _ => {}
+        }
+        if started.elapsed() >= ELECTION_WINDOW {
+            return Err(last);
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(1));
+        tracing::info!(%subject, error = %last, "WORK did not store an assignment; sending it again");
+        let sent = match js.send_publish(subject.clone(), msg.clone()).await {
+            Ok(fut) => fut.await,
+            Err(e) => Err(e),
+        };
+        match sent {
+            Ok(mut ack) => {
+                if maybe_stored {
+                    ack.duplicate = false;
+                }
+                return Ok(ack);
+            }
+            Err(e) => {
+                maybe_stored |= may_be_stored(&e);
+                last = e.to_string();
+            }
+        }
+    }
+}
+
+/// Whether a publish that failed with `e` may still have been stored: anything but "no
+/// stream answered" (no responders: no stream, or a stream without a leader).
+fn may_be_stored(e: &jetstream::context::PublishError) -> bool {
+    !matches!(
+        e.kind(),
+        jetstream::context::PublishErrorKind::StreamNotFound
+    )
 }
 
 async fn publish_decision(js: &jetstream::Context, decision: &Decision) {

@@ -307,3 +307,33 @@ fn the_expected_output_follows_max_tokens_once_completions_show_it() {
         "a job asking for 400 is expected to write about 400, not the mean: {predicted}"
     );
 }
+
+#[test]
+fn a_small_job_goes_ahead_of_a_large_one_that_fits_nowhere_yet() {
+    let run = |lookahead: usize| {
+        let mut config = Config::default();
+        config.scheduler.lookahead = lookahead;
+        let mut e = engine_with(&config);
+        step(&mut e, vec![heartbeat("w", &[], 1, T0)], T0);
+        // A 10-token job runs; a 6,000-token prompt would stall it 600 ms, far below its
+        // floor; a 10-token prompt behind it would stall it 1 ms.
+        let first = step(&mut e, vec![job("short", 100, 10, T0)], T0);
+        assert_eq!(assigned(&first).len(), 1);
+        let at = T0 + 5;
+        assigned(&step(
+            &mut e,
+            vec![job("big", 6_000, 100, at), job("tiny", 10, 10, at + 1)],
+            at + 1,
+        ))
+    };
+    assert_eq!(
+        run(0),
+        vec![],
+        "strict order: the small job waits behind the large"
+    );
+    assert_eq!(
+        run(8),
+        vec![("tiny".to_string(), "w".to_string())],
+        "the small job that fits goes ahead; the large one keeps its place"
+    );
+}

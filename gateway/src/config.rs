@@ -38,7 +38,8 @@ pub enum StreamStorage {
 pub struct Config {
     /// HTTP listen address (`127.0.0.1:0` picks a free port).
     pub listen: String,
-    /// NATS server URL (overridden by `NATS_URL`).
+    /// NATS server URL, or every node of a cluster separated by commas (overridden by
+    /// `NATS_URL`).
     pub nats_url: String,
     /// NATS credentials and TLS (`[nats_auth]`; `METRONOME_NATS_*` override them).
     pub nats_auth: metronome_runtime::nats::NatsAuth,
@@ -71,6 +72,9 @@ pub struct Config {
     pub worker_stale_after_ms: u64,
     /// Storage type of streams created at start when they do not exist yet.
     pub stream_storage: StreamStorage,
+    /// Copies of each stream and bucket created at start: 1 on a single server, 3 on a
+    /// three-node NATS cluster (1, 3 or 5).
+    pub stream_replicas: usize,
     /// Serve requests without a configured key (no `Authorization`, or a bearer token that
     /// is no configured key, as OpenAI clients always send one) as tenant `anonymous`, whose
     /// models and limits a `[[tenants]]` entry named `anonymous` may set. Off by default:
@@ -199,6 +203,7 @@ impl Default for Config {
             expose_worker_header: true,
             worker_stale_after_ms: 15_000,
             stream_storage: StreamStorage::File,
+            stream_replicas: 1,
             allow_anonymous: false,
             redis_url: None,
             redis_tls: Default::default(),
@@ -265,10 +270,13 @@ impl Config {
             "listen",
             format!("{:?} is not an IP:port address", self.listen),
         );
+        let bad_url = metronome_runtime::nats::check_server_urls(&self.nats_url);
+        check(bad_url.is_none(), "nats_url", bad_url.unwrap_or_default());
+        let bad_replicas = metronome_protocol::setup::check_replicas(self.stream_replicas);
         check(
-            !self.nats_url.trim().is_empty(),
-            "nats_url",
-            "must not be empty".into(),
+            bad_replicas.is_none(),
+            "stream_replicas",
+            bad_replicas.unwrap_or_default(),
         );
         check(
             self.body_limit_bytes >= 1024,
@@ -522,6 +530,8 @@ mod tests {
             body_limit_bytes: 10,
             default_max_tokens: 0,
             queue_timeout_ms: 0,
+            nats_url: "nats://10.0.0.1:4222,http://10.0.0.2:4222".into(),
+            stream_replicas: 0,
             ..Config::default()
         };
         let fields: Vec<_> = c
@@ -534,6 +544,8 @@ mod tests {
             fields,
             [
                 "listen",
+                "nats_url",
+                "stream_replicas",
                 "body_limit_bytes",
                 "default_max_tokens",
                 "queue_timeout_ms"

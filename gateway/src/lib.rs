@@ -125,7 +125,7 @@ pub async fn bind(config: Config) -> Result<Gateway, GatewayError> {
         .reconnect_delay_callback(|attempts| {
             Duration::from_millis((attempts as u64).saturating_mul(100).min(1_000))
         })
-        .connect(config.nats_url.as_str())
+        .connect(metronome_runtime::nats::server_urls(&config.nats_url))
         .await
         .map_err(|source| GatewayError::Connect {
             url: config.nats_url.clone(),
@@ -144,6 +144,7 @@ pub async fn bind(config: Config) -> Result<Gateway, GatewayError> {
             config::StreamStorage::File => jetstream::stream::StorageType::File,
             config::StreamStorage::Memory => jetstream::stream::StorageType::Memory,
         },
+        replicas: config.stream_replicas,
         ..StreamSettings::default()
     };
     let buckets = ensure_all(&jetstream::new(client.clone()), &settings).await?;

@@ -181,6 +181,9 @@ fn main() -> anyhow::Result<()> {
                             let file = dir.join(format!("{:.0}-{seed}.csv", load * 100.0));
                             metronome_loadgen::record::write_csv(&file, &out.records)
                                 .map_err(|e| anyhow::anyhow!("{e}"))?;
+                            let file =
+                                dir.join(format!("{:.0}-{seed}-predicted.csv", load * 100.0));
+                            std::fs::write(&file, predictions_csv(&out))?;
                         }
                         if !args.summary_only {
                             println!(
@@ -245,6 +248,33 @@ fn point_line(
         errors.1.map_or("-".into(), |e| format!("{:.1}%", e * 100.0)),
         holds.join(" ")
     )
+}
+
+/// Per request: what its assignment predicted beside what the client measured.
+fn predictions_csv(out: &LabRun) -> String {
+    let mut csv = String::from(
+        "id,prompt_tokens,max_tokens,queue_wait_ms,predicted_ttft_ms,ttft_ms,predicted_tok_s,step_tok_s,tokens_per_s,streams_after\n",
+    );
+    let num = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.3}"));
+    for (r, p) in out.records.iter().zip(&out.predicted) {
+        let Some(p) = p else {
+            continue;
+        };
+        csv.push_str(&format!(
+            "{},{},{},{:.1},{:.1},{},{:.3},{},{},{}\n",
+            r.id,
+            r.prompt_tokens,
+            r.max_tokens,
+            p.queue_wait_ms,
+            p.prediction.ttft_ms,
+            num(r.ttft_ms),
+            p.prediction.decode_tok_s,
+            num(p.prediction.step_tok_s),
+            num(r.tokens_per_s),
+            p.prediction.streams_after
+        ));
+    }
+    csv
 }
 
 /// p50 of |predicted − actual| / actual for TTFT (queue wait included) and decode rate.

@@ -92,8 +92,9 @@ impl MaxTokens {
     pub fn of(self, output_tokens: u32) -> u32 {
         match self {
             MaxTokens::Exact => output_tokens,
-            MaxTokens::Scaled(f) => ((f64::from(output_tokens) * f.max(1.0)).ceil() as u32)
-                .max(output_tokens),
+            MaxTokens::Scaled(f) => {
+                ((f64::from(output_tokens) * f.max(1.0)).ceil() as u32).max(output_tokens)
+            }
             MaxTokens::Fixed(n) => n.max(output_tokens),
         }
     }
@@ -133,7 +134,7 @@ pub struct StallCheck {
     pub charged_ms: f64,
     /// Time its decode stood still for prefills, ms.
     pub actual_ms: f64,
-    pub predicted_output: f64,
+    pub protected_output: f64,
     pub output_tokens: u32,
 }
 
@@ -643,7 +644,7 @@ impl World {
             self.stalls.push(StallCheck {
                 charged_ms: r.stall_ms,
                 actual_ms: f.stall_ms,
-                predicted_output: r.profile.map_or(0.0, |p| p.predicted_output),
+                protected_output: r.profile.map_or(0.0, |p| p.protected_output),
                 output_tokens: f.output_tokens,
             });
         }

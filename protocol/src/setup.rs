@@ -3,6 +3,15 @@
 //! Each component calls [`ensure_all`] at start, so they can start in any order. Creating
 //! what already exists is a no-op; an existing stream is left as it is (an operator may
 //! have tuned its limits).
+//!
+//! Replicas: on a NATS cluster every stream and bucket is created with
+//! [`StreamSettings::replicas`] copies (3 on a three-node cluster), so losing the node that
+//! leads a stream loses nothing and the other copies elect a new leader; on one server it
+//! is 1. nats-server refuses a stream with more replicas than it has JetStream nodes, so a
+//! setting that does not fit the cluster fails at start with the server's reason. An
+//! existing stream with fewer copies than configured is reported (a warning naming it), not
+//! changed: raising a stream's replicas copies its data to other nodes, an operator's
+//! decision (docs/PROVISIONING.md).
 
 use std::time::Duration;
 
@@ -33,6 +42,30 @@ pub struct StreamSettings {
     /// Largest message accepted on `jobs.submit.<tenant>`; larger publishes are refused by the
     /// server with an error the publisher sees.
     pub max_job_bytes: i32,
+    /// Copies of every stream and bucket this component creates: 1 on a single server,
+    /// 3 on a three-node cluster ([`check_replicas`]).
+    pub replicas: usize,
+}
+
+/// Most replicas JetStream allows a stream.
+pub const MAX_REPLICAS: usize = 5;
+
+/// Why `replicas` is not a usable replica count, or `None`: JetStream keeps 1 to 5 copies
+/// of a stream. An even count is refused as well: it survives no more lost nodes than the
+/// odd count below it (a majority of 2 is 2, of 4 is 3) while writing one more copy.
+pub fn check_replicas(replicas: usize) -> Option<String> {
+    if replicas == 0 || replicas > MAX_REPLICAS {
+        Some(format!(
+            "{replicas} is not a replica count: JetStream keeps 1 to {MAX_REPLICAS} copies"
+        ))
+    } else if replicas % 2 == 0 {
+        Some(format!(
+            "{replicas} replicas survive no more lost nodes than {}: use 1, 3 or 5",
+            replicas - 1
+        ))
+    } else {
+        None
+    }
 }
 
 impl Default for StreamSettings {
@@ -47,6 +80,7 @@ impl Default for StreamSettings {
             leader_ttl: Duration::from_secs(3),
             queues_max_age: Duration::from_secs(600),
             max_job_bytes: 8 * 1024 * 1024,
+            replicas: 1,
         }
     }
 }
@@ -93,6 +127,7 @@ pub async fn ensure_all(
             subjects: JOBS_SUBJECTS.iter().map(|s| s.to_string()).collect(),
             retention: stream::RetentionPolicy::WorkQueue,
             storage: s.storage,
+            num_replicas: s.replicas,
             duplicate_window: s.duplicate_window,
             max_message_size: s.max_job_bytes,
             // At its limits (an operator's max_msgs/max_bytes, the server's storage) a work
@@ -106,6 +141,7 @@ pub async fn ensure_all(
             subjects: vec![SUBJECT_WORK_ALL.into()],
             retention: stream::RetentionPolicy::WorkQueue,
             storage: s.storage,
+            num_replicas: s.replicas,
             duplicate_window: s.duplicate_window,
             discard: stream::DiscardPolicy::New,
             ..Default::default()
@@ -115,6 +151,7 @@ pub async fn ensure_all(
             subjects: vec![SUBJECT_DECISIONS_ALL.into()],
             retention: stream::RetentionPolicy::Limits,
             storage: s.storage,
+            num_replicas: s.replicas,
             max_age: s.decisions_max_age,
             duplicate_window: s.duplicate_window,
             allow_direct: true,
@@ -125,6 +162,7 @@ pub async fn ensure_all(
             subjects: vec![SUBJECT_RESULTS_FINAL_ALL.into()],
             retention: stream::RetentionPolicy::Limits,
             storage: s.storage,
+            num_replicas: s.replicas,
             max_age: s.results_max_age,
             allow_direct: true,
             ..Default::default()
@@ -134,6 +172,7 @@ pub async fn ensure_all(
             subjects: vec![SUBJECT_EVENTS_ALL.into()],
             retention: stream::RetentionPolicy::Limits,
             storage: s.storage,
+            num_replicas: s.replicas,
             max_age: s.events_max_age,
             ..Default::default()
         },
@@ -142,17 +181,60 @@ pub async fn ensure_all(
         let name = static_name(&config.name);
         ensure_stream(js, name, config).await?;
     }
-    let workers = ensure_bucket(js, BUCKET_WORKERS, s.workers_max_age, s.storage).await?;
-    let leader = ensure_bucket(js, BUCKET_LEADER, s.leader_ttl, s.storage).await?;
+    let workers = ensure_bucket(js, BUCKET_WORKERS, s.workers_max_age, s).await?;
+    let leader = ensure_bucket(js, BUCKET_LEADER, s.leader_ttl, s).await?;
     // Counters are kept until overwritten: a failover may come at any time.
-    let fairness = ensure_bucket(js, BUCKET_FAIRNESS, Duration::ZERO, s.storage).await?;
-    let queues = ensure_bucket(js, BUCKET_QUEUES, s.queues_max_age, s.storage).await?;
+    let fairness = ensure_bucket(js, BUCKET_FAIRNESS, Duration::ZERO, s).await?;
+    let queues = ensure_bucket(js, BUCKET_QUEUES, s.queues_max_age, s).await?;
+    if s.replicas > 1 {
+        for (name, have) in under_replicated(js, s.replicas).await {
+            tracing::warn!(
+                stream = name,
+                replicas = have,
+                configured = s.replicas,
+                "an existing stream keeps fewer copies than configured: losing its node loses it (raise its replicas, docs/PROVISIONING.md)"
+            );
+        }
+    }
     Ok(Buckets {
         workers,
         leader,
         fairness,
         queues,
     })
+}
+
+/// Every stream of the contract, the buckets' included (`KV_<bucket>`).
+pub const ALL_STREAMS: [&str; 9] = [
+    STREAM_JOBS,
+    STREAM_WORK,
+    STREAM_DECISIONS,
+    STREAM_RESULTS,
+    STREAM_EVENTS,
+    "KV_workers",
+    "KV_leader",
+    "KV_fairness",
+    "KV_queues",
+];
+
+/// The contract's streams (and bucket streams) that exist with fewer than `replicas`
+/// copies, with the copies each keeps. A stream that cannot be read is left out: the
+/// setup that precedes this has already reported it.
+pub async fn under_replicated(
+    js: &jetstream::Context,
+    replicas: usize,
+) -> Vec<(&'static str, usize)> {
+    let mut out = Vec::new();
+    for name in ALL_STREAMS {
+        if let Ok(mut stream) = js.get_stream(name).await {
+            if let Ok(info) = stream.info().await {
+                if info.config.num_replicas < replicas {
+                    out.push((name, info.config.num_replicas));
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Subjects of the JOBS stream: every tenant's submissions, retries, and the version-1
@@ -280,17 +362,19 @@ async fn ensure_bucket(
     js: &jetstream::Context,
     name: &'static str,
     max_age: Duration,
-    storage: stream::StorageType,
+    s: &StreamSettings,
 ) -> Result<kv::Store, SetupError> {
     if let Ok(store) = js.get_key_value(name).await {
         return Ok(store);
     }
+    let (storage, replicas) = (s.storage, s.replicas);
     match js
         .create_key_value(kv::Config {
             bucket: name.into(),
             history: 1,
             max_age,
             storage,
+            num_replicas: replicas,
             ..Default::default()
         })
         .await
@@ -304,20 +388,22 @@ async fn ensure_bucket(
             // async-nats' `create_key_value` first reads the account info, whose reply from
             // nats-server 2.9 lacks fields the client requires; create the bucket's stream
             // directly with the same settings the client would use.
-            create_bucket_stream(js, name, max_age, storage)
+            create_bucket_stream(js, name, max_age, storage, replicas)
                 .await
                 .map_err(|_| SetupError::Bucket { name, source })
         }
     }
 }
 
-/// Create the stream backing KV bucket `name` (history 1) as async-nats would, without the
-/// account-info request that fails against nats-server 2.9, then open the bucket.
+/// Create the stream backing KV bucket `name` (history 1, `replicas` copies) as async-nats
+/// would, without the account-info request that fails against nats-server 2.9, then open
+/// the bucket.
 pub async fn create_bucket_stream(
     js: &jetstream::Context,
     name: &'static str,
     max_age: Duration,
     storage: stream::StorageType,
+    replicas: usize,
 ) -> Result<kv::Store, jetstream::context::KeyValueError> {
     let config = stream::Config {
         name: format!("KV_{name}"),
@@ -328,7 +414,7 @@ pub async fn create_bucket_stream(
         allow_rollup: true,
         deny_delete: true,
         allow_direct: true,
-        num_replicas: 1,
+        num_replicas: replicas,
         discard: stream::DiscardPolicy::New,
         ..Default::default()
     };
@@ -358,5 +444,31 @@ mod tests {
     #[test]
     fn the_leader_buckets_stream_is_named_as_kv_names_it() {
         assert_eq!(STREAM_KV_LEADER, format!("KV_{BUCKET_LEADER}"));
+    }
+
+    #[test]
+    fn every_bucket_stream_is_listed_as_kv_names_it() {
+        for bucket in [
+            BUCKET_WORKERS,
+            BUCKET_LEADER,
+            BUCKET_FAIRNESS,
+            BUCKET_QUEUES,
+        ] {
+            assert!(
+                ALL_STREAMS.contains(&format!("KV_{bucket}").as_str()),
+                "{bucket}"
+            );
+        }
+    }
+
+    #[test]
+    fn replicas_are_an_odd_count_jetstream_keeps() {
+        for ok in [1, 3, 5] {
+            assert_eq!(check_replicas(ok), None, "{ok}");
+        }
+        for bad in [0, 2, 4, 6, 7] {
+            assert!(check_replicas(bad).is_some(), "{bad}");
+        }
+        assert_eq!(StreamSettings::default().replicas, 1);
     }
 }

@@ -189,6 +189,33 @@ impl NatsAuth {
     }
 }
 
+/// The servers of a `nats_url` setting: one URL, or several separated by commas (every
+/// node of a NATS cluster: `nats://10.0.0.1:4222,nats://10.0.0.2:4222`). A client given
+/// every node can make its first connection while any one of them is down; once
+/// connected it also learns the cluster's other nodes from the server, but only after
+/// that first connection. Passed as is to `ConnectOptions::connect`.
+pub fn server_urls(setting: &str) -> Vec<&str> {
+    setting
+        .split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .collect()
+}
+
+/// Why a `nats_url` setting cannot be used, or `None`: every comma-separated entry must be
+/// a NATS server address (`nats://`, `tls://`, `ws://`, `wss://` or a bare `host:port`).
+pub fn check_server_urls(setting: &str) -> Option<String> {
+    let urls = server_urls(setting);
+    if urls.is_empty() {
+        return Some("names no server".into());
+    }
+    urls.iter().find_map(|url| {
+        url.parse::<async_nats::ServerAddr>()
+            .err()
+            .map(|e| format!("{url:?} is not a NATS server address: {e}"))
+    })
+}
+
 fn read_secret(path: &Path) -> Result<String, NatsAuthError> {
     std::fs::read_to_string(path)
         .map(|s| s.trim_end_matches(['\n', '\r']).to_string())
@@ -318,6 +345,26 @@ mod tests {
         let err = auth.connect_options().map(|_| ()).unwrap_err();
         assert!(matches!(err, NatsAuthError::TlsFile(_)), "{err}");
         assert!(err.to_string().starts_with("nats_auth.ca_file: "), "{err}");
+    }
+
+    #[test]
+    fn a_cluster_is_every_comma_separated_node() {
+        assert_eq!(
+            server_urls("nats://10.0.0.1:4222, nats://10.0.0.2:4222,,nats://10.0.0.3:4222"),
+            [
+                "nats://10.0.0.1:4222",
+                "nats://10.0.0.2:4222",
+                "nats://10.0.0.3:4222"
+            ]
+        );
+        assert_eq!(
+            server_urls("nats://127.0.0.1:4222"),
+            ["nats://127.0.0.1:4222"]
+        );
+        assert_eq!(check_server_urls("nats://a:1,tls://b:2,c:3"), None);
+        assert!(check_server_urls(" , ").is_some());
+        let bad = check_server_urls("nats://a:1,http://b:2").expect("refused");
+        assert!(bad.contains("http://b:2"), "{bad}");
     }
 
     #[test]

@@ -113,6 +113,9 @@ impl From<SloConfig> for Slo {
     }
 }
 
+/// Largest [`SchedulerConfig::lookahead`]: each job looked at is a full evaluation.
+pub const MAX_LOOKAHEAD: usize = 64;
+
 /// Limits of the admission filters and the scoring weights.
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -137,7 +140,10 @@ pub struct SchedulerConfig {
     /// A reservation that no heartbeat has confirmed for this long expires.
     pub reservation_ttl_ms: u64,
     /// When no worker can take the job next in line without a predicted miss, how many
-    /// younger jobs of its flow are tried in its place (0: strict order).
+    /// younger jobs of its flow (same tenant and class) are tried in its place, oldest
+    /// first (0: strict order). A large prompt that fits nowhere yet then does not hold
+    /// back the small ones behind it that fit now; it keeps its place and goes first as
+    /// soon as room opens.
     pub lookahead: usize,
 }
 
@@ -155,7 +161,12 @@ impl Default for SchedulerConfig {
             perf_prior: PerfPrior::default(),
             // Several heartbeats' worth, so one late heartbeat never drops live work.
             reservation_ttl_ms: 10_000,
-            lookahead: 0,
+            // Measured in the policy lab (metronome-lab, 3 seeds, both workloads, both
+            // clusters, three ways of setting max_tokens): 4 to 8 gain 5-10 points of SLO
+            // attainment from 90 % of nominal load on with no loss below it; longer
+            // lookaheads gain more in overload and lose a little at moderate load on a
+            // mixed-speed cluster.
+            lookahead: 8,
         }
     }
 }
@@ -224,6 +235,15 @@ impl SchedulerConfig {
         }
         if self.reservation_ttl_ms == 0 {
             errors.push(ConfigError::new("reservation_ttl_ms", "must be > 0"));
+        }
+        if self.lookahead > MAX_LOOKAHEAD {
+            errors.push(ConfigError::new(
+                "lookahead",
+                format!(
+                    "must be at most {MAX_LOOKAHEAD} (every look evaluates every worker), got {}",
+                    self.lookahead
+                ),
+            ));
         }
         if errors.is_empty() {
             Ok(())

@@ -28,7 +28,7 @@
 use metronome_protocol::{PerfCoefficients, Prediction};
 
 use crate::filter::kv_tokens_in_use;
-use crate::ledger::JobProfile;
+use crate::ledger::{JobProfile, STALL_FRACTION_MAX};
 use crate::{JobRequest, Ledger, SchedulerConfig, WorkerLoad, WorkerView};
 
 /// The effect on one running job.
@@ -90,9 +90,15 @@ impl Forecast {
         let mut ledger_context = 0.0;
         let mut unreported_context = 0.0;
         let mut unreported_prompt = 0.0;
+        // Prompt tokens still to prefill ahead of a job placed now, from the jobs booked
+        // here: each one's prompt, scaled by the share of its predicted TTFT still to
+        // come. Fresher than the heartbeat's count (up to a heartbeat interval old, and a
+        // long prompt long done would still count there); used only when every booking
+        // carries its prediction and nothing runs there that is not booked.
+        let mut booked_pending = Some(0.0);
         for r in ledger.reservations_on(&status.worker_id) {
             let (prompt, out) = r.profile.map_or((0.0, default_output), |p| {
-                (f64::from(p.prompt_tokens), p.predicted_output)
+                (f64::from(p.prompt_tokens), p.protected_output)
             });
             let context = prompt + out / 2.0;
             ledger_context += context;
@@ -100,6 +106,14 @@ impl Forecast {
                 unreported_context += context;
                 unreported_prompt += prompt;
             }
+            booked_pending = match (booked_pending, r.profile) {
+                (Some(sum), Some(p)) if p.decoding_from_ms > 0 && load.now_ms > 0 => {
+                    let span = p.decoding_from_ms.saturating_sub(r.reserved_ms).max(1) as f64;
+                    let left = p.decoding_from_ms.saturating_sub(load.now_ms) as f64 / span;
+                    Some(sum + prompt * left.min(1.0))
+                }
+                _ => None,
+            };
         }
         let context_tokens = match status.kv.and_then(|kv| kv.capacity_tokens.map(|c| (kv, c))) {
             Some((kv, capacity)) => {
@@ -107,7 +121,11 @@ impl Forecast {
             }
             None => ledger_context,
         };
-        let pending_prefill_tokens = status.prefill_pending_tokens as f64 + unreported_prompt;
+        // The booked count stands only when the ledger knows everything the worker runs.
+        let booked_everything = load.reported_active <= ledger.reserved_count(&status.worker_id);
+        let pending_prefill_tokens = booked_pending
+            .filter(|_| booked_everything)
+            .unwrap_or(status.prefill_pending_tokens as f64 + unreported_prompt);
         let streams_before = load.effective_active;
         let s = f64::from(streams_before);
         let p = f64::from(job.prompt_tokens);
@@ -166,7 +184,12 @@ impl Forecast {
             ttft_ms,
             step_ms,
             decode_tok_s: 1000.0 / step_ms,
-            expected_tok_s: (1.0 - load.stall_fraction.clamp(0.0, 1.0)) * 1000.0 / step_ms,
+            expected_tok_s: expected_rate(
+                step_ms,
+                load.stall_fraction,
+                default_output,
+                job.slo.min_tok_s,
+            ),
             stall_ms,
             worst_running,
             worst_violation,
@@ -194,6 +217,32 @@ impl Forecast {
     }
 }
 
+/// The whole-decode rate a job admitted now can expect: its decode at `step_ms`, standing
+/// still for later admissions' prefills at the worker's recent stall share `φ`
+/// (`φ / (1 − φ)` of its decode time), but never for more than its stall budget, the stall
+/// that would take it to its floor: admission refuses any later prefill that would charge
+/// it more. Without that cap a short job on a prefill-heavy worker is predicted far below
+/// what it gets, for the protection it gets is exactly what makes it meet its floor.
+fn expected_rate(step_ms: f64, stall_fraction: f64, output: f64, floor_tok_s: f64) -> f64 {
+    let phi = stall_fraction.clamp(0.0, STALL_FRACTION_MAX);
+    let out = output.max(1.0);
+    let decode_ms = intervals(out) * step_ms;
+    let stall_ms = phi / (1.0 - phi) * decode_ms;
+    let budget_ms = if floor_tok_s > 0.0 {
+        (out * 1000.0 / floor_tok_s - decode_ms).max(0.0)
+    } else {
+        f64::INFINITY
+    };
+    1000.0 * out / (decode_ms + stall_ms.min(budget_ms))
+}
+
+/// Decode steps between a job's first and last token: what its tokens/s is measured over
+/// (`output tokens / (last token − first token)`, the load generator's definition). At
+/// least one, so a one-token job has a finite rate.
+fn intervals(output: f64) -> f64 {
+    (output - 1.0).max(1.0)
+}
+
 /// The output a running job is judged on: its expected length, or, once it has been
 /// decoding for longer than that length takes, what it has written by now plus the token
 /// still to come (it has not finished, so it is longer than expected). Written tokens are
@@ -206,7 +255,7 @@ impl Forecast {
 /// turn work away for a job with room to spare (seen when clients ask for a large
 /// `max_tokens` whatever they write, so every job is expected to write the mean).
 fn written_at_least(p: &JobProfile, stall_ms: f64, step_ms: f64, now_ms: u64) -> f64 {
-    let expected = p.predicted_output;
+    let expected = p.protected_output;
     if p.decoding_from_ms == 0 || now_ms <= p.decoding_from_ms || step_ms <= 0.0 {
         return expected;
     }
@@ -343,10 +392,12 @@ mod tests {
         let load = WorkerLoad::at(&w, &l, &config, 2_000);
         assert!((load.stall_fraction - 0.25).abs() < 1e-12);
         let f = Forecast::of(&job("m"), &w, &load, &l, &config);
-        assert!(
-            (f.expected_tok_s - 0.75 * f.decode_tok_s).abs() < 1e-9,
-            "{f:?}"
-        );
+        // 50 tokens, 49 steps of 20 ms, a third more for the stalls (φ / (1 − φ)); under
+        // its stall budget (50 tokens at 30 tok/s = 1667 ms), so not capped.
+        let decode = 49.0 * f.step_ms;
+        let expected = 1000.0 * 50.0 / (decode + decode / 3.0);
+        assert!((f.expected_tok_s - expected).abs() < 1e-9, "{f:?}");
+        assert!(f.expected_tok_s < f.decode_tok_s * 50.0 / 49.0);
         let p = f.prediction();
         assert_eq!(
             p.decode_tok_s, f.expected_tok_s,
@@ -360,6 +411,49 @@ mod tests {
     }
 
     #[test]
+    fn prefill_ahead_comes_from_the_bookings_when_they_cover_the_worker() {
+        let mut w = worker("w1");
+        w.status.perf = Some(coefficients());
+        w.status.kv = None;
+        // The heartbeat, a second old, still counts a long prompt since prefilled.
+        w.status.prefill_pending_tokens = 5_000;
+        w.status.active = 1;
+        w.status.in_flight = vec!["a".into()];
+        let mut l = Ledger::new();
+        let booked = JobProfile {
+            prompt_tokens: 1_000,
+            protected_output: 100.0,
+            min_tok_s: 30.0,
+            max_tokens: 100,
+            decoding_from_ms: NOW + 200, // placed at NOW, first token predicted at +200
+        };
+        l.reserve_profiled("w1", "a", 1_100, booked, NOW).unwrap();
+        let config = SchedulerConfig::default();
+        let load = WorkerLoad::at(&w, &l, &config, NOW + 100);
+        let f = Forecast::of(&job("m"), &w, &load, &l, &config);
+        assert!(
+            (f.pending_prefill_tokens - 500.0).abs() < 1e-9,
+            "half of its TTFT is left: {f:?}"
+        );
+        // A job the ledger does not know runs there too: the heartbeat's count stands.
+        w.status.active = 2;
+        let load = WorkerLoad::at(&w, &l, &config, NOW + 100);
+        let f = Forecast::of(&job("m"), &w, &load, &l, &config);
+        assert_eq!(f.pending_prefill_tokens, 5_000.0);
+    }
+
+    #[test]
+    fn the_expected_rate_never_falls_below_the_floor_admission_keeps() {
+        // φ at its ceiling would predict 1000/20 × 0.2 = 10 tok/s; later admissions may
+        // only stall the job down to its floor.
+        let r = expected_rate(20.0, 0.95, 100.0, 30.0);
+        assert!((r - 30.0).abs() < 1e-9, "{r}");
+        // No stall: the per-interval rate, 100 tokens over 99 steps.
+        let r = expected_rate(20.0, 0.0, 100.0, 30.0);
+        assert!((r - 1000.0 * 100.0 / (99.0 * 20.0)).abs() < 1e-9, "{r}");
+    }
+
+    #[test]
     fn running_jobs_pay_for_the_batch_and_the_stall() {
         let mut w = worker("w1");
         w.status.perf = Some(coefficients());
@@ -367,13 +461,13 @@ mod tests {
         let mut l = Ledger::new();
         let short = JobProfile {
             prompt_tokens: 500,
-            predicted_output: 10.0,
+            protected_output: 10.0,
             min_tok_s: 30.0,
             ..Default::default()
         };
         let long = JobProfile {
             prompt_tokens: 500,
-            predicted_output: 400.0,
+            protected_output: 400.0,
             min_tok_s: 30.0,
             ..Default::default()
         };
@@ -410,7 +504,7 @@ mod tests {
         let mut l = Ledger::new();
         let profile = JobProfile {
             prompt_tokens: 500,
-            predicted_output: 100.0,
+            protected_output: 100.0,
             min_tok_s: 30.0,
             ..Default::default()
         };

@@ -103,7 +103,7 @@ mod tests {
         for k in 0..short {
             let p = JobProfile {
                 prompt_tokens: 10,
-                predicted_output: 8.0,
+                protected_output: 8.0,
                 min_tok_s: 30.0,
                 ..Default::default()
             };

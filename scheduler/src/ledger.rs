@@ -52,11 +52,13 @@ type FixedState = BuildHasherDefault<Fnv1a>;
 #[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 pub struct JobProfile {
     pub prompt_tokens: u32,
-    /// Output tokens expected (never more than its `max_tokens`).
-    pub predicted_output: f64,
+    /// Output tokens it is protected as writing: a length it is unlikely to fall short of
+    /// ([`crate::OutputLength::predict_low`]; its expected output where nothing better is
+    /// known), never more than its `max_tokens`.
+    pub protected_output: f64,
     /// Its decode-rate floor, tokens/s.
     pub min_tok_s: f64,
-    /// The most it can write (0: unknown, `predicted_output` is the bound).
+    /// The most it can write (0: unknown, `protected_output` is the bound).
     #[serde(default)]
     pub max_tokens: u32,
     /// When it was predicted to start decoding (Unix ms: its placement plus its predicted
@@ -448,7 +450,7 @@ mod tests {
     fn stalls_are_charged_to_the_other_jobs_of_the_worker_only() {
         let profile = JobProfile {
             prompt_tokens: 100,
-            predicted_output: 50.0,
+            protected_output: 50.0,
             min_tok_s: 30.0,
             ..Default::default()
         };

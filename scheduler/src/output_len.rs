@@ -17,8 +17,16 @@
 //! Recursive least squares ([`crate::perf::Rls`]) with its covariance cap and residual
 //! clipping.
 //!
+//! Beside the expected length it keeps how completed jobs compared with their prediction
+//! (the last [`RATIOS_KEPT`] ratios): [`OutputLength::predict_low`] is the prediction times
+//! their [`LOW_QUANTILE`], the length a running job is protected at. Where `max_tokens`
+//! says what a job writes the ratios are 1 and nothing changes; where it says nothing, a job
+//! expected to write the mean may well be one of the short ones, and a short job has the
+//! least room for the stalls of later admissions.
+//!
 //! Invariants: a prediction is finite and in `[1, max_tokens]` (at least 1 for
-//! `max_tokens` 0); samples with a non-finite or non-positive size are ignored.
+//! `max_tokens` 0), the low prediction at most the prediction; samples with a non-finite or
+//! non-positive size are ignored.
 
 use serde::{Deserialize, Serialize};
 
@@ -32,7 +40,22 @@ pub const FORGETTING: f64 = 0.995;
 pub struct OutputLength {
     /// `[intercept (tokens), slope (tokens per 1,000 max_tokens)]`.
     fit: Rls,
+    /// The last [`RATIOS_KEPT`] ratios of a completed job's length to its prediction.
+    #[serde(default)]
+    ratios: std::collections::VecDeque<f64>,
+    /// Their [`LOW_QUANTILE`].
+    #[serde(default = "one")]
+    low_ratio: f64,
 }
+
+fn one() -> f64 {
+    1.0
+}
+
+/// Ratios of actual to predicted length kept for [`OutputLength::low_ratio`].
+pub const RATIOS_KEPT: usize = 200;
+/// The quantile of those ratios a running job is protected at.
+pub const LOW_QUANTILE: f64 = 0.25;
 
 impl OutputLength {
     /// A model that knows only a prior mean output (e.g. the model's output-length EWMA).
@@ -45,6 +68,8 @@ impl OutputLength {
         // Loose priors, worth about one job: the data replaces them at once.
         OutputLength {
             fit: Rls::new(&[mean, 0.0], &[mean.max(100.0) * 2.0, 1_000.0]),
+            ratios: std::collections::VecDeque::new(),
+            low_ratio: 1.0,
         }
     }
 
@@ -52,6 +77,17 @@ impl OutputLength {
     pub fn observe(&mut self, max_tokens: u32, output_tokens: u32) {
         if max_tokens == 0 || output_tokens == 0 {
             return;
+        }
+        let before = self.predict(max_tokens);
+        if self.fit.samples > 0 {
+            if self.ratios.len() == RATIOS_KEPT {
+                self.ratios.pop_front();
+            }
+            self.ratios.push_back(f64::from(output_tokens) / before);
+            let mut sorted: Vec<f64> = self.ratios.iter().copied().collect();
+            sorted.sort_by(f64::total_cmp);
+            let i = ((sorted.len() - 1) as f64 * LOW_QUANTILE).round() as usize;
+            self.low_ratio = sorted[i].min(1.0);
         }
         self.fit
             .update(&features(max_tokens), f64::from(output_tokens), FORGETTING);
@@ -66,6 +102,12 @@ impl OutputLength {
         } else {
             max
         }
+    }
+
+    /// A length the job is unlikely to fall short of: the prediction times the low quantile
+    /// of how completed jobs compared with theirs (at most the prediction).
+    pub fn predict_low(&self, max_tokens: u32) -> f64 {
+        (self.predict(max_tokens) * self.low_ratio).max(1.0)
     }
 
     /// Completed jobs folded in.
@@ -112,6 +154,31 @@ mod tests {
             let p = m.predict(cap);
             assert!((p - 150.0).abs() < 15.0, "{cap}: {p}");
         }
+    }
+
+    #[test]
+    fn the_low_prediction_follows_how_far_short_jobs_fell() {
+        let mut m = OutputLength::new(200.0);
+        assert_eq!(
+            m.predict_low(2048),
+            m.predict(2048),
+            "nothing seen: no margin"
+        );
+        // max_tokens says nothing; outputs spread from 50 to 350.
+        for i in 0..200u32 {
+            m.observe(2048, 50 + (i * 37) % 301);
+        }
+        let (mean, low) = (m.predict(2048), m.predict_low(2048));
+        assert!((mean - 200.0).abs() < 25.0, "{mean}");
+        // A quarter of the outputs are under ~125 tokens.
+        assert!((low - 125.0).abs() < 25.0, "{low}");
+        // Outputs that follow max_tokens exactly leave no margin.
+        let mut exact = OutputLength::new(200.0);
+        for i in 0..200u32 {
+            let n = 50 + (i * 37) % 700;
+            exact.observe(n, n);
+        }
+        assert!(exact.predict_low(300) > 0.95 * exact.predict(300));
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Real servers for tests: a `nats-server` with JetStream and a `redis-server`, each on a
-//! free port with its own temporary storage, stoppable and restartable (same port, same
+//! free port with its own temporary storage (and a JetStream cluster of several
+//! `nats-server`s, [`NatsCluster`]), stoppable and restartable (same port, same
 //! data) for fault tests, and removed on drop; either can serve TLS with certificates of a
 //! throwaway private CA ([`TestCa`]). Also a guard for Metronome's own binaries and the
 //! environment check every binary's `--check-config` passes.
@@ -7,11 +8,13 @@
 //! Nothing here is a mock: a missing binary is an error with an install hint, never a
 //! silent skip.
 
+mod cluster;
 mod config_env;
 mod process;
 mod servers;
 mod tls;
 
+pub use cluster::NatsCluster;
 pub use config_env::assert_nats_and_redis_settings_from_env;
 pub use process::{bin_path, ChildGuard};
 pub use servers::{free_port, NatsServer, RedisServer, TestkitError};

@@ -54,27 +54,33 @@ pub(crate) fn find_binary(
         .ok_or(TestkitError::MissingBinary { binary, package })
 }
 
-fn read_log(path: &Path) -> String {
+pub(crate) fn read_log(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(40)..].join("\n")
 }
 
 fn http_get_ok(port: u16, path: &str) -> bool {
-    let Ok(mut s) =
+    http_get_body(port, path).is_some()
+}
+
+/// The body of a `200` answer to `GET path` on 127.0.0.1:`port`, or `None`.
+pub(crate) fn http_get_body(port: u16, path: &str) -> Option<String> {
+    let mut s =
         TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200))
-    else {
-        return false;
-    };
+            .ok()?;
     let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
-    if s.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
-        .is_err()
-    {
-        return false;
-    }
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
+        .ok()?;
     let mut buf = String::new();
     let _ = s.read_to_string(&mut buf);
-    buf.starts_with("HTTP/1.1 200") || buf.starts_with("HTTP/1.0 200")
+    if !(buf.starts_with("HTTP/1.1 200") || buf.starts_with("HTTP/1.0 200")) {
+        return None;
+    }
+    Some(
+        buf.split_once("\r\n\r\n")
+            .map_or(String::new(), |(_, b)| b.to_string()),
+    )
 }
 
 /// Alive means answering: `+PONG`, or `-NOAUTH` from a server whose default user is off.
@@ -92,7 +98,7 @@ fn redis_ping(port: u16) -> bool {
     matches!(s.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG") || buf[..n].starts_with(b"-NOAUTH"))
 }
 
-fn wait_ready(
+pub(crate) fn wait_ready(
     what: &str,
     log: &Path,
     child: &mut Child,
@@ -119,7 +125,7 @@ fn wait_ready(
     })
 }
 
-fn kill_child(child: &mut Option<Child>, signal: i32) {
+pub(crate) fn kill_child(child: &mut Option<Child>, signal: i32) {
     if let Some(mut c) = child.take() {
         // SIGTERM lets the server flush; SIGKILL simulates a crash.
         let _ = Command::new("kill")

@@ -813,4 +813,196 @@ broken duplicate-port "port 8000 is used by more than one GPU" 'g[1]["port"] = 8
 broken verify-clients-not-boolean "metronome_nats_verify_clients must be true or false" 'data["metronome_nats_verify_clients"] = "maybe"'
 broken renew-beyond-validity "below metronome_tls_server_days and metronome_tls_client_days" 'data["metronome_tls_renew_days"] = 400'
 
+# --- a NATS cluster of three control hosts -----------------------------------------------
+# Three control hosts (and a GPU host): each renders a nats-server of one JetStream cluster
+# (routes to the other two with the route credential, over TLS) and every component gets
+# the three URLs and three replicas. The three rendered configs (addresses, ports and
+# stores moved to loopback, nothing else changed) must form a cluster in which a stream with
+# three replicas can be created; the route credential is no client login.
+CL_INV="$WORK/inventory-cluster"
+CL_STAGE="$WORK/stage-cluster"
+cp -r "$ANSIBLE_DIR/inventories/example" "$CL_INV"
+rm -f "$CL_INV/host_vars/gpu-node-1.yml"
+cat > "$CL_INV/hosts.yml" <<'EOF2'
+---
+metronome:
+  children:
+    metronome_control:
+      hosts:
+        ctl-1:
+          ansible_host: 10.0.0.11
+        ctl-2:
+          ansible_host: 10.0.0.21
+        ctl-3:
+          ansible_host: 10.0.0.22
+    metronome_gpu_nodes:
+      hosts:
+        gpu-node-2:
+          ansible_host: 10.0.0.12
+EOF2
+sed -i 's|^metronome_nats_url: .*|metronome_nats_url: nats://10.0.0.11:4222,nats://10.0.0.21:4222,nats://10.0.0.22:4222|' "$CL_INV/group_vars/all.yml"
+
+cluster_check() { # $1 = inventory, $2 = staging base
+  "$PY" - "$1" "$2" "$WORK" <<'PYEOF'
+import asyncio, json, pathlib, re, socket, ssl, subprocess, sys, time, tomllib, urllib.request
+import yaml
+
+inv, stage, work = map(pathlib.Path, sys.argv[1:4])
+errors = []
+def expect(cond, msg):
+    if not cond:
+        errors.append(msg)
+
+hosts = yaml.safe_load((inv / "hosts.yml").read_text())["metronome"]["children"]
+control = hosts["metronome_control"]["hosts"]
+addr = {h: v["ansible_host"] for h, v in control.items()}
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+# What every component was given: all three nodes and three replicas; the dispatchers a
+# heartbeat timeout above a stream's election.
+want_url = ",".join(f"nats://{addr[h]}:4222" for h in control)
+configs = [stage / h / "etc/metronome/gateway.toml" for h in control]
+configs += [stage / h / f"etc/metronome/dispatcher/{d}.toml" for h in control for d in "ab"]
+configs += list((stage / "gpu-node-2/etc/metronome/worker-agent").glob("*.toml"))
+for c in configs:
+    t = tomllib.loads(c.read_text())
+    where = c.relative_to(stage)
+    expect(t.get("nats_url") == want_url, f"{where}: nats_url {t.get('nats_url')!r}, want {want_url!r}")
+    expect(t.get("stream_replicas") == 3, f"{where}: stream_replicas {t.get('stream_replicas')!r}, want 3")
+    if "/dispatcher/" in str(c):
+        hb = t.get("scheduler", {}).get("heartbeat_timeout_ms")
+        expect(hb == 12000, f"{where}: scheduler.heartbeat_timeout_ms {hb!r}, want 12000")
+
+ports = {h: (free_port(), free_port(), free_port()) for h in control}  # client, route, monitor
+route_pw = (inv / ".secrets/nats-route.password").read_text().strip()
+procs = []
+try:
+    for h in control:
+        text = (stage / h / "etc/metronome/nats/nats-server.conf").read_text()
+        client, route, mon = ports[h]
+        names = re.findall(r'nats-route://[^@]+@([^:"]+):(\d+)', text)
+        expect(sorted(a for a, _ in names) == sorted(addr[o] for o in control if o != h),
+               f"{h}: routes to {names}, want the other two control hosts")
+        expect(f'server_name: "{h}"' in text, f"{h}: server_name is not {h}")
+        expect(re.search(r"(?ms)^cluster \{.*^  tls \{", text) is not None, f"{h}: the routes have no TLS")
+        text = re.sub(r"(?m)^listen: .*$", f'listen: "127.0.0.1:{client}"', text)
+        text = re.sub(r"(?m)^http: .*$", f'http: "127.0.0.1:{mon}"', text)
+        text = re.sub(r'(?m)^(\s*)store_dir: .*$', f'\\1store_dir: "{work / ("js-" + h)}"', text)
+        text = re.sub(r'(?m)^  listen: .*$', f'  listen: "127.0.0.1:{route}"', text)
+        for o in control:
+            text = text.replace(f"@{addr[o]}:6222", f"@127.0.0.1:{ports[o][1]}")
+        conf = work / f"nats-{h}.conf"
+        conf.write_text(text)
+        procs.append(subprocess.Popen(["nats-server", "-c", str(conf), "-l", str(work / f"nats-{h}.log")]))
+
+    def jsz(h):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{ports[h][2]}/jsz", timeout=2) as r:
+                return json.load(r)
+        except OSError:
+            return {}
+    def routes(h):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{ports[h][2]}/routez", timeout=2) as r:
+                return json.load(r).get("num_routes", 0)
+        except OSError:
+            return 0
+    deadline = time.time() + 60
+    formed = False
+    while time.time() < deadline and not formed:
+        metas = [jsz(h).get("meta_cluster", {}) for h in control]
+        formed = all(m.get("leader") and m.get("cluster_size") == 3 for m in metas) \
+            and all(routes(h) == 2 for h in control)
+        if not formed:
+            time.sleep(0.25)
+    expect(formed, "the three rendered nats-servers did not form a JetStream cluster of 3 within 60 s: "
+           + "; ".join(f"{h}: {jsz(h).get('meta_cluster')} routes {routes(h)}" for h in control)
+           + " | " + (work / f"nats-{next(iter(control))}.log").read_text()[-1500:])
+
+    import nats
+    sec = inv / ".secrets"
+    ctx = ssl.create_default_context(cafile=str(sec / "tls/ca.pem"))
+    ctx.load_cert_chain(str(sec / "tls/clients/admin.pem"), str(sec / "tls/clients/admin.key"))
+    async def js_checks():
+        urls = [f"tls://127.0.0.1:{ports[h][0]}" for h in control]
+        nc = await nats.connect(servers=urls, user="admin", password=(sec / "admin.password").read_text().strip(),
+                                tls=ctx, tls_hostname="127.0.0.1", inbox_prefix=b"_INBOX.admin",
+                                connect_timeout=5, max_reconnect_attempts=1)
+        js = nc.jetstream(timeout=10)
+        info, last = None, None
+        for _ in range(40):
+            try:
+                info = await js.add_stream(name="CLUSTERCHECK", subjects=["clustercheck.>"], num_replicas=3)
+                break
+            except Exception as e:  # no meta leader yet, or not every peer current
+                last = e
+                await asyncio.sleep(0.5)
+        expect(info is not None, f"creating a stream with 3 replicas failed: {last!r}")
+        if info is not None:
+            expect(info.config.num_replicas == 3, f"the stream has {info.config.num_replicas} replicas")
+            ack = await js.publish("clustercheck.x", b"1")
+            expect(ack.stream == "CLUSTERCHECK", f"publish: {ack}")
+            for _ in range(40):
+                info = await js.stream_info("CLUSTERCHECK")
+                peers = info.cluster.replicas or []
+                if len(peers) == 2 and all(p.current for p in peers):
+                    break
+                await asyncio.sleep(0.5)
+            expect(info.cluster.leader in control and len(info.cluster.replicas or []) == 2
+                   and all(p.current for p in info.cluster.replicas),
+                   f"the stream is not kept on three current nodes: {info.cluster}")
+        await nc.close()
+        # The route credential logs no client in.
+        try:
+            rc = await nats.connect(servers=urls[:1], user="nats-route", password=route_pw, tls=ctx,
+                                    tls_hostname="127.0.0.1", connect_timeout=5, max_reconnect_attempts=0,
+                                    allow_reconnect=False)
+            await rc.close()
+            errors.append("a client logged in with the route credential")
+        except Exception:
+            pass
+    if formed:
+        asyncio.run(js_checks())
+finally:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(timeout=20)
+print("\n".join(errors))
+sys.exit(1 if errors else 0)
+PYEOF
+}
+if play "$CL_INV" "$CL_STAGE" site.yml; then
+  if out=$(cluster_check "$CL_INV" "$CL_STAGE" 2>&1); then
+    pass "three control hosts: a NATS cluster (routes with their own credential, over TLS) that forms from the rendered configs and keeps a stream on 3 replicas; every component gets the three URLs and stream_replicas = 3"
+  else
+    fail "three control hosts: the rendered NATS cluster forms and keeps a stream on 3 replicas" "$out"
+  fi
+else
+  fail "site.yml on an inventory of three control hosts (a NATS cluster)" "$(tail -n 40 "$WORK/last.log")"
+fi
+# Two control hosts: refused before anything is written (a two-node cluster cannot elect a
+# leader once one is gone).
+CL2_INV="$WORK/inventory-cluster2"
+cp -r "$CL_INV" "$CL2_INV"
+"$PY" - "$CL2_INV/hosts.yml" <<'PYEOF'
+import sys, yaml
+path = sys.argv[1]
+data = yaml.safe_load(open(path))
+del data["metronome"]["children"]["metronome_control"]["hosts"]["ctl-3"]
+yaml.safe_dump(data, open(path, "w"), sort_keys=False)
+PYEOF
+if play "$CL2_INV" "$WORK/stage-cluster2" site.yml; then
+  fail "two control hosts are refused" "the play succeeded"
+elif ! grep -qF "a NATS cluster needs 1, 3 or 5" "$WORK/last.log"; then
+  fail "two control hosts are refused with a clear message" "$(grep -E 'fatal|msg' "$WORK/last.log")"
+elif [ -e "$WORK/stage-cluster2" ]; then
+  fail "two control hosts: nothing written" "$(find "$WORK/stage-cluster2" | head)"
+else
+  pass "two control hosts are refused before anything is written: \"a NATS cluster needs 1, 3 or 5\""
+fi
+
 finish

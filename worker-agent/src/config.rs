@@ -73,7 +73,12 @@ pub struct Config {
     /// jobs elsewhere, and a gap the two clocks judge a few ticks apart (equal settings) ran
     /// jobs twice in the SIGSTOP drill.
     pub fence_after_ms: u64,
+    /// NATS server URL, or every node of a cluster separated by commas.
     pub nats_url: String,
+    /// Copies of each stream and bucket the agent creates if it starts first (it may not
+    /// with the permissions of docs/SECURITY.md: the dispatcher creates them): 1 on a
+    /// single server, 3 on a three-node NATS cluster (1, 3 or 5).
+    pub stream_replicas: usize,
     /// NATS credentials and TLS (`[nats_auth]`; `METRONOME_NATS_*` override them).
     pub nats_auth: metronome_runtime::nats::NatsAuth,
     /// `redis://[<user>:<password>@]host:port/` (the agent's own ACL user).
@@ -119,6 +124,7 @@ impl Default for Config {
             heartbeat_interval_ms: 1_000,
             fence_after_ms: 2_000,
             nats_url: "nats://127.0.0.1:4222".into(),
+            stream_replicas: 1,
             nats_auth: Default::default(),
             redis_url: "redis://127.0.0.1:6379/".into(),
             redis_tls: Default::default(),
@@ -244,14 +250,11 @@ impl Config {
         if self.max_concurrency == 0 {
             err("max_concurrency", "must be at least 1".into());
         }
-        if !(self.nats_url.starts_with("nats://")
-            || self.nats_url.starts_with("tls://")
-            || !self.nats_url.contains("://"))
-        {
-            err(
-                "nats_url",
-                format!("{:?} is not a nats:// URL", self.nats_url),
-            );
+        if let Some(why) = metronome_runtime::nats::check_server_urls(&self.nats_url) {
+            err("nats_url", why);
+        }
+        if let Some(why) = metronome_protocol::setup::check_replicas(self.stream_replicas) {
+            err("stream_replicas", why);
         }
         if redis::Client::open(self.redis_url.as_str()).is_err() {
             err(
@@ -409,6 +412,8 @@ mod tests {
             ewma_alpha: 1.5,
             heartbeat_interval_ms: 0,
             progress_ack_interval_ms: 40_000,
+            nats_url: "nats://10.0.0.1:4222,http://10.0.0.2:4222".into(),
+            stream_replicas: 4,
             ..Config::default()
         };
         let errors = c.validate().unwrap_err();
@@ -421,6 +426,8 @@ mod tests {
             "ewma_alpha",
             "heartbeat_interval_ms",
             "progress_ack_interval_ms",
+            "nats_url",
+            "stream_replicas",
         ] {
             assert!(fields.contains(&f), "{f} missing from {fields:?}");
         }

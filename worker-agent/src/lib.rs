@@ -114,14 +114,18 @@ pub async fn start(
         .map_err(AgentError::NatsAuth)?;
     let client = options
         .name(format!("metronome-worker-agent {}", config.worker_id))
-        .connect(&config.nats_url)
+        .connect(metronome_runtime::nats::server_urls(&config.nats_url))
         .await
         .map_err(|source| AgentError::Connect {
             url: config.nats_url.clone(),
             source,
         })?;
     let js = jetstream::new(client.clone());
-    let buckets = ensure_all(&js, &StreamSettings::default()).await?;
+    let settings = StreamSettings {
+        replicas: config.stream_replicas,
+        ..StreamSettings::default()
+    };
+    let buckets = ensure_all(&js, &settings).await?;
     let consumer = agent::ensure_consumer(&js, &config).await?;
     let cancel_sub = agent::subscribe_cancellations(&client).await?;
     let control_sub = control::subscribe(&client, &config.worker_id).await?;

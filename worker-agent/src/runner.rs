@@ -315,8 +315,17 @@ pub(crate) async fn run_job(
     .await
 }
 
-/// Publish `value` through JetStream and wait for the stream's ack, retrying a few times
-/// (a lost final result or event leaves a client or a reservation waiting).
+/// How long a JetStream publish is retried. A stream of a NATS cluster whose leader was
+/// lost answers nothing ("no stream found", at once) until its other copies have elected a
+/// new one: JetStream's election timeout is several seconds (4 to 9 in current servers;
+/// 5 to 7 s measured by the drill `kill-nats-leader` on 2.9), and a second round can
+/// follow. Counting tries instead gave up after about a second, and a refusal or final
+/// result given up is a lost job (the WORK message is acknowledged after it).
+const PUBLISH_RETRY_WINDOW: Duration = Duration::from_secs(20);
+
+/// Publish `value` through JetStream and wait for the stream's ack, retrying for
+/// [`PUBLISH_RETRY_WINDOW`] (a lost final result or event leaves a client or a reservation
+/// waiting). The message id makes a retry of a publish that was stored harmless.
 pub(crate) async fn publish_js<T: serde::Serialize>(
     shared: &Shared,
     subject: String,
@@ -351,7 +360,8 @@ pub(crate) async fn publish_js<T: serde::Serialize>(
             }
         }
     };
-    for attempt in 1..=5u32 {
+    let started = tokio::time::Instant::now();
+    for attempt in 1u32.. {
         let result = match shared
             .js
             .publish_with_headers(subject.clone(), headers.clone(), body.clone())
@@ -365,11 +375,19 @@ pub(crate) async fn publish_js<T: serde::Serialize>(
             Err(e) => {
                 shared.metrics.nats_publish_errors.inc();
                 tracing::warn!(error = %e, %subject, attempt, "JetStream publish failed");
-                tokio::time::sleep(Duration::from_millis(100 * u64::from(attempt))).await;
+                if started.elapsed() >= PUBLISH_RETRY_WINDOW {
+                    break;
+                }
+                let pause = Duration::from_millis(100 * u64::from(attempt.min(10)));
+                tokio::time::sleep(pause).await;
             }
         }
     }
-    tracing::error!(%subject, "giving up publishing after 5 attempts");
+    tracing::error!(
+        %subject,
+        window_s = PUBLISH_RETRY_WINDOW.as_secs(),
+        "giving up publishing"
+    );
     false
 }
 

@@ -293,6 +293,7 @@ pub async fn run_fairness(plan: &FairnessPlan) -> anyhow::Result<Vec<Verdict>> {
         profile: plan.profile.clone(),
         keep_going: true,
         gateway_extra_toml: Some(gateway_toml),
+        nats_cluster: 1,
     };
     let mut sys = System::up(&spec).await.context("starting the system")?;
     let mut restarted = Vec::new();

@@ -327,6 +327,7 @@ fn system_spec(plan: &BenchPlan, policy: &str, speeds: Vec<String>, tag: &str) -
         profile: "release".into(),
         keep_going: false,
         gateway_extra_toml: None,
+        nats_cluster: 1,
     }
 }
 

@@ -40,6 +40,9 @@ pub struct SystemSpec {
     /// TOML appended to the gateway's config (`[[tenants]]` and `[[keys]]`: the fairness
     /// drill's API keys); `None` leaves `./dev up`'s gateway config as it is.
     pub gateway_extra_toml: Option<String>,
+    /// NATS servers: 1, or a cluster of 3 with every stream and bucket R3
+    /// (`./dev up --nats-cluster 3`).
+    pub nats_cluster: usize,
 }
 
 /// Environment variable of `./dev up` that appends TOML to every dispatcher config. The
@@ -161,6 +164,9 @@ impl System {
         if spec.keep_going {
             cmd.arg("--keep-going");
         }
+        if spec.nats_cluster > 1 {
+            cmd.args(["--nats-cluster", &spec.nats_cluster.to_string()]);
+        }
         for a in &spec.sim_args {
             cmd.args(["--sim-arg", a]);
         }
@@ -203,7 +209,7 @@ impl System {
             let client = auth
                 .connect_options()
                 .context("NATS credentials")?
-                .connect(nats_url.as_str())
+                .connect(metronome_runtime::nats::server_urls(&nats_url))
                 .await
                 .context("connecting to the system's NATS")?;
             let js = async_nats::jetstream::new(client);

@@ -13,7 +13,8 @@ use tracing_subscriber::EnvFilter;
 /// Fault drills: SIGKILL the leader, SIGKILL + restart a worker-agent, SIGSTOP an agent,
 /// Redis down, nats-server restart, SIGKILL both dispatchers, SIGKILL a model server, a
 /// rolling deploy of every process, a flood of hostile messages — each under load on one `./dev up --keep-going`
-/// system, every job accounted for by id.
+/// system, every job accounted for by id — and SIGKILL the NATS node leading the JOBS
+/// stream, on a second system with a 3-node NATS cluster (`--nats-cluster 3`, R3).
 ///
 /// Builds nothing: build the binaries of the chosen profile first
 /// (`cargo build --bins`, or `--release`). Needs nats-server and redis-server on PATH.
@@ -24,7 +25,7 @@ use tracing_subscriber::EnvFilter;
 #[derive(Debug, Parser)]
 #[command(name = "metronome-drill", version, verbatim_doc_comment)]
 struct Cli {
-    /// CI size: 8 s of load per drill, 3 s SIGSTOP, model-server and Redis outage.
+    /// CI size: 8 s of load per drill, 3 s SIGSTOP, model-server, Redis and NATS-node outage.
     #[arg(long)]
     short: bool,
     /// Where to write the report [default: <repo>/RELIABILITY.md].
@@ -44,7 +45,7 @@ struct Cli {
     rate: Option<f64>,
     /// Drills not to run, comma-separated (kill-leader, restart-agent, stop-agent,
     /// redis-down, restart-nats, kill-dispatchers, stop-model-server, rolling-deploy,
-    /// hostile).
+    /// hostile, kill-nats-leader).
     #[arg(long, value_delimiter = ',')]
     skip: Vec<String>,
     /// Run only these drills, comma-separated, in the usual order.
@@ -59,6 +60,10 @@ struct Cli {
     /// Most hostile messages per second [default: 1000 short, 1500 full].
     #[arg(long, value_name = "PER_S")]
     hostile_rate: Option<f64>,
+    /// kill-nats-leader: the killed node also leads the dispatchers' lease bucket (by
+    /// default another node does, so the leader decides through the failover).
+    #[arg(long)]
+    nats_lease_on_killed_node: bool,
 }
 
 fn main() -> ExitCode {
@@ -118,6 +123,7 @@ fn main() -> ExitCode {
         hostile_rate: cli
             .hostile_rate
             .unwrap_or(if cli.short { 1_000.0 } else { 1_500.0 }),
+        lease_on_killed_node: cli.nats_lease_on_killed_node,
         state_dir: std::env::temp_dir().join(format!("metronome-drill-{}", std::process::id())),
         command,
     };

@@ -22,6 +22,12 @@
 //!
 //! Processes are killed and restarted by their pid files (`process`). The drill stops
 //! what it started when the system stops.
+//!
+//! The drills that need a NATS cluster (`kill-nats-leader`) run on a second system,
+//! started with `./dev up --nats-cluster 3` (three nats-servers, every stream and bucket
+//! R3), after the others. Its time to recover runs from the kill to the first successful
+//! result of a job submitted after it: JOBS took the job (a new stream leader), the
+//! dispatcher read and assigned it, a worker ran it and RESULTS stored its result.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -73,10 +79,13 @@ pub enum Fault {
     /// admin identity can write (`hostile`): no component may stop, the leader may not
     /// change, every class must be rejected visibly.
     Hostile,
+    /// On a three-node NATS cluster (streams and buckets R3): SIGKILL the nats-server that
+    /// leads the JOBS stream, start it again after the pause; the service goes on.
+    KillNatsLeader,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 9] = [
+    pub const ALL: [Fault; 10] = [
         Fault::KillLeader,
         Fault::RestartAgent,
         Fault::StopAgent,
@@ -86,6 +95,7 @@ impl Fault {
         Fault::StopModelServer,
         Fault::RollingDeploy,
         Fault::Hostile,
+        Fault::KillNatsLeader,
     ];
 
     pub fn name(self) -> &'static str {
@@ -99,9 +109,21 @@ impl Fault {
             Fault::StopModelServer => "stop-model-server",
             Fault::RollingDeploy => "rolling-deploy",
             Fault::Hostile => "hostile",
+            Fault::KillNatsLeader => "kill-nats-leader",
+        }
+    }
+
+    /// NATS servers of the system the drill runs on: a cluster of three, or one.
+    pub fn nats_nodes(self) -> usize {
+        match self {
+            Fault::KillNatsLeader => CLUSTER_NODES,
+            _ => 1,
         }
     }
 }
+
+/// Nodes of the cluster the cluster drills run on (`./dev up --nats-cluster 3`).
+pub const CLUSTER_NODES: usize = 3;
 
 /// Sizes of a drill run.
 #[derive(Debug, Clone)]
@@ -113,7 +135,7 @@ pub struct DrillPlan {
     pub rate: f64,
     /// How long jobs are offered in each drill; the fault comes at a third of it.
     pub load: Duration,
-    /// SIGSTOP length, and how long a killed model server stays down.
+    /// SIGSTOP length, and how long a killed model server or NATS node stays down.
     pub pause: Duration,
     /// Redis outage length.
     pub redis_outage: Duration,
@@ -124,6 +146,9 @@ pub struct DrillPlan {
     pub hostile_messages: usize,
     pub hostile_seed: u64,
     pub hostile_rate: f64,
+    /// `kill-nats-leader`: the node killed leads the dispatchers' lease bucket too (else the
+    /// lease is led by another node, so the leader keeps deciding through the failover).
+    pub lease_on_killed_node: bool,
     pub state_dir: PathBuf,
     /// The command line, for the report.
     pub command: String,
@@ -187,27 +212,60 @@ impl DrillReport {
 struct Seen {
     runs: BTreeMap<String, BTreeSet<(String, Option<u32>)>>,
     decisions: Vec<Instant>,
-    /// (arrival, worker) of successful final results seen live.
-    finals: Vec<(Instant, Option<String>)>,
+    /// (arrival, worker, job) of successful final results seen live.
+    finals: Vec<(Instant, Option<String>, String)>,
 }
 
-/// Run every drill of `plan` on one system; returns the reports in order.
+/// Run every drill of `plan`, those on one NATS server on one system and those on a
+/// cluster on a second; returns the reports in the order of [`Fault::ALL`].
 pub async fn run_drills(plan: &DrillPlan) -> anyhow::Result<Vec<DrillReport>> {
+    let mut reports = Vec::new();
+    for nodes in [1, CLUSTER_NODES] {
+        let faults: Vec<Fault> = plan
+            .faults
+            .iter()
+            .copied()
+            .filter(|f| f.nats_nodes() == nodes)
+            .collect();
+        if faults.is_empty() {
+            continue;
+        }
+        let state_dir = if nodes == 1 {
+            plan.state_dir.clone()
+        } else {
+            let mut dir = plan.state_dir.clone().into_os_string();
+            dir.push("-cluster");
+            PathBuf::from(dir)
+        };
+        reports.extend(run_on_one_system(plan, &faults, nodes, &state_dir).await?);
+    }
+    reports.sort_by_key(|r| Fault::ALL.iter().position(|f| f.name() == r.fault));
+    Ok(reports)
+}
+
+/// Run `faults` in order on one system of `nats_nodes` NATS servers.
+async fn run_on_one_system(
+    plan: &DrillPlan,
+    faults: &[Fault],
+    nats_nodes: usize,
+    state_dir: &Path,
+) -> anyhow::Result<Vec<DrillReport>> {
     let spec = SystemSpec {
         repo: plan.repo.clone(),
         gpus: plan.gpus,
         model: "llama-3.1-8b".into(),
         speeds: vec!["1.0".into(); plan.gpus],
         policy: "metronome".into(),
-        state_dir: plan.state_dir.clone(),
+        state_dir: state_dir.to_path_buf(),
         sim_args: Vec::new(),
         worker_max_concurrency: None,
         profile: plan.profile.clone(),
         keep_going: true,
         gateway_extra_toml: None,
+        nats_cluster: nats_nodes,
     };
     let mut system = System::up(&spec).await.context("starting the system")?;
-    let env = read_env(&plan.state_dir.join("env"))?;
+    let env = read_env(&state_dir.join("env"))?;
     let nats_url = env
         .get("NATS_URL")
         .context("NATS_URL in the env file")?
@@ -218,14 +276,16 @@ pub async fn run_drills(plan: &DrillPlan) -> anyhow::Result<Vec<DrillReport>> {
         .connect_options()
         .context("NATS credentials")?
         .retry_on_initial_connect()
-        .connect(nats_url.as_str())
+        .connect(metronome_runtime::nats::server_urls(&nats_url))
         .await?;
     let js = jetstream::new(client.clone());
     let seen = Arc::new(Mutex::new(Seen::default()));
     spawn_watchers(&client, seen.clone()).await?;
     let mut restarted = Vec::new();
     let mut reports = Vec::new();
-    for (i, fault) in plan.faults.iter().enumerate() {
+    for fault in faults {
+        // Job ids and the GPU a fault touches follow the drill's place in the whole plan.
+        let i = plan.faults.iter().position(|f| f == fault).unwrap_or(0);
         let r = run_one(
             plan,
             &system,
@@ -271,7 +331,7 @@ async fn spawn_watchers(client: &async_nats::Client, seen: Arc<Mutex<Seen>>) -> 
                 }
             } else if let Ok(f) = serde_json::from_slice::<FinalResult>(&m.payload) {
                 if f.error.is_none() {
-                    s.lock().unwrap().finals.push((now, f.worker_id));
+                    s.lock().unwrap().finals.push((now, f.worker_id, f.job_id));
                 }
             }
         }
@@ -298,6 +358,10 @@ async fn run_one(
     restarted: &mut Vec<u32>,
 ) -> anyhow::Result<DrillReport> {
     let start_seq = results_last_seq(js).await?;
+    let mut gathered = Vec::new();
+    if fault == Fault::KillNatsLeader {
+        gathered = gather_leaders(client, js, plan.lease_on_killed_node).await?;
+    }
     let prefix = format!("drill{index}-{}-{}", fault.name(), std::process::id());
     // The load runs for `load`, and at least a third of it past the end of the fault (a
     // rolling deploy or an outage can outlast the rest of it), so recovery is seen.
@@ -337,7 +401,18 @@ async fn run_one(
     stop.cancel();
     let mut sent = sender.await??;
     sent.ids.extend(extra_ids.into_inner().unwrap());
-    let recover_ms = recovery(seen, fault, mark, &agent, plan.settle).await;
+    let recover_ms = recovery(seen, fault, mark, &agent, &sent, plan.settle).await;
+    let mut notes = notes;
+    if !gathered.is_empty() {
+        notes.insert(0, format!(
+            "before the load, the leadership of every stream{} was moved to the JOBS leader (stream leader stepdowns: {})",
+            if plan.lease_on_killed_node { "" } else { " but the lease bucket (KV_leader, moved to another node)" },
+            gathered.join(", ")
+        ));
+    }
+    if fault == Fault::KillNatsLeader {
+        notes.extend(outage_notes(seen, mark, &sent));
+    }
     let finals = settle(js, start_seq, &sent.ids, plan.settle).await?;
     let runs = seen.lock().unwrap().runs.clone();
     let mut report = account(&sent, &finals, &runs);
@@ -346,6 +421,13 @@ async fn run_one(
     report.recover_ms = recover_ms;
     report.notes = notes;
     report.failures = failures.into_inner().unwrap();
+    // A NATS node is one of three copies: losing it may delay jobs, never fail them.
+    if fault == Fault::KillNatsLeader && report.failed_with_reason > 0 {
+        report.failures.push(format!(
+            "{} jobs failed while a NATS node was down ({:?}): the service did not go on for them",
+            report.failed_with_reason, report.failure_reasons
+        ));
+    }
     if fault == Fault::Hostile && report.recover_ms.is_none() {
         report
             .failures
@@ -589,6 +671,9 @@ async fn inject(
         Fault::Hostile => {
             let what = hostile_flood(plan, system, client, js, &target, &mut notes).await?;
             (what, Instant::now())
+        }
+        Fault::KillNatsLeader => {
+            kill_nats_leader(plan, system, client, js, &target, restarted, &mut notes).await?
         }
         Fault::RollingDeploy => {
             let leader = system.leader_name().await?;
@@ -999,6 +1084,243 @@ async fn hostile_flood(
     ))
 }
 
+/// The JOBS stream's cluster as the drill's client reads it: its leader, and each other
+/// copy (server name, whether it is current). `None` while it cannot be read or has no
+/// leader (during an election).
+async fn jobs_cluster(js: &jetstream::Context) -> Option<(String, Vec<(String, bool)>)> {
+    let mut stream = js
+        .get_stream(metronome_protocol::names::STREAM_JOBS)
+        .await
+        .ok()?;
+    let info = stream.info().await.ok()?;
+    let cluster = info.cluster.clone()?;
+    let copies = cluster
+        .replicas
+        .iter()
+        .map(|p| (p.name.clone(), p.current))
+        .collect();
+    Some((cluster.leader?, copies))
+}
+
+/// Move the leadership of every stream of the contract to the node that leads JOBS
+/// (`$JS.API.STREAM.LEADER.STEPDOWN.<stream>` until that node is elected), so that killing
+/// it takes every leader at once: the same placement in every run, and the worst one for
+/// the jobs. Unless `lease_too`, the dispatchers' lease bucket is moved to another node
+/// instead, so the leading dispatcher keeps its lease and decides through the failover
+/// (with the lease on the killed node it stops deciding until the lease is back, and does
+/// not meet the other streams' elections). Returns `stream ×stepdowns` for each stream moved.
+async fn gather_leaders(
+    client: &async_nats::Client,
+    js: &jetstream::Context,
+    lease_too: bool,
+) -> anyhow::Result<Vec<String>> {
+    const TRIES: usize = 20;
+    let leader_of = |name: &'static str| async move {
+        let mut stream = js.get_stream(name).await.ok()?;
+        let info = stream.info().await.ok()?;
+        info.cluster.clone()?.leader
+    };
+    let wait_leader = |name: &'static str| async move {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(l) = leader_of(name).await {
+                return Ok(l);
+            }
+            if Instant::now() > deadline {
+                bail!("{name} has no leader 30 s after a stepdown");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let target = wait_leader(metronome_protocol::names::STREAM_JOBS).await?;
+    let mut moved = Vec::new();
+    for name in metronome_protocol::setup::ALL_STREAMS {
+        let mut stepdowns = 0;
+        let mut now = wait_leader(name).await?;
+        let elsewhere = name == "KV_leader" && !lease_too;
+        while (now != target) != elsewhere {
+            if stepdowns == TRIES {
+                bail!("{name} still led by {now} after {TRIES} stepdowns (target {target})");
+            }
+            client
+                .request(format!("$JS.API.STREAM.LEADER.STEPDOWN.{name}"), "".into())
+                .await
+                .with_context(|| format!("stepdown of {name}"))?;
+            stepdowns += 1;
+            // The old leader answers at once and leaves; wait for the one elected next.
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                match leader_of(name).await {
+                    Some(l) if l != now => {
+                        now = l;
+                        break;
+                    }
+                    _ if Instant::now() > deadline => {
+                        bail!("{name}: no new leader 30 s after a stepdown")
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if stepdowns > 0 {
+            moved.push(format!("{name} ×{stepdowns}"));
+        }
+    }
+    Ok(moved)
+}
+
+/// A JetStream context on its own connection to one node other than `avoid`, which it
+/// never leaves (no reconnection elsewhere), with short request timeouts: it sees the
+/// cluster as a client of a surviving node does, without waiting out the reconnection of
+/// a client that was on the killed node. Returns the node's name too.
+async fn probe_off(system: &System, avoid: &str) -> anyhow::Result<(String, jetstream::Context)> {
+    let env = read_env(&system.state_dir.join("env"))?;
+    let urls = env.get("NATS_URL").context("NATS_URL in the env file")?;
+    let auth = metronome_runtime::nats::NatsAuth::from_env(|k| env.get(k).cloned());
+    for url in metronome_runtime::nats::server_urls(urls) {
+        let client = auth
+            .connect_options()?
+            .ignore_discovered_servers()
+            .connect(url)
+            .await?;
+        let name = client.server_info().server_name;
+        if name != avoid {
+            let js = jetstream::ContextBuilder::new()
+                .timeout(Duration::from_secs(1))
+                .build(client);
+            return Ok((name, js));
+        }
+    }
+    bail!("no NATS node other than {avoid} in {urls}")
+}
+
+/// The cluster drill's fault: find the nats-server leading JOBS (its server name is the
+/// process name `./dev up` gave it, `nats-<n>`), SIGKILL it under load, watch the other
+/// copies elect a leader (from a client of a surviving node), start it again after the
+/// pause and watch it catch up. Checks (to `target.failures`): JOBS keeps three copies, a
+/// leader is elected, the restarted node holds a current copy within the settle time.
+async fn kill_nats_leader(
+    plan: &DrillPlan,
+    system: &System,
+    client: &async_nats::Client,
+    js: &jetstream::Context,
+    target: &Target<'_>,
+    restarted: &mut Vec<u32>,
+    notes: &mut Vec<String>,
+) -> anyhow::Result<(String, Instant)> {
+    let fail = |s: String| target.failures.lock().unwrap().push(s);
+    let mut jobs = js
+        .get_stream(metronome_protocol::names::STREAM_JOBS)
+        .await?;
+    let replicas = jobs.info().await?.config.num_replicas;
+    if replicas != CLUSTER_NODES {
+        fail(format!(
+            "JOBS keeps {replicas} copies on a cluster of {CLUSTER_NODES}: losing its node loses it"
+        ));
+    }
+    let (leader, _) = jobs_cluster(js)
+        .await
+        .context("the JOBS stream has no cluster leader (is NATS a cluster?)")?;
+    let pid = system
+        .pid_of(&leader)
+        .with_context(|| format!("no pid file for the JOBS leader {leader}"))?;
+    let image = Image::read(pid)?;
+    // What else loses its leader with it: the streams are spread over the nodes, and the
+    // failover of the workers or leader bucket is what tests the components' timeouts.
+    let mut led = Vec::new();
+    for name in metronome_protocol::setup::ALL_STREAMS {
+        if let Ok(mut stream) = js.get_stream(name).await {
+            if let Ok(info) = stream.info().await {
+                if info.cluster.as_ref().and_then(|c| c.leader.as_deref()) == Some(leader.as_str())
+                {
+                    led.push(name);
+                }
+            }
+        }
+    }
+    notes.push(format!("{leader} led {}", led.join(", ")));
+    let (survivor, probe) = probe_off(system, &leader).await?;
+    notes.push(format!(
+        "the drill's client (submissions, live results and decisions) was connected to {}; the election was watched from {survivor}",
+        client.server_info().server_name
+    ));
+    signal(pid, "KILL")?;
+    let at = Instant::now();
+    let restart_at = at + plan.pause;
+    let deadline = at + plan.settle;
+    let mut back = None;
+    let mut elected = None;
+    while elected.is_none() && Instant::now() < deadline {
+        if back.is_none() && Instant::now() >= restart_at {
+            restarted.push(image.spawn(&system.state_dir, &leader)?);
+            back = Some(Instant::now());
+        }
+        // Before the restart a leader is a new one; after it, the old one may win again.
+        if let Some((new, _)) = jobs_cluster(&probe)
+            .await
+            .filter(|(l, _)| *l != leader || back.is_some())
+        {
+            elected = Some((new, at.elapsed(), back.is_some()));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    match &elected {
+        Some((new, after, restarted)) => notes.push(format!(
+            "{new} leads JOBS {:.1} s after {leader} was killed{}",
+            after.as_secs_f64(),
+            if *restarted {
+                " (after its restart)"
+            } else {
+                ""
+            }
+        )),
+        None => fail(format!(
+            "no JOBS leader {} s after {leader} was killed",
+            plan.settle.as_secs()
+        )),
+    }
+    if back.is_none() {
+        tokio::time::sleep_until(restart_at.into()).await;
+        restarted.push(image.spawn(&system.state_dir, &leader)?);
+        back = Some(Instant::now());
+    }
+    let back = back.unwrap_or_else(Instant::now);
+    let deadline = back + plan.settle;
+    let mut current = false;
+    while Instant::now() < deadline {
+        if let Some((l, copies)) = jobs_cluster(&probe).await {
+            let all = std::iter::once(l)
+                .chain(copies.iter().filter(|(_, c)| *c).map(|(n, _)| n.clone()))
+                .collect::<BTreeSet<_>>();
+            if all.len() == CLUSTER_NODES && all.contains(&leader) {
+                current = true;
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if current {
+        notes.push(format!(
+            "{leader}, started again, holds a current copy of JOBS {:.1} s after its restart",
+            back.elapsed().as_secs_f64()
+        ));
+    } else {
+        fail(format!(
+            "{leader} holds no current copy of JOBS {} s after its restart",
+            plan.settle.as_secs()
+        ));
+    }
+    Ok((
+        format!(
+            "SIGKILL the nats-server leading the JOBS stream ({leader}) of a {CLUSTER_NODES}-node cluster (every stream and bucket R{replicas}) mid-run; started again {:.0} s later",
+            back.duration_since(at).as_secs_f64()
+        ),
+        at,
+    ))
+}
+
 /// Requests the model server of `gpu` is running, once it runs any (polled for up to 10 s);
 /// 0 if it ran none in that time.
 async fn wait_running(system: &System, gpu: usize) -> u64 {
@@ -1120,13 +1442,39 @@ async fn redeploy(
     Ok(t0.elapsed())
 }
 
-/// Milliseconds from `mark` to the next decision (dispatcher kills) or the next successful
-/// final result (from `agent`'s worker for agent and model-server faults).
+/// What the clients saw of a NATS node's loss at `mark`: how long no submission was
+/// acknowledged (the sender waits for each acknowledgement, so this is how long JOBS took
+/// nothing), and how long until the next decision.
+fn outage_notes(seen: &Arc<Mutex<Seen>>, mark: Instant, sent: &Sent) -> Vec<String> {
+    let secs = |t: Option<Instant>| {
+        t.map_or("not seen".to_string(), |t| {
+            format!("{:.1} s", t.duration_since(mark).as_secs_f64())
+        })
+    };
+    let first_ack = sent.acked_at.values().copied().filter(|t| *t > mark).min();
+    let first_decision = seen
+        .lock()
+        .unwrap()
+        .decisions
+        .iter()
+        .copied()
+        .find(|t| *t > mark);
+    vec![format!(
+        "after the kill: first submission acknowledged by JOBS {}, first decision {}",
+        secs(first_ack),
+        secs(first_decision)
+    )]
+}
+
+/// Milliseconds from `mark` to the next decision (dispatcher kills), the next successful
+/// final result (from `agent`'s worker for agent and model-server faults), or the first
+/// successful final result of a job JetStream took after `mark` (a NATS node's kill).
 async fn recovery(
     seen: &Arc<Mutex<Seen>>,
     fault: Fault,
     mark: Instant,
     agent: &str,
+    sent: &Sent,
     wait: Duration,
 ) -> Option<u64> {
     let worker = agent.strip_prefix("worker-").map(|g| format!("local-{g}"));
@@ -1141,11 +1489,18 @@ async fn recovery(
                 Fault::RestartAgent | Fault::StopAgent | Fault::StopModelServer => s
                     .finals
                     .iter()
-                    .find(|(t, w)| *t > mark && w.as_deref() == worker.as_deref())
-                    .map(|(t, _)| *t),
+                    .find(|(t, w, _)| *t > mark && w.as_deref() == worker.as_deref())
+                    .map(|(t, _, _)| *t),
                 Fault::RedisDown | Fault::RestartNats | Fault::RollingDeploy | Fault::Hostile => {
-                    s.finals.iter().map(|(t, _)| *t).find(|t| *t > mark)
+                    s.finals.iter().map(|(t, _, _)| *t).find(|t| *t > mark)
                 }
+                Fault::KillNatsLeader => s
+                    .finals
+                    .iter()
+                    .find(|(t, _, job)| {
+                        *t > mark && sent.acked_at.get(job).is_some_and(|a| *a > mark)
+                    })
+                    .map(|(t, _, _)| *t),
             };
             if let Some(t) = next {
                 return Some(t.duration_since(mark).as_millis() as u64);
@@ -1225,6 +1580,8 @@ struct Sent {
     /// Every job the system took (JetStream acknowledged it, or the gateway answered with
     /// its id), in order.
     ids: Vec<String>,
+    /// When JetStream acknowledged each job submitted on `jobs.submit` (not over HTTP).
+    acked_at: BTreeMap<String, Instant>,
     /// What the HTTP client saw, by job id.
     http: BTreeMap<String, HttpOutcome>,
     /// HTTP requests made (each tried until the gateway took it).
@@ -1261,6 +1618,7 @@ async fn send_jobs(
                 gateway_client::stream_chat(&http, &url, "llama-3.1-8b", &streaming).await
             }));
         } else if submit(&js, &id).await? {
+            sent.acked_at.insert(id.clone(), Instant::now());
             sent.ids.push(id);
         }
         tokio::select! {
@@ -1343,8 +1701,17 @@ pub fn render_report(plan: &DrillPlan, reports: &[DrillReport]) -> String {
          chunks from two runs (worker, attempt). *Recover*: from the fault (leader kill) or the \
          repair (restart, SIGCONT, end of the rolling deploy) to the next decision \
          (dispatcher kills) or the next successful result (of the faulted worker for agent \
-         and model-server drills).\n\n",
+         and model-server drills); for a NATS node's kill, from the kill to the first \
+         successful result of a job JetStream took after it.\n\n",
     );
+    if plan.faults.iter().any(|f| f.nats_nodes() > 1) {
+        out.push_str(&format!(
+            "The NATS cluster drills run on a second system, `./dev up --keep-going \
+             --nats-cluster {CLUSTER_NODES}`: {CLUSTER_NODES} nats-servers clustered on \
+             loopback, each with its own file store, every stream and bucket with \
+             {CLUSTER_NODES} replicas, every component given every node's URL.\n\n"
+        ));
+    }
     out.push_str("| drill | what was done | sent | exactly once | failed (reason) | lost | duplicated | recover |\n");
     out.push_str("|---|---|---:|---:|---:|---:|---:|---:|\n");
     for r in reports {

@@ -79,7 +79,7 @@ mod tests {
     fn profile(out: f64) -> JobProfile {
         JobProfile {
             prompt_tokens: 100,
-            predicted_output: out,
+            protected_output: out,
             min_tok_s: 30.0,
             ..Default::default()
         }
