@@ -344,7 +344,7 @@ fn render_decision(out: &mut String, d: &Decision) {
             if let Some(p) = &c.prediction {
                 out.push_str(&format!("     predicted: {}\n", prediction(p)));
             }
-            out.push_str(&terms_table(&c.terms).render("     "));
+            out.push_str(&terms_table(&d.terms_of(c)).render("     "));
         }
     }
     if !d.rejected.is_empty() {
@@ -475,29 +475,27 @@ pub(crate) mod fixtures {
     //! Fixed records shared by the view tests.
     use metronome_protocol::*;
 
-    pub fn term(term: TermName, raw: Option<f64>, normalised: f64, weight: f64) -> TermScore {
-        TermScore {
-            term,
-            raw,
-            normalised,
-            weight,
-            contribution: normalised * weight,
-            available: raw.is_some(),
-        }
+    /// Every term at weight 1 but GPU utilisation at 0.5.
+    pub fn scoring() -> Scoring {
+        let mut weights = [1.0; TERM_COUNT];
+        weights[TermName::GpuUtilisation.index()] = 0.5;
+        Scoring { weights }
     }
 
+    /// Every term available at `10 × scale` (normalised `scale`) but GPU utilisation
+    /// (unavailable, normalised 0.5).
     pub fn candidate(worker: &str, scale: f64, ttft: f64, tok_s: f64) -> CandidateScore {
-        let terms: Vec<TermScore> = TermName::ALL
-            .iter()
-            .map(|t| match t {
-                TermName::GpuUtilisation => term(*t, None, 0.5, 0.5),
-                _ => term(*t, Some(10.0 * scale), scale, 1.0),
-            })
-            .collect();
+        let gpu = TermName::GpuUtilisation.index();
+        let mut raw = [Some(10.0 * scale); TERM_COUNT];
+        let mut normalised = [scale; TERM_COUNT];
+        raw[gpu] = None;
+        normalised[gpu] = 0.5;
+        let weights = scoring().weights;
         CandidateScore {
             worker_id: worker.into(),
-            total: terms.iter().map(|t| t.contribution).sum(),
-            terms,
+            total: normalised.iter().zip(weights).map(|(n, w)| n * w).sum(),
+            raw,
+            normalised,
             prediction: Some(Prediction {
                 ttft_ms: ttft,
                 decode_tok_s: tok_s,
@@ -511,7 +509,7 @@ pub(crate) mod fixtures {
 
     pub fn assigned() -> Decision {
         Decision {
-            v: 1,
+            v: DECISION_VERSION,
             job_id: "job-1".into(),
             model: Some("llama-3.1-8b".into()),
             outcome: Outcome::Assigned,
@@ -525,6 +523,7 @@ pub(crate) mod fixtures {
                 predicted_output_tokens: 48.0,
                 kv_tokens: 76,
             }),
+            scoring: Some(scoring()),
             candidates: vec![
                 candidate("n1-gpu1", 0.1, 120.0, 45.0),
                 candidate("n1-gpu0", 0.2, 180.0, 38.0),
@@ -811,8 +810,16 @@ mod tests {
     fn json_carries_records_and_summary() {
         let v = to_json(&story());
         assert_eq!(v["summary"]["winner"], "n1-gpu1");
+        // The records as stored: the compact form, weights once, terms as arrays.
         assert_eq!(
-            v["decisions"][0]["candidates"][0]["terms"]
+            v["decisions"][0]["scoring"]["terms"]
+                .as_array()
+                .unwrap()
+                .len(),
+            7
+        );
+        assert_eq!(
+            v["decisions"][0]["candidates"][0]["raw"]
                 .as_array()
                 .unwrap()
                 .len(),

@@ -364,8 +364,11 @@ fn redecide(
     if note.contains("candidates not listed") {
         return Err("candidates cut short by decision_max_candidates".into());
     }
-    let Some(first) = d.candidates.first() else {
+    if d.candidates.is_empty() {
         return Err("no candidate scores recorded".into());
+    }
+    let Some(scoring) = d.scoring else {
+        return Err("no weights recorded".into());
     };
     let Some(model) = d.model.as_deref() else {
         return Err("no model recorded".into());
@@ -375,7 +378,7 @@ fn redecide(
     };
 
     // The record must reproduce itself before it can say anything about other weights.
-    let recorded_weights = weights_of(first);
+    let recorded_weights = Weights::from_array(scoring.weights);
     let again = rescore(&d.candidates, &recorded_weights);
     let reproduces = again[0].worker_id == recorded_winner
         && d.candidates.iter().all(|c| {
@@ -441,25 +444,6 @@ fn redecide(
         winner: ranked.first().map(|c| c.worker_id.clone()),
         prediction: ranked.first().and_then(|c| c.prediction),
     })
-}
-
-/// The weights a decision was scored with, as its terms record them.
-fn weights_of(c: &CandidateScore) -> Weights {
-    let mut w = Weights::default();
-    for t in &c.terms {
-        use metronome_protocol::TermName as T;
-        let slot = match t.term {
-            T::ActiveRequests => &mut w.active_requests,
-            T::QueueDepth => &mut w.queue_depth,
-            T::LatencyEwma => &mut w.latency_ewma,
-            T::JobCost => &mut w.job_cost,
-            T::ThroughputEwma => &mut w.throughput_ewma,
-            T::KvPressure => &mut w.kv_pressure,
-            T::GpuUtilisation => &mut w.gpu_utilisation,
-        };
-        *slot = t.weight;
-    }
-    w
 }
 
 fn code_name(code: RejectionCode) -> String {
@@ -622,7 +606,7 @@ pub fn parse_window(text: &str) -> Result<u64, String> {
 mod tests {
     use super::*;
     use metronome_protocol::decision::JobCostEstimate;
-    use metronome_protocol::{Rejection, TermName, TermScore};
+    use metronome_protocol::{Rejection, Scoring, TermName};
 
     const SLO: Slo = Slo {
         ttft_ms: 2_000,
@@ -643,27 +627,14 @@ mod tests {
     /// A candidate as the dispatcher records it: raw values for active requests and KV
     /// pressure (the rest unavailable); `decision` scores them.
     fn raw(worker: &str, active: f64, kv: f64, p: Prediction) -> CandidateScore {
+        let mut raw = [None; metronome_protocol::TERM_COUNT];
+        raw[TermName::ActiveRequests.index()] = Some(active);
+        raw[TermName::KvPressure.index()] = Some(kv);
         CandidateScore {
             worker_id: worker.into(),
             total: 0.0,
-            terms: TermName::ALL
-                .iter()
-                .map(|&term| {
-                    let raw = match term {
-                        TermName::ActiveRequests => Some(active),
-                        TermName::KvPressure => Some(kv),
-                        _ => None,
-                    };
-                    TermScore {
-                        term,
-                        raw,
-                        normalised: 0.0,
-                        weight: 0.0,
-                        contribution: 0.0,
-                        available: raw.is_some(),
-                    }
-                })
-                .collect(),
+            raw,
+            normalised: [0.0; metronome_protocol::TERM_COUNT],
             prediction: Some(p),
         }
     }
@@ -685,6 +656,9 @@ mod tests {
                 max_tokens: 100,
                 predicted_output_tokens: 40.0,
                 kv_tokens: 110,
+            }),
+            scoring: Some(Scoring {
+                weights: weights.as_array(),
             }),
             candidates: scored,
             rejected: Vec::new(),

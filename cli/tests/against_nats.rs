@@ -63,28 +63,15 @@ impl Env {
     }
 }
 
-fn terms(scale: f64) -> Vec<TermScore> {
-    TermName::ALL
-        .iter()
-        .map(|&term| {
-            let available = term != TermName::GpuUtilisation;
-            TermScore {
-                term,
-                raw: available.then_some(10.0 * scale),
-                normalised: scale,
-                weight: 1.0,
-                contribution: scale,
-                available,
-            }
-        })
-        .collect()
-}
-
+/// Every term at `scale` (raw `10 × scale`), GPU utilisation unavailable; weights all 1.
 fn candidate(worker: &str, scale: f64, ttft_ms: f64, tok_s: f64) -> CandidateScore {
+    let mut raw = [Some(10.0 * scale); TERM_COUNT];
+    raw[TermName::GpuUtilisation.index()] = None;
     CandidateScore {
         worker_id: worker.into(),
         total: 7.0 * scale,
-        terms: terms(scale),
+        raw,
+        normalised: [scale; TERM_COUNT],
         prediction: Some(Prediction {
             ttft_ms,
             decode_tok_s: tok_s,
@@ -111,6 +98,9 @@ fn decision(job_id: &str, attempt: u32, now: u64) -> Decision {
             max_tokens: 64,
             predicted_output_tokens: 40.0,
             kv_tokens: 76,
+        }),
+        scoring: Some(Scoring {
+            weights: [1.0; TERM_COUNT],
         }),
         candidates: vec![
             candidate("n1-gpu1", 0.1, 110.0, 48.0),
@@ -289,6 +279,119 @@ async fn explain_tells_the_story_of_a_stored_decision() {
     assert!(
         text.contains("What happened: no completion event found yet"),
         "{text}"
+    );
+}
+
+/// A record as a version-2 dispatcher wrote it: every candidate's terms as objects, each
+/// with its weight and contribution, no `scoring`. `n1-gpu1` wins on active requests,
+/// though its KV cache is fuller.
+fn version_2_record(job_id: &str, now: u64) -> serde_json::Value {
+    let terms = |active: f64, kv: f64| {
+        let term = |name: &str, raw: Option<f64>, normalised: f64, weight: f64| {
+            serde_json::json!({"term": name, "raw": raw, "normalised": normalised,
+                "weight": weight, "contribution": normalised * weight,
+                "available": raw.is_some()})
+        };
+        vec![
+            term("active_requests", Some(active), active, 2.0),
+            term("queue_depth", Some(0.0), 0.0, 0.5),
+            term("latency_ewma", None, 0.0, 0.25),
+            term("job_cost", Some(700.0), 0.0, 1.0),
+            term("throughput_ewma", None, 0.0, 0.25),
+            term("kv_pressure", Some(kv), kv * 10.0, 0.75),
+            term("gpu_utilisation", None, 0.0, 0.25),
+        ]
+    };
+    serde_json::json!({
+        "v": 2, "job_id": job_id, "model": "llama-3.1-8b", "outcome": "assigned",
+        "attempt": 1, "reason": null, "reason_code": null, "worker_id": "n1-gpu1",
+        "cost": {"prompt_tokens": 12, "max_tokens": 64, "predicted_output_tokens": 40.0,
+                 "kv_tokens": 76},
+        "candidates": [
+            {"worker_id": "n1-gpu1", "total": 0.75, "terms": terms(0.0, 0.1),
+             "prediction": {"ttft_ms": 52.0, "decode_tok_s": 49.7, "worst_running_tok_s": null,
+                            "streams_after": 1, "model_samples": 0}},
+            {"worker_id": "n1-gpu0", "total": 2.0, "terms": terms(1.0, 0.0),
+             "prediction": {"ttft_ms": 54.0, "decode_tok_s": 49.5,
+                            "worst_running_tok_s": 49.5, "streams_after": 2,
+                            "model_samples": 0}}
+        ],
+        "rejected": [], "slo": {"ttft_ms": 2000, "min_tok_s": 30.0},
+        "policy": "metronome", "queue_wait_ms": 0, "decision_latency_us": 62, "epoch": 1,
+        "dispatcher_id": "dispatcher-a", "decided_ms": now
+    })
+}
+
+#[tokio::test]
+async fn an_older_dispatchers_record_is_explained_and_replayed() {
+    let env = env().await;
+    let now = unix_ms();
+    env.publish(
+        names::decision_subject(None, "old-1"),
+        "old-1:1",
+        &version_2_record("old-1", now),
+    )
+    .await;
+    let text = env.cli(&["explain", "old-1"]).await.expect("explain");
+    for needle in [
+        "assigned to n1-gpu1 on attempt 1",
+        "#1 n1-gpu1  total 0.750  ← winner",
+        "#2 n1-gpu0  total 2.000",
+        "predicted: TTFT 52 ms, 49.7 tok/s for this job",
+        "(signal unavailable)",
+        "Winner: n1-gpu1 with total 0.750, 1.250 ahead of the runner-up n1-gpu0 (2.000)",
+    ] {
+        assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
+    }
+    // The weights and contributions of the old terms are shown as they were recorded.
+    let active = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("active_requests"))
+        .nth(1)
+        .expect("the runner-up's active_requests row");
+    assert!(
+        active.contains("1 req") && active.contains("2.00") && active.contains("2.000"),
+        "{active}"
+    );
+    // --json gives the record in the current form.
+    let json = env
+        .cli(&["--json", "explain", "old-1"])
+        .await
+        .expect("json");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["decisions"][0]["v"], DECISION_VERSION);
+    assert_eq!(
+        v["decisions"][0]["scoring"]["weights"],
+        serde_json::json!([2.0, 0.5, 0.25, 1.0, 0.25, 0.75, 0.25])
+    );
+    assert_eq!(
+        v["decisions"][0]["candidates"][1]["raw"],
+        serde_json::json!([1.0, 0.0, null, 700.0, null, 0.0, null])
+    );
+    // Replay re-decides it from the old record: it reproduces itself under the recorded
+    // (default) weights, and moves with active requests weighing nothing.
+    let same = env.cli(&["replay", "--since", "1h"]).await.expect("replay");
+    assert!(same.contains("1 re-decided, 0 not replayable"), "{same}");
+    assert!(
+        same.contains("placements that would change: 0 of 1"),
+        "{same}"
+    );
+    let other = std::env::temp_dir().join(format!("replay-old-{}.toml", std::process::id()));
+    std::fs::write(&other, "[scheduler.weights]\nactive_requests = 0.0\n").unwrap();
+    let moved = env
+        .cli(&[
+            "replay",
+            "--since",
+            "1h",
+            "--config",
+            other.to_str().unwrap(),
+        ])
+        .await
+        .expect("replay with other weights");
+    let _ = std::fs::remove_file(&other);
+    assert!(
+        moved.contains("placements that would change: 1 of 1"),
+        "{moved}"
     );
 }
 

@@ -1363,6 +1363,7 @@ impl Engine {
             decision.worker_id = Some(winner.clone());
             decision.slo = Some(slo);
             decision.cost = Some(evaluation.cost);
+            decision.scoring = Some(evaluation.scoring);
             decision.candidates = evaluation.candidates;
             decision.rejected = evaluation.rejected;
             let mut notes = Vec::new();
@@ -1488,7 +1489,7 @@ impl Engine {
         now: u64,
     ) -> Decision {
         Decision {
-            v: metronome_protocol::PROTOCOL_VERSION,
+            v: metronome_protocol::DECISION_VERSION,
             job_id: job.id.clone(),
             model: Some(job.model.clone()),
             outcome,
@@ -1497,6 +1498,7 @@ impl Engine {
             reason_code: None,
             worker_id: None,
             cost: None,
+            scoring: None,
             candidates: Vec::new(),
             rejected: Vec::new(),
             slo: None,

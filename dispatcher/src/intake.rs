@@ -360,7 +360,7 @@ impl RejectContext {
                     .ok()
                     .and_then(|v| v.get("model").and_then(|m| m.as_str()).map(str::to_string));
                 let decision = Decision {
-                    v: metronome_protocol::PROTOCOL_VERSION,
+                    v: metronome_protocol::DECISION_VERSION,
                     job_id,
                     model,
                     outcome: Outcome::Rejected,
@@ -369,6 +369,7 @@ impl RejectContext {
                     reason_code: Some(error.code().to_string()),
                     worker_id: None,
                     cost: None,
+                    scoring: None,
                     candidates: Vec::new(),
                     rejected: Vec::new(),
                     slo: None,

@@ -96,17 +96,20 @@ async fn one_decision_per_job_with_every_term_and_every_reason() {
         assert!(winner.starts_with("ok-"), "{id} went to {winner}");
         assert!(!d.candidates.is_empty());
         assert_eq!(d.candidates[0].worker_id, winner, "winner first");
+        let scoring = d.scoring.expect("an assignment records its weights");
         for c in &d.candidates {
-            let terms: Vec<TermName> = c.terms.iter().map(|t| t.term).collect();
+            let terms = d.terms_of(c);
+            let names: Vec<TermName> = terms.iter().map(|t| t.term).collect();
             assert_eq!(
-                terms,
+                names,
                 TermName::ALL.to_vec(),
                 "{id}: all seven terms of {}",
                 c.worker_id
             );
-            for t in &c.terms {
+            for t in &terms {
                 assert!(t.contribution.is_finite() && t.weight.is_finite());
                 assert_eq!(t.available, t.raw.is_some(), "{id}: {t:?}");
+                assert_eq!(t.weight, scoring.weight(t.term));
             }
         }
         let reasons: HashMap<&str, RejectionCode> = d
@@ -407,6 +410,53 @@ async fn compact_decisions_list_the_best_candidates_and_say_what_they_leave_out(
         note.contains("3 workers serving other models") && note.contains("2 more candidates"),
         "{note}"
     );
+    token.cancel();
+    running.join().await.unwrap();
+}
+
+/// The stored record is the compact form (version 3): the term names and weights once, each
+/// candidate's raw and normalised values as arrays in that order, no per-term objects; and
+/// `rescore` under the recorded weights reproduces every decision from its record alone,
+/// totals and order, bit for bit (what `metronome replay` relies on).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_decision_is_compact_and_replays_to_itself() {
+    let env = Env::start().await;
+    let mut config = env.config("compact-record");
+    config.scheduler.weights.kv_pressure = 1.3;
+    config.scheduler.weights.job_cost = 0.7;
+    let weights = config.scheduler.weights.clone();
+    env.workers("r", 4, "model-r", 8).await;
+    let (running, token) = env.dispatcher(config).await;
+    // Jobs of different sizes, none completed: the workers' loads differ from job to job.
+    let ids: Vec<String> = (0..6).map(|i| format!("r{i}")).collect();
+    for (i, id) in ids.iter().enumerate() {
+        env.submit(id, "model-r", 50 + 100 * i as u32, 100).await;
+    }
+    let decisions = env.decisions_for(&ids).await;
+    let names: Vec<&str> = TermName::ALL.iter().map(|t| t.as_str()).collect();
+    for id in &ids {
+        let json = env.decision_json(id).await.unwrap();
+        assert_eq!(json["v"], metronome_protocol::DECISION_VERSION, "{json}");
+        assert_eq!(json["scoring"]["terms"], serde_json::json!(names), "{json}");
+        assert_eq!(
+            json["scoring"]["weights"],
+            serde_json::json!(weights.as_array()),
+            "{json}"
+        );
+        let candidates = json["candidates"].as_array().unwrap();
+        assert_eq!(candidates.len(), 4, "every eligible worker: {json}");
+        for c in candidates {
+            assert_eq!(c["raw"].as_array().map(Vec::len), Some(7), "{c}");
+            assert_eq!(c["normalised"].as_array().map(Vec::len), Some(7), "{c}");
+            assert!(c.get("terms").is_none(), "no per-term objects: {c}");
+            assert!(c["prediction"]["ttft_ms"].is_f64(), "{c}");
+        }
+        let d = &decisions[id];
+        assert_eq!(d.outcome, Outcome::Assigned);
+        let replayed = metronome_scheduler::rescore(&d.candidates, &weights);
+        assert_eq!(replayed, d.candidates, "{id}: replayed from its record");
+        assert_eq!(replayed[0].worker_id, d.worker_id.clone().unwrap());
+    }
     token.cancel();
     running.join().await.unwrap();
 }

@@ -172,6 +172,7 @@ fn stored_decision(job_id: &str, outcome: Outcome) -> Decision {
         reason_code: None,
         worker_id: (outcome == Outcome::Assigned).then(|| "d-0".to_string()),
         cost: None,
+        scoring: None,
         candidates: Vec::new(),
         rejected: Vec::new(),
         slo: None,

@@ -112,11 +112,8 @@ async fn run_one(env: &Env, id: &str) -> String {
         .remove(id)
         .unwrap();
     assert_eq!(d.outcome, Outcome::Assigned, "{d:?}");
-    let latency = d.candidates[0]
-        .terms
-        .iter()
-        .find(|t| t.term == metronome_protocol::TermName::LatencyEwma)
-        .unwrap();
+    let latency =
+        d.terms_of(&d.candidates[0])[metronome_protocol::TermName::LatencyEwma.index()].clone();
     assert!(latency.available, "EWMA read from Redis: {latency:?}");
     for (a, _) in env.take_work(d.worker_id.as_deref().unwrap()).await {
         env.complete(&a, CompletionOutcome::Done).await;

@@ -600,6 +600,7 @@ mod tests {
             reason_code: code.map(String::from),
             worker_id: None,
             cost: None,
+            scoring: None,
             candidates: vec![],
             rejected: vec![],
             slo: None,

@@ -28,7 +28,8 @@ pub mod worker;
 pub use assignment::Assignment;
 pub use control::{ControlReply, Revoke, RevokedJob};
 pub use decision::{
-    CandidateScore, Decision, Outcome, Rejection, RejectionCode, TermName, TermScore,
+    CandidateScore, Decision, Outcome, Rejection, RejectionCode, Scoring, TermName, TermScore,
+    DECISION_VERSION, TERM_COUNT,
 };
 pub use event::{CompletionEvent, CompletionOutcome};
 pub use job::{

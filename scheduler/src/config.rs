@@ -67,6 +67,20 @@ impl Weights {
     pub fn as_array(&self) -> [f64; 7] {
         metronome_protocol::TermName::ALL.map(|t| self.get(t))
     }
+
+    /// The weights given in [`TermName::ALL`](metronome_protocol::TermName::ALL) order, as
+    /// a decision records them: the inverse of [`Weights::as_array`].
+    pub fn from_array(w: [f64; 7]) -> Weights {
+        Weights {
+            active_requests: w[0],
+            queue_depth: w[1],
+            latency_ewma: w[2],
+            job_cost: w[3],
+            throughput_ewma: w[4],
+            kv_pressure: w[5],
+            gpu_utilisation: w[6],
+        }
+    }
 }
 
 /// A model's service level objective in configuration.

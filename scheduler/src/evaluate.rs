@@ -20,7 +20,7 @@
 //! not touched; the caller reserves the winner.
 
 use metronome_protocol::decision::JobCostEstimate;
-use metronome_protocol::{CandidateScore, Rejection, TermName, TermScore};
+use metronome_protocol::{CandidateScore, Rejection, Scoring, TermName};
 
 use crate::filter::{self, Filter, FilterContext};
 use crate::forecast::Forecast;
@@ -36,6 +36,8 @@ pub struct Evaluation {
     pub winner: Option<String>,
     /// Every eligible worker with its seven terms, best first.
     pub candidates: Vec<CandidateScore>,
+    /// The weights the candidates were scored with (once, not per candidate).
+    pub scoring: Scoring,
     /// Every ineligible worker with its reason, ordered by worker id.
     pub rejected: Vec<Rejection>,
     /// The job's size as the decision saw it.
@@ -62,14 +64,14 @@ pub fn evaluate(
     now_ms: u64,
 ) -> Evaluation {
     let ranked = rank(&filter::ADMISSION, job, workers, ledger, config, now_ms);
-    let weights = config.weights.as_array();
     let best = ranked.best().next();
     let winner = best.map(|c| c.worker_id().to_owned());
     let winner_stall_ms = best.map_or(0.0, |c| c.forecast.stall_ms);
-    let candidates = ranked.best().map(|c| c.to_score(&weights)).collect();
+    let candidates = ranked.best().map(Candidate::to_score).collect();
     Evaluation {
         winner,
         candidates,
+        scoring: scoring(config),
         rejected: ranked.rejected,
         cost: job.cost_estimate(),
         winner_stall_ms,
@@ -90,13 +92,7 @@ pub fn rescore(candidates: &[CandidateScore], weights: &Weights) -> Vec<Candidat
         .iter()
         .map(|c| Recorded {
             score: c,
-            raw: TermName::ALL.map(|name| {
-                c.terms
-                    .iter()
-                    .find(|t| t.term == name)
-                    .and_then(|t| t.raw)
-                    .filter(|v| v.is_finite())
-            }),
+            raw: c.raw.map(|v| v.filter(|v| v.is_finite())),
             normalised: [0.0; TERMS],
         })
         .collect();
@@ -122,18 +118,8 @@ pub fn rescore(candidates: &[CandidateScore], weights: &Weights) -> Vec<Candidat
             CandidateScore {
                 worker_id: r.score.worker_id.clone(),
                 total: totals[i as usize],
-                terms: TermName::ALL
-                    .into_iter()
-                    .enumerate()
-                    .map(|(t, term)| TermScore {
-                        term,
-                        raw: r.raw[t],
-                        normalised: r.normalised[t],
-                        weight: w[t],
-                        contribution: r.normalised[t] * w[t],
-                        available: r.raw[t].is_some(),
-                    })
-                    .collect(),
+                raw: r.raw,
+                normalised: r.normalised,
                 prediction: r.score.prediction,
             }
         })
@@ -172,22 +158,14 @@ impl Candidate<'_> {
         &self.view.status.worker_id
     }
 
-    pub fn to_score(&self, weights: &[f64; TERMS]) -> CandidateScore {
-        let mut terms = Vec::with_capacity(TERMS);
-        for (i, name) in TermName::ALL.into_iter().enumerate() {
-            terms.push(TermScore {
-                term: name,
-                raw: self.raw[i],
-                normalised: self.normalised[i],
-                weight: weights[i],
-                contribution: self.normalised[i] * weights[i],
-                available: self.raw[i].is_some(),
-            });
-        }
+    /// The candidate as a decision records it: its raw and normalised terms as arrays
+    /// (the weights are the decision's, recorded once).
+    pub fn to_score(&self) -> CandidateScore {
         CandidateScore {
             worker_id: self.view.status.worker_id.clone(),
             total: self.total,
-            terms,
+            raw: self.raw,
+            normalised: self.normalised,
             prediction: Some(self.forecast.prediction()),
         }
     }
@@ -277,6 +255,13 @@ pub(crate) fn rank<'a>(
     }
 }
 
+/// The weights of `config` as a decision records them.
+pub fn scoring(config: &SchedulerConfig) -> Scoring {
+    Scoring {
+        weights: config.weights.as_array(),
+    }
+}
+
 /// Indices best first from `(total, effective active, index)` keys: lowest total, then
 /// fewest active, then worker id.
 fn best_first<'a>(mut keys: Vec<(f64, u32, u32)>, id: impl Fn(usize) -> &'a str) -> Vec<u32> {
@@ -355,10 +340,10 @@ fn normalise<C: Normalise>(candidates: &mut [C]) {
 mod tests {
     use super::*;
     use crate::testutil::*;
-    use metronome_protocol::{GpuStats, RejectionCode};
+    use metronome_protocol::{GpuStats, RejectionCode, TermScore};
 
-    fn term(c: &CandidateScore, name: TermName) -> &TermScore {
-        c.terms.iter().find(|t| t.term == name).unwrap()
+    fn term(c: &CandidateScore, name: TermName) -> TermScore {
+        c.term(name, &scoring(&SchedulerConfig::default()))
     }
 
     #[test]
@@ -382,11 +367,16 @@ mod tests {
         assert_eq!(e.rejected.len(), 1);
         assert_eq!(e.rejected[0].code, RejectionCode::StaleHeartbeat);
         assert_eq!(e.cost.kv_tokens, 200);
+        assert_eq!(e.scoring, scoring(&SchedulerConfig::default()));
         for c in &e.candidates {
-            let names: Vec<TermName> = c.terms.iter().map(|t| t.term).collect();
+            let terms = c.terms(&e.scoring);
+            let names: Vec<TermName> = terms.iter().map(|t| t.term).collect();
             assert_eq!(names, TermName::ALL);
-            let sum: f64 = c.terms.iter().map(|t| t.contribution).sum();
-            assert!((sum - c.total).abs() < 1e-12);
+            let sum: f64 = terms.iter().map(|t| t.contribution).sum();
+            assert_eq!(
+                sum, c.total,
+                "the total is the contributions summed in term order"
+            );
         }
         let a = term(&e.candidates[1], TermName::ActiveRequests);
         assert_eq!((a.raw, a.normalised, a.available), (Some(2.0), 1.0, true));

@@ -138,8 +138,11 @@ impl Forecast {
             + c.step_per_ktok_ms * (context_tokens + p + default_output / 2.0) / 1000.0)
             .max(1e-3);
         let stall_ms = c.stall_per_prefill_token_ms * p;
-        let mut worst_running: Option<RunningImpact> = None;
-        let mut worst_violation: Option<(f64, RunningImpact)> = None;
+        // The worst are kept as borrowed job ids and named once at the end: this loop runs
+        // for every reservation of every candidate of every decision, and copying a job id
+        // into each impact it builds was a measurable share of a decision's cost.
+        let mut worst_running: Option<(&str, f64, f64)> = None;
+        let mut worst_violation: Option<(f64, &str, f64, f64)> = None;
         let mut violations = 0u32;
         let mut shortfall_tok_s = 0.0;
         for r in ledger.reservations_on(&status.worker_id) {
@@ -154,23 +157,25 @@ impl Forecast {
             });
             let out = out.max(1.0);
             let tok_s = 1000.0 * out / (out * step_ms + r.stall_ms + stall_ms);
-            let impact = RunningImpact {
-                job_id: r.job_id.clone(),
-                tok_s,
-                min_tok_s: floor,
-            };
-            if worst_running.as_ref().is_none_or(|w| tok_s < w.tok_s) {
-                worst_running = Some(impact.clone());
+            if worst_running.is_none_or(|(_, w, _)| tok_s < w) {
+                worst_running = Some((&r.job_id, tok_s, floor));
             }
             let shortfall = floor - tok_s;
             if shortfall > 0.0 {
                 violations += 1;
                 shortfall_tok_s += shortfall;
             }
-            if shortfall > 0.0 && worst_violation.as_ref().is_none_or(|(s, _)| shortfall > *s) {
-                worst_violation = Some((shortfall, impact));
+            if shortfall > 0.0 && worst_violation.is_none_or(|(s, ..)| shortfall > s) {
+                worst_violation = Some((shortfall, &r.job_id, tok_s, floor));
             }
         }
+        let impact = |job_id: &str, tok_s: f64, min_tok_s: f64| RunningImpact {
+            job_id: job_id.to_owned(),
+            tok_s,
+            min_tok_s,
+        };
+        let worst_running = worst_running.map(|(j, t, f)| impact(j, t, f));
+        let worst_violation = worst_violation.map(|(_, j, t, f)| impact(j, t, f));
         Forecast {
             coefficients,
             streams_before,
@@ -187,7 +192,7 @@ impl Forecast {
             ),
             stall_ms,
             worst_running,
-            worst_violation: worst_violation.map(|(_, i)| i),
+            worst_violation,
             violations,
             shortfall_tok_s,
         }

@@ -29,7 +29,6 @@ pub fn least_harm(
     now_ms: u64,
 ) -> Evaluation {
     let ranked = rank(&filter::LEAST_HARM, job, workers, ledger, config, now_ms);
-    let weights = config.weights.as_array();
     // Best score first, so the stable minimum below breaks harm ties by score.
     let pick = ranked
         .order
@@ -47,7 +46,7 @@ pub fn least_harm(
         });
     let mut candidates = Vec::with_capacity(ranked.candidates.len());
     if let Some(p) = pick {
-        candidates.push(ranked.candidates[p].to_score(&weights));
+        candidates.push(ranked.candidates[p].to_score());
     }
     candidates.extend(
         ranked
@@ -55,11 +54,12 @@ pub fn least_harm(
             .iter()
             .map(|&i| i as usize)
             .filter(|&i| Some(i) != pick)
-            .map(|i| ranked.candidates[i].to_score(&weights)),
+            .map(|i| ranked.candidates[i].to_score()),
     );
     Evaluation {
         winner: pick.map(|p| ranked.candidates[p].worker_id().to_owned()),
         candidates,
+        scoring: crate::evaluate::scoring(config),
         rejected: ranked.rejected,
         cost: job.cost_estimate(),
         winner_stall_ms: pick.map_or(0.0, |p| ranked.candidates[p].forecast.stall_ms),

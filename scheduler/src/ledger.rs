@@ -133,16 +133,26 @@ impl Reconciliation {
 /// One worker's reservations in booking order, with their running KV total.
 #[derive(Debug, Clone, Default)]
 struct WorkerBook {
-    /// `(job_id, kv_tokens)`; kept small (bounded by the worker's cap) so linear scans are
-    /// cheaper than a second map.
-    jobs: Vec<(String, u64)>,
+    /// Kept small (bounded by the worker's cap) and held here rather than behind the job
+    /// map: every decision walks each candidate's reservations several times (its load, its
+    /// stall fraction, the forecast of every running job), and a walk over contiguous
+    /// records costs no lookup per job, where a B-tree lookup by job id costs a dozen
+    /// string comparisons each.
+    jobs: Vec<Reservation>,
     kv_tokens: u64,
+}
+
+impl WorkerBook {
+    fn position(&self, job_id: &str) -> Option<usize> {
+        self.jobs.iter().position(|r| r.job_id == job_id)
+    }
 }
 
 /// The reservation ledger, keyed by job id.
 #[derive(Debug, Clone, Default)]
 pub struct Ledger {
-    jobs: BTreeMap<String, Reservation>,
+    /// Job id → the worker it is booked on; the reservation itself is in that worker's book.
+    jobs: BTreeMap<String, String>,
     workers: HashMap<String, WorkerBook, FixedState>,
 }
 
@@ -182,15 +192,11 @@ impl Ledger {
         if !(stall_ms.is_finite() && stall_ms > 0.0) {
             return;
         }
-        let Some(book) = self.workers.get(worker_id) else {
+        let Some(book) = self.workers.get_mut(worker_id) else {
             return;
         };
-        for (job, _) in &book.jobs {
-            if job != except_job {
-                if let Some(r) = self.jobs.get_mut(job) {
-                    r.stall_ms += stall_ms;
-                }
-            }
+        for r in book.jobs.iter_mut().filter(|r| r.job_id != except_job) {
+            r.stall_ms += stall_ms;
         }
     }
 
@@ -223,7 +229,6 @@ impl Ledger {
             .get(worker_id)
             .into_iter()
             .flat_map(|b| b.jobs.iter())
-            .filter_map(|(j, _)| self.jobs.get(j))
     }
 
     fn insert(
@@ -238,41 +243,35 @@ impl Ledger {
         if let Some(existing) = self.jobs.get(job_id) {
             return Err(LedgerError::AlreadyReserved {
                 job_id: job_id.to_owned(),
-                worker_id: existing.worker_id.clone(),
+                worker_id: existing.clone(),
             });
         }
-        self.jobs.insert(
-            job_id.to_owned(),
-            Reservation {
-                job_id: job_id.to_owned(),
-                worker_id: worker_id.to_owned(),
-                kv_tokens,
-                reserved_ms,
-                confirmed_ms,
-                profile,
-                stall_ms: 0.0,
-            },
-        );
+        self.jobs.insert(job_id.to_owned(), worker_id.to_owned());
         let book = match self.workers.get_mut(worker_id) {
             Some(b) => b,
             None => self.workers.entry(worker_id.to_owned()).or_default(),
         };
-        book.jobs.push((job_id.to_owned(), kv_tokens));
+        book.jobs.push(Reservation {
+            job_id: job_id.to_owned(),
+            worker_id: worker_id.to_owned(),
+            kv_tokens,
+            reserved_ms,
+            confirmed_ms,
+            profile,
+            stall_ms: 0.0,
+        });
         book.kv_tokens = book.kv_tokens.saturating_add(kv_tokens);
         Ok(())
     }
 
     /// Release a job's reservation. Idempotent: `None` when it was not (or no longer) booked.
     pub fn release(&mut self, job_id: &str) -> Option<Reservation> {
-        let r = self.jobs.remove(job_id)?;
-        if let Some(book) = self.workers.get_mut(&r.worker_id) {
-            if let Some(pos) = book.jobs.iter().position(|(j, _)| j == job_id) {
-                let (_, kv) = book.jobs.remove(pos);
-                book.kv_tokens = book.kv_tokens.saturating_sub(kv);
-            }
-            if book.jobs.is_empty() {
-                self.workers.remove(&r.worker_id);
-            }
+        let worker_id = self.jobs.remove(job_id)?;
+        let book = self.workers.get_mut(&worker_id)?;
+        let r = book.jobs.remove(book.position(job_id)?);
+        book.kv_tokens = book.kv_tokens.saturating_sub(r.kv_tokens);
+        if book.jobs.is_empty() {
+            self.workers.remove(&worker_id);
         }
         Some(r)
     }
@@ -291,20 +290,19 @@ impl Ledger {
 
     /// Worker the job is booked on.
     pub fn worker_of(&self, job_id: &str) -> Option<&str> {
-        self.jobs.get(job_id).map(|r| r.worker_id.as_str())
+        self.jobs.get(job_id).map(String::as_str)
     }
 
     /// The job's reservation.
     pub fn get(&self, job_id: &str) -> Option<&Reservation> {
-        self.jobs.get(job_id)
+        let book = self.workers.get(self.jobs.get(job_id)?)?;
+        book.jobs.get(book.position(job_id)?)
     }
 
     /// `(job_id, kv_tokens)` of each reservation on the worker, in booking order.
     pub fn jobs_on<'a>(&'a self, worker_id: &str) -> impl Iterator<Item = (&'a str, u64)> + 'a {
-        self.workers
-            .get(worker_id)
-            .into_iter()
-            .flat_map(|b| b.jobs.iter().map(|(j, kv)| (j.as_str(), *kv)))
+        self.reservations_on(worker_id)
+            .map(|r| (r.job_id.as_str(), r.kv_tokens))
     }
 
     /// Reservations on the worker that `in_flight` does not list: booked work the worker
@@ -325,7 +323,8 @@ impl Ledger {
         // search resumes after the previous match: linear in the usual case, quadratic
         // only when the orders disagree.
         let mut from = 0;
-        for (job, tokens) in &book.jobs {
+        for r in &book.jobs {
+            let job = &r.job_id;
             let found = in_flight[from..]
                 .iter()
                 .position(|f| f == job)
@@ -335,7 +334,7 @@ impl Ledger {
                 Some(k) => from = (k + 1) % in_flight.len(),
                 None => {
                     count = count.saturating_add(1);
-                    kv = kv.saturating_add(*tokens);
+                    kv = kv.saturating_add(r.kv_tokens);
                 }
             }
         }
@@ -360,8 +359,15 @@ impl Ledger {
     ) -> Reconciliation {
         let mut out = Reconciliation::default();
         for job_id in in_flight {
-            match self.jobs.get_mut(job_id.as_str()) {
-                Some(r) if r.worker_id == worker_id => r.confirmed_ms = r.confirmed_ms.max(now_ms),
+            match self.jobs.get(job_id.as_str()) {
+                Some(w) if w == worker_id => {
+                    if let Some(book) = self.workers.get_mut(worker_id) {
+                        if let Some(i) = book.position(job_id) {
+                            let r = &mut book.jobs[i];
+                            r.confirmed_ms = r.confirmed_ms.max(now_ms);
+                        }
+                    }
+                }
                 Some(_) => out.conflicting.push(job_id.clone()),
                 None => {
                     if self
@@ -374,14 +380,10 @@ impl Ledger {
             }
         }
         let stale: Vec<String> = self
-            .jobs_on(worker_id)
-            .filter(|(job, _)| !in_flight.iter().any(|f| f == job))
-            .filter(|(job, _)| {
-                self.jobs
-                    .get(*job)
-                    .is_some_and(|r| now_ms.saturating_sub(r.last_seen_ms()) > ttl_ms)
-            })
-            .map(|(job, _)| job.to_owned())
+            .reservations_on(worker_id)
+            .filter(|r| !in_flight.contains(&r.job_id))
+            .filter(|r| now_ms.saturating_sub(r.last_seen_ms()) > ttl_ms)
+            .map(|r| r.job_id.clone())
             .collect();
         for job in stale {
             self.release(&job);
@@ -395,10 +397,10 @@ impl Ledger {
         let Some(book) = self.workers.remove(worker_id) else {
             return Vec::new();
         };
+        for r in &book.jobs {
+            self.jobs.remove(&r.job_id);
+        }
         book.jobs
-            .into_iter()
-            .filter_map(|(job, _)| self.jobs.remove(&job))
-            .collect()
     }
 
     /// Number of reservations.
@@ -412,7 +414,7 @@ impl Ledger {
 
     /// Every reservation, ordered by job id.
     pub fn iter(&self) -> impl Iterator<Item = &Reservation> {
-        self.jobs.values()
+        self.jobs.keys().filter_map(|job| self.get(job))
     }
 }
 

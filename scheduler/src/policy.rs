@@ -158,10 +158,9 @@ pub fn choose(
             }
         })
     };
-    let weights = config.weights.as_array();
     let mut candidates = Vec::with_capacity(cands.len());
     if let Some(p) = pick {
-        candidates.push(cands[p].to_score(&weights));
+        candidates.push(cands[p].to_score());
     }
     candidates.extend(
         ranked
@@ -169,11 +168,12 @@ pub fn choose(
             .iter()
             .map(|&i| i as usize)
             .filter(|&i| Some(i) != pick)
-            .map(|i| cands[i].to_score(&weights)),
+            .map(|i| cands[i].to_score()),
     );
     Evaluation {
         winner: pick.map(|p| cands[p].worker_id().to_owned()),
         candidates,
+        scoring: crate::evaluate::scoring(config),
         rejected: ranked.rejected,
         cost: job.cost_estimate(),
         winner_stall_ms: pick.map_or(0.0, |p| cands[p].forecast.stall_ms),
@@ -270,7 +270,10 @@ mod tests {
             );
             assert_eq!(e.winner.as_deref(), Some("w0"), "{kind}");
             assert_eq!(e.rejected[0].code, RejectionCode::Unhealthy);
-            assert_eq!(e.candidates[0].terms.len(), 7);
+            assert_eq!(
+                e.scoring,
+                crate::evaluate::scoring(&SchedulerConfig::default())
+            );
         }
         let e = evaluate(
             &job("m"),

@@ -5,7 +5,9 @@
 //! workers; re-scoring a recorded decision reproduces it. Baseline policies pick a worker that passes the eligibility filters whenever
 //! one exists, whatever the order of the workers.
 
-use metronome_protocol::{CandidateScore, GpuStats, KvUsage, WorkerStatus};
+use metronome_protocol::{
+    CandidateScore, Decision, GpuStats, KvUsage, Outcome, WorkerStatus, DECISION_VERSION,
+};
 use metronome_scheduler::filter::{self, FilterContext};
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
 use metronome_scheduler::{
@@ -221,7 +223,7 @@ proptest! {
             prop_assert!(passes_admission(&job, view, &ledger, &config));
             for c in &e.candidates {
                 prop_assert!(c.total >= e.candidates[0].total);
-                for t in &c.terms {
+                for t in &c.terms(&e.scoring) {
                     prop_assert!((0.0..=1.0).contains(&t.normalised), "{:?}", t);
                     prop_assert_eq!(t.available, t.raw.is_some());
                 }
@@ -407,4 +409,86 @@ proptest! {
         let live = evaluate(&job, &workers, &ledger, &reweighted, NOW);
         prop_assert_eq!(rescore(&recorded, &other.weights), live.candidates);
     }
+
+    /// Replay from a whole record, in either form: a decision written compactly (version 3)
+    /// or as version 2 wrote it (every term an object with its weight) reads back to the
+    /// same candidates and weights, and re-scoring them under the recorded weights gives
+    /// the decision's own totals and order, bit for bit.
+    #[test]
+    fn a_recorded_decision_in_either_form_rescores_to_itself(
+        specs in prop::collection::vec(worker_spec(), 0..10),
+        job in job_strategy(),
+        config in config_strategy(),
+    ) {
+        let (workers, ledger) = build(&specs);
+        let e = evaluate(&job, &workers, &ledger, &config, NOW);
+        let decision = record(&e);
+        let compact = serde_json::to_value(&decision).unwrap();
+        prop_assert_eq!(compact["v"].as_u64(), Some(u64::from(DECISION_VERSION)));
+        let old = version_2(&decision);
+        for json in [compact, old] {
+            let read: Decision = serde_json::from_value(json).unwrap();
+            prop_assert_eq!(&read.candidates, &e.candidates);
+            let weights = read.scoring.map(|s| metronome_scheduler::Weights::from_array(s.weights));
+            if let Some(w) = weights {
+                prop_assert_eq!(w, config.weights.clone());
+                prop_assert_eq!(rescore(&read.candidates, &config.weights), e.candidates.clone());
+            } else {
+                prop_assert!(e.candidates.is_empty());
+            }
+        }
+    }
+}
+
+/// The decision record of an evaluation, as the dispatcher writes one.
+fn record(e: &metronome_scheduler::Evaluation) -> Decision {
+    Decision {
+        v: DECISION_VERSION,
+        job_id: "job".into(),
+        model: Some("m".into()),
+        outcome: Outcome::Assigned,
+        attempt: 1,
+        reason: None,
+        reason_code: None,
+        worker_id: e.winner.clone(),
+        cost: Some(e.cost.clone()),
+        scoring: Some(e.scoring),
+        candidates: e.candidates.clone(),
+        rejected: e.rejected.clone(),
+        slo: None,
+        retry_after_ms: None,
+        policy: "metronome".into(),
+        queue_wait_ms: 0,
+        decision_latency_us: 0,
+        epoch: 1,
+        dispatcher_id: "d".into(),
+        decided_ms: NOW,
+        tenant: None,
+        priority: None,
+        fair_counter: None,
+    }
+}
+
+/// `d` as a version-2 dispatcher wrote it: every candidate's terms as objects carrying their
+/// weight and contribution, no `scoring`.
+fn version_2(d: &Decision) -> serde_json::Value {
+    let mut json = serde_json::to_value(d).unwrap();
+    let scoring = d.scoring.unwrap_or_default();
+    let candidates: Vec<serde_json::Value> = d
+        .candidates
+        .iter()
+        .map(|c| {
+            serde_json::json!({
+                "worker_id": c.worker_id,
+                "total": c.total,
+                "terms": c.terms(&scoring),
+                "prediction": c.prediction,
+            })
+        })
+        .collect();
+    let map = json.as_object_mut().unwrap();
+    map.remove("scoring");
+    map.insert("v".into(), 2.into());
+    map.insert("candidates".into(), candidates.into());
+    json
 }

@@ -240,6 +240,11 @@ impl NatsServer {
         self.port
     }
 
+    /// The server's process id while it runs (a benchmark reads its CPU time).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Stop gracefully (SIGTERM); the JetStream data stays for [`NatsServer::restart`].
     pub fn stop(&mut self) {
         kill_child(&mut self.child, 15);

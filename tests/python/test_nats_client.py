@@ -141,8 +141,14 @@ def test_direct_submission_streams_chunks_and_final_result(system):
     assert decision["outcome"] == "assigned"
     assert decision["worker_id"] == final["worker_id"]
     assert decision["candidates"], decision
+    # The compact record (version 3): term names and weights once, each candidate's terms
+    # as arrays in that order.
+    assert decision["v"] == 3, decision
+    assert len(decision["scoring"]["terms"]) == 7
+    assert len(decision["scoring"]["weights"]) == 7
     for candidate in decision["candidates"]:
-        assert len(candidate["terms"]) == 7
+        assert len(candidate["raw"]) == 7
+        assert len(candidate["normalised"]) == 7
 
 
 def test_direct_submission_of_unknown_model_is_rejected_with_reason(system):

@@ -72,11 +72,10 @@ async fn ewmas_survive_a_restart_and_keep_the_fast_gpu_preferred() {
         .iter()
         .find(|c| c.worker_id == worker_id(0))
         .expect("slow GPU was a candidate");
-    let latency = slow_candidate
-        .terms
-        .iter()
-        .find(|t| t.term == metronome_protocol::TermName::ThroughputEwma)
-        .unwrap();
+    let latency = slow_candidate.term(
+        metronome_protocol::TermName::ThroughputEwma,
+        &decision.scoring.unwrap_or_default(),
+    );
     assert!(
         latency.available,
         "EWMA known right after restart: {decision:#?}"

@@ -257,12 +257,18 @@ impl Env {
 
     /// The latest decision of one job, whatever its tenant, when there is one.
     pub async fn decision(&self, job_id: &str) -> Option<Decision> {
+        let raw = self.decision_json(job_id).await?;
+        Some(serde_json::from_value(raw).expect("decision decodes"))
+    }
+
+    /// The latest decision of one job as stored, untyped: the wire form itself.
+    pub async fn decision_json(&self, job_id: &str) -> Option<serde_json::Value> {
         let stream = self.js.get_stream(names::STREAM_DECISIONS).await.unwrap();
         let m = stream
             .get_last_raw_message_by_subject(&names::decision_subject_any_tenant(job_id))
             .await
             .ok()?;
-        Some(serde_json::from_slice(&m.payload).expect("decision decodes"))
+        Some(serde_json::from_slice(&m.payload).expect("decision is JSON"))
     }
 
     /// Wait until decisions exist for each of `ids`; return them by job id.

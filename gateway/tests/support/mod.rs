@@ -409,6 +409,7 @@ fn decision(job: &Job, outcome: Outcome, reason_code: Option<&str>) -> Decision 
         reason_code: reason_code.map(String::from),
         worker_id: (outcome == Outcome::Assigned).then(|| WORKER.to_string()),
         cost: None,
+        scoring: None,
         candidates: vec![],
         rejected: vec![],
         slo: None,

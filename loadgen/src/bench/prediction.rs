@@ -4,8 +4,10 @@
 //! A decision (the last record on `decisions.<job_id>`) lists its candidates; the winner's
 //! (the one whose `worker_id` is the decision's) may carry
 //! `prediction = {ttft_ms, decode_tok_s, worst_running_tok_s, streams_after, model_samples}`.
-//! It is read as untyped JSON so this tool works with any build: no prediction (baseline
-//! policies, older builds) means the job is skipped. The TTFT the client sees includes the
+//! It is read as untyped JSON so this tool works with any build (the compact record of
+//! version 3 and the per-term objects of version 2 carry the candidates' `worker_id` and
+//! `prediction` alike): no prediction (baseline policies, older builds) means the job is
+//! skipped. The TTFT the client sees includes the
 //! admission queue, so predicted TTFT = `queue_wait_ms + prediction.ttft_ms`, against the
 //! load generator's TTFT; predicted decode rate = `prediction.decode_tok_s`, against its
 //! tokens/s. Error = `|predicted − actual| / actual`; p50 and p90 are nearest-rank. Pure.
@@ -137,6 +139,57 @@ mod tests {
         let p = predicted(&d).unwrap();
         assert_eq!(p.ttft_ms, 400.0);
         assert_eq!(p.decode_tok_s, Some(42.5));
+    }
+
+    #[test]
+    fn reads_the_prediction_of_a_compact_record_as_the_dispatcher_writes_it() {
+        use metronome_protocol::*;
+        let p = Prediction {
+            ttft_ms: 80.0,
+            decode_tok_s: 40.0,
+            step_tok_s: Some(44.0),
+            worst_running_tok_s: None,
+            streams_after: 2,
+            model_samples: 9,
+        };
+        let candidate = |w: &str, prediction| CandidateScore {
+            worker_id: w.into(),
+            total: 0.5,
+            raw: [Some(1.0); TERM_COUNT],
+            normalised: [0.1; TERM_COUNT],
+            prediction,
+        };
+        let mut d = serde_json::to_value(Decision {
+            v: DECISION_VERSION,
+            job_id: "j2".into(),
+            model: Some("m".into()),
+            outcome: Outcome::Assigned,
+            attempt: 1,
+            reason: None,
+            reason_code: None,
+            worker_id: Some("gpu1".into()),
+            cost: None,
+            scoring: Some(Scoring::default()),
+            candidates: vec![candidate("gpu0", None), candidate("gpu1", Some(p))],
+            rejected: vec![],
+            slo: None,
+            retry_after_ms: None,
+            policy: "metronome".into(),
+            queue_wait_ms: 20,
+            decision_latency_us: 1,
+            epoch: 1,
+            dispatcher_id: "d".into(),
+            decided_ms: 0,
+            tenant: None,
+            priority: None,
+            fair_counter: None,
+        })
+        .unwrap();
+        assert!(d["candidates"][1].get("terms").is_none(), "{d}");
+        let got = predicted(&d).unwrap();
+        assert_eq!((got.ttft_ms, got.decode_tok_s), (100.0, Some(40.0)));
+        d["worker_id"] = json!("gpu0");
+        assert_eq!(predicted(&d), None, "a candidate without a prediction");
     }
 
     #[test]

@@ -153,9 +153,24 @@ function table(headings, rows, attrs) {
   return t;
 }
 
-function termTable(candidate) {
+// A candidate's terms in full. Records of version 3 (what the API serves) give the term
+// names and weights once per decision (`scoring`) and each candidate's raw and normalised
+// values as arrays in that order; version 2 listed each term as an object.
+function candidateTerms(candidate, scoring) {
+  if (Array.isArray(candidate.terms)) return candidate.terms;
+  const names = (scoring && scoring.terms) || [];
+  return names.map((name, i) => {
+    const raw = candidate.raw ? candidate.raw[i] : null;
+    const normalised = candidate.normalised ? candidate.normalised[i] : 0;
+    const weight = scoring.weights ? scoring.weights[i] : 0;
+    return { term: name, raw, normalised, weight, contribution: normalised * weight,
+      available: raw !== null && raw !== undefined };
+  });
+}
+
+function termTable(candidate, scoring) {
   return table(["term", "raw", "normalised", "weight", "contribution", ""],
-    candidate.terms.map((term) => row([
+    candidateTerms(candidate, scoring).map((term) => row([
       term.term, na(term.raw, (x) => +x.toFixed(3)), num3(term.normalised), num3(term.weight),
       num3(term.contribution), term.available ? "" : "signal unavailable",
     ], { "data-term": term.term })),
@@ -189,7 +204,7 @@ function renderExplain(story) {
       `${c.worker_id}  total ${num3(c.total)}${isWinner ? "  ← winner" : ""}` +
       (p ? `  predicted TTFT ${ms(p.ttft_ms)}, ${tps(p.decode_tok_s)}, ${p.streams_after} streams after` : ""),
       { class: isWinner ? "candidate winner" : "candidate", "data-candidate-total": c.worker_id }));
-    box.appendChild(termTable(c));
+    box.appendChild(termTable(c, last.scoring));
   }
 
   if (last.rejected.length) {
