@@ -50,6 +50,7 @@ fn assigned(job_id: &str, worker: &str) -> Decision {
         reason_code: None,
         worker_id: Some(worker.into()),
         cost: None,
+        scoring: None,
         candidates: vec![],
         rejected: vec![],
         slo: None,
