@@ -103,6 +103,11 @@ play() { # $1 = inventory, $2 = staging base, rest = ansible-playbook arguments
   ansible-playbook -i "$inv" -e "@$(vars_file "$stage")" "$@" > "$WORK/last.log" 2>&1
 }
 
+play_failure() { # what an operator needs from a failed run: its errors, then its recap
+  grep -E -A6 '^(fatal|failed):|^ERROR|FAILED!' "$WORK/last.log" | head -n 60
+  grep -E -A4 '^PLAY RECAP' "$WORK/last.log" || { echo "(no PLAY RECAP: the run stopped early; its last lines)"; tail -n 15 "$WORK/last.log"; }
+}
+
 recap_changed() { # prints "host changed=N" for every host of the last run
   grep -E '^[A-Za-z0-9_.-]+ +: ok=' "$WORK/last.log" | sed -E 's/^([^ ]+) +:.* changed=([0-9]+).*/\1 changed=\2/'
 }
@@ -556,10 +561,13 @@ else
 fi
 INV_PLAIN="$WORK/inventory-plain"
 cp -r "$ANSIBLE_DIR/inventories/example" "$INV_PLAIN"
-if play "$INV_PLAIN" "$WORK/stage-plain" site.yml -e metronome_tls=false && out=$(tls_check "$WORK/stage-plain" off 2>&1); then
+out=
+if ! play "$INV_PLAIN" "$WORK/stage-plain" site.yml -e metronome_tls=false; then
+  fail "metronome_tls=false renders plain text everywhere (the playbook run failed)" "$(play_failure)"
+elif out=$(tls_check "$WORK/stage-plain" off 2>&1); then
   pass "metronome_tls=false renders plain text everywhere (no tls block, redis:// URLs, no CA settings)"
 else
-  fail "metronome_tls=false renders plain text everywhere (no tls block, redis:// URLs, no CA settings)" "$(tail -n 30 "$WORK/last.log")${out:+$'\n'$out}"
+  fail "metronome_tls=false renders plain text everywhere (no tls block, redis:// URLs, no CA settings)" "$out"
 fi
 
 # --- each config accepted by its own binary -------------------------------------------
@@ -764,7 +772,7 @@ if play "$INV" "$WORK/stage-noverify" site.yml --limit gpu-node-1 -e metronome_n
   && grep -q '^cert_file = ' "$WORK/stage-noverify/gpu-node-1/etc/metronome/gateway.toml"; then
   pass "metronome_nats_verify_clients=false: nats-server keeps TLS without verify (components keep their certificates)"
 else
-  fail "metronome_nats_verify_clients=false: nats-server keeps TLS without verify" "$(tail -n 30 "$WORK/last.log")"
+  fail "metronome_nats_verify_clients=false: nats-server keeps TLS without verify" "$(play_failure)"
 fi
 
 # --- installing from a release archive ---------------------------------------------------
