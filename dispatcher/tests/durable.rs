@@ -100,6 +100,10 @@ async fn a_cancel_that_overtakes_its_job_is_applied_when_the_job_arrives() {
     let env = Env::start().await;
     env.workers("co", 1, "model-co", 4).await;
     let (running, token) = env.dispatcher(env.config("cancel")).await;
+    // Cancels are plain NATS messages: one sent before a leader subscribes reaches no one.
+    // A first decided job says the leader is subscribed.
+    env.submit("co-leading", "model-co", 10, 10).await;
+    env.decisions_for(&["co-leading".to_string()]).await;
     env.client
         .publish(names::cancel_subject(None, "co-1"), bytes::Bytes::new())
         .await
@@ -120,7 +124,7 @@ async fn a_cancel_that_overtakes_its_job_is_applied_when_the_job_arrives() {
         .into_iter()
         .map(|(a, _)| a.job.id)
         .collect();
-    assert_eq!(ids, ["co-marker"]);
+    assert_eq!(ids, ["co-leading", "co-marker"]);
     token.cancel();
     running.join().await.unwrap();
 }
