@@ -527,12 +527,6 @@ pub async fn spawn_cancels(
         .subscribe(SUBJECT_CANCEL_ALL)
         .await
         .map_err(|e| DispatcherError::Nats(format!("subscribing to cancellations: {e}")))?;
-    // The server holds the subscription before the term reads its first job: a cancel sent
-    // after a job of this term was decided is never missed for want of it.
-    client
-        .flush()
-        .await
-        .map_err(|e| DispatcherError::Nats(format!("subscribing to cancellations: {e}")))?;
     Ok(tokio::spawn(async move {
         loop {
             let next = tokio::select! {

@@ -561,7 +561,6 @@ else
 fi
 INV_PLAIN="$WORK/inventory-plain"
 cp -r "$ANSIBLE_DIR/inventories/example" "$INV_PLAIN"
-out=
 if ! play "$INV_PLAIN" "$WORK/stage-plain" site.yml -e metronome_tls=false; then
   fail "metronome_tls=false renders plain text everywhere (the playbook run failed)" "$(play_failure)"
 elif out=$(tls_check "$WORK/stage-plain" off 2>&1); then
