@@ -24,6 +24,7 @@
 //! planned requests); every planned request ends in exactly one record.
 
 pub mod agent;
+pub mod fairness;
 pub mod gpu;
 pub mod world;
 

@@ -11,7 +11,9 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use metronome_dispatcher::Config as DispatcherConfig;
 use metronome_gpu_sim::SimGpuConfig;
+use metronome_lab::fairness::{run_fairness, TenantFigures};
 use metronome_lab::{Cluster, LabConfig, LabRun, Latencies, MaxTokens};
+use metronome_loadgen::bench::fairness::FairnessPlan;
 use metronome_loadgen::bench::curve::{capacity_at_slo, CurvePoint, ATTAINMENT_TARGET};
 use metronome_loadgen::bench::scenarios::{cluster_speeds, nominal_for, BenchPlan, MODEL};
 use metronome_loadgen::{meets_slo, plan_requests, summarize, Slo, Workload};
@@ -77,6 +79,11 @@ struct Args {
     /// Print only the summary (attainment per load, capacity at SLO), not every point.
     #[arg(long)]
     summary_only: bool,
+    /// Run the fairness drill instead (`metronome-bench --fairness`'s tenants, rates and
+    /// arrivals; the first cluster; `--seeds` seed the arrivals, 11 is the drill's own):
+    /// B's TTFT alone and beside A's flood.
+    #[arg(long)]
+    fairness: bool,
 }
 
 /// One measured point.
@@ -119,6 +126,9 @@ fn main() -> anyhow::Result<()> {
         Some(("fixed", n)) => MaxTokens::Fixed(n.parse().context("--max-tokens fixed:N")?),
         _ => bail!("--max-tokens: exact, scaled:F or fixed:N"),
     };
+    if args.fairness {
+        return fairness(&args, &plan, dispatcher, max_tokens);
+    }
     let slo = Slo::default();
     let mut points: Vec<Point> = Vec::new();
     if !args.summary_only {
@@ -131,34 +141,13 @@ fn main() -> anyhow::Result<()> {
     // load in turn; each seed is a run of its own.
     for (k, &seed) in args.seeds.iter().enumerate() {
         for cluster in &args.clusters {
-            let speeds = match cluster_speeds(cluster) {
-                Some(s) => s,
-                None => cluster
-                    .split(',')
-                    .map(|s| s.trim().parse::<f64>())
-                    .collect::<Result<Vec<_>, _>>()
-                    .with_context(|| format!("cluster {cluster:?}: a name or speeds"))?,
-            };
+            let speeds = speeds_of(cluster)?;
             for policy in &args.policies {
                 let kind: PolicyKind = policy
                     .parse()
                     .map_err(|e| anyhow::anyhow!("policy {policy:?}: {e}"))?;
                 dispatcher.policy = kind;
-                let config = LabConfig {
-                    dispatcher: dispatcher.clone(),
-                    agent: metronome_worker_agent::Config::default(),
-                    gpus: speeds
-                        .iter()
-                        .map(|&speed| SimGpuConfig {
-                            speed,
-                            ..SimGpuConfig::new(MODEL)
-                        })
-                        .collect(),
-                    latencies: Latencies::default(),
-                    sample_ms: 100.0,
-                    warmup_ms: 3_000.0,
-                    max_tokens,
-                };
+                let config = lab_config(dispatcher.clone(), &speeds, max_tokens);
                 let mut system = Cluster::new(&config);
                 for workload in &args.workloads {
                     let nominal = nominal_for(&plan, workload, &speeds)?;
@@ -210,6 +199,82 @@ fn main() -> anyhow::Result<()> {
     }
     print_summary(&points, &args.policies, &args.loads);
     Ok(())
+}
+
+/// The fairness drill on the first cluster, once per seed.
+fn fairness(
+    args: &Args,
+    plan: &BenchPlan,
+    dispatcher: DispatcherConfig,
+    max_tokens: MaxTokens,
+) -> anyhow::Result<()> {
+    let cluster = args.clusters.first().context("no cluster")?;
+    let speeds = speeds_of(cluster)?;
+    let drill = FairnessPlan::new(plan.repo.clone());
+    let nominal = nominal_for(plan, "chat", &speeds)?;
+    let config = lab_config(dispatcher, &speeds, max_tokens);
+    println!(
+        "{:<6} {:<14} {:>5} {:>5} {:>8} {:>8} {:>8} {:>8} {:>8}",
+        "seed", "phase/tenant", "sent", "ok", "ttft50", "ttft99", "wait50", "wait99", "out_tps"
+    );
+    for &seed in &args.seeds {
+        let run = run_fairness(&config, &drill, nominal.capacity_rps, seed);
+        let line = |name: &str, f: &TenantFigures| {
+            println!(
+                "{:<6} {:<14} {:>5} {:>5} {:>8.0} {:>8.0} {:>8.0} {:>8.0} {:>8.0}",
+                seed,
+                name,
+                f.sent,
+                f.ok,
+                f.ttft_p50_ms,
+                f.ttft_p99_ms,
+                f.wait_p50_ms,
+                f.wait_p99_ms,
+                f.output_tok_s
+            )
+        };
+        line("alone/steady", &run.alone);
+        line("flood/steady", &run.steady);
+        line("flood/flood", &run.flood);
+        println!(
+            "{:<6} B's TTFT p99 beside the flood: {:.2}x alone (target <= 1.5); idle while a job waited {:.2} %",
+            seed,
+            run.p99_ratio(),
+            100.0 * run.flood_idle_share
+        );
+    }
+    Ok(())
+}
+
+fn speeds_of(cluster: &str) -> anyhow::Result<Vec<f64>> {
+    match cluster_speeds(cluster) {
+        Some(s) => Ok(s),
+        None => cluster
+            .split(',')
+            .map(|s| s.trim().parse::<f64>())
+            .collect::<Result<Vec<_>, _>>()
+            .with_context(|| format!("cluster {cluster:?}: a name or speeds")),
+    }
+}
+
+fn lab_config(dispatcher: DispatcherConfig, speeds: &[f64], max_tokens: MaxTokens) -> LabConfig {
+    LabConfig {
+        dispatcher,
+        agent: metronome_worker_agent::Config::default(),
+        gpus: speeds
+            .iter()
+            .map(|&speed| SimGpuConfig {
+                speed,
+                ..SimGpuConfig::new(MODEL)
+            })
+            .collect(),
+        latencies: Latencies::default(),
+        sample_ms: 100.0,
+        warmup_ms: 3_000.0,
+        max_tokens,
+        tenants: Vec::new(),
+        queue_timeout_ms: None,
+    }
 }
 
 fn point_line(

@@ -74,6 +74,11 @@ pub struct LabConfig {
     pub warmup_ms: f64,
     /// What each job asks for as `max_tokens`, against the length it will write.
     pub max_tokens: MaxTokens,
+    /// Tenant names by the planned requests' tenant index (empty: jobs carry no tenant).
+    pub tenants: Vec<String>,
+    /// Each job's deadline after its submission, ms, as the gateway sets it from its
+    /// `queue_timeout_ms` (None: no deadline in the job; the dispatcher's default applies).
+    pub queue_timeout_ms: Option<u64>,
 }
 
 /// How clients set `max_tokens`. The load generator asks for exactly the length a request
@@ -252,6 +257,8 @@ struct World {
     point_start_ms: f64,
     /// Hold counters at the start of the current point.
     holds_before: BTreeMap<String, u64>,
+    tenants: Vec<String>,
+    queue_timeout_ms: Option<u64>,
 }
 
 /// A simulated cluster that keeps its state from one run to the next, as a system that
@@ -345,9 +352,15 @@ impl World {
             points: 0,
             point_start_ms: 0.0,
             holds_before: BTreeMap::new(),
+            tenants: config.tenants.clone(),
+            queue_timeout_ms: config.queue_timeout_ms,
         };
         w.start();
         w
+    }
+
+    fn tenant_of(&self, r: &PlannedRequest) -> Option<String> {
+        r.tenant.and_then(|t| self.tenants.get(t).cloned())
     }
 
     fn holds(&self) -> BTreeMap<String, u64> {
@@ -460,9 +473,9 @@ impl World {
                     prompt_tokens: r.prompt_tokens,
                     max_tokens: self.max_tokens.of(r.output_tokens),
                     submitted_ms: self.unix(now),
-                    deadline_ms: None,
+                    deadline_ms: self.queue_timeout_ms.map(|t| self.unix(now) + t),
                     slo: None,
-                    tenant: None,
+                    tenant: self.tenant_of(&r),
                     priority: None,
                 };
                 let arrive = now + self.lat.submit_ms;
@@ -790,7 +803,7 @@ impl World {
                     chunks: c.tokens,
                     job_id: Some(format!("lab-{}-{}", self.points, r.id)),
                     worker: c.worker.clone(),
-                    tenant: None,
+                    tenant: self.tenant_of(r),
                 };
                 rec.derive_rates();
                 rec

@@ -18,6 +18,8 @@ fn config(policy: PolicyKind, gpus: usize) -> LabConfig {
         sample_ms: 100.0,
         warmup_ms: 3_000.0,
         max_tokens: MaxTokens::Exact,
+        tenants: Vec::new(),
+        queue_timeout_ms: None,
     }
 }
 
