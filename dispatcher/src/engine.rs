@@ -1260,6 +1260,26 @@ impl Engine {
             let waited = Self::waited_ms(front, slo.ttft_ms, now);
             let mut least_harm_note = None;
             let alone = self.queues.len(model) == 1;
+            if evaluation.winner.is_none() && self.s.policy == PolicyKind::Metronome && !alone {
+                // Others wait too, so the model is short of capacity; but when this job's
+                // tenant runs less than its share of the model, the capacity is short
+                // because another tenant holds more than its own. Waiting for room would
+                // hand the lighter tenant's latency to the flood (room opens only as the
+                // flood's jobs end); placed where it does least harm, the predicted miss
+                // falls on one running job, most likely the heavier tenant's.
+                if let Some((mine, total, share)) =
+                    self.runs_under_fair_share(model, tenant_of(&front.job), now)
+                {
+                    let fallback =
+                        least_harm(&request, workers, &self.ledger, &self.s.scheduler, now);
+                    if fallback.winner.is_some() {
+                        least_harm_note = Some(format!(
+                            "placed where it does least harm: no worker admitted it without a predicted miss, and its tenant runs {mine} of the model's {total} jobs, under its fair share ({share:.1})"
+                        ));
+                        evaluation = fallback;
+                    }
+                }
+            }
             if evaluation.winner.is_none() && self.s.policy == PolicyKind::Metronome && alone {
                 // No worker admits it without a predicted miss. Wait while waiting can
                 // still pay off; at the last moment its predicted TTFT still fits its
@@ -1414,6 +1434,43 @@ impl Engine {
                 decision: Box::new(decision),
             });
         }
+    }
+
+    /// When `tenant` runs fewer of the model's jobs than an equal share among the tenants
+    /// that submitted to it within `[fairness] light_tenant_window_ms`, and is not the
+    /// tenant with the longest backlog: (its running jobs, the active tenants' running
+    /// jobs, the share). `None` with a single active tenant, so single-tenant admission is
+    /// untouched.
+    fn runs_under_fair_share(
+        &self,
+        model: &str,
+        tenant: &str,
+        now: u64,
+    ) -> Option<(usize, usize, f64)> {
+        let window = self.s.fairness.light_tenant_window_ms;
+        if window == 0 {
+            return None;
+        }
+        let vtc = self.queues.fairness(model)?;
+        if vtc.waiting_jobs(tenant) >= vtc.most_waiting() {
+            return None;
+        }
+        let active = self
+            .queues
+            .active_tenants(model, now.saturating_sub(window));
+        if active.len() < 2 || !active.contains(&tenant) {
+            return None;
+        }
+        let (mut mine, mut total) = (0, 0);
+        for a in self.assigned.values().filter(|a| a.job.model == model) {
+            let t = tenant_of(&a.job);
+            if active.contains(&t) {
+                total += 1;
+                mine += usize::from(t == tenant);
+            }
+        }
+        let share = total as f64 / active.len() as f64;
+        ((mine as f64) < share).then_some((mine, total, share))
     }
 
     /// Whether the job at `pos`, about to go to `winner`, must wait instead so that the

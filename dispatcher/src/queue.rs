@@ -364,6 +364,17 @@ impl Queues {
             .any(|(t, &at)| t != tenant && at >= since_ms && vtc.waiting_jobs(t) < after)
     }
 
+    /// Tenants that submitted to the model at or after `since_ms`.
+    pub fn active_tenants(&self, model: &str, since_ms: u64) -> Vec<&str> {
+        self.by_model.get(model).map_or_else(Vec::new, |q| {
+            q.last_arrival_ms
+                .iter()
+                .filter(|(_, &at)| at >= since_ms)
+                .map(|(t, _)| t.as_str())
+                .collect()
+        })
+    }
+
     /// Forget tenants' arrivals older than `before_ms` (they no longer count as active).
     pub fn forget_arrivals_before(&mut self, before_ms: u64) {
         for q in self.by_model.values_mut() {

@@ -436,3 +436,63 @@ fn a_small_job_goes_ahead_of_a_large_one_that_fits_nowhere_yet() {
         "the small job that fits goes ahead; the large one keeps its place"
     );
 }
+
+/// Issue 10: a tenant running less than its share of the model is not made to wait for room
+/// another tenant's flood holds. One worker runs the flood's job; the flood has two more
+/// waiting; the steady tenant's job would stall the running one below its floor. With fair
+/// sharing on it is placed at once where it does least harm, and its decision says why; with
+/// `light_tenant_window_ms = 0` (no fair-share room) it waits like any other job.
+#[test]
+fn a_tenant_under_its_fair_share_is_placed_where_it_does_least_harm() {
+    let run = |window_ms: u64| {
+        let mut config = Config::default();
+        config.fairness.light_tenant_window_ms = window_ms;
+        let mut e = engine_with(&config);
+        step(&mut e, vec![heartbeat("w", &[], 1, T0)], T0);
+        let first = step(&mut e, vec![job_of(Some("flood"), "f1", T0)], T0);
+        assert_eq!(assigned(&first).len(), 1, "{:?}", names(&first));
+        let big = |tenant: &str, id: &str, at: u64| {
+            let Event::Job(mut incoming) = job(id, 6_000, 100, at) else {
+                unreachable!()
+            };
+            let mut j = (*incoming.job).clone();
+            j.tenant = Some(tenant.into());
+            incoming.job = Arc::new(j);
+            Event::Job(incoming)
+        };
+        let at = T0 + 5;
+        let out = step(
+            &mut e,
+            vec![
+                big("flood", "f2", at),
+                big("flood", "f3", at),
+                big("steady", "s1", at + 1),
+            ],
+            at + 1,
+        );
+        out.iter()
+            .filter_map(|o| match o {
+                Outcome::Assign {
+                    job,
+                    worker_id,
+                    decision,
+                    ..
+                } => Some((
+                    job.job.id.clone(),
+                    worker_id.clone(),
+                    decision.reason.clone().unwrap_or_default(),
+                )),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    let placed = run(30_000);
+    assert_eq!(placed.len(), 1, "{placed:?}");
+    assert_eq!((placed[0].0.as_str(), placed[0].1.as_str()), ("s1", "w"));
+    assert!(
+        placed[0].2.contains("under its fair share"),
+        "the decision says why: {:?}",
+        placed[0].2
+    );
+    assert_eq!(run(0), vec![], "without fair-share room every job waits");
+}
