@@ -35,8 +35,8 @@ use metronome_scheduler::filter::fits_when_empty;
 use metronome_scheduler::least_harm;
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
 use metronome_scheduler::{
-    DrainRate, EwmaSnapshot, FairnessConfig, FairnessSnapshot, IdleTtft, JobProfile, JobRequest,
-    Ledger, OutputLength, SchedulerConfig, Tokens, WorkerView,
+    DrainRate, EwmaSnapshot, FairnessConfig, FairnessSnapshot, Forecast, IdleTtft, JobProfile,
+    JobRequest, Ledger, OutputLength, SchedulerConfig, Tokens, WorkerLoad, WorkerView,
 };
 
 pub use crate::event::{Event, Incoming};
@@ -1473,18 +1473,48 @@ impl Engine {
         ((mine as f64) < share).then_some((mine, total, share))
     }
 
+    /// Whether `tenant` runs more of the model's jobs than another tenant that submitted to
+    /// it within `[fairness] light_tenant_window_ms`.
+    fn runs_more_than_an_active_tenant(&self, model: &str, tenant: &str, now: u64) -> bool {
+        let window = self.s.fairness.light_tenant_window_ms;
+        let active = self
+            .queues
+            .active_tenants(model, now.saturating_sub(window));
+        if active.len() < 2 {
+            return false;
+        }
+        let mut running: std::collections::BTreeMap<&str, usize> =
+            active.iter().map(|&t| (t, 0)).collect();
+        for a in self.assigned.values().filter(|a| a.job.model == model) {
+            if let Some(n) = running.get_mut(tenant_of(&a.job)) {
+                *n += 1;
+            }
+        }
+        let mine = running.get(tenant).copied().unwrap_or(0);
+        running.iter().any(|(&t, &n)| t != tenant && n < mine)
+    }
+
     /// Whether the job at `pos`, about to go to `winner`, must wait instead so that the
-    /// model keeps room for a lighter tenant: true when its tenant has more jobs waiting
-    /// than another tenant that submitted within `[fairness] light_tenant_window_ms`, and
-    /// no worker of the model could admit one more job like it once it is placed.
+    /// model keeps room for a lighter tenant. Two kinds of room, each kept only while a
+    /// lighter tenant has submitted within `[fairness] light_tenant_window_ms`:
     ///
-    /// Why: under a flood, admission fills every GPU to the edge of the SLO, so room opens
-    /// only as a job ends, and the light tenant's job, though first in the fair order,
-    /// waits for it (about a second, measured in the fairness drill: its TTFT went from
-    /// ~0.2 s alone to ~1.3 s). Keeping one job's room free in the whole model costs the
-    /// flooder that one job of throughput and lets the light tenant's next job start at
-    /// once. A single tenant, or tenants equally backlogged, keep nothing back, and a job
-    /// bound for an idle GPU is never held (the caller checks).
+    /// - *A place in a batch*: when the job's tenant has more jobs waiting than that
+    ///   tenant, it waits if no worker of the model could admit one more job like it once
+    ///   it is placed. Under a flood, admission fills every GPU to the edge of the SLO, so
+    ///   room opens only as a job ends, and the light tenant's job, though first in the
+    ///   fair order, waited for it (its TTFT went from ~0.2 s alone to ~1.3 s in the
+    ///   fairness drill). Keeping one job's room costs the flooder that one job.
+    /// - *A short prefill queue*: when the job's tenant runs more of the model's jobs than
+    ///   that tenant, it waits if, once it is placed, every worker of the model would have
+    ///   more than `[fairness] light_tenant_prefill_ms` of prefill queued. A model server
+    ///   prefills in arrival order, so a light tenant's job placed behind the flood's
+    ///   prefills waits for them on the GPU, where fair order no longer applies; held here
+    ///   instead, the flood's jobs queue in the dispatcher, behind the light tenant's. This
+    ///   is what the onset of a flood needs: its first jobs fill the GPUs' prefill queues
+    ///   up to the TTFT budget before any of them has to wait.
+    ///
+    /// A single tenant, or tenants equally backlogged and running equally many jobs, keep
+    /// nothing back, and a job bound for an idle GPU is never held (the caller checks).
     fn room_kept_for_lighter_tenant(
         &self,
         model: &str,
@@ -1493,7 +1523,8 @@ impl Engine {
         (winner, stall_ms, profile): (&str, f64, JobProfile),
         now: u64,
     ) -> bool {
-        let window = self.s.fairness.light_tenant_window_ms;
+        let fairness = &self.s.fairness;
+        let window = fairness.light_tenant_window_ms;
         if window == 0 || self.s.policy != PolicyKind::Metronome {
             return false;
         }
@@ -1502,10 +1533,13 @@ impl Engine {
         };
         let tenant = tenant_of(&front.job).to_string();
         let job_id = front.job.id.clone();
-        if !self
-            .queues
-            .lighter_tenant_active(model, &tenant, now.saturating_sub(window))
-        {
+        let backlogged =
+            self.queues
+                .lighter_tenant_active(model, &tenant, now.saturating_sub(window));
+        let prefill_cap_ms = fairness.light_tenant_prefill_ms as f64;
+        let keep_prefill_short = fairness.light_tenant_prefill_ms > 0
+            && self.runs_more_than_an_active_tenant(model, &tenant, now);
+        if !backlogged && !keep_prefill_short {
             return false;
         }
         // The model as it would be with the job placed; then one more like it, fresh.
@@ -1522,6 +1556,24 @@ impl Engine {
             Some(w) if !self.s.decision_list_wrong_model => w,
             _ => &self.workers,
         };
+        let scheduler = &self.s.scheduler;
+        if keep_prefill_short {
+            let shortest_ms = workers
+                .iter()
+                .filter(|w| w.status.model == model && self.alive(w, now))
+                .map(|w| {
+                    let load = WorkerLoad::at(w, &after, scheduler, now);
+                    let f = Forecast::of(&like_it, w, &load, &after, scheduler);
+                    f.coefficients.prefill_per_token_ms * f.pending_prefill_tokens
+                })
+                .fold(f64::INFINITY, f64::min);
+            if shortest_ms > prefill_cap_ms {
+                return true;
+            }
+        }
+        if !backlogged {
+            return false;
+        }
         let mut scratch = self.policy_state.clone();
         choose(
             self.s.policy,
@@ -1529,7 +1581,7 @@ impl Engine {
             &like_it,
             workers,
             &after,
-            &self.s.scheduler,
+            scheduler,
             now,
         )
         .winner

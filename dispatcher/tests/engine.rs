@@ -310,7 +310,11 @@ fn the_expected_output_follows_max_tokens_once_completions_show_it() {
 
 /// A job of `tenant` (`None`: of no tenant).
 fn job_of(tenant: Option<&str>, id: &str, at: u64) -> Event {
-    let Event::Job(mut incoming) = job(id, 100, 10, at) else {
+    sized_job_of(tenant, id, 100, 10, at)
+}
+
+fn sized_job_of(tenant: Option<&str>, id: &str, prompt: u32, max_tokens: u32, at: u64) -> Event {
+    let Event::Job(mut incoming) = job(id, prompt, max_tokens, at) else {
         unreachable!()
     };
     let mut j = (*incoming.job).clone();
@@ -451,15 +455,7 @@ fn a_tenant_under_its_fair_share_is_placed_where_it_does_least_harm() {
         step(&mut e, vec![heartbeat("w", &[], 1, T0)], T0);
         let first = step(&mut e, vec![job_of(Some("flood"), "f1", T0)], T0);
         assert_eq!(assigned(&first).len(), 1, "{:?}", names(&first));
-        let big = |tenant: &str, id: &str, at: u64| {
-            let Event::Job(mut incoming) = job(id, 6_000, 100, at) else {
-                unreachable!()
-            };
-            let mut j = (*incoming.job).clone();
-            j.tenant = Some(tenant.into());
-            incoming.job = Arc::new(j);
-            Event::Job(incoming)
-        };
+        let big = |tenant: &str, id: &str, at: u64| sized_job_of(Some(tenant), id, 6_000, 100, at);
         let at = T0 + 5;
         let out = step(
             &mut e,
@@ -495,4 +491,41 @@ fn a_tenant_under_its_fair_share_is_placed_where_it_does_least_harm() {
         placed[0].2
     );
     assert_eq!(run(0), vec![], "without fair-share room every job waits");
+}
+
+/// Issue 10: while a tenant running fewer jobs is active, another tenant's jobs queue in the
+/// dispatcher, in fair order, rather than in a GPU's first-come prefill queue. The steady
+/// tenant's job has run and ended; the flood sends two 400-token prompts to one worker that
+/// prefills 10,000 tokens/s. The first goes (40 ms of prefill queued); the second would
+/// queue 80 ms, over `light_tenant_prefill_ms` (50), and waits. With the limit off both go.
+#[test]
+fn a_heavier_tenant_does_not_fill_the_prefill_queue_while_a_lighter_one_is_active() {
+    let run = |prefill_ms: u64| {
+        let mut config = Config::default();
+        config.fairness.light_tenant_prefill_ms = prefill_ms;
+        let mut e = engine_with(&config);
+        step(&mut e, vec![heartbeat("w", &[], 1, T0)], T0);
+        let out = step(&mut e, vec![job_of(Some("steady"), "s0", T0)], T0);
+        assert_eq!(assigned(&out).len(), 1, "{:?}", names(&out));
+        step(
+            &mut e,
+            vec![done("s0", "w", 10, CompletionOutcome::Done)],
+            T0 + 1,
+        );
+        let at = T0 + 2;
+        let out = step(
+            &mut e,
+            vec![
+                sized_job_of(Some("flood"), "f1", 400, 10, at),
+                sized_job_of(Some("flood"), "f2", 400, 10, at),
+            ],
+            at,
+        );
+        assigned(&out)
+            .into_iter()
+            .map(|(j, _)| j)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(run(50), ["f1"], "the second prompt waits in the dispatcher");
+    assert_eq!(run(0), ["f1", "f2"], "without the limit both are placed");
 }

@@ -27,7 +27,7 @@ pub struct TenantFigures {
 }
 
 /// The drill's two phases.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct FairnessRun {
     pub steady_rps: f64,
     pub flood_rps: f64,
@@ -39,6 +39,9 @@ pub struct FairnessRun {
     pub flood: TenantFigures,
     /// Share of GPU-time idle while a job waited, in the flood phase.
     pub flood_idle_share: f64,
+    /// The phases' runs, request by request.
+    pub alone_run: LabRun,
+    pub flood_run: LabRun,
 }
 
 impl FairnessRun {
@@ -85,6 +88,8 @@ pub fn run_fairness(
         steady: figures(&flood, STEADY),
         flood: figures(&flood, FLOOD),
         flood_idle_share: flood.idle_ms / flood.sampled_ms.max(1.0),
+        alone_run: alone,
+        flood_run: flood,
     }
 }
 

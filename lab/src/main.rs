@@ -69,7 +69,8 @@ struct Args {
     #[arg(long)]
     dispatcher_toml: Option<String>,
     /// Write each point's per-request CSV under this folder
-    /// (`<cluster>/<workload>/<policy>/<load %>-<seed>.csv`).
+    /// (`<cluster>/<workload>/<policy>/<load %>-<seed>.csv`; with `--fairness`,
+    /// `fairness/<cluster>/<phase>-<seed>.csv`).
     #[arg(long)]
     csv: Option<PathBuf>,
     /// How jobs set max_tokens: `exact` (the output length, as the load generator does),
@@ -233,6 +234,21 @@ fn fairness(
                 f.output_tok_s
             )
         };
+        if let Some(dir) = &args.csv {
+            let dir = dir.join("fairness").join(cluster.replace([',', ' '], "_"));
+            std::fs::create_dir_all(&dir)?;
+            for (phase, out) in [("alone", &run.alone_run), ("flood", &run.flood_run)] {
+                metronome_loadgen::record::write_csv(
+                    &dir.join(format!("{phase}-{seed}.csv")),
+                    &out.records,
+                )
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+                std::fs::write(
+                    dir.join(format!("{phase}-{seed}-predicted.csv")),
+                    predictions_csv(out),
+                )?;
+            }
+        }
         line("alone/steady", &run.alone);
         line("flood/steady", &run.steady);
         line("flood/flood", &run.flood);

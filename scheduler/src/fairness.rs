@@ -48,6 +48,13 @@ pub struct FairnessConfig {
     /// model's workers room for one more job like it (0: never keep room). See
     /// `dispatcher/src/engine.rs` (`room_kept_for_lighter_tenant`).
     pub light_tenant_window_ms: u64,
+    /// While another tenant running fewer of the model's jobs has submitted within
+    /// `light_tenant_window_ms`, a job of a tenant running more is placed only where some
+    /// worker of the model keeps at most this much prefill queued (ms, by the worker's
+    /// fitted prefill time), so the flood's jobs queue in the dispatcher, in fair order,
+    /// not in a GPU's first-come prefill queue (0: no limit). See
+    /// `dispatcher/src/engine.rs` (`room_kept_for_lighter_tenant`).
+    pub light_tenant_prefill_ms: u64,
 }
 
 impl Default for FairnessConfig {
@@ -57,6 +64,9 @@ impl Default for FairnessConfig {
             output_weight: 2.0,
             aging_dispatches: 8,
             light_tenant_window_ms: 30_000,
+            // Chosen in the policy lab's fairness drill (25, 50, 100, 200, 400 tried): a
+            // few decode steps of prefill keep a GPU's prefill busy between placements.
+            light_tenant_prefill_ms: 50,
         }
     }
 }
