@@ -451,6 +451,7 @@ mod tests {
             output_weight: f64::NAN,
             aging_dispatches: 0,
             light_tenant_window_ms: 0,
+            light_tenant_prefill_ms: 0,
         };
         let fields: Vec<_> = bad.problems().into_iter().map(|(f, _)| f).collect();
         assert!(fields.contains(&"input_weight"));
