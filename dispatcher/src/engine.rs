@@ -21,7 +21,7 @@
 //! - Jobs waiting are re-evaluated after every capacity change (completion, heartbeat,
 //!   worker change, rollback) and on every tick.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -1436,62 +1436,56 @@ impl Engine {
         }
     }
 
-    /// When `tenant` runs fewer of the model's jobs than an equal share among the tenants
-    /// that submitted to it within `[fairness] light_tenant_window_ms`, and is not the
-    /// tenant with the longest backlog: (its running jobs, the active tenants' running
-    /// jobs, the share). `None` with a single active tenant, so single-tenant admission is
-    /// untouched.
+    /// The model's running jobs per tenant that submitted to it within `[fairness]
+    /// light_tenant_window_ms`; `None` with fewer than two such tenants (or the window
+    /// off), so single-tenant admission is untouched.
+    fn running_by_active_tenant(&self, model: &str, now: u64) -> Option<BTreeMap<&str, usize>> {
+        let window = self.s.fairness.light_tenant_window_ms;
+        if window == 0 {
+            return None;
+        }
+        let active = self
+            .queues
+            .active_tenants(model, now.saturating_sub(window));
+        if active.len() < 2 {
+            return None;
+        }
+        let mut running: BTreeMap<&str, usize> = active.into_iter().map(|t| (t, 0)).collect();
+        for a in self.assigned.values().filter(|a| a.job.model == model) {
+            if let Some(n) = running.get_mut(tenant_of(&a.job)) {
+                *n += 1;
+            }
+        }
+        Some(running)
+    }
+
+    /// When `tenant` runs fewer of the model's jobs than an equal share among the active
+    /// tenants ([`Engine::running_by_active_tenant`]), and is not the tenant with the
+    /// longest backlog: (its running jobs, the active tenants' running jobs, the share).
     fn runs_under_fair_share(
         &self,
         model: &str,
         tenant: &str,
         now: u64,
     ) -> Option<(usize, usize, f64)> {
-        let window = self.s.fairness.light_tenant_window_ms;
-        if window == 0 {
-            return None;
-        }
         let vtc = self.queues.fairness(model)?;
         if vtc.waiting_jobs(tenant) >= vtc.most_waiting() {
             return None;
         }
-        let active = self
-            .queues
-            .active_tenants(model, now.saturating_sub(window));
-        if active.len() < 2 || !active.contains(&tenant) {
-            return None;
-        }
-        let (mut mine, mut total) = (0, 0);
-        for a in self.assigned.values().filter(|a| a.job.model == model) {
-            let t = tenant_of(&a.job);
-            if active.contains(&t) {
-                total += 1;
-                mine += usize::from(t == tenant);
-            }
-        }
-        let share = total as f64 / active.len() as f64;
+        let running = self.running_by_active_tenant(model, now)?;
+        let mine = *running.get(tenant)?;
+        let total: usize = running.values().sum();
+        let share = total as f64 / running.len() as f64;
         ((mine as f64) < share).then_some((mine, total, share))
     }
 
-    /// Whether `tenant` runs more of the model's jobs than another tenant that submitted to
-    /// it within `[fairness] light_tenant_window_ms`.
+    /// Whether `tenant` runs more of the model's jobs than another active tenant.
     fn runs_more_than_an_active_tenant(&self, model: &str, tenant: &str, now: u64) -> bool {
-        let window = self.s.fairness.light_tenant_window_ms;
-        let active = self
-            .queues
-            .active_tenants(model, now.saturating_sub(window));
-        if active.len() < 2 {
-            return false;
-        }
-        let mut running: std::collections::BTreeMap<&str, usize> =
-            active.iter().map(|&t| (t, 0)).collect();
-        for a in self.assigned.values().filter(|a| a.job.model == model) {
-            if let Some(n) = running.get_mut(tenant_of(&a.job)) {
-                *n += 1;
-            }
-        }
-        let mine = running.get(tenant).copied().unwrap_or(0);
-        running.iter().any(|(&t, &n)| t != tenant && n < mine)
+        self.running_by_active_tenant(model, now)
+            .is_some_and(|running| {
+                let mine = running.get(tenant).copied().unwrap_or(0);
+                running.iter().any(|(&t, &n)| t != tenant && n < mine)
+            })
     }
 
     /// Whether the job at `pos`, about to go to `winner`, must wait instead so that the

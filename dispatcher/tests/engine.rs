@@ -27,6 +27,15 @@ fn engine() -> Engine {
     engine_with(&Config::default())
 }
 
+/// An engine on `configure`d defaults with one idle worker `w` registered at `T0`.
+fn one_worker(configure: impl FnOnce(&mut Config)) -> Engine {
+    let mut config = Config::default();
+    configure(&mut config);
+    let mut e = engine_with(&config);
+    step(&mut e, vec![heartbeat("w", &[], 1, T0)], T0);
+    e
+}
+
 /// A worker's heartbeat: `in_flight` jobs held, a 40k-token cache, a fitted model of a
 /// GPU that decodes at 50 tok/s alone and prefills 10,000 tokens/s.
 fn heartbeat(id: &str, in_flight: &[&str], seq: u64, at: u64) -> Event {
@@ -414,10 +423,7 @@ fn a_cancel_applies_only_to_a_job_of_the_tenant_it_names() {
 #[test]
 fn a_small_job_goes_ahead_of_a_large_one_that_fits_nowhere_yet() {
     let run = |lookahead: usize| {
-        let mut config = Config::default();
-        config.scheduler.lookahead = lookahead;
-        let mut e = engine_with(&config);
-        step(&mut e, vec![heartbeat("w", &[], 1, T0)], T0);
+        let mut e = one_worker(|c| c.scheduler.lookahead = lookahead);
         // A 10-token job runs; a 6,000-token prompt would stall it 600 ms, far below its
         // floor; a 10-token prompt behind it would stall it 1 ms.
         let first = step(&mut e, vec![job("short", 100, 10, T0)], T0);
@@ -449,10 +455,7 @@ fn a_small_job_goes_ahead_of_a_large_one_that_fits_nowhere_yet() {
 #[test]
 fn a_tenant_under_its_fair_share_is_placed_where_it_does_least_harm() {
     let run = |window_ms: u64| {
-        let mut config = Config::default();
-        config.fairness.light_tenant_window_ms = window_ms;
-        let mut e = engine_with(&config);
-        step(&mut e, vec![heartbeat("w", &[], 1, T0)], T0);
+        let mut e = one_worker(|c| c.fairness.light_tenant_window_ms = window_ms);
         let first = step(&mut e, vec![job_of(Some("flood"), "f1", T0)], T0);
         assert_eq!(assigned(&first).len(), 1, "{:?}", names(&first));
         let big = |tenant: &str, id: &str, at: u64| sized_job_of(Some(tenant), id, 6_000, 100, at);
@@ -501,10 +504,7 @@ fn a_tenant_under_its_fair_share_is_placed_where_it_does_least_harm() {
 #[test]
 fn a_heavier_tenant_does_not_fill_the_prefill_queue_while_a_lighter_one_is_active() {
     let run = |prefill_ms: u64| {
-        let mut config = Config::default();
-        config.fairness.light_tenant_prefill_ms = prefill_ms;
-        let mut e = engine_with(&config);
-        step(&mut e, vec![heartbeat("w", &[], 1, T0)], T0);
+        let mut e = one_worker(|c| c.fairness.light_tenant_prefill_ms = prefill_ms);
         let out = step(&mut e, vec![job_of(Some("steady"), "s0", T0)], T0);
         assert_eq!(assigned(&out).len(), 1, "{:?}", names(&out));
         step(
