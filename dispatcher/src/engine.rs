@@ -32,8 +32,8 @@ use metronome_protocol::{
     WorkerStatus,
 };
 use metronome_scheduler::filter::fits_when_empty;
-use metronome_scheduler::least_harm;
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
+use metronome_scheduler::{least_harm, least_harm_trading};
 use metronome_scheduler::{
     DrainRate, EwmaSnapshot, FairnessConfig, FairnessSnapshot, Forecast, IdleTtft, JobProfile,
     JobRequest, Ledger, OutputLength, SchedulerConfig, Tokens, WorkerLoad, WorkerView,
@@ -1270,8 +1270,14 @@ impl Engine {
                 if let Some((mine, total, share)) =
                     self.runs_under_fair_share(model, tenant_of(&front.job), now)
                 {
-                    let fallback =
-                        least_harm(&request, workers, &self.ledger, &self.s.scheduler, now);
+                    let fallback = least_harm_trading(
+                        &request,
+                        workers,
+                        &self.ledger,
+                        &self.s.scheduler,
+                        now,
+                        self.s.fairness.light_tenant_traded_misses,
+                    );
                     if fallback.winner.is_some() {
                         least_harm_note = Some(format!(
                             "placed where it does least harm: no worker admitted it without a predicted miss, and its tenant runs {mine} of the model's {total} jobs, under its fair share ({share:.1})"

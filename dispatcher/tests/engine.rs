@@ -496,6 +496,44 @@ fn a_tenant_under_its_fair_share_is_placed_where_it_does_least_harm() {
     assert_eq!(run(0), vec![], "without fair-share room every job waits");
 }
 
+/// Issue 10: how many of the flood's running jobs a tenant under its fair share may push
+/// below their floor is `[fairness] light_tenant_traded_misses`. The worker runs two of the
+/// flood's jobs; the steady tenant's 6,000-token prompt would stall both below their floor.
+/// Allowed to trade one miss it waits for room the flood holds; allowed four (the default)
+/// it is placed at once.
+#[test]
+fn a_tenant_under_its_fair_share_may_trade_as_many_misses_as_configured() {
+    let run = |traded: Option<u32>| {
+        let mut e = one_worker(|c| {
+            if let Some(t) = traded {
+                c.fairness.light_tenant_traded_misses = t;
+            }
+        });
+        let first = step(
+            &mut e,
+            vec![
+                sized_job_of(Some("flood"), "f1", 100, 40, T0),
+                sized_job_of(Some("flood"), "f2", 100, 40, T0),
+            ],
+            T0,
+        );
+        assert_eq!(assigned(&first).len(), 2, "{:?}", names(&first));
+        let at = T0 + 5;
+        let big = |tenant: &str, id: &str| sized_job_of(Some(tenant), id, 6_000, 100, at);
+        let out = step(
+            &mut e,
+            vec![big("flood", "f3"), big("flood", "f4"), big("steady", "s1")],
+            at + 1,
+        );
+        assigned(&out)
+            .into_iter()
+            .map(|(j, _)| j)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(run(Some(1)), Vec::<String>::new(), "two misses: it waits");
+    assert_eq!(run(None), ["s1"], "the default trades up to four");
+}
+
 /// Issue 10: while a tenant running fewer jobs is active, another tenant's jobs queue in the
 /// dispatcher, in fair order, rather than in a GPU's first-come prefill queue. The steady
 /// tenant's job has run and ended; the flood sends two 400-token prompts to one worker that

@@ -28,13 +28,25 @@ pub fn least_harm(
     config: &SchedulerConfig,
     now_ms: u64,
 ) -> Evaluation {
+    least_harm_trading(job, workers, ledger, config, now_ms, MAX_TRADED_MISSES)
+}
+
+/// [`least_harm`] with another bound on the running jobs predicted below their floor.
+pub fn least_harm_trading(
+    job: &JobRequest,
+    workers: &[WorkerView],
+    ledger: &Ledger,
+    config: &SchedulerConfig,
+    now_ms: u64,
+    max_misses: u32,
+) -> Evaluation {
     let ranked = rank(&filter::LEAST_HARM, job, workers, ledger, config, now_ms);
     // Best score first, so the stable minimum below breaks harm ties by score.
     let pick = ranked
         .order
         .iter()
         .map(|&i| i as usize)
-        .filter(|&i| ranked.candidates[i].forecast.violations <= MAX_TRADED_MISSES)
+        .filter(|&i| ranked.candidates[i].forecast.violations <= max_misses)
         .min_by(|&a, &b| {
             let (fa, fb) = (
                 &ranked.candidates[a].forecast,
