@@ -31,7 +31,7 @@ use metronome_protocol::{
     CompletionEvent, CompletionOutcome, Decision, ErrorCode, Job, Outcome, QueueSnapshot,
     WorkerStatus,
 };
-use metronome_scheduler::filter::fits_when_empty;
+use metronome_scheduler::filter::{self, fits_when_empty};
 use metronome_scheduler::least_harm;
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
 use metronome_scheduler::{
@@ -1246,7 +1246,19 @@ impl Engine {
                     break;
                 }
                 if k == 0 {
+                    // Every worker refused the head for a reason that refuses every job
+                    // of the model (at its cap, stale, ...): the younger jobs would meet
+                    // the same refusals, so trying them changes nothing and would cost a
+                    // full evaluation each on every look at a saturated model.
+                    let saturated = evaluation.rejected.len() == workers.len()
+                        && evaluation
+                            .rejected
+                            .iter()
+                            .all(|r| filter::refuses_every_job_of_the_model(r.code));
                     head_evaluation = Some((request, slo, evaluation));
+                    if saturated {
+                        break;
+                    }
                 }
             }
             let (pos, request, slo, mut evaluation) = match chosen {

@@ -10,10 +10,12 @@
 //! the job's TTFT budget and the decode-rate floor of the job and of those it would join). Baseline policies use
 //! only the first set so comparisons show what admission control buys.
 
+use std::cell::OnceCell;
+
 use metronome_protocol::{Rejection, RejectionCode};
 
 use crate::forecast::Forecast;
-use crate::{JobRequest, SchedulerConfig, WorkerLoad, WorkerView};
+use crate::{JobRequest, Ledger, SchedulerConfig, WorkerLoad, WorkerView};
 
 mod concurrency;
 mod draining;
@@ -41,10 +43,25 @@ pub struct FilterContext<'a> {
     pub job: &'a JobRequest,
     pub view: &'a WorkerView,
     pub load: &'a WorkerLoad,
-    /// What admitting the job here would do.
-    pub forecast: &'a Forecast,
+    /// The reservations, which the forecast reads.
+    pub ledger: &'a Ledger,
+    /// What admitting the job here would do, computed the first time a filter asks
+    /// ([`FilterContext::forecast`]); pass `&OnceCell::from(f)` to supply one.
+    pub forecast: &'a OnceCell<Forecast>,
     pub config: &'a SchedulerConfig,
     pub now_ms: u64,
+}
+
+impl FilterContext<'_> {
+    /// What admitting the job here would do. Computed on first use, not up front: the
+    /// forecast walks every job running on the worker, and a worker refused by a filter
+    /// that does not need it (at its cap, stale, draining: every worker of a saturated
+    /// model) would pay for it on every look at a waiting job. The forecast is a pure
+    /// function of the context, so when it is computed changes nothing it says.
+    pub fn forecast(&self) -> &Forecast {
+        self.forecast
+            .get_or_init(|| Forecast::of(self.job, self.view, self.load, self.ledger, self.config))
+    }
 }
 
 /// One eligibility rule.
@@ -83,6 +100,25 @@ pub static LEAST_HARM: [&dyn Filter; 8] = [
     &TtftBudget,
 ];
 
+/// Whether a rejection with `code` refuses every job of the same model on that worker, at
+/// the same time and against the same ledger: the filters that give it read only the
+/// worker's status, its load (reported work and reservations), the clock and the job's
+/// model, never the job's size, SLO or wait. When every worker refuses a job with such a
+/// code, no other job of its model can be placed either, so the engine need not try the
+/// jobs behind it (every worker of a model at its cap is the common case under load).
+pub fn refuses_every_job_of_the_model(code: RejectionCode) -> bool {
+    match code {
+        RejectionCode::StaleHeartbeat
+        | RejectionCode::WrongModel
+        | RejectionCode::Unhealthy
+        | RejectionCode::Draining
+        | RejectionCode::AtConcurrencyCap => true,
+        RejectionCode::InsufficientKv
+        | RejectionCode::BelowSloFloor
+        | RejectionCode::TtftOverBudget => false,
+    }
+}
+
 /// Run `filters` in order; the first failure becomes the rejection.
 pub fn apply(filters: &[&dyn Filter], ctx: &FilterContext<'_>) -> Result<(), Rejection> {
     for f in filters {
@@ -96,7 +132,7 @@ pub fn apply(filters: &[&dyn Filter], ctx: &FilterContext<'_>) -> Result<(), Rej
                 worker_id: ctx.view.status.worker_id.clone(),
                 code,
                 reason,
-                prediction: predicted.then(|| ctx.forecast.prediction()),
+                prediction: predicted.then(|| ctx.forecast().prediction()),
             });
         }
     }
@@ -117,11 +153,13 @@ mod tests {
         let config = SchedulerConfig::default();
         let load = WorkerLoad::of(&w, &Ledger::new(), &config);
         let j = job("m");
-        let forecast = Forecast::of(&j, &w, &load, &Ledger::new(), &config);
+        let ledger = Ledger::new();
+        let forecast = OnceCell::new();
         let ctx = FilterContext {
             job: &j,
             view: &w,
             load: &load,
+            ledger: &ledger,
             forecast: &forecast,
             config: &config,
             now_ms: NOW,
