@@ -1232,6 +1232,24 @@ impl Engine {
                 let slo = scheduler.slo_for(model, job.job.slo.as_ref());
                 let waited = Self::waited_ms(job, slo.ttft_ms, now);
                 let request = JobRequest::from_job(&job.job, predicted, slo).waited(waited);
+                if k == 0 && self.s.policy == PolicyKind::Metronome {
+                    // Every worker refuses the head for a reason that refuses every job of
+                    // the model (at its cap, stale, ...): nothing can be placed, not even
+                    // where it does least harm, and the jobs behind it would meet the same
+                    // refusals. The queue is held as a full evaluation would hold it,
+                    // without one per job tried: under load most looks are these.
+                    if let Some(codes) = filter::refused_whatever_the_job(
+                        &filter::ADMISSION,
+                        &request,
+                        workers,
+                        &self.ledger,
+                        &self.s.scheduler,
+                        now,
+                    ) {
+                        self.metrics.held_codes(model, &codes);
+                        return;
+                    }
+                }
                 let evaluation = choose(
                     self.s.policy,
                     &mut self.policy_state,
@@ -1246,19 +1264,7 @@ impl Engine {
                     break;
                 }
                 if k == 0 {
-                    // Every worker refused the head for a reason that refuses every job
-                    // of the model (at its cap, stale, ...): the younger jobs would meet
-                    // the same refusals, so trying them changes nothing and would cost a
-                    // full evaluation each on every look at a saturated model.
-                    let saturated = evaluation.rejected.len() == workers.len()
-                        && evaluation
-                            .rejected
-                            .iter()
-                            .all(|r| filter::refuses_every_job_of_the_model(r.code));
                     head_evaluation = Some((request, slo, evaluation));
-                    if saturated {
-                        break;
-                    }
                 }
             }
             let (pos, request, slo, mut evaluation) = match chosen {

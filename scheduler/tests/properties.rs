@@ -254,10 +254,19 @@ proptest! {
                 prop_assert_eq!(same.map(|x| x.code), Some(r.code), "worker {}", r.worker_id);
             }
         }
-        if ea.rejected.len() == workers.len()
-            && ea.rejected.iter().all(|r| filter::refuses_every_job_of_the_model(r.code))
-        {
+        let saturated = ea.rejected.len() == workers.len()
+            && ea.rejected.iter().all(|r| filter::refuses_every_job_of_the_model(r.code));
+        if saturated {
             prop_assert!(eb.winner.is_none());
+        }
+        // The cheap look says the same, with the same code for each worker.
+        let cheap = filter::refused_whatever_the_job(&filter::ADMISSION, &a, &workers, &ledger, &config, NOW);
+        prop_assert_eq!(cheap.is_some(), saturated);
+        if let Some(codes) = cheap {
+            for (w, code) in workers.iter().zip(codes) {
+                let r = ea.rejected.iter().find(|r| r.worker_id == w.status.worker_id);
+                prop_assert_eq!(r.map(|r| r.code), Some(code), "worker {}", w.status.worker_id);
+            }
         }
     }
 

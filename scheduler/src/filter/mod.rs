@@ -70,6 +70,11 @@ pub trait Filter: Sync {
     fn code(&self) -> RejectionCode;
     /// `Err(reason)` when the worker must not take the job; the reason quotes the numbers.
     fn check(&self, ctx: &FilterContext<'_>) -> Result<(), String>;
+    /// `check(ctx).is_ok()`, without writing the reason: what a look at a held queue needs
+    /// (the filters whose refusal holds for every job of the model answer it cheaply).
+    fn passes(&self, ctx: &FilterContext<'_>) -> bool {
+        self.check(ctx).is_ok()
+    }
 }
 
 /// Filters every balancer applies.
@@ -117,6 +122,52 @@ pub fn refuses_every_job_of_the_model(code: RejectionCode) -> bool {
         | RejectionCode::BelowSloFloor
         | RejectionCode::TtftOverBudget => false,
     }
+}
+
+/// When every worker refuses `job` through a filter whose refusal holds for every job of
+/// its model ([`refuses_every_job_of_the_model`]): each worker's rejection code, the one
+/// [`crate::evaluate()`] with `filters` would give it, in the order of `workers`. `None`
+/// when some worker passes those filters (the job must then be evaluated in full).
+///
+/// This is a look at a saturated model (every worker at its cap) without a forecast, a
+/// reason written or a rejection listed per worker: the engine counts the codes as the
+/// held queue's refusals and leaves the queue as it is, which is what a full evaluation
+/// of the head would have led to.
+pub fn refused_whatever_the_job(
+    filters: &[&dyn Filter],
+    job: &JobRequest,
+    workers: &[WorkerView],
+    ledger: &Ledger,
+    config: &SchedulerConfig,
+    now_ms: u64,
+) -> Option<Vec<RejectionCode>> {
+    let mut codes = Vec::with_capacity(workers.len());
+    for view in workers {
+        let load = WorkerLoad::of(view, ledger, config);
+        let forecast = OnceCell::new();
+        let ctx = FilterContext {
+            job,
+            view,
+            load: &load,
+            ledger,
+            forecast: &forecast,
+            config,
+            now_ms,
+        };
+        let mut refused = None;
+        for f in filters {
+            if !refuses_every_job_of_the_model(f.code()) {
+                // Only filters that depend on the job are left: it may pass them here.
+                return None;
+            }
+            if !f.passes(&ctx) {
+                refused = Some(f.code());
+                break;
+            }
+        }
+        codes.push(refused?);
+    }
+    Some(codes)
 }
 
 /// Run `filters` in order; the first failure becomes the rejection.
