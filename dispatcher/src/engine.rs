@@ -31,7 +31,7 @@ use metronome_protocol::{
     CompletionEvent, CompletionOutcome, Decision, ErrorCode, Job, Outcome, QueueSnapshot,
     WorkerStatus,
 };
-use metronome_scheduler::filter::fits_when_empty;
+use metronome_scheduler::filter::{self, fits_when_empty};
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
 use metronome_scheduler::{least_harm, least_harm_trading};
 use metronome_scheduler::{
@@ -1232,6 +1232,24 @@ impl Engine {
                 let slo = scheduler.slo_for(model, job.job.slo.as_ref());
                 let waited = Self::waited_ms(job, slo.ttft_ms, now);
                 let request = JobRequest::from_job(&job.job, predicted, slo).waited(waited);
+                if k == 0 && self.s.policy == PolicyKind::Metronome {
+                    // Every worker refuses the head for a reason that refuses every job of
+                    // the model (at its cap, stale, ...): nothing can be placed, not even
+                    // where it does least harm, and the jobs behind it would meet the same
+                    // refusals. The queue is held as a full evaluation would hold it,
+                    // without one per job tried: under load most looks are these.
+                    if let Some(codes) = filter::refused_whatever_the_job(
+                        &filter::ADMISSION,
+                        &request,
+                        workers,
+                        &self.ledger,
+                        &self.s.scheduler,
+                        now,
+                    ) {
+                        self.metrics.held_codes(model, &codes);
+                        return;
+                    }
+                }
                 let evaluation = choose(
                     self.s.policy,
                     &mut self.policy_state,

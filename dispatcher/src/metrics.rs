@@ -146,6 +146,11 @@ impl Metrics {
         self.count_holds(model, rejected.iter().map(|r| r.code.as_str()));
     }
 
+    /// [`Metrics::held`] from the workers' rejection codes alone.
+    pub fn held_codes(&self, model: &str, codes: &[metronome_protocol::RejectionCode]) {
+        self.count_holds(model, codes.iter().map(|c| c.as_str()));
+    }
+
     /// The head of `model`'s queue waited for a reason of the dispatcher's own (no
     /// worker refused it), counted under `reason` beside the workers' refusals.
     pub fn held_for(&self, model: &str, reason: &'static str) {

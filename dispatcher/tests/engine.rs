@@ -567,3 +567,39 @@ fn a_heavier_tenant_does_not_fill_the_prefill_queue_while_a_lighter_one_is_activ
     assert_eq!(run(50), ["f1"], "the second prompt waits in the dispatcher");
     assert_eq!(run(0), ["f1", "f2"], "without the limit both are placed");
 }
+
+/// A worker at its cap holds the queue without an evaluation (the cheap look): the jobs
+/// wait in order, each look counts the worker's refusal as a full evaluation would, and
+/// the next completion places the oldest.
+#[test]
+fn a_model_at_its_cap_holds_its_queue_in_order_and_counts_each_look() {
+    let metrics = Metrics::new();
+    let mut e = Engine::new(
+        EngineSettings::from_config(&Config::default(), 7, "test".into()),
+        metrics.clone(),
+        None,
+    );
+    let mut capped = heartbeat("w", &[], 1, T0);
+    if let Event::Worker(WorkerUpdate::Put { status, .. }) = &mut capped {
+        status.max_concurrency = 1;
+    }
+    step(&mut e, vec![capped], T0);
+    let out = step(&mut e, vec![job("a", 100, 50, T0)], T0);
+    assert_eq!(assigned(&out), vec![("a".to_string(), "w".to_string())]);
+    let out = step(
+        &mut e,
+        vec![job("b", 100, 50, T0 + 1), job("c", 100, 50, T0 + 1)],
+        T0 + 1,
+    );
+    assert!(assigned(&out).is_empty());
+    // One look per arrival, one refusal per worker.
+    assert_eq!(metrics.holds("m", "at_concurrency_cap"), 2);
+    let out = step(
+        &mut e,
+        vec![done("a", "w", 50, CompletionOutcome::Done)],
+        T0 + 2,
+    );
+    assert_eq!(assigned(&out), vec![("b".to_string(), "w".to_string())]);
+    // The look after placing b found the worker at its cap again.
+    assert_eq!(metrics.holds("m", "at_concurrency_cap"), 3);
+}

@@ -19,6 +19,8 @@
 //! pure: reservations in the ledger count as active work and as used KV, but the ledger is
 //! not touched; the caller reserves the winner.
 
+use std::cell::OnceCell;
+
 use metronome_protocol::decision::JobCostEstimate;
 use metronome_protocol::{CandidateScore, Rejection, Scoring, TermName};
 
@@ -201,11 +203,14 @@ pub(crate) fn rank<'a>(
     let mut rejected = Vec::new();
     for view in workers {
         let load = WorkerLoad::at(view, ledger, config, now_ms);
-        let forecast = Forecast::of(job, view, &load, ledger, config);
+        // Forecast only where a filter or the score needs it: a worker refused before the
+        // prediction filters (at its cap, stale, draining) costs no forecast.
+        let forecast = OnceCell::new();
         let fctx = FilterContext {
             job,
             view,
             load: &load,
+            ledger,
             forecast: &forecast,
             config,
             now_ms,
@@ -214,6 +219,9 @@ pub(crate) fn rank<'a>(
             rejected.push(r);
             continue;
         }
+        let forecast = forecast
+            .into_inner()
+            .unwrap_or_else(|| Forecast::of(job, view, &load, ledger, config));
         let tctx = TermContext {
             job,
             view,

@@ -74,12 +74,12 @@ pub fn check(
     config: &SchedulerConfig,
 ) -> Result<(), String> {
     let load = WorkerLoad::of(view, ledger, config);
-    let forecast = crate::forecast::Forecast::of(job, view, &load, ledger, config);
     f.check(&FilterContext {
         job,
         view,
         load: &load,
-        forecast: &forecast,
+        ledger,
+        forecast: &std::cell::OnceCell::new(),
         config,
         now_ms: NOW,
     })

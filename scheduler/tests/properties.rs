@@ -2,8 +2,10 @@
 //! the winner passes every filter; the decision does not depend on the order of the
 //! workers; reserving only winners never takes a worker past its cap; an EWMA stays within
 //! the range of its samples; N simultaneous jobs on N idle equal workers land on N distinct
-//! workers; re-scoring a recorded decision reproduces it. Baseline policies pick a worker that passes the eligibility filters whenever
-//! one exists, whatever the order of the workers.
+//! workers; re-scoring a recorded decision reproduces it; a refusal that
+//! [`filter::refuses_every_job_of_the_model`] names refuses every job of the model.
+//! Baseline policies pick a worker that passes the eligibility filters whenever one exists,
+//! whatever the order of the workers.
 
 use metronome_protocol::{
     CandidateScore, Decision, GpuStats, KvUsage, Outcome, WorkerStatus, DECISION_VERSION,
@@ -187,11 +189,12 @@ fn passes_admission(
     config: &SchedulerConfig,
 ) -> bool {
     let load = WorkerLoad::of(view, ledger, config);
-    let forecast = Forecast::of(job, view, &load, ledger, config);
+    let forecast = std::cell::OnceCell::from(Forecast::of(job, view, &load, ledger, config));
     let ctx = FilterContext {
         job,
         view,
         load: &load,
+        ledger,
         forecast: &forecast,
         config,
         now_ms: NOW,
@@ -227,6 +230,42 @@ proptest! {
                     prop_assert!((0.0..=1.0).contains(&t.normalised), "{:?}", t);
                     prop_assert_eq!(t.available, t.raw.is_some());
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn a_refusal_for_every_job_of_the_model_refuses_every_job_of_the_model(
+        specs in prop::collection::vec(worker_spec(), 0..12),
+        a in job_strategy(),
+        b in job_strategy(),
+        b_waited in prop::option::of(0.0f64..2_000.0),
+        config in config_strategy(),
+    ) {
+        // What lets the engine skip the jobs behind a head that every worker refused with
+        // such a code: a job of another size, SLO budget or wait meets the same refusal.
+        let (workers, ledger) = build(&specs);
+        let b = JobRequest { ttft_remaining_ms: b_waited, ..b };
+        let ea = evaluate(&a, &workers, &ledger, &config, NOW);
+        let eb = evaluate(&b, &workers, &ledger, &config, NOW);
+        for r in &ea.rejected {
+            if filter::refuses_every_job_of_the_model(r.code) {
+                let same = eb.rejected.iter().find(|x| x.worker_id == r.worker_id);
+                prop_assert_eq!(same.map(|x| x.code), Some(r.code), "worker {}", r.worker_id);
+            }
+        }
+        let saturated = ea.rejected.len() == workers.len()
+            && ea.rejected.iter().all(|r| filter::refuses_every_job_of_the_model(r.code));
+        if saturated {
+            prop_assert!(eb.winner.is_none());
+        }
+        // The cheap look says the same, with the same code for each worker.
+        let cheap = filter::refused_whatever_the_job(&filter::ADMISSION, &a, &workers, &ledger, &config, NOW);
+        prop_assert_eq!(cheap.is_some(), saturated);
+        if let Some(codes) = cheap {
+            for (w, code) in workers.iter().zip(codes) {
+                let r = ea.rejected.iter().find(|r| r.worker_id == w.status.worker_id);
+                prop_assert_eq!(r.map(|r| r.code), Some(code), "worker {}", w.status.worker_id);
             }
         }
     }
@@ -369,8 +408,8 @@ proptest! {
                 .iter()
                 .filter(|w| {
                     let load = WorkerLoad::of(w, &ledger, &config);
-                    let forecast = Forecast::of(&job, w, &load, &ledger, &config);
-                    let ctx = FilterContext { job: &job, view: w, load: &load, forecast: &forecast, config: &config, now_ms: NOW };
+                    let forecast = std::cell::OnceCell::from(Forecast::of(&job, w, &load, &ledger, &config));
+                    let ctx = FilterContext { job: &job, view: w, load: &load, ledger: &ledger, forecast: &forecast, config: &config, now_ms: NOW };
                     filter::apply(&filter::ELIGIBILITY, &ctx).is_ok()
                 })
                 .collect();

@@ -15,16 +15,19 @@ impl Filter for UnderConcurrencyCap {
         RejectionCode::AtConcurrencyCap
     }
 
+    fn passes(&self, ctx: &FilterContext<'_>) -> bool {
+        ctx.load.effective_active < ctx.load.max_concurrency
+    }
+
     fn check(&self, ctx: &FilterContext<'_>) -> Result<(), String> {
-        let l = ctx.load;
-        if l.effective_active >= l.max_concurrency {
-            Err(format!(
-                "at cap: {} active + {} reserved >= max {}",
-                l.reported_active, l.unreported_reservations, l.max_concurrency
-            ))
-        } else {
-            Ok(())
+        if self.passes(ctx) {
+            return Ok(());
         }
+        let l = ctx.load;
+        Err(format!(
+            "at cap: {} active + {} reserved >= max {}",
+            l.reported_active, l.unreported_reservations, l.max_concurrency
+        ))
     }
 }
 

@@ -12,15 +12,18 @@ impl Filter for NotDraining {
         RejectionCode::Draining
     }
 
+    fn passes(&self, ctx: &FilterContext<'_>) -> bool {
+        !ctx.view.status.draining
+    }
+
     fn check(&self, ctx: &FilterContext<'_>) -> Result<(), String> {
-        if ctx.view.status.draining {
-            Err(format!(
-                "draining: finishing {} active, taking no new work",
-                ctx.load.reported_active
-            ))
-        } else {
-            Ok(())
+        if self.passes(ctx) {
+            return Ok(());
         }
+        Err(format!(
+            "draining: finishing {} active, taking no new work",
+            ctx.load.reported_active
+        ))
     }
 }
 

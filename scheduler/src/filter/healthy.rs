@@ -12,8 +12,12 @@ impl Filter for Healthy {
         RejectionCode::Unhealthy
     }
 
+    fn passes(&self, ctx: &FilterContext<'_>) -> bool {
+        ctx.view.status.healthy
+    }
+
     fn check(&self, ctx: &FilterContext<'_>) -> Result<(), String> {
-        if ctx.view.status.healthy {
+        if self.passes(ctx) {
             Ok(())
         } else {
             Err("model server reported unhealthy by its agent".into())

@@ -14,14 +14,17 @@ impl Filter for FreshHeartbeat {
         RejectionCode::StaleHeartbeat
     }
 
+    fn passes(&self, ctx: &FilterContext<'_>) -> bool {
+        ctx.now_ms.saturating_sub(ctx.view.last_seen_ms) <= ctx.config.heartbeat_timeout_ms
+    }
+
     fn check(&self, ctx: &FilterContext<'_>) -> Result<(), String> {
+        if self.passes(ctx) {
+            return Ok(());
+        }
         let age = ctx.now_ms.saturating_sub(ctx.view.last_seen_ms);
         let limit = ctx.config.heartbeat_timeout_ms;
-        if age > limit {
-            Err(format!("last heartbeat {age} ms ago > timeout {limit} ms"))
-        } else {
-            Ok(())
-        }
+        Err(format!("last heartbeat {age} ms ago > timeout {limit} ms"))
     }
 }
 

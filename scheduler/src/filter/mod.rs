@@ -10,10 +10,12 @@
 //! the job's TTFT budget and the decode-rate floor of the job and of those it would join). Baseline policies use
 //! only the first set so comparisons show what admission control buys.
 
+use std::cell::OnceCell;
+
 use metronome_protocol::{Rejection, RejectionCode};
 
 use crate::forecast::Forecast;
-use crate::{JobRequest, SchedulerConfig, WorkerLoad, WorkerView};
+use crate::{JobRequest, Ledger, SchedulerConfig, WorkerLoad, WorkerView};
 
 mod concurrency;
 mod draining;
@@ -41,10 +43,25 @@ pub struct FilterContext<'a> {
     pub job: &'a JobRequest,
     pub view: &'a WorkerView,
     pub load: &'a WorkerLoad,
-    /// What admitting the job here would do.
-    pub forecast: &'a Forecast,
+    /// The reservations, which the forecast reads.
+    pub ledger: &'a Ledger,
+    /// What admitting the job here would do, computed the first time a filter asks
+    /// ([`FilterContext::forecast`]); pass `&OnceCell::from(f)` to supply one.
+    pub forecast: &'a OnceCell<Forecast>,
     pub config: &'a SchedulerConfig,
     pub now_ms: u64,
+}
+
+impl FilterContext<'_> {
+    /// What admitting the job here would do. Computed on first use, not up front: the
+    /// forecast walks every job running on the worker, and a worker refused by a filter
+    /// that does not need it (at its cap, stale, draining: every worker of a saturated
+    /// model) would pay for it on every look at a waiting job. The forecast is a pure
+    /// function of the context, so when it is computed changes nothing it says.
+    pub fn forecast(&self) -> &Forecast {
+        self.forecast
+            .get_or_init(|| Forecast::of(self.job, self.view, self.load, self.ledger, self.config))
+    }
 }
 
 /// One eligibility rule.
@@ -53,6 +70,11 @@ pub trait Filter: Sync {
     fn code(&self) -> RejectionCode;
     /// `Err(reason)` when the worker must not take the job; the reason quotes the numbers.
     fn check(&self, ctx: &FilterContext<'_>) -> Result<(), String>;
+    /// `check(ctx).is_ok()`, without writing the reason: what a look at a held queue needs
+    /// (the filters whose refusal holds for every job of the model answer it cheaply).
+    fn passes(&self, ctx: &FilterContext<'_>) -> bool {
+        self.check(ctx).is_ok()
+    }
 }
 
 /// Filters every balancer applies.
@@ -83,6 +105,71 @@ pub static LEAST_HARM: [&dyn Filter; 8] = [
     &TtftBudget,
 ];
 
+/// Whether a rejection with `code` refuses every job of the same model on that worker, at
+/// the same time and against the same ledger: the filters that give it read only the
+/// worker's status, its load (reported work and reservations), the clock and the job's
+/// model, never the job's size, SLO or wait. When every worker refuses a job with such a
+/// code, no other job of its model can be placed either, so the engine need not try the
+/// jobs behind it (every worker of a model at its cap is the common case under load).
+pub fn refuses_every_job_of_the_model(code: RejectionCode) -> bool {
+    match code {
+        RejectionCode::StaleHeartbeat
+        | RejectionCode::WrongModel
+        | RejectionCode::Unhealthy
+        | RejectionCode::Draining
+        | RejectionCode::AtConcurrencyCap => true,
+        RejectionCode::InsufficientKv
+        | RejectionCode::BelowSloFloor
+        | RejectionCode::TtftOverBudget => false,
+    }
+}
+
+/// When every worker refuses `job` through a filter whose refusal holds for every job of
+/// its model ([`refuses_every_job_of_the_model`]): each worker's rejection code, the one
+/// [`crate::evaluate()`] with `filters` would give it, in the order of `workers`. `None`
+/// when some worker passes those filters (the job must then be evaluated in full).
+///
+/// This is a look at a saturated model (every worker at its cap) without a forecast, a
+/// reason written or a rejection listed per worker: the engine counts the codes as the
+/// held queue's refusals and leaves the queue as it is, which is what a full evaluation
+/// of the head would have led to.
+pub fn refused_whatever_the_job(
+    filters: &[&dyn Filter],
+    job: &JobRequest,
+    workers: &[WorkerView],
+    ledger: &Ledger,
+    config: &SchedulerConfig,
+    now_ms: u64,
+) -> Option<Vec<RejectionCode>> {
+    let mut codes = Vec::with_capacity(workers.len());
+    for view in workers {
+        let load = WorkerLoad::of(view, ledger, config);
+        let forecast = OnceCell::new();
+        let ctx = FilterContext {
+            job,
+            view,
+            load: &load,
+            ledger,
+            forecast: &forecast,
+            config,
+            now_ms,
+        };
+        let mut refused = None;
+        for f in filters {
+            if !refuses_every_job_of_the_model(f.code()) {
+                // Only filters that depend on the job are left: it may pass them here.
+                return None;
+            }
+            if !f.passes(&ctx) {
+                refused = Some(f.code());
+                break;
+            }
+        }
+        codes.push(refused?);
+    }
+    Some(codes)
+}
+
 /// Run `filters` in order; the first failure becomes the rejection.
 pub fn apply(filters: &[&dyn Filter], ctx: &FilterContext<'_>) -> Result<(), Rejection> {
     for f in filters {
@@ -96,7 +183,7 @@ pub fn apply(filters: &[&dyn Filter], ctx: &FilterContext<'_>) -> Result<(), Rej
                 worker_id: ctx.view.status.worker_id.clone(),
                 code,
                 reason,
-                prediction: predicted.then(|| ctx.forecast.prediction()),
+                prediction: predicted.then(|| ctx.forecast().prediction()),
             });
         }
     }
@@ -117,11 +204,13 @@ mod tests {
         let config = SchedulerConfig::default();
         let load = WorkerLoad::of(&w, &Ledger::new(), &config);
         let j = job("m");
-        let forecast = Forecast::of(&j, &w, &load, &Ledger::new(), &config);
+        let ledger = Ledger::new();
+        let forecast = OnceCell::new();
         let ctx = FilterContext {
             job: &j,
             view: &w,
             load: &load,
+            ledger: &ledger,
             forecast: &forecast,
             config: &config,
             now_ms: NOW,

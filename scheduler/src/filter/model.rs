@@ -12,8 +12,12 @@ impl Filter for ServesModel {
         RejectionCode::WrongModel
     }
 
+    fn passes(&self, ctx: &FilterContext<'_>) -> bool {
+        ctx.view.status.model == ctx.job.model
+    }
+
     fn check(&self, ctx: &FilterContext<'_>) -> Result<(), String> {
-        if ctx.view.status.model == ctx.job.model {
+        if self.passes(ctx) {
             Ok(())
         } else {
             // Display, not Debug: escaping every character of two names is most of the

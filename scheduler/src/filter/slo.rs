@@ -25,7 +25,7 @@ impl Filter for OwnRateFloor {
     }
 
     fn check(&self, ctx: &FilterContext<'_>) -> Result<(), String> {
-        let f = ctx.forecast;
+        let f = ctx.forecast();
         let floor = ctx.job.slo.min_tok_s;
         if f.streams_before == 0 || f.decode_tok_s >= floor {
             return Ok(());
@@ -43,7 +43,7 @@ impl Filter for SloFloor {
     }
 
     fn check(&self, ctx: &FilterContext<'_>) -> Result<(), String> {
-        let f = ctx.forecast;
+        let f = ctx.forecast();
         OwnRateFloor.check(ctx)?;
         if let Some(v) = &f.worst_violation {
             return Err(format!(

@@ -23,7 +23,7 @@ impl Filter for TtftBudget {
         let Some(remaining) = ctx.job.ttft_remaining_ms else {
             return Ok(());
         };
-        let f = ctx.forecast;
+        let f = ctx.forecast();
         if f.streams_before == 0 || f.ttft_ms <= remaining {
             return Ok(());
         }
