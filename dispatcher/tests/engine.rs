@@ -348,6 +348,39 @@ fn a_refused_job_goes_back_to_its_worker_when_no_other_can_take_it() {
     assert_eq!(assigned(&out), vec![("j".to_string(), "w1".to_string())]);
 }
 
+/// A reservation its worker's heartbeats keep confirming lives as long as they list the
+/// job, far past `reservation_ttl_ms` (10 s); unlisted, it goes one TTL after the last
+/// heartbeat that listed it. (Issue 9 said confirmed reservations expired after 10 s
+/// whatever the heartbeats said; each listing heartbeat renews it.)
+#[test]
+fn a_reservation_its_worker_keeps_reporting_outlives_the_reservation_ttl() {
+    let mut e = one_worker(|_| {});
+    let out = step(&mut e, vec![job("long", 100, 10, T0)], T0);
+    assert_eq!(assigned(&out), vec![("long".to_string(), "w".to_string())]);
+    let ttl = Config::default().scheduler.reservation_ttl_ms;
+    let mut at = T0;
+    for seq in 2..=60 {
+        at = T0 + (seq - 1) * 1_000;
+        step(&mut e, vec![heartbeat("w", &["long"], seq, at)], at);
+        assert_eq!(
+            e.ledger().worker_of("long"),
+            Some("w"),
+            "expired {} ms after it was booked",
+            at - T0
+        );
+    }
+    assert!(at - T0 > 5 * ttl);
+    // No longer listed: kept for one TTL after the last heartbeat that listed it.
+    step(&mut e, vec![heartbeat("w", &[], 61, at + ttl)], at + ttl);
+    assert_eq!(e.ledger().worker_of("long"), Some("w"));
+    step(
+        &mut e,
+        vec![heartbeat("w", &[], 62, at + ttl + 1)],
+        at + ttl + 1,
+    );
+    assert_eq!(e.ledger().worker_of("long"), None);
+}
+
 #[test]
 fn the_expected_output_follows_max_tokens_once_completions_show_it() {
     let mut e = engine();
