@@ -1278,9 +1278,14 @@ impl Engine {
             let front = self.queues.get(model, pos).expect("position exists");
             let waited = Self::waited_ms(front, slo.ttft_ms, now);
             // Least harm, too, leaves out the workers that refused the job.
-            let front_pool = self
-                .refusals
-                .narrow(&front.job.id, workers, |w| self.takes_work(w, now));
+            let front_pool = evaluation
+                .winner
+                .is_none()
+                .then(|| {
+                    self.refusals
+                        .narrow(&front.job.id, workers, |w| self.takes_work(w, now))
+                })
+                .flatten();
             let harm_pool = front_pool.as_ref().map_or(workers, |(pool, _)| pool);
             let mut least_harm_note = None;
             let alone = self.queues.len(model) == 1;
