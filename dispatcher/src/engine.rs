@@ -46,6 +46,7 @@ use crate::metrics::HELD_FOR_LIGHTER_TENANT;
 use crate::publish;
 use crate::queue::{tenant_of, Pos, QueuedJob, Queues};
 use crate::recent::RecentIds;
+use crate::refusals::Refusals;
 use crate::registry::{RedisSnapshot, WorkerUpdate};
 
 /// What the engine asks of the outside world; the deciding loop ([`crate::deciding`])
@@ -175,6 +176,9 @@ pub struct Engine {
     /// Refusals of jobs whose body this leader does not hold, oldest first, with when:
     /// settled on the tick after [`ORPHAN_REFUSAL_GRACE_MS`].
     orphan_refusals: VecDeque<(String, String, u64)>,
+    /// Workers that refused each job retried here: left out of its next placements while
+    /// another worker can take it ([`Refusals`]).
+    refusals: Refusals,
     ewmas: HashMap<String, EwmaSnapshot>,
     /// Each model's output-length EWMA (from Redis): the prior of its output model.
     output_len: HashMap<String, f64>,
@@ -218,6 +222,7 @@ impl Engine {
             cancelled: RecentIds::new(s.ack_wait_ms, CANCELLED_MAX),
             relayed: RecentIds::new(s.ack_wait_ms, CANCELLED_MAX),
             orphan_refusals: VecDeque::new(),
+            refusals: Refusals::default(),
             ewmas: HashMap::new(),
             output_len: HashMap::new(),
             output_models: HashMap::new(),
@@ -355,6 +360,11 @@ impl Engine {
     fn alive(&self, view: &WorkerView, now_ms: u64) -> bool {
         now_ms.saturating_sub(view.last_seen_ms) <= self.s.scheduler.heartbeat_timeout_ms
             && !self.dead.contains(&view.status.worker_id)
+    }
+
+    /// Whether a worker could take work now: alive, healthy, not draining.
+    fn takes_work(&self, view: &WorkerView, now_ms: u64) -> bool {
+        self.alive(view, now_ms) && view.status.healthy && !view.status.draining
     }
 
     fn on_job(&mut self, inc: Incoming) {
@@ -746,6 +756,7 @@ impl Engine {
         if event.outcome != CompletionOutcome::Refused {
             let now = self.now_ms;
             self.finished.insert(&event.job_id, now);
+            self.refusals.forget(&event.job_id);
             if let Some(a) = self.assigned.get(&event.job_id) {
                 self.cancelled
                     .remove(&cancel_key(a.job.tenant.as_deref(), &event.job_id));
@@ -782,6 +793,8 @@ impl Engine {
         match assigned {
             Some(a) => {
                 tracing::info!(job_id = %event.job_id, worker_id = %event.worker_id, attempt = event.attempt, error = ?event.error, "worker refused the job: assigning it again");
+                self.refusals
+                    .record(&event.job_id, &event.worker_id, event.attempt);
                 self.retry(a, &format!("refused by {}", event.worker_id), acker.take());
             }
             None if !self.queues.contains(&event.job_id)
@@ -1250,15 +1263,21 @@ impl Engine {
                         return;
                     }
                 }
-                let evaluation = choose(
+                let narrowed = self
+                    .refusals
+                    .narrow(&job.job.id, workers, |w| self.takes_work(w, now));
+                let mut evaluation = choose(
                     self.s.policy,
                     &mut self.policy_state,
                     &request,
-                    workers,
+                    narrowed.as_ref().map_or(workers, |(pool, _)| pool),
                     &self.ledger,
                     &self.s.scheduler,
                     now,
                 );
+                if let Some((_, refused)) = narrowed {
+                    evaluation.rejected.extend(refused);
+                }
                 if evaluation.winner.is_some() {
                     chosen = Some((at, request, slo, evaluation));
                     break;
@@ -1276,6 +1295,16 @@ impl Engine {
             };
             let front = self.queues.get(model, pos).expect("position exists");
             let waited = Self::waited_ms(front, slo.ttft_ms, now);
+            // Least harm, too, leaves out the workers that refused the job.
+            let front_pool = evaluation
+                .winner
+                .is_none()
+                .then(|| {
+                    self.refusals
+                        .narrow(&front.job.id, workers, |w| self.takes_work(w, now))
+                })
+                .flatten();
+            let harm_pool = front_pool.as_ref().map_or(workers, |(pool, _)| pool);
             let mut least_harm_note = None;
             let alone = self.queues.len(model) == 1;
             if evaluation.winner.is_none() && self.s.policy == PolicyKind::Metronome && !alone {
@@ -1290,7 +1319,7 @@ impl Engine {
                 {
                     let fallback = least_harm_trading(
                         &request,
-                        workers,
+                        harm_pool,
                         &self.ledger,
                         &self.s.scheduler,
                         now,
@@ -1313,7 +1342,7 @@ impl Engine {
                 // moves the miss while taking the room the next job needs.
                 if let Some(remaining) = request.ttft_remaining_ms {
                     let fallback =
-                        least_harm(&request, workers, &self.ledger, &self.s.scheduler, now);
+                        least_harm(&request, harm_pool, &self.ledger, &self.s.scheduler, now);
                     let ttft = fallback
                         .winner_score()
                         .and_then(|c| c.prediction)
@@ -1326,6 +1355,9 @@ impl Engine {
                         evaluation = fallback;
                     }
                 }
+            }
+            if let (Some(_), Some((_, refused))) = (&least_harm_note, front_pool) {
+                evaluation.rejected.extend(refused);
             }
             let Some(winner) = evaluation.winner.clone() else {
                 self.metrics.held(model, &evaluation.rejected);
@@ -1654,6 +1686,7 @@ impl Engine {
         acker: Option<Arc<Acker>>,
         queue_wait_ms: u64,
     ) {
+        self.refusals.forget(&job.id);
         self.refuse(
             job,
             attempt,

@@ -14,14 +14,21 @@
 //! without a usable id, a record on `deadletter.jobs`; then it is acknowledged so it
 //! never comes back.
 //!
-//! A job an earlier leader (or this one) may already have decided is checked against the
-//! DECISIONS stream before it reaches the engine: JOBS redelivers after its ack wait
-//! (300 s), longer than its de-duplication window (120 s), so a lost ack or a restart
-//! would otherwise run a finished job again. "May already have decided" means delivered
-//! more than once, or stored before this term's consumer was created (a takeover resets
-//! the delivery count). When `decisions.<tenant>.<id>` holds a record (assigned, rejected or
-//! expired), the message is acknowledged and logged, and nothing is assigned. The lookup
-//! is a direct get (nats-server 2.9), pipelined in stream order.
+//! A job id is an idempotency key for as long as its decision is kept (DECISIONS'
+//! `max_age`, a day by default): every job is checked against the DECISIONS stream before
+//! it reaches the engine. The de-duplication windows of JOBS and WORK (120 s) are shorter
+//! than JOBS' redelivery (300 s ack wait), and a client may submit an id again at any time
+//! (after a lost PubAck, or under another msg-id), so neither window is enough: a lost ack,
+//! a restart after two minutes or a late resubmission would otherwise run a job again.
+//! When `decisions.<tenant>.<id>` holds a record (assigned, rejected or expired) of the same
+//! or a later attempt, the job is answered with that record (see [`RejectContext::answer_of`]: the same
+//! outcome, worker and attempt, `already_assigned` for an assignment), the message is
+//! acknowledged once the answer is stored, and nothing is assigned. The lookup is a direct
+//! get (nats-server 2.9), pipelined in stream order (64 in flight) off the deciding loop: it
+//! adds no work to the engine, and a leader taking over with a backlog (what
+//! `dispatch_bench` measures: its jobs are stored before the dispatcher leads) already
+//! looked up every job this way. A lookup that fails lets the job through (the WORK
+//! stream's msg-id still catches a recent duplicate).
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -80,7 +87,7 @@ pub async fn recreate_jobs_consumer(
     Ok((consumer, takeover_seq))
 }
 
-/// How the intake recognises a job that may already have been decided.
+/// How the intake recognises a job that has already been decided.
 pub struct SeenBefore {
     /// The DECISIONS stream, for direct gets of `decisions.<tenant>.<job_id>`.
     pub decisions: jetstream::stream::Stream,
@@ -88,10 +95,10 @@ pub struct SeenBefore {
     pub takeover_seq: u64,
 }
 
-/// Whether a JOBS message may already have been decided: delivered before, or stored
-/// before this term's consumer existed (a recreated consumer starts counting deliveries
-/// from one again).
-fn may_be_decided(delivered: i64, stream_seq: u64, takeover_seq: u64) -> bool {
+/// Whether a JOBS message may have been seen by this or an earlier leader: delivered
+/// before, or stored before this term's consumer existed (a recreated consumer starts
+/// counting deliveries from one again). Otherwise a decided job is a client's repeat.
+fn redelivered(delivered: i64, stream_seq: u64, takeover_seq: u64) -> bool {
     delivered > 1 || stream_seq <= takeover_seq
 }
 
@@ -128,6 +135,8 @@ enum Step {
         decision: Box<Decision>,
         acker: Arc<jetstream::message::Acker>,
         seq: u64,
+        /// The same message again (not a client's repeat of the id).
+        redelivered: bool,
     },
     Error(String),
 }
@@ -165,22 +174,21 @@ async fn read_job(
             }
         }
     };
-    if may_be_decided(delivered, seq, seen.takeover_seq) {
-        match seen.stored_decision(&job).await {
-            // A decision of an earlier attempt does not settle a retry.
-            Ok(Some(decision)) if decision.attempt >= attempt => {
-                return Step::AlreadyDecided {
-                    job_id: job.id,
-                    decision: Box::new(decision),
-                    acker,
-                    seq,
-                }
+    match seen.stored_decision(&job).await {
+        // A decision of an earlier attempt does not settle a retry.
+        Ok(Some(decision)) if decision.attempt >= attempt => {
+            return Step::AlreadyDecided {
+                job_id: job.id,
+                decision: Box::new(decision),
+                acker,
+                seq,
+                redelivered: redelivered(delivered, seq, seen.takeover_seq),
             }
-            Ok(_) => {}
-            // Fail open: the WORK stream's msg-id still catches a recent duplicate.
-            Err(error) => {
-                tracing::warn!(job_id = %job.id, %error, "could not check for an earlier decision")
-            }
+        }
+        Ok(_) => {}
+        // Fail open: the WORK stream's msg-id still catches a recent duplicate.
+        Err(error) => {
+            tracing::warn!(job_id = %job.id, %error, "could not check for an earlier decision")
         }
     }
     Step::Job(Box::new(Incoming {
@@ -297,22 +305,27 @@ pub fn spawn_jobs(
                     decision,
                     acker,
                     seq,
+                    redelivered,
                 }) => {
-                    context
-                        .metrics
-                        .redelivered_already_decided_total
-                        .fetch_add(1, Relaxed);
+                    let counter = if redelivered {
+                        &context.metrics.redelivered_already_decided_total
+                    } else {
+                        &context.metrics.repeated_job_ids_total
+                    };
+                    counter.fetch_add(1, Relaxed);
                     tracing::info!(
                         job_id,
                         stream_seq = seq,
+                        redelivered,
                         outcome = ?decision.outcome,
                         attempt = decision.attempt,
                         epoch = decision.epoch,
-                        "redelivered job already has a decision: acknowledged, not assigned again"
+                        "job id already has a decision: answered with it, not assigned again"
                     );
-                    if let Err(error) = acker.ack().await {
-                        tracing::warn!(job_id, %error, "acknowledging the JOBS message failed");
-                    }
+                    context.publisher.send(publish::Outcome::DecisionOnly {
+                        decision: Box::new(context.answer_of(*decision)),
+                        acker: Some(acker),
+                    });
                 }
                 Some(Step::Error(error)) => tracing::warn!(%error, "JOBS consumer error"),
                 None => {
@@ -336,6 +349,16 @@ pub struct RejectContext {
 }
 
 impl RejectContext {
+    /// The answer to a job whose id already has `stored` as its decision: the same outcome,
+    /// attempt and worker (a client takes results from the worker its last decision
+    /// names), with a reason saying the id was decided before; an assignment is
+    /// `already_assigned`, a rejection keeps its code (the client's error class). Recorded
+    /// by this leader, under the stored record's msg-id (`<job>:<attempt>`): while
+    /// DECISIONS remembers that id only the live feed shows the answer.
+    pub fn answer_of(&self, stored: Decision) -> Decision {
+        answer_of(stored, self.epoch, &self.dispatcher_id)
+    }
+
     /// Reject a message that is not a valid job, with the parse error as reason.
     pub fn reject_malformed(
         &self,
@@ -408,6 +431,35 @@ impl RejectContext {
             }
         }
     }
+}
+
+/// See [`RejectContext::answer_of`].
+fn answer_of(stored: Decision, epoch: u64, dispatcher_id: &str) -> Decision {
+    const PREFIX: &str = "job id already decided";
+    let mut d = stored;
+    // An answer to an earlier repeat already says so.
+    if !d.reason.as_deref().is_some_and(|r| r.starts_with(PREFIX)) {
+        let what = match (d.outcome, d.worker_id.as_deref()) {
+            (Outcome::Assigned, Some(w)) => format!("assigned to {w}"),
+            (Outcome::Assigned, None) => "assigned".to_string(),
+            (Outcome::Rejected, _) => "rejected".to_string(),
+            (Outcome::Expired, _) => "expired".to_string(),
+        };
+        let attempt = d.attempt;
+        d.reason = Some(match d.reason.take() {
+            Some(why) => {
+                format!("{PREFIX} ({what} at attempt {attempt}: {why}): not run again")
+            }
+            None => format!("{PREFIX} ({what} at attempt {attempt}): not run again"),
+        });
+    }
+    if d.outcome == Outcome::Assigned {
+        d.reason_code = Some("already_assigned".into());
+    }
+    d.epoch = epoch;
+    d.dispatcher_id = dispatcher_id.to_string();
+    d.decided_ms = metronome_protocol::time::unix_ms();
+    d
 }
 
 /// Open the completion-event reader (before the registry is loaded, so no completion that
@@ -630,12 +682,53 @@ mod tests {
     }
 
     #[test]
-    fn redelivered_or_pre_takeover_jobs_may_be_decided() {
-        assert!(may_be_decided(2, 100, 10), "redelivered in this term");
-        assert!(may_be_decided(1, 10, 10), "stored before the takeover");
-        assert!(
-            !may_be_decided(1, 11, 10),
-            "new in this term, first delivery"
+    fn a_repeated_id_is_answered_with_its_stored_outcome() {
+        let stored = |outcome, worker: Option<&str>, code: Option<&str>, reason: Option<&str>| {
+            let mut d: Decision = serde_json::from_value(serde_json::json!({
+                "v": 3, "job_id": "j1", "outcome": outcome, "attempt": 2, "policy": "metronome",
+                "queue_wait_ms": 0, "decision_latency_us": 1, "epoch": 1,
+                "dispatcher_id": "then", "decided_ms": 1
+            }))
+            .unwrap();
+            d.worker_id = worker.map(String::from);
+            d.reason_code = code.map(String::from);
+            d.reason = reason.map(String::from);
+            d
+        };
+        let a = answer_of(stored("assigned", Some("w1"), None, None), 9, "now");
+        assert_eq!(
+            (a.outcome, a.attempt, a.worker_id.as_deref()),
+            (Outcome::Assigned, 2, Some("w1"))
         );
+        assert_eq!(a.reason_code.as_deref(), Some("already_assigned"));
+        assert_eq!(
+            a.reason.as_deref(),
+            Some("job id already decided (assigned to w1 at attempt 2): not run again")
+        );
+        assert_eq!((a.epoch, a.dispatcher_id.as_str()), (9, "now"));
+        // Answered again: the reason does not grow.
+        assert_eq!(answer_of(a.clone(), 9, "now").reason, a.reason);
+        let r = answer_of(
+            stored("rejected", None, Some("queue_full"), Some("no room")),
+            9,
+            "now",
+        );
+        assert_eq!(r.outcome, Outcome::Rejected);
+        assert_eq!(
+            r.reason_code.as_deref(),
+            Some("queue_full"),
+            "its error class"
+        );
+        assert_eq!(
+            r.reason.as_deref(),
+            Some("job id already decided (rejected at attempt 2: no room): not run again")
+        );
+    }
+
+    #[test]
+    fn redelivered_or_pre_takeover_jobs_count_as_redelivered() {
+        assert!(redelivered(2, 100, 10), "redelivered in this term");
+        assert!(redelivered(1, 10, 10), "stored before the takeover");
+        assert!(!redelivered(1, 11, 10), "new in this term, first delivery");
     }
 }

@@ -22,6 +22,7 @@ pub mod publish;
 pub mod queue;
 pub mod queue_store;
 pub mod recent;
+pub mod refusals;
 pub mod registry;
 pub mod supervise;
 

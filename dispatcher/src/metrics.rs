@@ -78,6 +78,9 @@ pub struct Metrics {
     /// Redelivered jobs acknowledged without a new assignment because a decision for them
     /// was already stored.
     pub redelivered_already_decided_total: AtomicU64,
+    /// Jobs whose id already had a decision, submitted again (a new JOBS message): answered
+    /// with that decision, not run again.
+    pub repeated_job_ids_total: AtomicU64,
     pub is_leader: AtomicU64,
     pub epoch: AtomicU64,
     pub ledger_reservations: AtomicU64,
@@ -377,6 +380,11 @@ impl Collector for Exposition {
                 "metronome_dispatcher_redelivered_already_decided",
                 "Redelivered jobs acknowledged without assigning them again (a decision existed).",
                 &m.redelivered_already_decided_total,
+            ),
+            (
+                "metronome_dispatcher_repeated_job_ids",
+                "Jobs submitted again under an id that already had a decision: answered with it, not run again.",
+                &m.repeated_job_ids_total,
             ),
             (
                 "metronome_dispatcher_redis_errors",

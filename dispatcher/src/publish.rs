@@ -26,7 +26,7 @@
 //!   assigned new work only after that, so the purge can never delete it.
 //!
 //! Back-pressure: outcomes not yet settled (written and acknowledged, or failed) are
-//! counted; the deciding loop waits in [`Publisher::ready`] while `capacity` are pending,
+//! counted (a guard per outcome leaves the count when whichever task settles it ends); the deciding loop waits in [`Publisher::ready`] while `capacity` are pending,
 //! which stops it reading new events, and so the intake, when NATS is slower than the
 //! decisions.
 //!
@@ -139,6 +139,16 @@ impl Pending {
     }
 }
 
+/// One outcome handed over and not yet settled: dropped once it is (stored and
+/// acknowledged, failed, or the task settling it gone), it leaves the count.
+struct Unsettled(Arc<Pending>);
+
+impl Drop for Unsettled {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// Cheap handle the engine and intake send outcomes through.
 #[derive(Clone)]
 pub struct Publisher {
@@ -229,6 +239,8 @@ async fn publish_loop(
     in_flight: Arc<Pending>,
 ) {
     while let Some(outcome) = rx.recv().await {
+        // Leaves the count when this outcome is settled, in whichever task settles it.
+        let unsettled = Unsettled(in_flight.clone());
         match outcome {
             Outcome::Assign {
                 job,
@@ -265,7 +277,6 @@ async fn publish_loop(
                 let decision_js = js.clone();
                 let events = events.clone();
                 let metrics = metrics.clone();
-                let in_flight = in_flight.clone();
                 tokio::spawn(async move {
                     // Whether a failed publish may have been stored: only "no stream
                     // answered" says for sure that it was not.
@@ -294,7 +305,7 @@ async fn publish_loop(
                                     worker_id,
                                 })
                                 .await;
-                            in_flight.fetch_sub(1, Ordering::AcqRel);
+                            drop(unsettled);
                             return;
                         }
                         Ok(ack) if ack.duplicate => {
@@ -326,7 +337,7 @@ async fn publish_loop(
                     metrics
                         .decisions_assigned_total
                         .fetch_add(1, Ordering::Relaxed);
-                    in_flight.fetch_sub(1, Ordering::AcqRel);
+                    drop(unsettled);
                 });
             }
             Outcome::Reject {
@@ -346,7 +357,6 @@ async fn publish_loop(
                 )
                 .await;
                 let metrics = metrics.clone();
-                let in_flight = in_flight.clone();
                 tokio::spawn(async move {
                     finish(d, "decision").await;
                     finish(f, "final result").await;
@@ -358,18 +368,17 @@ async fn publish_loop(
                         _ => &metrics.decisions_rejected_total,
                     }
                     .fetch_add(1, Ordering::Relaxed);
-                    in_flight.fetch_sub(1, Ordering::AcqRel);
+                    drop(unsettled);
                 });
             }
             Outcome::DecisionOnly { decision, acker } => {
                 let d = publish_decision_start(&js, &decision).await;
-                let in_flight = in_flight.clone();
                 tokio::spawn(async move {
                     finish(d, "decision").await;
                     if let Some(acker) = acker {
                         let _ = acker.ack().await;
                     }
-                    in_flight.fetch_sub(1, Ordering::AcqRel);
+                    drop(unsettled);
                 });
             }
             Outcome::ExpireWorker {
@@ -378,10 +387,9 @@ async fn publish_loop(
             } => {
                 let workers = workers.clone();
                 let events = events.clone();
-                let in_flight = in_flight.clone();
                 tokio::spawn(async move {
                     expire_worker(&workers, &events, &worker_id, revision).await;
-                    in_flight.fetch_sub(1, Ordering::AcqRel);
+                    drop(unsettled);
                 });
             }
             Outcome::PurgeWork { worker_id } => {
@@ -398,12 +406,11 @@ async fn publish_loop(
                         tracing::warn!(worker_id, %error, "could not purge the dead worker's assignments")
                     }
                 }
-                in_flight.fetch_sub(1, Ordering::AcqRel);
+                drop(unsettled);
             }
             Outcome::Requeue { job, event } => {
                 let started = requeue_start(&js, &job).await;
                 let events = events.clone();
-                let in_flight = in_flight.clone();
                 tokio::spawn(async move {
                     let stored = match started {
                         Ok(fut) => fut.await.map(|_| ()).map_err(|e| e.to_string()),
@@ -423,7 +430,7 @@ async fn publish_loop(
                             let _ = events.send(Event::RequeueFailed { job }).await;
                         }
                     }
-                    in_flight.fetch_sub(1, Ordering::AcqRel);
+                    drop(unsettled);
                 });
             }
             Outcome::RelayCancel { tenant, job_id } => {
@@ -436,7 +443,7 @@ async fn publish_loop(
                 {
                     tracing::warn!(job_id, %error, "relaying a cancel failed");
                 }
-                in_flight.fetch_sub(1, Ordering::AcqRel);
+                drop(unsettled);
             }
             Outcome::DeadLetter { body, acker } => {
                 if let Err(error) = client.publish(names::SUBJECT_DEAD_LETTER, body).await {
@@ -445,7 +452,7 @@ async fn publish_loop(
                 if let Some(acker) = acker {
                     let _ = acker.ack().await;
                 }
-                in_flight.fetch_sub(1, Ordering::AcqRel);
+                drop(unsettled);
             }
             Outcome::Revoke { worker_id, revoke } => {
                 let subject = names::control_subject(&worker_id, names::CONTROL_REVOKE);
@@ -453,7 +460,7 @@ async fn publish_loop(
                 if let Err(error) = client.publish(subject, body).await {
                     tracing::warn!(worker_id, %error, "could not revoke the dead worker's jobs");
                 }
-                in_flight.fetch_sub(1, Ordering::AcqRel);
+                drop(unsettled);
             }
             Outcome::FinalError {
                 job_id,
@@ -462,7 +469,6 @@ async fn publish_loop(
                 message,
             } => {
                 let js = js.clone();
-                let in_flight = in_flight.clone();
                 // Off the publishing loop: the tenant is looked up first.
                 tokio::spawn(async move {
                     match tenant_of_decided(&js, &job_id).await {
@@ -484,7 +490,7 @@ async fn publish_loop(
                             "no final error result: the job's tenant is unknown"
                         ),
                     }
-                    in_flight.fetch_sub(1, Ordering::AcqRel);
+                    drop(unsettled);
                 });
             }
         }
@@ -767,5 +773,28 @@ async fn finish(started: Started, what: &str) {
     };
     if let Err(error) = outcome {
         tracing::warn!(%error, what, "publish failed");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The count of unsettled outcomes drops when the task settling one ends, however it
+    /// ends: a task that dies no longer holds back the deciding loop for good.
+    #[tokio::test]
+    async fn an_outcome_leaves_the_count_when_its_task_ends_even_by_a_panic() {
+        let pending = Arc::new(Pending::default());
+        pending.fetch_add(2, Ordering::AcqRel);
+        drop(Unsettled(pending.clone()));
+        assert_eq!(pending.load(Ordering::Acquire), 1);
+        let unsettled = Unsettled(pending.clone());
+        let died = tokio::spawn(async move {
+            let _unsettled = unsettled;
+            panic!("the task settling the outcome died");
+        })
+        .await;
+        assert!(died.is_err());
+        assert_eq!(pending.load(Ordering::Acquire), 0);
     }
 }

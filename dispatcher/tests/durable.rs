@@ -239,3 +239,80 @@ async fn a_dead_worker_leaves_the_registry_and_the_decisions() {
     token.cancel();
     running.join().await.unwrap();
 }
+
+/// The job id is an idempotency key for as long as its decision is kept: an id submitted
+/// again after the de-duplication windows of JOBS and WORK (here 1 s; 2 min by default)
+/// is answered with the decision it already has and is not run again. It used to be a new
+/// job: the DECISIONS check ran only for redeliveries and jobs stored before a takeover,
+/// and WORK's msg-id (`<job>:1`) had forgotten the first assignment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_id_submitted_again_after_the_duplicate_window_is_not_run_again() {
+    let settings = metronome_protocol::setup::StreamSettings {
+        duplicate_window: Duration::from_secs(1),
+        ..test_stream_settings()
+    };
+    let env = Env::start_with(&settings).await;
+    env.workers("rep", 1, "model-rep", 4).await;
+    let (running, token) = env.dispatcher(env.config("rep")).await;
+    env.submit("rep-1", "model-rep", 10, 10).await;
+    let work = wait_for("the assignment", WAIT, || async {
+        let w = env.take_work("rep-0").await;
+        (!w.is_empty()).then_some(w)
+    })
+    .await;
+    env.complete(&work[0].0, CompletionOutcome::Done).await;
+    let metrics = running.metrics.clone();
+    wait_for("the completion handled", WAIT, || async {
+        (metrics.ledger_reservations.load(Relaxed) == 0).then_some(())
+    })
+    .await;
+    // The live decision feed, as a client reads it: DECISIONS drops a record whose msg-id
+    // (`<job>:<attempt>`) it still remembers, the feed shows every answer.
+    let mut feed = env
+        .client
+        .subscribe(names::decision_subject(None, "rep-1"))
+        .await
+        .unwrap();
+    env.client.flush().await.unwrap();
+    // Submitted again, the same body and msg-id, until JOBS stores it: its window is over.
+    let body = serde_json::to_vec(&job_json("rep-1", "model-rep", 10, 10)).unwrap();
+    wait_for("JOBS to store the same id again", WAIT, || async {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(names::HEADER_MSG_ID, "rep-1");
+        let ack = env
+            .js
+            .publish_with_headers(names::submit_subject(None), headers, body.clone().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        (!ack.duplicate).then_some(())
+    })
+    .await;
+    let answer = tokio::time::timeout(WAIT, feed.next())
+        .await
+        .expect("the repeat answered")
+        .unwrap();
+    let again: metronome_protocol::Decision = serde_json::from_slice(&answer.payload).unwrap();
+    wait_for("the repeat's JOBS message settled", WAIT, || async {
+        let mut jobs = env.js.get_stream(names::STREAM_JOBS).await.unwrap();
+        (jobs.info().await.unwrap().state.messages == 0).then_some(())
+    })
+    .await;
+    assert_eq!(
+        again.reason_code.as_deref(),
+        Some("already_assigned"),
+        "the repeat was decided as a new job: {again:?}"
+    );
+    assert_eq!(again.outcome, Outcome::Assigned);
+    assert_eq!(again.attempt, 1);
+    assert_eq!(
+        again.worker_id.as_deref(),
+        Some("rep-0"),
+        "names the worker whose results stand"
+    );
+    let rerun: Vec<_> = env.take_work("rep-0").await;
+    assert!(rerun.is_empty(), "the job ran again: {rerun:?}");
+    token.cancel();
+    running.join().await.unwrap();
+}

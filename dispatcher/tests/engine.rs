@@ -275,6 +275,112 @@ fn a_refused_job_goes_back_through_jobs_for_another_attempt() {
     assert_eq!(retry, Some(2), "{:?}", names(&out));
 }
 
+/// Refuse `j` on `worker` (attempt `attempt`) and hand its retry back to the engine, as
+/// JOBS would; what the retry's placement published.
+fn refuse_and_retry(e: &mut Engine, worker: &str, attempt: u32, at: u64) -> Vec<Outcome> {
+    let mut refusal = done("j", worker, 0, CompletionOutcome::Refused);
+    if let Event::Completion { event, .. } = &mut refusal {
+        event.attempt = attempt;
+    }
+    let out = step(e, vec![refusal], at);
+    let retry = out.iter().find_map(|o| match o {
+        Outcome::Requeue { job, .. } => Some(job.attempt),
+        _ => None,
+    });
+    let retry = retry.unwrap_or_else(|| panic!("no retry: {:?}", names(&out)));
+    assert_eq!(retry, attempt + 1);
+    let mut again = job("j", 100, 10, at);
+    if let Event::Job(inc) = &mut again {
+        inc.attempt = retry;
+    }
+    step(e, vec![again], at + 1)
+}
+
+/// A job a worker refused goes to another worker on its next attempt, and the decision
+/// says why the refusing one was left out. Before, the leader picked the worker that had
+/// just refused (idle again, the best score), so one refusing worker used up every
+/// attempt of the job.
+#[test]
+fn a_refused_job_goes_to_another_worker_while_one_can_take_it() {
+    let mut e = engine();
+    step(
+        &mut e,
+        vec![heartbeat("w1", &[], 1, T0), heartbeat("w2", &[], 1, T0)],
+        T0,
+    );
+    let out = step(&mut e, vec![job("j", 100, 10, T0)], T0);
+    let first = assigned(&out)[0].1.clone();
+    let out = refuse_and_retry(&mut e, &first, 1, T0 + 10);
+    let second = assigned(&out);
+    assert_eq!(second.len(), 1, "{:?}", names(&out));
+    assert_ne!(
+        second[0].1, first,
+        "given back to the worker that refused it"
+    );
+    let Some(Outcome::Assign { decision, .. }) = out.first() else {
+        unreachable!()
+    };
+    let left_out = decision
+        .rejected
+        .iter()
+        .find(|r| r.worker_id == first)
+        .expect("the refusing worker is listed");
+    assert_eq!(left_out.code, metronome_protocol::RejectionCode::RefusedJob);
+    assert!(left_out.reason.contains("attempt 1"), "{}", left_out.reason);
+    // Refused by both: either may try again (nobody else can take it).
+    let out = refuse_and_retry(&mut e, &second[0].1, 2, T0 + 20);
+    assert_eq!(assigned(&out).len(), 1, "{:?}", names(&out));
+}
+
+/// With no other worker that can take it, the one that refused gets the job again (a
+/// refusal may be passing: draining, a restart).
+#[test]
+fn a_refused_job_goes_back_to_its_worker_when_no_other_can_take_it() {
+    let mut e = engine();
+    let mut draining = heartbeat("w2", &[], 1, T0);
+    if let Event::Worker(WorkerUpdate::Put { status, .. }) = &mut draining {
+        status.draining = true;
+    }
+    step(&mut e, vec![heartbeat("w1", &[], 1, T0), draining], T0);
+    let out = step(&mut e, vec![job("j", 100, 10, T0)], T0);
+    assert_eq!(assigned(&out), vec![("j".to_string(), "w1".to_string())]);
+    let out = refuse_and_retry(&mut e, "w1", 1, T0 + 10);
+    assert_eq!(assigned(&out), vec![("j".to_string(), "w1".to_string())]);
+}
+
+/// A reservation its worker's heartbeats keep confirming lives as long as they list the
+/// job, far past `reservation_ttl_ms` (10 s); unlisted, it goes one TTL after the last
+/// heartbeat that listed it. (Issue 9 said confirmed reservations expired after 10 s
+/// whatever the heartbeats said; each listing heartbeat renews it.)
+#[test]
+fn a_reservation_its_worker_keeps_reporting_outlives_the_reservation_ttl() {
+    let mut e = one_worker(|_| {});
+    let out = step(&mut e, vec![job("long", 100, 10, T0)], T0);
+    assert_eq!(assigned(&out), vec![("long".to_string(), "w".to_string())]);
+    let ttl = Config::default().scheduler.reservation_ttl_ms;
+    let mut at = T0;
+    for seq in 2..=60 {
+        at = T0 + (seq - 1) * 1_000;
+        step(&mut e, vec![heartbeat("w", &["long"], seq, at)], at);
+        assert_eq!(
+            e.ledger().worker_of("long"),
+            Some("w"),
+            "expired {} ms after it was booked",
+            at - T0
+        );
+    }
+    assert!(at - T0 > 5 * ttl);
+    // No longer listed: kept for one TTL after the last heartbeat that listed it.
+    step(&mut e, vec![heartbeat("w", &[], 61, at + ttl)], at + ttl);
+    assert_eq!(e.ledger().worker_of("long"), Some("w"));
+    step(
+        &mut e,
+        vec![heartbeat("w", &[], 62, at + ttl + 1)],
+        at + ttl + 1,
+    );
+    assert_eq!(e.ledger().worker_of("long"), None);
+}
+
 #[test]
 fn the_expected_output_follows_max_tokens_once_completions_show_it() {
     let mut e = engine();

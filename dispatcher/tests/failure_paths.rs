@@ -250,3 +250,53 @@ async fn a_redelivered_job_with_a_stored_decision_is_not_assigned_again() {
     token.cancel();
     running.join().await.unwrap();
 }
+
+/// A job refused by one worker goes to another on its next attempt while another can take
+/// it, and the decision lists the refusing worker with why it was left out. Before, the
+/// leader gave the retry back to the worker that had just refused it (idle again, the best
+/// score): one refusing worker could use up every attempt of a job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_job_is_not_given_back_to_the_worker_that_refused_it() {
+    let env = Env::start().await;
+    env.workers("rf", 2, "model-rf", 4).await;
+    let (running, token) = env.dispatcher(env.config("refusals")).await;
+    env.submit("rf-job", "model-rf", 10, 10).await;
+    let (first, assignment) = wait_for("the first assignment", WAIT, || async {
+        for w in ["rf-0", "rf-1"] {
+            if let Some((a, _)) = env.take_work(w).await.pop() {
+                return Some((w, a));
+            }
+        }
+        None
+    })
+    .await;
+    env.complete(&assignment, CompletionOutcome::Refused).await;
+    let d = wait_for("attempt 2 decided", WAIT, || async {
+        env.decision("rf-job").await.filter(|d| d.attempt == 2)
+    })
+    .await;
+    assert_eq!(d.outcome, Outcome::Assigned, "{d:?}");
+    assert_ne!(
+        d.worker_id.as_deref(),
+        Some(first),
+        "given back to the worker that refused it: {d:?}"
+    );
+    let left_out = d
+        .rejected
+        .iter()
+        .find(|r| r.worker_id == first)
+        .unwrap_or_else(|| panic!("{first} not listed as refused: {d:?}"));
+    assert_eq!(left_out.code, metronome_protocol::RejectionCode::RefusedJob);
+    let other = if first == "rf-0" { "rf-1" } else { "rf-0" };
+    let work = wait_for("the retry on the other worker", WAIT, || async {
+        let w = env.take_work(other).await;
+        (!w.is_empty()).then_some(w)
+    })
+    .await;
+    assert_eq!(
+        (work[0].0.job.id.as_str(), work[0].0.attempt),
+        ("rf-job", 2)
+    );
+    token.cancel();
+    running.join().await.unwrap();
+}

@@ -130,6 +130,19 @@ async fn a_flooding_tenant_gets_the_rest_and_shares_hold_across_a_failover() {
         if tenant == "b" && !b_stopped {
             submit_for(&env, &format!("b-{b_sent}"), "b").await;
             b_sent += 1;
+            // B keeps three jobs waiting: its new one must be queued before the GPU frees
+            // up, or B has none waiting when the next job is chosen (the intake looks every
+            // job up in DECISIONS first, which can take as long as this loop's turn).
+            let waiting = (A_JOBS - a_done(&order)) + (b_sent - b_done(&order));
+            let metrics = leader.as_ref().expect("a leader").0.metrics.clone();
+            metronome_testkit::wait_for("B's new job queued", WAIT, || {
+                let m = metrics.clone();
+                async move {
+                    let depth = m.queue_depth.lock().unwrap().get(MODEL).copied();
+                    (depth == Some(waiting)).then_some(())
+                }
+            })
+            .await;
         }
         // The worker reports the job it runs, so a new leader adopts it rather than
         // assigning a second job to a full GPU.

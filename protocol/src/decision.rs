@@ -204,6 +204,9 @@ pub enum RejectionCode {
     BelowSloFloor,
     /// The job's predicted time to first token would exceed what is left of its TTFT target.
     TtftOverBudget,
+    /// The worker refused this job on an earlier attempt: it is not given the job again
+    /// while another worker of the model can take it.
+    RefusedJob,
 }
 
 impl RejectionCode {
@@ -218,6 +221,7 @@ impl RejectionCode {
             RejectionCode::InsufficientKv => "insufficient_kv",
             RejectionCode::BelowSloFloor => "below_slo_floor",
             RejectionCode::TtftOverBudget => "ttft_over_budget",
+            RejectionCode::RefusedJob => "refused_job",
         }
     }
 }
@@ -561,6 +565,7 @@ mod tests {
             RejectionCode::InsufficientKv,
             RejectionCode::BelowSloFloor,
             RejectionCode::TtftOverBudget,
+            RejectionCode::RefusedJob,
         ] {
             let json = serde_json::to_string(&code).unwrap();
             assert_eq!(json.trim_matches('"'), code.as_str());

@@ -21,7 +21,8 @@ use metronome_protocol::names::{
 use metronome_protocol::{ControlReply, Revoke, PROTOCOL_VERSION};
 use tokio_util::sync::CancellationToken;
 
-use crate::agent::{AgentError, Shared};
+use crate::agent::AgentError;
+use crate::shared::Shared;
 
 /// Subscribe to this worker's control subjects.
 pub(crate) async fn subscribe(

@@ -36,8 +36,8 @@ use metronome_protocol::time::unix_ms;
 use metronome_protocol::{WorkerStatus, PROTOCOL_VERSION};
 use tokio_util::sync::CancellationToken;
 
-use crate::agent::Shared;
 use crate::probe::{ProbeCache, Probed};
+use crate::shared::Shared;
 
 /// What became of a heartbeat put.
 enum Stored {

@@ -27,6 +27,7 @@ pub mod model_client;
 pub mod perf_store;
 mod probe;
 pub mod runner;
+mod shared;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -46,8 +47,8 @@ pub use gpu_probe::{GpuProbe, NoGpu, NvmlProbe};
 pub use metrics::AgentMetrics;
 pub use model_client::{HttpModelClient, ModelClient, ModelError};
 
-use agent::Shared;
 use heartbeat::Heartbeat;
+use shared::Shared;
 
 /// The I/O the agent reaches through traits, so tests and other hosts can swap them.
 #[derive(Clone)]

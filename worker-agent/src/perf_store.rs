@@ -20,8 +20,8 @@ use redis::aio::ConnectionManager;
 use redis::AsyncCommands;
 use tokio_util::sync::CancellationToken;
 
-use crate::agent::Shared;
 use crate::metrics::AgentMetrics;
+use crate::shared::Shared;
 
 /// Why a read or write of the model did not land.
 #[derive(Debug, thiserror::Error)]

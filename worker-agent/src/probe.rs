@@ -17,9 +17,9 @@ use metronome_protocol::GpuStats;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::agent::Shared;
 use crate::gpu_probe::GpuProbe;
 use crate::metrics_scrape::{scrape, ServerLoad};
+use crate::shared::Shared;
 
 /// Longest a single probe may take before it counts as failed.
 pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(2);

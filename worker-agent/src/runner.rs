@@ -36,14 +36,15 @@ use metronome_protocol::{
     Assignment, CompletionEvent, CompletionOutcome, ErrorCode, FinalResult, ResultChunk,
     ResultError, Usage, PROTOCOL_VERSION,
 };
+use metronome_scheduler::perf::PerfSample;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::agent::Shared;
 use crate::assemble::Assembler;
 use crate::bound::bound_request;
 use crate::ewma_store::JobSample;
 use crate::load_tracker::Measured;
+use crate::shared::Shared;
 
 /// How a running job ended, before it is published.
 #[derive(Debug)]
@@ -109,7 +110,7 @@ pub(crate) async fn run_job(
         let job = &assignment.job;
         let cfg = &shared.config;
         tracing::info!(endpoint = ?job.endpoint, max_tokens = job.max_tokens, "job started");
-        shared.load.lock().expect("load lock").started(&job.id, job.prompt_tokens, Instant::now());
+        let tracked = Tracking::start(shared.clone(), &job.id, job.prompt_tokens);
         // The job's size, not its body, bounds the output (what was reserved for it).
         let (mut chunks, refused_body) = match bound_request(job.request.clone(), job.max_tokens) {
             Ok(request) => (shared.model.stream_completion(job.endpoint, request), None),
@@ -201,21 +202,13 @@ pub(crate) async fn run_job(
         let streamed = seq > 0;
         let usage: Usage = asm.usage(job.prompt_tokens);
         let sample = measure(&timing, usage.completion_tokens, end);
-        let perf_sample = {
-            let mut load = shared.load.lock().expect("load lock");
-            if matches!(ending, Ending::Done) {
-                let measured = Measured {
-                    prompt_tokens: usage.prompt_tokens,
-                    output_tokens: usage.completion_tokens,
-                    ttft_ms: sample.ttft_ms,
-                    tpot_ms: sample.tpot_ms,
-                };
-                load.finished(&job.id, &measured, end)
-            } else {
-                load.remove(&job.id, end);
-                None
-            }
-        };
+        let measured = matches!(ending, Ending::Done).then(|| Measured {
+            prompt_tokens: usage.prompt_tokens,
+            output_tokens: usage.completion_tokens,
+            ttft_ms: sample.ttft_ms,
+            tpot_ms: sample.tpot_ms,
+        });
+        let perf_sample = tracked.end(measured.as_ref(), end);
 
         if matches!(ending, Ending::Revoked) {
             shared.metrics.revoked_jobs.inc();
@@ -389,6 +382,52 @@ pub(crate) async fn publish_js<T: serde::Serialize>(
         "giving up publishing"
     );
     false
+}
+
+/// A running job's place in the load tracker (streams decoding, prefill pending), which
+/// heartbeats report: it leaves through [`Tracking::end`], or, when the job's task ends
+/// any other way (a panic, the task dropped), when the guard is dropped.
+struct Tracking {
+    shared: Arc<Shared>,
+    job_id: String,
+    open: bool,
+}
+
+impl Tracking {
+    fn start(shared: Arc<Shared>, job_id: &str, prompt_tokens: u32) -> Tracking {
+        shared
+            .load
+            .lock()
+            .expect("load lock")
+            .started(job_id, prompt_tokens, Instant::now());
+        Tracking {
+            shared,
+            job_id: job_id.to_string(),
+            open: true,
+        }
+    }
+
+    /// The job ended at `end`; with `measured` (it completed) its performance sample.
+    fn end(mut self, measured: Option<&Measured>, end: Instant) -> Option<PerfSample> {
+        self.open = false;
+        let mut load = self.shared.load.lock().expect("load lock");
+        match measured {
+            Some(m) => load.finished(&self.job_id, m, end),
+            None => {
+                load.remove(&self.job_id, end);
+                None
+            }
+        }
+    }
+}
+
+impl Drop for Tracking {
+    fn drop(&mut self) {
+        if self.open {
+            let mut load = self.shared.load.lock().unwrap_or_else(|p| p.into_inner());
+            load.remove(&self.job_id, Instant::now());
+        }
+    }
 }
 
 #[cfg(test)]

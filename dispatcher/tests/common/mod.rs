@@ -33,11 +33,17 @@ pub struct Env {
 
 impl Env {
     pub async fn start() -> Env {
+        Env::start_with(&test_stream_settings()).await
+    }
+
+    /// Real servers with the streams created by `settings` (a dispatcher leaves existing
+    /// streams as it finds them, so a test can shorten, e.g., the de-duplication window).
+    pub async fn start_with(settings: &metronome_protocol::setup::StreamSettings) -> Env {
         let nats = NatsServer::start().expect("nats-server");
         let redis = RedisServer::start().expect("redis-server");
         let client = async_nats::connect(nats.url()).await.expect("connect");
         let js = jetstream::new(client.clone());
-        let buckets = metronome_protocol::setup::ensure_all(&js, &test_stream_settings())
+        let buckets = metronome_protocol::setup::ensure_all(&js, settings)
             .await
             .expect("streams");
         Env {

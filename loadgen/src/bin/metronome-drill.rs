@@ -43,6 +43,10 @@ struct Cli {
     /// Jobs per second offered during each drill [default: 10 short, 20 full].
     #[arg(long)]
     rate: Option<f64>,
+    /// Seconds of load per drill [default: 8 short, 30 full]: with `--rate`, how many jobs
+    /// a drill sends (e.g. `--only kill-leader --rate 50 --load-secs 200`: 10,000 jobs).
+    #[arg(long, value_name = "SECS")]
+    load_secs: Option<u64>,
     /// Drills not to run, comma-separated (kill-leader, restart-agent, stop-agent,
     /// redis-down, restart-nats, kill-dispatchers, stop-model-server, rolling-deploy,
     /// hostile, kill-nats-leader).
@@ -83,6 +87,7 @@ fn main() -> ExitCode {
     } else {
         (30, 10, 30, cli.rate.unwrap_or(20.0))
     };
+    let load = cli.load_secs.unwrap_or(load).max(1);
     let names: Vec<&str> = Fault::ALL.iter().map(|f| f.name()).collect();
     if let Some(unknown) = cli
         .skip
