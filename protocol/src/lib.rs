@@ -22,6 +22,8 @@ pub mod redis_keys;
 pub mod result;
 #[cfg(feature = "nats")]
 pub mod setup;
+#[cfg(feature = "nats")]
+pub mod stored;
 pub mod time;
 pub mod worker;
 

@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, consumer, kv, AckKind};
 use futures::StreamExt;
 use metronome_protocol::names::{
-    event_done_subject, final_msg_id, parse_cancel_subject, result_final_subject, tenant_token,
-    work_consumer, work_msg_id, work_subject, LEADER_KEY, STREAM_WORK, SUBJECT_CANCEL_ALL,
+    event_done_subject, parse_cancel_subject, result_final_subject, tenant_token, work_consumer,
+    work_msg_id, work_subject, HEADER_MSG_ID, LEADER_KEY, STREAM_WORK, SUBJECT_CANCEL_ALL,
     SUBJECT_DEAD_LETTER,
 };
 use metronome_protocol::time::unix_ms;
@@ -44,7 +44,7 @@ use crate::ewma_store::EwmaStore;
 use crate::load_tracker::LoadTracker;
 use crate::metrics::AgentMetrics;
 use crate::model_client::ModelClient;
-use crate::runner::{publish_js, run_job};
+use crate::runner::{publish_js, run_job, FINAL_ONCE};
 
 /// Errors that stop the agent (everything else is logged and survived).
 #[derive(Debug, thiserror::Error)]
@@ -694,7 +694,7 @@ async fn finish_without_running(
         publish_js(
             shared,
             result_final_subject(a.job.tenant.as_deref(), &a.job.id, &shared.config.worker_id),
-            &final_msg_id(&a.job.id),
+            FINAL_ONCE,
             &a.job.model,
             &result,
         )
@@ -723,7 +723,7 @@ async fn finish_without_running(
     publish_js(
         shared,
         event_done_subject(&shared.config.worker_id),
-        &event_id,
+        (HEADER_MSG_ID, &event_id),
         &a.job.model,
         &event,
     )
