@@ -597,8 +597,10 @@ impl Engine {
                 mut status,
                 seen_ms,
                 revision,
+                unvouched,
             } => {
                 let id = status.worker_id.clone();
+                self.drop_unvouched(&mut status, &unvouched);
                 self.revisions.insert(id.clone(), revision);
                 if self.expiring.remove(&id).is_some() {
                     tracing::info!(worker_id = %id, revision, "a heartbeat was stored before the worker could be declared dead: it stays");
@@ -719,6 +721,27 @@ impl Engine {
         self.ewmas = snapshot.ewmas;
         self.output_len = snapshot.output_len;
         self.capacity_changed = true;
+    }
+
+    /// Remove from a heartbeat the jobs it claims that no decision on record assigns to
+    /// that worker (`registry::Vouching`), unless this leader booked them there itself: a
+    /// worker that learned a job's id must not be able to claim it by listing it.
+    fn drop_unvouched(&mut self, status: &mut WorkerStatus, unvouched: &[String]) {
+        if unvouched.is_empty() {
+            return;
+        }
+        let id = status.worker_id.as_str();
+        let (kept, refused): (Vec<String>, Vec<String>) = std::mem::take(&mut status.in_flight)
+            .into_iter()
+            .partition(|job| !unvouched.contains(job) || self.ledger.worker_of(job) == Some(id));
+        status.in_flight = kept;
+        if !refused.is_empty() {
+            self.metrics
+                .unvouched_claims_total
+                .fetch_add(refused.len() as u64, Relaxed);
+            tracing::warn!(worker_id = %id, jobs = ?refused, "heartbeat lists jobs no decision assigns to this worker: not adopted");
+            status.active = status.active.saturating_sub(refused.len() as u32);
+        }
     }
 
     /// Remove from a heartbeat the jobs whose completion this leader has already seen: the

@@ -75,6 +75,7 @@ fn heartbeat(id: &str, in_flight: &[&str], seq: u64, at: u64) -> Event {
         status: Box::new(status),
         seen_ms: at,
         revision: seq,
+        unvouched: Vec::new(),
     })
 }
 
@@ -237,6 +238,7 @@ fn a_waiting_job_expires_when_time_passes_its_deadline() {
             status,
             seen_ms: T0,
             revision: 1,
+            unvouched: Vec::new(),
         })],
         T0,
     );
