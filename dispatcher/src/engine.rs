@@ -169,8 +169,7 @@ pub struct Engine {
     /// cancel of that job).
     cancelled: RecentIds,
     /// Cancellations already relayed to the worker that reported the job (by
-    /// [`cancel_key`]): our own relay comes back on `cancel.*.*` and must not be relayed
-    /// again.
+    /// [`cancel_key`]): not relayed again.
     relayed: RecentIds,
     /// Refusals of jobs whose body this leader does not hold, oldest first, with when:
     /// settled on the tick after [`ORPHAN_REFUSAL_GRACE_MS`].
@@ -958,6 +957,21 @@ impl Engine {
         if self.finished.contains(job_id) {
             return;
         }
+        if let Some(worker) = self.ledger.worker_of(job_id) {
+            // Held by a worker (assigned here, or adopted from its heartbeat): relayed to
+            // that worker alone, which hears no other cancels. Remembered too, for the
+            // relay once its worker reports it (the cancel may overtake the Assignment).
+            tracing::info!(
+                job_id,
+                worker_id = worker,
+                "relaying a cancel to the worker holding the job"
+            );
+            self.emit(publish::Outcome::RelayCancel {
+                worker_id: worker.to_string(),
+                tenant: tenant.map(str::to_string),
+                job_id: job_id.to_string(),
+            });
+        }
         // Not here yet (still in the intake), or assigned and not yet reported by its
         // worker (the Assignment may reach the worker after the client's cancel did):
         // remembered, applied when the job arrives, is refused or rescued, or relayed once
@@ -974,14 +988,19 @@ impl Engine {
             return;
         }
         for job_id in in_flight {
-            let Some(tenant) = self.assigned.get(job_id).map(|a| a.job.tenant.clone()) else {
+            let Some(a) = self.assigned.get(job_id) else {
                 continue;
             };
+            let tenant = a.job.tenant.clone();
             let key = cancel_key(tenant.as_deref(), job_id);
+            let Some(worker_id) = self.ledger.worker_of(job_id).map(str::to_string) else {
+                continue;
+            };
             if self.cancelled.remove(&key) {
                 tracing::info!(job_id = %job_id, "relaying a cancel to the worker that reports the job");
                 self.relayed.insert(&key, now);
                 self.emit(publish::Outcome::RelayCancel {
+                    worker_id,
                     tenant,
                     job_id: job_id.clone(),
                 });

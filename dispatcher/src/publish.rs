@@ -94,10 +94,11 @@ pub enum Outcome {
         job: Box<QueuedJob>,
         event: Option<Arc<Acker>>,
     },
-    /// Send `cancel.<tenant>.<job_id>` again: the worker now reports holding a job whose
-    /// client's cancel may have reached it before its Assignment did. `tenant` is the one
-    /// the client's cancel named (the agent acts only if it is the job's).
+    /// Relay a client's cancel to the worker holding the job, on its own
+    /// `control.<worker_id>.cancel` (workers hear no `cancel.*.*`). `tenant` is the one the
+    /// client's cancel named (the agent acts only if it is the job's).
     RelayCancel {
+        worker_id: String,
         tenant: Option<String>,
         job_id: String,
     },
@@ -427,14 +428,19 @@ async fn publish_loop(
                     in_flight.fetch_sub(1, Ordering::AcqRel);
                 });
             }
-            Outcome::RelayCancel { tenant, job_id } => {
-                if let Err(error) = client
-                    .publish(
-                        names::cancel_subject(tenant.as_deref(), &job_id),
-                        Bytes::new(),
-                    )
-                    .await
-                {
+            Outcome::RelayCancel {
+                worker_id,
+                tenant,
+                job_id,
+            } => {
+                let body = metronome_protocol::RelayedCancel {
+                    v: metronome_protocol::PROTOCOL_VERSION,
+                    tenant: names::tenant_token(tenant.as_deref()).to_string(),
+                    job_id: job_id.clone(),
+                };
+                let subject = names::control_subject(&worker_id, names::CONTROL_CANCEL);
+                let body = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
+                if let Err(error) = client.publish(subject, body).await {
                     tracing::warn!(job_id, %error, "relaying a cancel failed");
                 }
                 in_flight.fetch_sub(1, Ordering::AcqRel);

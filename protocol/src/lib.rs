@@ -28,7 +28,7 @@ pub mod time;
 pub mod worker;
 
 pub use assignment::Assignment;
-pub use control::{ControlReply, Revoke, RevokedJob};
+pub use control::{ControlReply, RelayedCancel, Revoke, RevokedJob};
 pub use decision::{
     CandidateScore, Decision, Outcome, Rejection, RejectionCode, Scoring, TermName, TermScore,
     DECISION_VERSION, TERM_COUNT,

@@ -308,6 +308,11 @@ pub fn parse_cancel_subject(subject: &str) -> Option<(&str, &str)> {
 pub const CONTROL_DRAIN: &str = "drain";
 /// Control action: take new work again.
 pub const CONTROL_UNDRAIN: &str = "undrain";
+/// Control action of the leader, not an operator: a client's cancel of a job this worker
+/// holds, relayed (a [`crate::RelayedCancel`] body). Workers hear cancels only this way,
+/// so a worker learns no other worker's job ids; only dispatchers (and admins) may publish
+/// it. The agent still acts only when the body's tenant is the job's.
+pub const CONTROL_CANCEL: &str = "cancel";
 /// Control action of the leader, not an operator: stop the listed jobs without a result,
 /// the leader has declared this worker dead and settled them (a [`crate::Revoke`] body).
 pub const CONTROL_REVOKE: &str = "revoke";

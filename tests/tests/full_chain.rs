@@ -433,3 +433,128 @@ async fn a_forged_final_stored_first_does_not_keep_the_real_one_out() {
     assert_eq!(fin.error, None);
     assert_eq!(fin.worker_id.as_deref(), Some(worker.as_str()));
 }
+
+/// The completion event of `id` on `events.done.*` (the subscription made before the job).
+async fn completion_of(
+    done: &mut async_nats::Subscriber,
+    id: &str,
+) -> metronome_protocol::CompletionEvent {
+    use futures::StreamExt;
+    loop {
+        let m = done.next().await.expect("subscription open");
+        let e: metronome_protocol::CompletionEvent = serde_json::from_slice(&m.payload).unwrap();
+        if e.job_id == id {
+            return e;
+        }
+    }
+}
+
+/// Workers hear only the cancels the leader relays to them (`control.<worker>.cancel`):
+/// an HTTP client that goes away mid-stream still stops its running job (the gateway
+/// cancels on `cancel.<tenant>.<job>`, the leader relays it to the job's worker), which
+/// ends `cancelled` long before its 20,000 tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streaming_http_client_that_goes_away_stops_its_running_job() {
+    use futures::StreamExt;
+    use metronome_protocol::{names, CompletionOutcome};
+
+    let cluster = Cluster::start(ClusterSpec::uniform(1, MODEL)).await;
+    let client = cluster.nats_client().await;
+    let mut done = client
+        .subscribe(names::SUBJECT_EVENTS_DONE_ALL)
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", cluster.gateway_url))
+        .json(&chat_body(MODEL, 20_000, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "{}", cluster.logs());
+    let id = resp.headers()["x-metronome-job-id"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let mut body = resp.bytes_stream();
+    // The job runs: its first tokens arrived.
+    body.next().await.expect("a first chunk").unwrap();
+    drop(body);
+    let event = completion_of(&mut done, &id).await;
+    assert_eq!(
+        event.outcome,
+        CompletionOutcome::Cancelled,
+        "{event:?} {}",
+        cluster.logs()
+    );
+    assert!(event.streamed);
+}
+
+/// The same over NATS: a direct client's `cancel.<tenant>.<job>` stops its running job,
+/// whose final result (from the worker the decision names) says `cancelled`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_nats_clients_cancel_stops_its_running_job() {
+    use futures::StreamExt;
+    use metronome_protocol::names::{self, parse_result_subject, ResultKind};
+    use metronome_protocol::{CompletionOutcome, ErrorCode, FinalResult};
+
+    let cluster = Cluster::start(ClusterSpec::uniform(1, MODEL)).await;
+    let client = cluster.nats_client().await;
+    let id = "cancel-direct-1";
+    let tenant = Some("acme");
+    let mut results = client
+        .subscribe(names::results_subject_all(tenant, id))
+        .await
+        .unwrap();
+    let mut done = client
+        .subscribe(names::SUBJECT_EVENTS_DONE_ALL)
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    let now = metronome_protocol::time::unix_ms();
+    let job = serde_json::json!({
+        "v": metronome_protocol::PROTOCOL_VERSION, "id": id, "model": MODEL,
+        "endpoint": "chat", "request": chat_body(MODEL, 20_000, true),
+        "prompt_tokens": 8, "max_tokens": 20_000, "submitted_ms": now,
+    });
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(names::HEADER_MSG_ID, id);
+    async_nats::jetstream::new(client.clone())
+        .publish_with_headers(
+            names::submit_subject(tenant),
+            headers,
+            serde_json::to_vec(&job).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .expect("JOBS stores the job");
+    // Its first chunk: the job runs on its worker.
+    let first = results.next().await.expect("subscription open");
+    let parts = parse_result_subject(first.subject.as_str()).expect("a result subject");
+    assert_eq!(parts.kind, ResultKind::Chunk, "{}", cluster.logs());
+    client
+        .publish(names::cancel_subject(tenant, id), "".into())
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    let fin: FinalResult = loop {
+        let m = results.next().await.expect("subscription open");
+        let parts = parse_result_subject(m.subject.as_str()).expect("a result subject");
+        if parts.kind == ResultKind::Final {
+            break serde_json::from_slice(&m.payload).unwrap();
+        }
+    };
+    assert_eq!(
+        fin.error.map(|e| e.code),
+        Some(ErrorCode::Cancelled),
+        "{}",
+        cluster.logs()
+    );
+    let decision = cluster.decision(id).await;
+    assert_eq!(fin.worker_id, decision.worker_id);
+    assert_eq!(
+        completion_of(&mut done, id).await.outcome,
+        CompletionOutcome::Cancelled
+    );
+}
