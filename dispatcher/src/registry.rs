@@ -182,9 +182,12 @@ pub fn spawn_watch(
     })
 }
 
+/// At most this many new claims of one heartbeat are checked (the rest at the next).
+const MAX_CHECKS_PER_HEARTBEAT: usize = 1024;
+
 /// Checks the jobs a heartbeat claims to run against the decisions on record, before the
-/// engine sees the heartbeat (off the deciding loop: a direct get on DECISIONS per job id
-/// the first time a worker lists it).
+/// engine sees the heartbeat (off the deciding loop: the job's last decision on
+/// DECISIONS, read once per job id the first time a worker lists it).
 ///
 /// A heartbeat's `in_flight` is the worker's own claim. The leader adopts what workers
 /// report (so that a new leader knows what an earlier one assigned, and a redelivered job
@@ -220,11 +223,16 @@ impl Vouching {
         let worker = status.worker_id.as_str();
         let known = self.vouched.entry(worker.to_string()).or_default();
         known.retain(|job| status.in_flight.contains(job));
-        let fresh: Vec<&String> = status
+        let mut fresh: Vec<&String> = status
             .in_flight
             .iter()
             .filter(|job| !known.contains(job.as_str()))
             .collect();
+        // A heartbeat listing thousands of ids must not make the leader read thousands of
+        // decisions at once: the rest wait for the next heartbeat, not adopted meanwhile.
+        for job in fresh.split_off(fresh.len().min(MAX_CHECKS_PER_HEARTBEAT)) {
+            unvouched.push(job.clone());
+        }
         let checks = fresh.iter().map(|job| assigned_to(decisions, job));
         let answers = futures::future::join_all(checks).await;
         for (job, answer) in fresh.into_iter().zip(answers) {
