@@ -304,7 +304,14 @@ pub async fn story(nats: &Nats, job_id: &str, scan: usize) -> Result<explain::St
     } else {
         Vec::new()
     };
-    let result = nats.final_result(job_id).await?;
+    // The stored final result readers accept: the leader's, or that of the worker the
+    // latest assigned decision names, whichever was stored first (forgeries never count).
+    let assigned = decisions
+        .iter()
+        .rev()
+        .find(|d| d.outcome == Outcome::Assigned && d.worker_id.is_some())
+        .and_then(|d| d.worker_id.as_deref());
+    let result = nats.final_result(job_id, assigned).await?;
     Ok(explain::Story {
         job_id: job_id.to_string(),
         decisions,

@@ -100,18 +100,19 @@ impl Nats {
         Ok(out)
     }
 
-    /// The final result of a job, while RESULTS still keeps it.
-    pub async fn final_result(&self, job_id: &str) -> Result<Option<FinalResult>, CliError> {
+    /// The accepted final result of a job, while RESULTS still keeps it
+    /// (`metronome_protocol::stored::accepted_final`): the first stored of the leader's and
+    /// that of `assigned`, the worker the job's latest assigned decision names.
+    pub async fn final_result(
+        &self,
+        job_id: &str,
+        assigned: Option<&str>,
+    ) -> Result<Option<FinalResult>, CliError> {
         let stream = self.stream(STREAM_RESULTS).await?;
-        // One final result per job (its msg-id), whatever its tenant: the first is the one.
-        let subject = names::result_final_subject_any_tenant(job_id);
-        match stream
-            .direct_get_next_for_subject(subject.clone(), Some(1))
-            .await
-        {
-            Ok(m) => decode(&m.payload, &subject).map(Some),
-            Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => Ok(None),
-            Err(e) => Err(CliError::Nats(format!("direct get {subject}: {e}"))),
+        match metronome_protocol::stored::accepted_final(&stream, job_id, assigned).await {
+            Ok(Some(m)) => decode(&m.payload, m.subject.as_str()).map(Some),
+            Ok(None) => Ok(None),
+            Err(e) => Err(CliError::Nats(format!("final result of {job_id}: {e}"))),
         }
     }
 

@@ -170,8 +170,7 @@ pub struct Engine {
     /// cancel of that job).
     cancelled: RecentIds,
     /// Cancellations already relayed to the worker that reported the job (by
-    /// [`cancel_key`]): our own relay comes back on `cancel.*.*` and must not be relayed
-    /// again.
+    /// [`cancel_key`]): not relayed again.
     relayed: RecentIds,
     /// Refusals of jobs whose body this leader does not hold, oldest first, with when:
     /// settled on the tick after [`ORPHAN_REFUSAL_GRACE_MS`].
@@ -607,8 +606,10 @@ impl Engine {
                 mut status,
                 seen_ms,
                 revision,
+                unvouched,
             } => {
                 let id = status.worker_id.clone();
+                self.drop_unvouched(&mut status, &unvouched);
                 self.revisions.insert(id.clone(), revision);
                 if self.expiring.remove(&id).is_some() {
                     tracing::info!(worker_id = %id, revision, "a heartbeat was stored before the worker could be declared dead: it stays");
@@ -729,6 +730,27 @@ impl Engine {
         self.ewmas = snapshot.ewmas;
         self.output_len = snapshot.output_len;
         self.capacity_changed = true;
+    }
+
+    /// Remove from a heartbeat the jobs it claims that no decision on record assigns to
+    /// that worker (`registry::Vouching`), unless this leader booked them there itself: a
+    /// worker that learned a job's id must not be able to claim it by listing it.
+    fn drop_unvouched(&mut self, status: &mut WorkerStatus, unvouched: &[String]) {
+        if unvouched.is_empty() {
+            return;
+        }
+        let id = status.worker_id.as_str();
+        let (kept, refused): (Vec<String>, Vec<String>) = std::mem::take(&mut status.in_flight)
+            .into_iter()
+            .partition(|job| !unvouched.contains(job) || self.ledger.worker_of(job) == Some(id));
+        status.in_flight = kept;
+        if !refused.is_empty() {
+            self.metrics
+                .unvouched_claims_total
+                .fetch_add(refused.len() as u64, Relaxed);
+            tracing::warn!(worker_id = %id, jobs = ?refused, "heartbeat lists jobs no decision assigns to this worker: not adopted");
+            status.active = status.active.saturating_sub(refused.len() as u32);
+        }
     }
 
     /// Remove from a heartbeat the jobs whose completion this leader has already seen: the
@@ -948,6 +970,21 @@ impl Engine {
         if self.finished.contains(job_id) {
             return;
         }
+        if let Some(worker) = self.ledger.worker_of(job_id) {
+            // Held by a worker (assigned here, or adopted from its heartbeat): relayed to
+            // that worker alone, which hears no other cancels. Remembered too, for the
+            // relay once its worker reports it (the cancel may overtake the Assignment).
+            tracing::info!(
+                job_id,
+                worker_id = worker,
+                "relaying a cancel to the worker holding the job"
+            );
+            self.emit(publish::Outcome::RelayCancel {
+                worker_id: worker.to_string(),
+                tenant: tenant.map(str::to_string),
+                job_id: job_id.to_string(),
+            });
+        }
         // Not here yet (still in the intake), or assigned and not yet reported by its
         // worker (the Assignment may reach the worker after the client's cancel did):
         // remembered, applied when the job arrives, is refused or rescued, or relayed once
@@ -964,14 +1001,19 @@ impl Engine {
             return;
         }
         for job_id in in_flight {
-            let Some(tenant) = self.assigned.get(job_id).map(|a| a.job.tenant.clone()) else {
+            let Some(a) = self.assigned.get(job_id) else {
                 continue;
             };
+            let tenant = a.job.tenant.clone();
             let key = cancel_key(tenant.as_deref(), job_id);
+            let Some(worker_id) = self.ledger.worker_of(job_id).map(str::to_string) else {
+                continue;
+            };
             if self.cancelled.remove(&key) {
                 tracing::info!(job_id = %job_id, "relaying a cancel to the worker that reports the job");
                 self.relayed.insert(&key, now);
                 self.emit(publish::Outcome::RelayCancel {
+                    worker_id,
                     tenant,
                     job_id: job_id.clone(),
                 });

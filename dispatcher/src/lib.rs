@@ -276,9 +276,20 @@ async fn run_term(
         "cancellations",
         intake::spawn_cancels(&ctx.client, tx.clone(), term.clone()).await?,
     );
-    let (workers, last_revision) =
+    let (mut workers, last_revision) =
         registry::load_workers_within(&ctx.buckets.workers, &ctx.metrics, LOAD_WORKERS_WITHIN)
             .await?;
+    // The jobs the heartbeats claim, checked against the decisions on record before the
+    // engine adopts any (registry::Vouching).
+    let decisions = ctx
+        .js
+        .get_stream_no_info(metronome_protocol::names::STREAM_DECISIONS)
+        .await
+        .map_err(|e| DispatcherError::Nats(format!("DECISIONS: {e}")))?;
+    let mut vouching = registry::Vouching::new(decisions);
+    for update in &mut workers {
+        vouching.check(update).await;
+    }
     let workers_max_epoch = workers
         .iter()
         .filter_map(|u| match u {
@@ -336,6 +347,7 @@ async fn run_term(
         registry::spawn_watch(
             ctx.buckets.workers.clone(),
             last_revision + 1,
+            vouching,
             ctx.metrics.clone(),
             tx.clone(),
             term.clone(),

@@ -73,6 +73,9 @@ pub struct Metrics {
     /// Cancellations ignored because they named another tenant than the job's (a client
     /// may name any job id under its own tenant's `cancel.<tenant>.*`).
     pub cancels_of_another_tenant_total: AtomicU64,
+    /// Job ids a heartbeat listed as running that the leader did not adopt: not booked
+    /// here, and no decision on record assigns them to that worker.
+    pub unvouched_claims_total: AtomicU64,
     /// Workers declared dead (heartbeat timeout or key removed).
     pub workers_lost_total: AtomicU64,
     /// Redelivered jobs acknowledged without a new assignment because a decision for them
@@ -370,6 +373,11 @@ impl Collector for Exposition {
                 "metronome_dispatcher_cancels_of_another_tenant",
                 "Cancellations ignored because they named another tenant than the job's.",
                 &m.cancels_of_another_tenant_total,
+            ),
+            (
+                "metronome_dispatcher_unvouched_claims",
+                "Jobs a heartbeat listed that no decision assigns to that worker; not adopted.",
+                &m.unvouched_claims_total,
             ),
             (
                 "metronome_dispatcher_workers_lost",

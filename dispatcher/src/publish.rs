@@ -37,6 +37,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::message::{Acker, PublishMessage};
 use async_nats::jetstream::{self, context::PublishAckFuture, kv};
 use bytes::Bytes;
@@ -93,10 +94,11 @@ pub enum Outcome {
         job: Box<QueuedJob>,
         event: Option<Arc<Acker>>,
     },
-    /// Send `cancel.<tenant>.<job_id>` again: the worker now reports holding a job whose
-    /// client's cancel may have reached it before its Assignment did. `tenant` is the one
-    /// the client's cancel named (the agent acts only if it is the job's).
+    /// Relay a client's cancel to the worker holding the job, on its own
+    /// `control.<worker_id>.cancel` (workers hear no `cancel.*.*`). `tenant` is the one the
+    /// client's cancel named (the agent acts only if it is the job's).
     RelayCancel {
+        worker_id: String,
         tenant: Option<String>,
         job_id: String,
     },
@@ -359,7 +361,7 @@ async fn publish_loop(
                 let metrics = metrics.clone();
                 tokio::spawn(async move {
                     finish(d, "decision").await;
-                    finish(f, "final result").await;
+                    finish_final(f).await;
                     if let Some(acker) = acker {
                         let _ = acker.ack().await;
                     }
@@ -433,14 +435,19 @@ async fn publish_loop(
                     drop(unsettled);
                 });
             }
-            Outcome::RelayCancel { tenant, job_id } => {
-                if let Err(error) = client
-                    .publish(
-                        names::cancel_subject(tenant.as_deref(), &job_id),
-                        Bytes::new(),
-                    )
-                    .await
-                {
+            Outcome::RelayCancel {
+                worker_id,
+                tenant,
+                job_id,
+            } => {
+                let body = metronome_protocol::RelayedCancel {
+                    v: metronome_protocol::PROTOCOL_VERSION,
+                    tenant: names::tenant_token(tenant.as_deref()).to_string(),
+                    job_id: job_id.clone(),
+                };
+                let subject = names::control_subject(&worker_id, names::CONTROL_CANCEL);
+                let body = Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
+                if let Err(error) = client.publish(subject, body).await {
                     tracing::warn!(job_id, %error, "relaying a cancel failed");
                 }
                 drop(unsettled);
@@ -482,7 +489,7 @@ async fn publish_loop(
                                 &message,
                             )
                             .await;
-                            finish(f, "final result").await;
+                            finish_final(f).await;
                         }
                         Err(reason) => tracing::warn!(
                             job_id,
@@ -721,8 +728,14 @@ async fn publish_final_start(
         e2e_ms: None,
     };
     let payload = Bytes::from(serde_json::to_vec(&result).unwrap_or_default());
-    let msg_id = names::final_msg_id(job_id);
-    let h = headers([(HEADER_MSG_ID, msg_id.as_str())]).map_err(|e| e.to_string())?;
+    // Stored only while `results.<tenant>.<job>._dispatcher.final` is empty: one final of
+    // the leader's per job, keyed by a subject only dispatchers may write (a msg id could be
+    // taken first by any publisher, names::HEADER_EXPECTED_LAST_SUBJECT_SEQ).
+    let h = headers([(
+        names::HEADER_EXPECTED_LAST_SUBJECT_SEQ,
+        names::FIRST_ON_SUBJECT,
+    )])
+    .map_err(|e| e.to_string())?;
     let msg = PublishMessage::build().payload(payload).headers(h);
     js.send_publish(names::dispatcher_final_subject(tenant, job_id), msg)
         .await
@@ -764,6 +777,22 @@ async fn requeue_start(js: &jetstream::Context, job: &QueuedJob) -> Started {
     js.send_publish(names::SUBJECT_JOBS_RETRY, msg)
         .await
         .map_err(|e| e.to_string())
+}
+
+/// [`finish`] for a final result: one already stored on its subject (another leader
+/// declared the same job lost first) is what this one wanted.
+async fn finish_final(started: Started) {
+    let outcome = match started {
+        Ok(fut) => match fut.await {
+            Ok(_) => Ok(()),
+            Err(e) if e.kind() == PublishErrorKind::WrongLastSequence => Ok(()),
+            Err(e) => Err(e.to_string()),
+        },
+        Err(e) => Err(e),
+    };
+    if let Err(error) = outcome {
+        tracing::warn!(%error, what = "final result", "publish failed");
+    }
 }
 
 async fn finish(started: Started, what: &str) {

@@ -18,7 +18,7 @@
 //! EWMA hash periodically; when Redis is down it keeps the last values, counts the error
 //! and flips `redis_up` to 0, so dispatching carries on with what it knew.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,6 +45,10 @@ pub enum WorkerUpdate {
         status: Box<WorkerStatus>,
         seen_ms: u64,
         revision: u64,
+        /// Ids of its `in_flight` for which [`Vouching`] found no decision on record that
+        /// assigns the job to this worker: the engine adopts none of them (it keeps those it
+        /// booked there itself, whose decision may not be stored yet).
+        unvouched: Vec<String>,
     },
     /// The key was deleted or purged: the worker left.
     Gone { worker_id: String },
@@ -103,6 +107,7 @@ pub async fn load_workers(
                         status: Box::new(status),
                         seen_ms: now,
                         revision: entry.revision,
+                        unvouched: Vec::new(),
                     });
                 }
             }
@@ -117,6 +122,7 @@ pub async fn load_workers(
 pub fn spawn_watch(
     store: kv::Store,
     from_revision: u64,
+    mut vouching: Vouching,
     metrics: Arc<Metrics>,
     tx: mpsc::Sender<Event>,
     token: CancellationToken,
@@ -153,6 +159,7 @@ pub fn spawn_watch(
                         status: Box::new(status),
                         seen_ms: metronome_protocol::time::unix_ms(),
                         revision: entry.revision,
+                        unvouched: Vec::new(),
                     },
                     None => continue,
                 },
@@ -160,16 +167,123 @@ pub fn spawn_watch(
                     if !is_subject_token(&entry.key) {
                         continue;
                     }
+                    vouching.forget(&entry.key);
                     WorkerUpdate::Gone {
                         worker_id: entry.key.clone(),
                     }
                 }
             };
+            let mut update = update;
+            vouching.check(&mut update).await;
             if tx.send(Event::Worker(update)).await.is_err() {
                 return;
             }
         }
     })
+}
+
+/// At most this many new claims of one heartbeat are checked (the rest at the next).
+const MAX_CHECKS_PER_HEARTBEAT: usize = 1024;
+
+/// Checks the jobs a heartbeat claims to run against the decisions on record, before the
+/// engine sees the heartbeat (off the deciding loop: the job's last decision on
+/// DECISIONS, read once per job id the first time a worker lists it).
+///
+/// A heartbeat's `in_flight` is the worker's own claim. The leader adopts what workers
+/// report (so that a new leader knows what an earlier one assigned, and a redelivered job
+/// gets `already_assigned` rather than a second run), so a worker that learned a job's id
+/// could otherwise claim the job. A claim is believed only when the job's latest decision
+/// is an assignment naming that worker, which only dispatchers write. A pair once vouched
+/// for is remembered while the worker keeps listing it; a claim that fails is checked again
+/// at the next heartbeat (the leader publishes a decision after its Assignment, so a worker
+/// can list a job before its decision is stored; the engine keeps such a job, which it
+/// booked itself, and adopts none of the others).
+pub struct Vouching {
+    decisions: async_nats::jetstream::stream::Stream<()>,
+    vouched: HashMap<String, HashSet<String>>,
+}
+
+impl Vouching {
+    pub fn new(decisions: async_nats::jetstream::stream::Stream<()>) -> Vouching {
+        Vouching {
+            decisions,
+            vouched: HashMap::new(),
+        }
+    }
+
+    /// Fill `update`'s `unvouched` with the claims no decision supports.
+    pub async fn check(&mut self, update: &mut WorkerUpdate) {
+        let WorkerUpdate::Put {
+            status, unvouched, ..
+        } = update
+        else {
+            return;
+        };
+        let decisions = &self.decisions;
+        let worker = status.worker_id.as_str();
+        let known = self.vouched.entry(worker.to_string()).or_default();
+        known.retain(|job| status.in_flight.contains(job));
+        let mut fresh: Vec<&String> = status
+            .in_flight
+            .iter()
+            .filter(|job| !known.contains(job.as_str()))
+            .collect();
+        // A heartbeat listing thousands of ids must not make the leader read thousands of
+        // decisions at once: the rest wait for the next heartbeat, not adopted meanwhile.
+        for job in fresh.split_off(fresh.len().min(MAX_CHECKS_PER_HEARTBEAT)) {
+            unvouched.push(job.clone());
+        }
+        let checks = fresh.iter().map(|job| assigned_to(decisions, job));
+        let answers = futures::future::join_all(checks).await;
+        for (job, answer) in fresh.into_iter().zip(answers) {
+            match answer {
+                Ok(Some(w)) if w == worker => {
+                    known.insert(job.clone());
+                }
+                Ok(_) => unvouched.push(job.clone()),
+                Err(error) => {
+                    tracing::warn!(worker_id = worker, job_id = %job, %error, "cannot read the decision of a job a heartbeat lists: not adopted now");
+                    unvouched.push(job.clone());
+                }
+            }
+        }
+    }
+
+    /// A worker left: forget what was vouched for it.
+    pub fn forget(&mut self, worker_id: &str) {
+        self.vouched.remove(worker_id);
+    }
+}
+
+/// The worker the latest decision of `job_id` assigns it to (`None`: no decision, or not
+/// an assignment).
+async fn assigned_to(
+    decisions: &async_nats::jetstream::stream::Stream<()>,
+    job_id: &str,
+) -> Result<Option<String>, String> {
+    #[derive(serde::Deserialize)]
+    struct Named {
+        outcome: metronome_protocol::Outcome,
+        #[serde(default)]
+        worker_id: Option<String>,
+    }
+    if !is_subject_token(job_id) {
+        return Ok(None);
+    }
+    let subject = metronome_protocol::names::decision_subject_any_tenant(job_id);
+    match decisions.get_last_raw_message_by_subject(&subject).await {
+        Ok(m) => Ok(serde_json::from_slice::<Named>(&m.payload)
+            .ok()
+            .filter(|d| d.outcome == metronome_protocol::Outcome::Assigned)
+            .and_then(|d| d.worker_id)),
+        Err(e)
+            if e.kind()
+                == async_nats::jetstream::stream::LastRawMessageErrorKind::NoMessageFound =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 /// The heartbeat stored under `key`, when it can be trusted; otherwise log why, count it,

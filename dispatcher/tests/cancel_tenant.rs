@@ -122,8 +122,9 @@ async fn a_cancel_that_overtakes_its_job_applies_only_to_a_job_of_its_tenant() {
 }
 
 /// A job assigned and not yet reported by its worker: a cancel naming another tenant is
-/// ignored (never relayed); acme's own is relayed, on acme's subject, once the worker's
-/// heartbeat reports the job.
+/// ignored (never relayed); acme's own is relayed to the job's worker on its own
+/// `control.<worker>.cancel`, naming acme, at once and again once the worker's heartbeat
+/// reports the job.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_a_cancel_of_the_jobs_tenant_is_relayed_to_its_worker() {
     let env = Env::start().await;
@@ -140,6 +141,11 @@ async fn only_a_cancel_of_the_jobs_tenant_is_relayed_to_its_worker() {
     let mut cancels = env
         .client
         .subscribe(names::SUBJECT_CANCEL_ALL)
+        .await
+        .unwrap();
+    let mut relays = env
+        .client
+        .subscribe(names::control_subject("cr-0", names::CONTROL_CANCEL))
         .await
         .unwrap();
     env.client.flush().await.unwrap();
@@ -163,6 +169,17 @@ async fn only_a_cancel_of_the_jobs_tenant_is_relayed_to_its_worker() {
         heard.push(m.subject.to_string());
     }
     assert_eq!(heard, ["cancel.globex.cr-1", "cancel.acme.cr-1"]);
+    // Relayed at once to the worker holding the job, on its own control subject, naming
+    // acme (globex's was never relayed: this is the first relay).
+    let relay = |m: async_nats::Message| -> (String, String) {
+        let r: metronome_protocol::RelayedCancel = serde_json::from_slice(&m.payload).unwrap();
+        (r.tenant, r.job_id)
+    };
+    let first = tokio::time::timeout(WAIT, relays.next())
+        .await
+        .expect("the leader relays acme's cancel")
+        .unwrap();
+    assert_eq!(relay(first), ("acme".to_string(), "cr-1".to_string()));
 
     // The worker now reports the job, heartbeat after heartbeat, until the relay comes.
     let beating = CancellationToken::new();
@@ -182,11 +199,11 @@ async fn only_a_cancel_of_the_jobs_tenant_is_relayed_to_its_worker() {
             }
         })
     };
-    let relayed = tokio::time::timeout(WAIT, cancels.next())
+    let relayed = tokio::time::timeout(WAIT, relays.next())
         .await
-        .expect("the leader relays the cancel")
+        .expect("the leader relays the cancel again once the worker reports the job")
         .unwrap();
-    assert_eq!(relayed.subject.as_str(), "cancel.acme.cr-1");
+    assert_eq!(relay(relayed), ("acme".to_string(), "cr-1".to_string()));
     beating.cancel();
     beater.await.unwrap();
     token.cancel();

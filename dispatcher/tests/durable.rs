@@ -129,9 +129,10 @@ async fn a_cancel_that_overtakes_its_job_is_applied_when_the_job_arrives() {
     running.join().await.unwrap();
 }
 
-/// A cancel for a job whose Assignment is on its way (not yet reported by the worker) may
-/// reach the worker first and be lost there: the leader relays it once the worker's
-/// heartbeat reports the job.
+/// A cancel for a job whose Assignment is on its way (not yet reported by the worker) is
+/// relayed to that worker at once (`control.<worker>.cancel`, the only cancels a worker
+/// hears), and may reach it before the Assignment and be lost there: the leader relays it
+/// again once the worker's heartbeat reports the job.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_for_an_unreported_assignment_is_relayed_when_the_worker_reports_it() {
     let env = Env::start().await;
@@ -147,7 +148,7 @@ async fn a_cancel_for_an_unreported_assignment_is_relayed_when_the_worker_report
     .await;
     let mut cancels = env
         .client
-        .subscribe(names::cancel_subject(None, "cr-1"))
+        .subscribe(names::control_subject("cr-0", names::CONTROL_CANCEL))
         .await
         .unwrap();
     env.client.flush().await.unwrap();
@@ -155,7 +156,15 @@ async fn a_cancel_for_an_unreported_assignment_is_relayed_when_the_worker_report
         .publish(names::cancel_subject(None, "cr-1"), bytes::Bytes::new())
         .await
         .unwrap();
-    assert!(cancels.next().await.is_some(), "the client's cancel");
+    let first = tokio::time::timeout(WAIT, cancels.next())
+        .await
+        .expect("the leader relays the cancel to the job's worker at once")
+        .unwrap();
+    let first: metronome_protocol::RelayedCancel = serde_json::from_slice(&first.payload).unwrap();
+    assert_eq!(
+        (first.tenant.as_str(), first.job_id.as_str()),
+        (names::tenant_token(None), "cr-1")
+    );
 
     // The worker now reports the job, heartbeat after heartbeat, until the relay comes.
     let beating = CancellationToken::new();

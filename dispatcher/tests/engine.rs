@@ -75,6 +75,7 @@ fn heartbeat(id: &str, in_flight: &[&str], seq: u64, at: u64) -> Event {
         status: Box::new(status),
         seen_ms: at,
         revision: seq,
+        unvouched: Vec::new(),
     })
 }
 
@@ -237,6 +238,7 @@ fn a_waiting_job_expires_when_time_passes_its_deadline() {
             status,
             seen_ms: T0,
             revision: 1,
+            unvouched: Vec::new(),
         })],
         T0,
     );
@@ -487,7 +489,8 @@ fn a_cancel_applies_only_to_a_job_of_the_tenant_it_names() {
     );
 
     // Assigned to w1, not reported yet: another tenant's cancel is ignored, acme's is
-    // remembered and relayed on acme's subject once w1 reports the job.
+    // relayed to w1 at once (its own control subject, naming acme), and again once w1
+    // reports the job (the cancel may have overtaken the Assignment).
     let out = step(
         &mut e,
         vec![cancel(Some("globex"), "forged"), cancel(None, "forged")],
@@ -500,24 +503,31 @@ fn a_cancel_applies_only_to_a_job_of_the_tenant_it_names() {
             .load(std::sync::atomic::Ordering::Relaxed),
         2
     );
-    step(&mut e, vec![cancel(acme, "forged")], T0 + 3);
-    let relays = |out: &[Outcome]| -> Vec<(Option<String>, String)> {
+    let relays = |out: &[Outcome]| -> Vec<(String, Option<String>, String)> {
         out.iter()
             .filter_map(|o| match o {
-                Outcome::RelayCancel { tenant, job_id } => Some((tenant.clone(), job_id.clone())),
+                Outcome::RelayCancel {
+                    worker_id,
+                    tenant,
+                    job_id,
+                } => Some((worker_id.clone(), tenant.clone(), job_id.clone())),
                 _ => None,
             })
             .collect()
     };
+    let relayed = [(
+        "w1".to_string(),
+        Some("acme".to_string()),
+        "forged".to_string(),
+    )];
+    let out = step(&mut e, vec![cancel(acme, "forged")], T0 + 3);
+    assert_eq!(relays(&out), relayed);
     let out = step(
         &mut e,
         vec![heartbeat("w1", &["forged"], 2, T0 + 4)],
         T0 + 4,
     );
-    assert_eq!(
-        relays(&out),
-        [(Some("acme".to_string()), "forged".to_string())]
-    );
+    assert_eq!(relays(&out), relayed);
     let out = step(
         &mut e,
         vec![heartbeat("w1", &["forged"], 3, T0 + 5)],

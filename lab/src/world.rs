@@ -559,6 +559,7 @@ impl World {
                     status,
                     seen_ms: self.unix(seen),
                     revision: self.revision,
+                    unvouched: Vec::new(),
                 };
                 self.at(seen, Ev::ToEngine(Box::new(Event::Worker(update))));
                 if let Some(end) = self.agents[gpu].start_reported(generation, now) {

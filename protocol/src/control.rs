@@ -8,6 +8,9 @@
 //! the worker dead: the body lists the jobs it has settled without the worker (assigned
 //! again elsewhere, or failed to their clients as lost), which a worker that was only
 //! silent must stop, without publishing a result or an event, so none runs twice.
+//!
+//! `control.<worker_id>.cancel` is the leader's too: a client's cancel of a job the worker
+//! holds ([`RelayedCancel`], no reply). Workers do not hear clients' `cancel.*.*`.
 
 use serde::{Deserialize, Serialize};
 
@@ -27,6 +30,17 @@ pub struct ControlReply {
     /// agent is shutting down and cannot undrain).
     #[serde(default)]
     pub error: Option<String>,
+}
+
+/// A client's `cancel.<tenant>.<job_id>`, relayed by the leader to the worker holding the
+/// job on `control.<worker_id>.cancel` (no reply is expected).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RelayedCancel {
+    pub v: u32,
+    /// The tenant token the client's cancel named (`_anon`: no tenant); the agent acts only
+    /// when it is the job's.
+    pub tenant: String,
+    pub job_id: String,
 }
 
 /// The leader revokes jobs it has settled without their worker (see the module doc).

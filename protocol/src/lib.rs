@@ -22,11 +22,13 @@ pub mod redis_keys;
 pub mod result;
 #[cfg(feature = "nats")]
 pub mod setup;
+#[cfg(feature = "nats")]
+pub mod stored;
 pub mod time;
 pub mod worker;
 
 pub use assignment::Assignment;
-pub use control::{ControlReply, Revoke, RevokedJob};
+pub use control::{ControlReply, RelayedCancel, Revoke, RevokedJob};
 pub use decision::{
     CandidateScore, Decision, Outcome, Rejection, RejectionCode, Scoring, TermName, TermScore,
     DECISION_VERSION, TERM_COUNT,

@@ -191,6 +191,12 @@ pub fn result_final_subject_any_tenant(job_id: &str) -> String {
     format!("results.*.{job_id}.*.final")
 }
 
+/// `results.*.<job_id>.<publisher>.final`: the final result one publisher wrote for a job,
+/// whatever its tenant (a filter; RESULTS keeps at most one per job and publisher).
+pub fn result_final_subject_any_tenant_from(job_id: &str, publisher: &str) -> String {
+    format!("results.*.{job_id}.{publisher}.final")
+}
+
 /// `results.<tenant>.<job_id>.>`: everything a client of one job subscribes to.
 pub fn results_subject_all(tenant: Option<&str>, job_id: &str) -> String {
     format!("results.{}.{job_id}.>", tenant_token(tenant))
@@ -302,6 +308,11 @@ pub fn parse_cancel_subject(subject: &str) -> Option<(&str, &str)> {
 pub const CONTROL_DRAIN: &str = "drain";
 /// Control action: take new work again.
 pub const CONTROL_UNDRAIN: &str = "undrain";
+/// Control action of the leader, not an operator: a client's cancel of a job this worker
+/// holds, relayed (a [`crate::RelayedCancel`] body). Workers hear cancels only this way,
+/// so a worker learns no other worker's job ids; only dispatchers (and admins) may publish
+/// it. The agent still acts only when the body's tenant is the job's.
+pub const CONTROL_CANCEL: &str = "cancel";
 /// Control action of the leader, not an operator: stop the listed jobs without a result,
 /// the leader has declared this worker dead and settled them (a [`crate::Revoke`] body).
 pub const CONTROL_REVOKE: &str = "revoke";
@@ -322,13 +333,20 @@ pub fn work_msg_id(job_id: &str, attempt: u32) -> String {
     format!("{job_id}:{attempt}")
 }
 
-/// `Nats-Msg-Id` of a job's final result, whoever publishes it (its worker, or the leader
-/// for a rejected job or one lost with its worker). One id per job, not per attempt: only
-/// the first final result of a job is stored, so a worker that finishes a job the leader
-/// has just declared lost (it was only silent) cannot add a second, contradicting one.
-pub fn final_msg_id(job_id: &str) -> String {
-    format!("{job_id}:final")
-}
+/// Header that makes JetStream store a message only if its subject holds no message yet
+/// (value [`FIRST_ON_SUBJECT`]); otherwise the publish fails with "wrong last sequence"
+/// (JetStream error 10071), which the publisher takes as "already stored".
+///
+/// Final results carry it instead of a `Nats-Msg-Id`: RESULTS keeps at most one final
+/// result per job *and publisher* (`results.<tenant>.<job_id>.<publisher>.final`), and
+/// since only that publisher may write its subject (the servers' permissions), no one else
+/// can block it. A msg id could not do that: JetStream de-duplicates ids stream-wide, and
+/// the id is a header any publisher chooses, so a worker that learned a job id could have
+/// stored a final under the job's id first and kept the real one out. Which stored final
+/// counts is the reader's rule (`stored::accepted_final`, docs/PROTOCOL.md).
+pub const HEADER_EXPECTED_LAST_SUBJECT_SEQ: &str = "Nats-Expected-Last-Subject-Sequence";
+/// Value of [`HEADER_EXPECTED_LAST_SUBJECT_SEQ`]: the subject must be empty.
+pub const FIRST_ON_SUBJECT: &str = "0";
 
 /// `Nats-Msg-Id` of a decision, so a leader that re-does a step after failover cannot
 /// publish the same outcome twice.

@@ -40,8 +40,8 @@ use serde::Serialize;
 
 use crate::names::{
     self, tenant_token, BUCKET_FAIRNESS, BUCKET_LEADER, BUCKET_QUEUES, BUCKET_WORKERS,
-    CONTROL_REVOKE, LEADER_KEY, STREAM_DECISIONS, STREAM_EVENTS, STREAM_JOBS, STREAM_RESULTS,
-    STREAM_WORK, SUBJECT_CANCEL_ALL, SUBJECT_DEAD_LETTER, SUBJECT_DECISIONS_ALL,
+    CONTROL_CANCEL, CONTROL_REVOKE, LEADER_KEY, STREAM_DECISIONS, STREAM_EVENTS, STREAM_JOBS,
+    STREAM_RESULTS, STREAM_WORK, SUBJECT_CANCEL_ALL, SUBJECT_DEAD_LETTER, SUBJECT_DECISIONS_ALL,
     SUBJECT_JOBS_RETRY, SUBJECT_JOBS_SUBMIT_ALL, SUBJECT_JOBS_SUBMIT_PREFIX,
 };
 
@@ -199,10 +199,11 @@ pub fn rules(role: Role) -> RoleRules {
                 js(&format!("STREAM.UPDATE.{STREAM_RESULTS}")),
                 js(&format!("STREAM.UPDATE.KV_{BUCKET_LEADER}")),
                 // A refused or rescued job goes back on JOBS (`jobs.retry`, which only
-                // dispatchers may publish); a cancel is relayed once the worker reports
-                // the job; a worker declared dead has its jobs revoked.
+                // dispatchers may publish); a client's cancel is relayed to the worker
+                // holding the job, on that worker's own control subject (workers hear no
+                // other cancels); a worker declared dead has its jobs revoked.
                 SUBJECT_JOBS_RETRY.into(),
-                SUBJECT_CANCEL_ALL.into(),
+                format!("control.*.{CONTROL_CANCEL}"),
                 format!("control.*.{CONTROL_REVOKE}"),
                 "work.*".into(),
                 "decisions.*.*".into(),
@@ -243,7 +244,9 @@ pub fn rules(role: Role) -> RoleRules {
                 "results.*.*.{worker_id}.final".into(),
                 SUBJECT_DEAD_LETTER.into(),
             ],
-            subscribe: strings(&[INBOX, SUBJECT_CANCEL_ALL, "control.{worker_id}.*"]),
+            // Cancels of its own jobs only, relayed by the leader on
+            // `control.{worker_id}.cancel`: `cancel.*.*` would tell it every job's id.
+            subscribe: strings(&[INBOX, "control.{worker_id}.*"]),
             allow_responses: true,
             // Its own EWMA hash and fitted model, and its model's output-length average
             // (shared with the model's other workers); the update is one Lua script.

@@ -349,3 +349,212 @@ async fn the_gateway_relays_only_the_assigned_workers_results() {
     )
     .await;
 }
+
+/// A worker that learned a job's id stores a final result for it first, under its own id,
+/// with the `Nats-Msg-Id` the job's finals once shared (`<job_id>:final`) and the one a
+/// per-publisher id would give the real worker. The real worker's final is still stored,
+/// and a late reader of RESULTS (`metronome explain`'s rule) finds it, not the forgery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_final_stored_first_does_not_keep_the_real_one_out() {
+    use futures::StreamExt;
+    use metronome_protocol::names;
+    use metronome_protocol::{CompletionEvent, FinalResult};
+
+    let cluster = Cluster::start(ClusterSpec::uniform(1, MODEL)).await;
+    let client = cluster.nats_client().await;
+    let js = async_nats::jetstream::new(client.clone());
+    let id = "forged-first-1";
+    let tenant = Some("acme");
+    let worker = metronome_e2e::worker_id(0);
+    let mut done = client
+        .subscribe(names::SUBJECT_EVENTS_DONE_ALL)
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    let forged = serde_json::json!({"v": 1, "job_id": id, "worker_id": "intruder",
+        "response": null, "error": {"code": "worker_failed", "message": "FORGED"},
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}, "chunks": 1});
+    for msg_id in [format!("{id}:final"), format!("{id}:final:{worker}")] {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(names::HEADER_MSG_ID, msg_id.as_str());
+        js.publish_with_headers(
+            names::result_final_subject(tenant, id, "intruder"),
+            headers,
+            forged.to_string().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .expect("RESULTS stores the forgery");
+    }
+    let now = metronome_protocol::time::unix_ms();
+    let job = serde_json::json!({
+        "v": metronome_protocol::PROTOCOL_VERSION, "id": id, "model": MODEL,
+        "endpoint": "chat", "request": chat_body(MODEL, 8, false),
+        "prompt_tokens": 8, "max_tokens": 8, "submitted_ms": now, "deadline_ms": now + 30_000,
+    });
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(names::HEADER_MSG_ID, id);
+    js.publish_with_headers(
+        names::submit_subject(tenant),
+        headers,
+        serde_json::to_vec(&job).unwrap().into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .expect("JOBS stores the job");
+    // The agent reports completion once its final result's publish was answered.
+    loop {
+        let m = done.next().await.expect("subscription open");
+        let e: CompletionEvent = serde_json::from_slice(&m.payload).unwrap();
+        if e.job_id == id {
+            break;
+        }
+    }
+    let decision = cluster.decision(id).await;
+    assert_eq!(decision.worker_id.as_deref(), Some(worker.as_str()));
+    let results = js.get_stream(names::STREAM_RESULTS).await.unwrap();
+    let stored =
+        metronome_protocol::stored::accepted_final(&results, id, decision.worker_id.as_deref())
+            .await
+            .unwrap()
+            .unwrap_or_else(|| {
+                panic!(
+                    "the worker's final result was not stored: {}",
+                    cluster.logs()
+                )
+            });
+    assert_eq!(
+        stored.subject.as_str(),
+        names::result_final_subject(tenant, id, &worker)
+    );
+    let fin: FinalResult = serde_json::from_slice(&stored.payload).unwrap();
+    assert_eq!(fin.error, None);
+    assert_eq!(fin.worker_id.as_deref(), Some(worker.as_str()));
+}
+
+/// The completion event of `id` on `events.done.*` (the subscription made before the job).
+async fn completion_of(
+    done: &mut async_nats::Subscriber,
+    id: &str,
+) -> metronome_protocol::CompletionEvent {
+    use futures::StreamExt;
+    loop {
+        let m = done.next().await.expect("subscription open");
+        let e: metronome_protocol::CompletionEvent = serde_json::from_slice(&m.payload).unwrap();
+        if e.job_id == id {
+            return e;
+        }
+    }
+}
+
+/// Workers hear only the cancels the leader relays to them (`control.<worker>.cancel`):
+/// an HTTP client that goes away mid-stream still stops its running job (the gateway
+/// cancels on `cancel.<tenant>.<job>`, the leader relays it to the job's worker), which
+/// ends `cancelled` long before its 20,000 tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streaming_http_client_that_goes_away_stops_its_running_job() {
+    use futures::StreamExt;
+    use metronome_protocol::{names, CompletionOutcome};
+
+    let cluster = Cluster::start(ClusterSpec::uniform(1, MODEL)).await;
+    let client = cluster.nats_client().await;
+    let mut done = client
+        .subscribe(names::SUBJECT_EVENTS_DONE_ALL)
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", cluster.gateway_url))
+        .json(&chat_body(MODEL, 20_000, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "{}", cluster.logs());
+    let id = resp.headers()["x-metronome-job-id"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let mut body = resp.bytes_stream();
+    // The job runs: its first tokens arrived.
+    body.next().await.expect("a first chunk").unwrap();
+    drop(body);
+    let event = completion_of(&mut done, &id).await;
+    assert_eq!(
+        event.outcome,
+        CompletionOutcome::Cancelled,
+        "{event:?} {}",
+        cluster.logs()
+    );
+    assert!(event.streamed);
+}
+
+/// The same over NATS: a direct client's `cancel.<tenant>.<job>` stops its running job,
+/// whose final result (from the worker the decision names) says `cancelled`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_nats_clients_cancel_stops_its_running_job() {
+    use futures::StreamExt;
+    use metronome_protocol::names::{self, parse_result_subject, ResultKind};
+    use metronome_protocol::{CompletionOutcome, ErrorCode, FinalResult};
+
+    let cluster = Cluster::start(ClusterSpec::uniform(1, MODEL)).await;
+    let client = cluster.nats_client().await;
+    let id = "cancel-direct-1";
+    let tenant = Some("acme");
+    let mut results = client
+        .subscribe(names::results_subject_all(tenant, id))
+        .await
+        .unwrap();
+    let mut done = client
+        .subscribe(names::SUBJECT_EVENTS_DONE_ALL)
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    let now = metronome_protocol::time::unix_ms();
+    let job = serde_json::json!({
+        "v": metronome_protocol::PROTOCOL_VERSION, "id": id, "model": MODEL,
+        "endpoint": "chat", "request": chat_body(MODEL, 20_000, true),
+        "prompt_tokens": 8, "max_tokens": 20_000, "submitted_ms": now,
+    });
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(names::HEADER_MSG_ID, id);
+    async_nats::jetstream::new(client.clone())
+        .publish_with_headers(
+            names::submit_subject(tenant),
+            headers,
+            serde_json::to_vec(&job).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .expect("JOBS stores the job");
+    // Its first chunk: the job runs on its worker.
+    let first = results.next().await.expect("subscription open");
+    let parts = parse_result_subject(first.subject.as_str()).expect("a result subject");
+    assert_eq!(parts.kind, ResultKind::Chunk, "{}", cluster.logs());
+    client
+        .publish(names::cancel_subject(tenant, id), "".into())
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    let fin: FinalResult = loop {
+        let m = results.next().await.expect("subscription open");
+        let parts = parse_result_subject(m.subject.as_str()).expect("a result subject");
+        if parts.kind == ResultKind::Final {
+            break serde_json::from_slice(&m.payload).unwrap();
+        }
+    };
+    assert_eq!(
+        fin.error.map(|e| e.code),
+        Some(ErrorCode::Cancelled),
+        "{}",
+        cluster.logs()
+    );
+    let decision = cluster.decision(id).await;
+    assert_eq!(fin.worker_id, decision.worker_id);
+    assert_eq!(
+        completion_of(&mut done, id).await.outcome,
+        CompletionOutcome::Cancelled
+    );
+}

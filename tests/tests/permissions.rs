@@ -618,23 +618,22 @@ async fn a_client_cannot_submit_for_or_read_another_tenant() {
     anon.publish_refused(&names::submit_subject(g)).await;
 }
 
-/// The next cancellation both the dispatcher's and the worker's subscription heard (the
-/// same one), by subject.
-async fn next_cancel(heard: &mut [async_nats::Subscriber; 2], what: &str) -> String {
-    let mut subjects = Vec::new();
-    for sub in heard.iter_mut() {
-        let m = within(what, sub.next()).await.expect("subscription open");
-        subjects.push(m.subject.to_string());
-    }
-    assert_eq!(subjects[0], subjects[1], "{what}");
-    subjects.remove(0)
+/// The subject of the next message `sub` hears.
+async fn next(sub: &mut async_nats::Subscriber, what: &str) -> String {
+    within(what, sub.next())
+        .await
+        .expect("subscription open")
+        .subject
+        .to_string()
 }
 
 /// Issue 10: a client cancels only under its own tenant (`cancel.<tenant>.<job>`): the
 /// server refuses its cancels under another tenant, of no tenant, and on the version-2
-/// `cancel.<job>`, and none reaches the dispatcher or a worker. The gateway cancels for
-/// any tenant (its API keys'); the dispatcher and the workers hear every cancellation, and
-/// the dispatcher relays them.
+/// `cancel.<job>`, and none reaches the dispatcher. The gateway cancels for any tenant (its
+/// API keys'); only the dispatcher hears clients' cancellations. A worker hears only the
+/// cancels the leader relays to it on its own `control.<id>.cancel`: the server refuses it
+/// `cancel.*.*` (every job's id) and another worker's control subject, and refuses a
+/// worker (and a client) relaying a cancel.
 #[tokio::test]
 async fn a_client_cancels_only_its_own_tenants_jobs() {
     let sys = system().await;
@@ -642,16 +641,17 @@ async fn a_client_cancels_only_its_own_tenants_jobs() {
     let gateway = Conn::open(&sys.nats, "gateway").await;
     let dispatcher = Conn::open(&sys.nats, "dispatcher-a").await;
     let w1 = Conn::open(&sys.nats, "worker-w1").await;
-    let heard_by_dispatcher = dispatcher
+    let w2 = Conn::open(&sys.nats, "worker-w2").await;
+    let mut heard = dispatcher
         .client
         .subscribe(names::SUBJECT_CANCEL_ALL)
         .await
         .expect("the dispatcher hears cancellations");
-    let heard_by_worker = w1
+    let mut relayed_to_w1 = w1
         .client
-        .subscribe(names::SUBJECT_CANCEL_ALL)
+        .subscribe(names::control_subject_all("w1"))
         .await
-        .expect("a worker hears cancellations");
+        .expect("a worker hears its own control subject");
     // A flush does not wait for the server; a request on the same connection does, and the
     // server handles a connection's messages in order: both subscriptions are in place.
     for conn in [&dispatcher, &w1] {
@@ -660,17 +660,13 @@ async fn a_client_cancels_only_its_own_tenants_jobs() {
             .await
             .expect("a round trip");
     }
-    let mut heard = [heard_by_dispatcher, heard_by_worker];
 
     acme.client
         .publish(names::cancel_subject(Some("acme"), "job-1"), "".into())
         .await
         .unwrap();
     acme.client.flush().await.unwrap();
-    assert_eq!(
-        next_cancel(&mut heard, "acme's cancel").await,
-        "cancel.acme.job-1"
-    );
+    assert_eq!(next(&mut heard, "acme's cancel").await, "cancel.acme.job-1");
     gateway
         .client
         .publish(names::cancel_subject(Some("globex"), "job-2"), "".into())
@@ -678,28 +674,46 @@ async fn a_client_cancels_only_its_own_tenants_jobs() {
         .unwrap();
     gateway.client.flush().await.unwrap();
     assert_eq!(
-        next_cancel(&mut heard, "the gateway's cancel").await,
+        next(&mut heard, "the gateway's cancel").await,
         "cancel.globex.job-2"
     );
+    let relay = names::control_subject("w1", names::CONTROL_CANCEL);
     dispatcher
         .client
-        .publish(names::cancel_subject(Some("acme"), "job-1"), "".into())
+        .publish(relay.clone(), "{}".into())
         .await
         .unwrap();
     dispatcher.client.flush().await.unwrap();
     assert_eq!(
-        next_cancel(&mut heard, "the dispatcher's relay").await,
-        "cancel.acme.job-1"
+        next(&mut relayed_to_w1, "the dispatcher's relay").await,
+        relay
     );
     for conn in [&acme, &gateway, &dispatcher, &w1] {
         conn.no_violations();
     }
+
+    // Workers: no clients' cancellations, no other worker's control subject, no relays.
+    w1.subscribe_refused(names::SUBJECT_CANCEL_ALL).await;
+    w1.subscribe_refused(&names::cancel_subject(Some("acme"), "job-1"))
+        .await;
+    w1.subscribe_refused(&names::control_subject_all("w2"))
+        .await;
+    w1.subscribe_refused(&names::control_subject("w2", names::CONTROL_CANCEL))
+        .await;
+    w2.publish_refused(&relay).await;
+    w2.publish_refused(&names::cancel_subject(Some("acme"), "job-1"))
+        .await;
+    // The dispatcher relays only to a worker's control subject, never as a client.
+    dispatcher
+        .publish_refused(&names::cancel_subject(Some("acme"), "job-1"))
+        .await;
 
     acme.publish_refused(&names::cancel_subject(Some("globex"), "job-2"))
         .await;
     acme.publish_refused(&names::cancel_subject(None, "job-2"))
         .await;
     acme.publish_refused("cancel.job-2").await;
+    acme.publish_refused(&relay).await;
     acme.subscribe_refused(names::SUBJECT_CANCEL_ALL).await;
     // Published after the refused ones on the same connection: it is the next heard, so
     // none of them got through.
@@ -709,9 +723,18 @@ async fn a_client_cancels_only_its_own_tenants_jobs() {
         .unwrap();
     acme.client.flush().await.unwrap();
     assert_eq!(
-        next_cancel(&mut heard, "acme's marker").await,
+        next(&mut heard, "acme's marker").await,
         "cancel.acme.marker"
     );
+    // And nothing but the dispatcher's relay reached w1's control subject (the refused
+    // relays of w2 and acme were sent before this one, by the dispatcher, after them).
+    dispatcher
+        .client
+        .publish(relay.clone(), "{}".into())
+        .await
+        .unwrap();
+    dispatcher.client.flush().await.unwrap();
+    assert_eq!(next(&mut relayed_to_w1, "the second relay").await, relay);
 }
 
 #[tokio::test]

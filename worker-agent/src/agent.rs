@@ -25,9 +25,8 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, consumer, kv, AckKind};
 use futures::StreamExt;
 use metronome_protocol::names::{
-    event_done_subject, final_msg_id, parse_cancel_subject, result_final_subject, tenant_token,
-    work_consumer, work_msg_id, work_subject, LEADER_KEY, STREAM_WORK, SUBJECT_CANCEL_ALL,
-    SUBJECT_DEAD_LETTER,
+    event_done_subject, result_final_subject, tenant_token, work_consumer, work_msg_id,
+    work_subject, HEADER_MSG_ID, LEADER_KEY, STREAM_WORK, SUBJECT_DEAD_LETTER,
 };
 use metronome_protocol::time::unix_ms;
 use metronome_protocol::{
@@ -38,7 +37,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::runner::{publish_js, run_job};
+use crate::runner::{publish_js, run_job, FINAL_ONCE};
 use crate::shared::{Held, InFlight, Shared};
 
 /// Errors that stop the agent (everything else is logged and survived).
@@ -62,11 +61,6 @@ pub enum AgentError {
     Consumer {
         name: String,
         source: jetstream::stream::ConsumerError,
-    },
-    #[error("subscribing to {subject}: {source}")]
-    Subscribe {
-        subject: &'static str,
-        source: async_nats::SubscribeError,
     },
     #[error("subscribing to {subject}: {source}")]
     SubscribeControl {
@@ -499,7 +493,7 @@ async fn finish_without_running(
         publish_js(
             shared,
             result_final_subject(a.job.tenant.as_deref(), &a.job.id, &shared.config.worker_id),
-            &final_msg_id(&a.job.id),
+            FINAL_ONCE,
             &a.job.model,
             &result,
         )
@@ -528,7 +522,7 @@ async fn finish_without_running(
     publish_js(
         shared,
         event_done_subject(&shared.config.worker_id),
-        &event_id,
+        (HEADER_MSG_ID, &event_id),
         &a.job.model,
         &event,
     )
@@ -571,50 +565,26 @@ async fn reject_malformed(shared: &Shared, msg: &jetstream::Message, reason: &st
     }
 }
 
-/// Cancel running jobs when their client asks on `cancel.<tenant>.<job_id>`, until `stop`.
-/// A client may publish only under its own tenant but may name any job id, so a cancel
-/// naming another tenant than the held job's is ignored (and counted).
-pub(crate) async fn cancellations(
-    shared: Arc<Shared>,
-    mut sub: async_nats::Subscriber,
-    stop: CancellationToken,
-) {
-    loop {
-        let msg = tokio::select! {
-            m = sub.next() => match m { Some(m) => m, None => break },
-            _ = stop.cancelled() => break,
-        };
-        let Some((tenant, job_id)) = parse_cancel_subject(msg.subject.as_str()) else {
-            continue;
-        };
-        let held = shared
-            .in_flight
-            .lock()
-            .expect("in_flight lock")
-            .get(job_id)
-            .map(|h| (h.cancel.clone(), h.tenant.clone()));
-        let Some((cancel, job_tenant)) = held else {
-            continue;
-        };
-        if tenant_token(job_tenant.as_deref()) != tenant {
-            shared.metrics.cancels_of_another_tenant.inc();
-            tracing::warn!(%job_id, cancel_tenant = tenant, job_tenant = tenant_token(job_tenant.as_deref()), "ignoring a cancel that names another tenant than the job's");
-            continue;
-        }
-        tracing::info!(%job_id, "cancellation requested: stopping generation");
-        cancel.cancel();
+/// A client's cancel of `job_id` naming tenant token `tenant`, relayed by the leader on
+/// `control.<worker_id>.cancel` (workers hear no `cancel.*.*`): stop the job if this agent
+/// holds it. A client may publish only under its own tenant but may name any job id, so a
+/// cancel naming another tenant than the held job's is ignored (and counted).
+pub(crate) fn cancel_held(shared: &Shared, tenant: &str, job_id: &str) {
+    let held = shared
+        .in_flight
+        .lock()
+        .expect("in_flight lock")
+        .get(job_id)
+        .map(|h| (h.cancel.clone(), h.tenant.clone()));
+    let Some((cancel, job_tenant)) = held else {
+        tracing::debug!(%job_id, "cancel of a job not held here");
+        return;
+    };
+    if tenant_token(job_tenant.as_deref()) != tenant {
+        shared.metrics.cancels_of_another_tenant.inc();
+        tracing::warn!(%job_id, cancel_tenant = tenant, job_tenant = tenant_token(job_tenant.as_deref()), "ignoring a cancel that names another tenant than the job's");
+        return;
     }
-}
-
-/// Subscribe to every job's cancellation subject.
-pub(crate) async fn subscribe_cancellations(
-    client: &async_nats::Client,
-) -> Result<async_nats::Subscriber, AgentError> {
-    client
-        .subscribe(SUBJECT_CANCEL_ALL)
-        .await
-        .map_err(|source| AgentError::Subscribe {
-            subject: SUBJECT_CANCEL_ALL,
-            source,
-        })
+    tracing::info!(%job_id, "cancellation requested: stopping generation");
+    cancel.cancel();
 }

@@ -8,17 +8,19 @@
 //! Every request is answered with the agent's state, so an operator can poll until
 //! `running` reaches 0.
 //!
-//! Invariant: this task is stopped before a shutdown starts draining, so an `undrain`
-//! can never re-open an agent that is on its way out.
+//! Invariant: a shutdown fires `closing` before it starts draining, and from then on
+//! `drain` and `undrain` are refused, so an `undrain` can never re-open an agent that is
+//! on its way out. The loop keeps serving the leader's `cancel` and `revoke` until `stop`
+//! (after the drain): a client's cancel must still stop a job while it finishes.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use futures::StreamExt;
 use metronome_protocol::names::{
-    control_subject_all, CONTROL_DRAIN, CONTROL_REVOKE, CONTROL_UNDRAIN,
+    control_subject_all, CONTROL_CANCEL, CONTROL_DRAIN, CONTROL_REVOKE, CONTROL_UNDRAIN,
 };
-use metronome_protocol::{ControlReply, Revoke, PROTOCOL_VERSION};
+use metronome_protocol::{ControlReply, RelayedCancel, Revoke, PROTOCOL_VERSION};
 use tokio_util::sync::CancellationToken;
 
 use crate::agent::AgentError;
@@ -36,10 +38,12 @@ pub(crate) async fn subscribe(
         .map_err(|source| AgentError::SubscribeControl { subject, source })
 }
 
-/// Apply control requests and answer them, until `stop`.
+/// Apply control requests and answer them, until `stop`; operators' ones only until
+/// `closing`.
 pub(crate) async fn serve(
     shared: Arc<Shared>,
     mut sub: async_nats::Subscriber,
+    closing: CancellationToken,
     stop: CancellationToken,
 ) {
     loop {
@@ -50,8 +54,18 @@ pub(crate) async fn serve(
         let action = msg.subject.rsplit('.').next().unwrap_or_default();
         let error = if action == CONTROL_REVOKE {
             revoke(&shared, &msg.payload)
+        } else if action == CONTROL_CANCEL {
+            cancel(&shared, &msg.payload)
+        } else if closing.is_cancelled() {
+            Some("shutting down: draining".to_string())
         } else {
-            apply(&shared, action)
+            let error = apply(&shared, action);
+            if closing.is_cancelled() {
+                // The shutdown began while this applied: it drains whatever this said.
+                shared.draining.store(true, Ordering::SeqCst);
+                shared.metrics.draining.set(1);
+            }
+            error
         };
         let Some(reply) = msg.reply else { continue };
         let body = ControlReply {
@@ -85,6 +99,21 @@ fn revoke(shared: &Shared, body: &[u8]) -> Option<String> {
         Err(e) => {
             tracing::warn!(error = ?e.to_string(), "malformed revocation ignored");
             Some(format!("not a revocation: {e}"))
+        }
+    }
+}
+
+/// A client's cancel the leader relayed; an error text for a body that is not a
+/// [`RelayedCancel`].
+fn cancel(shared: &Shared, body: &[u8]) -> Option<String> {
+    match serde_json::from_slice::<RelayedCancel>(body) {
+        Ok(c) => {
+            crate::agent::cancel_held(shared, &c.tenant, &c.job_id);
+            None
+        }
+        Err(e) => {
+            tracing::warn!(error = ?e.to_string(), "malformed relayed cancel ignored");
+            Some(format!("not a relayed cancel: {e}"))
         }
     }
 }

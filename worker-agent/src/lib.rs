@@ -128,7 +128,6 @@ pub async fn start(
     };
     let buckets = ensure_all(&js, &settings).await?;
     let consumer = agent::ensure_consumer(&js, &config).await?;
-    let cancel_sub = agent::subscribe_cancellations(&client).await?;
     let control_sub = control::subscribe(&client, &config.worker_id).await?;
     let metrics = Arc::new(AgentMetrics::default());
     let ewma = ewma_store::EwmaStore::with_client(
@@ -269,16 +268,12 @@ pub async fn start(
     };
     let intake_stop = CancellationToken::new();
     let intake_task = tokio::spawn(agent::intake(shared.clone(), consumer, intake_stop.clone()));
-    let cancel_stop = CancellationToken::new();
-    let cancel_task = tokio::spawn(agent::cancellations(
-        shared.clone(),
-        cancel_sub,
-        cancel_stop.clone(),
-    ));
+    let control_closing = CancellationToken::new();
     let control_stop = CancellationToken::new();
     let control_task = tokio::spawn(control::serve(
         shared.clone(),
         control_sub,
+        control_closing.clone(),
         control_stop.clone(),
     ));
     let perf_stop = CancellationToken::new();
@@ -290,9 +285,9 @@ pub async fn start(
 
     let handle = tokio::spawn(async move {
         shutdown.cancelled().await;
-        // No operator `undrain` may re-open the agent once it is on its way out.
-        control_stop.cancel();
-        bounded("the control loop", control_task).await;
+        // No operator `undrain` may re-open the agent once it is on its way out (the loop
+        // still applies the leader's relayed cancels and revocations while jobs finish).
+        control_closing.cancel();
         tracing::info!(in_flight = shared.running(), "shutdown requested: draining");
         shared.draining.store(true, Ordering::SeqCst);
         shared.metrics.draining.set(1);
@@ -317,8 +312,8 @@ pub async fn start(
         }
         probe_stop.cancel();
         bounded("the probes", probe_task).await;
-        cancel_stop.cancel();
-        bounded("the cancellation listener", cancel_task).await;
+        control_stop.cancel();
+        bounded("the control loop", control_task).await;
         metrics_stop.cancel();
         if let Some(Err(e)) = bounded("flushing NATS", client.flush()).await {
             tracing::warn!(error = %e, "flushing NATS at exit failed");

@@ -24,12 +24,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::{self, AckKind};
 use bytes::Bytes;
 use futures::StreamExt;
 use metronome_protocol::names::{
-    event_done_subject, final_msg_id, result_chunk_subject, result_final_subject, work_msg_id,
-    HEADER_MODEL, HEADER_MSG_ID,
+    event_done_subject, result_chunk_subject, result_final_subject, work_msg_id, FIRST_ON_SUBJECT,
+    HEADER_EXPECTED_LAST_SUBJECT_SEQ, HEADER_MODEL, HEADER_MSG_ID,
 };
 use metronome_protocol::time::unix_ms;
 use metronome_protocol::{
@@ -241,9 +242,10 @@ pub(crate) async fn run_job(
             ttft_ms: sample.ttft_ms,
             e2e_ms: sample.e2e_ms,
         };
-        // One final result per job in RESULTS (`final_msg_id`): if the leader already
-        // declared this job lost (this agent was silent too long), its error stands.
-        publish_js(&shared, result_final_subject(job.tenant.as_deref(), &job.id, &cfg.worker_id), &final_msg_id(&job.id), &job.model, &final_result).await;
+        // One final result per job and publisher in RESULTS (stored only on an empty
+        // subject): if the leader already declared this job lost (this agent was silent
+        // too long), its error was stored first and readers accept that one.
+        publish_js(&shared, result_final_subject(job.tenant.as_deref(), &job.id, &cfg.worker_id), FINAL_ONCE, &job.model, &final_result).await;
         let msg_id = work_msg_id(&job.id, assignment.attempt);
 
         if let Err(e) = msg.double_ack().await {
@@ -269,7 +271,7 @@ pub(crate) async fn run_job(
             e2e_ms: sample.e2e_ms.unwrap_or_default(),
             finished_ms: unix_ms(),
         };
-        publish_js(&shared, event_done_subject(&cfg.worker_id), &msg_id, &job.model, &event).await;
+        publish_js(&shared, event_done_subject(&cfg.worker_id), (HEADER_MSG_ID, &msg_id), &job.model, &event).await;
 
         shared.metrics.job_finished(outcome);
         shared.metrics.output_tokens.add(u64::from(usage.completion_tokens));
@@ -319,10 +321,19 @@ const PUBLISH_RETRY_WINDOW: Duration = Duration::from_secs(20);
 /// Publish `value` through JetStream and wait for the stream's ack, retrying for
 /// [`PUBLISH_RETRY_WINDOW`] (a lost final result or event leaves a client or a reservation
 /// waiting). The message id makes a retry of a publish that was stored harmless.
+/// The de-duplication of a final result: stored only while its subject
+/// (`results.<tenant>.<job_id>.<this worker>.final`) is empty. Not a `Nats-Msg-Id`: ids are
+/// de-duplicated stream-wide, so another publisher could take the id first
+/// (`names::HEADER_EXPECTED_LAST_SUBJECT_SEQ`).
+pub(crate) const FINAL_ONCE: (&str, &str) = (HEADER_EXPECTED_LAST_SUBJECT_SEQ, FIRST_ON_SUBJECT);
+
+/// Publish on JetStream with one de-duplication header (`(HEADER_MSG_ID, id)`, or
+/// [`FINAL_ONCE`]), retrying for [`PUBLISH_RETRY_WINDOW`]. A final result whose subject
+/// already holds one (a retry after a lost acknowledgement) counts as published.
 pub(crate) async fn publish_js<T: serde::Serialize>(
     shared: &Shared,
     subject: String,
-    msg_id: &str,
+    dedup: (&str, &str),
     model: &str,
     value: &T,
 ) -> bool {
@@ -336,14 +347,11 @@ pub(crate) async fn publish_js<T: serde::Serialize>(
     // The model comes from the assignment: a value that cannot be a header (CR/LF) must
     // not panic the job's task, and the message still matters more than that header (the
     // body carries the model too), so it goes without it.
-    let headers = match metronome_protocol::headers::headers([
-        (HEADER_MSG_ID, msg_id),
-        (HEADER_MODEL, model),
-    ]) {
+    let headers = match metronome_protocol::headers::headers([dedup, (HEADER_MODEL, model)]) {
         Ok(h) => h,
         Err(e) => {
             tracing::warn!(error = %e, %subject, "publishing without the model header");
-            match metronome_protocol::headers::headers([(HEADER_MSG_ID, msg_id)]) {
+            match metronome_protocol::headers::headers([dedup]) {
                 Ok(h) => h,
                 Err(e) => {
                     shared.metrics.nats_publish_errors.inc();
@@ -360,7 +368,16 @@ pub(crate) async fn publish_js<T: serde::Serialize>(
             .publish_with_headers(subject.clone(), headers.clone(), body.clone())
             .await
         {
-            Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
+            Ok(ack) => match ack.await {
+                Ok(_) => Ok(()),
+                Err(e)
+                    if e.kind() == PublishErrorKind::WrongLastSequence && dedup == FINAL_ONCE =>
+                {
+                    tracing::debug!(%subject, "final result already stored");
+                    Ok(())
+                }
+                Err(e) => Err(e.to_string()),
+            },
             Err(e) => Err(e.to_string()),
         };
         match result {

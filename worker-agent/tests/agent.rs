@@ -419,9 +419,11 @@ async fn heartbeats_list_running_jobs_and_shutdown_drains_then_leaves_the_regist
     );
 }
 
-/// A cancel on the job's own tenant's `cancel.<tenant>.<job>` stops it; one naming another
-/// tenant (a client may name any job id under its own tenant's subject) is ignored and
-/// counted, and the job keeps streaming.
+/// A client's cancel reaches the agent only as the leader relays it, on the agent's own
+/// `control.<worker_id>.cancel` (a client's `cancel.<tenant>.<job>` itself is not heard).
+/// A relay naming the job's own tenant stops it; one naming another tenant (a client may
+/// name any job id under its own tenant's subject) is ignored and counted, and the job
+/// keeps streaming.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_stops_a_running_job_and_closes_the_model_server_stream() {
     let env = Env::start().await;
@@ -450,12 +452,14 @@ async fn cancel_stops_a_running_job_and_closes_the_model_server_stream() {
         (results_of(&results).0.len() >= 2).then_some(())
     })
     .await;
+    // The client's own cancel, not relayed: no agent hears `cancel.*.*`.
+    env.client
+        .publish(cancel_subject(acme, "job-cancel"), "".into())
+        .await
+        .unwrap();
     // Another tenant's client, and the client of no tenant, name this job.
-    for forged in [
-        cancel_subject(Some("globex"), "job-cancel"),
-        cancel_subject(None, "job-cancel"),
-    ] {
-        env.client.publish(forged, "".into()).await.unwrap();
+    for tenant in [Some("globex"), None] {
+        relay_cancel(&env, worker, tenant, "job-cancel").await;
     }
     env.client.flush().await.unwrap();
     wait_for("both forged cancels ignored", WAIT, || async {
@@ -473,10 +477,7 @@ async fn cancel_stops_a_running_job_and_closes_the_model_server_stream() {
         results_of(&results).1.is_none(),
         "a forged cancel ended the job"
     );
-    env.client
-        .publish(cancel_subject(acme, "job-cancel"), "".into())
-        .await
-        .unwrap();
+    relay_cancel(&env, worker, acme, "job-cancel").await;
 
     let (_, fin) = final_of(&results, "final result of the cancelled job").await;
     assert_eq!(fin.error.expect("an error").code, ErrorCode::Cancelled);
@@ -680,4 +681,24 @@ async fn over_tls_the_agent_serves_a_job_and_writes_its_ewmas() {
     .await;
     shutdown.cancel();
     agent.wait().await.unwrap();
+}
+
+/// What the leader sends the worker holding `job_id` when its client cancels it naming
+/// `tenant`.
+async fn relay_cancel(env: &Env, worker: &str, tenant: Option<&str>, job_id: &str) {
+    let body = metronome_protocol::RelayedCancel {
+        v: metronome_protocol::PROTOCOL_VERSION,
+        tenant: metronome_protocol::names::tenant_token(tenant).to_string(),
+        job_id: job_id.to_string(),
+    };
+    env.client
+        .publish(
+            metronome_protocol::names::control_subject(
+                worker,
+                metronome_protocol::names::CONTROL_CANCEL,
+            ),
+            serde_json::to_vec(&body).unwrap().into(),
+        )
+        .await
+        .unwrap();
 }

@@ -1594,8 +1594,16 @@ async fn read_finals(
     {
         let m = m?;
         let seq = m.info().map(|i| i.stream_sequence).unwrap_or(last);
+        // RESULTS keeps one final per job and publisher; readers accept the first stored
+        // of the leader's and the assigned worker's (`metronome_protocol::stored`). No
+        // drill forges results, so that is the job's first stored final: a later one is a
+        // worker finishing a job the leader had already settled (declared lost, or
+        // re-assigned after a pause), which no reader accepts and the runs account for.
         if let Ok(f) = serde_json::from_slice::<FinalResult>(&m.payload) {
-            out.entry(f.job_id.clone()).or_default().push(f);
+            let list = out.entry(f.job_id.clone()).or_default();
+            if list.is_empty() {
+                list.push(f);
+            }
         }
         if seq >= last {
             break;

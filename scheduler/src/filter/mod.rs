@@ -120,7 +120,10 @@ pub fn refuses_every_job_of_the_model(code: RejectionCode) -> bool {
         | RejectionCode::AtConcurrencyCap => true,
         RejectionCode::InsufficientKv
         | RejectionCode::BelowSloFloor
-        | RejectionCode::TtftOverBudget => false,
+        | RejectionCode::TtftOverBudget
+        // A worker that refused this very job: the engine's, not a filter's, and about
+        // the job, not its model.
+        | RejectionCode::RefusedJob => false,
     }
 }
 
