@@ -53,6 +53,10 @@ pub struct Config {
     pub ack_wait_ms: u64,
     /// Most unacknowledged JOBS messages the consumer hands out (queued + publishing).
     pub max_ack_pending: i64,
+    /// Longest a new leader waits, deciding nothing, to read the jobs an earlier leader
+    /// left in JOBS, so that fair queuing sees every tenant's waiting jobs before the
+    /// first placement (0 = decide from the first job read).
+    pub backlog_read_wait_ms: u64,
     /// Start deadline given to jobs that carry none, counted from when the job is read.
     pub default_deadline_ms: u64,
     /// Latest start deadline any job may have, counted from when it is read: a job asking
@@ -118,6 +122,7 @@ impl Default for Config {
             queue_bound_per_model: 10_000,
             ack_wait_ms: 300_000,
             max_ack_pending: 200_000,
+            backlog_read_wait_ms: 1000,
             default_deadline_ms: 60_000,
             max_deadline_ms: 600_000,
             max_attempts: 3,

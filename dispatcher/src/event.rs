@@ -23,6 +23,9 @@ pub struct Incoming {
     pub received_ms: u64,
     /// The attempt it will be assigned as: 1, or a retry's `Metronome-Attempt`.
     pub attempt: u32,
+    /// Workers that refused it on earlier attempts, and which attempt (a retry's
+    /// `Metronome-Refused-By`; empty for a client's submission).
+    pub refused_by: Vec<(String, u32)>,
 }
 
 /// Everything that reaches the deciding loop.
@@ -50,6 +53,9 @@ pub enum Event {
         job: Box<QueuedJob>,
         worker_id: String,
     },
+    /// Every JOBS message stored before this term's consumer was created has been read
+    /// (see [`crate::engine::Engine::read_backlog_first`]).
+    BacklogRead,
     /// JetStream said an earlier leader already sent this attempt.
     AlreadyAssigned {
         job_id: String,

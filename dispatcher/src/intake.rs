@@ -38,10 +38,10 @@ use async_nats::jetstream::{self, consumer};
 use bytes::Bytes;
 use futures::StreamExt;
 use metronome_protocol::names::{
-    decision_subject, event_done_subject, is_subject_token, parse_cancel_subject,
+    decision_subject, event_done_subject, is_subject_token, parse_cancel_subject, parse_refused_by,
     submit_subject_token, tenant_of_token, CONSUMER_DISPATCHER, CONSUMER_DISPATCHER_EVENTS,
-    HEADER_ATTEMPT, HEADER_ORDER, STREAM_EVENTS, STREAM_JOBS, SUBJECT_CANCEL_ALL,
-    SUBJECT_EVENTS_DONE_ALL, SUBJECT_JOBS_RETRY,
+    HEADER_ATTEMPT, HEADER_ORDER, HEADER_REFUSED_BY, STREAM_EVENTS, STREAM_JOBS,
+    SUBJECT_CANCEL_ALL, SUBJECT_EVENTS_DONE_ALL, SUBJECT_JOBS_RETRY,
 };
 use metronome_protocol::{CompletionEvent, Decision, ErrorCode, Job, JobError, JobLimits, Outcome};
 use tokio::sync::mpsc;
@@ -52,24 +52,45 @@ use crate::metrics::Metrics;
 use crate::publish::{self, Publisher};
 use crate::DispatcherError;
 
+/// What JOBS held when this term's consumer was created.
+#[derive(Debug, Clone, Copy)]
+pub struct Backlog {
+    /// The stream's last sequence: the messages up to it may have been seen by an
+    /// earlier leader.
+    pub takeover_seq: u64,
+    /// Messages stored (JOBS keeps only unacknowledged ones: work-queue retention).
+    pub messages: u64,
+}
+
+impl Backlog {
+    /// Whether the message at `stream_seq`, delivered with `pending` more to come, is the
+    /// last of the backlog or past it. The message at `takeover_seq` itself may be gone
+    /// (acknowledged), so a later one, or none pending, also ends it.
+    fn ends_with(&self, stream_seq: u64, pending: u64) -> bool {
+        stream_seq >= self.takeover_seq || pending == 0
+    }
+}
+
 /// Recreate the durable JOBS consumer so unacknowledged jobs are redelivered now. Also
-/// returns the stream's last sequence before the consumer was recreated: the messages up to
-/// it may have been seen by an earlier leader.
+/// returns what the stream held just before: the backlog this term reads first.
 pub async fn recreate_jobs_consumer(
     js: &jetstream::Context,
     ack_wait: Duration,
     max_ack_pending: i64,
-) -> Result<(consumer::PullConsumer, u64), DispatcherError> {
+) -> Result<(consumer::PullConsumer, Backlog), DispatcherError> {
     let mut stream = js
         .get_stream(STREAM_JOBS)
         .await
         .map_err(|e| DispatcherError::Nats(format!("JOBS stream: {e}")))?;
-    let takeover_seq = stream
+    let state = &stream
         .info()
         .await
         .map_err(|e| DispatcherError::Nats(format!("JOBS stream info: {e}")))?
-        .state
-        .last_sequence;
+        .state;
+    let backlog = Backlog {
+        takeover_seq: state.last_sequence,
+        messages: state.messages,
+    };
     // Absent on the very first start: not an error.
     let _ = stream.delete_consumer(CONSUMER_DISPATCHER).await;
     let consumer = stream
@@ -84,15 +105,15 @@ pub async fn recreate_jobs_consumer(
         })
         .await
         .map_err(|e| DispatcherError::Nats(format!("creating the JOBS consumer: {e}")))?;
-    Ok((consumer, takeover_seq))
+    Ok((consumer, backlog))
 }
 
 /// How the intake recognises a job that has already been decided.
 pub struct SeenBefore {
     /// The DECISIONS stream, for direct gets of `decisions.<tenant>.<job_id>`.
     pub decisions: jetstream::stream::Stream,
-    /// JOBS messages up to this stream sequence existed before this term's consumer.
-    pub takeover_seq: u64,
+    /// What JOBS held before this term's consumer.
+    pub backlog: Backlog,
 }
 
 /// Whether a JOBS message may have been seen by this or an earlier leader: delivered
@@ -141,19 +162,34 @@ enum Step {
     Error(String),
 }
 
+/// One JOBS message read, and whether it ends the backlog ([`Backlog::ends_with`]).
 async fn read_job(
     next: Result<jetstream::message::Message, consumer::pull::MessagesError>,
     limits: JobLimits,
     seen: Arc<SeenBefore>,
-) -> Step {
+) -> (Step, bool) {
     let message = match next {
         Ok(m) => m,
-        Err(error) => return Step::Error(error.to_string()),
+        Err(error) => return (Step::Error(error.to_string()), false),
     };
-    let (seq, delivered) = message
+    let (seq, delivered, pending) = message
         .info()
-        .map(|i| (i.stream_sequence, i.delivered))
-        .unwrap_or((0, 1));
+        .map(|i| (i.stream_sequence, i.delivered, i.pending))
+        .unwrap_or((0, 1, 1));
+    let ends_backlog = seen.backlog.ends_with(seq, pending);
+    (
+        check_job(message, seq, delivered, limits, &seen).await,
+        ends_backlog,
+    )
+}
+
+async fn check_job(
+    message: jetstream::message::Message,
+    seq: u64,
+    delivered: i64,
+    limits: JobLimits,
+    seen: &SeenBefore,
+) -> Step {
     let (msg, acker) = message.split();
     let acker = Arc::new(acker);
     // Retry headers are believed only on the subject only dispatchers may publish to.
@@ -161,6 +197,11 @@ async fn read_job(
         .then_some(msg.headers.as_ref())
         .flatten();
     let (attempt, order) = retry_headers(headers, seq);
+    let refused_by = headers
+        .filter(|_| attempt > 1)
+        .and_then(|h| h.get(HEADER_REFUSED_BY))
+        .map(|v| parse_refused_by(v.as_str()))
+        .unwrap_or_default();
     let parsed = Job::parse(&msg.payload, &limits);
     let job = match bind_tenant(msg.subject.as_str(), &msg.payload, parsed) {
         Ok(job) => job,
@@ -182,7 +223,7 @@ async fn read_job(
                 decision: Box::new(decision),
                 acker,
                 seq,
-                redelivered: redelivered(delivered, seq, seen.takeover_seq),
+                redelivered: redelivered(delivered, seq, seen.backlog.takeover_seq),
             }
         }
         Ok(_) => {}
@@ -197,6 +238,7 @@ async fn read_job(
         seq: order,
         received_ms: metronome_protocol::time::unix_ms(),
         attempt,
+        refused_by,
     }))
 }
 
@@ -278,6 +320,11 @@ pub fn spawn_jobs(
                 return;
             }
         };
+        // Nothing left by an earlier leader: the engine may decide at once.
+        let mut backlog_open = seen.backlog.messages > 0;
+        if !backlog_open && tx.send(Event::BacklogRead).await.is_err() {
+            return;
+        }
         // Lookups overlap, outcomes keep stream order.
         let mut steps = messages
             .map(|next| read_job(next, limits, seen.clone()))
@@ -287,7 +334,9 @@ pub fn spawn_jobs(
                 _ = token.cancelled() => return,
                 s = steps.next() => s,
             };
-            match next {
+            // Sent after the step's own job, so the engine has every backlog job first.
+            let ends_backlog = backlog_open && next.as_ref().is_some_and(|(_, ends)| *ends);
+            match next.map(|(step, _)| step) {
                 Some(Step::Job(incoming)) => {
                     if tx.send(Event::Job(incoming)).await.is_err() {
                         return;
@@ -331,6 +380,12 @@ pub fn spawn_jobs(
                 None => {
                     tracing::error!("JOBS consumer ended");
                     token.cancel();
+                    return;
+                }
+            }
+            if ends_backlog {
+                backlog_open = false;
+                if tx.send(Event::BacklogRead).await.is_err() {
                     return;
                 }
             }

@@ -363,12 +363,17 @@ async fn run_term(
             term.clone(),
         ),
     );
-    let (consumer, takeover_seq) = intake::recreate_jobs_consumer(
+    let (consumer, backlog) = intake::recreate_jobs_consumer(
         &ctx.js,
         Duration::from_millis(c.ack_wait_ms),
         c.max_ack_pending,
     )
     .await?;
+    if c.backlog_read_wait_ms > 0 {
+        engine.read_backlog_first(
+            metronome_protocol::time::unix_ms().saturating_add(c.backlog_read_wait_ms),
+        );
+    }
     let reject = intake::RejectContext {
         publisher: publisher.clone(),
         metrics: ctx.metrics.clone(),
@@ -382,7 +387,7 @@ async fn run_term(
             .get_stream(metronome_protocol::names::STREAM_DECISIONS)
             .await
             .map_err(|e| DispatcherError::Nats(format!("DECISIONS stream: {e}")))?,
-        takeover_seq,
+        backlog,
     };
     tasks.watch(
         "JOBS intake",

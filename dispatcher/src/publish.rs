@@ -93,6 +93,8 @@ pub enum Outcome {
     Requeue {
         job: Box<QueuedJob>,
         event: Option<Arc<Acker>>,
+        /// The job's refusals so far (worker, attempt), carried in a header.
+        refused_by: Vec<(String, u32)>,
     },
     /// Relay a client's cancel to the worker holding the job, on its own
     /// `control.<worker_id>.cancel` (workers hear no `cancel.*.*`). `tenant` is the one the
@@ -410,8 +412,12 @@ async fn publish_loop(
                 }
                 drop(unsettled);
             }
-            Outcome::Requeue { job, event } => {
-                let started = requeue_start(&js, &job).await;
+            Outcome::Requeue {
+                job,
+                event,
+                refused_by,
+            } => {
+                let started = requeue_start(&js, &job, &refused_by).await;
                 let events = events.clone();
                 tokio::spawn(async move {
                     let stored = match started {
@@ -762,15 +768,21 @@ async fn tenant_of_decided(
     Ok(names::tenant_of_token(token).map(str::to_string))
 }
 
-async fn requeue_start(js: &jetstream::Context, job: &QueuedJob) -> Started {
+async fn requeue_start(
+    js: &jetstream::Context,
+    job: &QueuedJob,
+    refused_by: &[(String, u32)],
+) -> Started {
     let payload = Bytes::from(serde_json::to_vec(&*job.job).map_err(|e| e.to_string())?);
     let msg_id = names::retry_msg_id(&job.job.id, job.attempt);
     let attempt = job.attempt.to_string();
     let order = job.seq.to_string();
+    let refused = names::refused_by_header(refused_by);
     let h = headers([
         (HEADER_MSG_ID, msg_id.as_str()),
         (names::HEADER_ATTEMPT, attempt.as_str()),
         (names::HEADER_ORDER, order.as_str()),
+        (names::HEADER_REFUSED_BY, refused.as_str()),
     ])
     .map_err(|e| e.to_string())?;
     let msg = PublishMessage::build().payload(payload).headers(h);

@@ -5,9 +5,9 @@
 //! job's attempts on its own.
 //!
 //! Kept in the leader's memory for this term, bounded ([`REFUSALS_MAX`] jobs, the oldest
-//! forgotten first); a job's entry goes when the job is settled. A new leader starts
-//! without it: after a takeover a retried job may go back once to the worker that refused
-//! it.
+//! forgotten first); a job's entry goes when the job is settled. A retry put back on
+//! `jobs.retry` carries its job's refusals in a header (`Metronome-Refused-By`), so a
+//! leader that takes over and reads the retry learns them with it.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -50,6 +50,11 @@ impl Refusals {
                 self.order.push_back(job_id.to_string());
             }
         }
+    }
+
+    /// Every refusal of `job_id`: (worker, attempt refused).
+    pub fn of(&self, job_id: &str) -> Vec<(String, u32)> {
+        self.by_job.get(job_id).cloned().unwrap_or_default()
     }
 
     /// The job is settled (finished, failed, rejected): its refusals no longer matter.

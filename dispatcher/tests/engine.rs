@@ -100,6 +100,7 @@ fn job(id: &str, prompt: u32, max_tokens: u32, at: u64) -> Event {
         seq: at,
         received_ms: at,
         attempt: 1,
+        refused_by: Vec::new(),
     }))
 }
 
@@ -332,6 +333,58 @@ fn a_refused_job_goes_to_another_worker_while_one_can_take_it() {
     // Refused by both: either may try again (nobody else can take it).
     let out = refuse_and_retry(&mut e, &second[0].1, 2, T0 + 20);
     assert_eq!(assigned(&out).len(), 1, "{:?}", names(&out));
+}
+
+/// Issue 9: refusals outlive the leader that saw them. The retry a refusal causes carries
+/// the job's refusals, and a new leader (another engine) reading that retry leaves the
+/// refusing worker out although it scores best; reading the same retry without them, it
+/// picks the refusing worker.
+#[test]
+fn a_retry_carries_its_refusals_to_the_next_leader() {
+    let mut e = engine();
+    step(&mut e, vec![heartbeat("w1", &[], 1, T0)], T0);
+    let out = step(&mut e, vec![job("j", 100, 10, T0)], T0);
+    assert_eq!(assigned(&out), vec![("j".to_string(), "w1".to_string())]);
+    let out = step(
+        &mut e,
+        vec![done("j", "w1", 0, CompletionOutcome::Refused)],
+        T0 + 10,
+    );
+    let refused_by = out
+        .iter()
+        .find_map(|o| match o {
+            Outcome::Requeue { refused_by, .. } => Some(refused_by.clone()),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no retry: {:?}", names(&out)));
+    assert_eq!(refused_by, vec![("w1".to_string(), 1)]);
+
+    let next_leader = |refused_by: Vec<(String, u32)>| {
+        let mut e = engine();
+        let mut busy = heartbeat("w2", &[], 1, T0 + 20);
+        if let Event::Worker(WorkerUpdate::Put { status, .. }) = &mut busy {
+            status.queued = 3;
+        }
+        step(
+            &mut e,
+            vec![heartbeat("w1", &[], 2, T0 + 20), busy],
+            T0 + 20,
+        );
+        let mut retry = job("j", 100, 10, T0 + 20);
+        if let Event::Job(inc) = &mut retry {
+            inc.attempt = 2;
+            inc.refused_by = refused_by;
+        }
+        assigned(&step(&mut e, vec![retry], T0 + 21))
+    };
+    assert_eq!(
+        next_leader(Vec::new()),
+        vec![("j".to_string(), "w1".to_string())]
+    );
+    assert_eq!(
+        next_leader(refused_by),
+        vec![("j".to_string(), "w2".to_string())]
+    );
 }
 
 /// With no other worker that can take it, the one that refused gets the job again (a
@@ -648,6 +701,71 @@ fn a_tenant_under_its_fair_share_may_trade_as_many_misses_as_configured() {
     };
     assert_eq!(run(Some(1)), Vec::<String>::new(), "two misses: it waits");
     assert_eq!(run(None), ["s1"], "the default trades up to four");
+}
+
+/// Issue 10: a new leader reads the backlog an earlier one left before it places anything,
+/// so the fair queue sees every tenant's waiting jobs. The flood's three jobs come first in
+/// stream order, the steady tenant's after them; the worker takes two. Placing on arrival
+/// gives both places to the flood; reading first places the steady tenant's job. The hold
+/// ends when the backlog is read or, at the latest, at its bound.
+#[test]
+fn a_new_leader_reads_the_backlog_before_placing_so_every_tenant_is_seen() {
+    let run = |hold: Option<u64>, read_at: Option<u64>| {
+        let mut e = engine();
+        let mut capped = heartbeat("w", &[], 1, T0);
+        if let Event::Worker(WorkerUpdate::Put { status, .. }) = &mut capped {
+            status.max_concurrency = 2;
+        }
+        step(&mut e, vec![capped], T0);
+        if let Some(until) = hold {
+            e.read_backlog_first(until);
+        }
+        let mut placed = Vec::new();
+        let flood = (1..=3)
+            .map(|i| job_of(Some("flood"), &format!("f{i}"), T0 + i))
+            .collect();
+        placed.extend(assigned(&step(&mut e, flood, T0 + 3)));
+        placed.extend(assigned(&step(
+            &mut e,
+            vec![job_of(Some("steady"), "s1", T0 + 4)],
+            T0 + 4,
+        )));
+        if hold.is_some() {
+            assert_eq!(
+                placed,
+                vec![],
+                "nothing is placed while the backlog is read"
+            );
+        }
+        let mut at = T0 + 5;
+        if let Some(read_at) = read_at {
+            at = read_at;
+            placed.extend(assigned(&step(&mut e, vec![Event::BacklogRead], at)));
+        }
+        // Ticks until the bound has passed.
+        for _ in 0..3 {
+            at += 100;
+            e.tick(at);
+            placed.extend(assigned(&step(&mut e, vec![], at)));
+        }
+        let mut jobs: Vec<String> = placed.into_iter().map(|(j, _)| j).collect();
+        jobs.sort();
+        jobs
+    };
+    assert_eq!(
+        run(None, None),
+        ["f1", "f2"],
+        "placing on arrival: the flood takes both"
+    );
+    // Read first, the steady tenant's job is placed; the flood's next one may wait for
+    // the room kept for the lighter tenant (work is still offered to the flood).
+    let read_first = run(Some(T0 + 1_000), Some(T0 + 6));
+    assert!(read_first.contains(&"s1".to_string()), "{read_first:?}");
+    assert_eq!(
+        run(Some(T0 + 200), None),
+        read_first,
+        "a backlog never read holds placements only until the bound"
+    );
 }
 
 /// Issue 10: while a tenant running fewer jobs is active, another tenant's jobs queue in the

@@ -51,6 +51,55 @@ async fn retry_headers_count_on_jobs_retry_only() {
     token.cancel();
 }
 
+/// Issue 9: a retry carries its job's refusals (`Metronome-Refused-By`), so a leader that
+/// takes over while the retry waits in JOBS does not give it back to the worker that
+/// refused it. Here no dispatcher ran when the retry was stored (as after a leader's death):
+/// the one that starts knows the refusal only from the header. `r-0` is the better-scored
+/// worker (`r-1` reports queued requests), so without the header the retry goes to `r-0`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_learns_a_retrys_refusals_from_its_header() {
+    let env = Env::start().await;
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(names::HEADER_MSG_ID, "refused:retry:2");
+    headers.insert(names::HEADER_ATTEMPT, "2");
+    headers.insert(names::HEADER_ORDER, "1");
+    headers.insert(
+        names::HEADER_REFUSED_BY,
+        names::refused_by_header(&[("r-0".to_string(), 1)]).as_str(),
+    );
+    let body = serde_json::to_vec(&job_json("refused", "model-r", 10, 10)).unwrap();
+    env.js
+        .publish_with_headers(names::SUBJECT_JOBS_RETRY, headers, body.into())
+        .await
+        .expect("publish")
+        .await
+        .expect("stored");
+
+    // Registered before the leader starts: it loads them before reading JOBS.
+    let idle = worker("r-0", "model-r", 8);
+    let mut busy = worker("r-1", "model-r", 8);
+    busy.queued = 3;
+    for status in [&idle, &busy] {
+        env.work_consumer(&status.worker_id).await;
+        env.heartbeat(status).await;
+    }
+    let (_running, token) = env.dispatcher(env.config("refused-by")).await;
+    let d = env.decisions_for(&["refused".to_string()]).await["refused"].clone();
+    assert_eq!(d.attempt, 2, "{d:?}");
+    assert_eq!(
+        d.worker_id.as_deref(),
+        Some("r-1"),
+        "given back to the worker that refused it: {d:?}"
+    );
+    let left_out = d
+        .rejected
+        .iter()
+        .find(|r| r.worker_id == "r-0")
+        .unwrap_or_else(|| panic!("r-0 not listed as refused: {d:?}"));
+    assert_eq!(left_out.code, metronome_protocol::RejectionCode::RefusedJob);
+    token.cancel();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_jobs_stream_of_an_older_version_gains_jobs_retry_and_discard_new_when_a_dispatcher_starts(
 ) {

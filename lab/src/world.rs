@@ -485,6 +485,7 @@ impl World {
                     seq: (self.points as u64) << 32 | (i as u64 + 1),
                     received_ms: self.unix(arrive),
                     attempt: 1,
+                    refused_by: Vec::new(),
                 };
                 self.at(
                     arrive,
@@ -727,7 +728,9 @@ impl World {
                 message,
                 ..
             } => self.fail(&job_id, status_of(error), message),
-            Outcome::Requeue { job, .. } => {
+            Outcome::Requeue {
+                job, refused_by, ..
+            } => {
                 // Back through `jobs.retry` and the intake, in its original place.
                 let arrive = now + self.lat.submit_ms;
                 let incoming = Incoming {
@@ -736,6 +739,7 @@ impl World {
                     seq: job.seq,
                     received_ms: self.unix(arrive),
                     attempt: job.attempt,
+                    refused_by,
                 };
                 self.at(
                     arrive,

@@ -100,6 +100,37 @@ pub const HEADER_ATTEMPT: &str = "Metronome-Attempt";
 /// On a retry put back on `jobs.retry`: the JOBS sequence of the client's submission, so
 /// the job returns to its place in its model's queue. Ignored on `jobs.submit.<tenant>`.
 pub const HEADER_ORDER: &str = "Metronome-Order";
+/// On a retry put back on `jobs.retry`: the workers that refused the job and the attempt
+/// each refused, `<worker_id>:<attempt>` comma-separated ([`refused_by_header`]), so a
+/// leader that takes over does not give the retry back to a worker that refused it.
+/// Ignored on `jobs.submit.<tenant>`.
+pub const HEADER_REFUSED_BY: &str = "Metronome-Refused-By";
+/// Most refusals [`parse_refused_by`] reads from one header.
+pub const REFUSED_BY_MAX: usize = 16;
+
+/// The value of [`HEADER_REFUSED_BY`] for `refusals` (worker id, attempt refused).
+pub fn refused_by_header(refusals: &[(String, u32)]) -> String {
+    refusals
+        .iter()
+        .map(|(worker, attempt)| format!("{worker}:{attempt}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The refusals a [`HEADER_REFUSED_BY`] value lists: entries that are not a subject token
+/// and an attempt are skipped, and at most [`REFUSED_BY_MAX`] are read.
+pub fn parse_refused_by(value: &str) -> Vec<(String, u32)> {
+    value
+        .split(',')
+        .filter_map(|entry| {
+            let (worker, attempt) = entry.trim().rsplit_once(':')?;
+            let attempt = attempt.parse().ok()?;
+            is_subject_token(worker).then(|| (worker.to_string(), attempt))
+        })
+        .take(REFUSED_BY_MAX)
+        .collect()
+}
+
 /// Durable consumer of the dispatcher on EVENTS (`events.done.*`).
 pub const CONSUMER_DISPATCHER_EVENTS: &str = "dispatcher-events";
 
@@ -388,6 +419,24 @@ pub fn is_subject_token(s: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn refused_by_round_trips_and_skips_what_is_no_refusal() {
+        let refusals = vec![("gpu-0".to_string(), 1), ("node_b-gpu1".to_string(), 2)];
+        let value = refused_by_header(&refusals);
+        assert_eq!(value, "gpu-0:1,node_b-gpu1:2");
+        assert_eq!(parse_refused_by(&value), refusals);
+        assert_eq!(parse_refused_by(""), vec![]);
+        assert_eq!(
+            parse_refused_by("a.b:1, w:x ,:3,ok:4,w:-1"),
+            vec![("ok".to_string(), 4)]
+        );
+        let many = (0..40)
+            .map(|i| format!("w{i}:1"))
+            .collect::<Vec<_>>()
+            .join(",");
+        assert_eq!(parse_refused_by(&many).len(), REFUSED_BY_MAX);
+    }
 
     #[test]
     fn subject_tokens() {
