@@ -30,6 +30,7 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 use super::idle::{idle_stats, IdleStats};
+use super::scenarios::write_samples;
 use super::scenarios::{nominal_for, BenchPlan, MODEL, SAMPLE_INTERVAL};
 use super::system::{System, SystemSpec};
 use crate::drill::{signal, stop_restarted, Image};
@@ -378,6 +379,7 @@ async fn run_phase(
     let (kill_s, takeover_s, killed) = fault?;
     write_outputs(&plan.out.join(name), &result)
         .with_context(|| format!("writing the {name} phase's outputs"))?;
+    write_samples(&plan.out.join(name), &samples)?;
     let read = read_decisions(sys, &result.records).await;
     Ok(Phase {
         name,

@@ -93,9 +93,49 @@ pub fn parse_queue_depths(text: &str) -> BTreeMap<String, f64> {
     out
 }
 
+/// The samples as CSV, one row per sample and GPU (`gpu` is its index in the cluster):
+/// `t_s,gpu,model,running,waiting,queued`, `queued` being the dispatcher's queue for the
+/// GPU's model. Written beside each run's requests so a slow request can be read against
+/// what its GPU was doing (a GPU that starts nothing while jobs wait for it shows as a
+/// flat `running` with `queued` > 0).
+pub fn samples_csv(samples: &[ClusterSample]) -> String {
+    let mut out = String::from("t_s,gpu,model,running,waiting,queued\n");
+    for s in samples {
+        for (i, (model, running, waiting)) in s.gpus.iter().enumerate() {
+            let queued = s.queued.get(model).copied().unwrap_or(0.0);
+            out.push_str(&format!(
+                "{:.3},{i},{},{running},{waiting},{queued}\n",
+                s.t_s,
+                csv_field(model)
+            ));
+        }
+    }
+    out
+}
+
+/// A CSV field: quoted when it holds a comma, a quote or a line break.
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn samples_become_one_row_per_gpu_with_its_models_queue() {
+        let mut a = sample(0.1, &[(3.0, 0.0), (0.0, 1.0)], 2.0);
+        a.gpus[1].0 = "org/m,8b".into();
+        let csv = samples_csv(&[a]);
+        assert_eq!(
+            csv,
+            "t_s,gpu,model,running,waiting,queued\n0.100,0,m,3,0,2\n0.100,1,\"org/m,8b\",0,1,0\n"
+        );
+    }
 
     fn sample(t: f64, gpus: &[(f64, f64)], queued: f64) -> ClusterSample {
         ClusterSample {

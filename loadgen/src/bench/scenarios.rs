@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::capacity::{completion_rate, keeps_up, CapacitySearch, KeepUp};
 use super::curve::goodput_rate;
-use super::idle::{idle_stats, IdleStats};
+use super::idle::{idle_stats, samples_csv, ClusterSample, IdleStats};
 use super::nominal::{nominal_capacity, CostModel, Nominal};
 use super::prediction::{predicted, PredictionErrors};
 use super::report::{
@@ -277,12 +277,21 @@ async fn measured_run(sys: &System, spec: LoadSpec, dir: &Path) -> anyhow::Resul
     }
     holds.retain(|_, n| *n > 0.0);
     write_outputs(dir, &result).with_context(|| format!("writing {}", dir.display()))?;
+    write_samples(dir, &samples)?;
     Ok(Measured {
         result,
         preemptions: after - before,
         idle: idle_stats(&samples),
         holds,
     })
+}
+
+/// Write a run's cluster samples as `cluster_samples.csv` in `dir` (see
+/// [`super::idle::samples_csv`]).
+pub(super) fn write_samples(dir: &Path, samples: &[ClusterSample]) -> anyhow::Result<()> {
+    let path = dir.join("cluster_samples.csv");
+    std::fs::write(&path, samples_csv(samples))
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 /// Decisions read after a run (successful jobs with a job id) and the prediction errors;
