@@ -650,16 +650,22 @@ fn render(
     s
 }
 
-/// Replace the `## Fairness` section of `path` (from its heading to the next `## ` heading
-/// or the end) with `section`, or append it.
+/// Replace the `## Fairness` section of `path` (from its heading to the next `## ` heading,
+/// a hand-written subsection or the end) with `section`, or append it.
 fn write_section(path: &Path, section: &str) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let new = replace_section(&text, "## Fairness", section);
     std::fs::write(path, new).with_context(|| format!("writing {}", path.display()))
 }
 
+/// What marks a subsection as written by hand: its `### ` heading ends with it. The
+/// generated part of a section ends where the first such subsection starts, so a rerun
+/// replaces its own figures and keeps the analysis people wrote under them.
+pub const HAND_WRITTEN: &str = "(written by hand)";
+
 /// `text` with the section under `heading` replaced by `section` (appended when absent).
-/// Pure.
+/// The old section ends at the next `## ` heading or at the first `### ` subsection marked
+/// [`HAND_WRITTEN`], which is kept. Pure.
 pub fn replace_section(text: &str, heading: &str, section: &str) -> String {
     let section = section.trim_end();
     let start = text
@@ -682,10 +688,18 @@ pub fn replace_section(text: &str, heading: &str, section: &str) -> String {
         }
         Some(at) => {
             let rest = &text[at + heading.len()..];
-            let end = rest
-                .find("\n## ")
-                .map(|i| at + heading.len() + i + 1)
-                .unwrap_or(text.len());
+            let next_section = rest.find("\n## ").unwrap_or(rest.len());
+            let hand_written = rest
+                .match_indices("\n### ")
+                .map(|(i, _)| i)
+                .find(|&i| {
+                    rest[i + 1..]
+                        .lines()
+                        .next()
+                        .is_some_and(|l| l.trim_end().ends_with(HAND_WRITTEN))
+                })
+                .unwrap_or(rest.len());
+            let end = (at + heading.len() + next_section.min(hand_written) + 1).min(text.len());
             let tail = text[end..].trim_end();
             let head = text[..at].trim_end();
             let mut out = String::new();
@@ -776,5 +790,20 @@ mod tests {
         // A heading that only starts the same way is not the section.
         let similar = "## Fairness notes\nkeep\n";
         assert!(replace_section(similar, "## Fairness", "## Fairness\nnew").contains("keep"));
+    }
+
+    #[test]
+    fn hand_written_subsections_survive_a_rerun() {
+        let doc = "## Fairness\nold\n\n### Runs (written by hand)\nmine\n\n### More (written by hand)\nalso\n\n## Later\ny\n";
+        assert_eq!(
+            replace_section(doc, "## Fairness", "## Fairness\n\nnew\n"),
+            "## Fairness\n\nnew\n\n### Runs (written by hand)\nmine\n\n### More (written by hand)\nalso\n\n## Later\ny\n"
+        );
+        // A generated subsection is replaced with the rest.
+        let generated = "## Fairness\nold\n### Phase\nx\n\n## Later\ny\n";
+        assert_eq!(
+            replace_section(generated, "## Fairness", "## Fairness\nnew"),
+            "## Fairness\nnew\n\n## Later\ny\n"
+        );
     }
 }
