@@ -301,7 +301,7 @@ impl Engine {
         {
             self.end_backlog_hold(false);
         }
-        if self.capacity_changed && !self.reading_backlog() {
+        if self.capacity_changed {
             self.capacity_changed = false;
             self.dispatch_all();
         }
@@ -1270,12 +1270,12 @@ impl Engine {
     /// FIFO and the first that cannot be placed holds the others back (head-of-line
     /// blocking within a model only).
     fn dispatch_model(&mut self, model: &str) {
-        // Tenants whose next job was held to keep room for a lighter tenant: the rest of
-        // this pass offers the room to the others' jobs, whatever the counters say.
-        let mut held_back: Vec<String> = Vec::new();
         if self.reading_backlog() {
             return;
         }
+        // Tenants whose next job was held to keep room for a lighter tenant: the rest of
+        // this pass offers the room to the others' jobs, whatever the counters say.
+        let mut held_back: Vec<String> = Vec::new();
         loop {
             if !self.is_fresh() {
                 return;

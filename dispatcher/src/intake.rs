@@ -320,11 +320,8 @@ pub fn spawn_jobs(
                 return;
             }
         };
-        // Nothing left by an earlier leader: the engine may decide at once.
+        // The engine holds placements only when an earlier leader left jobs.
         let mut backlog_open = seen.backlog.messages > 0;
-        if !backlog_open && tx.send(Event::BacklogRead).await.is_err() {
-            return;
-        }
         // Lookups overlap, outcomes keep stream order.
         let mut steps = messages
             .map(|next| read_job(next, limits, seen.clone()))

@@ -369,7 +369,8 @@ async fn run_term(
         c.max_ack_pending,
     )
     .await?;
-    if c.backlog_read_wait_ms > 0 {
+    // Nothing left by an earlier leader: nothing to read first.
+    if c.backlog_read_wait_ms > 0 && backlog.messages > 0 {
         engine.read_backlog_first(
             metronome_protocol::time::unix_ms().saturating_add(c.backlog_read_wait_ms),
         );

@@ -79,6 +79,15 @@ fn heartbeat(id: &str, in_flight: &[&str], seq: u64, at: u64) -> Event {
     })
 }
 
+/// [`heartbeat`] of an idle worker with `edit` applied to its status.
+fn heartbeat_with(id: &str, seq: u64, at: u64, edit: impl FnOnce(&mut WorkerStatus)) -> Event {
+    let mut event = heartbeat(id, &[], seq, at);
+    if let Event::Worker(WorkerUpdate::Put { status, .. }) = &mut event {
+        edit(status);
+    }
+    event
+}
+
 fn job(id: &str, prompt: u32, max_tokens: u32, at: u64) -> Event {
     let job = Job {
         v: PROTOCOL_VERSION,
@@ -150,6 +159,16 @@ fn assigned(outcomes: &[Outcome]) -> Vec<(String, String)> {
             _ => None,
         })
         .collect()
+}
+
+/// The retry among `outcomes`, if any: the attempt it will be and the refusals it carries.
+fn requeued(outcomes: &[Outcome]) -> Option<(u32, &[(String, u32)])> {
+    outcomes.iter().find_map(|o| match o {
+        Outcome::Requeue {
+            job, refused_by, ..
+        } => Some((job.attempt, refused_by.as_slice())),
+        _ => None,
+    })
 }
 
 /// What each outcome is, for failure messages (outcomes hold message handles, not Debug).
@@ -271,10 +290,7 @@ fn a_refused_job_goes_back_through_jobs_for_another_attempt() {
         vec![done("j", "w", 0, CompletionOutcome::Refused)],
         T0 + 10,
     );
-    let retry = out.iter().find_map(|o| match o {
-        Outcome::Requeue { job, .. } => Some(job.attempt),
-        _ => None,
-    });
+    let retry = requeued(&out).map(|(attempt, _)| attempt);
     assert_eq!(retry, Some(2), "{:?}", names(&out));
 }
 
@@ -286,11 +302,7 @@ fn refuse_and_retry(e: &mut Engine, worker: &str, attempt: u32, at: u64) -> Vec<
         event.attempt = attempt;
     }
     let out = step(e, vec![refusal], at);
-    let retry = out.iter().find_map(|o| match o {
-        Outcome::Requeue { job, .. } => Some(job.attempt),
-        _ => None,
-    });
-    let retry = retry.unwrap_or_else(|| panic!("no retry: {:?}", names(&out)));
+    let (retry, _) = requeued(&out).unwrap_or_else(|| panic!("no retry: {:?}", names(&out)));
     assert_eq!(retry, attempt + 1);
     let mut again = job("j", 100, 10, at);
     if let Event::Job(inc) = &mut again {
@@ -350,21 +362,13 @@ fn a_retry_carries_its_refusals_to_the_next_leader() {
         vec![done("j", "w1", 0, CompletionOutcome::Refused)],
         T0 + 10,
     );
-    let refused_by = out
-        .iter()
-        .find_map(|o| match o {
-            Outcome::Requeue { refused_by, .. } => Some(refused_by.clone()),
-            _ => None,
-        })
-        .unwrap_or_else(|| panic!("no retry: {:?}", names(&out)));
+    let (_, refused_by) = requeued(&out).unwrap_or_else(|| panic!("no retry: {:?}", names(&out)));
+    let refused_by = refused_by.to_vec();
     assert_eq!(refused_by, vec![("w1".to_string(), 1)]);
 
     let next_leader = |refused_by: Vec<(String, u32)>| {
         let mut e = engine();
-        let mut busy = heartbeat("w2", &[], 1, T0 + 20);
-        if let Event::Worker(WorkerUpdate::Put { status, .. }) = &mut busy {
-            status.queued = 3;
-        }
+        let busy = heartbeat_with("w2", 1, T0 + 20, |s| s.queued = 3);
         step(
             &mut e,
             vec![heartbeat("w1", &[], 2, T0 + 20), busy],
@@ -392,10 +396,7 @@ fn a_retry_carries_its_refusals_to_the_next_leader() {
 #[test]
 fn a_refused_job_goes_back_to_its_worker_when_no_other_can_take_it() {
     let mut e = engine();
-    let mut draining = heartbeat("w2", &[], 1, T0);
-    if let Event::Worker(WorkerUpdate::Put { status, .. }) = &mut draining {
-        status.draining = true;
-    }
+    let draining = heartbeat_with("w2", 1, T0, |s| s.draining = true);
     step(&mut e, vec![heartbeat("w1", &[], 1, T0), draining], T0);
     let out = step(&mut e, vec![job("j", 100, 10, T0)], T0);
     assert_eq!(assigned(&out), vec![("j".to_string(), "w1".to_string())]);
@@ -712,10 +713,7 @@ fn a_tenant_under_its_fair_share_may_trade_as_many_misses_as_configured() {
 fn a_new_leader_reads_the_backlog_before_placing_so_every_tenant_is_seen() {
     let run = |hold: Option<u64>, read_at: Option<u64>| {
         let mut e = engine();
-        let mut capped = heartbeat("w", &[], 1, T0);
-        if let Event::Worker(WorkerUpdate::Put { status, .. }) = &mut capped {
-            status.max_concurrency = 2;
-        }
+        let capped = heartbeat_with("w", 1, T0, |s| s.max_concurrency = 2);
         step(&mut e, vec![capped], T0);
         if let Some(until) = hold {
             e.read_backlog_first(until);
@@ -813,10 +811,7 @@ fn a_model_at_its_cap_holds_its_queue_in_order_and_counts_each_look() {
         metrics.clone(),
         None,
     );
-    let mut capped = heartbeat("w", &[], 1, T0);
-    if let Event::Worker(WorkerUpdate::Put { status, .. }) = &mut capped {
-        status.max_concurrency = 1;
-    }
+    let capped = heartbeat_with("w", 1, T0, |s| s.max_concurrency = 1);
     step(&mut e, vec![capped], T0);
     let out = step(&mut e, vec![job("a", 100, 50, T0)], T0);
     assert_eq!(assigned(&out), vec![("a".to_string(), "w".to_string())]);

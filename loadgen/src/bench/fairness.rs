@@ -30,8 +30,7 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 use super::idle::{idle_stats, IdleStats};
-use super::scenarios::write_samples;
-use super::scenarios::{nominal_for, BenchPlan, MODEL, SAMPLE_INTERVAL};
+use super::scenarios::{nominal_for, write_samples, BenchPlan, MODEL, SAMPLE_INTERVAL};
 use super::system::{System, SystemSpec};
 use crate::drill::{signal, stop_restarted, Image};
 use crate::stats::percentile;
@@ -688,18 +687,17 @@ pub fn replace_section(text: &str, heading: &str, section: &str) -> String {
         }
         Some(at) => {
             let rest = &text[at + heading.len()..];
-            let next_section = rest.find("\n## ").unwrap_or(rest.len());
-            let hand_written = rest
-                .match_indices("\n### ")
-                .map(|(i, _)| i)
-                .find(|&i| {
-                    rest[i + 1..]
-                        .lines()
-                        .next()
-                        .is_some_and(|l| l.trim_end().ends_with(HAND_WRITTEN))
-                })
-                .unwrap_or(rest.len());
-            let end = (at + heading.len() + next_section.min(hand_written) + 1).min(text.len());
+            let hand_written = rest.match_indices("\n### ").map(|(i, _)| i).find(|&i| {
+                rest[i + 1..]
+                    .lines()
+                    .next()
+                    .is_some_and(|l| l.trim_end().ends_with(HAND_WRITTEN))
+            });
+            let end = [rest.find("\n## "), hand_written]
+                .into_iter()
+                .flatten()
+                .min()
+                .map_or(text.len(), |i| at + heading.len() + i + 1);
             let tail = text[end..].trim_end();
             let head = text[..at].trim_end();
             let mut out = String::new();
