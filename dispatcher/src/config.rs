@@ -115,10 +115,14 @@ impl Default for Config {
             redis_url: "redis://127.0.0.1:6379/".into(),
             redis_tls: Default::default(),
             dispatcher_id: String::new(),
-            lease_ttl_ms: 3000,
+            // Failover (a leader's death to the next decision) is at most the TTL plus a
+            // standby's poll and the takeover: 2.5 s + 0.1 s keeps it under 3 s. The fence
+            // stops a leader 0.7 s before its lease can lapse, three renewals after the last
+            // that succeeded.
+            lease_ttl_ms: 2500,
             lease_renew_ms: 500,
-            fence_after_ms: 2000,
-            standby_poll_ms: 250,
+            fence_after_ms: 1800,
+            standby_poll_ms: 100,
             queue_bound_per_model: 10_000,
             ack_wait_ms: 300_000,
             max_ack_pending: 200_000,

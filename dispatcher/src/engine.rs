@@ -731,12 +731,29 @@ impl Engine {
             let Some((job_id, worker_id, _)) = self.orphan_refusals.pop_front() else {
                 break;
             };
+            // A heartbeat of the refusing worker sent before its refusal may have booked
+            // the job on it again (adopted): that is no sign of life unless the worker's
+            // latest heartbeat still lists the job (it holds another attempt).
+            let held_by = self.ledger.worker_of(&job_id).map(str::to_string);
+            let refuser_still_lists = self
+                .index
+                .get(&worker_id)
+                .is_some_and(|&i| self.workers[i].status.in_flight.contains(&job_id));
+            let held = match held_by.as_deref() {
+                Some(w) if w == worker_id => refuser_still_lists,
+                Some(_) => true,
+                None => false,
+            };
             let back = self.queues.contains(&job_id)
                 || self.assigned.contains_key(&job_id)
-                || self.ledger.worker_of(&job_id).is_some()
+                || held
                 || self.finished.contains(&job_id);
             if back {
                 continue;
+            }
+            if held_by.is_some() {
+                self.ledger.release(&job_id);
+                self.capacity_changed = true;
             }
             tracing::warn!(
                 job_id,

@@ -393,6 +393,55 @@ fn a_retry_carries_its_refusals_to_the_next_leader() {
 
 /// With no other worker that can take it, the one that refused gets the job again (a
 /// refusal may be passing: draining, a restart).
+/// The job ids of the final errors among `outcomes`.
+fn final_errors(outcomes: &[Outcome]) -> Vec<String> {
+    outcomes
+        .iter()
+        .filter_map(|o| match o {
+            Outcome::FinalError { job_id, .. } => Some(job_id.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A job an earlier leader assigned to `w` (adopted here from its heartbeat) is refused;
+/// then `w`'s heartbeats say `later_lists` (whether they still list the job). Returns the
+/// final errors published until well past the grace for the job's retry to come back.
+fn orphan_refusal_then(later_lists: bool) -> Vec<String> {
+    let mut e = one_worker(|_| {});
+    step(&mut e, vec![heartbeat("w", &["j"], 2, T0 + 100)], T0 + 100);
+    // A heartbeat sent before the refusal is applied after it: it books `j` on `w` again.
+    let mut out = step(
+        &mut e,
+        vec![
+            done("j", "w", 0, CompletionOutcome::Refused),
+            heartbeat("w", &["j"], 3, T0 + 200),
+        ],
+        T0 + 300,
+    );
+    let listed: &[&str] = if later_lists { &["j"] } else { &[] };
+    let mut at = T0 + 300;
+    for seq in 4..12 {
+        at += 1_000;
+        e.tick(at);
+        out.extend(step(&mut e, vec![heartbeat("w", listed, seq, at)], at));
+    }
+    final_errors(&out)
+}
+
+#[test]
+fn a_refused_job_booked_again_by_a_stale_heartbeat_is_still_answered() {
+    assert_eq!(
+        orphan_refusal_then(false),
+        ["j"],
+        "nobody holds the job: its client is told"
+    );
+    assert!(
+        orphan_refusal_then(true).is_empty(),
+        "the worker still lists the job in later heartbeats: it holds another attempt"
+    );
+}
+
 #[test]
 fn a_refused_job_goes_back_to_its_worker_when_no_other_can_take_it() {
     let mut e = engine();

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Fault drills suite: the short drills of `metronome-drill --short` (leader SIGKILL, agent
+# Fault drills suite: the short drills of `metronome-drill --short` (leader SIGKILL, alone and
+# together with a draining agent's refusals and a second agent's SIGKILL, agent
 # SIGKILL + restart, agent SIGSTOP, Redis down, nats-server restart, both dispatchers
 # SIGKILLed, a model server SIGKILLed, a rolling deploy of every process, and `hostile`: 5,000
 # seeded hostile messages on every subject and bucket the admin identity can write, about
 # 20 s) on a real system of debug binaries under load, then `kill-nats-leader` on a second
 # system with a 3-node NATS cluster (every stream and bucket R3; SIGKILL the node leading
-# JOBS, every other stream but the lease moved to it first; about 45 s), about 3.5 minutes
+# JOBS, every other stream but the lease moved to it first; about 45 s), about 4 minutes
 # in all. Fails when any drill lost or duplicated a job, or when a check failed (hostile: a
 # process exited, the leader changed, a class of message went unanswered; kill-nats-leader:
 # a job failed, JOBS kept fewer than 3 copies, the node did not catch up), or when a binary

@@ -346,6 +346,7 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
     tokio::spawn(async move {
         match wait_until_reported(&shared, generation, episodes, &revoke).await {
             Reported::Start => {
+                shared.metrics.report_wait.observe(start.elapsed());
                 if let Some(held) = shared
                     .in_flight
                     .lock()

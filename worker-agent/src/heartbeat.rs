@@ -109,9 +109,11 @@ impl Heartbeat {
         let shared = &self.shared;
         // A put that hangs is as good as a failed one for the dispatcher, and must not
         // hold the loop past the fence timeout.
-        let put = match tokio::time::timeout(shared.config.fence_after(), self.store(body.clone()))
-            .await
-        {
+        let storing = tokio::time::Instant::now();
+        let stored =
+            tokio::time::timeout(shared.config.fence_after(), self.store(body.clone())).await;
+        shared.metrics.heartbeat_store.observe(storing.elapsed());
+        let put = match stored {
             Ok(Ok(Stored::Yes(revision))) => {
                 self.revision = Some(revision);
                 self.confirmed_seq = status.seq;

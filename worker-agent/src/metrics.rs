@@ -36,6 +36,30 @@ impl Default for TtftHistogram {
     }
 }
 
+/// Upper bounds (seconds) of the histograms of the agent's own steps before a job starts:
+/// a loopback JetStream put takes about a millisecond, and one that takes seconds is the
+/// thing to see.
+const STEP_BUCKETS_S: [f64; 12] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+];
+
+/// Durations of one of the agent's own steps (a heartbeat's store, a job's wait to be
+/// reported).
+#[derive(Debug)]
+pub struct StepHistogram(Histogram);
+
+impl Default for StepHistogram {
+    fn default() -> Self {
+        StepHistogram(Histogram::new(STEP_BUCKETS_S))
+    }
+}
+
+impl StepHistogram {
+    pub fn observe(&self, elapsed: std::time::Duration) {
+        self.0.observe(elapsed.as_secs_f64());
+    }
+}
+
 /// A monotonically increasing count.
 #[derive(Debug, Default)]
 pub struct Counter(AtomicU64);
@@ -98,6 +122,11 @@ pub struct AgentMetrics {
     pub perf_samples: Counter,
     /// Measured times to first token.
     pub ttft: TtftHistogram,
+    /// From a job's delivery to its start: the wait for a stored heartbeat that lists it
+    /// (part of every TTFT the agent measures).
+    pub report_wait: StepHistogram,
+    /// How long storing one heartbeat in the workers bucket took (answered or not).
+    pub heartbeat_store: StepHistogram,
     pub running_jobs: Gauge,
     pub draining: Gauge,
     /// 1 while the agent is fenced (no heartbeat stored for `fence_after_ms`).
@@ -247,6 +276,16 @@ impl AgentMetrics {
             "Time to first token measured by the agent",
             self.ttft.0.clone(),
         );
+        registry.register(
+            "metronome_worker_report_wait_seconds",
+            "From a job's delivery to its start: the wait for a stored heartbeat that lists it",
+            self.report_wait.0.clone(),
+        );
+        registry.register(
+            "metronome_worker_heartbeat_store_seconds",
+            "Time to store one heartbeat in the workers bucket, answered or not",
+            self.heartbeat_store.0.clone(),
+        );
         let mut out = String::with_capacity(4096);
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
@@ -332,5 +371,48 @@ mod tests {
         assert_eq!(within_250ms.value, 1.0);
         assert!(text.contains(r#"worker_id="odd\"id""#), "{text}");
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn the_steps_before_a_start_are_histograms_in_seconds() {
+        let m = AgentMetrics::default();
+        m.report_wait.observe(std::time::Duration::from_millis(3));
+        m.heartbeat_store
+            .observe(std::time::Duration::from_millis(700));
+        m.heartbeat_store
+            .observe(std::time::Duration::from_millis(2));
+        let samples = crate::metrics_scrape::parse_prometheus(&m.render("n1-gpu0"));
+        let value = |name: &str, le: Option<&str>| {
+            samples
+                .iter()
+                .find(|s| s.name == name && s.label("le") == le)
+                .map(|s| s.value)
+        };
+        assert_eq!(
+            value("metronome_worker_report_wait_seconds_count", None),
+            Some(1.0)
+        );
+        assert_eq!(
+            value("metronome_worker_report_wait_seconds_bucket", Some("0.005")),
+            Some(1.0)
+        );
+        assert_eq!(
+            value("metronome_worker_heartbeat_store_seconds_count", None),
+            Some(2.0)
+        );
+        assert_eq!(
+            value(
+                "metronome_worker_heartbeat_store_seconds_bucket",
+                Some("0.5")
+            ),
+            Some(1.0)
+        );
+        assert_eq!(
+            value(
+                "metronome_worker_heartbeat_store_seconds_bucket",
+                Some("1.0")
+            ),
+            Some(2.0)
+        );
     }
 }

@@ -10,7 +10,8 @@ use clap::Parser;
 use metronome_loadgen::drill::{render_report, run_drills, DrillPlan, Fault};
 use tracing_subscriber::EnvFilter;
 
-/// Fault drills: SIGKILL the leader, SIGKILL + restart a worker-agent, SIGSTOP an agent,
+/// Fault drills: SIGKILL the leader (alone, and amid a draining agent's refusals and a
+/// second agent's SIGKILL), SIGKILL + restart a worker-agent, SIGSTOP an agent,
 /// Redis down, nats-server restart, SIGKILL both dispatchers, SIGKILL a model server, a
 /// rolling deploy of every process, a flood of hostile messages — each under load on one `./dev up --keep-going`
 /// system, every job accounted for by id — and SIGKILL the NATS node leading the JOBS
@@ -47,7 +48,8 @@ struct Cli {
     /// a drill sends (e.g. `--only kill-leader --rate 50 --load-secs 200`: 10,000 jobs).
     #[arg(long, value_name = "SECS")]
     load_secs: Option<u64>,
-    /// Drills not to run, comma-separated (kill-leader, restart-agent, stop-agent,
+    /// Drills not to run, comma-separated (kill-leader, kill-leader-amid-faults,
+    /// restart-agent, stop-agent,
     /// redis-down, restart-nats, kill-dispatchers, stop-model-server, rolling-deploy,
     /// hostile, kill-nats-leader).
     #[arg(long, value_delimiter = ',')]

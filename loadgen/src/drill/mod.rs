@@ -58,6 +58,12 @@ pub(crate) use process::{signal, stop_restarted, Image};
 pub enum Fault {
     /// SIGKILL the leading dispatcher; the standby takes over; the killed one is restarted.
     KillLeader,
+    /// The leader's SIGKILL amid worker faults: one agent is SIGSTOPped (alive but silent,
+    /// its WORK consumer filling with the dying term's assignments), then the leader and a
+    /// second agent (with jobs in flight) are SIGKILLed together, both restarted 1 s
+    /// later; the silent agent gets SIGCONT after the pause, into the next term, and
+    /// refuses what it may not run. The next leader must settle every job exactly once.
+    KillLeaderAmidFaults,
     /// SIGKILL a worker-agent with jobs in flight and restart it within 2 s.
     RestartAgent,
     /// SIGSTOP a worker-agent (alive but silent), SIGCONT after the pause.
@@ -85,8 +91,9 @@ pub enum Fault {
 }
 
 impl Fault {
-    pub const ALL: [Fault; 10] = [
+    pub const ALL: [Fault; 11] = [
         Fault::KillLeader,
+        Fault::KillLeaderAmidFaults,
         Fault::RestartAgent,
         Fault::StopAgent,
         Fault::RedisDown,
@@ -101,6 +108,7 @@ impl Fault {
     pub fn name(self) -> &'static str {
         match self {
             Fault::KillLeader => "kill-leader",
+            Fault::KillLeaderAmidFaults => "kill-leader-amid-faults",
             Fault::RestartAgent => "restart-agent",
             Fault::StopAgent => "stop-agent",
             Fault::RedisDown => "redis-down",
@@ -214,6 +222,9 @@ struct Seen {
     decisions: Vec<Instant>,
     /// (arrival, worker, job) of successful final results seen live.
     finals: Vec<(Instant, Option<String>, String)>,
+    /// (arrival, worker) of the refusals agents published (`events.done.*`, outcome
+    /// `refused`).
+    refusals: Vec<(Instant, String)>,
 }
 
 /// Run every drill of `plan`, those on one NATS server on one system and those on a
@@ -336,6 +347,23 @@ async fn spawn_watchers(client: &async_nats::Client, seen: Arc<Mutex<Seen>>) -> 
             }
         }
     });
+    let mut events = client
+        .subscribe(metronome_protocol::names::SUBJECT_EVENTS_DONE_ALL)
+        .await?;
+    let s = seen.clone();
+    tokio::spawn(async move {
+        while let Some(m) = events.next().await {
+            let refused = serde_json::from_slice::<metronome_protocol::CompletionEvent>(&m.payload)
+                .ok()
+                .filter(|e| e.outcome == metronome_protocol::CompletionOutcome::Refused);
+            if let Some(e) = refused {
+                s.lock()
+                    .unwrap()
+                    .refusals
+                    .push((Instant::now(), e.worker_id));
+            }
+        }
+    });
     let mut decisions = client.subscribe("decisions.>").await?;
     tokio::spawn(async move {
         while decisions.next().await.is_some() {
@@ -413,6 +441,9 @@ async fn run_one(
     }
     if fault == Fault::KillNatsLeader {
         notes.extend(outage_notes(seen, mark, &sent));
+    }
+    if fault == Fault::KillLeaderAmidFaults {
+        notes.push(refusals_after(seen, mark, recover_ms));
     }
     let finals = settle(js, start_seq, &sent.ids, plan.settle).await?;
     let runs = seen.lock().unwrap().runs.clone();
@@ -601,6 +632,42 @@ async fn inject(
             restarted.push(image.spawn(&system.state_dir, &leader)?);
             (
                 format!("SIGKILL the leading dispatcher ({leader}) mid-run; restarted 1 s later as a standby"),
+                at,
+            )
+        }
+        Fault::KillLeaderAmidFaults => {
+            anyhow::ensure!(
+                plan.gpus >= 2,
+                "kill-leader-amid-faults needs two GPUs: one agent falls silent while another dies"
+            );
+            let leader = system.leader_name().await?;
+            let leader_pid = system.pid_of(&leader).context("leader pid")?;
+            let leader_image = Image::read(leader_pid)?;
+            let silent_pid = system.pid_of(&agent).context("agent pid")?;
+            let dying = format!("worker-gpu{}", (gpu + 1) % plan.gpus);
+            let dying_pid = system.pid_of(&dying).context("dying agent pid")?;
+            let dying_image = Image::read(dying_pid)?;
+            let running = wait_running(system, (gpu + 1) % plan.gpus).await;
+            // The silent agent's last heartbeat stays fresh for a while, so the leader
+            // goes on placing there; those assignments wait in its WORK consumer under the
+            // killed leader's epoch, and the agent refuses what it may not run when it
+            // wakes into the next term.
+            signal(silent_pid, "STOP")?;
+            tokio::time::sleep(SILENT_BEFORE_KILL).await;
+            signal(leader_pid, "KILL")?;
+            signal(dying_pid, "KILL")?;
+            let at = Instant::now();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            restarted.push(leader_image.spawn(&system.state_dir, &leader)?);
+            restarted.push(dying_image.spawn(&system.state_dir, &dying)?);
+            tokio::time::sleep((at + plan.pause).saturating_duration_since(Instant::now())).await;
+            signal(silent_pid, "CONT")?;
+            (
+                format!(
+                    "SIGSTOP {agent}; {} ms later SIGKILL the leading dispatcher ({leader}) and {dying} (generating {running}) together, both restarted 1 s later; SIGCONT {agent} {} s after the kill",
+                    SILENT_BEFORE_KILL.as_millis(),
+                    plan.pause.as_secs()
+                ),
                 at,
             )
         }
@@ -1383,6 +1450,11 @@ const DISPATCHERS: [&str; 2] = ["dispatcher-a", "dispatcher-b"];
 
 /// How long a process may take to drain and exit on SIGTERM before the drill kills it (and
 /// says so): above the agent's drain of its running jobs.
+/// `kill-leader-amid-faults`: from the silent agent's SIGSTOP to the leader's SIGKILL:
+/// within the dispatcher's death timeout, so the leader places on the silent agent
+/// meanwhile.
+const SILENT_BEFORE_KILL: Duration = Duration::from_millis(1_000);
+
 const STOP_WITHIN: Duration = Duration::from_secs(40);
 
 /// How long a restarted process may take to be back.
@@ -1496,6 +1568,31 @@ fn outage_notes(seen: &Arc<Mutex<Seen>>, mark: Instant, sent: &Sent) -> Vec<Stri
     )]
 }
 
+/// The refusals agents published from the leader's kill at `mark` to the end of the
+/// drill, by worker, and how many of them before the next leader's first decision
+/// (`recover_ms` after the kill).
+fn refusals_after(seen: &Arc<Mutex<Seen>>, mark: Instant, recover_ms: Option<u64>) -> String {
+    let first_decision = recover_ms.map(|ms| mark + Duration::from_millis(ms));
+    let mut by_worker: BTreeMap<String, usize> = BTreeMap::new();
+    let mut leaderless = 0;
+    for (at, worker) in &seen.lock().unwrap().refusals {
+        if *at < mark {
+            continue;
+        }
+        *by_worker.entry(worker.clone()).or_default() += 1;
+        leaderless += usize::from(first_decision.is_none_or(|d| *at < d));
+    }
+    let total: usize = by_worker.values().sum();
+    let list: Vec<String> = by_worker
+        .iter()
+        .map(|(w, n)| format!("{n} by {w}"))
+        .collect();
+    format!(
+        "assignments refused after the leader's kill: {total} ({}), {leaderless} of them before the next leader's first decision",
+        if list.is_empty() { "none".to_string() } else { list.join(", ") }
+    )
+}
+
 /// Milliseconds from `mark` to the next decision (dispatcher kills), the next successful
 /// final result (from `agent`'s worker for agent and model-server faults), or the first
 /// successful final result of a job JetStream took after `mark` (a NATS node's kill).
@@ -1513,7 +1610,7 @@ async fn recovery(
         {
             let s = seen.lock().unwrap();
             let next = match fault {
-                Fault::KillLeader | Fault::KillDispatchers => {
+                Fault::KillLeader | Fault::KillLeaderAmidFaults | Fault::KillDispatchers => {
                     s.decisions.iter().copied().find(|t| *t > mark)
                 }
                 Fault::RestartAgent | Fault::StopAgent | Fault::StopModelServer => s
@@ -1736,8 +1833,8 @@ pub fn render_report(plan: &DrillPlan, reports: &[DrillReport]) -> String {
          drill's client received, never from logs. *Exactly once*: one final result, a \
          success. *Failed*: final results, none a success (the client got an error with a \
          reason). *Lost*: no final result. *Duplicated*: two successful final results, or \
-         chunks from two runs (worker, attempt). *Recover*: from the fault (leader kill) or the \
-         repair (restart, SIGCONT, end of the rolling deploy) to the next decision \
+         chunks from two runs (worker, attempt). *Recover*: from the fault (leader kill, also amid \
+         faults) or the repair (restart, SIGCONT, end of the rolling deploy) to the next decision \
          (dispatcher kills) or the next successful result (of the faulted worker for agent \
          and model-server drills); for a NATS node's kill, from the kill to the first \
          successful result of a job JetStream took after it.\n\n",
