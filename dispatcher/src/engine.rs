@@ -28,8 +28,8 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::message::Acker;
 use metronome_protocol::{
-    CompletionEvent, CompletionOutcome, Decision, ErrorCode, Job, Outcome, QueueSnapshot,
-    WorkerStatus,
+    Assignment, CompletionEvent, CompletionOutcome, Decision, ErrorCode, Job, Outcome,
+    QueueSnapshot, WorkerStatus,
 };
 use metronome_scheduler::filter::{self, fits_when_empty};
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
@@ -175,6 +175,10 @@ pub struct Engine {
     /// Refusals of jobs whose body this leader does not hold, oldest first, with when:
     /// settled on the tick after [`ORPHAN_REFUSAL_GRACE_MS`].
     orphan_refusals: VecDeque<(String, String, u64)>,
+    /// The jobs each dead worker held when it was declared dead, settled then (retried from
+    /// the body this leader holds, or answered `worker_lost`): its purge's Assignments of
+    /// them are not rescued a second time.
+    settled_at_death: HashMap<String, HashSet<String>>,
     /// Workers that refused each job retried here: left out of its next placements while
     /// another worker can take it ([`Refusals`]).
     refusals: Refusals,
@@ -224,6 +228,7 @@ impl Engine {
             cancelled: RecentIds::new(s.ack_wait_ms, CANCELLED_MAX),
             relayed: RecentIds::new(s.ack_wait_ms, CANCELLED_MAX),
             orphan_refusals: VecDeque::new(),
+            settled_at_death: HashMap::new(),
             refusals: Refusals::default(),
             ewmas: HashMap::new(),
             output_len: HashMap::new(),
@@ -355,6 +360,10 @@ impl Engine {
                 self.assigned.remove(job.job.id.as_str());
                 self.publish_failed(*job, &worker_id);
             }
+            Event::PurgedAssignments {
+                worker_id,
+                assignments,
+            } => self.rescue_purged(&worker_id, assignments),
             Event::AlreadyAssigned { job_id, worker_id } => {
                 // The earlier leader's Assignment of this attempt stands, on a worker we do
                 // not know yet (its heartbeat will report it). The body stays in
@@ -1131,12 +1140,18 @@ impl Engine {
             reservations = reservations.len(),
             "worker is dead"
         );
+        // Before anything is assigned again: a worker that comes back must not find (and
+        // run) the Assignments that are now going elsewhere. Also when this leader knows
+        // of no job there: an earlier leader may have assigned jobs the worker never
+        // reported, and the purge hands those back ([`Engine::rescue_purged`]).
+        self.settled_at_death.insert(
+            worker_id.to_string(),
+            reservations.iter().map(|r| r.job_id.clone()).collect(),
+        );
+        self.emit(publish::Outcome::PurgeWork {
+            worker_id: worker_id.to_string(),
+        });
         if !reservations.is_empty() {
-            // Before anything is assigned again: a worker that comes back must not find
-            // (and run) the Assignments that are now going elsewhere.
-            self.emit(publish::Outcome::PurgeWork {
-                worker_id: worker_id.to_string(),
-            });
             // And a worker that was only silent stops what it still runs of them.
             self.emit(publish::revoke(
                 worker_id,
@@ -1167,6 +1182,43 @@ impl Engine {
                     None,
                 );
             }
+        }
+        self.capacity_changed = true;
+    }
+
+    /// The Assignments a dead worker's purge removed from WORK. Those of jobs settled when
+    /// the worker was declared dead, or held here in any other way (queued, assigned,
+    /// booked, finished), need nothing. The rest were assigned by an earlier leader and
+    /// never reported by the worker: their Assignment was the only copy of the job, so
+    /// they go back through JOBS with the next attempt, as a rescue of this leader's own.
+    fn rescue_purged(&mut self, worker_id: &str, assignments: Vec<Assignment>) {
+        let settled = self.settled_at_death.remove(worker_id).unwrap_or_default();
+        for a in assignments {
+            let id = a.job.id.as_str();
+            let held = settled.contains(id)
+                || self.queues.contains(id)
+                || self.assigned.contains_key(id)
+                || self.ledger.worker_of(id).is_some()
+                || self.finished.contains(id);
+            if held || a.worker_id != worker_id {
+                continue;
+            }
+            tracing::warn!(job_id = %id, worker_id, attempt = a.attempt, "a dead worker's purged assignment from an earlier leader: assigning it again");
+            self.metrics.rescued_jobs_total.fetch_add(1, Relaxed);
+            self.refusals.record(id, worker_id, a.attempt);
+            let retry = AssignedJob {
+                job: Arc::new(a.job),
+                attempt: a.attempt,
+                // Its place in the queue is unknown here: it was placed before anything
+                // now waiting, so it goes first.
+                seq: 0,
+                deadline_ms: 0,
+            };
+            self.retry(
+                retry,
+                &format!("worker {worker_id} died before reporting it"),
+                None,
+            );
         }
         self.capacity_changed = true;
     }

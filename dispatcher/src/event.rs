@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use async_nats::jetstream::message::Acker;
-use metronome_protocol::{CompletionEvent, Job};
+use metronome_protocol::{Assignment, CompletionEvent, Job};
 
 use crate::queue::QueuedJob;
 use crate::registry::{RedisSnapshot, WorkerUpdate};
@@ -56,6 +56,12 @@ pub enum Event {
     /// Every JOBS message stored before this term's consumer was created has been read
     /// (see [`crate::engine::Engine::read_backlog_first`]).
     BacklogRead,
+    /// A dead worker's purge removed these Assignments from its WORK subject (stored
+    /// there before the purge, not yet acknowledged by the worker).
+    PurgedAssignments {
+        worker_id: String,
+        assignments: Vec<Assignment>,
+    },
     /// JetStream said an earlier leader already sent this attempt.
     AlreadyAssigned {
         job_id: String,

@@ -23,7 +23,9 @@
 //! - a dead worker's purge ([`Outcome::PurgeWork`]) removes only what was on its WORK
 //!   subject when the purge was handled: the stream's last sequence is read, and the purge
 //!   is bounded below it, before any later outcome is written. A worker that comes back is
-//!   assigned new work only after that, so the purge can never delete it.
+//!   assigned new work only after that, so the purge can never delete it. What it removes
+//!   is read first and handed to the engine ([`Event::PurgedAssignments`]): an Assignment
+//!   an earlier leader wrote, which the worker never reported, is the only copy of its job.
 //!
 //! Back-pressure: outcomes not yet settled (written and acknowledged, or failed) are
 //! counted (a guard per outcome leaves the count when whichever task settles it ends); the deciding loop waits in [`Publisher::ready`] while `capacity` are pending,
@@ -38,12 +40,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::stream::RawMessageErrorKind;
 use async_nats::jetstream::message::{Acker, PublishMessage};
 use async_nats::jetstream::{self, context::PublishAckFuture, kv};
 use bytes::Bytes;
 use metronome_protocol::headers::headers;
 use metronome_protocol::names::{self, HEADER_EPOCH, HEADER_MODEL, HEADER_MSG_ID};
-use metronome_protocol::{Decision, ErrorCode, FinalResult, ResultError, Usage};
+use metronome_protocol::{Assignment, Decision, ErrorCode, FinalResult, ResultError, Usage};
 use tokio::sync::{mpsc, Notify};
 
 use crate::event::Event;
@@ -399,13 +402,22 @@ async fn publish_loop(
             Outcome::PurgeWork { worker_id } => {
                 // Inline, not spawned: no later outcome (a new Assignment to this worker once
                 // it is back) is written before the bound is read and the purge is done.
-                match purge_below_last(&js, &worker_id).await {
-                    Ok((purged, below)) => tracing::info!(
-                        worker_id,
-                        purged,
-                        below_seq = below,
-                        "removed the dead worker's pending assignments"
-                    ),
+                match purge_pending_work(&js, &worker_id).await {
+                    Ok(purged) => {
+                        tracing::info!(
+                            worker_id,
+                            purged = purged.removed,
+                            below_seq = purged.below,
+                            read = purged.assignments.len(),
+                            "removed the dead worker's pending assignments"
+                        );
+                        // The engine hands back those it does not hold otherwise.
+                        let event = Event::PurgedAssignments {
+                            worker_id,
+                            assignments: purged.assignments,
+                        };
+                        let _ = events.send(event).await;
+                    }
                     Err(error) => {
                         tracing::warn!(worker_id, %error, "could not purge the dead worker's assignments")
                     }
@@ -548,25 +560,77 @@ async fn expire_worker(
 
 /// Purge `work.<worker_id>` below the WORK stream's next sequence as of now: everything
 /// published to the worker so far, nothing published after. Returns (purged, bound).
-async fn purge_below_last(js: &jetstream::Context, worker_id: &str) -> Result<(u64, u64), String> {
+/// What a dead worker's purge removed.
+#[derive(Debug)]
+pub struct PurgedWork {
+    /// Messages removed from the worker's WORK subject.
+    pub removed: u64,
+    /// Every message below this stream sequence was looked at.
+    pub below: u64,
+    /// The Assignments among them (a message that is none is removed all the same).
+    pub assignments: Vec<Assignment>,
+}
+
+/// Most pending Assignments one purge reads; the rest stay for a later purge.
+const PURGE_READ_MAX: usize = 100_000;
+
+/// Remove what is on `worker_id`'s WORK subject now, reading it first: an Assignment that
+/// an earlier leader wrote and the worker never reported is the only copy of its job. The
+/// purge is bounded below the stream's last sequence when it starts (nothing written
+/// after, such as new work for the worker once it is back, is touched) and below the last
+/// message read (nothing is removed unread).
+pub async fn purge_pending_work(
+    js: &jetstream::Context,
+    worker_id: &str,
+) -> Result<PurgedWork, String> {
     let mut stream = js
         .get_stream(names::STREAM_WORK)
         .await
         .map_err(|e| e.to_string())?;
-    let below = stream
-        .info()
-        .await
-        .map_err(|e| e.to_string())?
-        .state
-        .last_sequence
-        + 1;
+    let (first, last) = {
+        let info = stream.info().await.map_err(|e| e.to_string())?;
+        (info.state.first_sequence, info.state.last_sequence)
+    };
+    let mut below = last + 1;
+    let subject = names::work_subject(worker_id);
+    let mut assignments = Vec::new();
+    let mut next = first.max(1);
+    while next < below {
+        if assignments.len() >= PURGE_READ_MAX {
+            below = next;
+            break;
+        }
+        let message = stream
+            .raw_message_builder()
+            .sequence(next)
+            .next_by_subject(subject.clone())
+            .send()
+            .await;
+        let message = match message {
+            Ok(m) => m,
+            Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => break,
+            Err(e) => return Err(format!("reading the worker's pending assignments: {e}")),
+        };
+        if message.sequence >= below {
+            break;
+        }
+        next = message.sequence + 1;
+        match serde_json::from_slice::<Assignment>(&message.payload) {
+            Ok(a) => assignments.push(a),
+            Err(e) => tracing::warn!(worker_id, seq = message.sequence, error = %e, "a message on the worker's WORK subject is no Assignment: removed"),
+        }
+    }
     let purged = stream
         .purge()
-        .filter(names::work_subject(worker_id))
+        .filter(subject)
         .sequence(below)
         .await
         .map_err(|e| e.to_string())?;
-    Ok((purged.purged, below))
+    Ok(PurgedWork {
+        removed: purged.purged,
+        below,
+        assignments,
+    })
 }
 
 /// The revocation of `jobs` (id, attempt when known) held by a worker declared dead.

@@ -442,6 +442,75 @@ fn a_refused_job_booked_again_by_a_stale_heartbeat_is_still_answered() {
     );
 }
 
+/// An Assignment as an earlier leader wrote it for `worker`.
+fn earlier_assignment(id: &str, worker: &str, attempt: u32) -> metronome_protocol::Assignment {
+    let Event::Job(incoming) = job(id, 100, 10, T0) else {
+        unreachable!()
+    };
+    metronome_protocol::Assignment {
+        v: PROTOCOL_VERSION,
+        job: (*incoming.job).clone(),
+        worker_id: worker.into(),
+        epoch: 3,
+        attempt,
+        assigned_ms: T0,
+    }
+}
+
+#[test]
+fn a_dead_workers_purge_hands_back_only_the_jobs_nobody_holds() {
+    let mut e = engine_with(&Config::default());
+    // `w` runs `adopted` (reported), then falls silent; `other` stays alive.
+    step(
+        &mut e,
+        vec![heartbeat("w", &["adopted"], 1, T0), heartbeat("other", &[], 1, T0)],
+        T0,
+    );
+    let timeout = Config::default().scheduler.heartbeat_timeout_ms;
+    let at = T0 + timeout + 1;
+    step(&mut e, vec![heartbeat("other", &[], 2, at)], at);
+    e.tick(at);
+    // The leader's conditional delete of the silent worker's key, seen on the watch.
+    let died = step(
+        &mut e,
+        vec![Event::Worker(WorkerUpdate::Gone {
+            worker_id: "w".into(),
+        })],
+        at,
+    );
+    assert!(
+        names(&died).contains(&"purge_work"),
+        "a dead worker's WORK is purged: {:?}",
+        names(&died)
+    );
+    // The purge read `adopted` (answered worker_lost at the death) and `never-reported`
+    // (an earlier leader's, the only copy of that job).
+    let out = step(
+        &mut e,
+        vec![Event::PurgedAssignments {
+            worker_id: "w".into(),
+            assignments: vec![
+                earlier_assignment("adopted", "w", 1),
+                earlier_assignment("never-reported", "w", 2),
+            ],
+        }],
+        at + 10,
+    );
+    let requeues: Vec<(String, u32)> = out
+        .iter()
+        .filter_map(|o| match o {
+            Outcome::Requeue { job, .. } => Some((job.job.id.clone(), job.attempt)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(requeues, [("never-reported".to_string(), 3)]);
+    assert_eq!(
+        requeued(&out).map(|(_, refused)| refused.to_vec()),
+        Some(vec![("w".to_string(), 2)]),
+        "the retry carries the dead worker, so it is placed elsewhere"
+    );
+}
+
 #[test]
 fn a_refused_job_goes_back_to_its_worker_when_no_other_can_take_it() {
     let mut e = engine();

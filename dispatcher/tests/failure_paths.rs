@@ -300,3 +300,80 @@ async fn a_refused_job_is_not_given_back_to_the_worker_that_refused_it() {
     token.cancel();
     running.join().await.unwrap();
 }
+
+/// An earlier leader assigned a job to a worker that fell silent before it took it, and
+/// then died itself: the Assignment on `work.<worker>` is the only copy of the job, and no
+/// heartbeat ever listed it. When the next leader declares the worker dead, its purge
+/// reads that Assignment and hands the job back through JOBS (the next attempt) to a
+/// live worker. The purge used to run only for workers this leader had booked jobs on,
+/// and to delete what it found unread: the job was lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_workers_unreported_assignment_from_an_earlier_leader_is_assigned_again() {
+    let env = Env::start().await;
+    let silent = worker("silent-0", "model-p", 4);
+    let live = worker("live-0", "model-p", 4);
+    for s in [&silent, &live] {
+        env.work_consumer(&s.worker_id).await;
+        env.heartbeat(s).await;
+    }
+    // What an earlier leader wrote before it died.
+    let job: metronome_protocol::Job =
+        serde_json::from_value(job_json("p-orphan", "model-p", 10, 10)).unwrap();
+    let earlier = metronome_protocol::Assignment {
+        v: metronome_protocol::PROTOCOL_VERSION,
+        job,
+        worker_id: "silent-0".into(),
+        epoch: 1,
+        attempt: 1,
+        assigned_ms: metronome_protocol::time::unix_ms(),
+    };
+    env.js
+        .publish(
+            names::work_subject("silent-0"),
+            serde_json::to_vec(&earlier).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+
+    let mut config = env.config("purge");
+    config.scheduler.heartbeat_timeout_ms = 1_500;
+    let (running, token) = env.dispatcher(config).await;
+    // Only the live worker keeps beating.
+    let beating = CancellationToken::new();
+    let beater = {
+        let (workers, stop, mut status) = (env.workers.clone(), beating.clone(), live.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_millis(300)) => {}
+                }
+                status.seq += 1;
+                status.sent_ms = metronome_protocol::time::unix_ms();
+                let body = serde_json::to_vec(&status).unwrap();
+                workers.put("live-0", body.into()).await.unwrap();
+            }
+        })
+    };
+
+    let rescued = wait_for("the orphaned assignment on the live worker", WAIT, || async {
+        let work = env.take_work("live-0").await;
+        work.into_iter()
+            .find(|(a, _)| a.job.id == "p-orphan")
+            .map(|(a, _)| a)
+    })
+    .await;
+    assert_eq!(rescued.attempt, 2, "a rescue is the next attempt");
+    assert_eq!(
+        env.take_work("silent-0").await.len(),
+        0,
+        "the dead worker's copy is removed"
+    );
+    assert_eq!(running.metrics.rescued_jobs_total.load(Relaxed), 1);
+    beating.cancel();
+    beater.await.unwrap();
+    token.cancel();
+    running.join().await.unwrap();
+}

@@ -30,7 +30,9 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 use super::idle::{idle_stats, IdleStats};
-use super::scenarios::{nominal_for, write_samples, BenchPlan, MODEL, SAMPLE_INTERVAL};
+use super::scenarios::{
+    nominal_for, write_agent_metrics, write_samples, BenchPlan, MODEL, SAMPLE_INTERVAL,
+};
 use super::system::{System, SystemSpec};
 use crate::drill::{signal, stop_restarted, Image};
 use crate::stats::percentile;
@@ -379,6 +381,7 @@ async fn run_phase(
     write_outputs(&plan.out.join(name), &result)
         .with_context(|| format!("writing the {name} phase's outputs"))?;
     write_samples(&plan.out.join(name), &samples)?;
+    write_agent_metrics(&plan.out.join(name), sys).await?;
     let read = read_decisions(sys, &result.records).await;
     Ok(Phase {
         name,

@@ -278,6 +278,7 @@ async fn measured_run(sys: &System, spec: LoadSpec, dir: &Path) -> anyhow::Resul
     holds.retain(|_, n| *n > 0.0);
     write_outputs(dir, &result).with_context(|| format!("writing {}", dir.display()))?;
     write_samples(dir, &samples)?;
+    write_agent_metrics(dir, sys).await?;
     Ok(Measured {
         result,
         preemptions: after - before,
@@ -291,6 +292,14 @@ async fn measured_run(sys: &System, spec: LoadSpec, dir: &Path) -> anyhow::Resul
 pub(super) fn write_samples(dir: &Path, samples: &[ClusterSample]) -> anyhow::Result<()> {
     let path = dir.join("cluster_samples.csv");
     std::fs::write(&path, samples_csv(samples))
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// Write every worker-agent's `/metrics` text at the end of a run as `agent_metrics.txt`
+/// in `dir` (the agents' counters and histograms since the system started).
+pub(super) async fn write_agent_metrics(dir: &Path, sys: &System) -> anyhow::Result<()> {
+    let path = dir.join("agent_metrics.txt");
+    std::fs::write(&path, sys.agent_metrics_text().await)
         .with_context(|| format!("writing {}", path.display()))
 }
 

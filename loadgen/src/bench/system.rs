@@ -63,6 +63,8 @@ pub struct System {
     pub sim_models: Vec<String>,
     /// Each dispatcher's `/metrics` URL.
     pub dispatcher_metrics: Vec<String>,
+    /// Each worker-agent's `/metrics` URL, GPU order.
+    pub agent_metrics: Vec<String>,
     http: reqwest::Client,
     /// The `workers` KV bucket (latest heartbeat per worker): the dispatcher's view.
     workers: Option<async_nats::jetstream::kv::Store>,
@@ -130,6 +132,19 @@ fn dispatcher_metrics(state_dir: &Path) -> Vec<String> {
         }
     }
     out
+}
+
+/// Each worker-agent's `/metrics` URL, GPU order, from `metrics_port` in the configs
+/// `./dev up` wrote (none for an agent whose config names no port).
+fn agent_metrics(state_dir: &Path, gpus: usize) -> Vec<String> {
+    (0..gpus)
+        .filter_map(|g| {
+            let path = state_dir.join(format!("config/worker-gpu{g}.toml"));
+            let table: toml::Table = toml::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
+            let port = table.get("metrics_port")?.as_integer()?;
+            Some(format!("http://127.0.0.1:{port}/metrics"))
+        })
+        .collect()
 }
 
 impl System {
@@ -202,6 +217,7 @@ impl System {
         let urls = sim_urls(&spec.state_dir, spec.gpus)?;
         let mut sys = System::from_child(child, spec, gateway_url, urls);
         sys.dispatcher_metrics = dispatcher_metrics(&spec.state_dir);
+        sys.agent_metrics = agent_metrics(&spec.state_dir, spec.gpus);
         if let Some(nats_url) = read_env_file(&env_file, "NATS_URL") {
             // The bench reads the system with the credentials `./dev up` wrote beside
             // the URL (`METRONOME_NATS_*` in the same env file).
@@ -240,10 +256,27 @@ impl System {
             sim_urls,
             sim_models,
             dispatcher_metrics: Vec::new(),
+            agent_metrics: Vec::new(),
             http: reqwest::Client::new(),
             workers: None,
             decisions: None,
         }
+    }
+
+    /// Every worker-agent's `/metrics` text, each after a `# from <url>` line (an agent
+    /// that does not answer says why there): the agents' own histograms (time to first
+    /// token, the wait for the heartbeat that reports a job, a heartbeat's store) for
+    /// looking into a run after it.
+    pub async fn agent_metrics_text(&self) -> String {
+        let mut out = String::new();
+        for url in &self.agent_metrics {
+            out.push_str(&format!("# from {url}\n"));
+            match self.get_text(url).await {
+                Ok(text) => out.push_str(&text),
+                Err(e) => out.push_str(&format!("# not read: {e:#}\n")),
+            }
+        }
+        out
     }
 
     async fn get_text(&self, url: &str) -> anyhow::Result<String> {
