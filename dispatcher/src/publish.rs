@@ -40,8 +40,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::context::PublishErrorKind;
-use async_nats::jetstream::stream::RawMessageErrorKind;
 use async_nats::jetstream::message::{Acker, PublishMessage};
+use async_nats::jetstream::stream::RawMessageErrorKind;
 use async_nats::jetstream::{self, context::PublishAckFuture, kv};
 use bytes::Bytes;
 use metronome_protocol::headers::headers;
@@ -617,7 +617,9 @@ pub async fn purge_pending_work(
         next = message.sequence + 1;
         match serde_json::from_slice::<Assignment>(&message.payload) {
             Ok(a) => assignments.push(a),
-            Err(e) => tracing::warn!(worker_id, seq = message.sequence, error = %e, "a message on the worker's WORK subject is no Assignment: removed"),
+            Err(e) => {
+                tracing::warn!(worker_id, seq = message.sequence, error = %e, "a message on the worker's WORK subject is no Assignment: removed")
+            }
         }
     }
     let purged = stream

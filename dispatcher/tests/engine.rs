@@ -463,7 +463,10 @@ fn a_dead_workers_purge_hands_back_only_the_jobs_nobody_holds() {
     // `w` runs `adopted` (reported), then falls silent; `other` stays alive.
     step(
         &mut e,
-        vec![heartbeat("w", &["adopted"], 1, T0), heartbeat("other", &[], 1, T0)],
+        vec![
+            heartbeat("w", &["adopted"], 1, T0),
+            heartbeat("other", &[], 1, T0),
+        ],
         T0,
     );
     let timeout = Config::default().scheduler.heartbeat_timeout_ms;

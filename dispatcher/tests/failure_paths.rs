@@ -358,12 +358,16 @@ async fn a_dead_workers_unreported_assignment_from_an_earlier_leader_is_assigned
         })
     };
 
-    let rescued = wait_for("the orphaned assignment on the live worker", WAIT, || async {
-        let work = env.take_work("live-0").await;
-        work.into_iter()
-            .find(|(a, _)| a.job.id == "p-orphan")
-            .map(|(a, _)| a)
-    })
+    let rescued = wait_for(
+        "the orphaned assignment on the live worker",
+        WAIT,
+        || async {
+            let work = env.take_work("live-0").await;
+            work.into_iter()
+                .find(|(a, _)| a.job.id == "p-orphan")
+                .map(|(a, _)| a)
+        },
+    )
     .await;
     assert_eq!(rescued.attempt, 2, "a rescue is the next attempt");
     assert_eq!(

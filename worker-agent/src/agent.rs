@@ -22,8 +22,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::pull::{Pulled, Puller, ANSWER_GRACE, PULL_EXPIRES};
 use async_nats::jetstream::{self, consumer, kv, AckKind};
-use futures::StreamExt;
 use metronome_protocol::names::{
     event_done_subject, result_final_subject, tenant_token, work_consumer, work_msg_id,
     work_subject, HEADER_MSG_ID, LEADER_KEY, STREAM_WORK, SUBJECT_DEAD_LETTER,
@@ -86,7 +86,7 @@ impl AgentError {
 }
 
 /// Create (or find) the agent's durable consumer.
-pub(crate) async fn ensure_consumer(
+pub async fn ensure_consumer(
     js: &jetstream::Context,
     config: &Config,
 ) -> Result<consumer::Consumer<consumer::pull::Config>, AgentError> {
@@ -115,12 +115,9 @@ pub(crate) async fn ensure_consumer(
 }
 
 /// Pull and dispatch assignments until `stop` fires; then refuse what is still delivered
-/// and return. Running jobs are left to finish (the caller drains them).
-pub(crate) async fn intake(
-    shared: Arc<Shared>,
-    consumer: consumer::Consumer<consumer::pull::Config>,
-    stop: CancellationToken,
-) {
+/// and return. Running jobs are left to finish (the caller drains them). Pull requests are
+/// answered on one inbox ([`crate::pull`]).
+pub(crate) async fn intake(shared: Arc<Shared>, mut puller: Puller, stop: CancellationToken) {
     let max = shared.config.max_concurrency as usize;
     let mut backoff = Duration::from_millis(100);
     while !stop.is_cancelled() {
@@ -141,36 +138,45 @@ pub(crate) async fn intake(
             }
             continue;
         }
-        // A short expiry bounds how long a stop waits for the open pull request.
-        let batch = consumer
-            .batch()
-            .max_messages(free)
-            .expires(Duration::from_millis(500))
-            .messages()
-            .await;
-        let mut batch = match batch {
-            Ok(b) => {
-                backoff = Duration::from_millis(100);
-                b
+        if let Err(e) = puller.request(free).await {
+            tracing::warn!(error = %e, "pull request failed; retrying");
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {}
+                _ = stop.cancelled() => break,
             }
-            Err(e) => {
-                tracing::warn!(error = %e, kind = ?e.kind(), "pull request failed; retrying");
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    _ = stop.cancelled() => break,
-                }
-                backoff = (backoff * 2).min(Duration::from_secs(2));
-                continue;
-            }
-        };
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+            continue;
+        }
         // Messages already requested are read to the end even after `stop`: they are
-        // refused (draining), so none waits for its ack timeout.
-        while let Some(next) = batch.next().await {
-            match next {
-                Ok(msg) => accept(&shared, msg).await,
-                Err(e) => {
-                    tracing::warn!(error = %e, "receiving from the WORK consumer failed");
+        // refused (draining), so none waits for its ack timeout. The short expiry bounds
+        // how long a stop waits for the open request.
+        let deadline = tokio::time::Instant::now() + PULL_EXPIRES + ANSWER_GRACE;
+        let mut received = 0;
+        while received < free {
+            match puller.next(deadline).await {
+                Pulled::Message(msg) => {
+                    received += 1;
+                    backoff = Duration::from_millis(100);
+                    accept(&shared, *msg).await;
+                }
+                Pulled::Ended => break,
+                Pulled::Unanswered => {
+                    shared.metrics.pulls_unanswered.inc();
+                    tracing::info!("a pull request got no answer by its expiry: pulling again");
                     break;
+                }
+                Pulled::Refused(why) => {
+                    tracing::warn!(%why, "the server ended a pull request with an error; retrying");
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = stop.cancelled() => {}
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                    break;
+                }
+                Pulled::Closed => {
+                    tracing::warn!("the WORK inbox subscription ended: no more assignments");
+                    return;
                 }
             }
         }

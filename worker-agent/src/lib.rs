@@ -26,6 +26,7 @@ pub mod metrics_scrape;
 pub mod model_client;
 pub mod perf_store;
 mod probe;
+pub mod pull;
 pub mod runner;
 mod shared;
 
@@ -127,7 +128,13 @@ pub async fn start(
         ..StreamSettings::default()
     };
     let buckets = ensure_all(&js, &settings).await?;
-    let consumer = agent::ensure_consumer(&js, &config).await?;
+    agent::ensure_consumer(&js, &config).await?;
+    let puller = pull::Puller::new(client.clone(), js.clone(), &config.worker_id)
+        .await
+        .map_err(|source| AgentError::SubscribeControl {
+            subject: "the inbox of the WORK consumer's pull requests".into(),
+            source,
+        })?;
     let control_sub = control::subscribe(&client, &config.worker_id).await?;
     let metrics = Arc::new(AgentMetrics::default());
     let ewma = ewma_store::EwmaStore::with_client(
@@ -267,7 +274,7 @@ pub async fn start(
         })
     };
     let intake_stop = CancellationToken::new();
-    let intake_task = tokio::spawn(agent::intake(shared.clone(), consumer, intake_stop.clone()));
+    let intake_task = tokio::spawn(agent::intake(shared.clone(), puller, intake_stop.clone()));
     let control_closing = CancellationToken::new();
     let control_stop = CancellationToken::new();
     let control_task = tokio::spawn(control::serve(

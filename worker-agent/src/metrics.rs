@@ -117,6 +117,9 @@ pub struct AgentMetrics {
     pub nats_publish_errors: Counter,
     pub heartbeats: Counter,
     pub heartbeat_errors: Counter,
+    /// Pull requests on the WORK consumer that got no answer by their expiry (a server
+    /// that dropped the answer): the next was sent at once.
+    pub pulls_unanswered: Counter,
     pub metrics_scrape_errors: Counter,
     /// Completed jobs folded into the performance model.
     pub perf_samples: Counter,
@@ -241,6 +244,11 @@ impl AgentMetrics {
                 "metronome_worker_heartbeat_errors",
                 "Heartbeats that could not be written.",
                 vec![(None, &self.heartbeat_errors)],
+            ),
+            c(
+                "metronome_worker_pulls_unanswered",
+                "Pull requests on the WORK consumer with no answer by their expiry (a server that dropped it); the next was sent at once.",
+                vec![(None, &self.pulls_unanswered)],
             ),
             c(
                 "metronome_worker_metrics_scrape_errors",
