@@ -97,6 +97,10 @@ async fn a_cancel_that_overtakes_its_job_applies_only_to_a_job_of_its_tenant() {
     let env = Env::start().await;
     env.workers("co", 1, "model-co", 4).await;
     let (running, token) = env.dispatcher(env.config("cancel-tenant-early")).await;
+    // The leader subscribes to cancels once it leads, before it reads jobs: once a job is
+    // decided, the server has its subscription, and no cancel below is published too early.
+    submit_for(&env, ACME, "co-ready", "model-co").await;
+    env.decisions_for(&["co-ready".to_string()]).await;
     cancel(&env, Some("globex"), "co-forged").await;
     cancel(&env, ACME, "co-own").await;
     // Poll with a job that was not cancelled: once it is decided, so were the cancels read.

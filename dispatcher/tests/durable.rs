@@ -12,7 +12,6 @@ use futures::StreamExt;
 use metronome_protocol::names;
 use metronome_protocol::{CompletionOutcome, ErrorCode, Outcome};
 use metronome_testkit::wait_for;
-use tokio_util::sync::CancellationToken;
 
 /// A refused job is retried from JOBS, not from the leader's memory: the leader that
 /// re-queued it stops, the next one assigns it (attempt 2). It used to be lost: its JOBS
@@ -167,30 +166,17 @@ async fn a_cancel_for_an_unreported_assignment_is_relayed_when_the_worker_report
     );
 
     // The worker now reports the job, heartbeat after heartbeat, until the relay comes.
-    let beating = CancellationToken::new();
-    let beater = {
-        let (workers, stop) = (env.workers.clone(), beating.clone());
-        w.in_flight = vec!["cr-1".into()];
-        w.active = 1;
-        tokio::spawn(async move {
-            loop {
-                w.seq += 1;
-                let body = serde_json::to_vec(&w).unwrap();
-                workers.put("cr-0", body.into()).await.unwrap();
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
-                }
-            }
-        })
-    };
+    w.in_flight = vec!["cr-1".into()];
+    w.active = 1;
+    w.seq += 1;
+    env.heartbeat(&w).await;
+    let beating = env.keep_beating(w, Duration::from_millis(100), 0);
     let relayed = tokio::time::timeout(WAIT, cancels.next()).await;
     assert!(
         matches!(relayed, Ok(Some(_))),
         "the leader did not relay the cancel"
     );
-    beating.cancel();
-    beater.await.unwrap();
+    beating.stop().await;
     token.cancel();
     running.join().await.unwrap();
 }
@@ -210,21 +196,7 @@ async fn a_dead_worker_leaves_the_registry_and_the_decisions() {
     let (running, token) = env.dispatcher(config).await;
     let metrics = running.metrics.clone();
 
-    let beating = CancellationToken::new();
-    let beater = {
-        let (workers, stop, mut status) = (env.workers.clone(), beating.clone(), alive.clone());
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
-                }
-                status.seq += 1;
-                let body = serde_json::to_vec(&status).unwrap();
-                workers.put("alive-0", body.into()).await.unwrap();
-            }
-        })
-    };
+    let beating = env.keep_beating(alive.clone(), Duration::from_millis(100), 0);
     wait_for("the silent worker forgotten", WAIT, || {
         let m = metrics.clone();
         async move {
@@ -243,8 +215,7 @@ async fn a_dead_worker_leaves_the_registry_and_the_decisions() {
             && d.rejected.iter().all(|r| r.worker_id != "gone-0"),
         "the dead worker is still in the decision: {d:?}"
     );
-    beating.cancel();
-    beater.await.unwrap();
+    beating.stop().await;
     token.cancel();
     running.join().await.unwrap();
 }

@@ -68,6 +68,35 @@ async fn the_leader_bucket_gets_the_lease_ttl_the_dispatcher_is_configured_with(
     token.cancel();
 }
 
+/// A bucket created with a longer TTL than the dispatcher's (another component created
+/// it with the default, or an older version did) is shortened, its duplicate window with
+/// it: the server refuses a window longer than the max age, and the dispatcher used to fail
+/// to start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_bucket_with_a_longer_ttl_is_shortened_with_its_duplicate_window() {
+    let env = Env::start_with(&metronome_protocol::setup::StreamSettings {
+        storage: async_nats::jetstream::stream::StorageType::Memory,
+        leader_ttl: std::time::Duration::from_secs(3),
+        ..Default::default()
+    })
+    .await;
+    assert_eq!(
+        env.stream_config("KV_leader").await.duplicate_window,
+        std::time::Duration::from_secs(3)
+    );
+    let mut config = env.config("shorter");
+    config.lease_ttl_ms = 1_200;
+    config.fence_after_ms = 900;
+    let (_running, token) = env.dispatcher(config).await;
+    let leader = env.stream_config("KV_leader").await;
+    assert_eq!(leader.max_age, std::time::Duration::from_millis(1_200));
+    assert_eq!(
+        leader.duplicate_window,
+        std::time::Duration::from_millis(1_200)
+    );
+    token.cancel();
+}
+
 /// Under the hostile drill's flood a renewal's answer timed out although the server had
 /// stored it; the next renewal, at the revision before it, was refused, and the leader
 /// stepped down ("the lease changed hands") although nobody else held the lease: the

@@ -11,7 +11,6 @@ use common::*;
 use metronome_protocol::names;
 use metronome_protocol::{CompletionEvent, CompletionOutcome, Decision, ErrorCode, Outcome};
 use metronome_testkit::wait_for;
-use tokio_util::sync::CancellationToken;
 
 /// A worker whose clock lags 5 s behind (its `sent_ms` is 5 s old on arrival) but whose
 /// heartbeats keep coming is alive: a leader taking over must not declare it dead (that
@@ -38,22 +37,7 @@ async fn a_worker_whose_clock_lags_stays_alive_across_a_takeover_and_gets_work()
     .await;
 
     // The worker keeps beating, every beat stamped by its lagging clock.
-    let beating = CancellationToken::new();
-    let beater = {
-        let (workers, stop, mut status) = (env.workers.clone(), beating.clone(), status.clone());
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(Duration::from_millis(300)) => {}
-                }
-                status.seq += 1;
-                status.sent_ms = metronome_protocol::time::unix_ms() - lag_ms;
-                let body = serde_json::to_vec(&status).unwrap();
-                workers.put("lag-0", body.into()).await.unwrap();
-            }
-        })
-    };
+    let beating = env.keep_beating(status.clone(), Duration::from_millis(300), lag_ms);
 
     env.submit("l-new", "model-l", 10, 10).await;
     let d = env.decisions_for(&["l-new".to_string()]).await;
@@ -67,8 +51,7 @@ async fn a_worker_whose_clock_lags_stays_alive_across_a_takeover_and_gets_work()
         env.final_result("l-running").await.is_none(),
         "the running job was failed as lost"
     );
-    beating.cancel();
-    beater.await.unwrap();
+    beating.stop().await;
     token.cancel();
     running.join().await.unwrap();
 }
@@ -341,22 +324,7 @@ async fn a_dead_workers_unreported_assignment_from_an_earlier_leader_is_assigned
     config.scheduler.heartbeat_timeout_ms = 1_500;
     let (running, token) = env.dispatcher(config).await;
     // Only the live worker keeps beating.
-    let beating = CancellationToken::new();
-    let beater = {
-        let (workers, stop, mut status) = (env.workers.clone(), beating.clone(), live.clone());
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(Duration::from_millis(300)) => {}
-                }
-                status.seq += 1;
-                status.sent_ms = metronome_protocol::time::unix_ms();
-                let body = serde_json::to_vec(&status).unwrap();
-                workers.put("live-0", body.into()).await.unwrap();
-            }
-        })
-    };
+    let beating = env.keep_beating(live.clone(), Duration::from_millis(300), 0);
 
     let rescued = wait_for(
         "the orphaned assignment on the live worker",
@@ -376,8 +344,7 @@ async fn a_dead_workers_unreported_assignment_from_an_earlier_leader_is_assigned
         "the dead worker's copy is removed"
     );
     assert_eq!(running.metrics.rescued_jobs_total.load(Relaxed), 1);
-    beating.cancel();
-    beater.await.unwrap();
+    beating.stop().await;
     token.cancel();
     running.join().await.unwrap();
 }

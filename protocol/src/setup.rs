@@ -77,7 +77,9 @@ impl Default for StreamSettings {
             results_max_age: Duration::from_secs(600),
             events_max_age: Duration::from_secs(3600),
             workers_max_age: Duration::from_secs(15),
-            leader_ttl: Duration::from_secs(3),
+            // The dispatcher's default `lease_ttl_ms`: a bucket created by another
+            // component needs no alignment.
+            leader_ttl: Duration::from_millis(2_500),
             queues_max_age: Duration::from_secs(600),
             max_job_bytes: 8 * 1024 * 1024,
             replicas: 1,
@@ -297,7 +299,13 @@ pub async fn align_leader_ttl(
     js: &jetstream::Context,
     ttl: Duration,
 ) -> Result<Option<Duration>, SetupError> {
-    let old = amend_stream(js, STREAM_KV_LEADER, |config| config.max_age = ttl).await?;
+    let old = amend_stream(js, STREAM_KV_LEADER, |config| {
+        config.max_age = ttl;
+        // A bucket's duplicate window is its max age when that is under two minutes, and
+        // the server refuses a window longer than the max age: a shorter TTL takes both.
+        config.duplicate_window = config.duplicate_window.min(ttl);
+    })
+    .await?;
     Ok(old.map(|old| old.max_age))
 }
 

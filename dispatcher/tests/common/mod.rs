@@ -100,6 +100,29 @@ impl Env {
             .expect("put heartbeat");
     }
 
+    /// Put `status` again every `every` (next `seq`, `sent_ms` now less `lag_ms`: a worker
+    /// whose clock lags) until the returned [`Beating`] is stopped.
+    pub fn keep_beating(&self, mut status: WorkerStatus, every: Duration, lag_ms: u64) -> Beating {
+        let stop = CancellationToken::new();
+        let (workers, until) = (self.workers.clone(), stop.clone());
+        let task = tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = until.cancelled() => return,
+                    _ = tokio::time::sleep(every) => {}
+                }
+                status.seq += 1;
+                status.sent_ms = metronome_protocol::time::unix_ms() - lag_ms;
+                let body = serde_json::to_vec(&status).unwrap();
+                workers
+                    .put(status.worker_id.as_str(), body.into())
+                    .await
+                    .unwrap();
+            }
+        });
+        Beating { stop, task }
+    }
+
     /// Register `n` idle workers `<prefix>-<i>` serving `model`, each with a WORK consumer.
     pub async fn workers(
         &self,
@@ -347,6 +370,19 @@ impl Env {
             .query_async(&mut conn)
             .await
             .unwrap();
+    }
+}
+
+/// A worker's heartbeats going on in the background ([`Env::keep_beating`]).
+pub struct Beating {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Beating {
+    pub async fn stop(self) {
+        self.stop.cancel();
+        self.task.await.unwrap();
     }
 }
 
