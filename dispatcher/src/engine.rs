@@ -753,11 +753,7 @@ impl Engine {
                 Some(_) => true,
                 None => false,
             };
-            let back = self.queues.contains(&job_id)
-                || self.assigned.contains_key(&job_id)
-                || held
-                || self.finished.contains(&job_id);
-            if back {
+            if held || self.queued_assigned_or_finished(&job_id) {
                 continue;
             }
             if held_by.is_some() {
@@ -1186,6 +1182,14 @@ impl Engine {
         self.capacity_changed = true;
     }
 
+    /// Whether this leader holds `job_id` other than as a booking on a worker: waiting in
+    /// a queue, assigned by it (it holds the body), or finished.
+    fn queued_assigned_or_finished(&self, job_id: &str) -> bool {
+        self.queues.contains(job_id)
+            || self.assigned.contains_key(job_id)
+            || self.finished.contains(job_id)
+    }
+
     /// The Assignments a dead worker's purge removed from WORK. Those of jobs settled when
     /// the worker was declared dead, or held here in any other way (queued, assigned,
     /// booked, finished), need nothing. The rest were assigned by an earlier leader and
@@ -1196,10 +1200,8 @@ impl Engine {
         for a in assignments {
             let id = a.job.id.as_str();
             let held = settled.contains(id)
-                || self.queues.contains(id)
-                || self.assigned.contains_key(id)
                 || self.ledger.worker_of(id).is_some()
-                || self.finished.contains(id);
+                || self.queued_assigned_or_finished(id);
             if held || a.worker_id != worker_id {
                 continue;
             }

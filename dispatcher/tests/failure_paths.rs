@@ -95,15 +95,8 @@ async fn heartbeats_and_events_with_untrusted_ids_are_ignored() {
         e2e_ms: 1.0,
         finished_ms: 0,
     };
-    env.js
-        .publish(
-            names::event_done_subject("attacker-0"),
-            serde_json::to_vec(&forged).unwrap().into(),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    env.store_json(names::event_done_subject("attacker-0"), &forged)
+        .await;
     wait_for("the forged event ignored", WAIT, || {
         let m = metrics.clone();
         async move { (m.ignored_worker_messages_total.load(Relaxed) == 2).then_some(()) }
@@ -310,15 +303,8 @@ async fn a_dead_workers_unreported_assignment_from_an_earlier_leader_is_assigned
         attempt: 1,
         assigned_ms: metronome_protocol::time::unix_ms(),
     };
-    env.js
-        .publish(
-            names::work_subject("silent-0"),
-            serde_json::to_vec(&earlier).unwrap().into(),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    env.store_json(names::work_subject("silent-0"), &earlier)
+        .await;
 
     let mut config = env.config("purge");
     config.scheduler.heartbeat_timeout_ms = 1_500;

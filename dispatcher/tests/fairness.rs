@@ -48,15 +48,8 @@ async fn finish(env: &Env, a: &Assignment) {
         e2e_ms: 2.0,
         finished_ms: metronome_protocol::time::unix_ms(),
     };
-    env.js
-        .publish(
-            names::event_done_subject(&a.worker_id),
-            serde_json::to_vec(&ev).unwrap().into(),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    env.store_json(names::event_done_subject(&a.worker_id), &ev)
+        .await;
 }
 
 fn a_done(order: &[String]) -> usize {

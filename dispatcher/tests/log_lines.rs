@@ -60,15 +60,8 @@ async fn malformed_jobs_and_events_cannot_forge_log_lines() {
         "outcome": format!("done\n{FORGED}"), "streamed": false, "prompt_tokens": 1,
         "output_tokens": 1, "e2e_ms": 1.0, "finished_ms": 1,
     });
-    env.js
-        .publish(
-            names::event_done_subject("w1"),
-            serde_json::to_vec(&event).unwrap().into(),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    env.store_json(names::event_done_subject("w1"), &event)
+        .await;
 
     let d = env.decisions_for(&["forge-job".to_string()]).await;
     assert_eq!(d["forge-job"].outcome, Outcome::Rejected);

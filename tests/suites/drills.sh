@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fault drills suite: the short drills of `metronome-drill --short` (leader SIGKILL, alone and
-# together with a draining agent's refusals and a second agent's SIGKILL, agent
+# together with a second agent's SIGKILL while a first one is SIGSTOPped, agent
 # SIGKILL + restart, agent SIGSTOP, Redis down, nats-server restart, both dispatchers
 # SIGKILLed, a model server SIGKILLed, a rolling deploy of every process, and `hostile`: 5,000
 # seeded hostile messages on every subject and bucket the admin identity can write, about

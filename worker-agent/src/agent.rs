@@ -138,7 +138,7 @@ pub(crate) async fn intake(shared: Arc<Shared>, mut puller: Puller, stop: Cancel
             }
             continue;
         }
-        if let Err(e) = puller.request(free).await {
+        if let Err(e) = puller.request(free, PULL_EXPIRES).await {
             tracing::warn!(error = %e, "pull request failed; retrying");
             tokio::select! {
                 _ = tokio::time::sleep(backoff) => {}

@@ -129,7 +129,7 @@ pub async fn start(
     };
     let buckets = ensure_all(&js, &settings).await?;
     agent::ensure_consumer(&js, &config).await?;
-    let puller = pull::Puller::new(client.clone(), js.clone(), &config.worker_id)
+    let puller = pull::Puller::new(js.clone(), &config.worker_id)
         .await
         .map_err(|source| AgentError::SubscribeControl {
             subject: "the inbox of the WORK consumer's pull requests".into(),

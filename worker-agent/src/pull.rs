@@ -53,7 +53,6 @@ struct PullRequest {
 /// Pull requests for one consumer, answered on one inbox.
 pub struct Puller {
     context: jetstream::Context,
-    client: async_nats::Client,
     subject: String,
     inbox: String,
     subscriber: async_nats::Subscriber,
@@ -62,10 +61,10 @@ pub struct Puller {
 impl Puller {
     /// Subscribe the inbox that every request of `worker_id`'s consumer is answered on.
     pub async fn new(
-        client: async_nats::Client,
         context: jetstream::Context,
         worker_id: &str,
     ) -> Result<Puller, async_nats::SubscribeError> {
+        let client = context.client();
         let inbox = client.new_inbox();
         let subscriber = client.subscribe(inbox.clone()).await?;
         Ok(Puller {
@@ -74,20 +73,25 @@ impl Puller {
                 work_consumer(worker_id)
             ),
             context,
-            client,
             inbox,
             subscriber,
         })
     }
 
-    /// Ask for up to `batch` messages, delivered within [`PULL_EXPIRES`].
-    pub async fn request(&self, batch: usize) -> Result<(), async_nats::PublishError> {
+    /// Ask for up to `batch` messages, delivered within `expires` (the agent uses
+    /// [`PULL_EXPIRES`]).
+    pub async fn request(
+        &self,
+        batch: usize,
+        expires: Duration,
+    ) -> Result<(), async_nats::PublishError> {
         let body = serde_json::to_vec(&PullRequest {
             batch,
-            expires: PULL_EXPIRES.as_nanos() as u64,
+            expires: expires.as_nanos() as u64,
         })
         .expect("a pull request encodes");
-        self.client
+        self.context
+            .client()
             .publish_with_reply(self.subject.clone(), self.inbox.clone(), body.into())
             .await
     }

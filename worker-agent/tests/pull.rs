@@ -15,7 +15,7 @@ use metronome_worker_agent::pull::{Pulled, Puller, PULL_EXPIRES};
 async fn a_request_given_up_on_still_delivers_to_the_agent() {
     let nats = NatsServer::start().expect("nats-server");
     let client = async_nats::connect(nats.url()).await.unwrap();
-    let js = jetstream::new(client.clone());
+    let js = jetstream::new(client);
     ensure_all(&js, &StreamSettings::default()).await.unwrap();
     let config = Config {
         worker_id: "pull-0".into(),
@@ -24,13 +24,11 @@ async fn a_request_given_up_on_still_delivers_to_the_agent() {
     metronome_worker_agent::agent::ensure_consumer(&js, &config)
         .await
         .unwrap();
-    let mut puller = Puller::new(client.clone(), js.clone(), "pull-0")
-        .await
-        .unwrap();
+    let mut puller = Puller::new(js.clone(), "pull-0").await.unwrap();
 
     // Nothing to deliver: the answer is not waited for past the caller's deadline, though
-    // the server still holds the request.
-    puller.request(1).await.unwrap();
+    // the server still holds the request (for a minute: no timing is raced here).
+    puller.request(1, Duration::from_secs(60)).await.unwrap();
     let soon = tokio::time::Instant::now() + Duration::from_millis(100);
     assert!(matches!(puller.next(soon).await, Pulled::Unanswered));
 
@@ -41,7 +39,7 @@ async fn a_request_given_up_on_still_delivers_to_the_agent() {
         .unwrap()
         .await
         .unwrap();
-    let later = tokio::time::Instant::now() + PULL_EXPIRES;
+    let later = tokio::time::Instant::now() + Duration::from_secs(30);
     match puller.next(later).await {
         Pulled::Message(m) => {
             assert_eq!(&m.payload[..], b"assignment");
@@ -51,7 +49,7 @@ async fn a_request_given_up_on_still_delivers_to_the_agent() {
     }
 
     // A request with nothing to deliver ends with the server's answer (408) by its expiry.
-    puller.request(1).await.unwrap();
+    puller.request(1, PULL_EXPIRES).await.unwrap();
     let deadline = tokio::time::Instant::now() + PULL_EXPIRES * 4;
     assert!(matches!(puller.next(deadline).await, Pulled::Ended));
 }

@@ -218,6 +218,16 @@ impl Env {
             .expect("job stored");
     }
 
+    /// Publish `value` as JSON on `subject` and wait until its stream has stored it.
+    pub async fn store_json(&self, subject: String, value: &impl serde::Serialize) {
+        self.js
+            .publish(subject, serde_json::to_vec(value).unwrap().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
     /// Publish a completion event as a worker-agent would.
     pub async fn complete(&self, a: &Assignment, outcome: CompletionOutcome) {
         let ev = CompletionEvent {
@@ -237,15 +247,8 @@ impl Env {
             e2e_ms: 2.0,
             finished_ms: metronome_protocol::time::unix_ms(),
         };
-        self.js
-            .publish(
-                names::event_done_subject(&a.worker_id),
-                serde_json::to_vec(&ev).unwrap().into(),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+        self.store_json(names::event_done_subject(&a.worker_id), &ev)
+            .await;
     }
 
     /// Every decision stored so far, in stream order.

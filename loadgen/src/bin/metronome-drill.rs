@@ -10,8 +10,8 @@ use clap::Parser;
 use metronome_loadgen::drill::{render_report, run_drills, DrillPlan, Fault};
 use tracing_subscriber::EnvFilter;
 
-/// Fault drills: SIGKILL the leader (alone, and amid a draining agent's refusals and a
-/// second agent's SIGKILL), SIGKILL + restart a worker-agent, SIGSTOP an agent,
+/// Fault drills: SIGKILL the leader (alone, and together with a second agent's SIGKILL
+/// while a first one is SIGSTOPped), SIGKILL + restart a worker-agent, SIGSTOP an agent,
 /// Redis down, nats-server restart, SIGKILL both dispatchers, SIGKILL a model server, a
 /// rolling deploy of every process, a flood of hostile messages — each under load on one `./dev up --keep-going`
 /// system, every job accounted for by id — and SIGKILL the NATS node leading the JOBS

@@ -644,10 +644,11 @@ async fn inject(
             let leader_pid = system.pid_of(&leader).context("leader pid")?;
             let leader_image = Image::read(leader_pid)?;
             let silent_pid = system.pid_of(&agent).context("agent pid")?;
-            let dying = format!("worker-gpu{}", (gpu + 1) % plan.gpus);
+            let dying_gpu = (gpu + 1) % plan.gpus;
+            let dying = format!("worker-gpu{dying_gpu}");
             let dying_pid = system.pid_of(&dying).context("dying agent pid")?;
             let dying_image = Image::read(dying_pid)?;
-            let running = wait_running(system, (gpu + 1) % plan.gpus).await;
+            let running = wait_running(system, dying_gpu).await;
             // The silent agent's last heartbeat stays fresh for a while, so the leader
             // goes on placing there; those assignments wait in its WORK consumer under the
             // killed leader's epoch, and the agent refuses what it may not run when it
@@ -1448,13 +1449,13 @@ async fn wait_running(system: &System, gpu: usize) -> u64 {
 /// The dispatchers `./dev up` starts, in the order of their metrics URLs.
 const DISPATCHERS: [&str; 2] = ["dispatcher-a", "dispatcher-b"];
 
-/// How long a process may take to drain and exit on SIGTERM before the drill kills it (and
-/// says so): above the agent's drain of its running jobs.
 /// `kill-leader-amid-faults`: from the silent agent's SIGSTOP to the leader's SIGKILL:
 /// within the dispatcher's death timeout, so the leader places on the silent agent
 /// meanwhile.
 const SILENT_BEFORE_KILL: Duration = Duration::from_millis(1_000);
 
+/// How long a process may take to drain and exit on SIGTERM before the drill kills it (and
+/// says so): above the agent's drain of its running jobs.
 const STOP_WITHIN: Duration = Duration::from_secs(40);
 
 /// How long a restarted process may take to be back.
