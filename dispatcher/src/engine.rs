@@ -189,6 +189,12 @@ pub struct Engine {
     /// ([`OutputLength`]).
     output_models: HashMap<String, OutputLength>,
     assigned: HashMap<String, AssignedJob>,
+    /// Per worker, the tenant of each job its latest heartbeat lists, as the job's decision
+    /// on record names it ([`WorkerUpdate::Put`]'s `tenants`). Jobs an earlier leader
+    /// placed are not in `assigned`; without their tenants a new leader would count every
+    /// tenant's running jobs from zero, and for the first seconds of its term could not
+    /// tell a flooding tenant from a light one.
+    listed_tenants: HashMap<String, HashMap<String, String>>,
     /// How fast each model's queue drains while jobs wait: the predicted wait behind an
     /// unmeetable deadline's early answer.
     drain: HashMap<String, DrainRate>,
@@ -234,6 +240,7 @@ impl Engine {
             output_len: HashMap::new(),
             output_models: HashMap::new(),
             assigned: HashMap::new(),
+            listed_tenants: HashMap::new(),
             drain: HashMap::new(),
             policy_state: PolicyState::new(s.policy_seed),
             metrics,
@@ -663,9 +670,15 @@ impl Engine {
                 seen_ms,
                 revision,
                 unvouched,
+                tenants,
             } => {
                 let id = status.worker_id.clone();
                 self.drop_unvouched(&mut status, &unvouched);
+                if tenants.is_empty() {
+                    self.listed_tenants.remove(&id);
+                } else {
+                    self.listed_tenants.insert(id.clone(), tenants);
+                }
                 self.revisions.insert(id.clone(), revision);
                 if self.expiring.remove(&id).is_some() {
                     tracing::info!(worker_id = %id, revision, "a heartbeat was stored before the worker could be declared dead: it stays");
@@ -788,6 +801,7 @@ impl Engine {
         self.dead.remove(worker_id);
         self.revisions.remove(worker_id);
         self.expiring.remove(worker_id);
+        self.listed_tenants.remove(worker_id);
         self.per_model.clear();
     }
 
@@ -1657,9 +1671,9 @@ impl Engine {
         }
     }
 
-    /// The model's running jobs per tenant that submitted to it within `[fairness]
-    /// light_tenant_window_ms`; `None` with fewer than two such tenants (or the window
-    /// off), so single-tenant admission is untouched.
+    /// The model's running jobs (placed in this term or adopted) per tenant that submitted
+    /// to it within `[fairness] light_tenant_window_ms`; `None` with fewer than two such
+    /// tenants (or the window off), so single-tenant admission is untouched.
     fn running_by_active_tenant(&self, model: &str, now: u64) -> Option<BTreeMap<&str, usize>> {
         let window = self.s.fairness.light_tenant_window_ms;
         if window == 0 {
@@ -1675,6 +1689,27 @@ impl Engine {
         for a in self.assigned.values().filter(|a| a.job.model == model) {
             if let Some(n) = running.get_mut(tenant_of(&a.job)) {
                 *n += 1;
+            }
+        }
+        // The jobs this leader holds but did not place: adopted from an earlier leader's
+        // term, counted while the ledger still books them on the worker that lists them.
+        for (worker_id, jobs) in &self.listed_tenants {
+            let of_model = self
+                .index
+                .get(worker_id)
+                .is_some_and(|&i| self.workers[i].status.model == model);
+            if !of_model {
+                continue;
+            }
+            for (job_id, tenant) in jobs {
+                if self.assigned.contains_key(job_id)
+                    || self.ledger.worker_of(job_id) != Some(worker_id.as_str())
+                {
+                    continue;
+                }
+                if let Some(n) = running.get_mut(tenant.as_str()) {
+                    *n += 1;
+                }
             }
         }
         Some(running)

@@ -18,7 +18,7 @@
 //! EWMA hash periodically; when Redis is down it keeps the last values, counts the error
 //! and flips `redis_up` to 0, so dispatching carries on with what it knew.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
@@ -49,6 +49,11 @@ pub enum WorkerUpdate {
         /// assigns the job to this worker: the engine adopts none of them (it keeps those it
         /// booked there itself, whose decision may not be stored yet).
         unvouched: Vec<String>,
+        /// The tenant the decision on record names for each vouched job that has one
+        /// (job id → tenant). A leader counts each tenant's running jobs for fair sharing;
+        /// a new leader learns here whose jobs an earlier leader placed, from the record
+        /// only dispatchers write, not from the worker's word.
+        tenants: HashMap<String, String>,
     },
     /// The key was deleted or purged: the worker left.
     Gone { worker_id: String },
@@ -108,6 +113,7 @@ pub async fn load_workers(
                         seen_ms: now,
                         revision: entry.revision,
                         unvouched: Vec::new(),
+                        tenants: HashMap::new(),
                     });
                 }
             }
@@ -160,6 +166,7 @@ pub fn spawn_watch(
                         seen_ms: metronome_protocol::time::unix_ms(),
                         revision: entry.revision,
                         unvouched: Vec::new(),
+                        tenants: HashMap::new(),
                     },
                     None => continue,
                 },
@@ -197,10 +204,12 @@ const MAX_CHECKS_PER_HEARTBEAT: usize = 1024;
 /// for is remembered while the worker keeps listing it; a claim that fails is checked again
 /// at the next heartbeat (the leader publishes a decision after its Assignment, so a worker
 /// can list a job before its decision is stored; the engine keeps such a job, which it
-/// booked itself, and adopts none of the others).
+/// booked itself, and adopts none of the others). The same decision names the job's
+/// tenant, which the update carries for fair sharing.
 pub struct Vouching {
     decisions: async_nats::jetstream::stream::Stream<()>,
-    vouched: HashMap<String, HashSet<String>>,
+    /// Per worker, the jobs vouched for and the tenant each one's decision names.
+    vouched: HashMap<String, HashMap<String, Option<String>>>,
 }
 
 impl Vouching {
@@ -211,10 +220,14 @@ impl Vouching {
         }
     }
 
-    /// Fill `update`'s `unvouched` with the claims no decision supports.
+    /// Fill `update`'s `unvouched` with the claims no decision supports, and its `tenants`
+    /// with the tenants of those it does.
     pub async fn check(&mut self, update: &mut WorkerUpdate) {
         let WorkerUpdate::Put {
-            status, unvouched, ..
+            status,
+            unvouched,
+            tenants,
+            ..
         } = update
         else {
             return;
@@ -222,11 +235,11 @@ impl Vouching {
         let decisions = &self.decisions;
         let worker = status.worker_id.as_str();
         let known = self.vouched.entry(worker.to_string()).or_default();
-        known.retain(|job| status.in_flight.contains(job));
+        known.retain(|job, _| status.in_flight.contains(job));
         let mut fresh: Vec<&String> = status
             .in_flight
             .iter()
-            .filter(|job| !known.contains(job.as_str()))
+            .filter(|job| !known.contains_key(job.as_str()))
             .collect();
         // A heartbeat listing thousands of ids must not make the leader read thousands of
         // decisions at once: the rest wait for the next heartbeat, not adopted meanwhile.
@@ -237,8 +250,8 @@ impl Vouching {
         let answers = futures::future::join_all(checks).await;
         for (job, answer) in fresh.into_iter().zip(answers) {
             match answer {
-                Ok(Some(w)) if w == worker => {
-                    known.insert(job.clone());
+                Ok(Some(assigned)) if assigned.worker_id == worker => {
+                    known.insert(job.clone(), assigned.tenant);
                 }
                 Ok(_) => unvouched.push(job.clone()),
                 Err(error) => {
@@ -247,6 +260,11 @@ impl Vouching {
                 }
             }
         }
+        tenants.extend(
+            known
+                .iter()
+                .filter_map(|(job, tenant)| Some((job.clone(), tenant.clone()?))),
+        );
     }
 
     /// A worker left: forget what was vouched for it.
@@ -255,17 +273,25 @@ impl Vouching {
     }
 }
 
-/// The worker the latest decision of `job_id` assigns it to (`None`: no decision, or not
-/// an assignment).
+/// Whom the latest decision of a job assigns it to, and for which tenant.
+struct AssignedOnRecord {
+    worker_id: String,
+    tenant: Option<String>,
+}
+
+/// The latest decision of `job_id`, when it is an assignment (`None`: no decision, or
+/// another outcome).
 async fn assigned_to(
     decisions: &async_nats::jetstream::stream::Stream<()>,
     job_id: &str,
-) -> Result<Option<String>, String> {
+) -> Result<Option<AssignedOnRecord>, String> {
     #[derive(serde::Deserialize)]
     struct Named {
         outcome: metronome_protocol::Outcome,
         #[serde(default)]
         worker_id: Option<String>,
+        #[serde(default)]
+        tenant: Option<String>,
     }
     if !is_subject_token(job_id) {
         return Ok(None);
@@ -275,7 +301,12 @@ async fn assigned_to(
         Ok(m) => Ok(serde_json::from_slice::<Named>(&m.payload)
             .ok()
             .filter(|d| d.outcome == metronome_protocol::Outcome::Assigned)
-            .and_then(|d| d.worker_id)),
+            .and_then(|d| {
+                Some(AssignedOnRecord {
+                    worker_id: d.worker_id?,
+                    tenant: d.tenant,
+                })
+            })),
         Err(e)
             if e.kind()
                 == async_nats::jetstream::stream::LastRawMessageErrorKind::NoMessageFound =>

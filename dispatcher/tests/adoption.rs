@@ -89,3 +89,61 @@ async fn a_new_leader_adopts_what_an_earlier_one_assigned_and_only_that() {
     second_token.cancel();
     second.join().await.unwrap();
 }
+
+/// Issue 10: the decision that vouches for an adopted job also names its tenant, which
+/// the heartbeat's update carries, so a new leader counts each tenant's running jobs from
+/// the start of its term (fair sharing); a job no decision vouches for carries none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vouched_jobs_tenant_comes_from_its_decision() {
+    let env = Env::start().await;
+    let (leader, token) = env.dispatcher(env.config("adoption-tenant")).await;
+    let mut held = env
+        .workers("adopt-tenant", 1, "model-tenant", 4)
+        .await
+        .remove(0);
+    wait_for("the worker registered", WAIT, || async {
+        (leader.metrics.workers_known.load(Relaxed) == 1).then_some(())
+    })
+    .await;
+    for (id, tenant) in [("tenant-a-1", Some("tenant-a")), ("no-tenant-1", None)] {
+        let mut body = job_json(id, "model-tenant", 10, 10);
+        if let Some(t) = tenant {
+            body["tenant"] = t.into();
+        }
+        env.submit_raw(id, body).await;
+    }
+    let ids = ["tenant-a-1".to_string(), "no-tenant-1".to_string()];
+    let decided = env.decisions_for(&ids).await;
+    assert_eq!(decided["tenant-a-1"].tenant.as_deref(), Some("tenant-a"));
+    token.cancel();
+    leader.join().await.unwrap();
+
+    // The worker lists both, and a job it was never given (a claim only).
+    held.in_flight = vec![ids[0].clone(), ids[1].clone(), "claimed-1".into()];
+    let decisions = env
+        .js
+        .get_stream_no_info(metronome_protocol::names::STREAM_DECISIONS)
+        .await
+        .unwrap();
+    let mut vouching = metronome_dispatcher::registry::Vouching::new(decisions);
+    let mut update = metronome_dispatcher::registry::WorkerUpdate::Put {
+        status: Box::new(held),
+        seen_ms: 0,
+        revision: 1,
+        unvouched: Vec::new(),
+        tenants: Default::default(),
+    };
+    vouching.check(&mut update).await;
+    let metronome_dispatcher::registry::WorkerUpdate::Put {
+        unvouched, tenants, ..
+    } = update
+    else {
+        unreachable!()
+    };
+    assert_eq!(unvouched, ["claimed-1"]);
+    assert_eq!(
+        tenants.into_iter().collect::<Vec<_>>(),
+        [("tenant-a-1".to_string(), "tenant-a".to_string())],
+        "the tenant on record, for the vouched job that has one"
+    );
+}

@@ -76,6 +76,7 @@ fn heartbeat(id: &str, in_flight: &[&str], seq: u64, at: u64) -> Event {
         seen_ms: at,
         revision: seq,
         unvouched: Vec::new(),
+        tenants: Default::default(),
     })
 }
 
@@ -259,6 +260,7 @@ fn a_waiting_job_expires_when_time_passes_its_deadline() {
             seen_ms: T0,
             revision: 1,
             unvouched: Vec::new(),
+            tenants: Default::default(),
         })],
         T0,
     );
@@ -785,6 +787,48 @@ fn a_tenant_under_its_fair_share_is_placed_where_it_does_least_harm() {
         placed[0].2
     );
     assert_eq!(run(0), vec![], "without fair-share room every job waits");
+}
+
+/// Issue 10: a new leader counts the running jobs an earlier leader placed by the tenant
+/// their decisions on record name. The worker runs two of the flood's jobs, placed in an
+/// earlier term and listed by its heartbeat; the flood has two more waiting, the steady
+/// tenant one, each too big to admit without a predicted miss. Knowing whose the adopted
+/// jobs are, the steady tenant runs under its share and is placed at once where it does
+/// least harm; counting them as nobody's (every tenant at zero), it waits like the flood.
+#[test]
+fn a_new_leader_counts_each_tenants_adopted_jobs() {
+    let run = |tenants_known: bool| {
+        let mut e = engine();
+        let mut beat = heartbeat("w", &["a1", "a2"], 1, T0);
+        if tenants_known {
+            let Event::Worker(WorkerUpdate::Put { tenants, .. }) = &mut beat else {
+                unreachable!()
+            };
+            tenants.insert("a1".into(), "flood".into());
+            tenants.insert("a2".into(), "flood".into());
+        }
+        step(&mut e, vec![beat], T0);
+        assert_eq!(e.ledger().len(), 2, "both listed jobs are adopted");
+        let at = T0 + 5;
+        // A 6,000-token prefill stalls the adopted jobs (judged on the new job's expected
+        // output, 10 tokens) far below their floor.
+        let big = |tenant: &str, id: &str| sized_job_of(Some(tenant), id, 6_000, 10, at);
+        let out = step(
+            &mut e,
+            vec![big("flood", "f1"), big("flood", "f2"), big("steady", "s1")],
+            at + 1,
+        );
+        assigned(&out)
+            .into_iter()
+            .map(|(j, _)| j)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        run(false),
+        Vec::<String>::new(),
+        "every tenant at zero: all wait"
+    );
+    assert_eq!(run(true), ["s1"], "the steady tenant runs under its share");
 }
 
 /// Issue 10: how many of the flood's running jobs a tenant under its fair share may push

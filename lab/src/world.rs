@@ -561,6 +561,7 @@ impl World {
                     seen_ms: self.unix(seen),
                     revision: self.revision,
                     unvouched: Vec::new(),
+                    tenants: Default::default(),
                 };
                 self.at(seen, Ev::ToEngine(Box::new(Event::Worker(update))));
                 if let Some(end) = self.agents[gpu].start_reported(generation, now) {

@@ -383,6 +383,7 @@ async fn run_phase(
     write_samples(&plan.out.join(name), &samples)?;
     write_agent_metrics(&plan.out.join(name), sys).await?;
     let read = read_decisions(sys, &result.records).await;
+    write_decisions(&plan.out.join(name), &read.decisions)?;
     Ok(Phase {
         name,
         result,
@@ -403,6 +404,9 @@ struct DecisionsRead {
     tenant_matched: usize,
     /// Per tenant (the key's), the decisions' `queue_wait_ms`.
     queue_wait_ms: BTreeMap<String, Vec<f64>>,
+    /// Every decision read, as stored: where each job went, when, and what was predicted
+    /// there, for whoever asks why one request was slow.
+    decisions: Vec<serde_json::Value>,
 }
 
 /// Reads the decision of every successful request: whether it names the tenant of the
@@ -413,28 +417,40 @@ async fn read_decisions(sys: &System, records: &[RequestRecord]) -> DecisionsRea
         .filter(|r| r.ok)
         .filter_map(|r| Some((r.job_id.clone()?, r.tenant.clone()?)))
         .collect();
-    let found: Vec<(String, bool, Option<f64>)> = futures::stream::iter(jobs)
+    let found: Vec<(String, bool, Option<f64>, serde_json::Value)> = futures::stream::iter(jobs)
         .map(|(job, tenant)| async move {
             let d = sys.decision_json(&job).await?;
             let matched = d.get("tenant").and_then(|t| t.as_str()) == Some(tenant.as_str());
             let wait = d.get("queue_wait_ms").and_then(|w| w.as_f64());
-            Some((tenant, matched, wait))
+            Some((tenant, matched, wait, d))
         })
         .buffer_unordered(16)
         .filter_map(|x| async move { x })
         .collect()
         .await;
     let mut queue_wait_ms: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-    for (tenant, _, wait) in &found {
+    for (tenant, _, wait, _) in &found {
         if let Some(w) = wait {
             queue_wait_ms.entry(tenant.clone()).or_default().push(*w);
         }
     }
     DecisionsRead {
         checked: found.len(),
-        tenant_matched: found.iter().filter(|(_, m, _)| *m).count(),
+        tenant_matched: found.iter().filter(|(_, m, _, _)| *m).count(),
         queue_wait_ms,
+        decisions: found.into_iter().map(|(_, _, _, d)| d).collect(),
     }
+}
+
+/// `decisions.jsonl` in `dir`: one stored decision per line.
+fn write_decisions(dir: &Path, decisions: &[serde_json::Value]) -> anyhow::Result<()> {
+    let mut text = String::new();
+    for d in decisions {
+        text.push_str(&d.to_string());
+        text.push('\n');
+    }
+    std::fs::write(dir.join("decisions.jsonl"), text)
+        .with_context(|| format!("writing {}", dir.join("decisions.jsonl").display()))
 }
 
 /// "; wait in the dispatcher's queue: steady p50 … / p99 …, flood …" from the decisions.
