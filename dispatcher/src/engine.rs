@@ -802,6 +802,7 @@ impl Engine {
         self.revisions.remove(worker_id);
         self.expiring.remove(worker_id);
         self.listed_tenants.remove(worker_id);
+        self.ledger.forget_settled(worker_id);
         self.per_model.clear();
     }
 
@@ -874,7 +875,7 @@ impl Engine {
             }
         }
         if self.ledger.worker_of(&event.job_id) == Some(event.worker_id.as_str()) {
-            self.ledger.release(&event.job_id);
+            self.ledger.finish(&event.job_id, self.now_ms);
             self.capacity_changed = true;
         }
         let ours = self
