@@ -802,7 +802,6 @@ impl Engine {
         self.revisions.remove(worker_id);
         self.expiring.remove(worker_id);
         self.listed_tenants.remove(worker_id);
-        self.ledger.forget_settled(worker_id);
         self.per_model.clear();
     }
 
@@ -875,7 +874,7 @@ impl Engine {
             }
         }
         if self.ledger.worker_of(&event.job_id) == Some(event.worker_id.as_str()) {
-            self.ledger.finish(&event.job_id, self.now_ms);
+            self.ledger.release(&event.job_id);
             self.capacity_changed = true;
         }
         let ours = self

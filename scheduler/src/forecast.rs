@@ -10,11 +10,10 @@
 //!   `step = step_base + step_per_stream · s + step_per_ktok · (c + p + L/2) / 1000`;
 //! - the job's prefill stalls every running stream for `stall_per_prefill_token · p`;
 //! - the job itself, once running, stands still for a share `φ` of its decode while later
-//!   admissions are prefilled, `φ` being the stall rate the worker's jobs have been charged
-//!   recently ([`Ledger::stalls`]): on average `φ / (1 − φ)` of its decode time, of which
-//!   the recorded rate counts the typical (median) number of stalls of the length seen
-//!   there. The admission filter judges the rate at the batch it joins (`1000 / step`):
-//!   later admissions are held to every running job's floor on their own.
+//!   admissions are prefilled, `φ` being the stall rate the worker's running jobs have been
+//!   charged recently ([`Ledger::stall_fraction`]): its expected average is
+//!   `(1 − φ) · 1000 / step`. The admission filter judges the rate at the batch it joins
+//!   (`1000 / step`): later admissions are held to every running job's floor on their own.
 //!
 //! A running job `i` with expected output `Lᵢ`, already charged `σᵢ` ms of stall by
 //! admissions after it, is predicted to average `1000 · Lᵢ / (Lᵢ · step + σᵢ + stall)`
@@ -188,7 +187,6 @@ impl Forecast {
             expected_tok_s: expected_rate(
                 step_ms,
                 load.stall_fraction,
-                load.mean_stall_ms,
                 default_output,
                 job.slo.min_tok_s,
             ),
@@ -225,41 +223,17 @@ impl Forecast {
 /// that would take it to its floor: admission refuses any later prefill that would charge
 /// it more. Without that cap a short job on a prefill-heavy worker is predicted far below
 /// what it gets, for the protection it gets is exactly what makes it meet its floor.
-fn expected_rate(
-    step_ms: f64,
-    stall_fraction: f64,
-    mean_stall_ms: f64,
-    output: f64,
-    floor_tok_s: f64,
-) -> f64 {
+fn expected_rate(step_ms: f64, stall_fraction: f64, output: f64, floor_tok_s: f64) -> f64 {
     let phi = stall_fraction.clamp(0.0, STALL_FRACTION_MAX);
     let out = output.max(1.0);
     let decode_ms = intervals(out) * step_ms;
-    let mean_ms = phi / (1.0 - phi) * decode_ms;
-    let stall_ms = typical_stall_ms(mean_ms, mean_stall_ms);
+    let stall_ms = phi / (1.0 - phi) * decode_ms;
     let budget_ms = if floor_tok_s > 0.0 {
         (out * 1000.0 / floor_tok_s - decode_ms).max(0.0)
     } else {
         f64::INFINITY
     };
     1000.0 * out / (decode_ms + stall_ms.min(budget_ms))
-}
-
-/// The stall a job typically meets (the median, not the mean) when it expects `mean_ms`
-/// in all, in stalls of `each_ms` on average: a count of later admissions that arrive
-/// at random over its decode (Poisson) has a median of `⌊n + 1/3 − 0.02/n⌋` for a mean
-/// `n` (Choi, "On the median of gamma distribution and an equation of Ramanujan", 1994),
-/// so a short job usually meets none, although its mean stall is not zero. The
-/// prediction's error is judged at its median (p50 of |predicted − actual| / actual), and
-/// the mean called a 10-token job on the shared trace ~35 % slower than it ran (policy
-/// lab). Without a known stall length, the mean.
-fn typical_stall_ms(mean_ms: f64, each_ms: f64) -> f64 {
-    if !(each_ms > 0.0 && mean_ms > 0.0) {
-        return mean_ms;
-    }
-    let n = mean_ms / each_ms;
-    let median = (n + 1.0 / 3.0 - 0.02 / n).floor().max(0.0);
-    median * each_ms
 }
 
 /// Decode steps between a job's first and last token: what its tokens/s is measured over
@@ -413,19 +387,15 @@ mod tests {
         w.status.kv = None;
         let mut l = Ledger::new();
         l.reserve("w1", "a", 10, 0).unwrap();
-        // a: 500 ms stalled over its first 2 s, in two stalls of 250 ms.
-        l.charge_stall("w1", "none", 250.0);
-        l.charge_stall("w1", "none", 250.0);
+        l.charge_stall("w1", "none", 500.0); // a: 500 ms stalled over its first 2 s
         let config = SchedulerConfig::default();
         let load = WorkerLoad::at(&w, &l, &config, 2_000);
         assert!((load.stall_fraction - 0.25).abs() < 1e-12);
-        assert!((load.mean_stall_ms - 250.0).abs() < 1e-12);
         let f = Forecast::of(&job("m"), &w, &load, &l, &config);
-        // 50 tokens, 49 steps of 20 ms: φ / (1 − φ) = a third more on average (327 ms,
-        // 1.3 stalls), so typically one stall of 250 ms; under its stall budget (50 tokens
-        // at 30 tok/s = 1667 ms), so not capped.
+        // 50 tokens, 49 steps of 20 ms, a third more for the stalls (φ / (1 − φ)); under
+        // its stall budget (50 tokens at 30 tok/s = 1667 ms), so not capped.
         let decode = 49.0 * f.step_ms;
-        let expected = 1000.0 * 50.0 / (decode + 250.0);
+        let expected = 1000.0 * 50.0 / (decode + decode / 3.0);
         assert!((f.expected_tok_s - expected).abs() < 1e-9, "{f:?}");
         assert!(f.expected_tok_s < f.decode_tok_s * 50.0 / 49.0);
         let p = f.prediction();
@@ -476,50 +446,11 @@ mod tests {
     fn the_expected_rate_never_falls_below_the_floor_admission_keeps() {
         // φ at its ceiling would predict 1000/20 × 0.2 = 10 tok/s; later admissions may
         // only stall the job down to its floor.
-        let r = expected_rate(20.0, 0.95, 0.0, 100.0, 30.0);
+        let r = expected_rate(20.0, 0.95, 100.0, 30.0);
         assert!((r - 30.0).abs() < 1e-9, "{r}");
         // No stall: the per-interval rate, 100 tokens over 99 steps.
-        let r = expected_rate(20.0, 0.0, 0.0, 100.0, 30.0);
+        let r = expected_rate(20.0, 0.0, 100.0, 30.0);
         assert!((r - 1000.0 * 100.0 / (99.0 * 20.0)).abs() < 1e-9, "{r}");
-    }
-
-    /// The typical (median) stall, not the mean: with stalls of 200 ms and a share of
-    /// φ = 0.2, a 10-token job (180 ms of decode, 45 ms of stall on average: a quarter of
-    /// one stall) usually meets none, and is predicted at its undisturbed rate; a
-    /// 400-token job (7,980 ms, 1,995 ms on average: ~10 stalls) meets about the mean.
-    #[test]
-    fn a_short_job_is_predicted_to_meet_the_stall_it_usually_meets() {
-        let undisturbed = |out: f64| 1000.0 * out / ((out - 1.0) * 20.0);
-        let short = expected_rate(20.0, 0.2, 200.0, 10.0, 0.0);
-        assert!((short - undisturbed(10.0)).abs() < 1e-9, "{short}");
-        let long = expected_rate(20.0, 0.2, 200.0, 400.0, 0.0);
-        let with_mean = 1000.0 * 400.0 / (399.0 * 20.0 * 1.25);
-        assert!(
-            (long - with_mean).abs() / with_mean < 0.03,
-            "{long} against {with_mean}"
-        );
-        // Without a known stall length, the mean, as before.
-        let unknown = expected_rate(20.0, 0.2, 0.0, 10.0, 0.0);
-        let mean = 1000.0 * 10.0 / (9.0 * 20.0 * 1.25);
-        assert!((unknown - mean).abs() < 1e-9, "{unknown}");
-    }
-
-    #[test]
-    fn the_typical_stall_count_is_the_poisson_median() {
-        // Means below ln 2 have a median of 0; 1 → 1; 2.5 → 2; 10 → 10.
-        for (n, median) in [
-            (0.5, 0.0),
-            (0.69, 0.0),
-            (1.0, 1.0),
-            (2.5, 2.0),
-            (10.0, 10.0),
-        ] {
-            assert_eq!(
-                typical_stall_ms(n * 100.0, 100.0),
-                median * 100.0,
-                "n = {n}"
-            );
-        }
     }
 
     #[test]

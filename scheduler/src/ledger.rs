@@ -85,8 +85,6 @@ pub struct Reservation {
     /// Prefill stall charged to this job by admissions made on its worker after it (ms):
     /// the time its decode is predicted to stand still while their prompts are prefilled.
     pub stall_ms: f64,
-    /// How many admissions charged it stall.
-    pub stalls: u32,
 }
 
 impl Reservation {
@@ -105,35 +103,6 @@ impl Reservation {
 pub const STALL_FRACTION_MIN_AGE_MS: u64 = 1_000;
 /// Ceiling of [`Ledger::stall_fraction`]: past it the prediction is not worth more.
 pub const STALL_FRACTION_MAX: f64 = 0.8;
-/// Weight the stall of a worker's earlier finished jobs keeps at each job that finishes
-/// there ([`Ledger::finish`]): about the last ten jobs count.
-pub const SETTLED_STALL_DECAY: f64 = 0.9;
-
-/// Stall charged to the jobs that finished on one worker and the time they decoded,
-/// each finish decaying what came before by [`SETTLED_STALL_DECAY`].
-#[derive(Debug, Clone, Copy, Default)]
-struct SettledStall {
-    stall_ms: f64,
-    stalls: f64,
-    decoding_ms: f64,
-}
-
-/// How a worker's jobs have recently stood still for later admissions' prefills
-/// ([`Ledger::stalls`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct StallHistory {
-    /// Share of decoding time spent standing still, at most [`STALL_FRACTION_MAX`].
-    pub fraction: f64,
-    /// Mean length of one stall (one admission's prefill), ms; 0 with none seen.
-    pub mean_ms: f64,
-}
-
-/// When the job's decoding began, or is predicted to: its predicted first token when
-/// known, else when it was booked.
-fn decoding_since(r: &Reservation) -> u64 {
-    r.profile
-        .map_or(r.reserved_ms, |p| p.decoding_from_ms.max(r.reserved_ms))
-}
 
 /// Why a ledger operation was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -185,8 +154,6 @@ pub struct Ledger {
     /// Job id → the worker it is booked on; the reservation itself is in that worker's book.
     jobs: BTreeMap<String, String>,
     workers: HashMap<String, WorkerBook, FixedState>,
-    /// Per worker, what its finished jobs stood still for ([`Ledger::stall_fraction`]).
-    settled: HashMap<String, SettledStall, FixedState>,
 }
 
 impl Ledger {
@@ -230,66 +197,27 @@ impl Ledger {
         };
         for r in book.jobs.iter_mut().filter(|r| r.job_id != except_job) {
             r.stall_ms += stall_ms;
-            r.stalls = r.stalls.saturating_add(1);
         }
     }
 
-    /// Share of time the jobs on the worker have been predicted to stand still for later
-    /// admissions' prefills: their charged stall over the time they have been decoding,
-    /// pooled over the jobs running there for at least [`STALL_FRACTION_MIN_AGE_MS`]
-    /// (younger ones say nothing yet) and the last jobs that finished there
-    /// ([`Ledger::finish`]). The stall rate a job admitted now can expect, if admissions go
-    /// on as they have; 0 with no such job. At most [`STALL_FRACTION_MAX`].
-    ///
-    /// Why the finished jobs: a worker that has just emptied, or runs only young jobs,
-    /// would otherwise predict no stall at all, and under a steady stream of long prompts a
-    /// job admitted there is stalled down towards its floor all the same (on the shared
-    /// trace in the policy lab, jobs of 65+ tokens decoded ~50 % slower than predicted).
-    /// Why from the first token: a job waiting for its own prefill is not decoding, and
-    /// counting that wait as its age understated the share for long prompts.
+    /// Share of time the jobs running on the worker have been predicted to stand still for
+    /// later admissions' prefills: their charged stall over their age, pooled over the
+    /// jobs booked at least [`STALL_FRACTION_MIN_AGE_MS`] ago (younger ones say nothing
+    /// yet). The stall rate a job admitted now can expect, if admissions go on as they
+    /// have; 0 with no such job. At most [`STALL_FRACTION_MAX`].
     pub fn stall_fraction(&self, worker_id: &str, now_ms: u64) -> f64 {
-        self.stalls(worker_id, now_ms).fraction
-    }
-
-    /// [`Ledger::stall_fraction`] with the mean length of the stalls it pools.
-    pub fn stalls(&self, worker_id: &str, now_ms: u64) -> StallHistory {
-        let settled = self.settled.get(worker_id).copied().unwrap_or_default();
-        let (mut stall, mut stalls, mut age) =
-            (settled.stall_ms, settled.stalls, settled.decoding_ms);
+        let (mut stall, mut age) = (0.0, 0.0);
         for r in self.reservations_on(worker_id) {
-            let a = now_ms.saturating_sub(decoding_since(r));
+            let a = now_ms.saturating_sub(r.reserved_ms);
             if a >= STALL_FRACTION_MIN_AGE_MS {
                 stall += r.stall_ms;
-                stalls += f64::from(r.stalls);
                 age += a as f64;
             }
         }
         if age <= 0.0 {
-            return StallHistory::default();
+            return 0.0;
         }
-        StallHistory {
-            fraction: (stall / age).clamp(0.0, STALL_FRACTION_MAX),
-            mean_ms: if stalls > 0.0 { stall / stalls } else { 0.0 },
-        }
-    }
-
-    /// The job finished at `now_ms`: release its reservation, and keep what it stood still
-    /// for in its worker's recent stall share ([`Ledger::stall_fraction`]).
-    pub fn finish(&mut self, job_id: &str, now_ms: u64) -> Option<Reservation> {
-        let r = self.release(job_id)?;
-        let decoding_ms = now_ms.saturating_sub(decoding_since(&r)) as f64;
-        if decoding_ms > 0.0 {
-            let pool = self.settled.entry(r.worker_id.clone()).or_default();
-            pool.stall_ms = pool.stall_ms * SETTLED_STALL_DECAY + r.stall_ms;
-            pool.stalls = pool.stalls * SETTLED_STALL_DECAY + f64::from(r.stalls);
-            pool.decoding_ms = pool.decoding_ms * SETTLED_STALL_DECAY + decoding_ms;
-        }
-        Some(r)
-    }
-
-    /// Forget what a worker's finished jobs stood still for (the worker left).
-    pub fn forget_settled(&mut self, worker_id: &str) {
-        self.settled.remove(worker_id);
+        (stall / age).clamp(0.0, STALL_FRACTION_MAX)
     }
 
     /// The reservations on the worker, in booking order.
@@ -331,7 +259,6 @@ impl Ledger {
             confirmed_ms,
             profile,
             stall_ms: 0.0,
-            stalls: 0,
         });
         book.kv_tokens = book.kv_tokens.saturating_add(kv_tokens);
         Ok(())
@@ -646,43 +573,5 @@ mod tests {
         assert_eq!(l.stall_fraction("other", 4_000), 0.0);
         l.charge_stall("w", "young", 1e9);
         assert_eq!(l.stall_fraction("w", 4_000), STALL_FRACTION_MAX);
-    }
-
-    /// A worker whose jobs have all finished still says how its jobs stood still: the
-    /// finished jobs' stall over the time they decoded (from their predicted first token),
-    /// older finishes weighing less, and the mean length of one stall.
-    #[test]
-    fn finished_jobs_keep_their_stall_in_the_workers_share() {
-        let mut l = Ledger::new();
-        let profile = JobProfile {
-            prompt_tokens: 1_000,
-            protected_output: 100.0,
-            min_tok_s: 30.0,
-            max_tokens: 100,
-            decoding_from_ms: 1_000,
-        };
-        l.reserve_profiled("w", "a", 10, profile, 0).unwrap();
-        l.reserve("w", "b", 10, 500).unwrap();
-        l.charge_stall("w", "b", 300.0);
-        l.reserve("w", "c", 10, 2_000).unwrap();
-        l.charge_stall("w", "c", 100.0);
-        l.release("b");
-        l.release("c");
-        // Decoding from 1 s to 5 s: 400 ms of stall in two stalls over 4 s.
-        assert!(l.finish("a", 5_000).is_some());
-        assert!(l.is_empty());
-        let h = l.stalls("w", 9_000);
-        assert!((h.fraction - 0.1).abs() < 1e-12, "{h:?}");
-        assert!((h.mean_ms - 200.0).abs() < 1e-12, "{h:?}");
-        // A later job that stood still for nothing over 4 s: the first weighs 0.9.
-        l.reserve("w", "d", 10, 10_000).unwrap();
-        l.finish("d", 14_000);
-        let f = l.stall_fraction("w", 15_000);
-        assert!(
-            (f - 0.9 * 400.0 / (0.9 * 4_000.0 + 4_000.0)).abs() < 1e-12,
-            "{f}"
-        );
-        l.forget_settled("w");
-        assert_eq!(l.stalls("w", 15_000), StallHistory::default());
     }
 }

@@ -29,8 +29,6 @@ pub struct WorkerLoad {
     pub max_concurrency: u32,
     /// [`Ledger::stall_fraction`] at decision time (0 where no time is known).
     pub stall_fraction: f64,
-    /// Mean length of those stalls, ms ([`Ledger::stalls`]; 0 where none is known).
-    pub mean_stall_ms: f64,
     /// Decision time (Unix ms; 0 where no time is known).
     pub now_ms: u64,
 }
@@ -49,17 +47,14 @@ impl WorkerLoad {
             effective_active: reported_active.saturating_add(unreported_reservations),
             max_concurrency: config.max_concurrency(s.max_concurrency),
             stall_fraction: 0.0,
-            mean_stall_ms: 0.0,
             now_ms: 0,
         }
     }
 
     /// [`WorkerLoad::of`] with the worker's recent stall fraction at `now_ms`.
     pub fn at(view: &WorkerView, ledger: &Ledger, config: &SchedulerConfig, now_ms: u64) -> Self {
-        let stalls = ledger.stalls(&view.status.worker_id, now_ms);
         WorkerLoad {
-            stall_fraction: stalls.fraction,
-            mean_stall_ms: stalls.mean_ms,
+            stall_fraction: ledger.stall_fraction(&view.status.worker_id, now_ms),
             now_ms,
             ..Self::of(view, ledger, config)
         }
