@@ -568,6 +568,7 @@ pub(crate) mod fixtures {
             tpot_ms: Some(25.0),
             e2e_ms: 1710.0,
             finished_ms: 1_709_210_098_500,
+            job: None,
         }
     }
 }

@@ -146,6 +146,7 @@ fn completion(job_id: &str, worker: &str, attempt: u32, now: u64) -> CompletionE
         tpot_ms: Some(25.0),
         e2e_ms: 1105.0,
         finished_ms: now + 1200,
+        job: None,
     }
 }
 

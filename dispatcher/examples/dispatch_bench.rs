@@ -159,6 +159,7 @@ async fn complete(
             tpot_ms: Some(20.0),
             e2e_ms: 50.0 + 20.0 * f64::from(a.job.max_tokens),
             finished_ms: metronome_protocol::time::unix_ms(),
+            job: None,
         };
         let body = serde_json::to_vec(&event).unwrap_or_default();
         // Stored by the EVENTS stream, which the dispatcher reads through its durable

@@ -854,7 +854,7 @@ impl Engine {
         self.ack(acker);
     }
 
-    fn completion(&mut self, event: CompletionEvent, acker: &mut Option<Arc<Acker>>) {
+    fn completion(&mut self, mut event: CompletionEvent, acker: &mut Option<Arc<Acker>>) {
         if event.outcome == CompletionOutcome::Done {
             self.learn_output_length(&event);
         }
@@ -901,6 +901,33 @@ impl Engine {
                 self.refusals
                     .record(&event.job_id, &event.worker_id, event.attempt);
                 self.retry(a, &format!("refused by {}", event.worker_id), acker.take());
+            }
+            None if !self.queues.contains(&event.job_id)
+                && self.ledger.worker_of(&event.job_id).is_none()
+                && event.job.is_some()
+                && !self.queued_assigned_or_finished(&event.job_id) =>
+            {
+                // Refused, assigned by an earlier leader, and the refusal carries the job
+                // (the intake kept the copy only where the decision on record vouches for
+                // it): assigned again like a refusal of our own. A retry the earlier leader
+                // already put back has the same msg-id, so JOBS keeps one.
+                let Some(job) = event.job.take() else { return };
+                tracing::info!(job_id = %event.job_id, worker_id = %event.worker_id, attempt = event.attempt, error = ?event.error, "worker refused a job an earlier leader assigned: assigning it again from the copy it carried");
+                self.refusals
+                    .record(&event.job_id, &event.worker_id, event.attempt);
+                let retry = AssignedJob {
+                    job: Arc::new(*job),
+                    attempt: event.attempt,
+                    // Its place in the queue is unknown here: it was placed before
+                    // anything now waiting, so it goes first.
+                    seq: 0,
+                    deadline_ms: 0,
+                };
+                self.retry(
+                    retry,
+                    &format!("refused by {}", event.worker_id),
+                    acker.take(),
+                );
             }
             None if !self.queues.contains(&event.job_id)
                 && self.ledger.worker_of(&event.job_id).is_none() =>

@@ -548,6 +548,10 @@ pub async fn spawn_completions(
         )
         .await
         .map_err(|e| DispatcherError::Nats(format!("EVENTS consumer: {e}")))?;
+    let decisions = js
+        .get_stream_no_info(metronome_protocol::names::STREAM_DECISIONS)
+        .await
+        .map_err(|e| DispatcherError::Nats(format!("DECISIONS: {e}")))?;
     let mut messages = durable
         .stream()
         .max_messages_per_batch(1000)
@@ -577,8 +581,11 @@ pub async fn spawn_completions(
             let (message, acker) = message.split();
             let acker = Arc::new(acker);
             match serde_json::from_slice::<CompletionEvent>(&message.payload) {
-                Ok(event) => match untrusted_event(&event, message.subject.as_str()) {
+                Ok(mut event) => match untrusted_event(&event, message.subject.as_str()) {
                     None => {
+                        if event.job.is_some() {
+                            vouch_refused_job(&decisions, &mut event, &metrics).await;
+                        }
                         let event = Event::Completion {
                             event: Box::new(event),
                             acker: Some(acker),
@@ -617,6 +624,47 @@ fn untrusted_event(event: &CompletionEvent, subject: &str) -> Option<&'static st
         return Some("worker id differs from the subject's worker");
     }
     None
+}
+
+/// Keep a refusal's carried job only when the decision on record assigned this attempt
+/// of this job to the refusing worker, for the tenant and model the copy names: a worker
+/// can then hand back only a job it was given (whose output it controls anyway), never
+/// submit one of its own under someone else's tenant. Anything else drops the copy (the
+/// refusal itself still counts).
+async fn vouch_refused_job(
+    decisions: &jetstream::stream::Stream<()>,
+    event: &mut CompletionEvent,
+    metrics: &Metrics,
+) {
+    let Some(job) = event.job.take() else { return };
+    let why_not = if event.outcome != metronome_protocol::CompletionOutcome::Refused {
+        Some("only a refusal carries its job".to_string())
+    } else if job.id != event.job_id || job.model != event.model {
+        Some("the carried job is not the refused one".to_string())
+    } else {
+        match crate::registry::assigned_to(decisions, &event.job_id).await {
+            Ok(Some(record))
+                if record.worker_id == event.worker_id
+                    && record.attempt == event.attempt
+                    && record.tenant == job.tenant
+                    && record.model.as_deref() == Some(job.model.as_str()) =>
+            {
+                None
+            }
+            Ok(Some(_)) => Some(
+                "the decision on record assigns another worker, attempt, tenant or model".into(),
+            ),
+            Ok(None) => Some("no assignment of the job on record".into()),
+            Err(error) => Some(format!("the decision on record could not be read: {error}")),
+        }
+    };
+    match why_not {
+        None => event.job = Some(job),
+        Some(reason) => {
+            metrics.unvouched_refusal_jobs_total.fetch_add(1, Relaxed);
+            tracing::warn!(job_id = %event.job_id, worker_id = %event.worker_id, attempt = event.attempt, reason, "a refusal's carried job is not believed: dropped");
+        }
+    }
 }
 
 /// Forward `cancel.<tenant>.<job_id>` requests until `token`. The tenant travels with the
@@ -675,6 +723,7 @@ mod tests {
             tpot_ms: None,
             e2e_ms: 1.0,
             finished_ms: 1,
+            job: None,
         }
     }
 

@@ -76,6 +76,9 @@ pub struct Metrics {
     /// Job ids a heartbeat listed as running that the leader did not adopt: not booked
     /// here, and no decision on record assigns them to that worker.
     pub unvouched_claims_total: AtomicU64,
+    /// Refusals whose carried job no decision on record supports (another worker, attempt,
+    /// tenant or model): the copy is dropped, never assigned.
+    pub unvouched_refusal_jobs_total: AtomicU64,
     /// Workers declared dead (heartbeat timeout or key removed).
     pub workers_lost_total: AtomicU64,
     /// Redelivered jobs acknowledged without a new assignment because a decision for them
@@ -378,6 +381,11 @@ impl Collector for Exposition {
                 "metronome_dispatcher_unvouched_claims",
                 "Jobs a heartbeat listed that no decision assigns to that worker; not adopted.",
                 &m.unvouched_claims_total,
+            ),
+            (
+                "metronome_dispatcher_unvouched_refusal_jobs",
+                "Refusals whose carried job no decision on record supports; the copy is dropped.",
+                &m.unvouched_refusal_jobs_total,
             ),
             (
                 "metronome_dispatcher_workers_lost",

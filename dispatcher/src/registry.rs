@@ -273,15 +273,17 @@ impl Vouching {
     }
 }
 
-/// Whom the latest decision of a job assigns it to, and for which tenant.
-struct AssignedOnRecord {
-    worker_id: String,
-    tenant: Option<String>,
+/// Whom the latest decision of a job assigns it to, and for which tenant, model and attempt.
+pub(crate) struct AssignedOnRecord {
+    pub worker_id: String,
+    pub tenant: Option<String>,
+    pub model: Option<String>,
+    pub attempt: u32,
 }
 
 /// The latest decision of `job_id`, when it is an assignment (`None`: no decision, or
 /// another outcome).
-async fn assigned_to(
+pub(crate) async fn assigned_to(
     decisions: &async_nats::jetstream::stream::Stream<()>,
     job_id: &str,
 ) -> Result<Option<AssignedOnRecord>, String> {
@@ -292,6 +294,10 @@ async fn assigned_to(
         worker_id: Option<String>,
         #[serde(default)]
         tenant: Option<String>,
+        #[serde(default)]
+        model: Option<String>,
+        #[serde(default)]
+        attempt: u32,
     }
     if !is_subject_token(job_id) {
         return Ok(None);
@@ -305,6 +311,8 @@ async fn assigned_to(
                 Some(AssignedOnRecord {
                     worker_id: d.worker_id?,
                     tenant: d.tenant,
+                    model: d.model,
+                    attempt: d.attempt,
                 })
             })),
         Err(e)

@@ -132,6 +132,7 @@ fn done(id: &str, worker: &str, output_tokens: u32, outcome: CompletionOutcome) 
             tpot_ms: Some(20.0),
             e2e_ms: 1_000.0,
             finished_ms: T0,
+            job: None,
         }),
         acker: None,
     }
@@ -441,6 +442,45 @@ fn a_refused_job_booked_again_by_a_stale_heartbeat_is_still_answered() {
     assert!(
         orphan_refusal_then(true).is_empty(),
         "the worker still lists the job in later heartbeats: it holds another attempt"
+    );
+}
+
+/// A job an earlier leader assigned to `w` is refused, and the refusal carries the job (the
+/// intake kept the copy: the decision on record vouches for it). The new leader holds no
+/// body of its own, yet the job is assigned again, not failed: a retry with the next
+/// attempt that names `w`'s refusal, and no final error after the grace for a retry.
+#[test]
+fn a_refused_job_an_earlier_leader_assigned_comes_back_from_the_copy_it_carries() {
+    let mut e = one_worker(|_| {});
+    step(&mut e, vec![heartbeat("w", &["j"], 2, T0 + 100)], T0 + 100);
+    let mut refusal = done("j", "w", 0, CompletionOutcome::Refused);
+    let Event::Job(incoming) = job("j", 100, 10, T0) else {
+        unreachable!()
+    };
+    if let Event::Completion { event, .. } = &mut refusal {
+        event.job = Some(Box::new((*incoming.job).clone()));
+    }
+    let mut out = step(
+        &mut e,
+        vec![refusal, heartbeat("w", &[], 3, T0 + 200)],
+        T0 + 300,
+    );
+    assert_eq!(
+        requeued(&out).map(|(attempt, refused)| (attempt, refused.to_vec())),
+        Some((2, vec![("w".to_string(), 1)])),
+        "assigned again with the next attempt, away from the worker that refused it: {:?}",
+        names(&out)
+    );
+    let mut at = T0 + 300;
+    for seq in 4..12 {
+        at += 1_000;
+        e.tick(at);
+        out.extend(step(&mut e, vec![heartbeat("w", &[], seq, at)], at));
+    }
+    assert!(
+        final_errors(&out).is_empty(),
+        "its client is not told it failed: {:?}",
+        names(&out)
     );
 }
 

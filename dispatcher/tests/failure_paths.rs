@@ -94,6 +94,7 @@ async fn heartbeats_and_events_with_untrusted_ids_are_ignored() {
         tpot_ms: None,
         e2e_ms: 1.0,
         finished_ms: 0,
+        job: None,
     };
     env.store_json(names::event_done_subject("attacker-0"), &forged)
         .await;
@@ -333,4 +334,99 @@ async fn a_dead_workers_unreported_assignment_from_an_earlier_leader_is_assigned
     beating.stop().await;
     token.cancel();
     running.join().await.unwrap();
+}
+
+/// A worker restarted while an earlier leader's Assignment waited for it refuses the
+/// redelivery (it cannot know whether its killed process started it). The new leader holds
+/// no body for that job; the refusal carries it, and since the decision on record assigned
+/// that attempt to that worker, the job is assigned again (next attempt, another worker)
+/// instead of failing with `worker_failed`. A copy no decision supports (another worker
+/// handing back a job it was not given, or one of its own making) is dropped and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_job_an_earlier_leader_assigned_is_assigned_again_from_the_refusal() {
+    let env = Env::start().await;
+    let (first, first_token) = env.dispatcher(env.config("refusal-first")).await;
+    let refuser = env.workers("rj", 1, "model-r", 1).await.remove(0);
+    wait_for("the worker registered", WAIT, || async {
+        (first.metrics.workers_known.load(Relaxed) == 1).then_some(())
+    })
+    .await;
+    env.submit("r-1", "model-r", 10, 10).await;
+    let decided = env.decisions_for(&["r-1".to_string()]).await;
+    assert_eq!(
+        decided["r-1"].worker_id.as_deref(),
+        Some(refuser.worker_id.as_str())
+    );
+    let (assignment, _) = env.take_work(&refuser.worker_id).await.remove(0);
+    first_token.cancel();
+    first.join().await.unwrap();
+
+    let live = env.workers("rj-live", 1, "model-r", 4).await.remove(0);
+    let (second, second_token) = env.dispatcher(env.config("refusal-second")).await;
+    wait_for("both workers registered", WAIT, || async {
+        (second.metrics.workers_known.load(Relaxed) == 2).then_some(())
+    })
+    .await;
+    let refusal = |worker_id: &str, job: &metronome_protocol::Job| CompletionEvent {
+        v: metronome_protocol::PROTOCOL_VERSION,
+        job_id: job.id.clone(),
+        worker_id: worker_id.into(),
+        model: job.model.clone(),
+        epoch: assignment.epoch,
+        attempt: 1,
+        outcome: CompletionOutcome::Refused,
+        streamed: false,
+        error: Some("redelivered assignment this worker does not hold".into()),
+        prompt_tokens: job.prompt_tokens,
+        output_tokens: 0,
+        ttft_ms: None,
+        tpot_ms: None,
+        e2e_ms: 0.0,
+        finished_ms: metronome_protocol::time::unix_ms(),
+        job: Some(Box::new(job.clone())),
+    };
+    // A worker that was never given r-1 hands it back with its own prompt, and one of its
+    // own making under another tenant: no decision supports either copy.
+    let mut altered = assignment.job.clone();
+    altered.request = serde_json::json!({"prompt": "not the client's"});
+    let mut made_up = assignment.job.clone();
+    made_up.id = "r-made-up".into();
+    made_up.tenant = Some("victim".into());
+    for job in [&altered, &made_up] {
+        env.store_json(
+            names::event_done_subject("rj-thief"),
+            &refusal("rj-thief", job),
+        )
+        .await;
+    }
+    wait_for("both copies dropped", WAIT, || async {
+        (second.metrics.unvouched_refusal_jobs_total.load(Relaxed) == 2).then_some(())
+    })
+    .await;
+    // The worker it was assigned to refuses it, carrying the job as it received it.
+    env.store_json(
+        names::event_done_subject(&refuser.worker_id),
+        &refusal(&refuser.worker_id, &assignment.job),
+    )
+    .await;
+    let again = wait_for("the refused job on the other worker", WAIT, || async {
+        let work = env.take_work(&live.worker_id).await;
+        work.into_iter().map(|(a, _)| a).find(|a| a.job.id == "r-1")
+    })
+    .await;
+    assert_eq!(again.attempt, 2, "a retry is the next attempt");
+    assert_eq!(again.job, assignment.job, "the client's job, unchanged");
+    wait_for("the retry's decision on record", WAIT, || async {
+        env.decision("r-1")
+            .await
+            .filter(|d| d.attempt == 2 && d.worker_id == Some(live.worker_id.clone()))
+    })
+    .await;
+    assert!(
+        env.decision("r-made-up").await.is_none(),
+        "a job a worker made up was decided"
+    );
+    assert!(env.take_work(&refuser.worker_id).await.is_empty());
+    second_token.cancel();
+    second.join().await.unwrap();
 }

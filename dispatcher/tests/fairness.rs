@@ -47,6 +47,7 @@ async fn finish(env: &Env, a: &Assignment) {
         tpot_ms: Some(1.0),
         e2e_ms: 2.0,
         finished_ms: metronome_protocol::time::unix_ms(),
+        job: None,
     };
     env.store_json(names::event_done_subject(&a.worker_id), &ev)
         .await;

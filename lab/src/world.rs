@@ -655,6 +655,7 @@ impl World {
             tpot_ms: f.tpot_ms,
             e2e_ms: now - f.started_ms,
             finished_ms: self.unix(now),
+            job: None,
         };
         if let Some(r) = self.engine.ledger().get(&f.job.id) {
             self.stalls.push(StallCheck {

@@ -3,6 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::Job;
+
 /// How a job ended on a worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -42,4 +44,10 @@ pub struct CompletionEvent {
     /// End-to-end time on the worker.
     pub e2e_ms: f64,
     pub finished_ms: u64,
+    /// A refusal's job, as its Assignment carried it: a leader that does not hold the
+    /// body (an earlier leader assigned it) assigns it again from this copy instead of
+    /// failing it. Believed only when the decision on record assigned this attempt of this
+    /// job to this worker, for the same tenant and model; absent on every other outcome.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<Box<Job>>,
 }

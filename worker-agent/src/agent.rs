@@ -506,7 +506,7 @@ async fn finish_without_running(
         )
         .await;
     }
-    let event = CompletionEvent {
+    let mut event = CompletionEvent {
         v: PROTOCOL_VERSION,
         job_id: a.job.id.clone(),
         worker_id: shared.config.worker_id.clone(),
@@ -522,7 +522,16 @@ async fn finish_without_running(
         tpot_ms: None,
         e2e_ms: 0.0,
         finished_ms: unix_ms(),
+        // A refusal carries the job back: a leader that took over from the one that
+        // assigned it holds no body, and would otherwise have to fail a job that never ran.
+        job: (outcome == CompletionOutcome::Refused).then(|| Box::new(a.job.clone())),
     };
+    if event.job.is_some() && !fits_one_message(shared, &event) {
+        // The Assignment fitted, but with the event's own fields the copy would not: the
+        // refusal goes without it (the dispatcher then fails the job if it holds no body).
+        tracing::warn!(job_id = %a.job.id, "refusal too large to carry its job: sent without it");
+        event.job = None;
+    }
     // A refusal must reach the dispatcher even if it repeats, so it gets its own
     // de-duplication id per outcome.
     let event_id = format!("{msg_id}:{outcome:?}");
@@ -535,6 +544,11 @@ async fn finish_without_running(
     )
     .await;
     shared.metrics.job_finished(outcome);
+}
+
+/// Whether `event` fits in one message of the NATS server this agent is connected to.
+fn fits_one_message(shared: &Shared, event: &CompletionEvent) -> bool {
+    serde_json::to_vec(event).is_ok_and(|body| body.len() < shared.client.server_info().max_payload)
 }
 
 /// Log, count, dead-letter and terminate a message that is not an assignment.

@@ -270,6 +270,7 @@ pub(crate) async fn run_job(
             tpot_ms: sample.tpot_ms,
             e2e_ms: sample.e2e_ms.unwrap_or_default(),
             finished_ms: unix_ms(),
+            job: None,
         };
         publish_js(&shared, event_done_subject(&cfg.worker_id), (HEADER_MSG_ID, &msg_id), &job.model, &event).await;
 

@@ -74,6 +74,12 @@ async fn a_redelivered_assignment_the_agent_does_not_hold_is_refused_not_run() {
             .contains("redelivered"),
         "{refused:?}"
     );
+    // The refusal hands the job back: a leader that took over from the one that assigned
+    // it holds no body and assigns it again from this copy.
+    let carried = refused.job.as_deref().expect("the refusal carries the job");
+    let mut assigned = job("job-redelivered", Endpoint::Chat, 4, 0);
+    assigned.submitted_ms = carried.submitted_ms;
+    assert_eq!(carried, &assigned, "the job as it was assigned");
     assert_eq!(
         env.stub.stats.requests.load(Ordering::SeqCst),
         0,

@@ -246,6 +246,7 @@ impl Env {
             tpot_ms: Some(1.0),
             e2e_ms: 2.0,
             finished_ms: metronome_protocol::time::unix_ms(),
+            job: None,
         };
         self.store_json(names::event_done_subject(&a.worker_id), &ev)
             .await;
