@@ -91,11 +91,13 @@ async fn three_copies_keep_every_job_and_take_new_ones_when_the_leading_node_die
     // can time out, so it is read until it answers.
     let (_, _, messages) = wait_for("JOBS info", WAIT, || jobs_cluster(&late)).await;
     assert_eq!(messages, 100, "every job before and after the kill, once");
-    // The dispatchers' lease bucket takes writes too.
-    let leader_kv = late
-        .get_key_value(BUCKET_LEADER)
-        .await
-        .expect("leader bucket");
+    // The dispatchers' lease bucket takes writes too. Its info, like the stream's, is
+    // answered by its leader, which a loaded machine may still be electing: read until it
+    // answers.
+    let leader_kv = wait_for("the leader bucket", WAIT, || async {
+        late.get_key_value(BUCKET_LEADER).await.ok()
+    })
+    .await;
     wait_for("a write to the leader bucket", WAIT, || async {
         leader_kv.put("probe", "x".into()).await.ok()
     })

@@ -270,7 +270,9 @@ impl Cluster {
                 "gateway ready with models {models:?} (logs in {})",
                 logs_dir.display()
             ),
-            Duration::from_secs(60),
+            // Generous: after a NATS restart on two loaded cores (the whole suite runs in
+            // parallel), the gateway's reconnect backoff and its KV watches take a while.
+            Duration::from_secs(120),
             || {
                 let http = http.clone();
                 let url = url.clone();
