@@ -1238,12 +1238,35 @@ impl Engine {
     /// they go back through JOBS with the next attempt, as a rescue of this leader's own.
     fn rescue_purged(&mut self, worker_id: &str, assignments: Vec<Assignment>) {
         let settled = self.settled_at_death.remove(worker_id).unwrap_or_default();
+        let rescued: Vec<&Assignment> = assignments
+            .iter()
+            .filter(|a| {
+                let id = a.job.id.as_str();
+                let held = settled.contains(id)
+                    || self.ledger.worker_of(id).is_some()
+                    || self.queued_assigned_or_finished(id);
+                !held && a.worker_id == worker_id
+            })
+            .collect();
+        if !rescued.is_empty() {
+            // The purge removes a message from the stream, not a copy already delivered:
+            // a worker that was only silent (stopped, partitioned) may hold one unread and
+            // would run it beside the retry. Revoked, it is not started (the agent checks
+            // revocations when it takes an assignment and before it starts one).
+            self.emit(publish::revoke(
+                worker_id,
+                self.s.epoch,
+                rescued.iter().map(|a| (a.job.id.clone(), Some(a.attempt))),
+                "its unreported Assignment was purged and is assigned again",
+            ));
+        }
+        let rescued: HashSet<(String, u32)> = rescued
+            .into_iter()
+            .map(|a| (a.job.id.clone(), a.attempt))
+            .collect();
         for a in assignments {
             let id = a.job.id.as_str();
-            let held = settled.contains(id)
-                || self.ledger.worker_of(id).is_some()
-                || self.queued_assigned_or_finished(id);
-            if held || a.worker_id != worker_id {
+            if !rescued.contains(&(a.job.id.clone(), a.attempt)) {
                 continue;
             }
             tracing::warn!(job_id = %id, worker_id, attempt = a.attempt, "a dead worker's purged assignment from an earlier leader: assigning it again");

@@ -554,6 +554,31 @@ fn a_dead_workers_purge_hands_back_only_the_jobs_nobody_holds() {
         Some(vec![("w".to_string(), 2)]),
         "the retry carries the dead worker, so it is placed elsewhere"
     );
+    // A worker that was only silent may hold a delivered copy the purge could not remove:
+    // the rescued attempt is revoked on it, so that copy never starts beside the retry.
+    let revoked: Vec<(String, Vec<(String, Option<u32>)>)> = out
+        .iter()
+        .filter_map(|o| match o {
+            Outcome::Revoke { worker_id, revoke } => Some((
+                worker_id.clone(),
+                revoke
+                    .jobs
+                    .iter()
+                    .map(|j| (j.job_id.clone(), j.attempt))
+                    .collect(),
+            )),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        revoked,
+        [(
+            "w".to_string(),
+            vec![("never-reported".to_string(), Some(2))]
+        )],
+        "{:?}",
+        names(&out)
+    );
 }
 
 #[test]

@@ -11,9 +11,12 @@
 //!   reason, counted, copied to the dead-letter subject and terminated (never redelivered).
 //! - A job is in `in_flight` from the moment it is accepted until its event is published;
 //!   heartbeats list exactly these ids.
-//! - No job runs twice because of this agent: a redelivered assignment it does not hold
-//!   (it restarted, or the delivery never reached a runner) is refused back to the
-//!   dispatcher rather than run; a job starts only once a stored heartbeat lists it, and
+//! - No job runs twice because of this agent: a redelivered assignment of a job the
+//!   previous run reported fails as lost (whichever leader assigned it, before any epoch
+//!   check), one it does not hold otherwise (it restarted, or the delivery never reached a
+//!   runner) is refused back to the dispatcher rather than run; only a refusal of a first
+//!   delivery carries the job (a leader that does not hold the body assigns it again from
+//!   that copy, so the copy must be of a job no run of this agent started); a job starts only once a stored heartbeat lists it, and
 //!   never if the agent was fenced (see [`crate::fence`]) between taking and reporting it;
 //!   a job the leader revoked (it declared this worker dead and settled the job) stops
 //!   without a result or an event.
@@ -203,6 +206,7 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
                 Some((ErrorCode::InvalidJob, e.to_string())),
                 &e.to_string(),
                 false,
+                false,
             )
             .await;
         }
@@ -215,6 +219,13 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
     if assignment.worker_id != shared.config.worker_id {
         tracing::warn!(%job_id, assigned_to = %assignment.worker_id, "assignment names another worker; refused");
         return refuse(shared, &msg, &assignment, "assignment names another worker").await;
+    }
+    let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
+    if delivered > 1 && shared.reported_before_restart.contains(&job_id) && !shared.holds(&job_id) {
+        // Checked before the epoch: a deposed leader's Assignment of a job the previous
+        // run reported must not come back as a refusal either, since a refusal may be
+        // assigned again and would run the job a second time.
+        return fail_as_lost(shared, &msg, &assignment, delivered).await;
     }
     let known = shared.max_epoch.load(Ordering::SeqCst);
     if assignment.epoch > known {
@@ -245,7 +256,6 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
     let cancel = CancellationToken::new();
     let revoke = CancellationToken::new();
     let lost = CancellationToken::new();
-    let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
     let revoked = shared.was_revoked(&job_id, assignment.attempt);
     let ended = shared
         .ended
@@ -300,30 +310,6 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
         Taken::AlreadyHeld => {
             // A redelivery of a job this agent is already running: the running copy acks it.
             tracing::info!(%job_id, "redelivery of a running job ignored");
-            return;
-        }
-        Taken::NotHeldRedelivery if shared.reported_before_restart.contains(&job_id) => {
-            // The previous run of this agent reported it, so it may have started and
-            // streamed: running it anywhere again could duplicate output its client already
-            // has. It fails with the lost-worker error, as a dead worker's reported jobs do.
-            shared.metrics.redelivery_refusals.inc();
-            tracing::warn!(%job_id, attempt = assignment.attempt, delivered, "redelivered assignment a previous run of this agent had started: failed as lost");
-            let message = format!(
-                "worker {} restarted while holding the job; it is not run again so no output is duplicated",
-                shared.config.worker_id
-            );
-            finish_without_running(
-                shared,
-                &assignment,
-                CompletionOutcome::Failed,
-                Some((ErrorCode::WorkerLost, message.clone())),
-                &message,
-                true,
-            )
-            .await;
-            if let Err(e) = msg.double_ack().await {
-                tracing::warn!(%job_id, error = %e, "acknowledging a lost redelivery failed");
-            }
             return;
         }
         Taken::NotHeldRedelivery => {
@@ -467,9 +453,49 @@ async fn lease_vouches(shared: &Shared, epoch: u64) -> Result<(), String> {
     }
 }
 
-/// Refuse without running: the dispatcher will decide again.
+/// A redelivery of a job the previous run of this agent reported: it may have started and
+/// streamed, so running it anywhere again could duplicate output its client already has.
+/// It fails with the lost-worker error, as a dead worker's reported jobs do.
+async fn fail_as_lost(shared: &Shared, msg: &jetstream::Message, a: &Assignment, delivered: i64) {
+    let job_id = &a.job.id;
+    shared.metrics.redelivery_refusals.inc();
+    tracing::warn!(%job_id, attempt = a.attempt, delivered, "redelivered assignment a previous run of this agent had started: failed as lost");
+    let message = format!(
+        "worker {} restarted while holding the job; it is not run again so no output is duplicated",
+        shared.config.worker_id
+    );
+    finish_without_running(
+        shared,
+        a,
+        CompletionOutcome::Failed,
+        Some((ErrorCode::WorkerLost, message.clone())),
+        &message,
+        true,
+        false,
+    )
+    .await;
+    if let Err(e) = msg.double_ack().await {
+        tracing::warn!(%job_id, error = %e, "acknowledging a lost redelivery failed");
+    }
+}
+
+/// Refuse without running: the dispatcher will decide again. The refusal carries the job
+/// only when no run of this agent can have started it (its first delivery, not held): a
+/// leader that does not hold the body assigns it again from that copy, and a job that may
+/// have streamed must not run twice.
 async fn refuse(shared: &Shared, msg: &jetstream::Message, a: &Assignment, reason: &str) {
-    finish_without_running(shared, a, CompletionOutcome::Refused, None, reason, false).await;
+    let first_delivery = msg.info().is_ok_and(|i| i.delivered == 1);
+    let carry_job = first_delivery && !shared.holds(&a.job.id);
+    finish_without_running(
+        shared,
+        a,
+        CompletionOutcome::Refused,
+        None,
+        reason,
+        false,
+        carry_job,
+    )
+    .await;
     if let Err(e) = msg.double_ack().await {
         tracing::warn!(job_id = %a.job.id, error = %e, "acknowledging a refused assignment failed");
     }
@@ -483,6 +509,7 @@ async fn finish_without_running(
     final_error: Option<(ErrorCode, String)>,
     reason: &str,
     streamed: bool,
+    carry_job: bool,
 ) {
     let msg_id = work_msg_id(&a.job.id, a.attempt);
     if let Some((code, message)) = final_error {
@@ -524,7 +551,7 @@ async fn finish_without_running(
         finished_ms: unix_ms(),
         // A refusal carries the job back: a leader that took over from the one that
         // assigned it holds no body, and would otherwise have to fail a job that never ran.
-        job: (outcome == CompletionOutcome::Refused).then(|| Box::new(a.job.clone())),
+        job: (carry_job && outcome == CompletionOutcome::Refused).then(|| Box::new(a.job.clone())),
     };
     if event.job.is_some() && !fits_one_message(shared, &event) {
         // The Assignment fitted, but with the event's own fields the copy would not: the

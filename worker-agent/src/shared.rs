@@ -95,6 +95,14 @@ impl Shared {
         }
     }
 
+    /// Whether this run of the agent holds `job_id` (taken, running or waiting to start).
+    pub fn holds(&self, job_id: &str) -> bool {
+        self.in_flight
+            .lock()
+            .expect("in_flight lock")
+            .contains_key(job_id)
+    }
+
     pub fn running(&self) -> usize {
         self.in_flight.lock().expect("in_flight lock").len()
     }

@@ -228,7 +228,10 @@ async fn a_stale_epoch_is_refused_and_acknowledged() {
     assert_eq!(ev.outcome, CompletionOutcome::Refused);
     assert!(!ev.streamed);
     assert_eq!(ev.epoch, 3);
-    assert!(ev.error.unwrap().contains("stale epoch"));
+    assert!(ev.error.as_deref().unwrap().contains("stale epoch"));
+    // Its first delivery: no run of the agent started it, so the refusal carries it back
+    // for a leader that does not hold its body.
+    assert_eq!(ev.job.as_ref().map(|j| j.id.as_str()), Some("job-stale"));
     assert!(results_of(&stale).0.is_empty(), "a refused job never runs");
     assert_eq!(env.stub.stats.requests.load(Ordering::SeqCst), 1);
 
