@@ -556,29 +556,20 @@ fn a_dead_workers_purge_hands_back_only_the_jobs_nobody_holds() {
     );
     // A worker that was only silent may hold a delivered copy the purge could not remove:
     // the rescued attempt is revoked on it, so that copy never starts beside the retry.
-    let revoked: Vec<(String, Vec<(String, Option<u32>)>)> = out
+    let revoked: Vec<(&str, &[metronome_protocol::RevokedJob])> = out
         .iter()
         .filter_map(|o| match o {
-            Outcome::Revoke { worker_id, revoke } => Some((
-                worker_id.clone(),
-                revoke
-                    .jobs
-                    .iter()
-                    .map(|j| (j.job_id.clone(), j.attempt))
-                    .collect(),
-            )),
+            Outcome::Revoke { worker_id, revoke } => {
+                Some((worker_id.as_str(), revoke.jobs.as_slice()))
+            }
             _ => None,
         })
         .collect();
-    assert_eq!(
-        revoked,
-        [(
-            "w".to_string(),
-            vec![("never-reported".to_string(), Some(2))]
-        )],
-        "{:?}",
-        names(&out)
-    );
+    let expected = [metronome_protocol::RevokedJob {
+        job_id: "never-reported".into(),
+        attempt: Some(2),
+    }];
+    assert_eq!(revoked, [("w", &expected[..])], "{:?}", names(&out));
 }
 
 #[test]
