@@ -84,6 +84,18 @@ async fn a_flooding_tenant_gets_the_rest_and_shares_hold_across_a_failover() {
         submit_for(&env, &format!("b-{b_sent}"), "b").await;
         b_sent += 1;
     }
+    // Every job read before the GPU frees up (a-0 runs, the rest wait): otherwise a slow
+    // intake (each job is looked up in DECISIONS first) leaves B's jobs unread when the
+    // next job is chosen, and A's are served whatever the counters say.
+    let metrics = leader.as_ref().expect("a leader").0.metrics.clone();
+    metronome_testkit::wait_for("every job queued", WAIT, || {
+        let m = metrics.clone();
+        async move {
+            let depth = m.queue_depth.lock().unwrap().get(MODEL).copied();
+            (depth == Some(A_JOBS - 1 + b_sent)).then_some(())
+        }
+    })
+    .await;
 
     let mut work = consumer.messages().await.unwrap();
     // Weighted tokens served per tenant since B started waiting (A's first job was

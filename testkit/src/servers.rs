@@ -42,6 +42,28 @@ pub fn free_port() -> u16 {
         .expect("binding 127.0.0.1:0")
 }
 
+/// Start `server`, on new free ports when the ones it was given were taken meanwhile: a
+/// port [`free_port`] found is free only until someone binds it, and with the whole suite
+/// starting servers in parallel another test's server sometimes does first.
+fn spawn_on_free_ports<S>(
+    server: &mut S,
+    spawn: impl Fn(&mut S) -> Result<(), TestkitError>,
+    new_ports: impl Fn(&mut S),
+) -> Result<(), TestkitError> {
+    const TRIES: usize = 5;
+    for _ in 1..TRIES {
+        match spawn(server) {
+            Err(TestkitError::NotReady { log, .. })
+                if log.to_lowercase().contains("address already in use") =>
+            {
+                new_ports(server)
+            }
+            other => return other,
+        }
+    }
+    spawn(server)
+}
+
 pub(crate) fn find_binary(
     binary: &'static str,
     package: &'static str,
@@ -179,7 +201,10 @@ impl NatsServer {
             extra_config: extra_config.to_string(),
             child: None,
         };
-        server.spawn()?;
+        spawn_on_free_ports(&mut server, NatsServer::spawn, |s| {
+            s.port = free_port();
+            s.monitor_port = free_port();
+        })?;
         Ok(server)
     }
 
@@ -310,7 +335,7 @@ impl RedisServer {
             extra_config: extra_config.to_string(),
             child: None,
         };
-        server.spawn()?;
+        spawn_on_free_ports(&mut server, RedisServer::spawn, |s| s.port = free_port())?;
         Ok(server)
     }
 
