@@ -16,6 +16,9 @@
 //!   (nothing is cancelled; the drill fails if one of its jobs ends `cancelled`).
 //! - `events.done.<worker>`: malformed events, events naming another worker or non-token
 //!   ids: ignored and counted (`metronome_dispatcher_ignored_worker_messages_total`).
+//!   Refusals carrying a job the worker was never given (a made-up id, another tenant):
+//!   the copy is dropped and counted
+//!   (`metronome_dispatcher_unvouched_refusal_jobs_total`), and the job is never decided.
 //! - `$KV.workers.<key>` (heartbeats): malformed values, values under another worker's key,
 //!   non-token ids, empty or control-character models: ignored and counted the same way.
 //! - `work.<worker>` (assignments, to the real agents): malformed bodies, invalid jobs,
@@ -56,6 +59,9 @@ pub enum Sink {
     DispatcherIgnored,
     /// Terminated, refused or dead-lettered by the agent (its metrics).
     AgentRejected,
+    /// A refusal's carried job dropped by the dispatcher (no decision vouches for it):
+    /// counted, and never decided.
+    CopyDropped,
     /// Nothing to reject: a cancel of a job nobody holds is a no-op.
     NoOp,
     /// Valid: must be served like a normal job (counted in the drill's account).
@@ -90,6 +96,7 @@ pub enum Class {
     Cancel,
     EventMalformed,
     EventForged,
+    EventRefusalMadeUpJob,
     HeartbeatMalformed,
     HeartbeatForeignKey,
     HeartbeatBadFields,
@@ -101,7 +108,7 @@ pub enum Class {
 }
 
 impl Class {
-    pub const ALL: [Class; 33] = [
+    pub const ALL: [Class; 34] = [
         Class::Truncated,
         Class::WrongType,
         Class::HugeNumber,
@@ -127,6 +134,7 @@ impl Class {
         Class::Cancel,
         Class::EventMalformed,
         Class::EventForged,
+        Class::EventRefusalMadeUpJob,
         Class::HeartbeatMalformed,
         Class::HeartbeatForeignKey,
         Class::HeartbeatBadFields,
@@ -164,6 +172,7 @@ impl Class {
             Class::Cancel => "cancel: another tenant's / unknown / odd ids",
             Class::EventMalformed => "events: malformed",
             Class::EventForged => "events: foreign worker / non-token ids",
+            Class::EventRefusalMadeUpJob => "events: refusal carrying a job never given",
             Class::HeartbeatMalformed => "heartbeat KV: malformed",
             Class::HeartbeatForeignKey => "heartbeat KV: id differs from key",
             Class::HeartbeatBadFields => "heartbeat KV: non-token id / bad model",
@@ -197,6 +206,7 @@ impl Class {
             | Class::DuplicateId => Sink::Decision,
             Class::ValidOddPrompt => Sink::Served,
             Class::Cancel => Sink::NoOp,
+            Class::EventRefusalMadeUpJob => Sink::CopyDropped,
             Class::EventMalformed
             | Class::EventForged
             | Class::HeartbeatMalformed
@@ -215,7 +225,7 @@ impl Class {
     fn weight(self) -> u32 {
         match self {
             Class::Cancel => 8,
-            Class::EventMalformed | Class::EventForged => 4,
+            Class::EventMalformed | Class::EventForged | Class::EventRefusalMadeUpJob => 4,
             Class::HeartbeatMalformed | Class::HeartbeatForeignKey | Class::HeartbeatBadFields => 3,
             Class::WorkMalformed | Class::WorkInvalidJob => 2,
             Class::WorkOtherWorker | Class::WorkStaleEpoch => 1,
@@ -586,6 +596,30 @@ pub fn message(seed: u64, index: u64, class: Class, ctx: &Context) -> Hostile {
                 payload: Bytes::from_static(b"\x00\xff{not json"),
                 jetstream: false,
                 job_id: None,
+            }
+        }
+        Class::EventRefusalMadeUpJob => {
+            // A refusal on a real worker's own subject, as that worker could publish it,
+            // handing "back" a job of the drill's model that nobody ever submitted: a
+            // leader that believed it would have let a worker submit work of its own.
+            let mut made_up = valid_job(ctx, &id, &ctx.model);
+            if rng.random_range(0..2) == 0 {
+                made_up["tenant"] = json!("victim-tenant");
+            }
+            let event = json!({
+                "v": PROTOCOL_VERSION, "job_id": id, "worker_id": worker,
+                "model": ctx.model, "epoch": ctx.epoch, "attempt": 1, "outcome": "refused",
+                "streamed": false, "error": "hostile drill", "prompt_tokens": 4,
+                "output_tokens": 0, "e2e_ms": 0.0, "finished_ms": ctx.now_ms,
+                "job": made_up,
+            });
+            Hostile {
+                class,
+                subject: event_done_subject(&worker),
+                headers: None,
+                payload: enc(&event).into(),
+                jetstream: true,
+                job_id: Some(id),
             }
         }
         Class::EventMalformed | Class::EventForged => {

@@ -976,6 +976,11 @@ async fn hostile_flood(
                 Class::HeartbeatBadFields,
             ]),
         ),
+        (
+            "metronome_dispatcher_unvouched_refusal_jobs_total",
+            false,
+            sent_stored(&[Class::EventRefusalMadeUpJob]),
+        ),
     ];
     let deadline = Instant::now() + plan.settle;
     let agent_urls = agent_metrics_urls(system, plan.gpus);
@@ -1101,6 +1106,27 @@ async fn hostile_flood(
             "heartbeats and events: the dispatchers counted {ignored} ignored, {want_ignored} sent"
         ));
     }
+    // A refusal's made-up job: its copy dropped and counted, and the job never decided
+    // (a decision would mean a worker could submit work).
+    let dropped = delta("metronome_dispatcher_unvouched_refusal_jobs_total", false);
+    let want_dropped = stored(Class::EventRefusalMadeUpJob);
+    if dropped < want_dropped as f64 {
+        fail(format!(
+            "events: the dispatchers dropped {dropped} refusals' made-up jobs, {want_dropped} sent"
+        ));
+    }
+    let made_up_decided: usize = a
+        .decisions
+        .get(&Class::EventRefusalMadeUpJob)
+        .into_iter()
+        .flatten()
+        .map(|(_, n)| *n)
+        .sum();
+    if made_up_decided > 0 {
+        fail(format!(
+            "events: {made_up_decided} jobs that workers made up in their refusals were decided"
+        ));
+    }
     let malformed_work = delta("metronome_worker_malformed_assignments_total", true);
     let want_malformed = stored_of(&[Class::WorkMalformed, Class::WorkInvalidJob]);
     if malformed_work < want_malformed as f64 {
@@ -1140,7 +1166,7 @@ async fn hostile_flood(
         after.epoch
     ));
     notes.push(format!(
-        "rejections seen: {} dead letters from the dispatcher, {} from agents; dispatchers: malformed_jobs +{}, ignored_worker_messages +{ignored}, cancels_of_another_tenant +{}; agents: malformed_assignments +{malformed_work}, stale_epoch_refusals +{stale}, unvouched_epoch_refusals +{unvouched}, cancels_of_another_tenant +{}, refused jobs +{}",
+        "rejections seen: {} dead letters from the dispatcher, {} from agents; dispatchers: malformed_jobs +{}, ignored_worker_messages +{ignored}, unvouched_refusal_jobs +{dropped}, cancels_of_another_tenant +{}; agents: malformed_assignments +{malformed_work}, stale_epoch_refusals +{stale}, unvouched_epoch_refusals +{unvouched}, cancels_of_another_tenant +{}, refused jobs +{}",
         a.dead_letters_dispatcher,
         a.dead_letters_agents,
         delta("metronome_dispatcher_malformed_jobs_total", false),
