@@ -1238,8 +1238,8 @@ impl Engine {
     /// they go back through JOBS with the next attempt, as a rescue of this leader's own.
     fn rescue_purged(&mut self, worker_id: &str, assignments: Vec<Assignment>) {
         let settled = self.settled_at_death.remove(worker_id).unwrap_or_default();
-        let rescued: Vec<&Assignment> = assignments
-            .iter()
+        let rescued: Vec<Assignment> = assignments
+            .into_iter()
             .filter(|a| {
                 let id = a.job.id.as_str();
                 let held = settled.contains(id)
@@ -1260,15 +1260,8 @@ impl Engine {
                 "its unreported Assignment was purged and is assigned again",
             ));
         }
-        let rescued: HashSet<(String, u32)> = rescued
-            .into_iter()
-            .map(|a| (a.job.id.clone(), a.attempt))
-            .collect();
-        for a in assignments {
+        for a in rescued {
             let id = a.job.id.as_str();
-            if !rescued.contains(&(a.job.id.clone(), a.attempt)) {
-                continue;
-            }
             tracing::warn!(job_id = %id, worker_id, attempt = a.attempt, "a dead worker's purged assignment from an earlier leader: assigning it again");
             self.metrics.rescued_jobs_total.fetch_add(1, Relaxed);
             self.refusals.record(id, worker_id, a.attempt);

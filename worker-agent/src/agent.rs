@@ -11,15 +11,18 @@
 //!   reason, counted, copied to the dead-letter subject and terminated (never redelivered).
 //! - A job is in `in_flight` from the moment it is accepted until its event is published;
 //!   heartbeats list exactly these ids.
-//! - No job runs twice because of this agent: a redelivered assignment of a job the
-//!   previous run reported fails as lost (whichever leader assigned it, before any epoch
-//!   check), one it does not hold otherwise (it restarted, or the delivery never reached a
-//!   runner) is refused back to the dispatcher rather than run; only a refusal of a first
-//!   delivery carries the job (a leader that does not hold the body assigns it again from
-//!   that copy, so the copy must be of a job no run of this agent started); a job starts only once a stored heartbeat lists it, and
-//!   never if the agent was fenced (see [`crate::fence`]) between taking and reporting it;
-//!   a job the leader revoked (it declared this worker dead and settled the job) stops
-//!   without a result or an event.
+//! - No job runs twice because of this agent:
+//!   - a redelivered assignment of a job the previous run reported fails as lost
+//!     (whichever leader assigned it: checked before the epoch);
+//!   - one it does not hold otherwise (it restarted, or the delivery never reached a
+//!     runner) is refused back to the dispatcher rather than run;
+//!   - only a refusal of a first delivery carries the job (a leader that does not hold
+//!     the body assigns it again from that copy, so the copy must be of a job no run of
+//!     this agent started);
+//!   - a job starts only once a stored heartbeat lists it, and never if the agent was
+//!     fenced (see [`crate::fence`]) between taking and reporting it;
+//!   - a job the leader revoked (it declared this worker dead and settled the job, or
+//!     assigned again what its purge removed) stops without a result or an event.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
