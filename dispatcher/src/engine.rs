@@ -133,6 +133,20 @@ struct AssignedJob {
     deadline_ms: u64,
 }
 
+impl AssignedJob {
+    /// A job an earlier leader assigned, known here only from a copy (a purged Assignment,
+    /// a refusal). Its place in the queue is unknown: it was placed before anything now
+    /// waiting, so it goes first; its deadline is set when it is retried.
+    fn from_earlier_leader(job: Job, attempt: u32) -> AssignedJob {
+        AssignedJob {
+            job: Arc::new(job),
+            attempt,
+            seq: 0,
+            deadline_ms: 0,
+        }
+    }
+}
+
 /// A conditional delete of an overdue worker's key in flight.
 struct Expiring {
     since_ms: u64,
@@ -903,49 +917,42 @@ impl Engine {
                 self.retry(a, &format!("refused by {}", event.worker_id), acker.take());
             }
             None if !self.queues.contains(&event.job_id)
-                && self.ledger.worker_of(&event.job_id).is_none()
-                && event.job.is_some()
-                && !self.queued_assigned_or_finished(&event.job_id) =>
-            {
-                // Refused, assigned by an earlier leader, and the refusal carries the job
-                // (the intake kept the copy only where the decision on record vouches for
-                // it): assigned again like a refusal of our own. A retry the earlier leader
-                // already put back has the same msg-id, so JOBS keeps one.
-                let Some(job) = event.job.take() else { return };
-                tracing::info!(job_id = %event.job_id, worker_id = %event.worker_id, attempt = event.attempt, error = ?event.error, "worker refused a job an earlier leader assigned: assigning it again from the copy it carried");
-                self.refusals
-                    .record(&event.job_id, &event.worker_id, event.attempt);
-                let retry = AssignedJob {
-                    job: Arc::new(*job),
-                    attempt: event.attempt,
-                    // Its place in the queue is unknown here: it was placed before
-                    // anything now waiting, so it goes first.
-                    seq: 0,
-                    deadline_ms: 0,
-                };
-                self.retry(
-                    retry,
-                    &format!("refused by {}", event.worker_id),
-                    acker.take(),
-                );
-            }
-            None if !self.queues.contains(&event.job_id)
                 && self.ledger.worker_of(&event.job_id).is_none() =>
             {
-                // Refused, but this leader does not hold the job's body (assigned by an
-                // earlier leader). That leader may have put the retry back in JOBS before it
-                // died (the refusal is acknowledged only after that), and the retry then
-                // arrives within moments of the takeover: look again after a grace period,
-                // and tell the client only if the job has not come back by then.
-                let now = self.now_ms;
-                self.orphan_refusals.push_back((
-                    event.job_id.clone(),
-                    event.worker_id.clone(),
-                    now,
-                ));
-                // Bounded: over the bound the oldest is settled at once.
-                if self.orphan_refusals.len() > CANCELLED_MAX {
-                    self.settle_orphan_refusals(now);
+                // Refused, and this leader does not hold the job's body (assigned by an
+                // earlier leader).
+                match event.job.take() {
+                    // The refusal carries the job (the intake kept the copy only where the
+                    // decision on record vouches for it): assigned again like a refusal of
+                    // our own. A retry the earlier leader already put back has the same
+                    // msg-id, so JOBS keeps one.
+                    Some(job) if !self.queued_assigned_or_finished(&event.job_id) => {
+                        tracing::info!(job_id = %event.job_id, worker_id = %event.worker_id, attempt = event.attempt, error = ?event.error, "worker refused a job an earlier leader assigned: assigning it again from the copy it carried");
+                        self.refusals
+                            .record(&event.job_id, &event.worker_id, event.attempt);
+                        let retry = AssignedJob::from_earlier_leader(*job, event.attempt);
+                        self.retry(
+                            retry,
+                            &format!("refused by {}", event.worker_id),
+                            acker.take(),
+                        );
+                    }
+                    // No copy: that leader may have put the retry back in JOBS before it
+                    // died (the refusal is acknowledged only after that), and the retry then
+                    // arrives within moments of the takeover: look again after a grace
+                    // period, and tell the client only if the job has not come back by then.
+                    _ => {
+                        let now = self.now_ms;
+                        self.orphan_refusals.push_back((
+                            event.job_id.clone(),
+                            event.worker_id.clone(),
+                            now,
+                        ));
+                        // Bounded: over the bound the oldest is settled at once.
+                        if self.orphan_refusals.len() > CANCELLED_MAX {
+                            self.settle_orphan_refusals(now);
+                        }
+                    }
                 }
             }
             None => {}
@@ -1265,14 +1272,7 @@ impl Engine {
             tracing::warn!(job_id = %id, worker_id, attempt = a.attempt, "a dead worker's purged assignment from an earlier leader: assigning it again");
             self.metrics.rescued_jobs_total.fetch_add(1, Relaxed);
             self.refusals.record(id, worker_id, a.attempt);
-            let retry = AssignedJob {
-                job: Arc::new(a.job),
-                attempt: a.attempt,
-                // Its place in the queue is unknown here: it was placed before anything
-                // now waiting, so it goes first.
-                seq: 0,
-                deadline_ms: 0,
-            };
+            let retry = AssignedJob::from_earlier_leader(a.job, a.attempt);
             self.retry(
                 retry,
                 &format!("worker {worker_id} died before reporting it"),

@@ -139,6 +139,21 @@ async fn delivered_once_before_by(
     taken.ack_with(AckKind::Nak(delay)).await.unwrap();
 }
 
+/// Store the last heartbeat of a previous run of `worker` that listed `job_id` (so that
+/// run may have started it and streamed).
+async fn previous_run_reported(env: &Env, worker: &str, job_id: &str) {
+    let previous = serde_json::json!({
+        "v": PROTOCOL_VERSION, "worker_id": worker, "model": MODEL, "healthy": true,
+        "draining": false, "max_concurrency": 4, "active": 1, "queued": 0,
+        "in_flight": [job_id], "seq": 41, "sent_ms": 1,
+    });
+    env.buckets
+        .workers
+        .put(worker, serde_json::to_vec(&previous).unwrap().into())
+        .await
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redelivered_job_the_previous_run_had_reported_fails_as_lost_and_never_runs_again() {
     let env = Env::start().await;
@@ -159,16 +174,7 @@ async fn a_redelivered_job_the_previous_run_had_reported_fails_as_lost_and_never
     env.client.flush().await.unwrap();
     delivered_once_before(&env, &config, "job-was-running").await;
     // The previous run's last stored heartbeat listed the job: it may have streamed.
-    let previous = serde_json::json!({
-        "v": PROTOCOL_VERSION, "worker_id": worker, "model": MODEL, "healthy": true,
-        "draining": false, "max_concurrency": 4, "active": 1, "queued": 0,
-        "in_flight": ["job-was-running"], "seq": 41, "sent_ms": 1,
-    });
-    env.buckets
-        .workers
-        .put(worker, serde_json::to_vec(&previous).unwrap().into())
-        .await
-        .unwrap();
+    previous_run_reported(&env, worker, "job-was-running").await;
 
     let (agent, shutdown) = env.start_agent(config).await;
     let failed = wait_for("the lost job's event", WAIT, || async {
@@ -216,16 +222,7 @@ async fn a_deposed_leaders_redelivery_of_a_job_the_previous_run_reported_fails_a
         Some(std::time::Duration::from_secs(8)),
     )
     .await;
-    let previous = serde_json::json!({
-        "v": PROTOCOL_VERSION, "worker_id": worker, "model": MODEL, "healthy": true,
-        "draining": false, "max_concurrency": 4, "active": 1, "queued": 0,
-        "in_flight": ["job-old-term"], "seq": 7, "sent_ms": 1,
-    });
-    env.buckets
-        .workers
-        .put(worker, serde_json::to_vec(&previous).unwrap().into())
-        .await
-        .unwrap();
+    previous_run_reported(&env, worker, "job-old-term").await;
     env.assign(worker, &job("job-new-term", Endpoint::Chat, 2, 0), 5)
         .await;
 
