@@ -96,6 +96,7 @@ impl Forecast {
         // long prompt long done would still count there); used only when every booking
         // carries its prediction and nothing runs there that is not booked.
         let mut booked_pending = Some(0.0);
+        let mut unreported_pending = 0.0;
         for r in ledger.reservations_on(&status.worker_id) {
             let (prompt, out) = r.profile.map_or((0.0, default_output), |p| {
                 (f64::from(p.prompt_tokens), p.protected_output)
@@ -110,11 +111,27 @@ impl Forecast {
                 (Some(sum), Some(p)) if p.decoding_from_ms > 0 && load.now_ms > 0 => {
                     let span = p.decoding_from_ms.saturating_sub(r.reserved_ms).max(1) as f64;
                     let left = p.decoding_from_ms.saturating_sub(load.now_ms) as f64 / span;
-                    Some(sum + prompt * left.min(1.0))
+                    let pending = prompt * left.min(1.0);
+                    if !status.in_flight.contains(&r.job_id) {
+                        unreported_pending += pending;
+                    }
+                    Some(sum + pending)
                 }
                 _ => None,
             };
         }
+        // What the heartbeat reported still to prefill, less what the worker can have
+        // prefilled since at its fitted speed: a floor under the bookings' estimate. The
+        // bookings count a prompt as prefilled once its predicted TTFT has passed; when the
+        // server runs behind its predictions (a burst queued there, a fit still learning)
+        // they would call a worker with seconds of prefill queued free, and every later
+        // prediction there would build on that.
+        let since_heartbeat_ms = load.now_ms.saturating_sub(view.last_seen_ms) as f64;
+        let reported_left = (status.prefill_pending_tokens as f64
+            - since_heartbeat_ms / coefficients.prefill_per_token_ms.max(1e-6))
+        .max(0.0);
+        let booked_pending =
+            booked_pending.map(|b: f64| b.max(reported_left + unreported_pending));
         let context_tokens = match status.kv.and_then(|kv| kv.capacity_tokens.map(|c| (kv, c))) {
             Some((kv, capacity)) => {
                 kv_tokens_in_use(kv.used_frac, capacity, 0) + unreported_context
@@ -417,6 +434,7 @@ mod tests {
         w.status.kv = None;
         // The heartbeat, a second old, still counts a long prompt since prefilled.
         w.status.prefill_pending_tokens = 5_000;
+        w.last_seen_ms = NOW + 100 - 1_000;
         w.status.active = 1;
         w.status.in_flight = vec!["a".into()];
         let mut l = Ledger::new();
@@ -440,6 +458,48 @@ mod tests {
         let load = WorkerLoad::at(&w, &l, &config, NOW + 100);
         let f = Forecast::of(&job("m"), &w, &load, &l, &config);
         assert_eq!(f.pending_prefill_tokens, 5_000.0);
+    }
+
+    #[test]
+    fn a_worker_behind_its_predictions_keeps_the_prefill_its_heartbeat_reports() {
+        let mut w = worker("w1");
+        w.status.perf = Some(coefficients()); // 0.1 ms per prompt token
+        w.status.kv = None;
+        // Two jobs booked 3 s ago, predicted to have started decoding long since; the
+        // heartbeat, 100 ms old, says 5,000 of their prompt tokens still wait.
+        w.status.prefill_pending_tokens = 5_000;
+        w.status.active = 2;
+        w.status.in_flight = vec!["a".into(), "b".into()];
+        w.last_seen_ms = NOW + 3_000 - 100;
+        let mut l = Ledger::new();
+        for id in ["a", "b"] {
+            let booked = JobProfile {
+                prompt_tokens: 3_000,
+                protected_output: 10.0,
+                min_tok_s: 30.0,
+                max_tokens: 10,
+                decoding_from_ms: NOW + 400,
+            };
+            l.reserve_profiled("w1", id, 3_010, booked, NOW).unwrap();
+        }
+        // A third, not yet reported, just booked: all of its prompt is still ahead.
+        let fresh = JobProfile {
+            prompt_tokens: 1_000,
+            protected_output: 10.0,
+            min_tok_s: 30.0,
+            max_tokens: 10,
+            decoding_from_ms: NOW + 3_000 + 500,
+        };
+        l.reserve_profiled("w1", "c", 1_010, fresh, NOW + 3_000).unwrap();
+        let config = SchedulerConfig::default();
+        let load = WorkerLoad::at(&w, &l, &config, NOW + 3_000);
+        let f = Forecast::of(&job("m"), &w, &load, &l, &config);
+        // 5,000 reported, less 100 ms at 0.1 ms per token, plus the unreported 1,000.
+        assert!(
+            (f.pending_prefill_tokens - 5_000.0).abs() < 1e-9,
+            "{}",
+            f.pending_prefill_tokens
+        );
     }
 
     #[test]

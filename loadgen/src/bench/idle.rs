@@ -1,11 +1,12 @@
-//! Idle check: GPU-seconds a simulated GPU sat idle while a job for its model waited in the
-//! dispatcher's queue — capacity that admission control left unused.
+//! Idle check: GPU-seconds a simulated GPU sat idle while a job for its model waited, in
+//! the dispatcher's queue or in another GPU's server queue — capacity that admission
+//! control or placement left unused.
 //!
 //! Sampled every ~100 ms during a run: per GPU, `vllm:num_requests_running` and
 //! `vllm:num_requests_waiting` from its own metrics; per model, the leader dispatcher's
 //! `metronome_dispatcher_queue_depth`. A sample's state holds until the next sample
 //! (left-endpoint rule), so the idle time is
-//! `Σ_k (t_{k+1} - t_k) · #{gpu idle at k with queue(model(gpu)) > 0 at k}` and the
+//! `Σ_k (t_{k+1} - t_k) · #{gpu idle at k while a job for model(gpu) waits at k}` and the
 //! total is `#gpus · (t_last - t_first)`. The queue gauge is refreshed on the dispatcher's
 //! tick (100 ms by default), so a short idle spell right after a completion can be
 //! counted; that bias is the same for every policy. Pure.
@@ -52,7 +53,7 @@ pub fn idle_stats(samples: &[ClusterSample]) -> IdleStats {
             .gpus
             .iter()
             .filter(|(model, running, waiting)| {
-                *running <= 0.0 && *waiting <= 0.0 && s.queued.get(model).is_some_and(|q| *q > 0.0)
+                *running <= 0.0 && *waiting <= 0.0 && job_waits_for(s, model)
             })
             .count();
         idle += dt * idle_gpus as f64;
@@ -68,6 +69,15 @@ pub fn idle_stats(samples: &[ClusterSample]) -> IdleStats {
         total_gpu_s: total,
         share: if total > 0.0 { idle / total } else { 0.0 },
     }
+}
+
+/// Whether a job for `model` waits at sample `s`: in the dispatcher's queue, or in the
+/// waiting queue of a GPU serving that model (a job placed on a busy GPU while another sat
+/// idle waits there, not in the dispatcher, and a router with no queue of its own keeps
+/// all its waiting jobs there).
+fn job_waits_for(s: &ClusterSample, model: &str) -> bool {
+    s.queued.get(model).is_some_and(|q| *q > 0.0)
+        || s.gpus.iter().any(|(m, _, waiting)| m == model && *waiting > 0.0)
 }
 
 /// Queue depth per model from a dispatcher's Prometheus text
@@ -164,6 +174,22 @@ mod tests {
         assert!((st.total_gpu_s - 1.0).abs() < 1e-9, "{st:?}");
         assert!((st.share - 0.3).abs() < 1e-9);
         assert_eq!(st.max_queued, 5.0);
+    }
+
+    #[test]
+    fn a_job_waiting_at_another_gpus_server_counts() {
+        // GPU 0 runs 1 and has 3 waiting; GPU 1 is idle; nothing in the dispatcher.
+        let s = [
+            sample(0.0, &[(1.0, 3.0), (0.0, 0.0)], 0.0),
+            sample(0.5, &[(1.0, 0.0), (0.0, 0.0)], 0.0),
+            sample(1.0, &[(1.0, 0.0), (0.0, 0.0)], 0.0),
+        ];
+        let st = idle_stats(&s);
+        assert!((st.idle_gpu_s - 0.5).abs() < 1e-9, "{st:?}");
+        // A job waiting at a GPU of another model does not count.
+        let mut other = s[0].clone();
+        other.gpus[0].0 = "other".into();
+        assert_eq!(idle_stats(&[other, s[1].clone()]).idle_gpu_s, 0.0);
     }
 
     #[test]

@@ -18,9 +18,10 @@
 //! [`PerfPrior::forgetting`] (an effective memory of `1 / (1 − λ)` jobs), so a worker whose
 //! speed changes (thermal throttling, a neighbour on the PCIe switch) is re-learnt.
 //!
-//! Invariants: [`PerfModel::coefficients`] never returns a negative or non-finite
-//! coefficient (a fitted negative slope is physically meaningless noise and is read as 0);
-//! a persisted model whose shape does not match is replaced by the prior, never trusted.
+//! Invariants: no fitted coefficient is negative, inside the fit or in
+//! [`PerfModel::coefficients`] (a negative slope is physically meaningless noise: each
+//! update is projected back to 0, and a model persisted before that is read as 0); a
+//! persisted model whose shape does not match is replaced by the prior, never trusted.
 
 use metronome_protocol::PerfCoefficients;
 use serde::{Deserialize, Serialize};
@@ -32,6 +33,16 @@ use super::rls::Rls;
 const DECODE_FEATURES: usize = 4;
 /// Features of the prefill regression: 1, prompt + ahead (k tokens), running streams.
 const PREFILL_FEATURES: usize = 3;
+
+/// The shortest decode step any fit may claim, in ms.
+const MIN_STEP_MS: f64 = 0.1;
+
+/// Standard deviation of a measured TTFT around the prefill law, in ms. A live server's
+/// TTFT moves by tens of milliseconds with nothing in the law changing (where a step
+/// boundary falls, a chunk shared with another prompt, the scheduler's own turn): trusted
+/// to the millisecond, the first few jobs alone set all three coefficients, a short prompt
+/// let through beside a long prefill can teach a slope of 0, and the prior is gone.
+const PREFILL_NOISE_SD_MS: f64 = 50.0;
 
 /// The starting point of every worker's model, and how far to trust it.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -187,6 +198,7 @@ impl PerfPrior {
                 self.sd(self.ttft_per_stream_ms, 10.0),
             ],
         )
+        .with_noise_sd(PREFILL_NOISE_SD_MS)
     }
 }
 
@@ -275,13 +287,16 @@ impl PerfModel {
         }
     }
 
-    /// Fold in one completed job.
+    /// Fold in one completed job. The fits stay within what a GPU can do: a decode step
+    /// takes time, and no slope is negative.
     pub fn observe(&mut self, sample: &PerfSample) {
         if let Some((x, y)) = sample.decode_features() {
             self.decode.update(&x, y, self.forgetting);
+            self.decode.keep_at_least(&[MIN_STEP_MS, 0.0, 0.0, 0.0]);
         }
         if let Some((x, y)) = sample.prefill_features() {
             self.prefill.update(&x, y, self.forgetting);
+            self.prefill.keep_at_least(&[0.0; PREFILL_FEATURES]);
         }
     }
 
@@ -297,8 +312,8 @@ impl PerfModel {
         let p = &self.prefill.theta;
         let nn = |v: f64| if v.is_finite() { v.max(0.0) } else { 0.0 };
         PerfCoefficients {
-            // A step always takes time: a fit that says otherwise is read as 0.1 ms.
-            step_base_ms: nn(d[0]).max(0.1),
+            // A step always takes time: a fit that says otherwise is read as the minimum.
+            step_base_ms: nn(d[0]).max(MIN_STEP_MS),
             step_per_stream_ms: nn(d[1]),
             step_per_ktok_ms: nn(d[2]),
             stall_per_prefill_token_ms: nn(d[3]) / 1000.0,
@@ -392,6 +407,41 @@ mod tests {
             assert!(close(decode, s.tpot_ms.unwrap(), 0.03), "{decode} vs {s:?}");
             assert!(close(ttft, s.ttft_ms.unwrap(), 0.03), "{ttft} vs {s:?}");
         }
+    }
+
+    /// The first jobs a worker finished in a live run (`metronome-bench`, the trace at 130 %,
+    /// 4 equal GPUs): three short prompts, one of them let through beside a 7k-token prompt
+    /// still prefilling (a chunked-prefill server interleaves them), then the two long
+    /// prompts themselves. Their residuals dwarf the short jobs', and the outlier guard used
+    /// to clip them as noise: the fit kept a prefill slope of about 0 and the dispatcher
+    /// sent 38 jobs to that one GPU in 0.7 s, predicting 93 ms for a 6.5k-token prompt,
+    /// while three GPUs sat idle for 14 s.
+    #[test]
+    fn long_prompts_after_short_ones_teach_the_prefill_slope_not_clipped_as_outliers() {
+        let job = |prompt: u32, ahead: f64, streams: f64, ttft: f64| PerfSample {
+            prompt_tokens: prompt,
+            output_tokens: 1,
+            ttft_ms: Some(ttft),
+            streams_at_start: streams,
+            prefill_ahead_tokens: ahead,
+            ..PerfSample::default()
+        };
+        let mut m = PerfModel::new(&PerfPrior::default());
+        for s in [
+            job(34, 0.0, 1.0, 28.4),
+            job(201, 6_985.0, 1.0, 61.6),
+            job(110, 0.0, 0.0, 38.7),
+            job(6_985, 0.0, 1.0, 1_894.9),
+            job(7_427, 6_985.0, 2.0, 2_894.8),
+        ] {
+            m.observe(&s);
+        }
+        let alone = m
+            .prefill
+            .predict(&job(6_491, 0.0, 1.0, 0.0).prefill_features().unwrap().0);
+        // The two long jobs took 0.20-0.27 ms per prompt token.
+        eprintln!("{:?}", m.prefill.theta);
+        assert!(alone > 1_000.0, "6,491 prompt tokens predicted to take {alone} ms");
     }
 
     #[test]

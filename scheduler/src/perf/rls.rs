@@ -14,9 +14,10 @@
 //!   until one odd sample swings the coefficient wildly ("covariance wind-up"). Each
 //!   diagonal entry is capped at its prior variance by a symmetric rescaling of its row and
 //!   column, which keeps `P` positive semi-definite.
-//! - *Clipped residuals.* A sample whose residual exceeds `OUTLIER_SCALES` times the running
-//!   mean absolute residual plus a tenth of the prediction (a job stalled by a GC pause, a
-//!   network hiccup) moves the fit only as far as that bound.
+//! - *Clipped residuals.* Once the fit has seen `WARM_UP_SAMPLES` samples, a sample whose
+//!   residual exceeds `OUTLIER_SCALES` times the running mean absolute residual plus a tenth
+//!   of the prediction (a job stalled by a GC pause, a network hiccup) moves the fit only as
+//!   far as that bound.
 //!
 //! Invariants: dimensions never change after construction; non-finite samples are ignored;
 //! the state is plain data (serde), so it can be persisted and resumed exactly.
@@ -25,6 +26,13 @@ use serde::{Deserialize, Serialize};
 
 /// Residuals beyond this many mean absolute residuals are clipped.
 const OUTLIER_SCALES: f64 = 4.0;
+
+/// Samples folded in before any residual is clipped. Until then the residual scale rests
+/// on a handful of jobs, typically alike (a worker's first jobs are often a few short
+/// prompts), and the first job unlike them is exactly the one the fit must learn from: a
+/// worker's first long prompt, clipped as an outlier against the short ones' residuals,
+/// left the prefill slope near 0 on a live GPU and admission sent it 38 jobs at once.
+const WARM_UP_SAMPLES: u64 = 10;
 
 /// The state of one regression.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -39,6 +47,14 @@ pub struct Rls {
     pub residual_scale: f64,
     /// Samples folded in.
     pub samples: u64,
+    /// Variance of a sample's noise, in the squared unit of `y`: how much one sample may
+    /// move the fit against the prior. 1 for fits persisted before it was a field.
+    #[serde(default = "unit_noise")]
+    pub noise_var: f64,
+}
+
+fn unit_noise() -> f64 {
+    1.0
 }
 
 impl Rls {
@@ -61,7 +77,18 @@ impl Rls {
             p_max,
             residual_scale: 0.0,
             samples: 0,
+            noise_var: 1.0,
         }
+    }
+
+    /// The same fit for samples whose noise has standard deviation `sd` (in the unit of
+    /// `y`): with the default of 1, a sample is trusted as if it were exact to a unit, and
+    /// a handful of samples override any prior.
+    pub fn with_noise_sd(mut self, sd: f64) -> Rls {
+        if sd.is_finite() && sd > 0.0 {
+            self.noise_var = sd * sd;
+        }
+        self
     }
 
     /// Number of features.
@@ -85,6 +112,7 @@ impl Rls {
                 .chain(&self.p_max)
                 .all(|v| v.is_finite())
             && self.residual_scale.is_finite()
+            && self.noise_var.is_finite()
     }
 
     /// `xᵀ θ`.
@@ -108,13 +136,18 @@ impl Rls {
         for (i, out) in px.iter_mut().enumerate() {
             *out = (0..n).map(|j| self.p[i * n + j] * x[j]).sum();
         }
-        let denom = lambda + x.iter().zip(&px).map(|(a, b)| a * b).sum::<f64>();
+        let noise_var = if self.noise_var.is_finite() && self.noise_var > 0.0 {
+            self.noise_var
+        } else {
+            1.0
+        };
+        let denom = lambda * noise_var + x.iter().zip(&px).map(|(a, b)| a * b).sum::<f64>();
         if !(denom.is_finite() && denom > 0.0) {
             return;
         }
         let predicted = self.predict(x);
         let mut error = y - predicted;
-        if self.samples > 0 {
+        if self.samples >= WARM_UP_SAMPLES {
             // A tenth of the prediction is never an outlier: while a noise-free fit
             // converges its residual scale shrinks towards 0, and samples from a region it
             // has not seen yet must still move it.
@@ -140,6 +173,19 @@ impl Rls {
         }
         self.bound_covariance();
         self.samples += 1;
+    }
+
+    /// Keep every coefficient at or above its floor (`floors[i]`): a projection of the
+    /// estimate onto what is physically possible. Without it a coefficient pushed below
+    /// its floor by a few odd samples (a negative prefill slope, read as 0 by whoever
+    /// predicts with it) keeps shaping every later residual from there, and the fit needs
+    /// as many samples again to climb back.
+    pub fn keep_at_least(&mut self, floors: &[f64]) {
+        for (t, f) in self.theta.iter_mut().zip(floors) {
+            if *t < *f {
+                *t = *f;
+            }
+        }
     }
 
     /// Cap each diagonal entry at its prior variance, rescaling its row and column so the
