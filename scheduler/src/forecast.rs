@@ -130,8 +130,7 @@ impl Forecast {
         let reported_left = (status.prefill_pending_tokens as f64
             - since_heartbeat_ms / coefficients.prefill_per_token_ms.max(1e-6))
         .max(0.0);
-        let booked_pending =
-            booked_pending.map(|b: f64| b.max(reported_left + unreported_pending));
+        let booked_pending = booked_pending.map(|b: f64| b.max(reported_left + unreported_pending));
         let context_tokens = match status.kv.and_then(|kv| kv.capacity_tokens.map(|c| (kv, c))) {
             Some((kv, capacity)) => {
                 kv_tokens_in_use(kv.used_frac, capacity, 0) + unreported_context
@@ -490,7 +489,8 @@ mod tests {
             max_tokens: 10,
             decoding_from_ms: NOW + 3_000 + 500,
         };
-        l.reserve_profiled("w1", "c", 1_010, fresh, NOW + 3_000).unwrap();
+        l.reserve_profiled("w1", "c", 1_010, fresh, NOW + 3_000)
+            .unwrap();
         let config = SchedulerConfig::default();
         let load = WorkerLoad::at(&w, &l, &config, NOW + 3_000);
         let f = Forecast::of(&job("m"), &w, &load, &l, &config);

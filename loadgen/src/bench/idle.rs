@@ -77,7 +77,9 @@ pub fn idle_stats(samples: &[ClusterSample]) -> IdleStats {
 /// all its waiting jobs there).
 fn job_waits_for(s: &ClusterSample, model: &str) -> bool {
     s.queued.get(model).is_some_and(|q| *q > 0.0)
-        || s.gpus.iter().any(|(m, _, waiting)| m == model && *waiting > 0.0)
+        || s.gpus
+            .iter()
+            .any(|(m, _, waiting)| m == model && *waiting > 0.0)
 }
 
 /// Queue depth per model from a dispatcher's Prometheus text

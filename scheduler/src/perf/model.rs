@@ -441,7 +441,10 @@ mod tests {
             .predict(&job(6_491, 0.0, 1.0, 0.0).prefill_features().unwrap().0);
         // The two long jobs took 0.20-0.27 ms per prompt token.
         eprintln!("{:?}", m.prefill.theta);
-        assert!(alone > 1_000.0, "6,491 prompt tokens predicted to take {alone} ms");
+        assert!(
+            alone > 1_000.0,
+            "6,491 prompt tokens predicted to take {alone} ms"
+        );
     }
 
     #[test]
