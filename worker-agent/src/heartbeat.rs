@@ -7,7 +7,9 @@
 //! heartbeats; `in_flight` lists exactly the jobs the agent holds; a signal the agent could
 //! not read (no metrics, no NVML) is `None`, never a made-up zero. `active`/`queued` come
 //! from the server's own metrics when it exports them (they include requests the agent did
-//! not send), else from the agent's count. `healthy` means the model server answered its
+//! not send), else from the agent's count; `active` less the agent's jobs that ended since
+//! the scrape (up to a probe interval old), which would otherwise keep an idle GPU busy in
+//! the dispatcher's eyes until the next scrape. `healthy` means the model server answered its
 //! health endpoint within the probe timeout, and no job lost the server since (a job that
 //! cannot reach it, or whose stream breaks, reports the worker unhealthy at once).
 //!
@@ -68,7 +70,16 @@ impl Heartbeat {
     pub async fn build(&mut self) -> WorkerStatus {
         let shared = &self.shared;
         let cfg = &shared.config;
-        let Probed { healthy, load, gpu } = self.probes.latest();
+        let Probed {
+            healthy,
+            load,
+            gpu,
+            ended_at_scrape,
+        } = self.probes.latest();
+        let ended_since_scrape = shared
+            .ended_on_server
+            .load(Ordering::SeqCst)
+            .saturating_sub(ended_at_scrape);
         // Read before the job list: every job accepted up to this generation is in it.
         self.generation = shared.accepted_generation.load(Ordering::SeqCst);
         let in_flight = shared.in_flight_ids();
@@ -83,7 +94,7 @@ impl Heartbeat {
             healthy,
             draining: shared.draining.load(Ordering::SeqCst),
             max_concurrency: cfg.max_concurrency,
-            active: load.running.unwrap_or(own),
+            active: running_now(load.running, ended_since_scrape).unwrap_or(own),
             queued: load.waiting.unwrap_or(0),
             in_flight,
             kv: load.kv,
@@ -226,5 +237,24 @@ impl Heartbeat {
         if let Err(e) = self.bucket.delete(&self.shared.config.worker_id).await {
             tracing::warn!(error = %e, "removing the worker from the workers bucket failed");
         }
+    }
+}
+
+/// The server's running count at its last scrape, less the agent's jobs that have ended
+/// since: those were running then and are not now.
+fn running_now(scraped: Option<u32>, ended_since_scrape: u64) -> Option<u32> {
+    scraped.map(|r| r.saturating_sub(u32::try_from(ended_since_scrape).unwrap_or(u32::MAX)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jobs_ended_since_the_scrape_leave_the_running_count() {
+        assert_eq!(running_now(Some(3), 1), Some(2));
+        assert_eq!(running_now(Some(1), 4), Some(0));
+        assert_eq!(running_now(None, 2), None);
+        assert_eq!(running_now(Some(5), 0), Some(5));
     }
 }

@@ -209,6 +209,7 @@ pub async fn start(
         heartbeat_now: Notify::new(),
         abort: CancellationToken::new(),
         accepted_generation: std::sync::atomic::AtomicU64::new(0),
+        ended_on_server: AtomicU64::new(0),
         reported_generation: tokio::sync::watch::channel(0).0,
         reported_before_restart,
         revoked: Mutex::new(std::collections::VecDeque::new()),

@@ -10,6 +10,7 @@
 //! exactly as the heartbeat reported before.
 
 use std::future::Future;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -29,6 +30,9 @@ pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 pub(crate) struct Probed {
     pub healthy: bool,
     pub load: ServerLoad,
+    /// [`Shared::ended_on_server`] when `load` was read: the jobs that ended since are
+    /// still in its running count.
+    pub ended_at_scrape: u64,
     pub gpu: Option<GpuStats>,
 }
 
@@ -73,7 +77,13 @@ async fn probe_metrics(shared: &Shared, cache: &ProbeCache) {
             ServerLoad::default()
         }
     };
-    cache.update(|p| p.load = load);
+    // Read after the scrape: a job that ends while it is under way may or may not be in
+    // the count, and is left in (a worker looks busy a moment longer, never idler).
+    let ended = shared.ended_on_server.load(Ordering::SeqCst);
+    cache.update(|p| {
+        p.load = load;
+        p.ended_at_scrape = ended;
+    });
 }
 
 async fn probe_gpu(gpu: &Arc<dyn GpuProbe>, cache: &ProbeCache) {

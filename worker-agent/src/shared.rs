@@ -63,6 +63,9 @@ pub(crate) struct Shared {
     pub abort: CancellationToken,
     /// Bumped (under the `in_flight` lock) each time a job is accepted.
     pub accepted_generation: AtomicU64,
+    /// Jobs that ended after being started on the model server: the heartbeat takes those
+    /// that ended since the last metrics scrape off the server's running count.
+    pub ended_on_server: AtomicU64,
     /// Highest `accepted_generation` a successfully stored heartbeat has covered.
     pub reported_generation: tokio::sync::watch::Sender<u64>,
     /// Raised while heartbeats are not being stored: nothing is pulled or started.
@@ -207,7 +210,12 @@ impl Shared {
     fn release(&self, job_id: &str) {
         let left = {
             let mut map = self.in_flight.lock().expect("in_flight lock");
-            map.remove(job_id);
+            if map
+                .remove(job_id)
+                .is_some_and(|h| h.started.load(Ordering::SeqCst))
+            {
+                self.ended_on_server.fetch_add(1, Ordering::SeqCst);
+            }
             map.len()
         };
         self.metrics.running_jobs.set(left as u64);
