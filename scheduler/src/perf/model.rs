@@ -410,9 +410,9 @@ mod tests {
     }
 
     /// The first jobs a worker finished in a live run (`metronome-bench`, the trace at 130 %,
-    /// 4 equal GPUs): three short prompts, one of them let through beside a 7k-token prompt
-    /// still prefilling (a chunked-prefill server interleaves them), then the two long
-    /// prompts themselves. Their residuals dwarf the short jobs', and the outlier guard used
+    /// 4 equal GPUs), their features rebuilt from the load generator's timings: three short
+    /// prompts, one of them let through beside a 7k-token prompt still prefilling (a
+    /// chunked-prefill server interleaves them), then the two long prompts themselves. Their residuals dwarf the short jobs', and the outlier guard used
     /// to clip them as noise: the fit kept a prefill slope of about 0 and the dispatcher
     /// sent 38 jobs to that one GPU in 0.7 s, predicting 93 ms for a 6.5k-token prompt,
     /// while three GPUs sat idle for 14 s.
@@ -440,7 +440,6 @@ mod tests {
             .prefill
             .predict(&job(6_491, 0.0, 1.0, 0.0).prefill_features().unwrap().0);
         // The two long jobs took 0.20-0.27 ms per prompt token.
-        eprintln!("{:?}", m.prefill.theta);
         assert!(
             alone > 1_000.0,
             "6,491 prompt tokens predicted to take {alone} ms"
