@@ -412,10 +412,11 @@ mod tests {
     /// The first jobs a worker finished in a live run (`metronome-bench`, the trace at 130 %,
     /// 4 equal GPUs), their features rebuilt from the load generator's timings: three short
     /// prompts, one of them let through beside a 7k-token prompt still prefilling (a
-    /// chunked-prefill server interleaves them), then the two long prompts themselves. Their residuals dwarf the short jobs', and the outlier guard used
-    /// to clip them as noise: the fit kept a prefill slope of about 0 and the dispatcher
-    /// sent 38 jobs to that one GPU in 0.7 s, predicting 93 ms for a 6.5k-token prompt,
-    /// while three GPUs sat idle for 14 s.
+    /// chunked-prefill server interleaves them), then the two long prompts themselves.
+    /// Their residuals dwarf the short jobs', and the outlier guard used to clip them as
+    /// noise: the fit kept a prefill slope of about 0 and the dispatcher sent 38 jobs to
+    /// that one GPU in 0.7 s, predicting 93 ms for a 6.5k-token prompt, while three GPUs
+    /// sat idle for 14 s.
     #[test]
     fn long_prompts_after_short_ones_teach_the_prefill_slope_not_clipped_as_outliers() {
         let job = |prompt: u32, ahead: f64, streams: f64, ttft: f64| PerfSample {

@@ -100,7 +100,8 @@ impl Rls {
         self.theta.is_empty()
     }
 
-    /// True when the state has the shape of a fit with `n` features and finite numbers.
+    /// True when the state has the shape of a fit with `n` features, finite numbers and a
+    /// positive noise variance.
     pub fn is_well_formed(&self, n: usize) -> bool {
         self.theta.len() == n
             && self.p.len() == n * n
@@ -113,6 +114,7 @@ impl Rls {
                 .all(|v| v.is_finite())
             && self.residual_scale.is_finite()
             && self.noise_var.is_finite()
+            && self.noise_var > 0.0
     }
 
     /// `xᵀ θ`.
@@ -136,12 +138,7 @@ impl Rls {
         for (i, out) in px.iter_mut().enumerate() {
             *out = (0..n).map(|j| self.p[i * n + j] * x[j]).sum();
         }
-        let noise_var = if self.noise_var.is_finite() && self.noise_var > 0.0 {
-            self.noise_var
-        } else {
-            1.0
-        };
-        let denom = lambda * noise_var + x.iter().zip(&px).map(|(a, b)| a * b).sum::<f64>();
+        let denom = lambda * self.noise_var + x.iter().zip(&px).map(|(a, b)| a * b).sum::<f64>();
         if !(denom.is_finite() && denom > 0.0) {
             return;
         }
