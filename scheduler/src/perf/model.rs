@@ -20,8 +20,10 @@
 //!
 //! Invariants: no fitted coefficient is negative, inside the fit or in
 //! [`PerfModel::coefficients`] (a negative slope is physically meaningless noise: each
-//! update is projected back to 0, and a model persisted before that is read as 0); a
-//! persisted model whose shape does not match is replaced by the prior, never trusted.
+//! update is projected back to 0, and a model persisted before that is read as 0); the
+//! per-stream step never exceeds the base step, inside the fit or in a persisted one (see
+//! [`PerfModel::observe`]); a persisted model whose shape does not match is replaced by the
+//! prior, never trusted.
 
 use metronome_protocol::PerfCoefficients;
 use serde::{Deserialize, Serialize};
@@ -278,26 +280,42 @@ impl PerfModel {
                 if m.decode.is_well_formed(DECODE_FEATURES)
                     && m.prefill.is_well_formed(PREFILL_FEATURES) =>
             {
-                PerfModel {
+                let mut m = PerfModel {
                     forgetting: prior.forgetting,
                     ..m
-                }
+                };
+                m.keep_physical();
+                m
             }
             _ => PerfModel::new(prior),
         }
     }
 
-    /// Fold in one completed job. The fits stay within what a GPU can do: a decode step
-    /// takes time, and no slope is negative.
+    /// Fold in one completed job, then keep the fits within what a GPU can do.
     pub fn observe(&mut self, sample: &PerfSample) {
         if let Some((x, y)) = sample.decode_features() {
             self.decode.update(&x, y, self.forgetting);
-            self.decode.keep_at_least(&[MIN_STEP_MS, 0.0, 0.0, 0.0]);
         }
         if let Some((x, y)) = sample.prefill_features() {
             self.prefill.update(&x, y, self.forgetting);
-            self.prefill.keep_at_least(&[0.0; PREFILL_FEATURES]);
         }
+        self.keep_physical();
+    }
+
+    /// A decode step takes time, no slope is negative, and one more stream never adds more
+    /// to a step than the whole step of one stream: batching never makes a step slower
+    /// than running its streams one after another, or no server would batch.
+    ///
+    /// The last bound is what keeps a worker from trapping itself. On a live worker the
+    /// jobs a fit sees mostly ran at the same few batch sizes, with stalls the features do
+    /// not fully capture rising with the batch, so the fit can put most of the step in the
+    /// per-stream slope (4.6 ms base and 13.7 ms per stream, in a live run). It then
+    /// predicts that a third stream misses the rate floor, admission never runs one, and
+    /// the fit never sees the batch that would correct it.
+    fn keep_physical(&mut self) {
+        self.decode.keep_at_least(&[MIN_STEP_MS, 0.0, 0.0, 0.0]);
+        self.decode.keep_at_most(1, 0);
+        self.prefill.keep_at_least(&[0.0; PREFILL_FEATURES]);
     }
 
     /// Jobs folded in (the larger of the two fits' counts: a one-token job feeds only the
@@ -445,6 +463,56 @@ mod tests {
             alone > 1_000.0,
             "6,491 prompt tokens predicted to take {alone} ms"
         );
+    }
+
+    /// The decode fit of a worker in a live run (`metronome-bench`, the trace then chat, 4
+    /// equal GPUs) read 4.6 ms per step plus 13.7 ms per extra stream: its jobs had run
+    /// between about 1.5 and 2.5 streams, slower the more streams (long prompts prefilled
+    /// beside them, a stall its features do not fully see). Extrapolated, a third stream
+    /// missed the 30 tokens/s floor, so it was never admitted, and the GPU ran 2 of the
+    /// 70 % point's chat requests while the fit waited for evidence it could not get.
+    /// Jobs like those drift a fit the same way; the bound stops it where batching would
+    /// be slower than running the streams one by one, and what the fit saw it still
+    /// predicts.
+    #[test]
+    fn the_per_stream_step_never_exceeds_the_base_step() {
+        let mut m = PerfModel::new(&PerfPrior::default());
+        // Contexts from a few hundred to several thousand tokens, whatever the batch.
+        let at = |streams: f64, context: f64, tpot: f64| PerfSample {
+            prompt_tokens: 1_000,
+            output_tokens: 200,
+            tpot_ms: Some(tpot),
+            mean_decode_streams: streams,
+            mean_context_tokens: context,
+            ..PerfSample::default()
+        };
+        for i in 0..2000 {
+            let streams = 1.5 + (i % 11) as f64 / 10.0;
+            let context = 500.0 + ((i * 7) % 13) as f64 * 500.0;
+            let wobble = if i % 2 == 0 { 0.5 } else { -0.5 };
+            m.observe(&at(
+                streams,
+                context,
+                18.3 + 16.0 * (streams - 2.0) + wobble,
+            ));
+        }
+        let c = m.coefficients();
+        assert!(c.step_per_stream_ms <= c.step_base_ms, "{c:?}");
+        let at_two = m
+            .decode
+            .predict(&at(2.0, 3_000.0, 1.0).decode_features().unwrap().0);
+        assert!((at_two - 18.3).abs() < 1.0, "{at_two} ms: {c:?}");
+    }
+
+    #[test]
+    fn a_persisted_fit_beyond_the_bound_is_read_within_it() {
+        let prior = PerfPrior::default();
+        let mut trapped = PerfModel::new(&prior);
+        trapped.decode.theta[0] = 4.6;
+        trapped.decode.theta[1] = 13.7;
+        let c = PerfModel::resume(Some(trapped), &prior).coefficients();
+        assert!((c.step_base_ms - 9.15).abs() < 1e-9, "{c:?}");
+        assert!((c.step_per_stream_ms - 9.15).abs() < 1e-9, "{c:?}");
     }
 
     #[test]

@@ -185,6 +185,21 @@ impl Rls {
         }
     }
 
+    /// Keep `θ[hi] ≤ θ[lo]`. Where it is violated both move to their mean: the Euclidean
+    /// projection onto `θ[hi] = θ[lo]`, which leaves every prediction with
+    /// `x[hi] = x[lo]` unchanged, so what the fit learnt where it has data stands and only
+    /// its extrapolation is bounded.
+    pub fn keep_at_most(&mut self, hi: usize, lo: usize) {
+        let (Some(&h), Some(&l)) = (self.theta.get(hi), self.theta.get(lo)) else {
+            return;
+        };
+        if h > l {
+            let mean = 0.5 * (h + l);
+            self.theta[hi] = mean;
+            self.theta[lo] = mean;
+        }
+    }
+
     /// Cap each diagonal entry at its prior variance, rescaling its row and column so the
     /// matrix stays symmetric and positive semi-definite (`D P D` with `D` diagonal).
     fn bound_covariance(&mut self) {
@@ -273,6 +288,21 @@ mod tests {
         let before = f.theta[0];
         f.update(&[1.0], 10_000.0, 0.98);
         assert!(f.theta[0] - before < 1.0, "{before} -> {}", f.theta[0]);
+    }
+
+    #[test]
+    fn a_coefficient_above_its_bound_meets_it_halfway() {
+        let mut f = Rls::new(&[4.6, 13.7, 0.3], &[1.0, 1.0, 1.0]);
+        let at_the_seen_point = f.predict(&[1.0, 1.0, 2.0]);
+        f.keep_at_most(1, 0);
+        for (got, want) in f.theta.iter().zip([9.15, 9.15, 0.3]) {
+            assert!((got - want).abs() < 1e-12, "{:?}", f.theta);
+        }
+        assert!((f.predict(&[1.0, 1.0, 2.0]) - at_the_seen_point).abs() < 1e-12);
+        // Within the bound nothing moves.
+        f.theta = vec![9.0, 2.0, 0.3];
+        f.keep_at_most(1, 0);
+        assert_eq!(f.theta, vec![9.0, 2.0, 0.3]);
     }
 
     #[test]
