@@ -280,13 +280,23 @@ pub(crate) async fn run_job(
         if let Some(t) = sample.ttft_ms {
             shared.metrics.observe_ttft_ms(t);
         }
+        // What the performance model learns from this job, beside its timings: why a job
+        // was slow (the streams it shared the GPU with, their context, the prompts
+        // prefilled during its decode) and, replayed, how a worker's fit got where it is.
+        let features = perf_sample.as_ref();
         tracing::info!(
             outcome = ?outcome,
             chunks = seq,
+            prompt_tokens = usage.prompt_tokens,
             output_tokens = usage.completion_tokens,
             ttft_ms = sample.ttft_ms,
             tpot_ms = sample.tpot_ms,
             e2e_ms = sample.e2e_ms,
+            streams_at_start = features.map(|f| f.streams_at_start),
+            prefill_ahead_tokens = features.map(|f| f.prefill_ahead_tokens),
+            mean_decode_streams = features.map(|f| f.mean_decode_streams),
+            mean_context_tokens = features.map(|f| f.mean_context_tokens),
+            stall_prefill_tokens = features.map(|f| f.stall_prefill_tokens),
             "job finished"
         );
 

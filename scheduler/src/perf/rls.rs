@@ -215,8 +215,9 @@ impl Rls {
     /// projection moves every coefficient the covariance ties to the one that broke its
     /// bound, so what the data determined stays and only the undetermined part moves.
     ///
-    /// Several bounds are met by cyclic projection (a few passes; each is exact for its
-    /// own bound), then a last plain pass makes them hold exactly.
+    /// Several bounds are met by cyclic projection (a few passes, each exact for its own
+    /// bound); should one still be broken after them, a last pass along the bounds' own
+    /// normals settles it (to within rounding).
     pub fn constrain(&mut self, bounds: &[Bound]) {
         const PASSES: usize = 8;
         for _ in 0..PASSES {
