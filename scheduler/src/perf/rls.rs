@@ -163,11 +163,7 @@ impl Rls {
         } else {
             1.0
         };
-        // P x
-        let mut px = vec![0.0; n];
-        for (i, out) in px.iter_mut().enumerate() {
-            *out = (0..n).map(|j| self.p[i * n + j] * x[j]).sum();
-        }
+        let px = self.covariance_times(x);
         let denom = lambda * self.noise_var + x.iter().zip(&px).map(|(a, b)| a * b).sum::<f64>();
         if !(denom.is_finite() && denom > 0.0) {
             return;
@@ -246,13 +242,11 @@ impl Rls {
         let value: f64 = a.iter().zip(&self.theta).map(|(w, t)| w * t).sum();
         // Rounding leaves a projected estimate a hair outside its bound; that is on it.
         let tolerance = 1e-9 * (1.0 + bound.at_least.abs());
-        if !(value < bound.at_least - tolerance) {
+        if value.is_nan() || value >= bound.at_least - tolerance {
             return false;
         }
         let gap = bound.at_least - value;
-        let pa: Vec<f64> = (0..n)
-            .map(|i| (0..n).map(|j| self.p[i * n + j] * a[j]).sum())
-            .collect();
+        let pa = self.covariance_times(a);
         let apa: f64 = a.iter().zip(&pa).map(|(w, v)| w * v).sum();
         let (direction, norm) = if in_metric && apa.is_finite() && apa > f64::MIN_POSITIVE {
             (pa, apa)
@@ -266,6 +260,14 @@ impl Rls {
             *t += d * gap / norm;
         }
         true
+    }
+
+    /// `P v`.
+    fn covariance_times(&self, v: &[f64]) -> Vec<f64> {
+        let n = self.len();
+        (0..n)
+            .map(|i| (0..n).map(|j| self.p[i * n + j] * v[j]).sum())
+            .collect()
     }
 
     /// Cap each diagonal entry at its prior variance, rescaling its row and column so the
