@@ -1792,8 +1792,8 @@ impl Engine {
     /// lighter tenant has submitted within `[fairness] light_tenant_window_ms`:
     ///
     /// - *A place in a batch*: when the job's tenant has more jobs waiting than that
-    ///   tenant, it waits if no worker of the model could admit one more job like it once
-    ///   it is placed. Under a flood, admission fills every GPU to the edge of the SLO, so
+    ///   tenant, it waits if no worker of the model could admit one more job like it, with
+    ///   a prompt as long as that tenant's longest recent one, once it is placed. Under a flood, admission fills every GPU to the edge of the SLO, so
     ///   room opens only as a job ends, and the light tenant's job, though first in the
     ///   fair order, waited for it (its TTFT went from ~0.2 s alone to ~1.3 s in the
     ///   fairness drill). Keeping one job's room costs the flooder that one job.
@@ -1826,9 +1826,10 @@ impl Engine {
         };
         let tenant = tenant_of(&front.job).to_string();
         let job_id = front.job.id.clone();
-        let backlogged =
+        let lighter_prompt =
             self.queues
-                .lighter_tenant_active(model, &tenant, now.saturating_sub(window));
+                .lighter_tenant_prompt(model, &tenant, now.saturating_sub(window));
+        let backlogged = lighter_prompt.is_some();
         let prefill_cap_ms = fairness.light_tenant_prefill_ms as f64;
         let keep_prefill_short = fairness.light_tenant_prefill_ms > 0
             && self.runs_more_than_an_active_tenant(model, &tenant, now);
@@ -1844,7 +1845,10 @@ impl Engine {
             return false;
         }
         after.charge_stall(winner, &job_id, stall_ms);
-        let like_it = request.clone().waited(0);
+        // One more job like it, fresh, with a prompt as long as the lighter tenant's
+        // longest recent one: the room is for that tenant's next job.
+        let mut like_it = request.clone().waited(0);
+        like_it.prompt_tokens = like_it.prompt_tokens.max(lighter_prompt.unwrap_or(0));
         let workers: &[WorkerView] = match self.per_model.get(model) {
             Some(w) if !self.s.decision_list_wrong_model => w,
             _ => &self.workers,

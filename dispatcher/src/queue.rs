@@ -79,7 +79,14 @@ struct ModelQueue {
     /// When each tenant last had a job queued here (Unix ms), kept for
     /// [`Queues::lighter_tenant_active`] and pruned by [`Queues::forget_arrivals_before`].
     last_arrival_ms: BTreeMap<String, u64>,
+    /// The prompt lengths of each tenant's last [`RECENT_PROMPTS`] arrivals here, kept for
+    /// [`Queues::lighter_tenant_prompt`] and pruned with `last_arrival_ms`.
+    recent_prompts: BTreeMap<String, VecDeque<u32>>,
 }
+
+/// How many of a tenant's latest prompts size the room kept for it (see
+/// [`Queues::lighter_tenant_prompt`]).
+pub const RECENT_PROMPTS: usize = 8;
 
 impl ModelQueue {
     fn flow_mut(&mut self, tenant: &str, priority: Priority) -> &mut Flow {
@@ -122,6 +129,11 @@ impl ModelQueue {
                     .insert(tenant.to_string(), job.enqueued_ms);
             }
         }
+        let prompts = self.recent_prompts.entry(tenant.to_string()).or_default();
+        if prompts.len() == RECENT_PROMPTS {
+            prompts.pop_front();
+        }
+        prompts.push_back(job.job.prompt_tokens);
         let flow = self.flow_mut(tenant, job.job.priority());
         insert_by_seq(&mut flow.jobs, job);
         self.len += 1;
@@ -355,13 +367,31 @@ impl Queues {
     /// queued since `since_ms`: a lighter tenant still active, for which a backlogged
     /// tenant should leave room.
     pub fn lighter_tenant_active(&self, model: &str, tenant: &str, since_ms: u64) -> bool {
+        self.lighter_tenant_prompt(model, tenant, since_ms)
+            .is_some()
+    }
+
+    /// The longest of the recent prompts (the last [`RECENT_PROMPTS`] of each) of the
+    /// lighter tenants [`Queues::lighter_tenant_active`] counts, or `None` when there is
+    /// none. The room a backlogged tenant leaves must fit the lighter tenant's next job,
+    /// not one of its own: kept for a job like the flood's, it let a light tenant's longer
+    /// prompt find no worker that would admit it (in the fairness drill, its jobs then
+    /// waited for a running job to end, up to a second).
+    pub fn lighter_tenant_prompt(&self, model: &str, tenant: &str, since_ms: u64) -> Option<u32> {
         let (Some(q), Some(vtc)) = (self.by_model.get(model), self.fairness.model(model)) else {
-            return false;
+            return None;
         };
         let after = vtc.waiting_jobs(tenant).saturating_sub(1);
         q.last_arrival_ms
             .iter()
-            .any(|(t, &at)| t != tenant && at >= since_ms && vtc.waiting_jobs(t) < after)
+            .filter(|(t, &at)| *t != tenant && at >= since_ms && vtc.waiting_jobs(t) < after)
+            .map(|(t, _)| {
+                q.recent_prompts
+                    .get(t)
+                    .and_then(|p| p.iter().copied().max())
+                    .unwrap_or(0)
+            })
+            .max()
     }
 
     /// Tenants that submitted to the model at or after `since_ms`.
@@ -379,6 +409,8 @@ impl Queues {
     pub fn forget_arrivals_before(&mut self, before_ms: u64) {
         for q in self.by_model.values_mut() {
             q.last_arrival_ms.retain(|_, at| *at >= before_ms);
+            let active = &q.last_arrival_ms;
+            q.recent_prompts.retain(|t, _| active.contains_key(t));
         }
         self.by_model
             .retain(|_, q| q.len > 0 || !q.last_arrival_ms.is_empty());
@@ -772,6 +804,43 @@ mod tests {
         }
         assert!(!q.lighter_tenant_active("m", "a", 0));
         assert!(!q.lighter_tenant_active("other", "a", 0));
+    }
+
+    #[test]
+    fn the_room_kept_for_a_lighter_tenant_fits_its_longest_recent_prompt() {
+        let mut q = Queues::new(100);
+        let at = |id: &str, seq, tenant, prompt: u32| {
+            let mut j = job_for(id, "m", seq, Some(tenant), None);
+            Arc::make_mut(&mut j.job).prompt_tokens = prompt;
+            j.enqueued_ms = 1_000 + seq;
+            j
+        };
+        for i in 0..5 {
+            q.push(at(&format!("a{i}"), i, "a", 100)).ok().unwrap();
+        }
+        assert_eq!(q.lighter_tenant_prompt("m", "a", 0), None, "alone");
+        // b's prompts, served as they come: 3,000 tokens first, then eight short ones.
+        let prompts = [3_000, 200, 900, 300, 400, 500, 600, 700, 800];
+        for (i, &p) in prompts.iter().enumerate() {
+            let seq = 10 + i as u64;
+            q.push(at(&format!("b{i}"), seq, "b", p)).ok().unwrap();
+            // While b's longest recent prompt is in its last eight, it sizes the room.
+            let longest = prompts[i.saturating_sub(RECENT_PROMPTS - 1)..=i]
+                .iter()
+                .copied()
+                .max();
+            assert_eq!(q.lighter_tenant_prompt("m", "a", 0), longest, "after b{i}");
+            let pos = q.next_to_try("m", |_| false, &["a".to_string()]).unwrap();
+            assert_eq!(q.take("m", pos).unwrap().job.id, format!("b{i}"));
+        }
+        assert_eq!(q.lighter_tenant_prompt("m", "a", 0), Some(900));
+        // From b's side nobody is lighter; an old arrival no longer counts.
+        assert_eq!(q.lighter_tenant_prompt("m", "b", 0), None);
+        assert_eq!(q.lighter_tenant_prompt("m", "a", 2_000), None);
+        // Forgotten with its arrival: b's next job starts a new record.
+        q.forget_arrivals_before(1_019);
+        q.push(at("b9", 30, "b", 50)).ok().unwrap();
+        assert_eq!(q.lighter_tenant_prompt("m", "a", 0), Some(50));
     }
 
     #[test]
