@@ -1793,10 +1793,11 @@ impl Engine {
     ///
     /// - *A place in a batch*: when the job's tenant has more jobs waiting than that
     ///   tenant, it waits if no worker of the model could admit one more job like it, with
-    ///   a prompt as long as that tenant's longest recent one, once it is placed. Under a flood, admission fills every GPU to the edge of the SLO, so
-    ///   room opens only as a job ends, and the light tenant's job, though first in the
-    ///   fair order, waited for it (its TTFT went from ~0.2 s alone to ~1.3 s in the
-    ///   fairness drill). Keeping one job's room costs the flooder that one job.
+    ///   a prompt as long as that tenant's longest recent one, once it is placed. Under a
+    ///   flood, admission fills every GPU to the edge of the SLO, so room opens only as a
+    ///   job ends, and the light tenant's job, though first in the fair order, waited for
+    ///   it (its TTFT went from ~0.2 s alone to ~1.3 s in the fairness drill). Keeping one
+    ///   job's room costs the flooder that one job.
     /// - *A short prefill queue*: when the job's tenant runs more of the model's jobs than
     ///   that tenant, it waits if, once it is placed, every worker of the model would have
     ///   more than `[fairness] light_tenant_prefill_ms` of prefill queued. A model server

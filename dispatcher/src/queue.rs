@@ -76,12 +76,18 @@ struct Flow {
 struct ModelQueue {
     flows: Vec<Flow>,
     len: usize,
-    /// When each tenant last had a job queued here (Unix ms), kept for
-    /// [`Queues::lighter_tenant_active`] and pruned by [`Queues::forget_arrivals_before`].
-    last_arrival_ms: BTreeMap<String, u64>,
-    /// The prompt lengths of each tenant's last [`RECENT_PROMPTS`] arrivals here, kept for
-    /// [`Queues::lighter_tenant_prompt`] and pruned with `last_arrival_ms`.
-    recent_prompts: BTreeMap<String, VecDeque<u32>>,
+    /// Each tenant's recent arrivals here, kept for [`Queues::lighter_tenant_prompt`] and
+    /// pruned by [`Queues::forget_arrivals_before`].
+    arrivals: BTreeMap<String, Arrivals>,
+}
+
+/// A tenant's recent arrivals in one model's queue.
+#[derive(Default)]
+struct Arrivals {
+    /// When it last had a job queued (Unix ms).
+    last_ms: u64,
+    /// The prompt lengths of its last [`RECENT_PROMPTS`] jobs.
+    prompts: VecDeque<u32>,
 }
 
 /// How many of a tenant's latest prompts size the room kept for it (see
@@ -122,18 +128,12 @@ impl ModelQueue {
 
     fn insert(&mut self, job: QueuedJob) {
         let tenant = tenant_of(&job.job);
-        match self.last_arrival_ms.get_mut(tenant) {
-            Some(at) => *at = (*at).max(job.enqueued_ms),
-            None => {
-                self.last_arrival_ms
-                    .insert(tenant.to_string(), job.enqueued_ms);
-            }
+        let arrivals = self.arrivals.entry(tenant.to_string()).or_default();
+        arrivals.last_ms = arrivals.last_ms.max(job.enqueued_ms);
+        if arrivals.prompts.len() == RECENT_PROMPTS {
+            arrivals.prompts.pop_front();
         }
-        let prompts = self.recent_prompts.entry(tenant.to_string()).or_default();
-        if prompts.len() == RECENT_PROMPTS {
-            prompts.pop_front();
-        }
-        prompts.push_back(job.job.prompt_tokens);
+        arrivals.prompts.push_back(job.job.prompt_tokens);
         let flow = self.flow_mut(tenant, job.job.priority());
         insert_by_seq(&mut flow.jobs, job);
         self.len += 1;
@@ -382,24 +382,19 @@ impl Queues {
             return None;
         };
         let after = vtc.waiting_jobs(tenant).saturating_sub(1);
-        q.last_arrival_ms
+        q.arrivals
             .iter()
-            .filter(|(t, &at)| *t != tenant && at >= since_ms && vtc.waiting_jobs(t) < after)
-            .map(|(t, _)| {
-                q.recent_prompts
-                    .get(t)
-                    .and_then(|p| p.iter().copied().max())
-                    .unwrap_or(0)
-            })
+            .filter(|(t, a)| *t != tenant && a.last_ms >= since_ms && vtc.waiting_jobs(t) < after)
+            .map(|(_, a)| a.prompts.iter().copied().max().unwrap_or(0))
             .max()
     }
 
     /// Tenants that submitted to the model at or after `since_ms`.
     pub fn active_tenants(&self, model: &str, since_ms: u64) -> Vec<&str> {
         self.by_model.get(model).map_or_else(Vec::new, |q| {
-            q.last_arrival_ms
+            q.arrivals
                 .iter()
-                .filter(|(_, &at)| at >= since_ms)
+                .filter(|(_, a)| a.last_ms >= since_ms)
                 .map(|(t, _)| t.as_str())
                 .collect()
         })
@@ -408,12 +403,10 @@ impl Queues {
     /// Forget tenants' arrivals older than `before_ms` (they no longer count as active).
     pub fn forget_arrivals_before(&mut self, before_ms: u64) {
         for q in self.by_model.values_mut() {
-            q.last_arrival_ms.retain(|_, at| *at >= before_ms);
-            let active = &q.last_arrival_ms;
-            q.recent_prompts.retain(|t, _| active.contains_key(t));
+            q.arrivals.retain(|_, a| a.last_ms >= before_ms);
         }
         self.by_model
-            .retain(|_, q| q.len > 0 || !q.last_arrival_ms.is_empty());
+            .retain(|_, q| q.len > 0 || !q.arrivals.is_empty());
     }
 
     /// The fair-share state of one model, for inspection.
