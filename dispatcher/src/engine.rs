@@ -1778,17 +1778,21 @@ impl Engine {
         ((mine as f64) < share).then_some((mine, total, share))
     }
 
-    /// Whether `tenant` runs more of the model's jobs than another active tenant.
-    fn runs_more_than_an_active_tenant(&self, model: &str, tenant: &str, now: u64) -> bool {
-        self.running_by_active_tenant(model, now)
-            .is_some_and(|running| {
-                let mine = running.get(tenant).copied().unwrap_or(0);
-                running.iter().any(|(&t, &n)| t != tenant && n < mine)
-            })
+    /// The active tenants that run fewer of the model's jobs than `tenant`.
+    fn tenants_running_fewer(&self, model: &str, tenant: &str, now: u64) -> Vec<&str> {
+        let Some(running) = self.running_by_active_tenant(model, now) else {
+            return Vec::new();
+        };
+        let mine = running.get(tenant).copied().unwrap_or(0);
+        running
+            .into_iter()
+            .filter(|&(t, n)| t != tenant && n < mine)
+            .map(|(t, _)| t)
+            .collect()
     }
 
     /// Whether the job at `pos`, about to go to `winner`, must wait instead so that the
-    /// model keeps room for a lighter tenant. Two kinds of room, each kept only while a
+    /// model keeps room for a lighter tenant. Three kinds of room, each kept only while a
     /// lighter tenant has submitted within `[fairness] light_tenant_window_ms`:
     ///
     /// - *A place in a batch*: when the job's tenant has more jobs waiting than that
@@ -1806,6 +1810,13 @@ impl Engine {
     ///   instead, the flood's jobs queue in the dispatcher, behind the light tenant's. This
     ///   is what the onset of a flood needs: its first jobs fill the GPUs' prefill queues
     ///   up to the TTFT budget before any of them has to wait.
+    /// - *A first token soon*: in the same case, it also waits if, once it is placed, no
+    ///   worker would give that tenant's next job (as long as its longest recent prompt) a
+    ///   first token within `[fairness] light_tenant_ttft_ratio` times its TTFT on a
+    ///   typical idle worker. Admission fills every GPU's batch up to the SLO, and a
+    ///   prompt prefilled beside a full batch waits for the batch's decodes in every
+    ///   chunk: in the fairness drill the light tenant's slowest jobs waited for nothing
+    ///   in the dispatcher and were placed where their predicted TTFT was 660–800 ms.
     ///
     /// A single tenant, or tenants equally backlogged and running equally many jobs, keep
     /// nothing back, and a job bound for an idle GPU is never held (the caller checks).
@@ -1832,9 +1843,14 @@ impl Engine {
                 .lighter_tenant_prompt(model, &tenant, now.saturating_sub(window));
         let backlogged = lighter_prompt.is_some();
         let prefill_cap_ms = fairness.light_tenant_prefill_ms as f64;
-        let keep_prefill_short = fairness.light_tenant_prefill_ms > 0
-            && self.runs_more_than_an_active_tenant(model, &tenant, now);
-        if !backlogged && !keep_prefill_short {
+        let ttft_ratio = fairness.light_tenant_ttft_ratio;
+        let running_fewer = if fairness.light_tenant_prefill_ms > 0 || ttft_ratio > 0.0 {
+            self.tenants_running_fewer(model, &tenant, now)
+        } else {
+            Vec::new()
+        };
+        let keep_first_token_soon = !running_fewer.is_empty();
+        if !backlogged && !keep_first_token_soon {
             return false;
         }
         // The model as it would be with the job placed; then one more like it, fresh.
@@ -1855,18 +1871,36 @@ impl Engine {
             _ => &self.workers,
         };
         let scheduler = &self.s.scheduler;
-        if keep_prefill_short {
-            let shortest_ms = workers
+        if keep_first_token_soon {
+            // The next job of the tenants running fewer, on each worker of the model as it
+            // would be: as long as their longest recent prompt, for a prompt prefilled
+            // beside a full batch waits for the batch's decodes in every chunk it takes.
+            let mut theirs = request.clone().waited(0);
+            theirs.prompt_tokens = running_fewer
+                .iter()
+                .filter_map(|t| self.queues.longest_recent_prompt(model, t))
+                .max()
+                .unwrap_or(request.prompt_tokens);
+            let forecasts: Vec<Forecast> = workers
                 .iter()
                 .filter(|w| w.status.model == model && self.alive(w, now))
                 .map(|w| {
                     let load = WorkerLoad::at(w, &after, scheduler, now);
-                    let f = Forecast::of(&like_it, w, &load, &after, scheduler);
-                    f.coefficients.prefill_per_token_ms * f.pending_prefill_tokens
+                    Forecast::of(&theirs, w, &load, &after, scheduler)
                 })
-                .fold(f64::INFINITY, f64::min);
-            if shortest_ms > prefill_cap_ms {
+                .collect();
+            let least =
+                |of: fn(&Forecast) -> f64| forecasts.iter().map(of).fold(f64::INFINITY, f64::min);
+            let queued_prefill_ms =
+                |f: &Forecast| f.coefficients.prefill_per_token_ms * f.pending_prefill_tokens;
+            if fairness.light_tenant_prefill_ms > 0 && least(queued_prefill_ms) > prefill_cap_ms {
                 return true;
+            }
+            if ttft_ratio > 0.0 {
+                let idle = typical_idle_ttft_ms(&forecasts, theirs.prompt_tokens);
+                if idle.is_some_and(|idle| least(|f| f.ttft_ms) > ttft_ratio * idle) {
+                    return true;
+                }
             }
         }
         if !backlogged {
@@ -2119,4 +2153,22 @@ impl Engine {
             "state rebuilt"
         );
     }
+}
+
+/// The TTFT of a `prompt_tokens` prompt on a typical worker of the model with nothing else
+/// to do, by the workers' fitted models (the lower median over `forecasts`); `None` when
+/// there is no worker or nothing is known. What a light tenant gets alone is near it, for
+/// its jobs spread over the model's workers. Bounded by the fastest worker's instead, a
+/// cluster with one fast GPU kept that GPU nearly empty for it (the flood lost a fifth of
+/// its tokens in the policy lab's fairness drill on GPUs of speed 1, 0.7, 0.7 and 0.5).
+fn typical_idle_ttft_ms(forecasts: &[Forecast], prompt_tokens: u32) -> Option<f64> {
+    let p = f64::from(prompt_tokens);
+    let mut idle: Vec<f64> = forecasts
+        .iter()
+        .map(|f| f.coefficients.ttft_base_ms + f.coefficients.prefill_per_token_ms * p)
+        .collect();
+    idle.sort_by(f64::total_cmp);
+    idle.get(idle.len().saturating_sub(1) / 2)
+        .copied()
+        .filter(|&ms| ms > 0.0)
 }

@@ -389,6 +389,19 @@ impl Queues {
             .max()
     }
 
+    /// The longest of `tenant`'s recent prompts (its last [`RECENT_PROMPTS`]) to `model`, or
+    /// `None` when it has no recent arrival there.
+    pub fn longest_recent_prompt(&self, model: &str, tenant: &str) -> Option<u32> {
+        self.by_model
+            .get(model)?
+            .arrivals
+            .get(tenant)?
+            .prompts
+            .iter()
+            .copied()
+            .max()
+    }
+
     /// Tenants that submitted to the model at or after `since_ms`.
     pub fn active_tenants(&self, model: &str, since_ms: u64) -> Vec<&str> {
         self.by_model.get(model).map_or_else(Vec::new, |q| {

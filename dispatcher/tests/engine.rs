@@ -995,7 +995,10 @@ fn a_new_leader_reads_the_backlog_before_placing_so_every_tenant_is_seen() {
 #[test]
 fn a_heavier_tenant_does_not_fill_the_prefill_queue_while_a_lighter_one_is_active() {
     let run = |prefill_ms: u64| {
-        let mut e = one_worker(|c| c.fairness.light_tenant_prefill_ms = prefill_ms);
+        let mut e = one_worker(|c| {
+            c.fairness.light_tenant_prefill_ms = prefill_ms;
+            c.fairness.light_tenant_ttft_ratio = 0.0;
+        });
         let out = step(&mut e, vec![job_of(Some("steady"), "s0", T0)], T0);
         assert_eq!(assigned(&out).len(), 1, "{:?}", names(&out));
         step(
@@ -1019,6 +1022,49 @@ fn a_heavier_tenant_does_not_fill_the_prefill_queue_while_a_lighter_one_is_activ
     };
     assert_eq!(run(50), ["f1"], "the second prompt waits in the dispatcher");
     assert_eq!(run(0), ["f1", "f2"], "without the limit both are placed");
+}
+
+/// Issue 10: while a tenant running fewer jobs is active, another tenant fills a worker only
+/// as far as the lighter tenant's next job would still see its first token within
+/// `light_tenant_ttft_ratio` of its TTFT on an idle worker. The steady tenant sent a
+/// 1,000-token prompt (idle TTFT 20 + 0.1 * 1,000 = 120 ms, so the bound is 150 ms at
+/// 1.25) and it ended; the flood sends 40 jobs of 10-token prompts, whose prefill queue
+/// stays under `light_tenant_prefill_ms`. Each flood job placed puts 1 ms of prefill ahead
+/// of the steady tenant's next prompt and adds a stream (1 ms more), so after k of them its
+/// TTFT is 120 + 2k ms: the flood's 15th job is placed, its 16th waits. With no bound, or a
+/// loose one, only the SLO stops the flood.
+#[test]
+fn a_heavier_tenant_leaves_a_worker_where_a_lighter_ones_first_token_comes_soon() {
+    let run = |ratio: f64| {
+        let mut e = one_worker(|c| c.fairness.light_tenant_ttft_ratio = ratio);
+        let out = step(
+            &mut e,
+            vec![sized_job_of(Some("steady"), "s0", 1_000, 10, T0)],
+            T0,
+        );
+        assert_eq!(assigned(&out).len(), 1, "{:?}", names(&out));
+        step(
+            &mut e,
+            vec![done("s0", "w", 10, CompletionOutcome::Done)],
+            T0 + 1,
+        );
+        let at = T0 + 2;
+        let flood = (0..40)
+            .map(|i| sized_job_of(Some("flood"), &format!("f{i}"), 10, 20, at))
+            .collect();
+        assigned(&step(&mut e, flood, at)).len()
+    };
+    let bounded = run(1.25);
+    let unbounded = run(0.0);
+    assert_eq!(
+        unbounded, 40,
+        "without the bound the SLO admits the whole flood"
+    );
+    assert_eq!(
+        bounded, 15,
+        "the flood stops where the lighter tenant's TTFT would pass its bound"
+    );
+    assert_eq!(run(3.0), 40, "a loose bound does not bind");
 }
 
 /// A worker at its cap holds the queue without an evaluation (the cheap look): the jobs
