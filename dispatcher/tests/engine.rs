@@ -987,6 +987,23 @@ fn a_new_leader_reads_the_backlog_before_placing_so_every_tenant_is_seen() {
     );
 }
 
+/// The steady tenant's job of `prompt` tokens runs on worker `w` and ends: the steady tenant
+/// is active and runs nothing. Returns the time to go on from.
+fn after_a_steady_job(e: &mut Engine, prompt: u32) -> u64 {
+    let out = step(
+        e,
+        vec![sized_job_of(Some("steady"), "s0", prompt, 10, T0)],
+        T0,
+    );
+    assert_eq!(assigned(&out).len(), 1, "{:?}", names(&out));
+    step(
+        e,
+        vec![done("s0", "w", 10, CompletionOutcome::Done)],
+        T0 + 1,
+    );
+    T0 + 2
+}
+
 /// Issue 10: while a tenant running fewer jobs is active, another tenant's jobs queue in the
 /// dispatcher, in fair order, rather than in a GPU's first-come prefill queue. The steady
 /// tenant's job has run and ended; the flood sends two 400-token prompts to one worker that
@@ -999,14 +1016,7 @@ fn a_heavier_tenant_does_not_fill_the_prefill_queue_while_a_lighter_one_is_activ
             c.fairness.light_tenant_prefill_ms = prefill_ms;
             c.fairness.light_tenant_ttft_ratio = 0.0;
         });
-        let out = step(&mut e, vec![job_of(Some("steady"), "s0", T0)], T0);
-        assert_eq!(assigned(&out).len(), 1, "{:?}", names(&out));
-        step(
-            &mut e,
-            vec![done("s0", "w", 10, CompletionOutcome::Done)],
-            T0 + 1,
-        );
-        let at = T0 + 2;
+        let at = after_a_steady_job(&mut e, 100);
         let out = step(
             &mut e,
             vec![
@@ -1037,18 +1047,7 @@ fn a_heavier_tenant_does_not_fill_the_prefill_queue_while_a_lighter_one_is_activ
 fn a_heavier_tenant_leaves_a_worker_where_a_lighter_ones_first_token_comes_soon() {
     let run = |ratio: f64| {
         let mut e = one_worker(|c| c.fairness.light_tenant_ttft_ratio = ratio);
-        let out = step(
-            &mut e,
-            vec![sized_job_of(Some("steady"), "s0", 1_000, 10, T0)],
-            T0,
-        );
-        assert_eq!(assigned(&out).len(), 1, "{:?}", names(&out));
-        step(
-            &mut e,
-            vec![done("s0", "w", 10, CompletionOutcome::Done)],
-            T0 + 1,
-        );
-        let at = T0 + 2;
+        let at = after_a_steady_job(&mut e, 1_000);
         let flood = (0..40)
             .map(|i| sized_job_of(Some("flood"), &format!("f{i}"), 10, 20, at))
             .collect();
