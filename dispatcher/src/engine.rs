@@ -33,7 +33,7 @@ use metronome_protocol::{
 };
 use metronome_scheduler::filter::{self, fits_when_empty};
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
-use metronome_scheduler::{least_harm, least_harm_trading};
+use metronome_scheduler::{least_harm, least_harm_trading, least_harm_within};
 use metronome_scheduler::{
     DrainRate, EwmaSnapshot, FairnessConfig, FairnessSnapshot, Forecast, IdleTtft, JobProfile,
     JobRequest, Ledger, OutputLength, SchedulerConfig, Tokens, WorkerLoad, WorkerView,
@@ -1518,14 +1518,9 @@ impl Engine {
             let front = self.queues.get(model, pos).expect("position exists");
             let waited = Self::waited_ms(front, slo.ttft_ms, now);
             // Least harm, too, leaves out the workers that refused the job.
-            let front_pool = evaluation
-                .winner
-                .is_none()
-                .then(|| {
-                    self.refusals
-                        .narrow(&front.job.id, workers, |w| self.takes_work(w, now))
-                })
-                .flatten();
+            let front_pool = self
+                .refusals
+                .narrow(&front.job.id, workers, |w| self.takes_work(w, now));
             let harm_pool = front_pool.as_ref().map_or(workers, |(pool, _)| pool);
             let mut least_harm_note = None;
             let alone = self.queues.len(model) == 1;
@@ -1552,6 +1547,47 @@ impl Engine {
                             "placed where it does least harm: no worker admitted it without a predicted miss, and its tenant runs {mine} of the model's {total} jobs, under its fair share ({share:.1})"
                         ));
                         evaluation = fallback;
+                    }
+                }
+            }
+            let ratio = self.s.fairness.light_tenant_ttft_ratio;
+            let winner_ttft = evaluation
+                .winner_score()
+                .and_then(|c| c.prediction)
+                .map(|p| p.ttft_ms);
+            if let (Some(late_ttft), true) = (
+                winner_ttft,
+                ratio > 0.0 && self.s.policy == PolicyKind::Metronome && least_harm_note.is_none(),
+            ) {
+                // Admitted, but only where its first token comes late, while another
+                // worker would start it at least `light_tenant_ttft_ratio` times sooner if
+                // its running jobs gave a little of their rate: for a tenant under its fair
+                // share, the few predicted misses fall mostly on the tenant that holds more
+                // than its share. In the fairness drill, at a flood's onset, the light
+                // tenant's job was admitted only where its predicted TTFT was 1.2 s; the
+                // worker that refused it would have started it in 0.17 s, taking one running
+                // job to 28.7 tok/s against a 30 tok/s floor.
+                if let Some((mine, total, share)) =
+                    self.runs_under_fair_share(model, tenant_of(&front.job), now)
+                {
+                    let sooner = least_harm_within(
+                        &request,
+                        harm_pool,
+                        &self.ledger,
+                        &self.s.scheduler,
+                        now,
+                        self.s.fairness.light_tenant_traded_misses,
+                        late_ttft / ratio,
+                    );
+                    if let Some(ttft) = sooner
+                        .winner_score()
+                        .and_then(|c| c.prediction)
+                        .map(|p| p.ttft_ms)
+                    {
+                        least_harm_note = Some(format!(
+                            "placed where its first token comes sooner, at a predicted miss: the workers that admitted it would start it in {late_ttft:.0} ms, this one in {ttft:.0} ms, and its tenant runs {mine} of the model's {total} jobs, under its fair share ({share:.1})"
+                        ));
+                        evaluation = sooner;
                     }
                 }
             }

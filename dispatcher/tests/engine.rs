@@ -1066,6 +1066,60 @@ fn a_heavier_tenant_leaves_a_worker_where_a_lighter_ones_first_token_comes_soon(
     assert_eq!(run(3.0), 40, "a loose bound does not bind");
 }
 
+/// Issue 10: a job of a tenant under its fair share that some worker admits, but only where
+/// its first token comes late, goes where it starts `light_tenant_ttft_ratio` times sooner
+/// at the price of a predicted miss on a running job (the flood's). Worker `w` runs the
+/// flood's short job, which the steady tenant's 2,000-token prefill (a 200 ms stall) would
+/// take below its floor, so `w` refuses it; `late` admits it, behind 8,000 tokens of
+/// prefill (a first token at ~1,020 ms against ~230 ms on `w`). The flood has two jobs
+/// waiting, so the steady tenant is under its share and not the most backlogged. With the
+/// ratio off, it goes to `late`.
+#[test]
+fn a_lighter_tenants_job_trades_a_predicted_miss_for_a_much_sooner_first_token() {
+    let run = |ratio: f64| {
+        let mut e = one_worker(|c| c.fairness.light_tenant_ttft_ratio = ratio);
+        let out = step(
+            &mut e,
+            vec![sized_job_of(Some("flood"), "f1", 100, 10, T0)],
+            T0,
+        );
+        assert_eq!(assigned(&out), [("f1".to_string(), "w".to_string())]);
+        let late = heartbeat_with("late", 1, T0 + 1, |s| s.prefill_pending_tokens = 8_000);
+        step(&mut e, vec![late], T0 + 1);
+        // The flood has a backlog when the steady tenant's job comes: read as a new
+        // leader reads the stream, all three are queued before anything is placed.
+        e.read_backlog_first(T0 + 10_000);
+        let at = T0 + 2;
+        let jobs = vec![
+            sized_job_of(Some("flood"), "f2", 100, 10, at),
+            sized_job_of(Some("flood"), "f3", 100, 10, at),
+            sized_job_of(Some("steady"), "s1", 2_000, 10, at),
+        ];
+        assert!(assigned(&step(&mut e, jobs, at)).is_empty());
+        let out = step(&mut e, vec![Event::BacklogRead], at + 1);
+        out.iter()
+            .find_map(|o| match o {
+                Outcome::Assign {
+                    job,
+                    worker_id,
+                    decision,
+                    ..
+                } if job.job.id == "s1" => Some((
+                    worker_id.clone(),
+                    decision.reason.clone().unwrap_or_default(),
+                )),
+                _ => None,
+            })
+            .expect("s1 is placed")
+    };
+    let (worker, reason) = run(1.5);
+    assert_eq!(worker, "w", "{reason}");
+    assert!(reason.contains("first token comes sooner"), "{reason}");
+    let (worker, reason) = run(0.0);
+    assert_eq!(worker, "late", "{reason}");
+    assert!(!reason.contains("first token comes sooner"), "{reason}");
+}
+
 /// A worker at its cap holds the queue without an evaluation (the cheap look): the jobs
 /// wait in order, each look counts the worker's refusal as a full evaluation would, and
 /// the next completion places the oldest.

@@ -40,13 +40,39 @@ pub fn least_harm_trading(
     now_ms: u64,
     max_misses: u32,
 ) -> Evaluation {
+    least_harm_within(
+        job,
+        workers,
+        ledger,
+        config,
+        now_ms,
+        max_misses,
+        f64::INFINITY,
+    )
+}
+
+/// [`least_harm_trading`] among the workers that would also give the job its first token
+/// within `max_ttft_ms` (predicted): for a job that some worker admits, but only where its
+/// first token comes late, when a few predicted misses elsewhere would start it sooner.
+pub fn least_harm_within(
+    job: &JobRequest,
+    workers: &[WorkerView],
+    ledger: &Ledger,
+    config: &SchedulerConfig,
+    now_ms: u64,
+    max_misses: u32,
+    max_ttft_ms: f64,
+) -> Evaluation {
     let ranked = rank(&filter::LEAST_HARM, job, workers, ledger, config, now_ms);
     // Best score first, so the stable minimum below breaks harm ties by score.
     let pick = ranked
         .order
         .iter()
         .map(|&i| i as usize)
-        .filter(|&i| ranked.candidates[i].forecast.violations <= max_misses)
+        .filter(|&i| {
+            let f = &ranked.candidates[i].forecast;
+            f.violations <= max_misses && f.ttft_ms <= max_ttft_ms
+        })
         .min_by(|&a, &b| {
             let (fa, fb) = (
                 &ranked.candidates[a].forecast,
@@ -156,6 +182,37 @@ mod tests {
             least_harm(&j, &workers, &l, &SchedulerConfig::default(), NOW).winner,
             None
         );
+    }
+
+    #[test]
+    fn within_a_ttft_ceiling_only_workers_that_start_the_job_by_then_are_picked() {
+        let mut l = Ledger::new();
+        // Equal harm on both (one short job each would miss); `a` has 300 ms of prefill
+        // queued, so the 2,000-token job starts at 10 + 0.1 * (2,000 + 3,000 + 10) = 511 ms
+        // there and at 211 ms on `b` (the running job's 10-token prompt counts as queued).
+        let mut a = busy("a", 1, &mut l);
+        a.status.prefill_pending_tokens = 3_000;
+        let workers = [a, busy("b", 1, &mut l)];
+        let mut j = job("m");
+        j.prompt_tokens = 2_000;
+        let c = SchedulerConfig::default();
+        let ttft = |e: &Evaluation| {
+            e.winner_score()
+                .and_then(|s| s.prediction)
+                .map(|p| p.ttft_ms)
+        };
+        let any = least_harm_within(&j, &workers, &l, &c, NOW, 4, f64::INFINITY);
+        assert!(any.winner.is_some());
+        let soon = least_harm_within(&j, &workers, &l, &c, NOW, 4, 300.0);
+        assert_eq!(soon.winner.as_deref(), Some("b"));
+        assert!(
+            ttft(&soon).is_some_and(|t| (t - 211.0).abs() < 1e-6),
+            "{:?}",
+            ttft(&soon)
+        );
+        let late = least_harm_within(&j, &workers, &l, &c, NOW, 4, 100.0);
+        assert_eq!(late.winner, None, "no worker starts it within 100 ms");
+        assert_eq!(late.candidates.len(), 2, "every candidate is still scored");
     }
 
     #[test]
