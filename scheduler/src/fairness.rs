@@ -67,7 +67,9 @@ pub struct FairnessConfig {
     /// Most running jobs that a job of a tenant running less than its fair share of the
     /// model may predict below their floor when no worker admits it without a miss and it
     /// is placed where it does least harm at once (see `dispatcher/src/engine.rs`,
-    /// `runs_under_fair_share`). A lone job waiting at the last moment of its TTFT budget
+    /// `runs_under_fair_share`), and, when a worker admits it but only where its first
+    /// token comes `light_tenant_ttft_ratio` times later, where it starts that much sooner.
+    /// A lone job waiting at the last moment of its TTFT budget
     /// trades at most one ([`crate::least_harm::MAX_TRADED_MISSES`]); here the capacity is
     /// short because another tenant runs more than its share, so the misses fall mostly on
     /// that tenant's jobs, and waiting would hand the lighter tenant's latency to its flood.
