@@ -2194,9 +2194,10 @@ impl Engine {
 /// The TTFT of a `prompt_tokens` prompt on a typical worker of the model with nothing else
 /// to do, by the workers' fitted models (the lower median over `forecasts`); `None` when
 /// there is no worker or nothing is known. What a light tenant gets alone is near it, for
-/// its jobs spread over the model's workers. Bounded by the fastest worker's instead, a
-/// cluster with one fast GPU kept that GPU nearly empty for it (the flood lost a fifth of
-/// its tokens in the policy lab's fairness drill on GPUs of speed 1, 0.7, 0.7 and 0.5).
+/// its jobs spread over the model's workers. Bounded by the fastest worker's instead (at
+/// a ratio of 1.25), a cluster with one fast GPU kept that GPU nearly empty for it (the
+/// flood lost 24 % of its tokens in the policy lab's fairness drill on GPUs of speed 1,
+/// 0.7, 0.7 and 0.5).
 fn typical_idle_ttft_ms(forecasts: &[Forecast], prompt_tokens: u32) -> Option<f64> {
     let p = f64::from(prompt_tokens);
     let mut idle: Vec<f64> = forecasts

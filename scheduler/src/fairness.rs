@@ -61,8 +61,11 @@ pub struct FairnessConfig {
     /// longest recent prompt) a first token within this many times its TTFT on a typical
     /// idle worker of the model, by the workers' fitted models: a flood fills every GPU's
     /// batch up to the SLO, and a prompt prefilled beside a full batch waits for the
-    /// batch's decodes in every chunk (0: no limit). See `dispatcher/src/engine.rs`
-    /// (`room_kept_for_lighter_tenant`).
+    /// batch's decodes in every chunk (0: no limit). A job of a tenant under its fair
+    /// share that a worker admits, but only where its first token is predicted this many
+    /// times later than on another that would take it at the price of at most
+    /// `light_tenant_traded_misses` misses, goes to that other worker. See
+    /// `dispatcher/src/engine.rs` (`room_kept_for_lighter_tenant`, `dispatch_model`).
     pub light_tenant_ttft_ratio: f64,
     /// Most running jobs that a job of a tenant running less than its fair share of the
     /// model may predict below their floor when no worker admits it without a miss and it
