@@ -33,7 +33,7 @@ use metronome_protocol::{
 };
 use metronome_scheduler::filter::{self, fits_when_empty};
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
-use metronome_scheduler::{least_harm, least_harm_trading, least_harm_within};
+use metronome_scheduler::{least_harm, least_harm_within};
 use metronome_scheduler::{
     DrainRate, EwmaSnapshot, FairnessConfig, FairnessSnapshot, Forecast, IdleTtft, JobProfile,
     JobRequest, Ledger, OutputLength, SchedulerConfig, Tokens, WorkerLoad, WorkerView,
@@ -1524,71 +1524,64 @@ impl Engine {
             let harm_pool = front_pool.as_ref().map_or(workers, |(pool, _)| pool);
             let mut least_harm_note = None;
             let alone = self.queues.len(model) == 1;
-            if evaluation.winner.is_none() && self.s.policy == PolicyKind::Metronome && !alone {
-                // Others wait too, so the model is short of capacity; but when this job's
-                // tenant runs less than its share of the model, the capacity is short
-                // because another tenant holds more than its own. Waiting for room would
-                // hand the lighter tenant's latency to the flood (room opens only as the
-                // flood's jobs end); placed where it does least harm, the predicted miss
-                // falls on one running job, most likely the heavier tenant's.
-                if let Some((mine, total, share)) =
-                    self.runs_under_fair_share(model, tenant_of(&front.job), now)
-                {
-                    let fallback = least_harm_trading(
-                        &request,
-                        harm_pool,
-                        &self.ledger,
-                        &self.s.scheduler,
-                        now,
-                        self.s.fairness.light_tenant_traded_misses,
-                    );
-                    if fallback.winner.is_some() {
-                        least_harm_note = Some(format!(
-                            "placed where it does least harm: no worker admitted it without a predicted miss, and its tenant runs {mine} of the model's {total} jobs, under its fair share ({share:.1})"
-                        ));
-                        evaluation = fallback;
-                    }
-                }
-            }
+            // A job of a tenant under its fair share trades up to
+            // `light_tenant_traded_misses` predicted misses, most likely on the tenant that
+            // holds more than its share, in two cases:
+            // - No worker admits it, and others wait too, so the model is short of
+            //   capacity, but short because another tenant holds more than its own.
+            //   Waiting for room would hand the lighter tenant's latency to the flood (room
+            //   opens only as the flood's jobs end).
+            // - It is admitted, but only where its first token comes late, while another
+            //   worker would start it at least `light_tenant_ttft_ratio` times sooner. In
+            //   the fairness drill, at a flood's onset, the light tenant's job was admitted
+            //   only where its predicted TTFT was 1.2 s; the worker that refused it would
+            //   have started it in 0.17 s, taking one running job to 28.7 tok/s against a
+            //   30 tok/s floor.
             let ratio = self.s.fairness.light_tenant_ttft_ratio;
-            let winner_ttft = evaluation
+            let admitted_ttft = evaluation
                 .winner_score()
                 .and_then(|c| c.prediction)
                 .map(|p| p.ttft_ms);
-            if let (Some(late_ttft), true) = (
-                winner_ttft,
-                ratio > 0.0 && self.s.policy == PolicyKind::Metronome && least_harm_note.is_none(),
-            ) {
-                // Admitted, but only where its first token comes late, while another
-                // worker would start it at least `light_tenant_ttft_ratio` times sooner if
-                // its running jobs gave a little of their rate: for a tenant under its fair
-                // share, the few predicted misses fall mostly on the tenant that holds more
-                // than its share. In the fairness drill, at a flood's onset, the light
-                // tenant's job was admitted only where its predicted TTFT was 1.2 s; the
-                // worker that refused it would have started it in 0.17 s, taking one running
-                // job to 28.7 tok/s against a 30 tok/s floor.
-                if let Some((mine, total, share)) =
-                    self.runs_under_fair_share(model, tenant_of(&front.job), now)
-                {
-                    let sooner = least_harm_within(
-                        &request,
-                        harm_pool,
-                        &self.ledger,
-                        &self.s.scheduler,
-                        now,
-                        self.s.fairness.light_tenant_traded_misses,
-                        late_ttft / ratio,
-                    );
-                    if let Some(ttft) = sooner
-                        .winner_score()
-                        .and_then(|c| c.prediction)
-                        .map(|p| p.ttft_ms)
-                    {
-                        least_harm_note = Some(format!(
-                            "placed where its first token comes sooner, at a predicted miss: the workers that admitted it would start it in {late_ttft:.0} ms, this one in {ttft:.0} ms, and its tenant runs {mine} of the model's {total} jobs, under its fair share ({share:.1})"
-                        ));
-                        evaluation = sooner;
-                    }
+            let ttft_ceiling = match (&evaluation.winner, admitted_ttft) {
+                (None, _) if !alone => Some(f64::INFINITY),
+                (Some(_), Some(late)) if ratio > 0.0 => Some(late / ratio),
+                _ => None,
+            };
+            let under_share = match ttft_ceiling {
+                Some(c) if self.s.policy == PolicyKind::Metronome => self
+                    .runs_under_fair_share(model, tenant_of(&front.job), now)
+                    .map(|u| (c, u)),
+                _ => None,
+            };
+            if let Some((ceiling, (mine, total, share))) = under_share {
+                let traded = least_harm_within(
+                    &request,
+                    harm_pool,
+                    &self.ledger,
+                    &self.s.scheduler,
+                    now,
+                    self.s.fairness.light_tenant_traded_misses,
+                    ceiling,
+                );
+                let share_note = format!(
+                    "its tenant runs {mine} of the model's {total} jobs, under its fair share ({share:.1})"
+                );
+                if traded.winner.is_some() {
+                    least_harm_note = Some(match admitted_ttft {
+                        None => format!(
+                            "placed where it does least harm: no worker admitted it without a predicted miss, and {share_note}"
+                        ),
+                        Some(late) => {
+                            let ttft = traded
+                                .winner_score()
+                                .and_then(|c| c.prediction)
+                                .map_or(0.0, |p| p.ttft_ms);
+                            format!(
+                                "placed where its first token comes sooner, at a predicted miss: the workers that admitted it would start it in {late:.0} ms, this one in {ttft:.0} ms, and {share_note}"
+                            )
+                        }
+                    });
+                    evaluation = traded;
                 }
             }
             if evaluation.winner.is_none() && self.s.policy == PolicyKind::Metronome && alone {

@@ -28,32 +28,22 @@ pub fn least_harm(
     config: &SchedulerConfig,
     now_ms: u64,
 ) -> Evaluation {
-    least_harm_trading(job, workers, ledger, config, now_ms, MAX_TRADED_MISSES)
-}
-
-/// [`least_harm`] with another bound on the running jobs predicted below their floor.
-pub fn least_harm_trading(
-    job: &JobRequest,
-    workers: &[WorkerView],
-    ledger: &Ledger,
-    config: &SchedulerConfig,
-    now_ms: u64,
-    max_misses: u32,
-) -> Evaluation {
     least_harm_within(
         job,
         workers,
         ledger,
         config,
         now_ms,
-        max_misses,
+        MAX_TRADED_MISSES,
         f64::INFINITY,
     )
 }
 
-/// [`least_harm_trading`] among the workers that would also give the job its first token
-/// within `max_ttft_ms` (predicted): for a job that some worker admits, but only where its
-/// first token comes late, when a few predicted misses elsewhere would start it sooner.
+/// [`least_harm`] with another bound on the running jobs predicted below their floor, among
+/// the workers that would also give the job its first token within `max_ttft_ms`
+/// (predicted; infinite for no bound): the second serves a job that some worker admits,
+/// but only where its first token comes late, when a few predicted misses elsewhere would
+/// start it sooner.
 pub fn least_harm_within(
     job: &JobRequest,
     workers: &[WorkerView],

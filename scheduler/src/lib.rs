@@ -59,7 +59,7 @@ pub use evaluate::{evaluate, rescore, Evaluation};
 pub use fairness::{Fairness, FairnessConfig, FairnessSnapshot, Tokens};
 pub use forecast::{Forecast, IdleTtft};
 pub use job::JobRequest;
-pub use least_harm::{least_harm, least_harm_trading, least_harm_within};
+pub use least_harm::{least_harm, least_harm_within};
 pub use ledger::{JobProfile, Ledger, LedgerError, Reconciliation, Reservation};
 pub use load::WorkerLoad;
 pub use output_len::OutputLength;
