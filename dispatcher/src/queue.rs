@@ -27,7 +27,7 @@ use async_nats::jetstream::message::Acker;
 use metronome_protocol::queues::{FlowCount, QueueSnapshot, MAX_FLOWS};
 use metronome_protocol::{Job, Priority};
 use metronome_scheduler::fairness::{Candidate, Vtc};
-use metronome_scheduler::{Fairness, FairnessConfig, FairnessSnapshot, Tokens};
+use metronome_scheduler::{Fairness, FairnessConfig, FairnessSnapshot, RecentArrivals, Tokens};
 
 /// A job waiting for a worker.
 pub struct QueuedJob {
@@ -427,14 +427,45 @@ impl Queues {
         self.fairness.model(model)
     }
 
-    /// The counters to persist.
+    /// The counters to persist, with each model's tenants' recent arrivals.
     pub fn fairness_snapshot(&self) -> FairnessSnapshot {
-        self.fairness.snapshot()
+        let mut snapshot = self.fairness.snapshot();
+        for (model, q) in &self.by_model {
+            if q.arrivals.is_empty() {
+                continue;
+            }
+            let arrivals = q
+                .arrivals
+                .iter()
+                .map(|(tenant, a)| {
+                    let recent = RecentArrivals {
+                        last_ms: a.last_ms,
+                        prompts: a.prompts.iter().copied().collect(),
+                    };
+                    (tenant.clone(), recent)
+                })
+                .collect();
+            snapshot.arrivals.insert(model.clone(), arrivals);
+        }
+        snapshot
     }
 
-    /// Take over counters persisted by an earlier leader.
+    /// Take over counters and recent arrivals persisted by an earlier leader. An arrival
+    /// known here already stays when it is later; prompts are taken only for a tenant
+    /// with none here (never more than [`RECENT_PROMPTS`]).
     pub fn restore_fairness(&mut self, saved: &FairnessSnapshot) {
         self.fairness.restore(saved);
+        for (model, tenants) in &saved.arrivals {
+            let q = self.by_model.entry(model.clone()).or_default();
+            for (tenant, recent) in tenants {
+                let a = q.arrivals.entry(tenant.clone()).or_default();
+                a.last_ms = a.last_ms.max(recent.last_ms);
+                if a.prompts.is_empty() {
+                    let skip = recent.prompts.len().saturating_sub(RECENT_PROMPTS);
+                    a.prompts.extend(recent.prompts.iter().skip(skip).copied());
+                }
+            }
+        }
     }
 
     /// Every job waiting for `model`, in no particular order.
@@ -847,6 +878,55 @@ mod tests {
         q.forget_arrivals_before(1_019);
         q.push(at("b9", 30, "b", 50)).ok().unwrap();
         assert_eq!(q.lighter_tenant_prompt("m", "a", 0), Some(50));
+    }
+
+    #[test]
+    fn recent_arrivals_survive_a_failover_with_the_counters() {
+        let at = |id: &str, seq, tenant, prompt: u32, ms| {
+            let mut j = job_for(id, "m", seq, Some(tenant), None);
+            Arc::make_mut(&mut j.job).prompt_tokens = prompt;
+            j.enqueued_ms = ms;
+            j
+        };
+        let mut old = Queues::new(100);
+        for (i, p) in [700, 2_000, 300].into_iter().enumerate() {
+            old.push(at(&format!("b{i}"), i as u64, "b", p, 1_000 + i as u64))
+                .ok()
+                .unwrap();
+            let pos = old.next_to_try("m", |_| false, &[]).unwrap();
+            old.take("m", pos);
+        }
+        let saved: FairnessSnapshot =
+            serde_json::from_str(&serde_json::to_string(&old.fairness_snapshot()).unwrap())
+                .unwrap();
+        // The new leader has read only the flood's backlog: b is lighter and recent, and
+        // the room kept for it fits its longest recent prompt.
+        let mut new = Queues::new(100);
+        for i in 0..3 {
+            new.push(at(&format!("a{i}"), 10 + i, "a", 100, 1_500))
+                .ok()
+                .unwrap();
+        }
+        assert_eq!(
+            new.lighter_tenant_prompt("m", "a", 1_000),
+            None,
+            "b unknown"
+        );
+        new.restore_fairness(&saved);
+        assert_eq!(new.lighter_tenant_prompt("m", "a", 1_000), Some(2_000));
+        assert_eq!(new.active_tenants("m", 1_000), ["a", "b"]);
+        // Older than the window, the saved arrivals count for nothing.
+        let mut late = Queues::new(100);
+        late.restore_fairness(&saved);
+        late.forget_arrivals_before(1_100);
+        assert!(late.active_tenants("m", 0).is_empty());
+        // A later arrival known here is kept; the saved one does not move it back.
+        new.push(at("b3", 20, "b", 50, 1_600)).ok().unwrap();
+        new.restore_fairness(&saved);
+        assert_eq!(new.active_tenants("m", 1_550), ["b"]);
+        // A snapshot written before arrivals were saved still loads.
+        let bare: FairnessSnapshot = serde_json::from_str(r#"{"v":1,"models":{}}"#).unwrap();
+        assert!(bare.arrivals.is_empty());
     }
 
     #[test]

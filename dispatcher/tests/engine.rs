@@ -12,6 +12,7 @@ use metronome_protocol::{
     CompletionEvent, CompletionOutcome, Endpoint, ErrorCode, Job, KvUsage, PerfCoefficients,
     WorkerStatus, PROTOCOL_VERSION,
 };
+use metronome_scheduler::FairnessSnapshot;
 
 const T0: u64 = 1_800_000_000_000;
 
@@ -1064,6 +1065,46 @@ fn a_heavier_tenant_leaves_a_worker_where_a_lighter_ones_first_token_comes_soon(
         "the flood stops where the lighter tenant's TTFT would pass its bound"
     );
     assert_eq!(run(3.0), 40, "a loose bound does not bind");
+}
+
+/// Issue 10: a new leader keeps room for a lighter tenant from its first decision, knowing
+/// from the counters its predecessor persisted who submitted lately and how long their
+/// prompts were. The steady tenant's 1,000-token job ran and ended under the first leader;
+/// the second reads only the flood's 40 jobs. With the arrivals carried over it stops the
+/// flood where the steady tenant's next first token would pass its bound (15 jobs, as in
+/// `a_heavier_tenant_leaves_a_worker_where_a_lighter_ones_first_token_comes_soon`);
+/// with the counters alone it sees one tenant and places all 40.
+#[test]
+fn a_new_leader_keeps_room_for_a_tenant_that_submitted_under_the_last_one() {
+    let ratio = |c: &mut Config| c.fairness.light_tenant_ttft_ratio = 1.25;
+    let mut first = one_worker(ratio);
+    let (out, saved) = tokio::sync::watch::channel(Default::default());
+    first.fairness(None, out);
+    let at = after_a_steady_job(&mut first, 1_000);
+    first.tick(at);
+    let saved: FairnessSnapshot = saved.borrow().clone();
+    assert!(saved.arrivals.contains_key("m"), "{saved:?}");
+    let run = |saved: FairnessSnapshot| {
+        let mut second = one_worker(ratio);
+        second.fairness(
+            Some(saved),
+            tokio::sync::watch::channel(Default::default()).0,
+        );
+        let flood = (0..40)
+            .map(|i| sized_job_of(Some("flood"), &format!("f{i}"), 10, 20, at + 1))
+            .collect();
+        assigned(&step(&mut second, flood, at + 1)).len()
+    };
+    assert_eq!(run(saved.clone()), 15, "room kept for the steady tenant");
+    let counters_only = FairnessSnapshot {
+        arrivals: Default::default(),
+        ..saved
+    };
+    assert_eq!(
+        run(counters_only),
+        40,
+        "one tenant seen: the flood fills the GPU"
+    );
 }
 
 /// Issue 10: a job of a tenant under its fair share that some worker admits, but only where

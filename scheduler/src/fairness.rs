@@ -358,6 +358,24 @@ pub struct FairnessSnapshot {
     pub v: u32,
     /// Per model.
     pub models: BTreeMap<String, VtcSnapshot>,
+    /// Per model, then per tenant, its recent arrivals. [`Fairness`] neither keeps nor
+    /// reads them: the dispatcher's queues do, to keep room for a lighter tenant that has
+    /// submitted lately, and they travel here so a new leader keeps that room from its
+    /// first decision. Without them, a new leader counted a tenant as active only once
+    /// one of its jobs reached its own queue, and meanwhile placed a flooding tenant's
+    /// backlog up to the edge of the SLO on every GPU (in the fairness drill, the light
+    /// tenant's next jobs then waited about 1 s for room).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub arrivals: BTreeMap<String, BTreeMap<String, RecentArrivals>>,
+}
+
+/// A tenant's recent arrivals in one model's queue, as a failover carries them.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecentArrivals {
+    /// When it last had a job queued (Unix ms).
+    pub last_ms: u64,
+    /// The prompt lengths of its latest jobs, oldest first.
+    pub prompts: Vec<u32>,
 }
 
 /// The fair-share state of every model, and the charges not yet settled.
@@ -450,6 +468,7 @@ impl Fairness {
                 .iter()
                 .map(|(m, v)| (m.clone(), v.snapshot()))
                 .collect(),
+            arrivals: BTreeMap::new(),
         }
     }
 
@@ -743,6 +762,7 @@ mod tests {
                 },
             )]
             .into(),
+            arrivals: BTreeMap::new(),
         });
         h.model_mut("m").arrive("a");
         h.model_mut("m").arrive("b");

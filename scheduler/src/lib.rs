@@ -56,7 +56,7 @@ pub mod view;
 pub use config::{ConfigError, SchedulerConfig, Weights};
 pub use drain::DrainRate;
 pub use evaluate::{evaluate, rescore, Evaluation};
-pub use fairness::{Fairness, FairnessConfig, FairnessSnapshot, Tokens};
+pub use fairness::{Fairness, FairnessConfig, FairnessSnapshot, RecentArrivals, Tokens};
 pub use forecast::{Forecast, IdleTtft};
 pub use job::JobRequest;
 pub use least_harm::{least_harm, least_harm_within};
