@@ -259,6 +259,99 @@ struct Phase {
     kill_s: Option<f64>,
     takeover_s: Option<f64>,
     killed: Option<String>,
+    /// Failover only: what the new leader's first seconds looked like ([`after_takeover`]).
+    after_takeover: Option<AfterTakeover>,
+}
+
+/// The jobs sent after a takeover, as their decisions and TTFTs tell it: how long the
+/// steady tenant waited in the new leader's queue at most, and how often a job's first
+/// token came more than twice as late as predicted where it went (its TTFT less its
+/// queue wait, against the winner's predicted TTFT), in the first
+/// [`FIRST_SECONDS_AFTER_TAKEOVER`] and later. A new leader that misjudges the workers it
+/// adopted shows as the first share above the second.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AfterTakeover {
+    pub steady_longest_wait_ms: Option<f64>,
+    /// (jobs over twice their prediction, jobs judged), in the first seconds and later.
+    pub late_first: (usize, usize),
+    pub late_later: (usize, usize),
+}
+
+/// How long "the first seconds" after a takeover are, in [`AfterTakeover`].
+pub const FIRST_SECONDS_AFTER_TAKEOVER: f64 = 10.0;
+
+/// [`AfterTakeover`] from a phase's records and the decisions read for them, counting the
+/// requests scheduled at or after `takeover_s`.
+pub fn after_takeover(
+    records: &[RequestRecord],
+    decisions: &[serde_json::Value],
+    takeover_s: f64,
+) -> AfterTakeover {
+    let by_job: BTreeMap<&str, &serde_json::Value> = decisions
+        .iter()
+        .filter_map(|d| Some((d.get("job_id")?.as_str()?, d)))
+        .collect();
+    let mut out = AfterTakeover {
+        steady_longest_wait_ms: None,
+        late_first: (0, 0),
+        late_later: (0, 0),
+    };
+    for r in records.iter().filter(|r| r.scheduled_s >= takeover_s) {
+        let Some(d) = r.job_id.as_deref().and_then(|j| by_job.get(j)) else {
+            continue;
+        };
+        let wait = d
+            .get("queue_wait_ms")
+            .and_then(|w| w.as_f64())
+            .unwrap_or(0.0);
+        if r.tenant.as_deref() == Some(STEADY) {
+            let longest = out.steady_longest_wait_ms.get_or_insert(wait);
+            *longest = longest.max(wait);
+        }
+        let winner = d.get("worker_id").and_then(|w| w.as_str());
+        let predicted = d
+            .get("candidates")
+            .and_then(|c| c.as_array())
+            .into_iter()
+            .flatten()
+            .find(|c| winner.is_some() && c.get("worker_id").and_then(|w| w.as_str()) == winner)
+            .and_then(|c| c.pointer("/prediction/ttft_ms")?.as_f64());
+        let (Some(ttft), Some(predicted)) = (r.ttft_ms, predicted) else {
+            continue;
+        };
+        let count = if r.scheduled_s < takeover_s + FIRST_SECONDS_AFTER_TAKEOVER {
+            &mut out.late_first
+        } else {
+            &mut out.late_later
+        };
+        count.1 += 1;
+        if ttft - wait > 2.0 * predicted.max(1.0) {
+            count.0 += 1;
+        }
+    }
+    out
+}
+
+impl AfterTakeover {
+    /// "; after the takeover: steady's longest wait in the dispatcher's queue …; first
+    /// token over twice its prediction …" for the phase's line of the report.
+    fn note(&self) -> String {
+        let share = |(late, n): (usize, usize)| {
+            if n == 0 {
+                "no job".to_string()
+            } else {
+                format!("{:.1} % of {n}", 100.0 * late as f64 / n as f64)
+            }
+        };
+        let wait = self.steady_longest_wait_ms.map_or_else(String::new, |w| {
+            format!("{STEADY}'s longest wait in the dispatcher's queue {w:.0} ms; ")
+        });
+        format!(
+            "; after the takeover: {wait}first token more than twice as late as predicted where it went (less the queue wait) in the first {FIRST_SECONDS_AFTER_TAKEOVER:.0} s {}, later {}",
+            share(self.late_first),
+            share(self.late_later)
+        )
+    }
 }
 
 /// The drill's verdicts, in report order: (what, figure, bound, met).
@@ -384,6 +477,7 @@ async fn run_phase(
     write_agent_metrics(&plan.out.join(name), sys).await?;
     let read = read_decisions(sys, &result.records).await;
     write_decisions(&plan.out.join(name), &read.decisions)?;
+    let after_takeover = takeover_s.map(|t| after_takeover(&result.records, &read.decisions, t));
     Ok(Phase {
         name,
         result,
@@ -394,6 +488,7 @@ async fn run_phase(
         kill_s,
         takeover_s,
         killed,
+        after_takeover,
     })
 }
 
@@ -642,7 +737,7 @@ fn render(
     for p in phases {
         let _ = writeln!(
             s,
-            "- {}: GPUs idle while a job waited {:.1} % of {:.0} GPU-seconds (deepest queue {:.0}); decisions read {}, naming the key's tenant {}{}{}.",
+            "- {}: GPUs idle while a job waited {:.1} % of {:.0} GPU-seconds (deepest queue {:.0}); decisions read {}, naming the key's tenant {}{}{}{}.",
             p.name,
             p.idle.share * 100.0,
             p.idle.total_gpu_s,
@@ -657,7 +752,10 @@ fn render(
                 ),
                 (Some(k), Some(at), None) => format!("; SIGKILL {k} at {at:.1} s, no takeover seen"),
                 _ => String::new(),
-            }
+            },
+            p.after_takeover
+                .as_ref()
+                .map_or_else(String::new, AfterTakeover::note)
         );
     }
     let _ = writeln!(
@@ -764,6 +862,60 @@ mod tests {
             queue_waits(&waits),
             "; wait in the dispatcher's queue: flood p50 7 ms / p99 7 ms, steady p50 50 ms / p99 99 ms"
         );
+    }
+
+    #[test]
+    fn after_a_takeover_the_late_first_tokens_and_the_steady_tenants_longest_wait_are_counted() {
+        let job = |id: &str, tenant: &str, at: f64, ttft: f64| RequestRecord {
+            job_id: Some(id.into()),
+            ..rec(tenant, at, Some(ttft), 10)
+        };
+        let decision = |id: &str, wait: f64, predicted: f64| {
+            serde_json::json!({
+                "job_id": id, "worker_id": "w1", "queue_wait_ms": wait,
+                "candidates": [
+                    {"worker_id": "w0", "prediction": {"ttft_ms": 10_000.0}},
+                    {"worker_id": "w1", "prediction": {"ttft_ms": predicted}},
+                ],
+            })
+        };
+        let records = vec![
+            job("before", STEADY, 19.0, 9_000.0),
+            job("s1", STEADY, 21.0, 1_100.0),
+            job("f1", FLOOD, 22.0, 450.0),
+            job("s2", STEADY, 35.0, 300.0),
+            job("f2", FLOOD, 40.0, 900.0),
+            job("undecided", FLOOD, 41.0, 100.0),
+        ];
+        let decisions = vec![
+            decision("before", 5_000.0, 100.0),
+            // 1,100 ms less 900 ms queued against 200 predicted: on time.
+            decision("s1", 900.0, 200.0),
+            decision("f1", 0.0, 200.0),
+            decision("s2", 40.0, 250.0),
+            decision("f2", 0.0, 400.0),
+        ];
+        let a = after_takeover(&records, &decisions, 20.0);
+        assert_eq!(
+            a.steady_longest_wait_ms,
+            Some(900.0),
+            "the job before is left out"
+        );
+        assert_eq!(
+            a.late_first,
+            (1, 2),
+            "f1: 450 ms against 200 predicted on w1"
+        );
+        assert_eq!(a.late_later, (1, 2), "f2: 900 against 400");
+        assert_eq!(
+            a.note(),
+            "; after the takeover: steady's longest wait in the dispatcher's queue 900 ms; first token more than twice as late as predicted where it went (less the queue wait) in the first 10 s 50.0 % of 2, later 50.0 % of 2"
+        );
+        let none = after_takeover(&records, &[], 20.0);
+        assert_eq!(none.steady_longest_wait_ms, None);
+        assert!(none
+            .note()
+            .contains("in the first 10 s no job, later no job"));
     }
 
     #[test]
