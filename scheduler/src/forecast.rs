@@ -117,15 +117,6 @@ impl Forecast {
                     }
                     Some(sum + pending)
                 }
-                // Adopted from an earlier leader's term: its size is not known here, and
-                // whatever of its prompt is still to prefill is in the heartbeat's report,
-                // the floor below. Giving up the bookings for it instead, a new leader
-                // judged a worker by its heartbeat alone until every adopted job ended,
-                // and a heartbeat that lists a job before counting its prompt hid the
-                // jobs this leader had just placed there: in the fairness drill, a light
-                // tenant's job 3.5 s after a takeover was predicted a 242 ms first token
-                // behind six prompts placed 80 ms before, and waited 1,079 ms.
-                (Some(sum), None) => Some(sum),
                 _ => None,
             };
         }
@@ -466,38 +457,6 @@ mod tests {
         let load = WorkerLoad::at(&w, &l, &config, NOW + 100);
         let f = Forecast::of(&job("m"), &w, &load, &l, &config);
         assert_eq!(f.pending_prefill_tokens, 5_000.0);
-    }
-
-    #[test]
-    fn a_job_adopted_from_an_earlier_leader_leaves_the_bookings_standing() {
-        let mut w = worker("w1");
-        w.status.perf = Some(coefficients());
-        w.status.kv = None;
-        // The heartbeat lists the adopted job and the one just booked, but counts no
-        // prompt of either still to prefill.
-        w.status.prefill_pending_tokens = 0;
-        w.last_seen_ms = NOW + 100;
-        w.status.active = 2;
-        w.status.in_flight = vec!["adopted".into(), "a".into()];
-        let mut l = Ledger::new();
-        l.reserve("w1", "adopted", 500, NOW - 5_000).unwrap();
-        let booked = JobProfile {
-            prompt_tokens: 1_000,
-            protected_output: 100.0,
-            min_tok_s: 30.0,
-            max_tokens: 100,
-            decoding_from_ms: NOW + 200,
-        };
-        l.reserve_profiled("w1", "a", 1_100, booked, NOW).unwrap();
-        let config = SchedulerConfig::default();
-        let at = |w: &WorkerView| {
-            let load = WorkerLoad::at(w, &l, &config, NOW + 100);
-            Forecast::of(&job("m"), w, &load, &l, &config).pending_prefill_tokens
-        };
-        assert!((at(&w) - 500.0).abs() < 1e-9, "half of a's prompt is left");
-        // More reported still to prefill than booked: the report stands.
-        w.status.prefill_pending_tokens = 3_000;
-        assert_eq!(at(&w), 3_000.0);
     }
 
     #[test]
