@@ -76,18 +76,10 @@ struct Flow {
 struct ModelQueue {
     flows: Vec<Flow>,
     len: usize,
-    /// Each tenant's recent arrivals here, kept for [`Queues::lighter_tenant_prompt`] and
-    /// pruned by [`Queues::forget_arrivals_before`].
-    arrivals: BTreeMap<String, Arrivals>,
-}
-
-/// A tenant's recent arrivals in one model's queue.
-#[derive(Default)]
-struct Arrivals {
-    /// When it last had a job queued (Unix ms).
-    last_ms: u64,
-    /// The prompt lengths of its last [`RECENT_PROMPTS`] jobs.
-    prompts: VecDeque<u32>,
+    /// Each tenant's recent arrivals here (its last [`RECENT_PROMPTS`] prompt lengths),
+    /// kept for [`Queues::lighter_tenant_prompt`], pruned by
+    /// [`Queues::forget_arrivals_before`], and carried to the next leader as they are.
+    arrivals: BTreeMap<String, RecentArrivals>,
 }
 
 /// How many of a tenant's latest prompts size the room kept for it (see
@@ -131,9 +123,9 @@ impl ModelQueue {
         let arrivals = self.arrivals.entry(tenant.to_string()).or_default();
         arrivals.last_ms = arrivals.last_ms.max(job.enqueued_ms);
         if arrivals.prompts.len() == RECENT_PROMPTS {
-            arrivals.prompts.pop_front();
+            arrivals.prompts.remove(0);
         }
-        arrivals.prompts.push_back(job.job.prompt_tokens);
+        arrivals.prompts.push(job.job.prompt_tokens);
         let flow = self.flow_mut(tenant, job.job.priority());
         insert_by_seq(&mut flow.jobs, job);
         self.len += 1;
@@ -430,23 +422,12 @@ impl Queues {
     /// The counters to persist, with each model's tenants' recent arrivals.
     pub fn fairness_snapshot(&self) -> FairnessSnapshot {
         let mut snapshot = self.fairness.snapshot();
-        for (model, q) in &self.by_model {
-            if q.arrivals.is_empty() {
-                continue;
-            }
-            let arrivals = q
-                .arrivals
-                .iter()
-                .map(|(tenant, a)| {
-                    let recent = RecentArrivals {
-                        last_ms: a.last_ms,
-                        prompts: a.prompts.iter().copied().collect(),
-                    };
-                    (tenant.clone(), recent)
-                })
-                .collect();
-            snapshot.arrivals.insert(model.clone(), arrivals);
-        }
+        snapshot.arrivals = self
+            .by_model
+            .iter()
+            .filter(|(_, q)| !q.arrivals.is_empty())
+            .map(|(model, q)| (model.clone(), q.arrivals.clone()))
+            .collect();
         snapshot
     }
 
