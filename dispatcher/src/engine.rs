@@ -1674,7 +1674,7 @@ impl Engine {
                 continue;
             }
             self.ledger
-                .charge_stall(&winner, &job.job.id, evaluation.winner_stall_ms);
+                .charge_stall(&winner, &job.job.id, evaluation.winner_stall_ms, now);
             self.charge_fair(&job, &request, now);
             let latency = started.elapsed();
             self.metrics
@@ -1890,7 +1890,7 @@ impl Engine {
         {
             return false;
         }
-        after.charge_stall(winner, &job_id, stall_ms);
+        after.charge_stall(winner, &job_id, stall_ms, now);
         // One more job like it, fresh, with a prompt as long as the lighter tenant's
         // longest recent one: the room is for that tenant's next job.
         let mut like_it = request.clone().waited(0);

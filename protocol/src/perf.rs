@@ -87,8 +87,9 @@ pub struct Prediction {
     /// Time to first token once assigned (excluding the time already waited in the queue).
     pub ttft_ms: f64,
     /// The job's own decode rate, tokens/s, averaged over its whole decode: the rate at the
-    /// batch it joins, less the share of time the prefills of later admissions are expected
-    /// to stall it (the stall rate the worker's running jobs have been charged recently).
+    /// batch it joins, less the stall the prefills of later admissions most likely charge it
+    /// (the median count of the worker's admissions during its decode, at their recent rate,
+    /// times their recent mean stall).
     /// What its measured tokens/s is compared with.
     pub decode_tok_s: f64,
     /// The rate at the batch it joins, before any later stall: what the admission filter

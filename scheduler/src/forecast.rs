@@ -9,10 +9,10 @@
 //! - every stream then decodes at one token per
 //!   `step = step_base + step_per_stream · s + step_per_ktok · (c + p + L/2) / 1000`;
 //! - the job's prefill stalls every running stream for `stall_per_prefill_token · p`;
-//! - the job itself, once running, stands still for a share `φ` of its decode while later
-//!   admissions are prefilled, `φ` being the stall rate the worker's running jobs have been
-//!   charged recently ([`Ledger::stall_fraction`]): its expected average is
-//!   `(1 − φ) · 1000 / step`. The admission filter judges the rate at the batch it joins
+//! - the job itself, once running, stands still while later admissions are prefilled, for
+//!   the stall they most likely charge if they go on as they recently have
+//!   ([`crate::StallOutlook::likely_stall_ms`]): its expected average is its output over its
+//!   decode plus that stall. The admission filter judges the rate at the batch it joins
 //!   (`1000 / step`): later admissions are held to every running job's floor on their own.
 //!
 //! A running job `i` with expected output `Lᵢ`, already charged `σᵢ` ms of stall by
@@ -28,7 +28,7 @@
 use metronome_protocol::{PerfCoefficients, Prediction};
 
 use crate::filter::kv_tokens_in_use;
-use crate::ledger::{JobProfile, STALL_FRACTION_MAX};
+use crate::ledger::{JobProfile, StallOutlook};
 use crate::{JobRequest, Ledger, SchedulerConfig, WorkerLoad, WorkerView};
 
 /// The effect on one running job.
@@ -58,8 +58,8 @@ pub struct Forecast {
     pub step_ms: f64,
     /// The job's own decode rate at the batch it joins, tokens/s (`1000 / step`).
     pub decode_tok_s: f64,
-    /// The job's expected whole-decode average, tokens/s: `decode_tok_s` less the recent
-    /// stall share.
+    /// The job's expected whole-decode average, tokens/s: `decode_tok_s` less the stall the
+    /// admissions after it most likely charge.
     pub expected_tok_s: f64,
     /// Stall the job's prefill imposes on each running stream, ms.
     pub stall_ms: f64,
@@ -202,7 +202,7 @@ impl Forecast {
             decode_tok_s: 1000.0 / step_ms,
             expected_tok_s: expected_rate(
                 step_ms,
-                load.stall_fraction,
+                &load.stall_outlook,
                 default_output,
                 job.slo.min_tok_s,
             ),
@@ -234,16 +234,15 @@ impl Forecast {
 }
 
 /// The whole-decode rate a job admitted now can expect: its decode at `step_ms`, standing
-/// still for later admissions' prefills at the worker's recent stall share `φ`
-/// (`φ / (1 − φ)` of its decode time), but never for more than its stall budget, the stall
+/// still for the stall the admissions after it most likely charge
+/// ([`StallOutlook::likely_stall_ms`]), but never for more than its stall budget, the stall
 /// that would take it to its floor: admission refuses any later prefill that would charge
 /// it more. Without that cap a short job on a prefill-heavy worker is predicted far below
 /// what it gets, for the protection it gets is exactly what makes it meet its floor.
-fn expected_rate(step_ms: f64, stall_fraction: f64, output: f64, floor_tok_s: f64) -> f64 {
-    let phi = stall_fraction.clamp(0.0, STALL_FRACTION_MAX);
+fn expected_rate(step_ms: f64, outlook: &StallOutlook, output: f64, floor_tok_s: f64) -> f64 {
     let out = output.max(1.0);
     let decode_ms = intervals(out) * step_ms;
-    let stall_ms = phi / (1.0 - phi) * decode_ms;
+    let stall_ms = outlook.likely_stall_ms(decode_ms);
     let budget_ms = if floor_tok_s > 0.0 {
         (out * 1000.0 / floor_tok_s - decode_ms).max(0.0)
     } else {
@@ -397,23 +396,39 @@ mod tests {
     }
 
     #[test]
-    fn the_recorded_rate_expects_the_stall_share_the_worker_has_been_seeing() {
+    fn the_recorded_rate_expects_the_stall_the_admissions_most_likely_charge() {
         let mut w = worker("w1");
         w.status.perf = Some(coefficients());
         w.status.kv = None;
-        let mut l = Ledger::new();
-        l.reserve("w1", "a", 10, 0).unwrap();
-        l.charge_stall("w1", "none", 500.0); // a: 500 ms stalled over its first 2 s
         let config = SchedulerConfig::default();
+        // The worker admitted 5 jobs in the last instant, each stalling its streams 100 ms:
+        // 5 admissions per 10 s, a stall share of 5 %. Nothing runs there any more.
+        let mut l = Ledger::new();
+        for i in 0..5 {
+            let id = format!("done{i}");
+            l.reserve("w1", &id, 10, 2_000).unwrap();
+            l.charge_stall("w1", &id, 100.0, 2_000);
+            l.release(&id);
+        }
         let load = WorkerLoad::at(&w, &l, &config, 2_000);
-        assert!((load.stall_fraction - 0.25).abs() < 1e-12);
+        assert!((load.stall_outlook.stall_fraction() - 0.05).abs() < 1e-12);
+        // A 50-token job decodes 49 steps of 20 ms, ~1 s stretched: 0.52 admissions
+        // expected, none most likely; its rate is the step's.
         let f = Forecast::of(&job("m"), &w, &load, &l, &config);
-        // 50 tokens, 49 steps of 20 ms, a third more for the stalls (φ / (1 − φ)); under
-        // its stall budget (50 tokens at 30 tok/s = 1667 ms), so not capped.
         let decode = 49.0 * f.step_ms;
-        let expected = 1000.0 * 50.0 / (decode + decode / 3.0);
+        assert!(
+            (f.expected_tok_s - 1000.0 * 50.0 / decode).abs() < 1e-9,
+            "{f:?}"
+        );
+        // A 500-token job decodes ~10 s stretched: 5.2 expected, 5 most likely, 500 ms.
+        let mut long = job("m");
+        long.predicted_output_tokens = 500.0;
+        long.max_tokens = 500;
+        let f = Forecast::of(&long, &w, &load, &l, &config);
+        let decode = 499.0 * f.step_ms;
+        let expected = 1000.0 * 500.0 / (decode + 500.0);
         assert!((f.expected_tok_s - expected).abs() < 1e-9, "{f:?}");
-        assert!(f.expected_tok_s < f.decode_tok_s * 50.0 / 49.0);
+        assert!(f.expected_tok_s < f.decode_tok_s * 500.0 / 499.0);
         let p = f.prediction();
         assert_eq!(
             p.decode_tok_s, f.expected_tok_s,
@@ -504,12 +519,16 @@ mod tests {
 
     #[test]
     fn the_expected_rate_never_falls_below_the_floor_admission_keeps() {
-        // φ at its ceiling would predict 1000/20 × 0.2 = 10 tok/s; later admissions may
-        // only stall the job down to its floor.
-        let r = expected_rate(20.0, 0.95, 100.0, 30.0);
+        // Stalls at the share's ceiling would predict 1000/20 × 0.2 = 10 tok/s; later
+        // admissions may only stall the job down to its floor.
+        let heavy = StallOutlook {
+            admissions_per_ms: 0.01,
+            mean_stall_ms: 95.0,
+        };
+        let r = expected_rate(20.0, &heavy, 100.0, 30.0);
         assert!((r - 30.0).abs() < 1e-9, "{r}");
         // No stall: the per-interval rate, 100 tokens over 99 steps.
-        let r = expected_rate(20.0, 0.0, 100.0, 30.0);
+        let r = expected_rate(20.0, &StallOutlook::default(), 100.0, 30.0);
         assert!((r - 1000.0 * 100.0 / (99.0 * 20.0)).abs() < 1e-9, "{r}");
     }
 
@@ -534,7 +553,7 @@ mod tests {
         l.reserve_profiled("w1", "short", 1_000, short, NOW)
             .unwrap();
         l.reserve_profiled("w1", "long", 1_000, long, NOW).unwrap();
-        l.charge_stall("w1", "long", 100.0); // short already stalled by long's prefill
+        l.charge_stall("w1", "long", 100.0, NOW); // short already stalled by long's prefill
         let f = forecast(&w, &l, &job("m"));
         assert_eq!(f.streams_before, 2);
         // Unreported reservations: their prompts are still to prefill.

@@ -99,10 +99,10 @@ impl Reservation {
     }
 }
 
-/// Reservations younger than this do not count in [`Ledger::stall_fraction`].
-pub const STALL_FRACTION_MIN_AGE_MS: u64 = 1_000;
-/// Ceiling of [`Ledger::stall_fraction`]: past it the prediction is not worth more.
+/// Ceiling of [`StallOutlook::stall_fraction`]: past it the prediction is not worth more.
 pub const STALL_FRACTION_MAX: f64 = 0.8;
+/// τ of the decaying sums of a worker's recent admissions.
+pub const ADMISSION_WINDOW_MS: f64 = 10_000.0;
 
 /// Why a ledger operation was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -154,6 +154,80 @@ pub struct Ledger {
     /// Job id → the worker it is booked on; the reservation itself is in that worker's book.
     jobs: BTreeMap<String, String>,
     workers: HashMap<String, WorkerBook, FixedState>,
+    /// Per worker, its recent admissions and the stall they charged (kept while the
+    /// worker has no booking: an idle worker's next job meets the admissions to come).
+    recent_admissions: HashMap<String, RecentAdmissions, FixedState>,
+}
+
+/// A worker's admissions and the stall they charged, each weighted by `exp(−age / τ)`
+/// (τ = [`ADMISSION_WINDOW_MS`]): divided by τ, their recent rate.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct RecentAdmissions {
+    count: f64,
+    stall_ms: f64,
+    at_ms: u64,
+}
+
+impl RecentAdmissions {
+    /// `(count, stall_ms)` decayed to `now_ms`.
+    fn at(&self, now_ms: u64) -> (f64, f64) {
+        let age = now_ms.saturating_sub(self.at_ms) as f64;
+        let decay = (-age / ADMISSION_WINDOW_MS).exp();
+        (self.count * decay, self.stall_ms * decay)
+    }
+}
+
+/// What a job starting to decode on a worker can expect of the admissions after it, if
+/// they go on as they recently have: how often they come and how long each stalls it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StallOutlook {
+    /// Admissions per ms.
+    pub admissions_per_ms: f64,
+    /// The mean stall one admission charged, ms.
+    pub mean_stall_ms: f64,
+}
+
+impl StallOutlook {
+    /// Share of time a job decoding there stands still: `rate × mean stall`, at most
+    /// [`STALL_FRACTION_MAX`].
+    pub fn stall_fraction(&self) -> f64 {
+        (self.admissions_per_ms * self.mean_stall_ms).clamp(0.0, STALL_FRACTION_MAX)
+    }
+
+    /// The stall a job decoding for `decode_ms` most likely meets: the median number of
+    /// admissions during its decode (a Poisson count over the decode stretched by the
+    /// stalls themselves) times the mean stall of one.
+    ///
+    /// Why the median and not the mean: a short decode on a worker that admits now and
+    /// then meets no admission at all far more often than not, and the mean (a fraction of
+    /// one stall) would predict every such job slower than any of them runs; a long decode
+    /// meets many, and the two agree. The median is also what minimises the absolute error
+    /// the predictions are judged on.
+    pub fn likely_stall_ms(&self, decode_ms: f64) -> f64 {
+        let phi = self.stall_fraction();
+        let mu = self.admissions_per_ms * decode_ms.max(0.0) / (1.0 - phi);
+        poisson_median(mu) * self.mean_stall_ms.max(0.0)
+    }
+}
+
+/// The median of a Poisson distribution of mean `mu` (0 for a mean that is not positive).
+fn poisson_median(mu: f64) -> f64 {
+    if !(mu.is_finite() && mu > 0.0) {
+        return 0.0;
+    }
+    if mu > 50.0 {
+        // The median lies in [μ − ln 2, μ + 1/3] (Choi, 1994), and this is it at every mean
+        // the unit test checks past 50; the loop below would underflow `e^−μ` past ~700.
+        return (mu + 1.0 / 3.0 - 0.02 / mu).floor();
+    }
+    let (mut n, mut term) = (0u32, (-mu).exp());
+    let mut cdf = term;
+    while cdf < 0.5 {
+        n += 1;
+        term *= mu / f64::from(n);
+        cdf += term;
+    }
+    f64::from(n)
 }
 
 impl Ledger {
@@ -188,10 +262,23 @@ impl Ledger {
     /// Charge `stall_ms` of prefill stall to every job booked on `worker_id` except
     /// `except_job` (the job whose prefill causes it). Non-finite or negative charges are
     /// ignored.
-    pub fn charge_stall(&mut self, worker_id: &str, except_job: &str, stall_ms: f64) {
+    pub fn charge_stall(&mut self, worker_id: &str, except_job: &str, stall_ms: f64, now_ms: u64) {
         if !(stall_ms.is_finite() && stall_ms > 0.0) {
             return;
         }
+        let recent = match self.recent_admissions.get_mut(worker_id) {
+            Some(r) => r,
+            None => self
+                .recent_admissions
+                .entry(worker_id.to_owned())
+                .or_default(),
+        };
+        let (count, stall) = recent.at(now_ms);
+        *recent = RecentAdmissions {
+            count: count + 1.0,
+            stall_ms: stall + stall_ms,
+            at_ms: now_ms.max(recent.at_ms),
+        };
         let Some(book) = self.workers.get_mut(worker_id) else {
             return;
         };
@@ -200,24 +287,20 @@ impl Ledger {
         }
     }
 
-    /// Share of time the jobs running on the worker have been predicted to stand still for
-    /// later admissions' prefills: their charged stall over their age, pooled over the
-    /// jobs booked at least [`STALL_FRACTION_MIN_AGE_MS`] ago (younger ones say nothing
-    /// yet). The stall rate a job admitted now can expect, if admissions go on as they
-    /// have; 0 with no such job. At most [`STALL_FRACTION_MAX`].
-    pub fn stall_fraction(&self, worker_id: &str, now_ms: u64) -> f64 {
-        let (mut stall, mut age) = (0.0, 0.0);
-        for r in self.reservations_on(worker_id) {
-            let a = now_ms.saturating_sub(r.reserved_ms);
-            if a >= STALL_FRACTION_MIN_AGE_MS {
-                stall += r.stall_ms;
-                age += a as f64;
-            }
+    /// What a job starting on the worker now can expect of the admissions after it, from
+    /// the worker's admissions of the last [`ADMISSION_WINDOW_MS`] or so.
+    pub fn stall_outlook(&self, worker_id: &str, now_ms: u64) -> StallOutlook {
+        let Some((count, stall_ms)) = self.recent_admissions.get(worker_id).map(|r| r.at(now_ms))
+        else {
+            return StallOutlook::default();
+        };
+        if count <= 0.0 {
+            return StallOutlook::default();
         }
-        if age <= 0.0 {
-            return 0.0;
+        StallOutlook {
+            admissions_per_ms: count / ADMISSION_WINDOW_MS,
+            mean_stall_ms: stall_ms / count,
         }
-        (stall / age).clamp(0.0, STALL_FRACTION_MAX)
     }
 
     /// The reservations on the worker, in booking order.
@@ -458,9 +541,9 @@ mod tests {
         l.reserve_profiled("w1", "a", 100, profile, 10).unwrap();
         l.reserve("w1", "b", 100, 10).unwrap();
         l.reserve("w2", "c", 100, 10).unwrap();
-        l.charge_stall("w1", "b", 40.0);
-        l.charge_stall("w1", "b", f64::NAN);
-        l.charge_stall("w1", "b", -5.0);
+        l.charge_stall("w1", "b", 40.0, 0);
+        l.charge_stall("w1", "b", f64::NAN, 0);
+        l.charge_stall("w1", "b", -5.0, 0);
         assert_eq!(l.get("a").unwrap().stall_ms, 40.0);
         assert_eq!(l.get("b").unwrap().stall_ms, 0.0);
         assert_eq!(l.get("c").unwrap().stall_ms, 0.0);
@@ -555,23 +638,87 @@ mod tests {
     }
 
     #[test]
-    fn stall_fraction_pools_charged_stall_over_the_age_of_settled_jobs() {
+    fn the_stall_outlook_is_the_recent_admissions_rate_and_mean_stall() {
         let mut l = Ledger::new();
-        l.reserve("w", "old", 10, 0).unwrap();
-        l.reserve("w", "older", 10, 0).unwrap();
-        assert_eq!(l.stall_fraction("w", 4_000), 0.0, "nothing charged yet");
-        // An admission at 2 s stalls both for 400 ms; a job booked at 3.5 s is too young to
-        // say anything and does not dilute the estimate.
-        l.reserve("w", "new", 10, 2_000).unwrap();
-        l.charge_stall("w", "new", 400.0);
-        l.reserve("w", "young", 10, 3_500).unwrap();
-        let f = l.stall_fraction("w", 4_000);
-        assert!(
-            (f - 800.0 / (4_000.0 + 4_000.0 + 2_000.0)).abs() < 1e-12,
-            "{f}"
+        assert_eq!(
+            l.stall_outlook("w", 0),
+            StallOutlook::default(),
+            "no admission yet"
         );
-        assert_eq!(l.stall_fraction("other", 4_000), 0.0);
-        l.charge_stall("w", "young", 1e9);
-        assert_eq!(l.stall_fraction("w", 4_000), STALL_FRACTION_MAX);
+        // Two admissions at 1 s, stalling for 300 and 100 ms; read at once, then one window on.
+        l.reserve("w", "a", 10, 1_000).unwrap();
+        l.charge_stall("w", "a", 300.0, 1_000);
+        l.reserve("w", "b", 10, 1_000).unwrap();
+        l.charge_stall("w", "b", 100.0, 1_000);
+        let now = l.stall_outlook("w", 1_000);
+        assert!((now.admissions_per_ms - 2.0 / ADMISSION_WINDOW_MS).abs() < 1e-15);
+        assert!((now.mean_stall_ms - 200.0).abs() < 1e-9);
+        let later = l.stall_outlook("w", 1_000 + ADMISSION_WINDOW_MS as u64);
+        assert!(
+            (later.admissions_per_ms - now.admissions_per_ms / std::f64::consts::E).abs() < 1e-15
+        );
+        assert!(
+            (later.mean_stall_ms - 200.0).abs() < 1e-9,
+            "decay keeps the mean"
+        );
+        // The outlook outlives the bookings: an idle worker keeps its admissions' pace.
+        l.release("a");
+        l.release("b");
+        assert_eq!(l.stall_outlook("w", 1_000), now);
+        assert_eq!(l.stall_outlook("other", 1_000), StallOutlook::default());
+        // A charge that is no stall is no admission to learn from.
+        l.charge_stall("w", "c", f64::NAN, 1_000);
+        l.charge_stall("w", "c", 0.0, 1_000);
+        assert_eq!(l.stall_outlook("w", 1_000), now);
+    }
+
+    #[test]
+    fn a_short_decode_most_likely_meets_no_admission_and_a_long_one_meets_its_share() {
+        // One admission a second, each stalling 100 ms: a stall share of 10 %.
+        let o = StallOutlook {
+            admissions_per_ms: 1e-3,
+            mean_stall_ms: 100.0,
+        };
+        assert!((o.stall_fraction() - 0.1).abs() < 1e-12);
+        // 500 ms of decode (555 ms stretched): P(no admission) = e^-0.555 > 1/2.
+        assert_eq!(o.likely_stall_ms(500.0), 0.0);
+        // 900 ms (1 s stretched): P(0) = e^-1 < 1/2 ≤ P(0) + P(1): one admission.
+        assert_eq!(o.likely_stall_ms(900.0), 100.0);
+        // 90 s (100 s stretched): the median count of a mean of 100 is 100, the mean share.
+        assert_eq!(o.likely_stall_ms(90_000.0), 10_000.0);
+        // A share past the ceiling is held to it.
+        let heavy = StallOutlook {
+            admissions_per_ms: 1e-2,
+            mean_stall_ms: 1_000.0,
+        };
+        assert_eq!(heavy.stall_fraction(), STALL_FRACTION_MAX);
+        assert_eq!(StallOutlook::default().likely_stall_ms(1e9), 0.0);
+    }
+
+    #[test]
+    fn the_poisson_median_matches_its_definition_on_both_sides_of_the_shortcut() {
+        let beyond_the_shortcut = (0..500).map(|i| 50.05 + 0.73 * f64::from(i));
+        for mu in [0.1, 0.69, 0.7, 1.0, 2.5, 10.0, 49.9]
+            .into_iter()
+            .chain(beyond_the_shortcut)
+        {
+            let m = poisson_median(mu);
+            // P(N ≤ m) ≥ 1/2 > P(N ≤ m − 1), summed directly (in logs, for large means).
+            let cdf = |k: f64| -> f64 {
+                let mut sum = 0.0;
+                let mut log_term = -mu;
+                for n in 0..=(k as u32) {
+                    if n > 0 {
+                        log_term += mu.ln() - f64::from(n).ln();
+                    }
+                    sum += log_term.exp();
+                }
+                sum
+            };
+            assert!(cdf(m) >= 0.5, "mu {mu}: median {m}");
+            assert!(m == 0.0 || cdf(m - 1.0) < 0.5, "mu {mu}: median {m}");
+        }
+        assert_eq!(poisson_median(0.0), 0.0);
+        assert_eq!(poisson_median(f64::NAN), 0.0);
     }
 }

@@ -60,7 +60,7 @@ pub use fairness::{Fairness, FairnessConfig, FairnessSnapshot, RecentArrivals, T
 pub use forecast::{Forecast, IdleTtft};
 pub use job::JobRequest;
 pub use least_harm::{least_harm, least_harm_within};
-pub use ledger::{JobProfile, Ledger, LedgerError, Reconciliation, Reservation};
+pub use ledger::{JobProfile, Ledger, LedgerError, Reconciliation, Reservation, StallOutlook};
 pub use load::WorkerLoad;
 pub use output_len::OutputLength;
 pub use policy::{choose, PolicyKind, PolicyState};

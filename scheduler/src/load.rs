@@ -12,6 +12,7 @@
 //! KV follows the same rule: reported usage (`used_frac * capacity`) plus the KV tokens of
 //! unreported reservations.
 
+use crate::ledger::StallOutlook;
 use crate::{Ledger, SchedulerConfig, WorkerView};
 
 /// Load of one worker at decision time.
@@ -27,8 +28,8 @@ pub struct WorkerLoad {
     pub effective_active: u32,
     /// The worker's cap, or the configured default when it reports 0.
     pub max_concurrency: u32,
-    /// [`Ledger::stall_fraction`] at decision time (0 where no time is known).
-    pub stall_fraction: f64,
+    /// [`Ledger::stall_outlook`] at decision time (none where no time is known).
+    pub stall_outlook: StallOutlook,
     /// Decision time (Unix ms; 0 where no time is known).
     pub now_ms: u64,
 }
@@ -46,15 +47,15 @@ impl WorkerLoad {
             unreported_kv_tokens,
             effective_active: reported_active.saturating_add(unreported_reservations),
             max_concurrency: config.max_concurrency(s.max_concurrency),
-            stall_fraction: 0.0,
+            stall_outlook: StallOutlook::default(),
             now_ms: 0,
         }
     }
 
-    /// [`WorkerLoad::of`] with the worker's recent stall fraction at `now_ms`.
+    /// [`WorkerLoad::of`] with the worker's stall outlook at `now_ms`.
     pub fn at(view: &WorkerView, ledger: &Ledger, config: &SchedulerConfig, now_ms: u64) -> Self {
         WorkerLoad {
-            stall_fraction: ledger.stall_fraction(&view.status.worker_id, now_ms),
+            stall_outlook: ledger.stall_outlook(&view.status.worker_id, now_ms),
             now_ms,
             ..Self::of(view, ledger, config)
         }
