@@ -116,6 +116,42 @@ impl PredictionErrors {
     }
 }
 
+/// One job's prediction beside what the client measured, for `predictions.csv`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PredictedJob {
+    /// The load generator's request id.
+    pub id: u64,
+    pub job_id: String,
+    pub worker: Option<String>,
+    pub predicted: Predicted,
+    pub ttft_ms: Option<f64>,
+    pub tokens_per_s: Option<f64>,
+}
+
+/// `predictions.csv`: per job, the winner's prediction beside the measured TTFT and tok/s,
+/// in request-id order, so a run's errors can be broken down by worker, prompt or length
+/// (joined with `requests.csv` on `id`).
+pub fn predictions_csv(jobs: &[PredictedJob]) -> String {
+    let num = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.3}"));
+    let mut rows: Vec<&PredictedJob> = jobs.iter().collect();
+    rows.sort_by_key(|j| j.id);
+    let mut csv =
+        String::from("id,job_id,worker,predicted_ttft_ms,ttft_ms,predicted_tok_s,tokens_per_s\n");
+    for j in rows {
+        csv.push_str(&format!(
+            "{},{},{},{:.1},{},{},{}\n",
+            j.id,
+            j.job_id,
+            j.worker.as_deref().unwrap_or(""),
+            j.predicted.ttft_ms,
+            num(j.ttft_ms),
+            num(j.predicted.decode_tok_s),
+            num(j.tokens_per_s),
+        ));
+    }
+    csv
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -235,5 +271,27 @@ mod tests {
         assert_eq!(pooled.ttft.n, 20);
         assert_eq!(pooled.predicted_jobs, 22);
         assert_eq!(pooled.ttft.p50, e.ttft.p50);
+    }
+
+    #[test]
+    fn the_predictions_csv_lists_each_job_in_request_order() {
+        let job = |id: u64, worker: Option<&str>, tok_s: Option<f64>| PredictedJob {
+            id,
+            job_id: format!("j{id}"),
+            worker: worker.map(str::to_string),
+            predicted: Predicted {
+                ttft_ms: 412.25,
+                decode_tok_s: tok_s,
+            },
+            ttft_ms: Some(400.0),
+            tokens_per_s: Some(41.5),
+        };
+        let csv = predictions_csv(&[job(7, Some("gpu1"), Some(40.0)), job(2, None, None)]);
+        assert_eq!(
+            csv,
+            "id,job_id,worker,predicted_ttft_ms,ttft_ms,predicted_tok_s,tokens_per_s\n\
+             2,j2,,412.2,400.000,,41.500\n\
+             7,j7,gpu1,412.2,400.000,40.000,41.500\n"
+        );
     }
 }

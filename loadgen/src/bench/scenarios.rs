@@ -31,7 +31,7 @@ use super::capacity::{completion_rate, keeps_up, CapacitySearch, KeepUp};
 use super::curve::goodput_rate;
 use super::idle::{idle_stats, samples_csv, ClusterSample, IdleStats};
 use super::nominal::{nominal_capacity, CostModel, Nominal};
-use super::prediction::{predicted, PredictionErrors};
+use super::prediction::{predicted, predictions_csv, Predicted, PredictedJob, PredictionErrors};
 use super::report::{
     cluster_title, sections, workload_title, BurstRow, NominalRow, OverheadRow, PlotRef, RampStep,
     Report, RunRow, METRONOME,
@@ -40,7 +40,7 @@ use super::system::{rss_kib, System, SystemSpec, EXTRA_TOML_ENV};
 use crate::plots::{goodput_curves, CurveSeries};
 use crate::{
     plan_requests, run_load, run_plan, write_outputs, LengthDist, LoadSpec, PlannedRequest,
-    RunResult, Slo, Summary, Workload,
+    RequestRecord, RunResult, Slo, Summary, Workload,
 };
 
 /// Policies compared, Metronome first, then the conventional balancers.
@@ -304,31 +304,47 @@ pub(super) async fn write_agent_metrics(dir: &Path, sys: &System) -> anyhow::Res
 }
 
 /// Decisions read after a run (successful jobs with a job id) and the prediction errors;
-/// the errors are `None` when no decision carried a prediction.
-async fn prediction_errors(sys: &System, result: &RunResult) -> (usize, Option<PredictionErrors>) {
-    let jobs: Vec<(String, Option<f64>, Option<f64>)> = result
-        .records
+/// the errors are `None` when no decision carried a prediction. Each job's prediction
+/// beside its measurement goes to `predictions.csv` in `dir` (when any carried one).
+async fn prediction_errors(
+    sys: &System,
+    result: &RunResult,
+    dir: &Path,
+) -> anyhow::Result<(usize, Option<PredictionErrors>)> {
+    let found: Vec<(Option<Predicted>, &RequestRecord)> =
+        futures::stream::iter(result.records.iter().filter(|r| r.ok))
+            .map(|r| async move {
+                let d = sys.decision_json(r.job_id.as_deref()?).await?;
+                Some((predicted(&d), r))
+            })
+            .buffer_unordered(16)
+            .filter_map(|x| async move { x })
+            .collect()
+            .await;
+    let jobs: Vec<PredictedJob> = found
         .iter()
-        .filter(|r| r.ok)
-        .filter_map(|r| Some((r.job_id.clone()?, r.ttft_ms, r.tokens_per_s)))
-        .collect();
-    let found: Vec<_> = futures::stream::iter(jobs)
-        .map(|(job, ttft, tok_s)| async move {
-            let d = sys.decision_json(&job).await?;
-            Some((predicted(&d), ttft, tok_s))
+        .filter_map(|(p, r)| {
+            Some(PredictedJob {
+                id: r.id,
+                job_id: r.job_id.clone()?,
+                worker: r.worker.clone(),
+                predicted: (*p)?,
+                ttft_ms: r.ttft_ms,
+                tokens_per_s: r.tokens_per_s,
+            })
         })
-        .buffer_unordered(16)
-        .filter_map(|x| async move { x })
-        .collect()
-        .await;
-    let pairs: Vec<_> = found
-        .iter()
-        .filter_map(|(p, ttft, tok_s)| Some(((*p)?, *ttft, *tok_s)))
         .collect();
-    (
-        found.len(),
-        (!pairs.is_empty()).then(|| PredictionErrors::of(&pairs)),
-    )
+    if jobs.is_empty() {
+        return Ok((found.len(), None));
+    }
+    let path = dir.join("predictions.csv");
+    std::fs::write(&path, predictions_csv(&jobs))
+        .with_context(|| format!("writing {}", path.display()))?;
+    let pairs: Vec<_> = jobs
+        .iter()
+        .map(|j| (j.predicted, j.ttft_ms, j.tokens_per_s))
+        .collect();
+    Ok((found.len(), Some(PredictionErrors::of(&pairs))))
 }
 
 fn system_spec(plan: &BenchPlan, policy: &str, speeds: Vec<String>, tag: &str) -> SystemSpec {
@@ -540,7 +556,7 @@ pub async fn run_bench(plan: &BenchPlan) -> anyhow::Result<Report> {
                         );
                     }
                     let (decisions_read, prediction) = if policy == METRONOME {
-                        prediction_errors(&sys, &m.result).await
+                        prediction_errors(&sys, &m.result, &dir).await?
                     } else {
                         (0, None)
                     };
