@@ -12,8 +12,7 @@
 //! KV follows the same rule: reported usage (`used_frac * capacity`) plus the KV tokens of
 //! unreported reservations.
 
-use crate::ledger::StallOutlook;
-use crate::{Ledger, SchedulerConfig, WorkerView};
+use crate::{Ledger, SchedulerConfig, StallOutlook, WorkerView};
 
 /// Load of one worker at decision time.
 #[derive(Debug, Clone, Copy, PartialEq)]

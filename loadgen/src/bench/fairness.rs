@@ -30,6 +30,7 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 use super::idle::{idle_stats, IdleStats};
+use super::prediction::predicted;
 use super::scenarios::{
     nominal_for, write_agent_metrics, write_samples, BenchPlan, MODEL, SAMPLE_INTERVAL,
 };
@@ -308,15 +309,9 @@ pub fn after_takeover(
             let longest = out.steady_longest_wait_ms.get_or_insert(wait);
             *longest = longest.max(wait);
         }
-        let winner = d.get("worker_id").and_then(|w| w.as_str());
-        let predicted = d
-            .get("candidates")
-            .and_then(|c| c.as_array())
-            .into_iter()
-            .flatten()
-            .find(|c| winner.is_some() && c.get("worker_id").and_then(|w| w.as_str()) == winner)
-            .and_then(|c| c.pointer("/prediction/ttft_ms")?.as_f64());
-        let (Some(ttft), Some(predicted)) = (r.ttft_ms, predicted) else {
+        // The winner's predicted TTFT on the worker, without the queue wait it adds.
+        let on_worker = predicted(d).map(|p| p.ttft_ms - wait);
+        let (Some(ttft), Some(on_worker)) = (r.ttft_ms, on_worker) else {
             continue;
         };
         let count = if r.scheduled_s < takeover_s + FIRST_SECONDS_AFTER_TAKEOVER {
@@ -325,7 +320,7 @@ pub fn after_takeover(
             &mut out.late_later
         };
         count.1 += 1;
-        if ttft - wait > 2.0 * predicted.max(1.0) {
+        if ttft - wait > 2.0 * on_worker.max(1.0) {
             count.0 += 1;
         }
     }
