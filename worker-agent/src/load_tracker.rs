@@ -8,16 +8,27 @@
 //! - the time integrals of the number of decoding streams (jobs past their first token, not
 //!   finished) and of their context tokens (prompt + generated): each integral accumulates
 //!   `value × dt` before every change, so it is exact for the piecewise-constant load;
-//! - a cumulative counter of the prompt tokens of the jobs started.
+//! - the prefill span of every prompt: from when it was sent, or when the prompt sent
+//!   before it had its first token if that was later, to its first token.
 //!
 //! A job's features are then differences of these between two marks of its own life, the
 //! job's decode window being its first token → its last token (or its end, if it streamed
 //! one token): the time-averaged streams beside it (itself included, so ≥ 1), their
-//! time-averaged context, and the prompt tokens started during the window (prefills its
+//! time-averaged context, and the prompt tokens prefilled during the window (prefills its
 //! decode stood still for). At start it records the streams decoding and the prompt tokens
 //! still waiting for their prefill (what its own first token waits behind). These are the
 //! signals [`PerfSample`] describes; the measured latencies come from the runner's
 //! `measure` and are passed in.
+//!
+//! The prompt tokens prefilled during a window are each prompt's tokens spread evenly over
+//! its prefill span, counted for the part of the span inside the window. A prompt still
+//! prefilling when the window closes counts for the time it has been prefilling at the
+//! recent prefill speed (the spans' tokens per ms), queued behind the prompts sent before it.
+//! Why not the prompt tokens *sent* during the window: a server prefills a long prompt over
+//! many steps (vLLM's chunked prefill takes 2,048 tokens or so a step), so a short job that
+//! ends one chunk into it was charged all of it, while a prompt sent just before a job's
+//! first token but prefilled during its decode was charged nothing. Both errors at once
+//! trapped a live decode fit within its first jobs (`bench-results/fit-trap/`).
 //!
 //! Pure: no I/O, no clock (every event takes `now`), so every sequence replays exactly.
 //! Invariants: the running totals (decoding streams, their context, pending prefill) are
@@ -25,7 +36,7 @@
 //! runs backwards (an event older than the last one counts as happening at the last one,
 //! as two runners may take the tracker's lock out of order).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
 use metronome_scheduler::perf::PerfSample;
@@ -48,7 +59,6 @@ struct Mark {
     at_ms: f64,
     streams_integral: f64,
     context_integral: f64,
-    prefill_started: u64,
     /// Instantaneous values, for a window of zero length.
     streams: u64,
     context: u64,
@@ -57,6 +67,7 @@ struct Mark {
 #[derive(Debug, Clone)]
 struct Tracked {
     prompt_tokens: u64,
+    sent_ms: f64,
     generated: u64,
     streams_at_start: u64,
     prefill_ahead_tokens: u64,
@@ -80,10 +91,46 @@ pub struct LoadTracker {
     streams_integral: f64,
     /// ∫ context dt, token·ms.
     context_integral: f64,
-    /// Prompt tokens of every job started so far.
-    prefill_started: u64,
+    /// Prefill spans that a decoding job's window may still overlap, oldest first.
+    spans: VecDeque<PrefillSpan>,
+    /// When the latest prefill ended (the latest first token).
+    prefill_free_ms: f64,
+    /// Recent prefill spans' decayed milliseconds and tokens: the prefill speed.
+    prefill_ms: f64,
+    prefill_tokens: f64,
     jobs: HashMap<String, Tracked>,
 }
+
+/// One prompt's prefill: its tokens, taken as spread evenly over `from_ms..to_ms`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct PrefillSpan {
+    /// When its request was sent.
+    sent_ms: f64,
+    from_ms: f64,
+    to_ms: f64,
+    tokens: f64,
+}
+
+impl PrefillSpan {
+    /// Its tokens prefilled within `from..to`.
+    fn tokens_within(&self, from: f64, to: f64) -> f64 {
+        let overlap = self.to_ms.min(to) - self.from_ms.max(from);
+        let length = self.to_ms - self.from_ms;
+        if length <= 0.0 {
+            // Prefilled at one instant: inside the window or not.
+            return if self.to_ms > from && self.to_ms <= to {
+                self.tokens
+            } else {
+                0.0
+            };
+        }
+        self.tokens * (overlap / length).clamp(0.0, 1.0)
+    }
+}
+
+/// Weight kept by the prefill speed's sums at each new span: it follows about the last 20
+/// prompts.
+const PREFILL_SPEED_KEEP: f64 = 0.95;
 
 impl LoadTracker {
     pub fn new() -> Self {
@@ -101,6 +148,7 @@ impl LoadTracker {
             job.to_string(),
             Tracked {
                 prompt_tokens: prompt,
+                sent_ms: self.last_ms,
                 generated: 0,
                 streams_at_start: self.decoding,
                 prefill_ahead_tokens: self.pending_prefill,
@@ -109,7 +157,6 @@ impl LoadTracker {
             },
         );
         self.pending_prefill += prompt;
-        self.prefill_started += prompt;
     }
 
     /// The job produced its first token: its prefill is over, it decodes from now on.
@@ -124,14 +171,38 @@ impl LoadTracker {
         self.pending_prefill -= t.prompt_tokens;
         self.decoding += 1;
         self.context += t.prompt_tokens + t.generated;
+        // Its prefill began when it was sent or when the last prompt sent before it had
+        // its first token, whichever was later: a server prefills in arrival order. Not at
+        // the latest first token of any prompt: a short prompt sent later can finish its
+        // prefill in the same step as this one's last chunk and be delivered first, and
+        // this one's whole prefill would then be squeezed into the milliseconds between
+        // the two, inside the short one's decode.
+        let from_ms = self
+            .spans
+            .iter()
+            .filter(|s| s.sent_ms < t.sent_ms)
+            .map(|s| s.to_ms)
+            .fold(t.sent_ms, f64::max);
+        let span = PrefillSpan {
+            sent_ms: t.sent_ms,
+            from_ms,
+            to_ms: self.last_ms,
+            tokens: t.prompt_tokens as f64,
+        };
         t.first = Some(Mark {
             at_ms: self.last_ms,
             streams_integral: self.streams_integral,
             context_integral: self.context_integral,
-            prefill_started: self.prefill_started,
             streams: self.decoding,
             context: self.context,
         });
+        self.prefill_free_ms = self.last_ms;
+        if span.tokens > 0.0 {
+            self.prefill_ms = self.prefill_ms * PREFILL_SPEED_KEEP + (span.to_ms - span.from_ms);
+            self.prefill_tokens = self.prefill_tokens * PREFILL_SPEED_KEEP + span.tokens;
+            self.spans.push_back(span);
+        }
+        self.prune_spans();
     }
 
     /// A relayed chunk carried `n` generated tokens (the first one implies `first_token`).
@@ -178,7 +249,7 @@ impl LoadTracker {
             prefill_ahead_tokens: t.prefill_ahead_tokens as f64,
             mean_decode_streams: streams.max(1.0),
             mean_context_tokens: context.max(0.0),
-            stall_prefill_tokens: (end.prefill_started - first.prefill_started) as f64,
+            stall_prefill_tokens: self.prefilled_within(first.at_ms, end.at_ms),
         })
     }
 
@@ -217,9 +288,62 @@ impl LoadTracker {
             at_ms: self.last_ms,
             streams_integral: self.streams_integral,
             context_integral: self.context_integral,
-            prefill_started: self.prefill_started,
             streams: self.decoding,
             context: self.context,
+        }
+    }
+
+    /// Prompt tokens prefilled within `from..to` (`to` at most now): the finished spans'
+    /// share of it, and the prompts still waiting for their first token, queued in the order
+    /// they were sent from the end of the last prefill, at the recent prefill speed (none
+    /// counted before any prefill has been seen).
+    fn prefilled_within(&self, from: f64, to: f64) -> f64 {
+        if to <= from {
+            return 0.0;
+        }
+        let done: f64 = self.spans.iter().map(|s| s.tokens_within(from, to)).sum();
+        if self.prefill_tokens <= 0.0 {
+            return done;
+        }
+        let ms_per_token = self.prefill_ms / self.prefill_tokens;
+        let mut waiting: Vec<(f64, f64)> = self
+            .jobs
+            .values()
+            .filter(|t| t.first.is_none() && t.prompt_tokens > 0)
+            .map(|t| (t.sent_ms, t.prompt_tokens as f64))
+            .collect();
+        waiting.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut free_ms = self.prefill_free_ms;
+        let mut pending = 0.0;
+        for (sent_ms, tokens) in waiting {
+            let from_ms = sent_ms.max(free_ms);
+            if from_ms >= to {
+                break;
+            }
+            // Not finished by now, so at least until now: never projected to end sooner.
+            let to_ms = (from_ms + tokens * ms_per_token).max(self.last_ms);
+            let span = PrefillSpan {
+                sent_ms,
+                from_ms,
+                to_ms,
+                tokens,
+            };
+            pending += span.tokens_within(from, to);
+            free_ms = to_ms;
+        }
+        done + pending
+    }
+
+    /// Drop the spans that ended before every decoding job's window began: no window still
+    /// open or yet to open can overlap them.
+    fn prune_spans(&mut self) {
+        let oldest_window = self
+            .jobs
+            .values()
+            .filter_map(|t| t.first.map(|m| m.at_ms))
+            .fold(self.last_ms, f64::min);
+        while self.spans.front().is_some_and(|s| s.to_ms < oldest_window) {
+            self.spans.pop_front();
         }
     }
 
@@ -348,6 +472,94 @@ mod tests {
         let long = t.finished("long", &measured(50, 3), c.at(50)).unwrap();
         assert_eq!(long.stall_prefill_tokens, 1_000.0);
         assert_eq!(t.pending_prefill_tokens(), 10_000);
+    }
+
+    #[test]
+    fn a_prompt_counts_for_the_part_of_its_prefill_inside_the_window() {
+        let c = Clock(Instant::now());
+        let mut t = LoadTracker::new();
+        // A first prompt sets the prefill speed: 1,000 tokens in 100 ms.
+        t.started("warm", 1_000, c.at(0));
+        t.tokens("warm", 1, c.at(100));
+        t.remove("warm", c.at(100));
+        // `late` is sent before `early`'s first token, so it queues behind that prefill
+        // and is prefilled during `early`'s decode (it was charged nothing when counting
+        // the prompts sent during the window).
+        t.started("early", 100, c.at(200));
+        t.started("late", 400, c.at(205));
+        t.tokens("early", 1, c.at(210));
+        t.tokens("late", 1, c.at(250));
+        // `short` starts decoding at 260; a 4,000-token prompt is sent at 270 and is still
+        // prefilling when `short` ends at 290: 20 ms of it at 0.1 ms a token, 200 tokens
+        // (not the 4,000 sent).
+        t.started("short", 10, c.at(259));
+        t.tokens("short", 1, c.at(260));
+        t.started("huge", 4_000, c.at(270));
+        t.tokens("short", 1, c.at(290));
+        let short = t.finished("short", &measured(10, 2), c.at(290)).unwrap();
+        assert!(
+            (short.stall_prefill_tokens - 200.0).abs() < 1e-6,
+            "{}",
+            short.stall_prefill_tokens
+        );
+        // `early`'s window 210..300: all of `late` (prefilled 210..250), `short`'s 10 tokens
+        // (259..260) and 300 of `huge` by then (queued behind `short`, from 270).
+        t.tokens("early", 1, c.at(300));
+        let early = t.finished("early", &measured(100, 2), c.at(300)).unwrap();
+        assert!(
+            (early.stall_prefill_tokens - 710.0).abs() < 1e-6,
+            "{}",
+            early.stall_prefill_tokens
+        );
+        // Once `huge` has its first token its measured span counts instead: 270..700 for
+        // 4,000 tokens, of which `late`'s window 250..400 holds 130 ms; `short`'s 10 too.
+        t.tokens("late", 1, c.at(400));
+        t.tokens("huge", 1, c.at(700));
+        let late = t.finished("late", &measured(400, 2), c.at(700)).unwrap();
+        let expected = 10.0 + 4_000.0 * 130.0 / 430.0;
+        assert!(
+            (late.stall_prefill_tokens - expected).abs() < 1e-6,
+            "{} vs {expected}",
+            late.stall_prefill_tokens
+        );
+    }
+
+    /// A live worker's second job (stop 31, `local-gpu0`): a 201-token prompt sent while a
+    /// 4,808-token one was prefilling finished its prefill in the same server step as the
+    /// long one's last chunk, was delivered first, and decoded 24 tokens at 17 ms each with
+    /// no stall. Counting the long prompt's prefill from the latest first token instead of
+    /// the last one sent before it squeezed all 4,743 of its tokens into the short job's
+    /// decode, and the decode fit's base step fell to 0.2 ms.
+    #[test]
+    fn a_prompt_delivered_after_a_later_one_keeps_its_own_prefill_span() {
+        let c = Clock(Instant::now());
+        let mut t = LoadTracker::new();
+        t.started("long", 4_800, c.at(0));
+        t.started("short", 200, c.at(100));
+        t.tokens("short", 1, c.at(800));
+        t.tokens("long", 1, c.at(802));
+        t.tokens("short", 1, c.at(1_000));
+        t.tokens("short", 1, c.at(1_200));
+        let short = t.finished("short", &measured(200, 3), c.at(1_200)).unwrap();
+        // `long` prefilled over 0..802: 2 ms of it inside `short`'s window 800..1200.
+        let expected = 4_800.0 * 2.0 / 802.0;
+        assert!(
+            (short.stall_prefill_tokens - expected).abs() < 1e-6,
+            "{} vs {expected}",
+            short.stall_prefill_tokens
+        );
+        // A prompt sent after both starts its span at the latest first token before it.
+        t.started("next", 1_000, c.at(1_300));
+        t.tokens("next", 1, c.at(1_400));
+        t.tokens("long", 1, c.at(1_500));
+        t.tokens("long", 1, c.at(1_600));
+        let long = t
+            .finished("long", &measured(4_800, 3), c.at(1_600))
+            .unwrap();
+        assert!(
+            (long.stall_prefill_tokens - 1_000.0).abs() < 1e-6,
+            "{long:?}"
+        );
     }
 
     #[test]
