@@ -180,6 +180,7 @@ pub(crate) mod fixtures {
                 ttft_base_ms: 30.0,
                 prefill_per_token_ms: 0.2,
                 ttft_per_stream_ms: 1.0,
+                step_error_ms: 0.0,
                 samples: 240,
             }),
             seq: 9,

@@ -503,6 +503,7 @@ async fn decisions_workers_and_status_read_the_contract() {
             ttft_base_ms: 40.0,
             prefill_per_token_ms: 0.1,
             ttft_per_stream_ms: 1.0,
+            step_error_ms: 0.0,
             samples: 77,
         }),
         seq: 1,

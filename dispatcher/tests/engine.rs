@@ -66,6 +66,7 @@ fn heartbeat(id: &str, in_flight: &[&str], seq: u64, at: u64) -> Event {
             ttft_base_ms: 20.0,
             prefill_per_token_ms: 0.1,
             ttft_per_stream_ms: 1.0,
+            step_error_ms: 0.0,
             samples: 100,
         }),
         max_epoch: 0,

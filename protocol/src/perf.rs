@@ -33,6 +33,13 @@ pub struct PerfCoefficients {
     pub prefill_per_token_ms: f64,
     /// Extra time to first token per stream already running.
     pub ttft_per_stream_ms: f64,
+    /// How far the decode fit's recent predictions of a job's time per output token were
+    /// off, ms (their mean absolute error over about the last ten jobs; 0 for the prior,
+    /// within the fit's first ten jobs and from agents that predate it). Admission judges a
+    /// rate floor at the step plus this much, so a stream is not let down to its floor by a
+    /// prediction known to be that uncertain.
+    #[serde(default)]
+    pub step_error_ms: f64,
     /// Completed jobs the coefficients were fitted on (0: the configured prior).
     pub samples: u64,
 }

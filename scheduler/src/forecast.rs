@@ -15,6 +15,10 @@
 //!   decode plus that stall. The admission filter judges the rate at the batch it joins
 //!   (`1000 / step`): later admissions are held to every running job's floor on their own.
 //!
+//! Floors are judged at `step + step_error`, the worker's decode fit's recent mean absolute
+//! error per token ([`PerfCoefficients::step_error_ms`]), for the job and for every running
+//! job; the predictions recorded stay at `step`.
+//!
 //! A running job `i` with expected output `Lᵢ`, already charged `σᵢ` ms of stall by
 //! admissions after it, is predicted to average `1000 · Lᵢ / (Lᵢ · step + σᵢ + stall)`
 //! tokens/s over its decode: the step is the one after admission (conservative: the batch
@@ -58,6 +62,9 @@ pub struct Forecast {
     pub step_ms: f64,
     /// The job's own decode rate at the batch it joins, tokens/s (`1000 / step`).
     pub decode_tok_s: f64,
+    /// The step admission judges rate floors at, ms: the predicted step plus the decode
+    /// fit's recent error ([`PerfCoefficients::step_error_ms`]).
+    pub judged_step_ms: f64,
     /// The job's expected whole-decode average, tokens/s: `decode_tok_s` less the stall the
     /// admissions after it most likely charge.
     pub expected_tok_s: f64,
@@ -65,9 +72,10 @@ pub struct Forecast {
     pub stall_ms: f64,
     /// The running job with the lowest predicted rate after admission.
     pub worst_running: Option<RunningImpact>,
-    /// The running job whose rate falls furthest below its own floor, if any does.
+    /// The running job whose rate, judged at [`Forecast::judged_step_ms`], falls furthest
+    /// below its own floor, if any does (its `tok_s` is the judged rate).
     pub worst_violation: Option<RunningImpact>,
-    /// Running jobs predicted to fall below their floor.
+    /// Running jobs whose judged rate falls below their floor.
     pub violations: u32,
     /// Sum of their shortfalls below their floors, tokens/s.
     pub shortfall_tok_s: f64,
@@ -154,6 +162,10 @@ impl Forecast {
             + c.step_per_ktok_ms * (context_tokens + p + default_output / 2.0) / 1000.0)
             .max(1e-3);
         let stall_ms = c.stall_per_prefill_token_ms * p;
+        // Floors are judged a prediction error slower than predicted: judged at the
+        // prediction itself, a stream is let down to exactly its floor, and the half of
+        // the predictions that come out slow put it under.
+        let judged_step_ms = step_ms + c.step_error_ms;
         // The worst are kept as borrowed job ids and named once at the end: this loop runs
         // for every reservation of every candidate of every decision, and copying a job id
         // into each impact it builds was a measurable share of a decision's cost.
@@ -172,10 +184,12 @@ impl Forecast {
                 )
             });
             let out = out.max(1.0);
-            let tok_s = 1000.0 * out / (out * step_ms + r.stall_ms + stall_ms);
-            if worst_running.is_none_or(|(_, w, _)| tok_s < w) {
-                worst_running = Some((&r.job_id, tok_s, floor));
+            let rate_at = |step: f64| 1000.0 * out / (out * step + r.stall_ms + stall_ms);
+            let predicted = rate_at(step_ms);
+            if worst_running.is_none_or(|(_, w, _)| predicted < w) {
+                worst_running = Some((&r.job_id, predicted, floor));
             }
+            let tok_s = rate_at(judged_step_ms);
             let shortfall = floor - tok_s;
             if shortfall > 0.0 {
                 violations += 1;
@@ -200,6 +214,7 @@ impl Forecast {
             ttft_ms,
             step_ms,
             decode_tok_s: 1000.0 / step_ms,
+            judged_step_ms,
             expected_tok_s: expected_rate(
                 step_ms,
                 &load.stall_outlook,
@@ -328,6 +343,7 @@ fn coefficients_usable(c: &PerfCoefficients) -> bool {
         c.ttft_base_ms,
         c.prefill_per_token_ms,
         c.ttft_per_stream_ms,
+        c.step_error_ms,
     ];
     all.iter().all(|v| v.is_finite() && *v >= 0.0) && c.step_base_ms > 0.0
 }
@@ -369,6 +385,7 @@ mod tests {
             ttft_base_ms: 10.0,
             prefill_per_token_ms: 0.1,
             ttft_per_stream_ms: 2.0,
+            step_error_ms: 0.0,
             samples: 12,
         }
     }

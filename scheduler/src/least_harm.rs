@@ -111,6 +111,7 @@ mod tests {
             ttft_base_ms: 10.0,
             prefill_per_token_ms: 0.1,
             ttft_per_stream_ms: 0.0,
+            step_error_ms: 0.0,
             samples: 50,
         }
     }

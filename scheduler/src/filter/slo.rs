@@ -27,12 +27,15 @@ impl Filter for OwnRateFloor {
     fn check(&self, ctx: &FilterContext<'_>) -> Result<(), String> {
         let f = ctx.forecast();
         let floor = ctx.job.slo.min_tok_s;
-        if f.streams_before == 0 || f.decode_tok_s >= floor {
+        let judged_tok_s = 1000.0 / f.judged_step_ms;
+        if f.streams_before == 0 || judged_tok_s >= floor {
             return Ok(());
         }
         Err(format!(
-            "below SLO: the job would decode at {:.1} tok/s beside {} streams (step {:.1} ms) < floor {floor} tok/s",
-            f.decode_tok_s, f.streams_before, f.step_ms
+            "below SLO: the job would decode at {judged_tok_s:.1} tok/s beside {} streams (step {:.1} ms, {:.1} ms of it the fit's recent error) < floor {floor} tok/s",
+            f.streams_before,
+            f.judged_step_ms,
+            f.judged_step_ms - f.step_ms
         ))
     }
 }
@@ -72,6 +75,7 @@ mod tests {
             ttft_base_ms: 10.0,
             prefill_per_token_ms: 0.1,
             ttft_per_stream_ms: 0.0,
+            step_error_ms: 0.0,
             samples: 50,
         }
     }
@@ -122,6 +126,51 @@ mod tests {
         assert!(err.contains("running job short"), "{err}");
         j.prompt_tokens = 10; // 2 ms stall: fine
         assert_eq!(check(&SloFloor, &j, &w, &l, &config), Ok(()));
+    }
+
+    #[test]
+    fn floors_are_judged_a_fit_error_slower_than_predicted() {
+        let config = SchedulerConfig::default();
+        let mut w = worker("w1");
+        let mut l = Ledger::new();
+        for i in 0..9 {
+            l.reserve_profiled("w1", &format!("r{i}"), 200, profile(1_000.0), NOW)
+                .unwrap();
+        }
+        // 10 streams after: step 29 ms, every stream at ≈ 34.4 tok/s.
+        w.status.perf = Some(perf(20.0));
+        assert_eq!(check(&SloFloor, &job("m"), &w, &l, &config), Ok(()));
+        // A fit whose recent predictions were 3 ms a token off: judged at 32 ms, 31.2 tok/s.
+        w.status.perf = Some(PerfCoefficients {
+            step_error_ms: 3.0,
+            ..perf(20.0)
+        });
+        assert_eq!(check(&SloFloor, &job("m"), &w, &l, &config), Ok(()));
+        // 5 ms off: judged at 34 ms, 29.4 tok/s, under the floor though the prediction is
+        // over it; the rejection says how much of the step is the error.
+        w.status.perf = Some(PerfCoefficients {
+            step_error_ms: 5.0,
+            ..perf(20.0)
+        });
+        let err = check(&SloFloor, &job("m"), &w, &l, &config).unwrap_err();
+        assert!(err.contains("5.0 ms of it the fit's recent error"), "{err}");
+        // The same margin holds for the running jobs: a 5,000-token prefill stalls the one
+        // running 100-token job for 1,000 ms, which leaves it at 32.3 tok/s at the 21 ms
+        // step predicted (passes), and at 29.4 tok/s judged 3 ms slower (refused; the new
+        // job itself would still decode at 41.7 tok/s).
+        let mut one = Ledger::new();
+        one.reserve_profiled("w1", "long", 200, profile(100.0), NOW)
+            .unwrap();
+        let mut j = job("m");
+        j.prompt_tokens = 5_000;
+        w.status.perf = Some(perf(20.0));
+        assert_eq!(check(&SloFloor, &j, &w, &one, &config), Ok(()));
+        w.status.perf = Some(PerfCoefficients {
+            step_error_ms: 3.0,
+            ..perf(20.0)
+        });
+        let err = check(&SloFloor, &j, &w, &one, &config).unwrap_err();
+        assert!(err.contains("running job long"), "{err}");
     }
 
     #[test]

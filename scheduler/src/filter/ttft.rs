@@ -53,6 +53,7 @@ mod tests {
             ttft_base_ms: 0.0,
             prefill_per_token_ms: 1.0,
             ttft_per_stream_ms: 0.0,
+            step_error_ms: 0.0,
             samples: 9,
         });
         w.status.active = 1;

@@ -148,6 +148,7 @@ impl PerfPrior {
             ttft_base_ms: self.ttft_base_ms,
             prefill_per_token_ms: self.prefill_per_token_ms,
             ttft_per_stream_ms: self.ttft_per_stream_ms,
+            step_error_ms: 0.0,
             samples: 0,
         }
     }
@@ -346,6 +347,16 @@ impl PerfModel {
             ttft_base_ms: nn(p[0]),
             prefill_per_token_ms: nn(p[1]) / 1000.0,
             ttft_per_stream_ms: nn(p[2]),
+            // The fit's error once it has left its warm-up; within it, 0. Its first errors
+            // are the prior's, not the fit's (tens of ms a token, live, on a worker whose
+            // first jobs stood still beside a burst of long prefills), and the residual
+            // scale keeps them for about ten more jobs. The prior is optimistic so that a
+            // new worker explores; a margin that large would hold it to one stream.
+            step_error_ms: if self.decode.samples >= super::rls::WARM_UP_SAMPLES {
+                nn(self.decode.residual_scale)
+            } else {
+                0.0
+            },
             samples: self.samples(),
         }
     }
@@ -365,6 +376,7 @@ mod tests {
             ttft_base_ms: 25.0,
             prefill_per_token_ms: 0.16,
             ttft_per_stream_ms: 0.5,
+            step_error_ms: 0.0,
             samples: 0,
         }
     }
@@ -433,6 +445,34 @@ mod tests {
             assert!(close(decode, s.tpot_ms.unwrap(), 0.03), "{decode} vs {s:?}");
             assert!(close(ttft, s.ttft_ms.unwrap(), 0.03), "{ttft} vs {s:?}");
         }
+    }
+
+    #[test]
+    fn the_coefficients_carry_the_decode_fits_recent_error() {
+        let t = truth();
+        let mut m = PerfModel::new(&PerfPrior::default());
+        assert_eq!(m.coefficients().step_error_ms, 0.0, "the prior has none");
+        for i in 0..60 {
+            m.observe(&sample(i, &t));
+        }
+        let exact = m.coefficients().step_error_ms;
+        assert!(exact < 0.2, "a worker that is the model: {exact}");
+        // The same worker with ±2 ms of noise on every job's time per token: the fit's
+        // mean absolute error settles near 2 ms.
+        let mut noisy = PerfModel::new(&PerfPrior::default());
+        for i in 0..200 {
+            let mut s = sample(i, &t);
+            let sign = if i % 2 == 0 { 1.0 } else { -1.0 };
+            s.tpot_ms = s.tpot_ms.map(|v| v + 2.0 * sign);
+            noisy.observe(&s);
+            if i < 9 {
+                // In its warm-up the fit still explores from its prior: no error is
+                // reported (its errors then are the prior's, not the fit's).
+                assert_eq!(noisy.coefficients().step_error_ms, 0.0, "job {i}");
+            }
+        }
+        let error = noisy.coefficients().step_error_ms;
+        assert!((1.5..=2.6).contains(&error), "{error}");
     }
 
     /// The first jobs a worker finished in a live run (`metronome-bench`, the trace at 130 %,

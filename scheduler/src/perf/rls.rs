@@ -32,7 +32,7 @@ const OUTLIER_SCALES: f64 = 4.0;
 /// prompts), and the first job unlike them is exactly the one the fit must learn from: a
 /// worker's first long prompt, clipped as an outlier against the short ones' residuals,
 /// left the prefill slope near 0 on a live GPU and admission sent it 38 jobs at once.
-const WARM_UP_SAMPLES: u64 = 10;
+pub(crate) const WARM_UP_SAMPLES: u64 = 10;
 
 /// The state of one regression.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
