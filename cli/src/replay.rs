@@ -355,10 +355,15 @@ fn redecide(
         return Err("assigned without a recorded worker".into());
     };
     let note = d.reason.as_deref().unwrap_or("");
-    // The engine's notes are the only record of these two cases.
+    // The engine's notes are the only record of these cases.
     if note.contains("placed where it does least harm") {
         return Err(
             "placed where it does least harm (chosen by predicted misses, not by score)".into(),
+        );
+    }
+    if note.contains("without protecting the floors") {
+        return Err(
+            "judged without the floors of a tenant above its fair share (its running jobs' predicted rates were not held to their floor)".into(),
         );
     }
     if note.contains("candidates not listed") {
@@ -835,26 +840,31 @@ mod tests {
         baseline.policy = "round_robin".into();
         let mut harm = clear("h");
         harm.reason = Some("placed where it does least harm: no worker admitted it".into());
+        let mut waived = clear("w");
+        waived.reason = Some("judged without protecting the floors of the jobs of tenants above their fair share (2.0 of the model's 6 running jobs): flood runs 4".into());
         let mut cut = clear("c");
         cut.reason = Some("3 more candidates not listed (decision_max_candidates = 2)".into());
         let mut tampered = clear("t");
         tampered.candidates[0].total = 5.0;
         let mut no_slo = clear("s");
         no_slo.slo = None;
-        let decisions = [rejected, expired, baseline, harm, cut, tampered, no_slo];
+        let decisions = [
+            rejected, expired, baseline, harm, waived, cut, tampered, no_slo,
+        ];
         let r = replay(&decisions, &SchedulerConfig::default());
-        assert_eq!((r.decisions, r.replayed), (7, 0));
+        assert_eq!((r.decisions, r.replayed), (8, 0));
         let reasons: Vec<(&str, &str)> = r
             .not_replayable
             .iter()
             .map(|n| (n.example_job_id.as_str(), n.reason.as_str()))
             .collect();
-        assert_eq!(reasons.len(), 7, "{reasons:?}");
+        assert_eq!(reasons.len(), 8, "{reasons:?}");
         for (job, needle) in [
             ("r", "rejected before scheduling (queue_full)"),
             ("e", "expired"),
             ("b", "round_robin policy"),
             ("h", "least harm"),
+            ("w", "above its fair share"),
             ("c", "decision_max_candidates"),
             ("t", "do not reproduce"),
             ("s", "no SLO recorded"),

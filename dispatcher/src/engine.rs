@@ -15,9 +15,10 @@
 //! Invariants:
 //! - No decision is made while the lease is not fresh (self-fencing, [`crate::leader`]).
 //! - A job is in at most one of: a queue, the ledger (assigned or adopted).
-//! - A model's queue is dispatched strictly in order: if its head cannot be placed, the
-//!   jobs behind it wait (head-of-line blocking within a model only); other models are
-//!   dispatched independently.
+//! - A model's queue is dispatched strictly in order within each tenant: if the job the
+//!   fair order picks cannot be placed, its tenant's later jobs wait, and the other
+//!   tenants' jobs are offered the room (head-of-line blocking within one tenant of one
+//!   model only); other models are dispatched independently.
 //! - Jobs waiting are re-evaluated after every capacity change (completion, heartbeat,
 //!   worker change, rollback) and on every tick.
 
@@ -145,6 +146,13 @@ impl AssignedJob {
             deadline_ms: 0,
         }
     }
+}
+
+/// The ledger a lighter tenant's job is judged on ([`Engine::floor_waiver`]), and what the
+/// decision says of it.
+struct FloorWaiver {
+    ledger: Ledger,
+    note: String,
 }
 
 /// A conditional delete of an overdue worker's key in flight.
@@ -1395,8 +1403,9 @@ impl Engine {
     /// still meet its TTFT target goes first; jobs already past it ("late": they will miss
     /// their TTFT wherever they go) only when no such job waits, so in overload capacity
     /// goes to the jobs it can still serve well. Among the jobs that can, the order is
-    /// FIFO and the first that cannot be placed holds the others back (head-of-line
-    /// blocking within a model only).
+    /// the fair order, FIFO within a tenant, and the first that cannot be placed holds
+    /// back its own tenant's later jobs, not the other tenants' (head-of-line blocking
+    /// within one tenant of one model only).
     fn dispatch_model(&mut self, model: &str) {
         if self.reading_backlog() {
             return;
@@ -1456,6 +1465,15 @@ impl Engine {
                         .following(model, pos, self.s.scheduler.lookahead),
                 );
             }
+            // The jobs tried are all of one flow, so of one tenant: if it runs under its
+            // fair share, they are judged without the floors of the jobs of the tenants
+            // above theirs (see `FloorWaiver`).
+            let waiver = match self.queues.get(model, pos) {
+                Some(front) if self.s.policy == PolicyKind::Metronome => {
+                    self.floor_waiver(model, tenant_of(&front.job), now)
+                }
+                _ => None,
+            };
             let mut chosen = None;
             let mut head_evaluation = None;
             for (k, &at) in tries.iter().enumerate() {
@@ -1493,7 +1511,7 @@ impl Engine {
                     &mut self.policy_state,
                     &request,
                     narrowed.as_ref().map_or(workers, |(pool, _)| pool),
-                    &self.ledger,
+                    waiver.as_ref().map_or(&self.ledger, |w| &w.ledger),
                     &self.s.scheduler,
                     now,
                 );
@@ -1557,7 +1575,7 @@ impl Engine {
                 let traded = least_harm_within(
                     &request,
                     harm_pool,
-                    &self.ledger,
+                    waiver.as_ref().map_or(&self.ledger, |w| &w.ledger),
                     &self.s.scheduler,
                     now,
                     self.s.fairness.light_tenant_traded_misses,
@@ -1612,7 +1630,16 @@ impl Engine {
             }
             let Some(winner) = evaluation.winner.clone() else {
                 self.metrics.held(model, &evaluation.rejected);
-                return;
+                if self.s.policy != PolicyKind::Metronome {
+                    return;
+                }
+                // Its tenant's jobs wait; the others' are offered what is free. The
+                // fair order picked this tenant, but it cannot use the room there is, and
+                // holding every tenant behind it left a lighter tenant's jobs waiting
+                // seconds behind a flood's job that fitted nowhere (the fairness lab, on
+                // GPUs of speeds 1, 0.7, 0.7, 0.5). With one tenant this ends the pass.
+                held_back.push(tenant_of(&front.job).to_string());
+                continue;
             };
             let decoding_from_ms = evaluation
                 .winner_score()
@@ -1700,6 +1727,9 @@ impl Engine {
                     .fetch_add(1, Relaxed);
                 notes.push(note);
             }
+            if let Some(w) = waiver {
+                notes.push(w.note);
+            }
             if request.ttft_remaining_ms.is_none() {
                 notes.push(format!(
                     "late: waited {waited} ms, past its {} ms TTFT target",
@@ -1758,33 +1788,40 @@ impl Engine {
             return None;
         }
         let mut running: BTreeMap<&str, usize> = active.into_iter().map(|t| (t, 0)).collect();
-        for a in self.assigned.values().filter(|a| a.job.model == model) {
-            if let Some(n) = running.get_mut(tenant_of(&a.job)) {
+        for (_, tenant) in self.running_jobs_of(model) {
+            if let Some(n) = running.get_mut(tenant) {
                 *n += 1;
             }
         }
+        Some(running)
+    }
+
+    /// The model's running jobs with their tenants: (job id, tenant).
+    fn running_jobs_of<'a>(&'a self, model: &'a str) -> impl Iterator<Item = (&'a str, &'a str)> {
+        let placed = self
+            .assigned
+            .values()
+            .filter(move |a| a.job.model == model)
+            .map(|a| (a.job.id.as_str(), tenant_of(&a.job)));
         // The jobs this leader holds but did not place: adopted from an earlier leader's
         // term, counted while the ledger still books them on the worker that lists them.
-        for (worker_id, jobs) in &self.listed_tenants {
-            let of_model = self
-                .index
-                .get(worker_id)
-                .is_some_and(|&i| self.workers[i].status.model == model);
-            if !of_model {
-                continue;
-            }
-            for (job_id, tenant) in jobs {
-                if self.assigned.contains_key(job_id)
-                    || self.ledger.worker_of(job_id) != Some(worker_id.as_str())
-                {
-                    continue;
-                }
-                if let Some(n) = running.get_mut(tenant.as_str()) {
-                    *n += 1;
-                }
-            }
-        }
-        Some(running)
+        let adopted = self
+            .listed_tenants
+            .iter()
+            .filter(move |(worker_id, _)| {
+                self.index
+                    .get(*worker_id)
+                    .is_some_and(|&i| self.workers[i].status.model == model)
+            })
+            .flat_map(move |(worker_id, jobs)| {
+                jobs.iter()
+                    .filter(move |(job_id, _)| {
+                        !self.assigned.contains_key(*job_id)
+                            && self.ledger.worker_of(job_id) == Some(worker_id.as_str())
+                    })
+                    .map(|(job_id, tenant)| (job_id.as_str(), tenant.as_str()))
+            });
+        placed.chain(adopted)
     }
 
     /// When `tenant` runs fewer of the model's jobs than an equal share among the active
@@ -1805,6 +1842,43 @@ impl Engine {
         let total: usize = running.values().sum();
         let share = total as f64 / running.len() as f64;
         ((mine as f64) < share).then_some((mine, total, share))
+    }
+
+    /// The ledger a job of `tenant` is judged on when `tenant` runs under its fair share
+    /// of the model ([`Engine::runs_under_fair_share`]): the floors of the running jobs of
+    /// every tenant above its share are waived. `None` when `tenant` is not under its
+    /// share or no tenant is above.
+    ///
+    /// Admission and least harm protect every running job's floor, so under a flood they
+    /// protect the flood's excess jobs against the lighter tenant's next one: its long
+    /// prompt, whose prefill would stall them, waited for the flood's jobs to end, seconds
+    /// past its TTFT budget (the fairness lab, B's slowest jobs). A tenant running more
+    /// than its share holds room that is the others' by right; its jobs still run, at
+    /// the rate the lighter tenant's prefill leaves them.
+    fn floor_waiver(&self, model: &str, tenant: &str, now: u64) -> Option<FloorWaiver> {
+        let (_, total, share) = self.runs_under_fair_share(model, tenant, now)?;
+        let over: BTreeMap<&str, usize> = self
+            .running_by_active_tenant(model, now)?
+            .into_iter()
+            .filter(|&(_, n)| n as f64 > share)
+            .collect();
+        if over.is_empty() {
+            return None;
+        }
+        let mut ledger = self.ledger.clone();
+        for (job_id, owner) in self.running_jobs_of(model) {
+            if over.contains_key(owner) {
+                ledger.waive_floor(job_id);
+            }
+        }
+        let names: Vec<String> = over.iter().map(|(t, n)| format!("{t} runs {n}")).collect();
+        Some(FloorWaiver {
+            ledger,
+            note: format!(
+                "judged without protecting the floors of the jobs of tenants above their fair share ({share:.1} of the model's {total} running jobs): {}",
+                names.join(", ")
+            ),
+        })
     }
 
     /// The active tenants that run fewer of the model's jobs than `tenant`.

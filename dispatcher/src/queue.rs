@@ -18,7 +18,9 @@
 //! applies only to new arrivals (a returning job is never dropped), and a tenant holding
 //! less than its share of the bound is still admitted past it, up to twice the bound, so
 //! one tenant filling the queue cannot lock the others out; head-of-line blocking exists
-//! only inside one model's queue, because each model is dispatched independently.
+//! only inside one tenant's jobs of one model, because each model is dispatched
+//! independently and a tenant whose job cannot be placed is passed over for the rest of
+//! the pass (the engine's `dispatch_model`).
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::Arc;

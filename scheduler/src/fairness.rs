@@ -74,8 +74,11 @@ pub struct FairnessConfig {
     /// token comes `light_tenant_ttft_ratio` times later, where it starts that much sooner.
     /// A lone job waiting at the last moment of its TTFT budget
     /// trades at most one ([`crate::least_harm::MAX_TRADED_MISSES`]); here the capacity is
-    /// short because another tenant runs more than its share, so the misses fall mostly on
-    /// that tenant's jobs, and waiting would hand the lighter tenant's latency to its flood.
+    /// short because another tenant runs more than its share, and waiting would hand the
+    /// lighter tenant's latency to its flood. The jobs of a tenant running more than its
+    /// share are not counted at all: such a job is judged without their floors
+    /// (`floor_waiver` in the engine), so the bound is on the misses of the tenants at or
+    /// under their share.
     pub light_tenant_traded_misses: u32,
 }
 

@@ -15,6 +15,9 @@
 //!   decode plus that stall. The admission filter judges the rate at the batch it joins
 //!   (`1000 / step`): later admissions are held to every running job's floor on their own.
 //!
+//! A reservation whose floor is waived ([`crate::Ledger::waive_floor`]) is predicted like
+//! any other but never counted below its floor.
+//!
 //! Floors are judged at `step + step_error`, the worker's decode fit's recent mean absolute
 //! error per token ([`PerfCoefficients::step_error_ms`]), for the job and for every running
 //! job; the predictions recorded stay at `step`.
@@ -188,6 +191,9 @@ impl Forecast {
             let predicted = rate_at(step_ms);
             if worst_running.is_none_or(|(_, w, _)| predicted < w) {
                 worst_running = Some((&r.job_id, predicted, floor));
+            }
+            if r.floor_waived {
+                continue;
             }
             let tok_s = rate_at(judged_step_ms);
             let shortfall = floor - tok_s;
@@ -584,6 +590,20 @@ mod tests {
         assert_eq!(f.worst_running.as_ref().unwrap().job_id, "short");
         assert_eq!(f.violations, 1);
         assert!((f.shortfall_tok_s - (30.0 - 10_000.0 / 340.0)).abs() < 1e-9);
+        // With short's floor waived it is predicted the same but counted below no floor.
+        let mut waived = l.clone();
+        waived.waive_floor("short");
+        let g = forecast(&w, &waived, &job("m"));
+        assert_eq!(g.worst_running, f.worst_running);
+        assert_eq!(
+            (g.worst_violation, g.violations, g.shortfall_tok_s),
+            (None, 0, 0.0)
+        );
+        assert_eq!(
+            forecast(&w, &l, &job("m")),
+            f,
+            "the ledger of record is untouched"
+        );
     }
 
     #[test]

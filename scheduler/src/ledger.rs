@@ -85,6 +85,9 @@ pub struct Reservation {
     /// Prefill stall charged to this job by admissions made on its worker after it (ms):
     /// the time its decode is predicted to stand still while their prompts are prefilled.
     pub stall_ms: f64,
+    /// Its floor is not protected: no forecast counts it as a miss. Set only on a what-if
+    /// copy of the ledger ([`Ledger::waive_floor`]), never on the ledger of record.
+    pub floor_waived: bool,
 }
 
 impl Reservation {
@@ -342,6 +345,7 @@ impl Ledger {
             confirmed_ms,
             profile,
             stall_ms: 0.0,
+            floor_waived: false,
         });
         book.kv_tokens = book.kv_tokens.saturating_add(kv_tokens);
         Ok(())
@@ -493,6 +497,22 @@ impl Ledger {
 
     pub fn is_empty(&self) -> bool {
         self.jobs.is_empty()
+    }
+
+    /// Stop protecting `job_id`'s decode rate: forecasts on this ledger no longer count it
+    /// below its floor. For a what-if copy: the dispatcher judges a lighter tenant's job on
+    /// a copy with the floors of a tenant above its fair share waived.
+    pub fn waive_floor(&mut self, job_id: &str) {
+        let Some(book) = self
+            .jobs
+            .get(job_id)
+            .and_then(|worker_id| self.workers.get_mut(worker_id))
+        else {
+            return;
+        };
+        if let Some(r) = book.jobs.iter_mut().find(|r| r.job_id == job_id) {
+            r.floor_waived = true;
+        }
     }
 
     /// Every reservation, ordered by job id.
