@@ -68,6 +68,9 @@ struct Mark {
 struct Tracked {
     prompt_tokens: u64,
     sent_ms: f64,
+    /// Its place in the order the requests were sent: ties of `sent_ms` are common (the
+    /// agent sends several in one millisecond) and the server takes them in this order.
+    sent_order: u64,
     generated: u64,
     streams_at_start: u64,
     prefill_ahead_tokens: u64,
@@ -98,6 +101,8 @@ pub struct LoadTracker {
     /// Recent prefill spans' decayed milliseconds and tokens: the prefill speed.
     prefill_ms: f64,
     prefill_tokens: f64,
+    /// Requests sent so far (the next one's `sent_order`).
+    sent_count: u64,
     jobs: HashMap<String, Tracked>,
 }
 
@@ -149,6 +154,7 @@ impl LoadTracker {
             Tracked {
                 prompt_tokens: prompt,
                 sent_ms: self.last_ms,
+                sent_order: self.sent_count,
                 generated: 0,
                 streams_at_start: self.decoding,
                 prefill_ahead_tokens: self.pending_prefill,
@@ -157,6 +163,7 @@ impl LoadTracker {
             },
         );
         self.pending_prefill += prompt;
+        self.sent_count += 1;
     }
 
     /// The job produced its first token: its prefill is over, it decodes from now on.
@@ -306,16 +313,19 @@ impl LoadTracker {
             return done;
         }
         let ms_per_token = self.prefill_ms / self.prefill_tokens;
-        let mut waiting: Vec<(f64, f64)> = self
+        let mut waiting: Vec<(u64, f64, f64)> = self
             .jobs
             .values()
             .filter(|t| t.first.is_none() && t.prompt_tokens > 0)
-            .map(|t| (t.sent_ms, t.prompt_tokens as f64))
+            .map(|t| (t.sent_order, t.sent_ms, t.prompt_tokens as f64))
             .collect();
-        waiting.sort_by(|a, b| a.0.total_cmp(&b.0));
+        // In the order sent, not the map's (which differs from one tracker to the next:
+        // the same jobs gave different samples, and the policy lab different results
+        // from one run to the next).
+        waiting.sort_by_key(|w| w.0);
         let mut free_ms = self.prefill_free_ms;
         let mut pending = 0.0;
-        for (sent_ms, tokens) in waiting {
+        for (_, sent_ms, tokens) in waiting {
             let from_ms = sent_ms.max(free_ms);
             if from_ms >= to {
                 break;
@@ -522,6 +532,34 @@ mod tests {
             "{} vs {expected}",
             late.stall_prefill_tokens
         );
+    }
+
+    /// Two prompts sent in the same millisecond are projected in the order they were sent.
+    /// `short` decodes from 260 to 290; at 270 a 4,000-token prompt is sent, then a
+    /// 100-token one, both still prefilling at 290 at 0.1 ms a token: the long one first,
+    /// so 200 of its tokens fall in the window. Projected the other way round, the short
+    /// one (taken to last at least until now) would fill the window with its 100. Each
+    /// tracker's map orders its jobs differently, so many trackers must agree.
+    #[test]
+    fn prompts_sent_together_are_projected_in_the_order_sent() {
+        for _ in 0..32 {
+            let c = Clock(Instant::now());
+            let mut t = LoadTracker::new();
+            t.started("warm", 1_000, c.at(0));
+            t.tokens("warm", 1, c.at(100));
+            t.remove("warm", c.at(100));
+            t.started("short", 10, c.at(259));
+            t.tokens("short", 1, c.at(260));
+            t.started("long", 4_000, c.at(270));
+            t.started("brief", 100, c.at(270));
+            t.tokens("short", 1, c.at(290));
+            let short = t.finished("short", &measured(10, 2), c.at(290)).unwrap();
+            assert!(
+                (short.stall_prefill_tokens - 200.0).abs() < 1e-6,
+                "{}",
+                short.stall_prefill_tokens
+            );
+        }
     }
 
     /// A live worker's second job (stop 31, `local-gpu0`): a 201-token prompt sent while a
