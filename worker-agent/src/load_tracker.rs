@@ -484,14 +484,19 @@ mod tests {
         assert_eq!(t.pending_prefill_tokens(), 10_000);
     }
 
-    #[test]
-    fn a_prompt_counts_for_the_part_of_its_prefill_inside_the_window() {
-        let c = Clock(Instant::now());
+    /// A tracker whose first prompt set the prefill speed: 1,000 tokens in 100 ms.
+    fn warmed(c: &Clock) -> LoadTracker {
         let mut t = LoadTracker::new();
-        // A first prompt sets the prefill speed: 1,000 tokens in 100 ms.
         t.started("warm", 1_000, c.at(0));
         t.tokens("warm", 1, c.at(100));
         t.remove("warm", c.at(100));
+        t
+    }
+
+    #[test]
+    fn a_prompt_counts_for_the_part_of_its_prefill_inside_the_window() {
+        let c = Clock(Instant::now());
+        let mut t = warmed(&c);
         // `late` is sent before `early`'s first token, so it queues behind that prefill
         // and is prefilled during `early`'s decode (it was charged nothing when counting
         // the prompts sent during the window).
@@ -544,10 +549,7 @@ mod tests {
     fn prompts_sent_together_are_projected_in_the_order_sent() {
         for _ in 0..32 {
             let c = Clock(Instant::now());
-            let mut t = LoadTracker::new();
-            t.started("warm", 1_000, c.at(0));
-            t.tokens("warm", 1, c.at(100));
-            t.remove("warm", c.at(100));
+            let mut t = warmed(&c);
             t.started("short", 10, c.at(259));
             t.tokens("short", 1, c.at(260));
             t.started("long", 4_000, c.at(270));
