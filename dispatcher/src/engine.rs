@@ -1465,15 +1465,7 @@ impl Engine {
                         .following(model, pos, self.s.scheduler.lookahead),
                 );
             }
-            // The jobs tried are all of one flow, so of one tenant: if it runs under its
-            // fair share, they are judged without the floors of the jobs of the tenants
-            // above theirs (see `FloorWaiver`).
-            let waiver = match self.queues.get(model, pos) {
-                Some(front) if self.s.policy == PolicyKind::Metronome => {
-                    self.floor_waiver(model, tenant_of(&front.job), now)
-                }
-                _ => None,
-            };
+            let mut waiver = None;
             let mut chosen = None;
             let mut head_evaluation = None;
             for (k, &at) in tries.iter().enumerate() {
@@ -1502,6 +1494,11 @@ impl Engine {
                         self.metrics.held_codes(model, &codes);
                         return;
                     }
+                    // The jobs tried are all of one flow, so of one tenant: if it runs
+                    // under its fair share, they are judged without the floors of the jobs
+                    // of the tenants above theirs (see `FloorWaiver`). Made here, past the
+                    // check above, so a look that refuses every job copies no ledger.
+                    waiver = self.floor_waiver(model, tenant_of(&job.job), now);
                 }
                 let narrowed = self
                     .refusals
