@@ -43,6 +43,16 @@ impl SloCapacity {
         }
     }
 
+    /// What the capacity is known to lie in, `(low, high)`: one rate when interpolated,
+    /// `[r, ∞)` when every point attained the target, `[0, r)` when none did (open at `r`).
+    pub fn interval(&self) -> (f64, f64) {
+        match *self {
+            SloCapacity::Interpolated(r) => (r, r),
+            SloCapacity::AtLeast(r) => (r, f64::INFINITY),
+            SloCapacity::Below(r) => (0.0, r),
+        }
+    }
+
     /// For tables: `7.31`, `≥ 12.00`, `< 3.00`.
     pub fn display(&self) -> String {
         match *self {
@@ -162,6 +172,9 @@ mod tests {
         assert_eq!(below.rate(), 0.0);
         assert_eq!(below.display(), "< 2.00");
         assert_eq!(SloCapacity::AtLeast(4.0).display(), "≥ 4.00");
+        assert_eq!(below.interval(), (0.0, 2.0));
+        assert_eq!(SloCapacity::AtLeast(4.0).interval(), (4.0, f64::INFINITY));
+        assert_eq!(SloCapacity::Interpolated(3.0).interval(), (3.0, 3.0));
         assert_eq!(capacity_at_slo(&[], 0.9), None);
     }
 

@@ -9,7 +9,8 @@
 //! samples), [`prediction`] (prediction error from decisions), [`report`] (rows, targets,
 //! Markdown), [`capacity`] (the keep-up search the overhead runs use), [`system`] (one
 //! system under test and its probes), [`machine`] (machine facts, factual analysis),
-//! [`scenarios`] (the order of runs and the fairness rules).
+//! [`scenarios`] (the order of runs and the fairness rules), [`merge`] (one report from
+//! several runs' load points, `--render`).
 //! [`fairness`] is the tenant-fairness drill (`--fairness`): two tenants' API keys, one
 //! flooding, and a leader killed mid-run. All but the last two and
 //! `system` are pure and unit-tested; the rest is exercised by running the benchmark.
@@ -19,10 +20,11 @@ pub mod curve;
 pub mod fairness;
 pub mod idle;
 pub mod machine;
+pub mod merge;
 pub mod nominal;
 pub mod prediction;
 pub mod report;
 pub mod scenarios;
 pub mod system;
 
-pub use scenarios::{run_bench, BenchPlan, CLUSTERS, LOADS, POLICIES, WORKLOADS};
+pub use scenarios::{render_merged, run_bench, BenchPlan, CLUSTERS, LOADS, POLICIES, WORKLOADS};

@@ -236,8 +236,77 @@ fn verdict(met: Option<bool>) -> &'static str {
     }
 }
 
-/// `m / b ≥ want` for capacities that may only be bounded: undecidable when the bound
-/// points the wrong way.
+/// What a ratio of two capacities at SLO is known to be when either may be only a bound:
+/// `low ≤ m / b ≤ high`, an end open where it comes from a "below the lowest point" bound
+/// (a baseline below its lowest point gives a lower bound on the ratio, not `∞`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct RatioBounds {
+    low: f64,
+    low_open: bool,
+    high: f64,
+    high_open: bool,
+}
+
+impl RatioBounds {
+    fn of(m: SloCapacity, b: SloCapacity) -> Self {
+        let ((m_low, m_high), (b_low, b_high)) = (m.interval(), b.interval());
+        RatioBounds {
+            low: m_low / b_high,
+            low_open: matches!(b, SloCapacity::Below(_)),
+            high: m_high / b_low,
+            high_open: matches!(m, SloCapacity::Below(_)),
+        }
+    }
+
+    fn exact(&self) -> bool {
+        (self.high - self.low).abs() < 1e-12
+    }
+
+    /// `Some(true)` when every ratio in the bounds reaches `want`, `Some(false)` when none
+    /// does, `None` when the bounds straddle it.
+    fn reaches(&self, want: f64) -> Option<bool> {
+        if self.low.is_nan() || self.high.is_nan() {
+            None
+        } else if self.low >= want - 1e-9 {
+            Some(true)
+        } else if self.high < want - 1e-9 || (self.high_open && self.high <= want) {
+            Some(false)
+        } else {
+            None
+        }
+    }
+
+    /// For tables: `1.52`, `> 2.30`, `≤ 0.80`, or `–` when nothing bounds it.
+    fn display(&self) -> String {
+        if self.exact() && self.low.is_finite() {
+            format!("{:.2}", self.low)
+        } else if self.high.is_infinite() && self.low > 0.0 {
+            format!("{} {:.2}", if self.low_open { ">" } else { "≥" }, self.low)
+        } else if self.low == 0.0 && self.high.is_finite() {
+            format!(
+                "{} {:.2}",
+                if self.high_open { "<" } else { "≤" },
+                self.high
+            )
+        } else {
+            "–".into()
+        }
+    }
+
+    /// How far from `want`, from the end that decides (`≥ +1.00×`: at least that much).
+    fn margin(&self, want: f64) -> String {
+        let bound = if self.exact() { "" } else { "≥ " };
+        match self.reaches(want) {
+            Some(true) => format!("{bound}{:+.2}×", self.low - want),
+            Some(false) if self.exact() => format!("{:+.2}×", self.high - want),
+            Some(false) => format!("< {:+.2}×", self.high - want),
+            None => "–".into(),
+        }
+    }
+}
+
+/// `m / b ≥ want` for capacities that may only be bounded: decided only where the bounds
+/// put every possible ratio on one side of `want`.
 fn capacity_ratio_check(
     name: &str,
     m: Option<SloCapacity>,
@@ -254,35 +323,24 @@ fn capacity_ratio_check(
             met: None,
         };
     };
-    let r = ratio(Some(m.rate()), Some(b.rate()));
-    let met = r.and_then(|r| {
-        let ok = r >= want - 1e-9;
-        // A lower bound on metronome's capacity can only prove "met"; a lower bound on the
-        // baseline's only "missed".
-        let m_bound = matches!(m, SloCapacity::AtLeast(_));
-        let b_bound = matches!(b, SloCapacity::AtLeast(_));
-        match (ok, m_bound, b_bound) {
-            (true, _, false) | (false, false, _) => Some(ok),
-            _ => None,
-        }
-    });
+    let r = RatioBounds::of(m, b);
+    // Where Metronome itself never reached 90 %, only lower loads can decide the ratio.
+    let hint = if matches!(m, SloCapacity::Below(_)) && r.reaches(want).is_none() {
+        " (Metronome under 90 % at the lowest load: lower `--loads` decide it)"
+    } else {
+        ""
+    };
     TargetCheck {
         name: name.into(),
         wanted,
         measured: format!(
-            "{} vs {} ({bname}) req/s: ratio {}",
+            "{} vs {} ({bname}) req/s: ratio {}{hint}",
             m.display(),
             b.display(),
-            num(r, 2)
+            r.display()
         ),
-        margin: r.map_or("–".into(), |r| {
-            if r.is_infinite() {
-                "∞".into()
-            } else {
-                format!("{:+.2}×", r - want)
-            }
-        }),
-        met,
+        margin: r.margin(want),
+        met: r.reaches(want),
     }
 }
 
@@ -766,7 +824,7 @@ pub fn render(report: &Report) -> String {
     o.push('\n');
 
     o.push_str("\n## Capacity at SLO\n\n");
-    o.push_str("The highest offered rate at which ≥ 90 % of requests meet the SLO (DistServe's definition), linearly interpolated between the two measured load points that bracket 90 %. When every point attains 90 % it is reported as \"≥ the highest point\"; when none does, \"< the lowest point\" (counted as 0 in ratios).\n\n");
+    o.push_str("The highest offered rate at which ≥ 90 % of requests meet the SLO (DistServe's definition), linearly interpolated between the two measured load points that bracket 90 %. When every point attains 90 % it is reported as \"≥ the highest point\"; when none does, \"< the lowest point\". A ratio with a bound on either side is itself only a bound (`> 2.30`: a baseline below its lowest point) and decides a target only where every ratio it allows falls on one side.\n\n");
     for (w, c) in &secs {
         let _ = writeln!(o, "{} on {}:\n", workload_title(w), cluster_title(c));
         o.push_str(&slo_capacity_table(report, w, c));
@@ -963,6 +1021,39 @@ mod tests {
         let c = target_checks(&r, "chat", "equal");
         assert_eq!(c[0].met, None, "{c:?}");
         assert_eq!(c[1].met, None, "{c:?}");
+    }
+
+    #[test]
+    fn a_capacity_below_the_lowest_point_bounds_the_ratio() {
+        // Metronome 0.95 at 5 → 0.5 at 10: 5.56 req/s. Least connections under 90 % at
+        // 5 req/s: its capacity is below 5, so the ratio is above 1.11, which neither
+        // proves nor refutes 1.3.
+        let r = report(&[0.95, 0.5, 0.2], &[0.8, 0.5, 0.2], &[0.8, 0.5, 0.2]);
+        let c = target_checks(&r, "chat", "equal");
+        assert_eq!(c[0].met, None, "{c:?}");
+        assert!(c[0].measured.ends_with("ratio > 1.11"), "{c:?}");
+        assert_eq!(c[0].margin, "–");
+        // Metronome at 10.56 req/s against the same bound: above 2.11, met.
+        let r = report(&[1.0, 0.95, 0.5], &[0.8, 0.5, 0.2], &[0.8, 0.5, 0.2]);
+        let c = target_checks(&r, "chat", "equal");
+        assert_eq!(c[0].met, Some(true), "{c:?}");
+        assert!(c[0].measured.ends_with("ratio > 2.11"), "{c:?}");
+        assert_eq!(c[0].margin, "≥ +0.81×");
+        // Metronome below its lowest point, least connections at 5.56: under 0.90, missed,
+        // and no hint (lower loads would not change the verdict).
+        let r = report(&[0.8, 0.5, 0.2], &[0.95, 0.5, 0.2], &[0.8, 0.5, 0.2]);
+        let c = target_checks(&r, "chat", "equal");
+        assert_eq!(c[0].met, Some(false), "{c:?}");
+        assert!(c[0].measured.ends_with("ratio < 0.90"), "{c:?}");
+        assert_eq!(c[0].margin, "< -0.40×");
+        // Both below their lowest point: nothing decided, and the report says what would.
+        let r = report(&[0.8, 0.5, 0.2], &[0.7, 0.5, 0.2], &[0.8, 0.5, 0.2]);
+        let c = target_checks(&r, "chat", "equal");
+        assert_eq!(c[0].met, None, "{c:?}");
+        assert!(
+            c[0].measured.contains("ratio – (Metronome under 90 %"),
+            "{c:?}"
+        );
     }
 
     #[test]

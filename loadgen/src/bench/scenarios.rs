@@ -543,7 +543,7 @@ pub async fn run_bench(plan: &BenchPlan) -> anyhow::Result<Report> {
                     );
                     let rss = (!rss_done && policy == METRONOME && frac >= 0.7 - 1e-9)
                         .then(|| sample_rss(sys.pids()));
-                    let dir = plan.out.join(c).join(w).join(policy).join(&load);
+                    let dir = run_dir(&plan.out, c, w, policy, frac);
                     let m = measured_run(&sys, plan.spec(w, sys.base_url(), rate), &dir).await?;
                     if let Some((stop, peaks)) = rss {
                         stop.cancel();
@@ -655,7 +655,23 @@ pub async fn run_bench(plan: &BenchPlan) -> anyhow::Result<Report> {
     }
 
     // 4. Curves, report.
-    for (w, c) in sections(&report) {
+    write_curves(&plan.out, &plan.report_path, &mut report)?;
+    finish_report(plan, &mut report)?;
+    progress(
+        start,
+        format!(
+            "wrote {} and {}",
+            plan.report_path.display(),
+            plan.out.display()
+        ),
+    );
+    Ok(report)
+}
+
+/// One goodput SVG per workload × cluster under `out`, listed in the report's plots.
+fn write_curves(out: &Path, report_path: &Path, report: &mut Report) -> anyhow::Result<()> {
+    report.plots.clear();
+    for (w, c) in sections(report) {
         let series: Vec<CurveSeries> = report
             .policies()
             .into_iter()
@@ -668,7 +684,7 @@ pub async fn run_bench(plan: &BenchPlan) -> anyhow::Result<Report> {
                 name: p,
             })
             .collect();
-        let path = plan.out.join(&c).join(&w).join("goodput.svg");
+        let path = out.join(&c).join(&w).join("goodput.svg");
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir)?;
         }
@@ -682,28 +698,69 @@ pub async fn run_bench(plan: &BenchPlan) -> anyhow::Result<Report> {
         report.plots.push(PlotRef {
             workload: w,
             cluster: c,
-            path: rel(&plan.report_path, &path),
+            path: rel(report_path, &path),
         });
     }
+    Ok(())
+}
+
+/// The analysis (the plan's file, else generated), then `report.json` and the report.
+fn finish_report(plan: &BenchPlan, report: &mut Report) -> anyhow::Result<()> {
     if let Some(path) = &plan.analysis {
         report.analysis =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     } else {
-        report.analysis = super::machine::auto_analysis(&report);
+        report.analysis = super::machine::auto_analysis(report);
     }
-    write_json(plan, &report)?;
+    write_json(plan, report)?;
     if let Some(dir) = plan.report_path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    std::fs::write(&plan.report_path, super::report::render(&report))?;
-    progress(
-        start,
-        format!(
-            "wrote {} and {}",
-            plan.report_path.display(),
-            plan.out.display()
-        ),
-    );
+    std::fs::write(&plan.report_path, super::report::render(report))?;
+    Ok(())
+}
+
+/// Where a load point's CSV, summary and plots are under `out`.
+fn run_dir(out: &Path, cluster: &str, workload: &str, policy: &str, load_frac: f64) -> PathBuf {
+    out.join(cluster)
+        .join(workload)
+        .join(policy)
+        .join(format!("{:.0}", load_frac * 100.0))
+}
+
+/// `--render`: the report from saved `report.json` files, the first the base and the
+/// others' load points merged into it ([`super::merge`]), without starting a system. Each
+/// point's folder must already be under the plan's `out` (copy a separate run's folders
+/// there first), so every link in the report holds; the curves are drawn again from all
+/// points.
+pub fn render_merged(plan: &BenchPlan, inputs: &[PathBuf]) -> anyhow::Result<Report> {
+    let read = |path: &PathBuf| -> anyhow::Result<Report> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+    };
+    let (first, rest) = inputs
+        .split_first()
+        .context("--render wants at least one report.json")?;
+    let base = read(first)?;
+    let extras = rest
+        .iter()
+        .map(|p| Ok((p.display().to_string(), read(p)?)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut report = super::merge::merge_reports(base, extras)?;
+    for r in &mut report.runs {
+        let dir = run_dir(&plan.out, &r.cluster, &r.workload, &r.policy, r.load_frac);
+        if !dir.is_dir() {
+            anyhow::bail!(
+                "{} is missing: copy that run's folder under {} first",
+                dir.display(),
+                plan.out.display()
+            );
+        }
+        r.dir = rel(&plan.report_path, &dir);
+    }
+    write_curves(&plan.out, &plan.report_path, &mut report)?;
+    finish_report(plan, &mut report)?;
     Ok(report)
 }
 

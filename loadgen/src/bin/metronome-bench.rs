@@ -7,7 +7,9 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use metronome_loadgen::bench::fairness::{run_fairness, FairnessPlan};
-use metronome_loadgen::bench::{run_bench, BenchPlan, CLUSTERS, POLICIES, WORKLOADS};
+use metronome_loadgen::bench::{
+    render_merged, run_bench, BenchPlan, CLUSTERS, POLICIES, WORKLOADS,
+};
 use metronome_loadgen::LengthDist;
 
 /// Goodput versus offered load: Metronome against conventional balancers on simulated GPUs.
@@ -28,6 +30,9 @@ use metronome_loadgen::LengthDist;
 ///     --clusters equal --loads 0.5,1.5 --skip-overhead --out /tmp/b --report /tmp/b/B.md
 ///   metronome-bench --fairness        # only the tenant-fairness drill: writes the report's
 ///                                     # "## Fairness" section, exits 1 when a target is missed
+///   metronome-bench --render bench-results/report.json,/tmp/light/report.json
+///                                     # no run: the report again from saved runs, the
+///                                     # second one's load points joining the first's curves
 #[derive(Debug, Parser)]
 #[command(name = "metronome-bench", version, verbatim_doc_comment)]
 struct Cli {
@@ -87,6 +92,16 @@ struct Cli {
     /// report's "## Fairness" section (outputs under <out>/fairness).
     #[arg(long)]
     fairness: bool,
+    /// Run nothing: write the report from saved report.json files, the first the base, the
+    /// load points of the others merged into its curves (copy their folders under --out
+    /// first). A point measured twice, or other nominal rates, is refused.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "REPORT_JSON",
+        conflicts_with = "fairness"
+    )]
+    render: Vec<PathBuf>,
     /// Fairness drill: seconds of load per phase [default: 60].
     #[arg(long, value_name = "S", requires = "fairness")]
     phase_seconds: Option<f64>,
@@ -129,6 +144,23 @@ fn main() -> ExitCode {
         plan.trace = t;
     }
     plan.trace = plan.trace.canonicalize().unwrap_or(plan.trace);
+    if !cli.render.is_empty() {
+        plan.analysis = cli.analysis;
+        return match render_merged(&plan, &cli.render) {
+            Ok(report) => {
+                eprintln!(
+                    "wrote {} from {} load points",
+                    plan.report_path.display(),
+                    report.runs.len()
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     for p in &cli.policies {
         if !POLICIES.contains(&p.as_str()) {
             return invalid(format!(
