@@ -18,6 +18,8 @@
 //!   `max_num_seqs` and free blocks allow; the head of the queue blocks the rest (FCFS).
 //! - A sequence samples a token in the step where its KV catches up with its context; the
 //!   step that finishes a prefill therefore yields the first token (TTFT = queue + prefill).
+//! - A sequence that sampled its last token stays in the batch, holding its KV, until the
+//!   step that sampled it has been delivered; it leaves before the next step is scheduled.
 //!
 //! Invariants (checked by the property test below): `used_blocks + free_blocks ==
 //! num_blocks`; a sequence holds exactly `ceil(kv_tokens / block_size)` blocks; each
@@ -153,6 +155,11 @@ impl Seq {
     fn is_decoding(&self) -> bool {
         self.generated > 0 && self.pending() == 1
     }
+
+    /// Sampled its last token: it leaves the batch when the step that sampled it ends.
+    fn is_finished(&self) -> bool {
+        self.generated == self.output_tokens
+    }
 }
 
 /// One simulated GPU's scheduler state.
@@ -247,7 +254,7 @@ impl Engine {
 
     /// Whether a step would schedule anything.
     pub fn has_work(&self) -> bool {
-        !self.running.is_empty() || !self.waiting.is_empty()
+        self.running.iter().any(|s| !s.is_finished()) || !self.waiting.is_empty()
     }
 
     pub fn stats(&self) -> EngineStats {
@@ -256,6 +263,29 @@ impl Engine {
 
     fn blocks_for(&self, tokens: u32) -> u32 {
         tokens.div_ceil(self.params.block_size)
+    }
+
+    /// Sequences the previous step finished leave the batch and free their KV, before the
+    /// next step is scheduled: the caller delivers a step's tokens when its duration has
+    /// passed, so until then a finishing sequence is still in the batch being computed.
+    /// vLLM does the same: `Scheduler.update_from_output` (vLLM `v1/core/sched`) removes
+    /// stopped requests from `running` and frees their blocks once the model runner's
+    /// output is back, and the `num_requests_running` / KV-usage gauges are made from that
+    /// state. (Retiring them when the step is planned made a GPU's only sequence vanish
+    /// from `/metrics` for its whole last step, so a busy GPU read as idle.) Scheduling is
+    /// unchanged: the next step sees the same free blocks either way. [`Engine::step`]
+    /// calls it first; a caller that delivers a step's tokens without stepping again at
+    /// once (the policy lab's event loop) calls it on delivery.
+    pub fn retire_finished(&mut self) {
+        let mut freed = 0;
+        self.running.retain(|s| {
+            if s.is_finished() {
+                freed += s.blocks;
+            }
+            !s.is_finished()
+        });
+        self.free_blocks += freed;
+        self.refresh_gauges();
     }
 
     fn refresh_gauges(&mut self) {
@@ -284,6 +314,7 @@ impl Engine {
     /// Run one engine step: schedule, compute and sample. Pure: the caller applies the
     /// returned duration to its clock.
     pub fn step(&mut self) -> StepOutcome {
+        self.retire_finished();
         let mut budget = self.params.max_num_batched_tokens;
         let mut preempted = Vec::new();
         // (index into running, tokens computed this step)
@@ -358,17 +389,6 @@ impl Engine {
             }
         }
 
-        // 4. Finished sequences free their KV.
-        let mut freed = 0;
-        self.running.retain(|s| {
-            let done = s.generated == s.output_tokens;
-            if done {
-                freed += s.blocks;
-            }
-            !done
-        });
-        self.free_blocks += freed;
-
         let duration = self.params.cost.step_duration(shape);
         if !shape.is_empty() {
             self.stats.steps_total += 1;
@@ -403,7 +423,8 @@ impl Engine {
                 "blocks match kv of {}",
                 s.id
             );
-            assert!(s.generated < s.output_tokens);
+            // A finished one only until the next step retires it.
+            assert!(s.generated <= s.output_tokens);
         }
         for s in &self.waiting {
             assert_eq!(s.blocks, 0, "waiting sequences hold no KV");
@@ -440,6 +461,9 @@ mod tests {
         let mut steps = Vec::new();
         for _ in 0..100_000 {
             if !engine.has_work() {
+                // The step that retires the last finished sequences computes nothing.
+                assert!(engine.step().is_idle());
+                engine.check_invariants();
                 return (tokens, steps);
             }
             let out = engine.step();
@@ -475,6 +499,12 @@ mod tests {
         let third = e.step();
         assert!(third.tokens[0].finished);
         assert!(!e.has_work());
+        // While the last step is computed (until its token is delivered) the sequence is
+        // still in the batch and holds its KV, as in vLLM's gauges; the next step retires it.
+        assert_eq!(e.stats().running, 1);
+        assert!(e.stats().used_blocks > 0);
+        assert!(e.step().is_idle());
+        assert_eq!(e.stats().running, 0);
         assert_eq!(e.stats().used_blocks, 0);
         assert_eq!(e.stats().generation_tokens_total, 3);
         assert_eq!(e.stats().prompt_tokens_total, 100);
@@ -669,7 +699,10 @@ mod tests {
             for (id, out) in expected {
                 prop_assert_eq!(&got[&id], &(0..out).collect::<Vec<_>>());
             }
+            // The step after the last one retires its finished sequences.
+            prop_assert!(e.step().is_idle());
             prop_assert_eq!(e.stats().used_blocks, 0);
+            prop_assert_eq!(e.stats().running, 0);
         }
     }
 }

@@ -343,6 +343,34 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_sequence_counts_as_running_until_its_last_token_is_delivered() {
+        // Decode steps take 16.7 ms. Halfway through the last one the GPU is computing
+        // that token, so `/metrics` must not read idle; once it is delivered, it does.
+        let gpu = Gpu::new(config(1.0));
+        let shutdown = CancellationToken::new();
+        let driver = tokio::spawn(Arc::clone(&gpu).drive(shutdown.clone()));
+        let mut submission = gpu.submit(100, 2, false).unwrap();
+        let first = submission.next().await;
+        assert!(matches!(
+            first,
+            Some(SeqEvent::Token {
+                finished: false,
+                ..
+            })
+        ));
+        tokio::time::sleep(Duration::from_millis(8)).await;
+        assert_eq!(gpu.stats().running, 1);
+        assert!(gpu.stats().used_blocks > 0);
+        let last = submission.next().await;
+        assert!(matches!(last, Some(SeqEvent::Token { finished: true, .. })));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(gpu.stats().running, 0);
+        assert_eq!(gpu.stats().used_blocks, 0);
+        shutdown.cancel();
+        driver.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn dropping_a_submission_aborts_it() {
         let gpu = Gpu::new(config(1.0));
         let shutdown = CancellationToken::new();

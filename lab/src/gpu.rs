@@ -54,8 +54,10 @@ impl Gpu {
         Some(end)
     }
 
-    /// The step that ended: its tokens and its prefill time.
+    /// The step that ended: its tokens and its prefill time. The sequences it finished
+    /// leave the batch now, as the server's gauges show them leave on delivery.
     pub fn finish_step(&mut self) -> (Vec<Emitted>, f64) {
+        self.engine.retire_finished();
         self.running
             .take()
             .map(|(_, t, s)| (t, s))

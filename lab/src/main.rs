@@ -436,13 +436,18 @@ fn print_summary(points: &[Point], policies: &[String], loads: &[f64]) {
             }
             let capacity = capacity_at_slo(&curve, ATTAINMENT_TARGET);
             if policy == "least_connections" {
-                lc_capacity = capacity.map(|c| c.rate());
+                lc_capacity = capacity;
             }
             rows.push((policy.clone(), cells, capacity));
         }
         for (policy, cells, capacity) in rows {
-            let ratio = match (capacity.map(|c| c.rate()), lc_capacity) {
-                (Some(c), Some(lc)) if lc > 0.0 => format!(" ({:.2}x)", c / lc),
+            // Either capacity may be only a bound, so the ratio may be one too (`> 1.29x`).
+            let ratio = match (capacity, lc_capacity) {
+                _ if policy == "least_connections" => String::new(),
+                (Some(c), Some(lc)) => match c.ratio_to(lc).display().as_str() {
+                    "–" => " (–)".into(),
+                    r => format!(" ({r}x)"),
+                },
                 _ => String::new(),
             };
             println!(

@@ -34,15 +34,6 @@ pub enum SloCapacity {
 }
 
 impl SloCapacity {
-    /// The rate as a number for ratios: the interpolated value or the bound; 0 for `Below`
-    /// (nothing measured is known to attain the target).
-    pub fn rate(&self) -> f64 {
-        match *self {
-            SloCapacity::Interpolated(r) | SloCapacity::AtLeast(r) => r,
-            SloCapacity::Below(_) => 0.0,
-        }
-    }
-
     /// What the capacity is known to lie in, `(low, high)`: one rate when interpolated,
     /// `[r, ∞)` when every point attained the target, `[0, r)` when none did (open at `r`).
     pub fn interval(&self) -> (f64, f64) {
@@ -53,12 +44,84 @@ impl SloCapacity {
         }
     }
 
+    /// What `self / baseline` is known to be: a ratio of two capacities either of which may
+    /// be only a bound (a baseline below its lowest point bounds the ratio from below; it
+    /// does not make it `∞`).
+    pub fn ratio_to(self, baseline: SloCapacity) -> CapacityRatio {
+        let ((m_low, m_high), (b_low, b_high)) = (self.interval(), baseline.interval());
+        CapacityRatio {
+            low: m_low / b_high,
+            low_open: matches!(baseline, SloCapacity::Below(_)),
+            high: m_high / b_low,
+            high_open: matches!(self, SloCapacity::Below(_)),
+        }
+    }
+
     /// For tables: `7.31`, `≥ 12.00`, `< 3.00`.
     pub fn display(&self) -> String {
         match *self {
             SloCapacity::Interpolated(r) => format!("{r:.2}"),
             SloCapacity::AtLeast(r) => format!("≥ {r:.2}"),
             SloCapacity::Below(r) => format!("< {r:.2}"),
+        }
+    }
+}
+
+/// The range a ratio of two capacities at SLO is known to lie in, `low ≤ m / b ≤ high`, an
+/// end open where it comes from a "below the lowest point" bound.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CapacityRatio {
+    pub low: f64,
+    pub low_open: bool,
+    pub high: f64,
+    pub high_open: bool,
+}
+
+impl CapacityRatio {
+    /// Both capacities interpolated (or the same bound on both sides): one number.
+    pub fn exact(&self) -> bool {
+        (self.high - self.low).abs() < 1e-12
+    }
+
+    /// `Some(true)` when every ratio in the range reaches `want`, `Some(false)` when none
+    /// does, `None` when the range straddles it.
+    pub fn reaches(&self, want: f64) -> Option<bool> {
+        if self.low.is_nan() || self.high.is_nan() {
+            None
+        } else if self.low >= want - 1e-9 {
+            Some(true)
+        } else if self.high < want - 1e-9 || (self.high_open && self.high <= want) {
+            Some(false)
+        } else {
+            None
+        }
+    }
+
+    /// For tables: `1.52`, `> 2.30`, `≤ 0.80`, or `–` when nothing bounds it.
+    pub fn display(&self) -> String {
+        if self.exact() && self.low.is_finite() {
+            format!("{:.2}", self.low)
+        } else if self.high.is_infinite() && self.low > 0.0 {
+            format!("{} {:.2}", if self.low_open { ">" } else { "≥" }, self.low)
+        } else if self.low == 0.0 && self.high.is_finite() {
+            format!(
+                "{} {:.2}",
+                if self.high_open { "<" } else { "≤" },
+                self.high
+            )
+        } else {
+            "–".into()
+        }
+    }
+
+    /// How far from `want`, from the end that decides (`≥ +1.00×`: at least that much).
+    pub fn margin(&self, want: f64) -> String {
+        let bound = if self.exact() { "" } else { "≥ " };
+        match self.reaches(want) {
+            Some(true) => format!("{bound}{:+.2}×", self.low - want),
+            Some(false) if self.exact() => format!("{:+.2}×", self.high - want),
+            Some(false) => format!("< {:+.2}×", self.high - want),
+            None => "–".into(),
         }
     }
 }
@@ -169,7 +232,6 @@ mod tests {
         );
         let below = capacity_at_slo(&pts(&[(2.0, 0.5), (4.0, 0.1)]), 0.9).unwrap();
         assert_eq!(below, SloCapacity::Below(2.0));
-        assert_eq!(below.rate(), 0.0);
         assert_eq!(below.display(), "< 2.00");
         assert_eq!(SloCapacity::AtLeast(4.0).display(), "≥ 4.00");
         assert_eq!(below.interval(), (0.0, 2.0));

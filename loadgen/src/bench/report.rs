@@ -12,7 +12,7 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use super::curve::{capacity_at_slo, CurvePoint, SloCapacity, ATTAINMENT_TARGET};
+use super::curve::{capacity_at_slo, CapacityRatio, CurvePoint, SloCapacity, ATTAINMENT_TARGET};
 use super::idle::IdleStats;
 use super::nominal::Nominal;
 use super::prediction::PredictionErrors;
@@ -236,73 +236,15 @@ fn verdict(met: Option<bool>) -> &'static str {
     }
 }
 
-/// What a ratio of two capacities at SLO is known to be when either may be only a bound:
-/// `low ≤ m / b ≤ high`, an end open where it comes from a "below the lowest point" bound
-/// (a baseline below its lowest point gives a lower bound on the ratio, not `∞`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-struct RatioBounds {
-    low: f64,
-    low_open: bool,
-    high: f64,
-    high_open: bool,
-}
-
-impl RatioBounds {
-    fn of(m: SloCapacity, b: SloCapacity) -> Self {
-        let ((m_low, m_high), (b_low, b_high)) = (m.interval(), b.interval());
-        RatioBounds {
-            low: m_low / b_high,
-            low_open: matches!(b, SloCapacity::Below(_)),
-            high: m_high / b_low,
-            high_open: matches!(m, SloCapacity::Below(_)),
-        }
-    }
-
-    fn exact(&self) -> bool {
-        (self.high - self.low).abs() < 1e-12
-    }
-
-    /// `Some(true)` when every ratio in the bounds reaches `want`, `Some(false)` when none
-    /// does, `None` when the bounds straddle it.
-    fn reaches(&self, want: f64) -> Option<bool> {
-        if self.low.is_nan() || self.high.is_nan() {
-            None
-        } else if self.low >= want - 1e-9 {
-            Some(true)
-        } else if self.high < want - 1e-9 || (self.high_open && self.high <= want) {
-            Some(false)
-        } else {
-            None
-        }
-    }
-
-    /// For tables: `1.52`, `> 2.30`, `≤ 0.80`, or `–` when nothing bounds it.
-    fn display(&self) -> String {
-        if self.exact() && self.low.is_finite() {
-            format!("{:.2}", self.low)
-        } else if self.high.is_infinite() && self.low > 0.0 {
-            format!("{} {:.2}", if self.low_open { ">" } else { "≥" }, self.low)
-        } else if self.low == 0.0 && self.high.is_finite() {
-            format!(
-                "{} {:.2}",
-                if self.high_open { "<" } else { "≤" },
-                self.high
-            )
-        } else {
-            "–".into()
-        }
-    }
-
-    /// How far from `want`, from the end that decides (`≥ +1.00×`: at least that much).
-    fn margin(&self, want: f64) -> String {
-        let bound = if self.exact() { "" } else { "≥ " };
-        match self.reaches(want) {
-            Some(true) => format!("{bound}{:+.2}×", self.low - want),
-            Some(false) if self.exact() => format!("{:+.2}×", self.high - want),
-            Some(false) => format!("< {:+.2}×", self.high - want),
-            None => "–".into(),
-        }
-    }
+/// Which of two ratios decides a "reach every baseline" target: a miss before an
+/// undecided ratio before a met one, then the lower ratio.
+fn deciding_first(a: CapacityRatio, b: CapacityRatio, want: f64) -> std::cmp::Ordering {
+    let class = |r: CapacityRatio| match r.reaches(want) {
+        Some(false) => 0,
+        None => 1,
+        Some(true) => 2,
+    };
+    class(a).cmp(&class(b)).then(a.low.total_cmp(&b.low))
 }
 
 /// `m / b ≥ want` for capacities that may only be bounded: decided only where the bounds
@@ -323,7 +265,7 @@ fn capacity_ratio_check(
             met: None,
         };
     };
-    let r = RatioBounds::of(m, b);
+    let r = m.ratio_to(b);
     // Where Metronome itself never reached 90 %, only lower loads can decide the ratio.
     let hint = if matches!(m, SloCapacity::Below(_)) && r.reaches(want).is_none() {
         " (Metronome under 90 % at the lowest load: lower `--loads` decide it)"
@@ -358,12 +300,18 @@ pub fn target_checks(report: &Report, workload: &str, cluster: &str) -> Vec<Targ
         lc_cap,
         1.3,
     ));
-    let best_other = report
-        .policies()
-        .into_iter()
-        .filter(|p| p != METRONOME && p != BASELINE)
-        .filter_map(|p| report.slo_capacity(workload, cluster, &p).map(|c| (p, c)))
-        .max_by(|a, b| a.1.rate().total_cmp(&b.1.rate()));
+    // Metronome must reach every other baseline, so the one shown is the one that decides
+    // (see `deciding_first`). (Ranking
+    // the baselines by one number would count a "below the lowest point" bound as 0 and
+    // pass over a baseline that could be the best.)
+    let best_other = m_cap.and_then(|m| {
+        report
+            .policies()
+            .into_iter()
+            .filter(|p| p != METRONOME && p != BASELINE)
+            .filter_map(|p| report.slo_capacity(workload, cluster, &p).map(|c| (p, c)))
+            .min_by(|a, b| deciding_first(m.ratio_to(a.1), m.ratio_to(b.1), 1.0))
+    });
     out.push(capacity_ratio_check(
         "capacity at SLO vs the best other baseline",
         m_cap,
@@ -618,7 +566,7 @@ pub fn slo_capacity_table(report: &Report, workload: &str, cluster: &str) -> Str
         };
         let share = match (c, nominal) {
             (SloCapacity::Below(_), _) | (_, None) => "–".to_string(),
-            (c, Some(n)) => format!("{:.0} %", c.rate() / n * 100.0),
+            (c, Some(n)) => format!("{:.0} %", c.interval().0 / n * 100.0),
         };
         let _ = writeln!(out, "| {p} | {} | {share} | {how} |", c.display());
     }
@@ -1052,6 +1000,41 @@ mod tests {
         assert_eq!(c[0].met, None, "{c:?}");
         assert!(
             c[0].measured.contains("ratio – (Metronome under 90 %"),
+            "{c:?}"
+        );
+    }
+
+    #[test]
+    fn the_other_baseline_that_decides_is_shown_not_the_highest_number() {
+        // Metronome and round robin both 5.56 req/s (ratio 1.00, met); random below its
+        // lowest point (< 5: ratio > 1.11, met): the lower ratio, round robin's, is shown.
+        // Then power of two, ≥ 90 % everywhere (≥ 15: ratio ≤ 0.37), a miss that decides.
+        let mut r = report(&[0.95, 0.5, 0.2], &[0.8, 0.5, 0.2], &[0.95, 0.5, 0.2]);
+        for (i, s) in [0.8, 0.5, 0.2].iter().enumerate() {
+            r.runs
+                .push(row("random", [0.5, 1.0, 1.5][i], [5.0, 10.0, 15.0][i], *s));
+        }
+        let c = target_checks(&r, "chat", "equal");
+        assert_eq!(c[1].met, Some(true), "{c:?}");
+        assert!(c[1].measured.contains("(round_robin)"), "{c:?}");
+        for (i, s) in [1.0, 0.95, 0.91].iter().enumerate() {
+            r.runs.push(row(
+                "power_of_two",
+                [0.5, 1.0, 1.5][i],
+                [5.0, 10.0, 15.0][i],
+                *s,
+            ));
+        }
+        let c = target_checks(&r, "chat", "equal");
+        assert_eq!(c[1].met, Some(false), "{c:?}");
+        assert!(c[1].measured.contains("≥ 15.00 (power_of_two)"), "{c:?}");
+        // Random is the only other one: a bound, not 0, so the ratio is a bound (> 1.11).
+        r.runs
+            .retain(|x| x.policy != "round_robin" && x.policy != "power_of_two");
+        let c = target_checks(&r, "chat", "equal");
+        assert_eq!(c[1].met, Some(true), "{c:?}");
+        assert!(
+            c[1].measured.ends_with("(random) req/s: ratio > 1.11"),
             "{c:?}"
         );
     }

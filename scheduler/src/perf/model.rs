@@ -188,7 +188,20 @@ impl PerfPrior {
         value.abs().max(0.1) / self.prior_jobs.sqrt()
     }
 
+    /// The prefill fit. Its base and per-token slope are held by a prior worth
+    /// `prior_jobs` jobs of the law's own noise ([`PREFILL_NOISE_SD_MS`] per job, per
+    /// thousand prompt tokens for the slope), widened by half the prior value so a prior
+    /// far off in scale (a 70B model's prefill) still gives way within a few jobs.
+    ///
+    /// A looser prior (four times the value plus a floor, as the decode base has) was
+    /// worth about a thousandth of one job here. A worker's first jobs often arrive
+    /// together, so their prompt-plus-ahead sizes are alike and their TTFTs differ by the
+    /// noise and by the part of the prompts ahead already prefilled: three such jobs (3.2k,
+    /// 3.7k and 3.5k tokens, TTFTs 627, 345 and 526 ms, live) fitted a slope of 0 and a
+    /// base of 500 ms, the worker was predicted to prefill 30,000 queued tokens in under a
+    /// second, and admission gave it 26 jobs while three GPUs idled.
     fn prefill_fit(&self) -> Rls {
+        let held = |value: f64| (PREFILL_NOISE_SD_MS + value.abs() / 2.0) / self.prior_jobs.sqrt();
         Rls::new(
             &[
                 self.ttft_base_ms,
@@ -196,8 +209,8 @@ impl PerfPrior {
                 self.ttft_per_stream_ms,
             ],
             &[
-                self.sd(self.ttft_base_ms, 50.0),
-                self.sd(self.prefill_per_token_ms * 1000.0, 100.0),
+                held(self.ttft_base_ms),
+                held(self.prefill_per_token_ms * 1000.0),
                 self.sd(self.ttft_per_stream_ms, 10.0),
             ],
         )
@@ -409,6 +422,50 @@ mod tests {
     }
 
     #[test]
+    fn a_first_few_alike_jobs_do_not_teach_a_flat_prefill() {
+        // A live worker's first three jobs: prompt + ahead within 15 % of each other, TTFT
+        // falling as it rose (the prompts ahead were partly prefilled already).
+        let mut m = PerfModel::new(&PerfPrior::default());
+        for (prompt, ahead, ttft) in [
+            (3180, 0.0, 627.0),
+            (137, 3513.0, 345.4),
+            (374, 3138.0, 526.1),
+        ] {
+            m.observe(&PerfSample {
+                prompt_tokens: prompt,
+                output_tokens: 9,
+                ttft_ms: Some(ttft),
+                tpot_ms: Some(17.5),
+                prefill_ahead_tokens: ahead,
+                mean_decode_streams: 2.5,
+                mean_context_tokens: 3000.0,
+                ..PerfSample::default()
+            });
+        }
+        let c = m.coefficients();
+        assert!(c.prefill_per_token_ms >= 0.07, "{c:?}");
+        // 7,400 tokens behind 30,000 queued: seconds, not the 0.6 s the flat fit said.
+        let ttft = c.ttft_base_ms + c.prefill_per_token_ms * 37_400.0;
+        assert!(ttft > 2_500.0, "{ttft} {c:?}");
+        // What the jobs did show is kept: about 500 ms at 3.5k tokens.
+        let at = c.ttft_base_ms + c.prefill_per_token_ms * 3_500.0;
+        assert!((350.0..=650.0).contains(&at), "{at} {c:?}");
+    }
+
+    #[test]
+    fn a_prior_far_off_in_scale_gives_way_within_a_few_jobs() {
+        // A worker ten times slower to prefill than the prior (1.6 ms a token).
+        let mut t = truth();
+        t.prefill_per_token_ms = 1.6;
+        let mut m = PerfModel::new(&PerfPrior::default());
+        for i in 0..5 {
+            m.observe(&sample(i, &t));
+        }
+        let c = m.coefficients();
+        assert!(c.prefill_per_token_ms > 1.2, "{c:?}");
+    }
+
+    #[test]
     fn learns_a_worker_from_its_jobs() {
         let t = truth();
         let mut m = PerfModel::new(&PerfPrior::default());
@@ -437,13 +494,16 @@ mod tests {
             "{c:?}"
         );
         assert_eq!(c.samples, 60);
-        // ...and what matters, the predictions of jobs it has not seen, are within 3 %.
+        // ...and what matters, the predictions of jobs it has not seen, are within 3 %
+        // (decode) and 4 % (TTFT): the prefill prior is worth two jobs against a memory of
+        // about fifty, so a few percent of its distance from the truth stays, which shows
+        // most where the base dominates (a 200-token prompt: 63.6 ms against 61.5).
         for i in 1_000..1_040 {
             let s = sample(i, &t);
             let decode = m.decode.predict(&s.decode_features().unwrap().0);
             let ttft = m.prefill.predict(&s.prefill_features().unwrap().0);
             assert!(close(decode, s.tpot_ms.unwrap(), 0.03), "{decode} vs {s:?}");
-            assert!(close(ttft, s.ttft_ms.unwrap(), 0.03), "{ttft} vs {s:?}");
+            assert!(close(ttft, s.ttft_ms.unwrap(), 0.04), "{ttft} vs {s:?}");
         }
     }
 
