@@ -194,12 +194,13 @@ impl PerfPrior {
     /// far off in scale (a 70B model's prefill) still gives way within a few jobs.
     ///
     /// A looser prior (four times the value plus a floor, as the decode base has) was
-    /// worth about a thousandth of one job here. A worker's first jobs often arrive
-    /// together, so their prompt-plus-ahead sizes are alike and their TTFTs differ by the
-    /// noise and by the part of the prompts ahead already prefilled: three such jobs (3.2k,
-    /// 3.7k and 3.5k tokens, TTFTs 627, 345 and 526 ms, live) fitted a slope of 0 and a
-    /// base of 500 ms, the worker was predicted to prefill 30,000 queued tokens in under a
-    /// second, and admission gave it 26 jobs while three GPUs idled.
+    /// worth three hundredths of one job on the base and under a thousandth of a
+    /// 3,500-token job on the slope. A worker's first jobs often arrive together, so their
+    /// prompt-plus-ahead sizes are alike and their TTFTs differ by the noise and by the
+    /// part of the prompts ahead already prefilled: three such jobs (3.2k, 3.7k and 3.5k
+    /// tokens, TTFTs 627, 345 and 526 ms, live) fitted a slope of 0 and a base of 500 ms,
+    /// the worker was predicted to prefill tens of thousands of queued tokens in about a
+    /// second, and admission gave it 27 jobs in two seconds while three GPUs idled.
     fn prefill_fit(&self) -> Rls {
         let held = |value: f64| (PREFILL_NOISE_SD_MS + value.abs() / 2.0) / self.prior_jobs.sqrt();
         Rls::new(
