@@ -300,11 +300,17 @@ mod tests {
         }
     }
 
-    /// Run one request to completion on tokio's paused clock; returns the time it took.
-    async fn timed_request(speed: f64, prompt: u32, output: u32) -> (Duration, EngineStats) {
+    /// A GPU with its engine loop running, the token that stops it and the loop's task.
+    fn driven(speed: f64) -> (Arc<Gpu>, CancellationToken, tokio::task::JoinHandle<()>) {
         let gpu = Gpu::new(config(speed));
         let shutdown = CancellationToken::new();
         let driver = tokio::spawn(Arc::clone(&gpu).drive(shutdown.clone()));
+        (gpu, shutdown, driver)
+    }
+
+    /// Run one request to completion on tokio's paused clock; returns the time it took.
+    async fn timed_request(speed: f64, prompt: u32, output: u32) -> (Duration, EngineStats) {
+        let (gpu, shutdown, driver) = driven(speed);
         let started = Instant::now();
         let mut submission = gpu.submit(prompt, output, false).unwrap();
         let mut tokens = 0;
@@ -346,9 +352,7 @@ mod tests {
     async fn a_sequence_counts_as_running_until_its_last_token_is_delivered() {
         // Decode steps take 16.7 ms. Halfway through the last one the GPU is computing
         // that token, so `/metrics` must not read idle; once it is delivered, it does.
-        let gpu = Gpu::new(config(1.0));
-        let shutdown = CancellationToken::new();
-        let driver = tokio::spawn(Arc::clone(&gpu).drive(shutdown.clone()));
+        let (gpu, shutdown, driver) = driven(1.0);
         let mut submission = gpu.submit(100, 2, false).unwrap();
         let first = submission.next().await;
         assert!(matches!(
@@ -363,7 +367,7 @@ mod tests {
         assert!(gpu.stats().used_blocks > 0);
         let last = submission.next().await;
         assert!(matches!(last, Some(SeqEvent::Token { finished: true, .. })));
-        tokio::time::sleep(Duration::from_millis(1)).await;
+        // The loop steps again, retiring it, in the same poll that delivered the token.
         assert_eq!(gpu.stats().running, 0);
         assert_eq!(gpu.stats().used_blocks, 0);
         shutdown.cancel();
@@ -372,9 +376,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn dropping_a_submission_aborts_it() {
-        let gpu = Gpu::new(config(1.0));
-        let shutdown = CancellationToken::new();
-        let driver = tokio::spawn(Arc::clone(&gpu).drive(shutdown.clone()));
+        let (gpu, shutdown, driver) = driven(1.0);
         let mut submission = gpu.submit(100, 1000, false).unwrap();
         submission.next().await.unwrap();
         assert_eq!(gpu.stats().running, 1);

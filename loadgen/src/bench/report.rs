@@ -301,9 +301,8 @@ pub fn target_checks(report: &Report, workload: &str, cluster: &str) -> Vec<Targ
         1.3,
     ));
     // Metronome must reach every other baseline, so the one shown is the one that decides
-    // (see `deciding_first`). (Ranking
-    // the baselines by one number would count a "below the lowest point" bound as 0 and
-    // pass over a baseline that could be the best.)
+    // (`deciding_first`). Ranking the baselines by one number would count a "below the
+    // lowest point" bound as 0 and pass over a baseline that could be the best.
     let best_other = m_cap.and_then(|m| {
         report
             .policies()
@@ -900,18 +899,20 @@ mod tests {
         }
     }
 
-    fn report(m: &[f64], lc: &[f64], rr: &[f64]) -> Report {
+    /// One policy's curve at 50, 100 and 150 % of a 10 req/s nominal capacity.
+    fn curve(policy: &str, shares: &[f64]) -> Vec<RunRow> {
         let loads = [0.5, 1.0, 1.5];
-        let mut runs = Vec::new();
-        for (p, shares) in [
-            ("metronome", m),
-            ("least_connections", lc),
-            ("round_robin", rr),
-        ] {
-            for (i, s) in shares.iter().enumerate() {
-                runs.push(row(p, loads[i], loads[i] * 10.0, *s));
-            }
-        }
+        shares
+            .iter()
+            .zip(loads)
+            .map(|(s, l)| row(policy, l, l * 10.0, *s))
+            .collect()
+    }
+
+    fn report(m: &[f64], lc: &[f64], rr: &[f64]) -> Report {
+        let mut runs = curve("metronome", m);
+        runs.extend(curve("least_connections", lc));
+        runs.extend(curve("round_robin", rr));
         Report {
             title_scale: "quick scale".into(),
             command: "metronome-bench --quick".into(),
@@ -1010,21 +1011,11 @@ mod tests {
         // lowest point (< 5: ratio > 1.11, met): the lower ratio, round robin's, is shown.
         // Then power of two, ≥ 90 % everywhere (≥ 15: ratio ≤ 0.37), a miss that decides.
         let mut r = report(&[0.95, 0.5, 0.2], &[0.8, 0.5, 0.2], &[0.95, 0.5, 0.2]);
-        for (i, s) in [0.8, 0.5, 0.2].iter().enumerate() {
-            r.runs
-                .push(row("random", [0.5, 1.0, 1.5][i], [5.0, 10.0, 15.0][i], *s));
-        }
+        r.runs.extend(curve("random", &[0.8, 0.5, 0.2]));
         let c = target_checks(&r, "chat", "equal");
         assert_eq!(c[1].met, Some(true), "{c:?}");
         assert!(c[1].measured.contains("(round_robin)"), "{c:?}");
-        for (i, s) in [1.0, 0.95, 0.91].iter().enumerate() {
-            r.runs.push(row(
-                "power_of_two",
-                [0.5, 1.0, 1.5][i],
-                [5.0, 10.0, 15.0][i],
-                *s,
-            ));
-        }
+        r.runs.extend(curve("power_of_two", &[1.0, 0.95, 0.91]));
         let c = target_checks(&r, "chat", "equal");
         assert_eq!(c[1].met, Some(false), "{c:?}");
         assert!(c[1].measured.contains("≥ 15.00 (power_of_two)"), "{c:?}");
