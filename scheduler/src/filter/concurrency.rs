@@ -3,12 +3,67 @@
 //! or `default_max_concurrency` when it reports 0). The count is
 //! [`WorkerLoad::effective_active`](crate::WorkerLoad): reported work plus reservations the
 //! worker has not listed yet, so a burst cannot overshoot the cap between heartbeats.
+//!
+//! *Warm-up allowance.* A worker whose performance fit has seen fewer than
+//! [`WARM_UP_SAMPLES`] jobs holds at most [`WARM_UP_FIRST_JOBS`] more requests than the
+//! jobs its fit has seen, so what admission trusts of it grows with the evidence. The fit
+//! starts from an optimistic prior (a new worker must get work to be learnt), and a fit of
+//! three jobs can still look far faster than the worker is: on a fresh live system one such
+//! worker kept passing the rate and TTFT predictions while every learnt worker was refused
+//! on its floors, and took 17 jobs in 1.6 s, whose streams fell to 3 tok/s while three GPUs
+//! idled. The allowance depends only on the worker, so its refusal still holds for every job
+//! of the model ([`super::refuses_every_job_of_the_model`]). A worker that reports no fit
+//! (an agent that predates it) is held to its cap alone.
 
 use metronome_protocol::RejectionCode;
 
 use super::{Filter, FilterContext};
+use crate::perf::rls::WARM_UP_SAMPLES;
+
+/// Requests a worker may hold beyond the jobs its performance fit has seen, while the fit
+/// is in its warm-up. Two: with one, a new worker's first job would run alone, and its fit
+/// would see no job beside another (what teaches it the cost of a stream) until that job
+/// ended.
+pub const WARM_UP_FIRST_JOBS: u32 = 2;
 
 pub struct UnderConcurrencyCap;
+
+/// The most requests a worker may hold now, and why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ceiling {
+    /// Its concurrency cap.
+    Cap(u32),
+    /// Its warm-up allowance: the fit has seen `samples` jobs.
+    WarmUp { allowance: u32, samples: u64 },
+}
+
+impl Ceiling {
+    fn of(ctx: &FilterContext<'_>) -> Self {
+        let cap = ctx.load.max_concurrency;
+        match ctx.view.status.perf {
+            Some(perf) if perf.samples < WARM_UP_SAMPLES => {
+                // samples < WARM_UP_SAMPLES, so it fits a u32.
+                let allowance = WARM_UP_FIRST_JOBS.saturating_add(perf.samples as u32);
+                if allowance < cap {
+                    Ceiling::WarmUp {
+                        allowance,
+                        samples: perf.samples,
+                    }
+                } else {
+                    Ceiling::Cap(cap)
+                }
+            }
+            _ => Ceiling::Cap(cap),
+        }
+    }
+
+    fn limit(self) -> u32 {
+        match self {
+            Ceiling::Cap(n) => n,
+            Ceiling::WarmUp { allowance, .. } => allowance,
+        }
+    }
+}
 
 impl Filter for UnderConcurrencyCap {
     fn code(&self) -> RejectionCode {
@@ -16,7 +71,7 @@ impl Filter for UnderConcurrencyCap {
     }
 
     fn passes(&self, ctx: &FilterContext<'_>) -> bool {
-        ctx.load.effective_active < ctx.load.max_concurrency
+        ctx.load.effective_active < Ceiling::of(ctx).limit()
     }
 
     fn check(&self, ctx: &FilterContext<'_>) -> Result<(), String> {
@@ -24,16 +79,24 @@ impl Filter for UnderConcurrencyCap {
             return Ok(());
         }
         let l = ctx.load;
-        Err(format!(
-            "at cap: {} active + {} reserved >= max {}",
-            l.reported_active, l.unreported_reservations, l.max_concurrency
-        ))
+        match Ceiling::of(ctx) {
+            Ceiling::Cap(max) => Err(format!(
+                "at cap: {} active + {} reserved >= max {max}",
+                l.reported_active, l.unreported_reservations
+            )),
+            Ceiling::WarmUp { allowance, samples } => Err(format!(
+                "warming up: {} active + {} reserved >= {allowance} allowed while its \
+                 performance fit has seen {samples} of {WARM_UP_SAMPLES} jobs (cap {})",
+                l.reported_active, l.unreported_reservations, l.max_concurrency
+            )),
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::perf::rls::WARM_UP_SAMPLES;
     use crate::testutil::*;
     use crate::{Ledger, SchedulerConfig};
 
@@ -70,5 +133,85 @@ mod tests {
             check(&UnderConcurrencyCap, &job("m"), &w, &Ledger::new(), &config),
             Err("at cap: 2 active + 0 reserved >= max 2".into())
         );
+    }
+
+    /// `w` with a performance fit that has seen `samples` jobs.
+    fn fitted(mut w: crate::WorkerView, samples: u64) -> crate::WorkerView {
+        w.status.perf = Some(metronome_protocol::PerfCoefficients {
+            step_base_ms: 20.0,
+            step_per_stream_ms: 0.2,
+            step_per_ktok_ms: 0.1,
+            stall_per_prefill_token_ms: 0.1,
+            ttft_base_ms: 20.0,
+            prefill_per_token_ms: 0.1,
+            ttft_per_stream_ms: 1.0,
+            step_error_ms: 0.0,
+            samples,
+        });
+        w
+    }
+
+    /// A worker holding `n` reported jobs.
+    fn holding(mut w: crate::WorkerView, n: usize) -> crate::WorkerView {
+        w.status.in_flight = (0..n).map(|i| format!("r{i}")).collect();
+        w.status.active = n as u32;
+        w
+    }
+
+    #[test]
+    fn a_young_fit_holds_two_more_jobs_than_it_has_seen() {
+        let config = SchedulerConfig::default();
+        let j = job("m");
+        let mut big = worker("w1");
+        big.status.max_concurrency = 64;
+        let l = Ledger::new();
+        // Three jobs seen: five allowed.
+        let w = fitted(holding(big.clone(), 4), 3);
+        assert_eq!(check(&UnderConcurrencyCap, &j, &w, &l, &config), Ok(()));
+        let w = fitted(holding(big.clone(), 5), 3);
+        assert_eq!(
+            check(&UnderConcurrencyCap, &j, &w, &l, &config),
+            Err(
+                "warming up: 5 active + 0 reserved >= 5 allowed while its performance fit \
+                 has seen 3 of 10 jobs (cap 64)"
+                    .into()
+            )
+        );
+        // A fresh fit: two, reservations counted like reported jobs.
+        let w = fitted(big.clone(), 0);
+        let mut booked = Ledger::new();
+        booked.reserve("w1", "a", 1, 0).unwrap();
+        assert_eq!(
+            check(&UnderConcurrencyCap, &j, &w, &booked, &config),
+            Ok(())
+        );
+        booked.reserve("w1", "b", 1, 0).unwrap();
+        assert!(check(&UnderConcurrencyCap, &j, &w, &booked, &config)
+            .unwrap_err()
+            .starts_with("warming up: 0 active + 2 reserved >= 2 allowed"));
+        // Out of its warm-up, the cap alone.
+        let w = fitted(holding(big.clone(), 40), WARM_UP_SAMPLES);
+        assert_eq!(check(&UnderConcurrencyCap, &j, &w, &l, &config), Ok(()));
+        // No fit reported: the cap alone.
+        let w = holding(big, 40);
+        assert_eq!(check(&UnderConcurrencyCap, &j, &w, &l, &config), Ok(()));
+    }
+
+    #[test]
+    fn a_cap_below_the_allowance_is_the_reason_given() {
+        let config = SchedulerConfig::default();
+        // Cap 4, eight jobs seen (allowance 10): the cap refuses.
+        let w = fitted(holding(worker("w1"), 4), 8);
+        assert_eq!(
+            check(&UnderConcurrencyCap, &job("m"), &w, &Ledger::new(), &config),
+            Err("at cap: 4 active + 0 reserved >= max 4".into())
+        );
+    }
+
+    #[test]
+    fn the_warm_up_refusal_holds_for_every_job_of_the_model() {
+        assert!(crate::filter::refuses_every_job_of_the_model(
+            UnderConcurrencyCap.code()
+        ));
     }
 }
