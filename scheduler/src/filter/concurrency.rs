@@ -135,18 +135,12 @@ mod tests {
         );
     }
 
-    /// `w` with a performance fit that has seen `samples` jobs.
+    /// `w` with a performance fit that has seen `samples` jobs (the prior's coefficients:
+    /// the allowance reads only the count).
     fn fitted(mut w: crate::WorkerView, samples: u64) -> crate::WorkerView {
         w.status.perf = Some(metronome_protocol::PerfCoefficients {
-            step_base_ms: 20.0,
-            step_per_stream_ms: 0.2,
-            step_per_ktok_ms: 0.1,
-            stall_per_prefill_token_ms: 0.1,
-            ttft_base_ms: 20.0,
-            prefill_per_token_ms: 0.1,
-            ttft_per_stream_ms: 1.0,
-            step_error_ms: 0.0,
             samples,
+            ..SchedulerConfig::default().perf_prior.coefficients()
         });
         w
     }
