@@ -75,11 +75,12 @@ impl Filter for UnderConcurrencyCap {
     }
 
     fn check(&self, ctx: &FilterContext<'_>) -> Result<(), String> {
-        if self.passes(ctx) {
+        let l = ctx.load;
+        let ceiling = Ceiling::of(ctx);
+        if l.effective_active < ceiling.limit() {
             return Ok(());
         }
-        let l = ctx.load;
-        match Ceiling::of(ctx) {
+        match ceiling {
             Ceiling::Cap(max) => Err(format!(
                 "at cap: {} active + {} reserved >= max {max}",
                 l.reported_active, l.unreported_reservations
@@ -96,7 +97,6 @@ impl Filter for UnderConcurrencyCap {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::perf::rls::WARM_UP_SAMPLES;
     use crate::testutil::*;
     use crate::{Ledger, SchedulerConfig};
 
