@@ -155,6 +155,19 @@ struct FloorWaiver {
     note: String,
 }
 
+/// How a model's running jobs are shared among its active tenants, for a tenant under
+/// its share ([`Engine::runs_under_fair_share`]).
+struct FairShare<'a> {
+    /// The tenant's running jobs.
+    mine: usize,
+    /// The active tenants' running jobs.
+    total: usize,
+    /// An equal share of `total` among the active tenants.
+    share: f64,
+    /// Running jobs per active tenant.
+    running: BTreeMap<&'a str, usize>,
+}
+
 /// A conditional delete of an overdue worker's key in flight.
 struct Expiring {
     since_ms: u64,
@@ -1565,7 +1578,7 @@ impl Engine {
             let under_share = match ttft_ceiling {
                 Some(c) if self.s.policy == PolicyKind::Metronome => self
                     .runs_under_fair_share(model, tenant_of(&front.job), now)
-                    .map(|u| (c, u)),
+                    .map(|u| (c, (u.mine, u.total, u.share))),
                 _ => None,
             };
             if let Some((ceiling, (mine, total, share))) = under_share {
@@ -1823,13 +1836,8 @@ impl Engine {
 
     /// When `tenant` runs fewer of the model's jobs than an equal share among the active
     /// tenants ([`Engine::running_by_active_tenant`]), and is not the tenant with the
-    /// longest backlog: (its running jobs, the active tenants' running jobs, the share).
-    fn runs_under_fair_share(
-        &self,
-        model: &str,
-        tenant: &str,
-        now: u64,
-    ) -> Option<(usize, usize, f64)> {
+    /// longest backlog: how the running jobs are shared.
+    fn runs_under_fair_share(&self, model: &str, tenant: &str, now: u64) -> Option<FairShare<'_>> {
         let vtc = self.queues.fairness(model)?;
         if vtc.waiting_jobs(tenant) >= vtc.most_waiting() {
             return None;
@@ -1838,7 +1846,12 @@ impl Engine {
         let mine = *running.get(tenant)?;
         let total: usize = running.values().sum();
         let share = total as f64 / running.len() as f64;
-        ((mine as f64) < share).then_some((mine, total, share))
+        ((mine as f64) < share).then_some(FairShare {
+            mine,
+            total,
+            share,
+            running,
+        })
     }
 
     /// The ledger a job of `tenant` is judged on when `tenant` runs under its fair share
@@ -1853,9 +1866,13 @@ impl Engine {
     /// than its share holds room that is the others' by right; its jobs still run, at
     /// the rate the lighter tenant's prefill leaves them.
     fn floor_waiver(&self, model: &str, tenant: &str, now: u64) -> Option<FloorWaiver> {
-        let (_, total, share) = self.runs_under_fair_share(model, tenant, now)?;
-        let over: BTreeMap<&str, usize> = self
-            .running_by_active_tenant(model, now)?
+        let FairShare {
+            total,
+            share,
+            running,
+            ..
+        } = self.runs_under_fair_share(model, tenant, now)?;
+        let over: BTreeMap<&str, usize> = running
             .into_iter()
             .filter(|&(_, n)| n as f64 > share)
             .collect();

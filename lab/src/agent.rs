@@ -208,7 +208,14 @@ impl Agent {
                 capacity_tokens: Some(self.gpu.capacity_tokens()),
             }),
             gpu: None,
-            prefill_pending_tokens: self.tracker.pending_prefill_tokens(),
+            // As the agent reports it: the prompts on the server and those held, not started.
+            prefill_pending_tokens: self.tracker.pending_prefill_tokens()
+                + self
+                    .held
+                    .values()
+                    .filter(|h| h.started_ms.is_none())
+                    .map(|h| u64::from(h.job.prompt_tokens))
+                    .sum::<u64>(),
             perf: Some(self.perf.coefficients()),
             max_epoch: self.max_epoch,
             seq: self.heartbeat_seq,

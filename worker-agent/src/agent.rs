@@ -286,6 +286,7 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
                     lost: lost.clone(),
                     started: std::sync::atomic::AtomicBool::new(false),
                     attempt: assignment.attempt,
+                    prompt_tokens: assignment.job.prompt_tokens,
                 },
             );
             shared.metrics.running_jobs.set(map.len() as u64);

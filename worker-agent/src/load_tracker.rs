@@ -109,8 +109,8 @@ pub struct LoadTracker {
 /// One prompt's prefill: its tokens, taken as spread evenly over `from_ms..to_ms`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct PrefillSpan {
-    /// When its request was sent.
-    sent_ms: f64,
+    /// Its request's place in the order sent (`Tracked::sent_order`).
+    sent_order: u64,
     from_ms: f64,
     to_ms: f64,
     tokens: f64,
@@ -179,7 +179,8 @@ impl LoadTracker {
         self.decoding += 1;
         self.context += t.prompt_tokens + t.generated;
         // Its prefill began when it was sent or when the last prompt sent before it had
-        // its first token, whichever was later: a server prefills in arrival order. Not at
+        // its first token, whichever was later: a server prefills in arrival order (the
+        // order sent, not the send time: the agent sends several in one millisecond). Not at
         // the latest first token of any prompt: a short prompt sent later can finish its
         // prefill in the same step as this one's last chunk and be delivered first, and
         // this one's whole prefill would then be squeezed into the milliseconds between
@@ -187,11 +188,11 @@ impl LoadTracker {
         let from_ms = self
             .spans
             .iter()
-            .filter(|s| s.sent_ms < t.sent_ms)
+            .filter(|s| s.sent_order < t.sent_order)
             .map(|s| s.to_ms)
             .fold(t.sent_ms, f64::max);
         let span = PrefillSpan {
-            sent_ms: t.sent_ms,
+            sent_order: t.sent_order,
             from_ms,
             to_ms: self.last_ms,
             tokens: t.prompt_tokens as f64,
@@ -325,7 +326,7 @@ impl LoadTracker {
         waiting.sort_by_key(|w| w.0);
         let mut free_ms = self.prefill_free_ms;
         let mut pending = 0.0;
-        for (_, sent_ms, tokens) in waiting {
+        for (sent_order, sent_ms, tokens) in waiting {
             let from_ms = sent_ms.max(free_ms);
             if from_ms >= to {
                 break;
@@ -333,7 +334,7 @@ impl LoadTracker {
             // Not finished by now, so at least until now: never projected to end sooner.
             let to_ms = (from_ms + tokens * ms_per_token).max(self.last_ms);
             let span = PrefillSpan {
-                sent_ms,
+                sent_order,
                 from_ms,
                 to_ms,
                 tokens,
@@ -649,5 +650,21 @@ mod tests {
         let s = t.finished("a", &measured(100, 3), c.at(50)).unwrap();
         assert_eq!(s.mean_decode_streams, 1.0);
         assert_eq!(s.mean_context_tokens, (101.0 * 0.0 + 102.0 * 10.0) / 10.0);
+    }
+
+    #[test]
+    fn a_prompt_sent_in_the_same_millisecond_prefills_after_the_one_sent_before_it() {
+        let c = Clock(Instant::now());
+        let mut t = LoadTracker::new();
+        // Two prompts sent in one millisecond: the server prefills A, then B.
+        t.started("a", 1_000, c.at(0));
+        t.started("b", 1_000, c.at(0));
+        t.tokens("a", 1, c.at(100));
+        // B's prefill ran from A's first token to its own, all of it inside A's decode
+        // window (100..300); taken from its send time it would be half outside.
+        t.tokens("b", 1, c.at(200));
+        t.tokens("a", 1, c.at(300));
+        let a = t.finished("a", &measured(1_000, 2), c.at(300)).unwrap();
+        assert_eq!(a.stall_prefill_tokens, 1_000.0);
     }
 }

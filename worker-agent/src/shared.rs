@@ -34,6 +34,28 @@ pub(crate) struct Held {
     /// Set once the job is reported and starting (before that, the fence refuses it).
     pub started: std::sync::atomic::AtomicBool,
     pub attempt: u32,
+    /// The job's prompt estimate: prefill ahead of the jobs placed here after it, from the
+    /// moment the agent takes it, though the model server sees it only once started.
+    pub prompt_tokens: u32,
+}
+
+impl Held {
+    /// Whether the job still waits to start here: taken, neither started nor settled by
+    /// the leader (revoked or lost jobs will not start).
+    fn waits_to_start(&self) -> bool {
+        !self.started.load(Ordering::SeqCst)
+            && !self.revoke.is_cancelled()
+            && !self.lost.is_cancelled()
+    }
+}
+
+/// Prompt tokens of the held jobs that wait to start ([`Held::waits_to_start`]).
+fn unstarted_prompt_tokens(in_flight: &BTreeMap<String, Held>) -> u64 {
+    in_flight
+        .values()
+        .filter(|h| h.waits_to_start())
+        .map(|h| u64::from(h.prompt_tokens))
+        .sum()
 }
 
 /// State shared by the intake, the runners and the heartbeat.
@@ -142,12 +164,20 @@ impl Shared {
         n
     }
 
-    /// Prompt tokens of held jobs that have not produced their first token.
+    /// Prompt tokens of held jobs that have not produced their first token: those on the
+    /// model server (the load tracker's) and those waiting to start. The second matter
+    /// because the heartbeat that reports a job lists it as held before it starts, and the
+    /// dispatcher then takes the pending prefill reported for the worker as covering it.
     pub fn prefill_pending_tokens(&self) -> u64 {
-        self.load
+        // `started` is set before the tracker hears of the job: counted once, or (for an
+        // instant) not at all, never twice. The locks are taken one after the other.
+        let waiting = unstarted_prompt_tokens(&self.in_flight.lock().expect("in_flight lock"));
+        let on_server = self
+            .load
             .lock()
             .expect("load lock")
-            .pending_prefill_tokens()
+            .pending_prefill_tokens();
+        on_server + waiting
     }
 
     pub fn perf_coefficients(&self) -> metronome_protocol::PerfCoefficients {
@@ -249,5 +279,39 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.shared.remember_ended(&self.job_id, self.attempt);
         self.shared.release(&self.job_id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn held(prompt_tokens: u32) -> Held {
+        Held {
+            cancel: CancellationToken::new(),
+            tenant: None,
+            revoke: CancellationToken::new(),
+            lost: CancellationToken::new(),
+            started: AtomicBool::new(false),
+            attempt: 1,
+            prompt_tokens,
+        }
+    }
+
+    #[test]
+    fn only_the_held_jobs_that_will_still_start_count_as_waiting_prefill() {
+        let mut map = BTreeMap::new();
+        map.insert("waiting".to_string(), held(100));
+        let started = held(200);
+        started.started.store(true, Ordering::SeqCst);
+        map.insert("started".to_string(), started);
+        let revoked = held(400);
+        revoked.revoke.cancel();
+        map.insert("revoked".to_string(), revoked);
+        let lost = held(800);
+        lost.lost.cancel();
+        map.insert("lost".to_string(), lost);
+        map.insert("also waiting".to_string(), held(1_600));
+        assert_eq!(unstarted_prompt_tokens(&map), 1_700);
     }
 }
