@@ -384,6 +384,7 @@ pub async fn run_fairness(plan: &FairnessPlan) -> anyhow::Result<Vec<Verdict>> {
         keep_going: true,
         gateway_extra_toml: Some(gateway_toml),
         nats_cluster: 1,
+        first_gateway_port: None,
     };
     let mut sys = System::up(&spec).await.context("starting the system")?;
     let mut restarted = Vec::new();

@@ -362,6 +362,7 @@ fn system_spec(plan: &BenchPlan, policy: &str, speeds: Vec<String>, tag: &str) -
         keep_going: false,
         gateway_extra_toml: None,
         nats_cluster: 1,
+        first_gateway_port: None,
     }
 }
 

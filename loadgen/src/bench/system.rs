@@ -43,7 +43,32 @@ pub struct SystemSpec {
     /// NATS servers: 1, or a cluster of 3 with every stream and bucket R3
     /// (`./dev up --nats-cluster 3`).
     pub nats_cluster: usize,
+    /// The gateway's port for the first start (`None`: a free one). A second start, after
+    /// a failed first, always takes a free one. Set only by the test that makes the first
+    /// start fail on a port another process holds.
+    pub first_gateway_port: Option<u16>,
 }
+
+/// `./dev up` exited before it wrote `<state>/env`: a process of the system did not start
+/// (its log says why).
+#[derive(Debug)]
+pub struct ExitedBeforeReady {
+    pub status: std::process::ExitStatus,
+    pub log: PathBuf,
+}
+
+impl std::fmt::Display for ExitedBeforeReady {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "./dev up exited with {} before the system was ready: see {}",
+            self.status,
+            self.log.display()
+        )
+    }
+}
+
+impl std::error::Error for ExitedBeforeReady {}
 
 /// Environment variable of `./dev up` that appends TOML to every dispatcher config. The
 /// runner removes it from the systems it starts so published figures come from defaults.
@@ -76,6 +101,24 @@ pub struct System {
 pub fn free_port() -> anyhow::Result<u16> {
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
     Ok(l.local_addr()?.port())
+}
+
+/// Moves a failed start's state folder and `./dev up` log aside, to
+/// `<state>.failed-start` and `<state>.failed-start.up.log` (replacing an earlier pair),
+/// so the next start begins clean and the reason stays readable. Returns the folder.
+fn keep_failed_start(state_dir: &Path) -> anyhow::Result<PathBuf> {
+    let kept = state_dir.with_extension("failed-start");
+    let _ = std::fs::remove_dir_all(&kept);
+    if state_dir.exists() {
+        std::fs::rename(state_dir, &kept)
+            .with_context(|| format!("moving {} aside", state_dir.display()))?;
+    }
+    let log = state_dir.with_extension("up.log");
+    if log.exists() {
+        std::fs::rename(&log, kept.with_extension("failed-start.up.log"))
+            .with_context(|| format!("moving {} aside", log.display()))?;
+    }
+    Ok(kept)
 }
 
 fn read_env_file(path: &Path, key: &str) -> Option<String> {
@@ -148,9 +191,36 @@ fn agent_metrics(state_dir: &Path, gpus: usize) -> Vec<String> {
 }
 
 impl System {
-    /// Starts `./dev up` and waits (up to 120 s) until it has written `<state>/env`.
+    /// Starts `./dev up` and waits (up to 120 s) until it has written `<state>/env`; when
+    /// `./dev up` exits before that, starts it once more.
+    ///
+    /// Why once more: every port of the system (the gateway's, picked here, and those
+    /// `./dev up` picks) is found free and bound seconds later, after the processes started
+    /// before it; another process can take it in between ("Address already in use"). That
+    /// happened once in a benchmark run of hours and ended the run. A second start picks
+    /// fresh ports; a failure that is not such a race fails the same way again and is
+    /// reported. The failed start's files are kept beside the state folder.
     pub async fn up(spec: &SystemSpec) -> anyhow::Result<System> {
-        let port = free_port()?;
+        let first = Self::start(spec, spec.first_gateway_port).await;
+        let Err(e) = first else { return first };
+        if e.downcast_ref::<ExitedBeforeReady>().is_none() {
+            return Err(e);
+        }
+        let kept = keep_failed_start(&spec.state_dir)?;
+        eprintln!(
+            "{e:#}\n  starting the system once more, on fresh ports (the failed start's files: {})",
+            kept.display()
+        );
+        Self::start(spec, None)
+            .await
+            .with_context(|| format!("second start, after a first that failed ({e:#})"))
+    }
+
+    async fn start(spec: &SystemSpec, gateway_port: Option<u16>) -> anyhow::Result<System> {
+        let port = match gateway_port {
+            Some(p) => p,
+            None => free_port()?,
+        };
         let _ = std::fs::remove_dir_all(&spec.state_dir);
         std::fs::create_dir_all(&spec.state_dir)?;
         let log = std::fs::File::create(spec.state_dir.with_extension("up.log"))?;
@@ -202,10 +272,11 @@ impl System {
                 break url;
             }
             if let Some(status) = child.try_wait()? {
-                bail!(
-                    "./dev up exited with {status} before the system was ready: see {}",
-                    spec.state_dir.with_extension("up.log").display()
-                );
+                return Err(ExitedBeforeReady {
+                    status,
+                    log: spec.state_dir.with_extension("up.log"),
+                }
+                .into());
             }
             if Instant::now() > deadline {
                 let mut s = System::from_child(child, spec, String::new(), Vec::new());

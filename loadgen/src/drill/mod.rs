@@ -274,6 +274,7 @@ async fn run_on_one_system(
         keep_going: true,
         gateway_extra_toml: None,
         nats_cluster: nats_nodes,
+        first_gateway_port: None,
     };
     let mut system = System::up(&spec).await.context("starting the system")?;
     let env = read_env(&state_dir.join("env"))?;
