@@ -1,18 +1,33 @@
 //! Merging the load points of several bench runs into one report: a curve whose decisive
 //! points take hours (a bursty trace at 5 % of nominal capacity is 550 s a point) is
 //! measured in a run of its own, and its points join the full run's curves instead of
-//! living in a second report. Every merged point keeps its own run's figures; the report
+//! living in a second report; a point measured again with a newer build can replace the
+//! earlier one. Every merged point keeps its own run's figures; the report
 //! says which run each came from. Pure: reading and writing files is the caller's.
 
 use anyhow::bail;
 
-use super::report::Report;
+use super::report::{Report, RunRow};
 
-/// `extras` merged into `base`, each with the name it is cited by (its `report.json`
-/// path). Refused: a point measured twice (the same policy, workload, cluster and load),
-/// or a workload × cluster whose nominal capacity differs between runs (other requests,
-/// other speeds: its loads would not be the same rates).
-pub fn merge_reports(mut base: Report, extras: Vec<(String, Report)>) -> anyhow::Result<Report> {
+/// What a point measured twice (the same policy, workload, cluster and load) does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Twice {
+    /// Refused: two figures for one point, and no saying which the report shows.
+    Refuse,
+    /// The later run's point replaces the earlier (a point measured again with a newer
+    /// build); the later run's note names the points it replaced.
+    LaterReplaces,
+}
+
+/// `extras` merged into `base`, in order, each with the name it is cited by (its
+/// `report.json` path). Refused: a point measured twice unless `twice` lets the later one
+/// replace it, or a workload × cluster whose nominal capacity differs between runs (other
+/// requests, other speeds: its loads would not be the same rates).
+pub fn merge_reports(
+    mut base: Report,
+    extras: Vec<(String, Report)>,
+    twice: Twice,
+) -> anyhow::Result<Report> {
     for (name, extra) in extras {
         for row in &extra.nominal {
             match base
@@ -31,13 +46,18 @@ pub fn merge_reports(mut base: Report, extras: Vec<(String, Report)>) -> anyhow:
                 None => base.nominal.push(row.clone()),
             }
         }
+        let mut replaced = Vec::new();
         for run in &extra.runs {
-            if base.runs.iter().any(|r| {
+            let same_point = |r: &RunRow| {
                 r.policy == run.policy
                     && r.workload == run.workload
                     && r.cluster == run.cluster
                     && (r.load_frac - run.load_frac).abs() < 1e-9
-            }) {
+            };
+            let Some(i) = base.runs.iter().position(same_point) else {
+                continue;
+            };
+            if twice == Twice::Refuse {
                 bail!(
                     "{name}: {}/{}/{} at {:.0} % is already in the base run",
                     run.cluster,
@@ -46,6 +66,7 @@ pub fn merge_reports(mut base: Report, extras: Vec<(String, Report)>) -> anyhow:
                     run.load_frac * 100.0
                 );
             }
+            replaced.push(base.runs.remove(i));
         }
         for w in &extra.workloads {
             if !base.workloads.contains(w) {
@@ -57,7 +78,14 @@ pub fn merge_reports(mut base: Report, extras: Vec<(String, Report)>) -> anyhow:
                 base.clusters.push(c.clone());
             }
         }
-        base.notes.push(merged_note(&name, &extra));
+        let mut note = merged_note(&name, &extra);
+        if !replaced.is_empty() {
+            note.push_str(&format!(
+                " These replace the points measured before: {}.",
+                point_list(&replaced)
+            ));
+        }
+        base.notes.push(note);
         base.command
             .push_str(&format!("\n# merged from {name}:\n{}", extra.command));
         base.runs.extend(extra.runs);
@@ -72,8 +100,17 @@ fn merged_note(name: &str, extra: &Report) -> String {
         .iter()
         .find(|(k, _)| k == "commit")
         .map_or("unknown", |(_, v)| v.as_str());
+    format!(
+        "Load points merged from `{name}` (a run of {}, commit {commit}, its own system per policy and cluster): {}.",
+        extra.date_utc,
+        point_list(&extra.runs)
+    )
+}
+
+/// "equal/trace/metronome at 5 %, 10 %; …": the points, grouped by curve in first-seen order.
+fn point_list(runs: &[RunRow]) -> String {
     let mut groups: Vec<(String, Vec<String>)> = Vec::new();
-    for r in &extra.runs {
+    for r in runs {
         let key = format!("{}/{}/{}", r.cluster, r.workload, r.policy);
         let load = format!("{:.0} %", r.load_frac * 100.0);
         match groups.iter_mut().find(|(k, _)| *k == key) {
@@ -81,15 +118,11 @@ fn merged_note(name: &str, extra: &Report) -> String {
             None => groups.push((key, vec![load])),
         }
     }
-    let points: Vec<String> = groups
+    groups
         .into_iter()
         .map(|(k, loads)| format!("{k} at {}", loads.join(", ")))
-        .collect();
-    format!(
-        "Load points merged from `{name}` (a run of {}, commit {commit}, its own system per policy and cluster): {}.",
-        extra.date_utc,
-        points.join("; ")
-    )
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 #[cfg(test)]
@@ -97,7 +130,7 @@ mod tests {
     use super::*;
     use crate::bench::idle::IdleStats;
     use crate::bench::nominal::Nominal;
-    use crate::bench::report::{NominalRow, RunRow};
+    use crate::bench::report::NominalRow;
     use crate::summary::Summary;
 
     fn run(policy: &str, load: f64) -> RunRow {
@@ -154,6 +187,7 @@ mod tests {
                 "light/report.json".into(),
                 report(&[0.05, 0.1], 10.9, "bbb"),
             )],
+            Twice::Refuse,
         )
         .unwrap();
         let loads: Vec<f64> = merged
@@ -177,6 +211,7 @@ mod tests {
         let twice = merge_reports(
             report(&[0.3, 0.5], 10.9, "aaa"),
             vec![("again.json".into(), report(&[0.5], 10.9, "bbb"))],
+            Twice::Refuse,
         );
         let e = twice.unwrap_err().to_string();
         assert!(
@@ -186,8 +221,41 @@ mod tests {
         let other = merge_reports(
             report(&[0.3], 10.9, "aaa"),
             vec![("other.json".into(), report(&[0.05], 9.5, "bbb"))],
+            Twice::LaterReplaces,
         );
         let e = other.unwrap_err().to_string();
         assert!(e.contains("not the same rates"), "{e}");
+    }
+    #[test]
+    fn a_point_measured_again_replaces_the_earlier_one_and_the_note_says_so() {
+        let mut again = report(&[0.05, 0.3], 10.9, "ccc");
+        again.runs.retain(|r| r.policy == "metronome");
+        for r in &mut again.runs {
+            r.goodput_rps = 1.0;
+        }
+        let merged = merge_reports(
+            report(&[0.05, 0.3, 0.5], 10.9, "aaa"),
+            vec![("again/report.json".into(), again)],
+            Twice::LaterReplaces,
+        )
+        .unwrap();
+        let metronome: Vec<(f64, f64)> = merged
+            .rows("trace", "equal", Some("metronome"))
+            .iter()
+            .map(|r| (r.load_frac, r.goodput_rps))
+            .collect();
+        assert_eq!(metronome, vec![(0.05, 1.0), (0.3, 1.0), (0.5, 0.0)]);
+        assert_eq!(
+            merged
+                .rows("trace", "equal", Some("least_connections"))
+                .len(),
+            3,
+            "the other policy's points stay"
+        );
+        assert_eq!(merged.runs.len(), 6);
+        assert_eq!(
+            merged.notes,
+            vec!["Load points merged from `again/report.json` (a run of day of ccc, commit ccc, its own system per policy and cluster): equal/trace/metronome at 5 %, 30 %. These replace the points measured before: equal/trace/metronome at 5 %, 30 %.".to_string()]
+        );
     }
 }

@@ -733,8 +733,12 @@ fn run_dir(out: &Path, cluster: &str, workload: &str, policy: &str, load_frac: f
 /// others' load points merged into it ([`super::merge`]), without starting a system. Each
 /// point's folder must already be under the plan's `out` (copy a separate run's folders
 /// there first), so every link in the report holds; the curves are drawn again from all
-/// points.
-pub fn render_merged(plan: &BenchPlan, inputs: &[PathBuf]) -> anyhow::Result<Report> {
+/// points. `twice` says what a point measured twice does.
+pub fn render_merged(
+    plan: &BenchPlan,
+    inputs: &[PathBuf],
+    twice: super::merge::Twice,
+) -> anyhow::Result<Report> {
     let read = |path: &PathBuf| -> anyhow::Result<Report> {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -748,7 +752,7 @@ pub fn render_merged(plan: &BenchPlan, inputs: &[PathBuf]) -> anyhow::Result<Rep
         .iter()
         .map(|p| Ok((p.display().to_string(), read(p)?)))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let mut report = super::merge::merge_reports(base, extras)?;
+    let mut report = super::merge::merge_reports(base, extras, twice)?;
     for r in &mut report.runs {
         let dir = run_dir(&plan.out, &r.cluster, &r.workload, &r.policy, r.load_frac);
         if !dir.is_dir() {

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use metronome_loadgen::bench::fairness::{run_fairness, FairnessPlan};
+use metronome_loadgen::bench::merge::Twice;
 use metronome_loadgen::bench::{
     render_merged, run_bench, BenchPlan, CLUSTERS, POLICIES, WORKLOADS,
 };
@@ -33,6 +34,9 @@ use metronome_loadgen::LengthDist;
 ///   metronome-bench --render bench-results/report.json,/tmp/light/report.json
 ///                                     # no run: the report again from saved runs, the
 ///                                     # second one's load points joining the first's curves
+///   metronome-bench --render bench-results/report.json,/tmp/again/report.json --remeasured
+///                                     # the same; a point both runs measured shows the
+///                                     # second run's figures
 #[derive(Debug, Parser)]
 #[command(name = "metronome-bench", version, verbatim_doc_comment)]
 struct Cli {
@@ -94,7 +98,8 @@ struct Cli {
     fairness: bool,
     /// Run nothing: write the report from saved report.json files, the first the base, the
     /// load points of the others merged into its curves (copy their folders under --out
-    /// first). A point measured twice, or other nominal rates, is refused.
+    /// first). A point measured twice (see --remeasured), or other nominal rates, is
+    /// refused.
     #[arg(
         long,
         value_delimiter = ',',
@@ -102,6 +107,10 @@ struct Cli {
         conflicts_with = "fairness"
     )]
     render: Vec<PathBuf>,
+    /// With --render: a point that a later report measured again (a newer build) replaces
+    /// the earlier one, and the later report's note in the report names what it replaced.
+    #[arg(long, requires = "render")]
+    remeasured: bool,
     /// Fairness drill: seconds of load per phase [default: 60].
     #[arg(long, value_name = "S", requires = "fairness")]
     phase_seconds: Option<f64>,
@@ -146,7 +155,12 @@ fn main() -> ExitCode {
     plan.trace = plan.trace.canonicalize().unwrap_or(plan.trace);
     if !cli.render.is_empty() {
         plan.analysis = cli.analysis;
-        return match render_merged(&plan, &cli.render) {
+        let twice = if cli.remeasured {
+            Twice::LaterReplaces
+        } else {
+            Twice::Refuse
+        };
+        return match render_merged(&plan, &cli.render, twice) {
             Ok(report) => {
                 eprintln!(
                     "wrote {} from {} load points",
