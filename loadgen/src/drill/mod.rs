@@ -386,7 +386,12 @@ async fn run_one(
     index: usize,
     restarted: &mut Vec<u32>,
 ) -> anyhow::Result<DrillReport> {
-    let start_seq = results_last_seq(js).await?;
+    let start_seq = read_until(
+        "reading the RESULTS stream's last sequence",
+        Instant::now() + plan.settle,
+        || results_last_seq(js),
+    )
+    .await?;
     let mut gathered = Vec::new();
     if fault == Fault::KillNatsLeader {
         gathered = gather_leaders(client, js, plan.lease_on_killed_node).await?;
@@ -1335,18 +1340,32 @@ async fn kill_nats_leader(
     notes: &mut Vec<String>,
 ) -> anyhow::Result<(String, Instant)> {
     let fail = |s: String| target.failures.lock().unwrap().push(s);
-    let mut jobs = js
-        .get_stream(metronome_protocol::names::STREAM_JOBS)
-        .await?;
-    let replicas = jobs.info().await?.config.num_replicas;
+    let replicas = read_until(
+        "reading the JOBS stream's configuration",
+        Instant::now() + plan.settle,
+        || async {
+            let mut jobs = js
+                .get_stream(metronome_protocol::names::STREAM_JOBS)
+                .await?;
+            Ok(jobs.info().await?.config.num_replicas)
+        },
+    )
+    .await?;
     if replicas != CLUSTER_NODES {
         fail(format!(
             "JOBS keeps {replicas} copies on a cluster of {CLUSTER_NODES}: losing its node loses it"
         ));
     }
-    let (leader, _) = jobs_cluster(js)
-        .await
-        .context("the JOBS stream has no cluster leader (is NATS a cluster?)")?;
+    let (leader, _) = read_until(
+        "reading the JOBS stream's cluster",
+        Instant::now() + plan.settle,
+        || async {
+            jobs_cluster(js)
+                .await
+                .context("the JOBS stream has no cluster leader (is NATS a cluster?)")
+        },
+    )
+    .await?;
     let pid = system
         .pid_of(&leader)
         .with_context(|| format!("no pid file for the JOBS leader {leader}"))?;
@@ -1678,12 +1697,55 @@ async fn settle(
 ) -> anyhow::Result<BTreeMap<String, Vec<FinalResult>>> {
     let deadline = Instant::now() + settle;
     loop {
-        let finals = read_finals(js, start_seq).await?;
+        let finals = read_until(
+            "reading the drill's final results from RESULTS",
+            deadline.max(Instant::now() + READ_GRACE),
+            || read_finals(js, start_seq),
+        )
+        .await?;
         let missing = sent.iter().filter(|id| !finals.contains_key(*id)).count();
         if missing == 0 || Instant::now() > deadline {
             return Ok(finals);
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// The least time [`read_until`] is given for a read, even past the caller's deadline.
+const READ_GRACE: Duration = Duration::from_secs(10);
+
+/// `read` (a JetStream read of the drill's own client) again, 250 ms apart, until it
+/// succeeds or `deadline` has passed; then its last error, saying what was read and how
+/// often. A NATS node killed or restarted (`kill-nats-leader`, `restart-nats`) leaves the
+/// client reconnecting, and the cluster electing leaders, for some seconds: a read that
+/// times out then says nothing about the jobs, and must not end the drill.
+async fn read_until<T, F, Fut>(what: &str, deadline: Instant, mut read: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<T>>,
+{
+    let started = Instant::now();
+    let mut tries = 0u32;
+    loop {
+        tries += 1;
+        match read().await {
+            Ok(v) => {
+                if tries > 1 {
+                    tracing::warn!(what, tries, "drill read succeeded after failures");
+                }
+                return Ok(v);
+            }
+            Err(e) if Instant::now() < deadline => {
+                tracing::warn!(what, tries, error = %format!("{e:#}"), "drill read failed, trying again");
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Err(e) => {
+                return Err(e.context(format!(
+                    "{what}: failed {tries} times in {:.1} s",
+                    started.elapsed().as_secs_f64()
+                )))
+            }
+        }
     }
 }
 
@@ -1954,6 +2016,38 @@ mod tests {
             ttft_ms: None,
             e2e_ms: None,
         }
+    }
+
+    /// A read that fails while a NATS node is away is tried again until it succeeds; one
+    /// that still fails at the deadline ends the drill with what was read and how often.
+    #[tokio::test]
+    async fn a_failed_read_is_tried_again_until_its_deadline() {
+        let mut calls = 0;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let v = read_until("the answer", deadline, || {
+            calls += 1;
+            let n = calls;
+            async move {
+                if n < 3 {
+                    bail!("request timed out")
+                }
+                Ok(n)
+            }
+        })
+        .await
+        .unwrap();
+        assert_eq!(v, 3);
+
+        let deadline = Instant::now() + Duration::from_millis(600);
+        let e = read_until("RESULTS", deadline, || async {
+            Err::<u64, _>(anyhow::anyhow!("request timed out"))
+        })
+        .await
+        .unwrap_err();
+        let text = format!("{e:#}");
+        assert!(text.starts_with("RESULTS: failed "), "{text}");
+        assert!(text.ends_with("request timed out"), "{text}");
+        assert!(Instant::now() >= deadline);
     }
 
     /// Every job lands in exactly one of exactly once, failed, lost, duplicated (chunks of
