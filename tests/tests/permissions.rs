@@ -121,6 +121,18 @@ impl Conn {
         self.refused("a subscription", subject).await;
     }
 
+    /// Returns once the server has handled everything sent on this connection before, such
+    /// as a subscription that must be in place before another connection publishes. A
+    /// flush only writes to the socket; a request on the same connection is answered after
+    /// the server handled what came before it (it handles a connection's messages in
+    /// order). Every identity here but the auditor may read the JOBS stream's info.
+    async fn handled(&self) {
+        self.js
+            .get_stream(names::STREAM_JOBS)
+            .await
+            .expect("a round trip");
+    }
+
     fn no_violations(&self) {
         let errors = self.errors.lock().unwrap();
         assert!(
@@ -294,7 +306,7 @@ async fn a_worker_uses_its_own_consumer_heartbeat_and_events_and_nothing_else() 
         .subscribe(names::control_subject_all("w1"))
         .await
         .unwrap();
-    w1.client.flush().await.unwrap();
+    w1.handled().await;
     let w1_client = w1.client.clone();
     let responder = tokio::spawn(async move {
         let req = control.next().await.expect("request");
@@ -531,7 +543,8 @@ async fn a_client_cannot_submit_for_or_read_another_tenant() {
         .subscribe(names::tenant_results_all(g))
         .await
         .unwrap();
-    globex.client.flush().await.unwrap();
+    // In place before the dispatcher's connection publishes (a flush does not wait for it).
+    globex.handled().await;
     store_decision_and_final(&dispatcher.js, g, "job-8", "g-assigned", "g-final").await;
     let got = within("globex's final result", own.next())
         .await
@@ -652,14 +665,8 @@ async fn a_client_cancels_only_its_own_tenants_jobs() {
         .subscribe(names::control_subject_all("w1"))
         .await
         .expect("a worker hears its own control subject");
-    // A flush does not wait for the server; a request on the same connection does, and the
-    // server handles a connection's messages in order: both subscriptions are in place.
-    for conn in [&dispatcher, &w1] {
-        conn.js
-            .get_stream(names::STREAM_JOBS)
-            .await
-            .expect("a round trip");
-    }
+    dispatcher.handled().await;
+    w1.handled().await;
 
     acme.client
         .publish(names::cancel_subject(Some("acme"), "job-1"), "".into())
