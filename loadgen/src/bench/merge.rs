@@ -226,6 +226,7 @@ mod tests {
         let e = other.unwrap_err().to_string();
         assert!(e.contains("not the same rates"), "{e}");
     }
+
     #[test]
     fn a_point_measured_again_replaces_the_earlier_one_and_the_note_says_so() {
         let mut again = report(&[0.05, 0.3], 10.9, "ccc");

@@ -1340,14 +1340,21 @@ async fn kill_nats_leader(
     notes: &mut Vec<String>,
 ) -> anyhow::Result<(String, Instant)> {
     let fail = |s: String| target.failures.lock().unwrap().push(s);
-    let replicas = read_until(
-        "reading the JOBS stream's configuration",
+    // One read of the stream's info gives both its copies and its leader.
+    let (replicas, leader) = read_until(
+        "reading the JOBS stream's configuration and cluster",
         Instant::now() + plan.settle,
         || async {
             let mut jobs = js
                 .get_stream(metronome_protocol::names::STREAM_JOBS)
                 .await?;
-            Ok(jobs.info().await?.config.num_replicas)
+            let info = jobs.info().await?;
+            let leader = info
+                .cluster
+                .as_ref()
+                .and_then(|c| c.leader.clone())
+                .context("the JOBS stream has no cluster leader (is NATS a cluster?)")?;
+            Ok((info.config.num_replicas, leader))
         },
     )
     .await?;
@@ -1356,16 +1363,6 @@ async fn kill_nats_leader(
             "JOBS keeps {replicas} copies on a cluster of {CLUSTER_NODES}: losing its node loses it"
         ));
     }
-    let (leader, _) = read_until(
-        "reading the JOBS stream's cluster",
-        Instant::now() + plan.settle,
-        || async {
-            jobs_cluster(js)
-                .await
-                .context("the JOBS stream has no cluster leader (is NATS a cluster?)")
-        },
-    )
-    .await?;
     let pid = system
         .pid_of(&leader)
         .with_context(|| format!("no pid file for the JOBS leader {leader}"))?;
