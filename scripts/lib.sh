@@ -43,6 +43,18 @@ ensure_chromium() {
   command -v chromium >/dev/null 2>&1 || die "chromium is missing (apt-get install chromium)"
 }
 
+ensure_suite_tools() {
+  # Everything the shell suites install on first use, in one apt-get call and one pip run,
+  # so `./dev test` can do it while the workspace builds instead of between suites.
+  local pkgs=()
+  command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || pkgs+=(prometheus)
+  command -v chromium >/dev/null 2>&1 || pkgs+=(chromium)
+  command -v docker-compose >/dev/null 2>&1 || pkgs+=(docker-compose)
+  command -v systemd-analyze >/dev/null 2>&1 || pkgs+=(systemd)
+  [ ${#pkgs[@]} -eq 0 ] || apt_install "${pkgs[@]}"
+  ensure_venv
+}
+
 ensure_cargo() {
   command -v cargo >/dev/null 2>&1 || die "cargo is missing: install Rust from https://rustup.rs (or apt-get install cargo)"
 }

@@ -5,13 +5,38 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 source "$ROOT/scripts/lib.sh"
 
+# Wall-clock seconds of each phase, printed at the end (the suite's budget is 15 minutes
+# on a fresh 2-core machine; this shows where it goes).
+PHASES=()
+phase_started=$SECONDS
+phase_done() {
+  PHASES+=("$(printf '%-28s %4ds' "$1" $((SECONDS - phase_started)))")
+  phase_started=$SECONDS
+}
+
 ensure_cargo
 ensure_servers
-ensure_venv
+
+log "workspace checks (unused dependencies, undeclared test files)"
+python3 "$ROOT/scripts/check-workspace.py"
+
+# The suites' tools (Debian packages, the Python environment) install while cargo compiles:
+# the one is mostly download and unpacking, the other CPU.
+tools_log="$(mktemp)"
+( ensure_suite_tools ) >"$tools_log" 2>&1 &
+tools_pid=$!
 
 log "building the workspace (binaries and tests, once)"
 cargo build --workspace --bins --quiet
 cargo test --workspace --no-run --quiet
+phase_done "build"
+
+log "waiting for the suites' tools"
+if ! wait "$tools_pid"; then
+  cat "$tools_log" >&2
+  die "installing the suites' tools failed (see above)"
+fi
+phase_done "tools (after the build)"
 
 status=0
 log "Rust tests"
@@ -20,12 +45,17 @@ if command -v cargo-nextest >/dev/null 2>&1; then
 else
   cargo test --workspace --no-fail-fast || status=1
 fi
+phase_done "Rust tests"
 
 for suite in "$ROOT"/tests/suites/*.sh; do
   [ -e "$suite" ] || continue
   log "suite $(basename "$suite")"
   bash "$suite" || status=1
+  phase_done "suite $(basename "$suite" .sh)"
 done
+
+log "time per phase (wall clock):"
+printf '  %s\n' "${PHASES[@]}" >&2
 
 [ $status -eq 0 ] && log "all test suites passed" || log "some test suites failed"
 exit $status

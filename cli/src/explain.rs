@@ -344,6 +344,13 @@ fn render_decision(out: &mut String, d: &Decision) {
             if let Some(p) = &c.prediction {
                 out.push_str(&format!("     predicted: {}\n", prediction(p)));
             }
+            if let Some(cached) = &c.cached_prefix {
+                out.push_str(&format!(
+                    "     cached prefix: {} prompt tokens not prefilled (from {})\n",
+                    cached.tokens,
+                    cached.source.as_str()
+                ));
+            }
             out.push_str(&terms_table(&d.terms_of(c)).render("     "));
         }
     }
@@ -504,6 +511,7 @@ pub(crate) mod fixtures {
                 streams_after: 3,
                 model_samples: 240,
             }),
+            cached_prefix: None,
         }
     }
 
@@ -689,6 +697,22 @@ mod tests {
         assert!(
             rate.contains("45.0 tok/s") && rate.contains("40.0 tok/s (tpot 25 ms)"),
             "{rate}"
+        );
+    }
+
+    #[test]
+    fn a_candidates_cached_prefix_is_shown_when_recorded() {
+        let mut s = story();
+        assert!(!s.render().contains("cached prefix"));
+        let d = s.decisions.last_mut().unwrap();
+        d.candidates[0].cached_prefix = Some(metronome_protocol::CachedPrefix {
+            tokens: 1_024,
+            source: metronome_protocol::PrefixSource::Placements,
+        });
+        let text = s.render();
+        assert!(
+            text.contains("cached prefix: 1024 prompt tokens not prefilled (from placements)"),
+            "{text}"
         );
     }
 

@@ -641,6 +641,7 @@ mod tests {
             raw,
             normalised: [0.0; metronome_protocol::TERM_COUNT],
             prediction: Some(p),
+            cached_prefix: None,
         }
     }
 

@@ -80,6 +80,7 @@ fn candidate(worker: &str, scale: f64, ttft_ms: f64, tok_s: f64) -> CandidateSco
             streams_after: 1,
             model_samples: 12,
         }),
+        cached_prefix: None,
     }
 }
 

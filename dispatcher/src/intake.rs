@@ -47,9 +47,9 @@ use metronome_protocol::{CompletionEvent, Decision, ErrorCode, Job, JobError, Jo
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::event::{Event, Incoming};
+use crate::engine::{self, Event, Incoming};
 use crate::metrics::Metrics;
-use crate::publish::{self, Publisher};
+use crate::publish::Publisher;
 use crate::DispatcherError;
 
 /// What JOBS held when this term's consumer was created.
@@ -368,7 +368,7 @@ pub fn spawn_jobs(
                         epoch = decision.epoch,
                         "job id already has a decision: answered with it, not assigned again"
                     );
-                    context.publisher.send(publish::Outcome::DecisionOnly {
+                    context.publisher.send(engine::Outcome::DecisionOnly {
                         decision: Box::new(context.answer_of(*decision)),
                         acker: Some(acker),
                     });
@@ -459,7 +459,7 @@ impl RejectContext {
                     priority: None,
                     fair_counter: None,
                 };
-                self.publisher.send(publish::Outcome::Reject {
+                self.publisher.send(engine::Outcome::Reject {
                     decision: Box::new(decision),
                     error: ErrorCode::InvalidJob,
                     message: error.to_string(),
@@ -476,7 +476,7 @@ impl RejectContext {
                     "dispatcher_id": self.dispatcher_id,
                     "body_prefix": String::from_utf8_lossy(&body[..body.len().min(256)]),
                 });
-                self.publisher.send(publish::Outcome::DeadLetter {
+                self.publisher.send(engine::Outcome::DeadLetter {
                     body: Bytes::from(record.to_string()),
                     acker,
                 });

@@ -18,12 +18,13 @@ use bytes::Bytes;
 use metronome_protocol::names::LEADER_KEY;
 use tokio_util::sync::CancellationToken;
 
-/// The epoch of a term whose lease was created at `revision`, given the highest epoch any
-/// worker reports having accepted (`workers_max`). Normally the revision: revisions only
-/// grow, so it is above every earlier term's. But a rebuilt `leader` bucket (memory storage
-/// after a restart, an operator's delete) starts its revisions again, and agents refuse
-/// work of an epoch below one they have seen: then the epoch is lifted above theirs, by
-/// the revision, so later terms on the new bucket keep growing.
+/// The epoch of a term whose lease was created at `revision`, given the highest epoch on
+/// record (`workers_max`: the latest decision's, [`crate::epoch_history`]; never a worker's
+/// claim). Normally the revision: revisions only grow, so it is above every earlier term's.
+/// But a rebuilt `leader` bucket (memory storage after a restart, an operator's delete)
+/// starts its revisions again, and agents refuse work of an epoch below one they have
+/// seen: then the epoch is lifted above the record, by the revision, so later terms on the
+/// new bucket keep growing.
 pub fn term_epoch(revision: u64, workers_max: u64) -> u64 {
     if revision > workers_max {
         revision

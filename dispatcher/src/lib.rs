@@ -13,7 +13,7 @@
 pub mod config;
 pub mod deciding;
 pub mod engine;
-pub mod event;
+pub mod epoch_history;
 pub mod fairness_store;
 pub mod intake;
 pub mod leader;
@@ -25,6 +25,7 @@ pub mod recent;
 pub mod refusals;
 pub mod registry;
 pub mod supervise;
+pub mod worker_claims;
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
@@ -293,18 +294,32 @@ async fn run_term(
     let workers_max_epoch = workers
         .iter()
         .filter_map(|u| match u {
-            registry::WorkerUpdate::Put { status, .. } => Some(status.max_epoch),
-            registry::WorkerUpdate::Gone { .. } => None,
+            engine::WorkerUpdate::Put { status, .. } => Some(status.max_epoch),
+            engine::WorkerUpdate::Gone { .. } => None,
         })
         .max()
         .unwrap_or(0);
+    // Lifted above the epochs on record only, never above a worker's claim.
+    let recorded_epoch = epoch_history::highest_on_record(&ctx.js)
+        .await
+        .map_err(DispatcherError::Nats)?;
+    if workers_max_epoch > recorded_epoch.max(epoch) {
+        ctx.metrics
+            .epoch_claims_above_record_total
+            .fetch_add(1, Relaxed);
+        tracing::warn!(
+            workers_max_epoch,
+            recorded_epoch,
+            "a heartbeat claims an epoch above every epoch on record: not believed"
+        );
+    }
     let lease_revision = epoch;
-    let epoch = leader::term_epoch(lease_revision, workers_max_epoch);
+    let epoch = leader::term_epoch(lease_revision, recorded_epoch);
     if epoch != lease_revision {
         tracing::warn!(
             epoch,
-            workers_max_epoch,
-            "the lease revision is not above the epoch workers have seen (the leader bucket was rebuilt?): leading with a higher epoch"
+            recorded_epoch,
+            "the lease revision is not above the latest epoch on record (the leader bucket was rebuilt?): leading with a higher epoch"
         );
         ctx.metrics.epoch.store(epoch, Relaxed);
     }
@@ -316,8 +331,8 @@ async fn run_term(
     let settings = engine::EngineSettings::from_config(c, epoch, ctx.dispatcher_id.clone());
     let saved_fairness = fairness_store::load(&ctx.buckets.fairness).await?;
     let (fairness_tx, fairness_rx) = tokio::sync::watch::channel(Default::default());
-    // Not watched like the other tasks: it ends when the engine does, after writing the
-    // last counters, and the term waits for that below.
+    // Not watched like the other tasks: it ends when the deciding loop does (its sender
+    // dropped), after writing the last counters, and the term waits for that below.
     let fairness_writer = fairness_store::spawn_writer(
         ctx.buckets.fairness.clone(),
         fairness_rx,
@@ -327,15 +342,13 @@ async fn run_term(
     );
     let tick = settings.tick;
     let mut engine = engine::Engine::new(settings, ctx.metrics.clone(), Some(fence.clone()));
-    engine.fairness(saved_fairness, fairness_tx);
+    engine.time_decisions(std::time::Instant::now);
+    engine.fairness(saved_fairness);
     engine.load(workers, redis, metronome_protocol::time::unix_ms());
     let (queues_tx, queues_rx) = tokio::sync::watch::channel(Vec::new());
-    engine.queue_snapshots(
-        queues_tx,
-        c.queue_snapshot_ms,
-        metronome_protocol::time::unix_ms(),
-    );
-    // Like the fairness writer, it ends with the engine (its sender dropped) or the term.
+    engine.queue_snapshots(c.queue_snapshot_ms, metronome_protocol::time::unix_ms());
+    // Like the fairness writer, it ends with the deciding loop (its sender dropped) or the
+    // term.
     let _queue_writer = queue_store::spawn_writer(
         ctx.buckets.queues.clone(),
         queues_rx,
@@ -402,7 +415,11 @@ async fn run_term(
         ),
     );
     tracing::info!(epoch, dispatcher_id = %ctx.dispatcher_id, "leading: deciding");
-    deciding::run(engine, publisher.clone(), tick, rx, term).await;
+    let writers = deciding::Writers {
+        fairness: fairness_tx,
+        queues: queues_tx,
+    };
+    deciding::run(engine, publisher.clone(), writers, tick, rx, term).await;
     if tokio::time::timeout(Duration::from_secs(2), fairness_writer)
         .await
         .is_err()

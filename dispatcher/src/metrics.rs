@@ -79,6 +79,12 @@ pub struct Metrics {
     /// Refusals whose carried job no decision on record supports (another worker, attempt,
     /// tenant or model): the copy is dropped, never assigned.
     pub unvouched_refusal_jobs_total: AtomicU64,
+    /// Completion events and refusals dropped because they came from another worker than
+    /// the one holding the job ([`crate::worker_claims`]).
+    pub worker_claims_dropped_total: AtomicU64,
+    /// Terms that found a heartbeat claiming an epoch above every epoch on record (not
+    /// believed: [`crate::epoch_history`]).
+    pub epoch_claims_above_record_total: AtomicU64,
     /// Workers declared dead (heartbeat timeout or key removed).
     pub workers_lost_total: AtomicU64,
     /// Redelivered jobs acknowledged without a new assignment because a decision for them
@@ -232,6 +238,11 @@ impl Metrics {
     pub fn render(self: &Arc<Self>) -> String {
         let mut registry = Registry::default();
         registry.register_collector(Box::new(Exposition(self.clone())));
+        registry.register(
+            metronome_runtime::build_info::INFO_NAME,
+            metronome_runtime::build_info::HELP,
+            prometheus_client::metrics::info::Info::new(metronome_runtime::build_info::labels()),
+        );
         let mut out = String::with_capacity(4096);
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
@@ -386,6 +397,16 @@ impl Collector for Exposition {
                 "metronome_dispatcher_unvouched_refusal_jobs",
                 "Refusals whose carried job no decision on record supports; the copy is dropped.",
                 &m.unvouched_refusal_jobs_total,
+            ),
+            (
+                "metronome_dispatcher_worker_claims_dropped",
+                "Completion events and refusals dropped: sent by another worker than the one holding the job.",
+                &m.worker_claims_dropped_total,
+            ),
+            (
+                "metronome_dispatcher_epoch_claims_above_record",
+                "Terms that found a heartbeat claiming an epoch above every epoch on record; not believed.",
+                &m.epoch_claims_above_record_total,
             ),
             (
                 "metronome_dispatcher_workers_lost",
@@ -560,6 +581,14 @@ mod tests {
         assert_eq!(m.holds("m", "insufficient_kv"), 1);
         assert_eq!(m.holds("other", "below_slo_floor"), 0);
         let text = m.render();
+        assert!(
+            text.contains(&format!(
+                "metronome_build_info{{version=\"{}\",commit=\"{}\"}} 1",
+                metronome_runtime::build_info::VERSION,
+                metronome_runtime::build_info::git_commit()
+            )),
+            "{text}"
+        );
         assert!(
             text.contains(
                 "metronome_dispatcher_holds_total{model=\"m\",reason=\"below_slo_floor\"} 2"

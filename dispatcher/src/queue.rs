@@ -667,6 +667,7 @@ mod tests {
                 slo: None,
                 tenant: tenant.map(str::to_string),
                 priority,
+                prefix: None,
             }),
             attempt: 1,
             acker: None,

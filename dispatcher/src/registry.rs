@@ -32,32 +32,9 @@ use metronome_scheduler::EwmaSnapshot;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::event::Event;
+use crate::engine::{Event, RedisSnapshot, WorkerUpdate};
 use crate::metrics::Metrics;
 use crate::DispatcherError;
-
-/// One change of the `workers` bucket.
-#[derive(Debug, Clone)]
-pub enum WorkerUpdate {
-    /// A heartbeat, with when the dispatcher saw it (Unix ms) and its revision in the
-    /// bucket (the leader declares a worker dead only if no later heartbeat was stored).
-    Put {
-        status: Box<WorkerStatus>,
-        seen_ms: u64,
-        revision: u64,
-        /// Ids of its `in_flight` for which [`Vouching`] found no decision on record that
-        /// assigns the job to this worker: the engine adopts none of them (it keeps those it
-        /// booked there itself, whose decision may not be stored yet).
-        unvouched: Vec<String>,
-        /// The tenant the decision on record names for each vouched job that has one
-        /// (job id → tenant). A leader counts each tenant's running jobs for fair sharing;
-        /// a new leader learns here whose jobs an earlier leader placed, from the record
-        /// only dispatchers write, not from the worker's word.
-        tenants: HashMap<String, String>,
-    },
-    /// The key was deleted or purged: the worker left.
-    Gone { worker_id: String },
-}
 
 /// Everything in the bucket now, and the revision to watch from.
 /// [`load_workers`], failing once `within` has passed (see `LOAD_WORKERS_WITHIN` in
@@ -346,15 +323,6 @@ fn parse_status(key: &str, value: &[u8], metrics: &Metrics) -> Option<WorkerStat
     let key: String = key.chars().take(160).collect();
     tracing::warn!(key, reason, "heartbeat in the workers bucket ignored");
     None
-}
-
-/// What one Redis read found.
-#[derive(Debug, Clone, Default)]
-pub struct RedisSnapshot {
-    /// Per worker id.
-    pub ewmas: HashMap<String, EwmaSnapshot>,
-    /// Output-length EWMA per model (tokens).
-    pub output_len: HashMap<String, f64>,
 }
 
 /// Reads the EWMA hashes; reconnects lazily after a failure.

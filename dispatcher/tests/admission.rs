@@ -3,7 +3,7 @@
 //! the queue bound, past the deadline, for an unknown model or on cancellation a job gets
 //! a rejected (or expired) decision and a final result that says why.
 
-mod common;
+use crate::common;
 
 use common::*;
 use metronome_protocol::{names, CompletionOutcome, ErrorCode, Outcome};

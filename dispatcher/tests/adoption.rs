@@ -3,7 +3,7 @@
 //! A worker that learned a job's id before the leader read the job cannot claim it by
 //! listing it. Against a real nats-server; the workers are heartbeats from the test.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -126,7 +126,7 @@ async fn a_vouched_jobs_tenant_comes_from_its_decision() {
         .await
         .unwrap();
     let mut vouching = metronome_dispatcher::registry::Vouching::new(decisions);
-    let mut update = metronome_dispatcher::registry::WorkerUpdate::Put {
+    let mut update = metronome_dispatcher::engine::WorkerUpdate::Put {
         status: Box::new(held),
         seen_ms: 0,
         revision: 1,
@@ -134,7 +134,7 @@ async fn a_vouched_jobs_tenant_comes_from_its_decision() {
         tenants: Default::default(),
     };
     vouching.check(&mut update).await;
-    let metronome_dispatcher::registry::WorkerUpdate::Put {
+    let metronome_dispatcher::engine::WorkerUpdate::Put {
         unvouched, tenants, ..
     } = update
     else {

@@ -3,7 +3,7 @@
 //! 100 rounds; and the same when half the jobs arrive while the first half's assignments
 //! are still unacknowledged by the workers.
 
-mod common;
+use crate::common;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering::Relaxed;

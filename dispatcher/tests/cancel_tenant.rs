@@ -5,7 +5,7 @@
 //! runs on a worker, or has not reached the leader yet. Against a real nats-server; the
 //! worker is a heartbeat from the test.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;

@@ -3,7 +3,7 @@
 //! per-attempt msg-id and the epoch. Also the rescue paths: a refused job and a job on a
 //! worker that died before reporting it are assigned again with the next attempt.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;

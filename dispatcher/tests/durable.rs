@@ -2,7 +2,7 @@
 //! back to JOBS, completion events wait in a durable consumer for the next leader, cancels
 //! that overtake their job are not lost, and dead workers leave the registry.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;

@@ -3,18 +3,16 @@
 
 use std::sync::Arc;
 
-use metronome_dispatcher::engine::{Effect, Engine, EngineSettings};
-use metronome_dispatcher::event::{Event, Incoming};
-use metronome_dispatcher::publish::Outcome;
-use metronome_dispatcher::registry::{RedisSnapshot, WorkerUpdate};
+use crate::engine_support::{self, T0};
+
+use metronome_dispatcher::engine::{
+    Effect, Engine, EngineSettings, Event, Outcome, RedisSnapshot, WorkerUpdate,
+};
 use metronome_dispatcher::{Config, Metrics};
 use metronome_protocol::{
-    CompletionEvent, CompletionOutcome, Endpoint, ErrorCode, Job, KvUsage, PerfCoefficients,
-    SloRequest, WorkerStatus, PROTOCOL_VERSION,
+    CompletionEvent, CompletionOutcome, ErrorCode, SloRequest, WorkerStatus, PROTOCOL_VERSION,
 };
 use metronome_scheduler::FairnessSnapshot;
-
-const T0: u64 = 1_800_000_000_000;
 
 fn engine_with(config: &Config) -> Engine {
     Engine::new(
@@ -40,46 +38,8 @@ fn one_worker(configure: impl FnOnce(&mut Config)) -> Engine {
 /// A worker's heartbeat: `in_flight` jobs held, a 40k-token cache, a fitted model of a
 /// GPU that decodes at 50 tok/s alone and prefills 10,000 tokens/s.
 fn heartbeat(id: &str, in_flight: &[&str], seq: u64, at: u64) -> Event {
-    let status = WorkerStatus {
-        v: PROTOCOL_VERSION,
-        worker_id: id.into(),
-        model: "m".into(),
-        node: None,
-        gpu_index: None,
-        healthy: true,
-        draining: false,
-        max_concurrency: 256,
-        active: in_flight.len() as u32,
-        queued: 0,
-        in_flight: in_flight.iter().map(|s| s.to_string()).collect(),
-        kv: Some(KvUsage {
-            used_frac: 0.0,
-            capacity_tokens: Some(40_000),
-        }),
-        gpu: None,
-        prefill_pending_tokens: 0,
-        perf: Some(PerfCoefficients {
-            step_base_ms: 20.0,
-            step_per_stream_ms: 0.2,
-            step_per_ktok_ms: 0.1,
-            stall_per_prefill_token_ms: 0.1,
-            ttft_base_ms: 20.0,
-            prefill_per_token_ms: 0.1,
-            ttft_per_stream_ms: 1.0,
-            step_error_ms: 0.0,
-            samples: 100,
-        }),
-        max_epoch: 0,
-        seq,
-        sent_ms: at,
-    };
-    Event::Worker(WorkerUpdate::Put {
-        status: Box::new(status),
-        seen_ms: at,
-        revision: seq,
-        unvouched: Vec::new(),
-        tenants: Default::default(),
-    })
+    let in_flight: Vec<String> = in_flight.iter().map(|s| s.to_string()).collect();
+    engine_support::heartbeat(id, "m", 256, &in_flight, seq, at)
 }
 
 /// [`heartbeat`] of an idle worker with `edit` applied to its status.
@@ -92,28 +52,11 @@ fn heartbeat_with(id: &str, seq: u64, at: u64, edit: impl FnOnce(&mut WorkerStat
 }
 
 fn job(id: &str, prompt: u32, max_tokens: u32, at: u64) -> Event {
-    let job = Job {
-        v: PROTOCOL_VERSION,
-        id: id.into(),
-        model: "m".into(),
-        endpoint: Endpoint::Completion,
-        request: serde_json::Value::Null,
-        prompt_tokens: prompt,
-        max_tokens,
-        submitted_ms: at,
-        deadline_ms: None,
-        slo: None,
-        tenant: None,
-        priority: None,
-    };
-    Event::Job(Box::new(Incoming {
-        job: Arc::new(job),
-        acker: None,
-        seq: at,
-        received_ms: at,
-        attempt: 1,
-        refused_by: Vec::new(),
-    }))
+    engine_support::arrival(
+        engine_support::body(id, "m", None, prompt, max_tokens, at),
+        at,
+        at,
+    )
 }
 
 fn done(id: &str, worker: &str, output_tokens: u32, outcome: CompletionOutcome) -> Event {
@@ -1148,18 +1091,22 @@ fn a_heavier_tenant_leaves_a_worker_where_a_lighter_ones_first_token_comes_soon(
 fn a_new_leader_keeps_room_for_a_tenant_that_submitted_under_the_last_one() {
     let ratio = |c: &mut Config| c.fairness.light_tenant_ttft_ratio = 1.25;
     let mut first = one_worker(ratio);
-    let (out, saved) = tokio::sync::watch::channel(Default::default());
-    first.fairness(None, out);
+    first.fairness(None);
     let at = after_a_steady_job(&mut first, 1_000);
     first.tick(at);
-    let saved: FairnessSnapshot = saved.borrow().clone();
+    let saved: FairnessSnapshot = first
+        .take_effects()
+        .into_iter()
+        .filter_map(|f| match f {
+            Effect::PersistFairness(snapshot) => Some(snapshot),
+            _ => None,
+        })
+        .last()
+        .expect("the counters were handed out to be persisted");
     assert!(saved.arrivals.contains_key("m"), "{saved:?}");
     let run = |saved: FairnessSnapshot| {
         let mut second = one_worker(ratio);
-        second.fairness(
-            Some(saved),
-            tokio::sync::watch::channel(Default::default()).0,
-        );
+        second.fairness(Some(saved));
         let flood = (0..40)
             .map(|i| sized_job_of(Some("flood"), &format!("f{i}"), 10, 20, at + 1))
             .collect();

@@ -1,9 +1,10 @@
-//! A leader's epoch is above every epoch the workers have accepted, even when the `leader`
-//! bucket was rebuilt and its revisions (the usual epoch) start again: an agent refuses
-//! work of an epoch below one it has seen, so a lower epoch would stop all work. Against a
-//! real nats-server; the worker is a heartbeat from the test.
+//! A leader's epoch is above every epoch on record (the latest decision's), even when the
+//! `leader` bucket was rebuilt and its revisions (the usual epoch) start again: an agent
+//! refuses work of an epoch below one it has seen, so a lower epoch would stop all work.
+//! A worker's own claim (`max_epoch` in its heartbeat) never moves it. Against a real
+//! nats-server; the worker is a heartbeat from the test.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -13,9 +14,14 @@ use common::*;
 async fn a_new_leader_starts_above_the_epoch_workers_have_seen() {
     let env = Env::start().await;
     // The agent accepted work from epoch 1000, of a leader bucket since rebuilt: this
-    // leader's lease revision is 1.
+    // leader's lease revision is 1. That term's decisions are on record.
     let mut status = worker("e-0", "model-e", 8);
     status.max_epoch = 1_000;
+    env.store_json(
+        metronome_protocol::names::decision_subject(None, "before-rebuild"),
+        &serde_json::json!({ "job_id": "before-rebuild", "epoch": 1_000 }),
+    )
+    .await;
     env.work_consumer(&status.worker_id).await;
     env.heartbeat(&status).await;
     let (running, token) = env.dispatcher(env.config("epoch")).await;
@@ -54,6 +60,28 @@ async fn a_new_leader_starts_above_the_epoch_workers_have_seen() {
     })
     .await;
     assert_eq!(recorded, epoch);
+    token.cancel();
+}
+
+/// Issue 40's probe: one heartbeat with `max_epoch` = 2^64-1 made the next leader's epoch
+/// 18446744073709551615, after which no agent could tell a deposed leader from the current
+/// one. The claim is not on record (no decision carries it): the epoch stays the lease's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workers_epoch_claim_does_not_move_the_leaders_epoch() {
+    let env = Env::start().await;
+    let mut status = worker("liar", "model-e", 8);
+    status.max_epoch = u64::MAX;
+    env.work_consumer(&status.worker_id).await;
+    env.heartbeat(&status).await;
+    let (running, token) = env.dispatcher(env.config("epoch-claim")).await;
+    env.submit("after-claim", "model-e", 10, 10).await;
+    let d = env.decisions_for(&["after-claim".to_string()]).await;
+    let epoch = d["after-claim"].epoch;
+    assert!(
+        epoch < 1_000,
+        "decided in epoch {epoch}: a worker's claim moved the epoch"
+    );
+    assert_eq!(running.metrics.epoch.load(Relaxed), epoch);
     token.cancel();
 }
 

@@ -2,7 +2,7 @@
 //! receipt (not the worker's clock), untrusted worker ids, publish failures that count as
 //! attempts, and redelivered jobs that an earlier leader already decided.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;

@@ -6,7 +6,7 @@
 //! across a leader failover, which only holds if the new leader loaded the counters.
 //! Assertions are on shares and order, never on timing.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 

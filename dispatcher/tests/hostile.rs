@@ -3,7 +3,7 @@
 //! `deadletter.jobs` record otherwise, or a refusal by the server at publish time), and
 //! the dispatcher keeps dispatching.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 

@@ -4,7 +4,7 @@
 //! `chat\r\n` endpoints split "rejected a malformed job" lines in two). Its own test
 //! binary: the subscriber that captures the log is process-wide.
 
-mod common;
+use crate::common;
 
 use std::io;
 use std::sync::{Arc, Mutex};

@@ -3,7 +3,7 @@
 //! killing the leader with SIGKILL lets a standby take over with every job published
 //! before, during and after the kill assigned exactly once.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::process::{Command, Stdio};

@@ -4,7 +4,7 @@
 //! the last non-empty snapshot). Against a real nats-server; the worker is heartbeats and
 //! completion events from the test.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering::Relaxed;
 

@@ -3,7 +3,7 @@
 //! otherwise claim a low queue place (jump its model's queue) or a later attempt. Against a
 //! real nats-server; the worker is a heartbeat from the test.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering::Relaxed;
 

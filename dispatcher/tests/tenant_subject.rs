@@ -5,7 +5,7 @@
 //! 2, is refused with `unsupported_version` and a reason naming this version's subjects.
 //! Against a real nats-server.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering::Relaxed;
 

@@ -4,7 +4,7 @@
 //! is predicted to reach it (rejected `deadline_unmeetable`, 429 with a `Retry-After`).
 //! Against a real nats-server; workers are heartbeats and completion events from the test.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;

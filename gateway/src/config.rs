@@ -80,6 +80,11 @@ pub struct Config {
     /// models and limits a `[[tenants]]` entry named `anonymous` may set. Off by default:
     /// then every OpenAI endpoint needs an API key. A revoked key is refused either way.
     pub allow_anonymous: bool,
+    /// Accept `allow_anonymous` on a listen address other than loopback: only for a
+    /// container whose port the host publishes on its own loopback (`compose.yaml`).
+    /// Without it such a configuration is refused, since a setting left in an environment
+    /// would serve anonymous inference and the console to the network.
+    pub allow_anonymous_beyond_loopback: bool,
     /// Redis holding the workers' EWMAs, read only by the operator console (overridden by
     /// `REDIS_URL`); absent: the console shows the EWMA columns as n/a.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -205,6 +210,7 @@ impl Default for Config {
             stream_storage: StreamStorage::File,
             stream_replicas: 1,
             allow_anonymous: false,
+            allow_anonymous_beyond_loopback: false,
             redis_url: None,
             redis_tls: Default::default(),
             tenants: Vec::new(),
@@ -269,6 +275,18 @@ impl Config {
             self.listen.parse::<SocketAddr>().is_ok(),
             "listen",
             format!("{:?} is not an IP:port address", self.listen),
+        );
+        let network = self
+            .listen
+            .parse::<SocketAddr>()
+            .is_ok_and(|a| !a.ip().is_loopback());
+        check(
+            !(self.allow_anonymous && network && !self.allow_anonymous_beyond_loopback),
+            "allow_anonymous",
+            format!(
+                "serves requests without a key on {}, beyond loopback: listen on 127.0.0.1 (or put a TLS proxy with keys in front and set allow_anonymous_beyond_loopback)",
+                self.listen
+            ),
         );
         let bad_url = metronome_runtime::nats::check_server_urls(&self.nats_url);
         check(bad_url.is_none(), "nats_url", bad_url.unwrap_or_default());
@@ -521,6 +539,28 @@ mod tests {
         let mut d = Config::default();
         d.apply_env(no_env).unwrap();
         assert_eq!(d, Config::default());
+    }
+
+    /// Issue 40: `allow_anonymous` left in an environment served anonymous inference and
+    /// the console on whatever address the gateway listened on.
+    #[test]
+    fn anonymous_access_is_refused_beyond_loopback() {
+        let on = |listen: &str| Config {
+            listen: listen.into(),
+            allow_anonymous: true,
+            ..Config::default()
+        };
+        for loopback in ["127.0.0.1:8080", "[::1]:8080", "127.0.0.1:0"] {
+            assert_eq!(on(loopback).validate(), Ok(()), "{loopback}");
+        }
+        for network in ["0.0.0.0:8080", "10.0.0.5:8080", "[::]:8080"] {
+            let errors = on(network).validate().unwrap_err();
+            assert_eq!(errors.len(), 1, "{network}: {errors:?}");
+            assert_eq!(errors[0].field, "allow_anonymous");
+            let mut published_on_loopback = on(network);
+            published_on_loopback.allow_anonymous_beyond_loopback = true;
+            assert_eq!(published_on_loopback.validate(), Ok(()), "{network}");
+        }
     }
 
     #[test]

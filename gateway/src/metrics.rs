@@ -21,7 +21,10 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::{Family, MetricConstructor};
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
+
+use metronome_runtime::build_info;
 
 use crate::AppState;
 
@@ -110,6 +113,11 @@ impl Default for Metrics {
         };
         // `register` ends each help text with a period itself.
         let r = &mut m.registry;
+        r.register(
+            build_info::INFO_NAME,
+            build_info::HELP,
+            Info::new(build_info::labels()),
+        );
         r.register(
             counter_name(HTTP_REQUESTS_TOTAL),
             "HTTP requests answered, by route template and status",
@@ -357,6 +365,14 @@ mod tests {
         m.observe_duration("/v1/models", 0.02);
         m.nats_publish_error();
         let text = m.render();
+        assert!(
+            text.contains(&format!(
+                "metronome_build_info{{version=\"{}\",commit=\"{}\"}} 1",
+                metronome_runtime::build_info::VERSION,
+                metronome_runtime::build_info::git_commit()
+            )),
+            "{text}"
+        );
         assert!(text.contains(
             "metronome_gateway_http_requests_total{route=\"/v1/models\",status=\"200\"} 2"
         ));

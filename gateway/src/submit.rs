@@ -36,7 +36,8 @@ use metronome_protocol::names::{
 };
 use metronome_protocol::time::unix_ms;
 use metronome_protocol::{
-    Decision, ErrorCode, FinalResult, Job, Outcome, ResultChunk, ResultError, PROTOCOL_VERSION,
+    Decision, ErrorCode, FinalResult, Job, Outcome, PrefixFingerprint, ResultChunk, ResultError,
+    PROTOCOL_VERSION,
 };
 use serde_json::json;
 use tokio::time::Instant;
@@ -102,6 +103,9 @@ pub fn build_job(
         slo: None,
         tenant: Some(tenant.to_string()),
         priority: None,
+        // The prompt's cached-prefix fingerprint, from the body as forwarded (a batched
+        // completion has no single prefix and gets none).
+        prefix: PrefixFingerprint::of_request(request.endpoint, &request.body),
     }
 }
 

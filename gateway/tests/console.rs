@@ -3,7 +3,7 @@
 //! of HTTP Basic), what its endpoints return (the explain view without the job's output),
 //! and that an open event stream does not hold up a graceful shutdown.
 
-mod support;
+use crate::support;
 
 use base64::Engine as _;
 use futures::StreamExt;

@@ -1,13 +1,13 @@
 //! The gateway against a real nats-server, with the test playing the dispatcher and a
 //! worker over the NATS contract.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
 use futures::StreamExt;
 use metronome_protocol::names::{cancel_subject, SUBJECT_CANCEL_ALL, SUBJECT_JOBS_SUBMIT_ALL};
-use metronome_protocol::ANONYMOUS_TENANT;
+use metronome_protocol::{sse, ANONYMOUS_TENANT};
 use metronome_testkit::wait_for;
 use serde_json::{json, Value};
 use support::*;
@@ -84,6 +84,20 @@ async fn the_job_carries_model_header_msg_id_cost_and_deadline() {
     );
     let deadline = job.deadline_ms.unwrap();
     assert!(deadline > job.submitted_ms && deadline <= job.submitted_ms + 5000);
+    let prefix = job
+        .prefix
+        .clone()
+        .expect("the gateway attaches a prefix fingerprint");
+    assert_eq!(
+        prefix.tokens,
+        4 + 2,
+        "template + ceil(8 / 4), as the simulator counts"
+    );
+    assert_eq!(
+        Some(prefix),
+        metronome_protocol::PrefixFingerprint::of_request(job.endpoint, &job.request),
+        "computed from the body as forwarded"
+    );
     job.validate(&Default::default()).expect("a valid job");
 }
 
@@ -100,7 +114,7 @@ async fn streaming_chat_relays_chunks_in_order_then_usage_then_done() {
         .starts_with("text/event-stream"));
     assert!(resp.headers().contains_key("x-metronome-job-id"));
     assert_eq!(resp.headers()["x-metronome-worker"], WORKER);
-    let events = sse_data(&resp.text().await.unwrap());
+    let events = sse::data_payloads(&resp.text().await.unwrap());
     assert_eq!(events.len(), 4, "{events:?}");
     let first: Value = serde_json::from_str(&events[0]).unwrap();
     let second: Value = serde_json::from_str(&events[1]).unwrap();
@@ -120,7 +134,7 @@ async fn streaming_completion_without_include_usage_has_no_usage_chunk() {
         .post("/v1/completions", &completion_body("hello", true))
         .await;
     assert_eq!(resp.status(), 200);
-    let events = sse_data(&resp.text().await.unwrap());
+    let events = sse::data_payloads(&resp.text().await.unwrap());
     let texts: Vec<Value> = events[..events.len() - 1]
         .iter()
         .map(|e| serde_json::from_str::<Value>(e).unwrap()["choices"][0]["text"].clone())
@@ -136,7 +150,7 @@ async fn an_error_after_the_stream_started_is_an_sse_error_event() {
         .post("/v1/chat/completions", &chat_body("#lost", true))
         .await;
     assert_eq!(resp.status(), 200);
-    let events = sse_data(&resp.text().await.unwrap());
+    let events = sse::data_payloads(&resp.text().await.unwrap());
     assert_eq!(events.len(), 2, "{events:?}");
     let error: Value = serde_json::from_str(&events[1]).unwrap();
     assert_eq!(error["error"]["code"], "worker_lost");
@@ -151,7 +165,7 @@ async fn a_second_run_of_the_job_on_the_same_worker_is_not_spliced_into_the_stre
         .post("/v1/chat/completions", &chat_body("#rerun", true))
         .await;
     assert_eq!(resp.status(), 200);
-    let events = sse_data(&resp.text().await.unwrap());
+    let events = sse::data_payloads(&resp.text().await.unwrap());
     // "Hel" of attempt 1, then the error: attempt 2's "now" (seq 1) would otherwise follow
     // attempt 1's seq 0 and make "Helnow".
     assert_eq!(events.len(), 2, "{events:?}");
@@ -649,7 +663,7 @@ async fn answer_text(resp: reqwest::Response, stream: bool, what: &str) -> Strin
             .unwrap_or_default()
             .to_string();
     }
-    let events = sse_data(&body);
+    let events = sse::data_payloads(&body);
     assert_eq!(
         events.last().map(String::as_str),
         Some("[DONE]"),

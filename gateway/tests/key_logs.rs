@@ -2,7 +2,7 @@
 //! captured (a global subscriber, so this test has its binary to itself), then a search of
 //! the captured text for each key used.
 
-mod support;
+use crate::support;
 
 use std::sync::{Arc, Mutex};
 

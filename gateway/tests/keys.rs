@@ -2,7 +2,7 @@
 //! key, 403 for a model outside the tenant's list, 429 with `Retry-After` over its limits,
 //! the tenant in the published job, and `keys create` end to end.
 
-mod support;
+use crate::support;
 
 use futures::StreamExt;
 use metronome_gateway::auth::key_sha256;

@@ -36,6 +36,7 @@ fn job(id: &str) -> Job {
         slo: None,
         tenant: TENANT.map(String::from),
         priority: None,
+        prefix: None,
     }
 }
 

@@ -38,6 +38,7 @@ pub fn router(gpu: Arc<Gpu>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(prometheus))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
         .fallback(not_found)
         .with_state(gpu)
 }
@@ -165,8 +166,9 @@ async fn generate(
     } else {
         "length"
     };
+    let prompt_tokens = prompt.tokens;
     let submission = gpu
-        .submit(prompt.tokens, output_tokens, output_tokens < max_tokens)
+        .submit_prompt(prompt.token_ids, output_tokens, output_tokens < max_tokens)
         .map_err(|e| match e {
             SubmitError::Closed => ApiError::unavailable(e.to_string()),
             SubmitError::Engine(e @ EngineError::TooLong { .. }) => {
@@ -175,8 +177,8 @@ async fn generate(
             SubmitError::Engine(e) => ApiError::bad_request(e.to_string(), None),
         })?;
     let meta = ResponseMeta::new(kind, &cfg.model);
-    tracing::debug!(model = %cfg.model, seq_id = submission.id, request_id = %meta.id, prompt_tokens = prompt.tokens, output_tokens, stream = common.stream, "request admitted to the queue");
-    let usage = Usage::new(prompt.tokens, output_tokens);
+    tracing::debug!(model = %cfg.model, seq_id = submission.id, request_id = %meta.id, prompt_tokens, output_tokens, stream = common.stream, "request admitted to the queue");
+    let usage = Usage::new(prompt_tokens, output_tokens);
     if common.stream {
         let stream = token_stream(
             submission,
@@ -266,6 +268,7 @@ async fn prometheus(State(gpu): State<Arc<Gpu>>) -> Response {
         metrics::render(&metrics::Snapshot {
             model: &cfg.model,
             speed: cfg.speed,
+            prefix_caching: cfg.enable_prefix_caching,
             engine,
             requests,
         })
@@ -278,6 +281,23 @@ async fn prometheus(State(gpu): State<Arc<Gpu>>) -> Response {
         text,
     )
         .into_response()
+}
+
+/// vLLM's `POST /reset_prefix_cache` (a development endpoint there): drops every cached
+/// prefix, and publishes `AllBlocksCleared`. Refused while sequences hold blocks, as vLLM
+/// refuses it.
+async fn reset_prefix_cache(State(gpu): State<Arc<Gpu>>) -> Result<StatusCode, ApiError> {
+    if gpu.reset_prefix_cache() {
+        Ok(StatusCode::OK)
+    } else {
+        Err(ApiError {
+            status: StatusCode::CONFLICT,
+            message: "the prefix cache cannot be reset while requests hold KV blocks".into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: None,
+        })
+    }
 }
 
 async fn not_found() -> ApiError {

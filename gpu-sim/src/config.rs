@@ -60,6 +60,20 @@ pub struct SimGpuConfig {
     /// Per-token probability of an early end-of-sequence for requests without
     /// `ignore_eos: true`. 0 (the default) always generates exactly `max_tokens`.
     pub eos_probability: f64,
+    /// Reuse the KV blocks of prompt prefixes already computed (vLLM's automatic prefix
+    /// caching, `enable_prefix_caching`, on by default in vLLM v1).
+    pub enable_prefix_caching: bool,
+    /// Publish the prefix cache's KV events in vLLM's wire format on this ZMQ PUB address
+    /// (vLLM's `--kv-events-config` `endpoint`): `tcp://*:5557` or `tcp://127.0.0.1:5557`
+    /// binds (port 0 picks a free one). Absent (the default): no events.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_events_endpoint: Option<String>,
+    /// ZMQ ROUTER address where subscribers ask for missed event batches (vLLM's
+    /// `replay_endpoint`). Needs `kv_events_endpoint`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_events_replay_endpoint: Option<String>,
+    /// Topic frame of every event message (vLLM's `topic`, empty by default).
+    pub kv_events_topic: String,
 }
 
 impl Default for SimGpuConfig {
@@ -81,6 +95,10 @@ impl Default for SimGpuConfig {
             max_model_len: 32_768,
             default_max_tokens: 256,
             eos_probability: 0.0,
+            enable_prefix_caching: true,
+            kv_events_endpoint: None,
+            kv_events_replay_endpoint: None,
+            kv_events_topic: String::new(),
         }
     }
 }
@@ -125,6 +143,7 @@ impl SimGpuConfig {
             num_blocks: self.num_blocks(),
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
+            enable_prefix_caching: self.enable_prefix_caching,
             cost: StepCost {
                 base_step_ms: self.base_step_ms,
                 alpha: self.alpha,
@@ -218,6 +237,29 @@ impl SimGpuConfig {
         }
         if self.default_max_tokens == 0 {
             fail("default_max_tokens", "must be at least 1".into());
+        }
+        for (name, endpoint) in [
+            ("kv_events_endpoint", &self.kv_events_endpoint),
+            ("kv_events_replay_endpoint", &self.kv_events_replay_endpoint),
+        ] {
+            if let Some(e) = endpoint {
+                if let Err(why) = crate::kv_publisher::bind_address(e) {
+                    fail(name, why);
+                }
+            }
+        }
+        if self.kv_events_replay_endpoint.is_some() && self.kv_events_endpoint.is_none() {
+            fail(
+                "kv_events_replay_endpoint",
+                "needs kv_events_endpoint (replay serves the batches published there)".into(),
+            );
+        }
+        if self.kv_events_endpoint.is_some() && !self.enable_prefix_caching {
+            fail(
+                "kv_events_endpoint",
+                "needs enable_prefix_caching (without a prefix cache there are no KV events)"
+                    .into(),
+            );
         }
         errors
     }
@@ -401,6 +443,39 @@ impl From<metronome_runtime::config::ConfigError> for ConfigError {
 mod tests {
     use super::*;
     use std::collections::HashMap;
+
+    #[test]
+    fn kv_event_settings_are_checked_and_parse_from_a_spec() {
+        let g = SimGpuConfig::from_spec(
+            "model=m,port=0,kv_events_endpoint=tcp://*:5557,kv_events_topic=kv",
+        )
+        .unwrap();
+        assert_eq!(g.kv_events_endpoint.as_deref(), Some("tcp://*:5557"));
+        assert!(g.enable_prefix_caching, "on by default");
+        assert!(g.validate_at("gpu").is_empty());
+        let bad = SimGpuConfig {
+            kv_events_endpoint: Some("ipc:///tmp/kv".into()),
+            kv_events_replay_endpoint: None,
+            enable_prefix_caching: false,
+            ..SimGpuConfig::new("m")
+        };
+        let fields: Vec<String> = bad
+            .validate_at("gpu")
+            .into_iter()
+            .map(|e| e.field)
+            .collect();
+        assert_eq!(fields, ["gpu.kv_events_endpoint", "gpu.kv_events_endpoint"]);
+        let orphan_replay = SimGpuConfig {
+            kv_events_replay_endpoint: Some("tcp://127.0.0.1:0".into()),
+            ..SimGpuConfig::new("m")
+        };
+        let fields: Vec<String> = orphan_replay
+            .validate_at("gpu")
+            .into_iter()
+            .map(|e| e.field)
+            .collect();
+        assert_eq!(fields, ["gpu.kv_events_replay_endpoint"]);
+    }
 
     #[test]
     fn defaults_are_valid_and_calibrated() {

@@ -21,15 +21,31 @@
 //! - A sequence that sampled its last token stays in the batch, holding its KV, until the
 //!   step that sampled it has been delivered; it leaves before the next step is scheduled.
 //!
-//! Invariants (checked by the property test below): `used_blocks + free_blocks ==
-//! num_blocks`; a sequence holds exactly `ceil(kv_tokens / block_size)` blocks; each
+//! Automatic prefix caching follows vLLM v1 (`vllm/v1/core/kv_cache_manager.py`,
+//! `block_pool.py`; the pool itself is [`crate::block_pool`]): a prompt given as token ids
+//! is cut into full blocks named by chained hashes ([`metronome_protocol::prefix`]); when
+//! the sequence is admitted, the longest run of its blocks already cached is reused (at
+//! most `context - 1` tokens, rounded down to whole blocks: vLLM always computes the last
+//! token to get its logits) and only the rest is prefilled and charged; its own prompt
+//! blocks are cached as soon as they are scheduled full. Freed blocks keep their prefix
+//! until the LRU free queue hands them out again. Only prompt blocks are cached: generated
+//! tokens have no ids here, so the blocks they fill are freed uncached. Prefix-cache
+//! queries and hits are counted in tokens once per admission (vLLM counts them per
+//! lookup, which repeats while a request at the queue's head waits for blocks).
+//!
+//! Invariants (checked by the property test below): referenced blocks + free blocks ==
+//! `num_blocks`; a sequence holds exactly `ceil(kv_tokens / block_size)` blocks; each
 //! sequence emits token indices 0, 1, .. in order, exactly `output_tokens` of them, and
 //! finishes; any sequence whose KV need fits the cache makes progress (the oldest running
 //! sequence is never preempted while a younger one runs).
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Duration;
 
+use metronome_protocol::prefix::{chain_hashes, BlockHash};
+
+use crate::block_pool::{BlockId, BlockPool, KvEvent};
 use crate::cost::{StepCost, StepShape};
 
 /// Identifies a sequence (one request) inside one engine.
@@ -47,6 +63,8 @@ pub struct EngineParams {
     /// Token budget of one step, prefill chunks and decodes together
     /// (vLLM's `max_num_batched_tokens`). At least `max_num_seqs`.
     pub max_num_batched_tokens: u32,
+    /// Reuse cached prefix blocks (vLLM's `enable_prefix_caching`, on by default in v1).
+    pub enable_prefix_caching: bool,
     pub cost: StepCost,
 }
 
@@ -116,6 +134,12 @@ pub struct EngineStats {
     pub steps_total: u64,
     /// Sum of the simulated step durations: the GPU's busy time, in seconds.
     pub busy_seconds_total: f64,
+    /// Tokens looked up in the prefix cache at admission (vLLM's `prefix_cache_queries`).
+    pub prefix_cache_queries_total: u64,
+    /// Of those, tokens found cached and not prefilled (vLLM's `prefix_cache_hits`).
+    pub prefix_cache_hits_total: u64,
+    /// Blocks holding a cached prefix block, referenced or free.
+    pub cached_blocks: u32,
 }
 
 impl EngineStats {
@@ -129,15 +153,27 @@ impl EngineStats {
     }
 }
 
+/// A prompt's identity for the prefix cache: its token ids and the chained hashes of its
+/// full blocks.
+#[derive(Debug)]
+struct PromptBlocks {
+    token_ids: Vec<u32>,
+    hashes: Vec<BlockHash>,
+}
+
 #[derive(Clone, Debug)]
 struct Seq {
     id: SeqId,
     prompt_tokens: u32,
     output_tokens: u32,
     generated: u32,
-    /// Tokens whose KV is computed and held in `blocks`.
+    /// Tokens whose KV is computed (or reused from the cache) and held in `blocks`.
     kv_tokens: u32,
-    blocks: u32,
+    blocks: Vec<BlockId>,
+    /// Leading prompt blocks of `blocks` that are registered in the prefix cache.
+    cached_blocks: usize,
+    /// `None`: a prompt known only by its length, which shares nothing.
+    prompt: Option<Arc<PromptBlocks>>,
     preempted_once: bool,
 }
 
@@ -169,17 +205,26 @@ pub struct Engine {
     waiting: VecDeque<Seq>,
     /// Admission order: index 0 is the oldest, the last is the first to be preempted.
     running: Vec<Seq>,
-    free_blocks: u32,
+    pool: BlockPool,
     stats: EngineStats,
 }
 
 impl Engine {
     pub fn new(params: EngineParams) -> Self {
+        Engine::with_kv_events(params, false)
+    }
+
+    /// An engine that records its prefix cache's [`KvEvent`]s for
+    /// [`Engine::take_kv_events`] when `record_events` (a publisher will read them).
+    pub fn with_kv_events(params: EngineParams, record_events: bool) -> Self {
         Engine {
             params,
             waiting: VecDeque::new(),
             running: Vec::new(),
-            free_blocks: params.num_blocks,
+            pool: BlockPool::new(
+                params.num_blocks,
+                record_events && params.enable_prefix_caching,
+            ),
             stats: EngineStats {
                 num_blocks: params.num_blocks,
                 block_size: params.block_size,
@@ -192,11 +237,41 @@ impl Engine {
         &self.params
     }
 
-    /// Queue a sequence that will generate exactly `output_tokens` tokens.
+    /// Queue a sequence of `prompt_tokens` anonymous prompt tokens (sharing no prefix
+    /// with anything) that will generate exactly `output_tokens` tokens.
     pub fn add(
         &mut self,
         id: SeqId,
         prompt_tokens: u32,
+        output_tokens: u32,
+    ) -> Result<(), EngineError> {
+        self.add_seq(id, prompt_tokens, None, output_tokens)
+    }
+
+    /// Queue a sequence whose prompt is `token_ids` (at least one; its full blocks can be
+    /// reused from and added to the prefix cache) that will generate exactly
+    /// `output_tokens` tokens.
+    pub fn add_prompt(
+        &mut self,
+        id: SeqId,
+        token_ids: Vec<u32>,
+        output_tokens: u32,
+    ) -> Result<(), EngineError> {
+        let prompt_tokens = u32::try_from(token_ids.len()).unwrap_or(u32::MAX);
+        let prompt = (self.params.enable_prefix_caching && !token_ids.is_empty()).then(|| {
+            Arc::new(PromptBlocks {
+                hashes: chain_hashes(&token_ids, self.params.block_size, usize::MAX),
+                token_ids,
+            })
+        });
+        self.add_seq(id, prompt_tokens, prompt, output_tokens)
+    }
+
+    fn add_seq(
+        &mut self,
+        id: SeqId,
+        prompt_tokens: u32,
+        prompt: Option<Arc<PromptBlocks>>,
         output_tokens: u32,
     ) -> Result<(), EngineError> {
         // Even an empty prompt has a start token to prefill.
@@ -224,7 +299,9 @@ impl Engine {
             output_tokens,
             generated: 0,
             kv_tokens: 0,
-            blocks: 0,
+            blocks: Vec::new(),
+            cached_blocks: 0,
+            prompt,
             preempted_once: false,
         });
         self.refresh_gauges();
@@ -235,11 +312,11 @@ impl Engine {
     pub fn abort(&mut self, id: SeqId) -> bool {
         let found = if let Some(pos) = self.running.iter().position(|s| s.id == id) {
             let seq = self.running.remove(pos);
-            self.free_blocks += seq.blocks;
+            self.pool.free(&seq.blocks);
             true
         } else if let Some(pos) = self.waiting.iter().position(|s| s.id == id) {
             let seq = self.waiting.remove(pos).expect("position is in range");
-            self.free_blocks += seq.blocks;
+            self.pool.free(&seq.blocks);
             true
         } else {
             false
@@ -261,6 +338,34 @@ impl Engine {
         self.stats
     }
 
+    /// The prefix cache's events since the last call (empty unless the engine was made
+    /// [`Engine::with_kv_events`] with prefix caching on).
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        self.pool.take_events()
+    }
+
+    /// Drop every cached prefix (vLLM's `POST /reset_prefix_cache`). Refused (`false`)
+    /// while any sequence holds blocks, as in vLLM.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        let done = self.pool.reset_prefix_cache();
+        self.refresh_gauges();
+        done
+    }
+
+    /// Prompt tokens a new request for `token_ids` would find cached right now, as the
+    /// admission would count them (for tests and tools).
+    pub fn cached_prefix_tokens(&self, token_ids: &[u32]) -> u32 {
+        if !self.params.enable_prefix_caching || token_ids.is_empty() {
+            return 0;
+        }
+        let hashes = chain_hashes(token_ids, self.params.block_size, usize::MAX);
+        let max_blocks = (token_ids.len() - 1) / self.params.block_size as usize;
+        self.pool
+            .longest_hit(&hashes[..hashes.len().min(max_blocks)])
+            .len() as u32
+            * self.params.block_size
+    }
+
     fn blocks_for(&self, tokens: u32) -> u32 {
         tokens.div_ceil(self.params.block_size)
     }
@@ -277,21 +382,57 @@ impl Engine {
     /// calls it first; a caller that delivers a step's tokens without stepping again at
     /// once (the policy lab's event loop) calls it on delivery.
     pub fn retire_finished(&mut self) {
-        let mut freed = 0;
+        let pool = &mut self.pool;
         self.running.retain(|s| {
             if s.is_finished() {
-                freed += s.blocks;
+                pool.free(&s.blocks);
             }
             !s.is_finished()
         });
-        self.free_blocks += freed;
         self.refresh_gauges();
     }
 
     fn refresh_gauges(&mut self) {
         self.stats.running = self.running.len() as u32;
         self.stats.waiting = self.waiting.len() as u32;
-        self.stats.used_blocks = self.params.num_blocks - self.free_blocks;
+        self.stats.used_blocks = self.pool.num_used();
+        self.stats.cached_blocks = self.pool.num_cached();
+    }
+
+    /// The cached blocks a waiting sequence can reuse: the longest cached run of its
+    /// prompt's blocks, leaving at least its last token to compute.
+    fn prefix_hit(&self, seq: &Seq) -> Vec<BlockId> {
+        let Some(prompt) = &seq.prompt else {
+            return Vec::new();
+        };
+        let max_blocks = ((seq.context_len() - 1) / self.params.block_size) as usize;
+        self.pool
+            .longest_hit(&prompt.hashes[..prompt.hashes.len().min(max_blocks)])
+    }
+
+    /// Register the sequence's prompt blocks that are full once its KV reaches
+    /// `computed` tokens (vLLM caches them when they are scheduled, `cache_blocks`).
+    fn cache_full_prompt_blocks(
+        pool: &mut BlockPool,
+        seq: &mut Seq,
+        computed: u32,
+        block_size: u32,
+    ) {
+        let Some(prompt) = &seq.prompt else {
+            return;
+        };
+        let full =
+            ((computed.min(seq.prompt_tokens) / block_size) as usize).min(prompt.hashes.len());
+        if full > seq.cached_blocks {
+            pool.cache_full_blocks(
+                &seq.blocks[..full],
+                &prompt.hashes[..full],
+                seq.cached_blocks,
+                &prompt.token_ids,
+                block_size,
+            );
+            seq.cached_blocks = full;
+        }
     }
 
     /// Preempt the most recently admitted running sequence (recompute mode).
@@ -300,8 +441,9 @@ impl Engine {
             .running
             .pop()
             .expect("caller checked running is non-empty");
-        self.free_blocks += victim.blocks;
-        victim.blocks = 0;
+        self.pool.free(&victim.blocks);
+        victim.blocks.clear();
+        victim.cached_blocks = 0;
         victim.kv_tokens = 0;
         victim.preempted_once = true;
         self.stats.preemptions_total += 1;
@@ -325,16 +467,19 @@ impl Engine {
         'running: while i < self.running.len() && budget > 0 {
             let seq = &self.running[i];
             let n = seq.pending().min(budget);
-            let needed = self.blocks_for(seq.kv_tokens + n) - seq.blocks;
-            while needed > self.free_blocks {
+            let needed = self.blocks_for(seq.kv_tokens + n) - seq.blocks.len() as u32;
+            while needed > self.pool.num_free() {
                 let victim_is_self = self.running.len() - 1 == i;
                 self.preempt_last(&mut preempted);
                 if victim_is_self {
                     break 'running;
                 }
             }
-            self.free_blocks -= needed;
-            self.running[i].blocks += needed;
+            let new_blocks = self.pool.allocate(needed).expect("enough blocks are free");
+            let seq = &mut self.running[i];
+            seq.blocks.extend(new_blocks);
+            let computed = seq.kv_tokens + n;
+            Self::cache_full_prompt_blocks(&mut self.pool, seq, computed, self.params.block_size);
             scheduled.push((i, n));
             budget -= n;
             i += 1;
@@ -346,14 +491,30 @@ impl Engine {
                 let Some(head) = self.waiting.front() else {
                     break;
                 };
-                let n = head.pending().min(budget);
-                let needed = self.blocks_for(n);
-                if needed > self.free_blocks {
+                let hit = self.prefix_hit(head);
+                let hit_tokens = hit.len() as u32 * self.params.block_size;
+                let n = (head.pending() - hit_tokens).min(budget);
+                let needed = self.blocks_for(hit_tokens + n) - hit.len() as u32;
+                if needed + self.pool.free_among(&hit) > self.pool.num_free() {
                     break;
                 }
                 let mut seq = self.waiting.pop_front().expect("front exists");
-                self.free_blocks -= needed;
-                seq.blocks = needed;
+                if seq.prompt.is_some() {
+                    self.stats.prefix_cache_queries_total += u64::from(seq.context_len());
+                    self.stats.prefix_cache_hits_total += u64::from(hit_tokens);
+                }
+                self.pool.touch(&hit);
+                seq.cached_blocks = hit.len();
+                seq.blocks = hit;
+                seq.blocks
+                    .extend(self.pool.allocate(needed).expect("enough blocks are free"));
+                seq.kv_tokens = hit_tokens;
+                Self::cache_full_prompt_blocks(
+                    &mut self.pool,
+                    &mut seq,
+                    hit_tokens + n,
+                    self.params.block_size,
+                );
                 self.running.push(seq);
                 scheduled.push((self.running.len() - 1, n));
                 budget -= n;
@@ -405,20 +566,24 @@ impl Engine {
 
     #[cfg(test)]
     fn check_invariants(&self) {
-        let held: u32 = self
-            .running
-            .iter()
-            .chain(self.waiting.iter())
-            .map(|s| s.blocks)
-            .sum();
+        self.pool.check();
+        let mut refs = std::collections::HashMap::<BlockId, u32>::new();
+        for s in self.running.iter().chain(self.waiting.iter()) {
+            for b in &s.blocks {
+                *refs.entry(*b).or_default() += 1;
+            }
+        }
+        for (b, n) in &refs {
+            assert_eq!(self.pool.ref_count(*b), *n, "references of block {b}");
+        }
         assert_eq!(
-            held + self.free_blocks,
+            refs.len() as u32 + self.pool.num_free(),
             self.params.num_blocks,
             "block accounting"
         );
         for s in &self.running {
             assert_eq!(
-                s.blocks,
+                s.blocks.len() as u32,
                 self.blocks_for(s.kv_tokens),
                 "blocks match kv of {}",
                 s.id
@@ -427,7 +592,7 @@ impl Engine {
             assert!(s.generated <= s.output_tokens);
         }
         for s in &self.waiting {
-            assert_eq!(s.blocks, 0, "waiting sequences hold no KV");
+            assert!(s.blocks.is_empty(), "waiting sequences hold no KV");
         }
         assert!(self.running.len() as u32 <= self.params.max_num_seqs);
     }
@@ -445,6 +610,7 @@ mod tests {
             num_blocks,
             max_num_seqs: 256,
             max_num_batched_tokens: 2048,
+            enable_prefix_caching: true,
             cost: StepCost {
                 base_step_ms: 10.0,
                 alpha: 0.01,
@@ -649,6 +815,186 @@ mod tests {
         assert!(out.is_idle());
         assert_eq!(out.duration, Duration::ZERO);
         assert_eq!(e.stats().steps_total, 0);
+    }
+
+    fn prompt(len: u32, salt: u32) -> Vec<u32> {
+        (0..len).map(|i| i * 7 + salt).collect()
+    }
+
+    /// Step until `id` produced its first token; returns the prefill tokens charged on
+    /// the way (the whole engine's, so run it alone).
+    fn prefill_until_first_token(e: &mut Engine, id: SeqId) -> u32 {
+        let mut prefilled = 0;
+        for _ in 0..1000 {
+            let out = e.step();
+            e.check_invariants();
+            prefilled += out.shape.prefill_tokens;
+            if out.tokens.iter().any(|t| t.id == id && t.index == 0) {
+                return prefilled;
+            }
+        }
+        panic!("no first token");
+    }
+
+    #[test]
+    fn a_repeated_prompt_prefills_only_its_uncached_tail() {
+        let mut e = Engine::new(params(1000));
+        e.add_prompt(1, prompt(2000, 0), 2).unwrap();
+        assert_eq!(prefill_until_first_token(&mut e, 1), 2000);
+        drain(&mut e);
+        // 125 full blocks are cached; vLLM reuses at most 1999 tokens = 124 whole blocks
+        // and computes the rest so the last token yields logits.
+        assert_eq!(e.cached_prefix_tokens(&prompt(2000, 0)), 1984);
+        e.add_prompt(2, prompt(2000, 0), 2).unwrap();
+        assert_eq!(prefill_until_first_token(&mut e, 2), 16);
+        drain(&mut e);
+        let stats = e.stats();
+        assert_eq!(stats.prefix_cache_queries_total, 4000);
+        assert_eq!(stats.prefix_cache_hits_total, 1984);
+        assert_eq!(
+            stats.prompt_tokens_total, 4000,
+            "vLLM counts cached prompt tokens too"
+        );
+        assert_eq!(stats.used_blocks, 0);
+        assert_eq!(stats.cached_blocks, 125);
+    }
+
+    #[test]
+    fn prompts_share_their_common_full_blocks_only() {
+        let mut e = Engine::new(params(1000));
+        let a = prompt(100, 0);
+        let mut b = a.clone();
+        b[40] = 99_999; // inside block 2
+        e.add_prompt(1, a, 1).unwrap();
+        drain(&mut e);
+        e.add_prompt(2, b, 1).unwrap();
+        assert_eq!(prefill_until_first_token(&mut e, 2), 100 - 32);
+        assert_eq!(e.stats().prefix_cache_hits_total, 32);
+    }
+
+    #[test]
+    fn caching_off_reuses_nothing() {
+        let mut p = params(1000);
+        p.enable_prefix_caching = false;
+        let mut e = Engine::with_kv_events(p, true);
+        for id in 1..=2 {
+            e.add_prompt(id, prompt(500, 0), 1).unwrap();
+            assert_eq!(prefill_until_first_token(&mut e, id), 500);
+        }
+        assert_eq!(e.stats().prefix_cache_hits_total, 0);
+        assert_eq!(e.stats().cached_blocks, 0);
+        assert!(e.take_kv_events().is_empty());
+    }
+
+    #[test]
+    fn running_sequences_share_blocks_by_reference() {
+        let mut e = Engine::new(params(1000));
+        e.add_prompt(1, prompt(64, 0), 50).unwrap();
+        e.step();
+        assert_eq!(e.stats().used_blocks, 4);
+        e.add_prompt(2, prompt(64, 0), 50).unwrap();
+        e.step();
+        e.check_invariants();
+        // The first grew by one block for its decode; the second holds the first's 3
+        // reusable blocks by reference plus one block of its own.
+        assert_eq!(e.stats().used_blocks, 4 + 1 + 1);
+        assert_eq!(e.stats().prefix_cache_hits_total, 48);
+        drain(&mut e);
+    }
+
+    #[test]
+    fn memory_pressure_evicts_the_least_recently_used_prefix() {
+        // 10 blocks; each prompt of 64 tokens + 1 output fills 4 full blocks + 1.
+        let mut e = Engine::with_kv_events(params(10), true);
+        e.add_prompt(1, prompt(64, 0), 1).unwrap();
+        drain(&mut e);
+        let stored = e.take_kv_events();
+        assert!(
+            matches!(&stored[..], [KvEvent::BlockStored { block_hashes, parent_block_hash: None, token_ids, block_size: 16 }]
+            if block_hashes.len() == 4 && token_ids.len() == 64)
+        );
+        e.add_prompt(2, prompt(64, 1), 1).unwrap();
+        drain(&mut e);
+        assert_eq!(
+            e.cached_prefix_tokens(&prompt(64, 0)),
+            48,
+            "still cached while blocks are free"
+        );
+        e.add_prompt(3, prompt(64, 2), 1).unwrap();
+        drain(&mut e);
+        // The third needed blocks beyond the never-used ones: prompt 1's, tail first.
+        let removed: Vec<u64> = e
+            .take_kv_events()
+            .into_iter()
+            .filter_map(|ev| match ev {
+                KvEvent::BlockRemoved { block_hashes } => Some(block_hashes),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        assert!(!removed.is_empty());
+        let hashes_1 = chain_hashes(&prompt(64, 0), 16, usize::MAX);
+        assert!(
+            removed.iter().all(|h| hashes_1.contains(h)),
+            "prompt 2 and 3 are newer"
+        );
+        assert_eq!(removed[0], hashes_1[3], "the tail of a prompt goes first");
+        assert!(e.cached_prefix_tokens(&prompt(64, 0)) < 48);
+        assert_eq!(e.cached_prefix_tokens(&prompt(64, 2)), 48);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// With prompts that share prefixes, under any load and cache size: every sequence
+        /// gets exactly its tokens, references and the free queue stay consistent, and
+        /// the cache ends with nothing referenced.
+        #[test]
+        fn prefix_sharing_keeps_every_invariant(
+            num_blocks in 4u32..40,
+            max_num_seqs in 1u32..6,
+            seqs in proptest::collection::vec((0u32..3, 1u32..70, 1u32..40, 0usize..6), 1..12),
+        ) {
+            let mut p = params(num_blocks);
+            p.max_num_seqs = max_num_seqs;
+            p.max_num_batched_tokens = max_num_seqs + 24;
+            p.block_size = 4;
+            let mut e = Engine::with_kv_events(p, true);
+            let mut expected = HashMap::new();
+            let mut pending: Vec<(SeqId, Vec<u32>, u32, usize)> = seqs
+                .into_iter()
+                .enumerate()
+                .map(|(id, (family, len, out, delay))| (id as SeqId, prompt(len, family), out, delay))
+                .collect();
+            let mut got: HashMap<SeqId, Vec<u32>> = HashMap::new();
+            let mut step_no = 0usize;
+            loop {
+                pending.retain(|(id, tokens, out, delay)| {
+                    if *delay > step_no {
+                        return true;
+                    }
+                    if e.add_prompt(*id, tokens.clone(), *out).is_ok() {
+                        expected.insert(*id, *out);
+                    }
+                    false
+                });
+                if pending.is_empty() && !e.has_work() {
+                    break;
+                }
+                let out = e.step();
+                e.check_invariants();
+                for t in out.tokens {
+                    got.entry(t.id).or_default().push(t.index);
+                }
+                step_no += 1;
+                prop_assert!(step_no < 50_000, "engine livelocked");
+            }
+            for (id, out) in expected {
+                prop_assert_eq!(&got[&id], &(0..out).collect::<Vec<_>>());
+            }
+            prop_assert!(e.step().is_idle());
+            prop_assert_eq!(e.stats().used_blocks, 0);
+            prop_assert!(e.stats().prefix_cache_hits_total <= e.stats().prefix_cache_queries_total);
+        }
     }
 
     proptest! {

@@ -19,9 +19,11 @@
 //! ```
 
 pub mod api;
+pub mod block_pool;
 pub mod config;
 pub mod cost;
 pub mod engine;
+pub mod kv_publisher;
 pub mod metrics;
 pub mod openai;
 pub mod scheduler;
@@ -36,6 +38,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use config::{ConfigError, FieldError, SimConfig, SimGpuConfig, DEFAULT_MODEL};
 pub use engine::EngineStats;
+pub use kv_publisher::KvEventEndpoints;
 
 /// The component's configuration under the name every Metronome binary uses.
 pub type Config = SimConfig;
@@ -58,6 +61,7 @@ pub enum SimError {
 pub struct SimGpu {
     addr: SocketAddr,
     gpu: Arc<scheduler::Gpu>,
+    kv_events: Option<KvEventEndpoints>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -76,7 +80,22 @@ impl SimGpu {
         }
         let listener = tokio::net::TcpListener::bind((config.host, config.port)).await?;
         let addr = listener.local_addr()?;
-        let gpu = scheduler::Gpu::new(config);
+        let (kv_sender, kv_events) = match &config.kv_events_endpoint {
+            Some(endpoint) => {
+                let (sender, endpoints) = kv_publisher::start(
+                    endpoint,
+                    config.kv_events_replay_endpoint.as_deref(),
+                    &config.kv_events_topic,
+                    shutdown.clone(),
+                )
+                .await
+                .map_err(io::Error::other)?;
+                tracing::info!(model = %config.model, publish = %endpoints.publish, replay = ?endpoints.replay, "publishing KV cache events");
+                (Some(sender), Some(endpoints))
+            }
+            None => (None, None),
+        };
+        let gpu = scheduler::Gpu::with_kv_events(config, kv_sender);
         let cfg = gpu.config();
         tracing::info!(
             model = %cfg.model, %addr, speed = cfg.speed, kv_capacity_tokens = u64::from(cfg.num_blocks()) * u64::from(cfg.block_size),
@@ -100,6 +119,7 @@ impl SimGpu {
         Ok(SimGpu {
             addr,
             gpu,
+            kv_events,
             tasks: vec![engine_task, server_task],
         })
     }
@@ -116,6 +136,16 @@ impl SimGpu {
 
     pub fn config(&self) -> &SimGpuConfig {
         self.gpu.config()
+    }
+
+    /// Where the KV cache events are published (ports resolved), when configured.
+    pub fn kv_event_endpoints(&self) -> Option<&KvEventEndpoints> {
+        self.kv_events.as_ref()
+    }
+
+    /// Prompt tokens of `token_ids` that a request would find in the prefix cache now.
+    pub fn cached_prefix_tokens(&self, token_ids: &[u32]) -> u32 {
+        self.gpu.cached_prefix_tokens(token_ids)
     }
 
     /// The engine's counters and gauges right now.

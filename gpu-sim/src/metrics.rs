@@ -5,7 +5,8 @@
 //! `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`
 //! (v1 name, 0..1) and `vllm:gpu_cache_usage_perc` (older name, same value); counters
 //! `vllm:num_preemptions_total`, `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`,
-//! `vllm:request_success_total`; histograms `vllm:time_to_first_token_seconds`,
+//! `vllm:request_success_total`, and the prefix cache's `vllm:prefix_cache_queries_total`
+//! and `vllm:prefix_cache_hits_total` (in tokens, vLLM v1's names); histograms `vllm:time_to_first_token_seconds`,
 //! `vllm:time_per_output_token_seconds`, `vllm:e2e_request_latency_seconds` (wall clock,
 //! as vLLM measures them); `vllm:cache_config_info` with `block_size` and `num_gpu_blocks`
 //! labels. Every series carries `model_name`. The simulator's own series (`metronome_sim_*`)
@@ -28,6 +29,10 @@ pub const TIME_TO_FIRST_TOKEN_SECONDS: &str = "vllm:time_to_first_token_seconds"
 pub const TIME_PER_OUTPUT_TOKEN_SECONDS: &str = "vllm:time_per_output_token_seconds";
 pub const E2E_REQUEST_LATENCY_SECONDS: &str = "vllm:e2e_request_latency_seconds";
 pub const CACHE_CONFIG_INFO: &str = "vllm:cache_config_info";
+/// Counter family (tokens); the sample is `vllm:prefix_cache_queries_total`.
+pub const PREFIX_CACHE_QUERIES: &str = "vllm:prefix_cache_queries";
+/// Counter family (tokens); the sample is `vllm:prefix_cache_hits_total`.
+pub const PREFIX_CACHE_HITS: &str = "vllm:prefix_cache_hits";
 /// Simulated GPU busy time (sum of step durations), in seconds.
 pub const SIM_BUSY_SECONDS: &str = "metronome_sim_busy_seconds";
 pub const SIM_STEPS: &str = "metronome_sim_steps";
@@ -127,6 +132,7 @@ impl Default for RequestMetrics {
 pub struct Snapshot<'a> {
     pub model: &'a str,
     pub speed: f64,
+    pub prefix_caching: bool,
     pub engine: EngineStats,
     pub requests: &'a RequestMetrics,
 }
@@ -207,6 +213,20 @@ pub fn render(s: &Snapshot<'_>) -> String {
         &labels,
         e.generation_tokens_total,
     );
+    counter(
+        &mut out,
+        PREFIX_CACHE_QUERIES,
+        "Prefix cache queries, in terms of number of queried tokens.",
+        &labels,
+        e.prefix_cache_queries_total,
+    );
+    counter(
+        &mut out,
+        PREFIX_CACHE_HITS,
+        "Prefix cache hits, in terms of number of cached tokens.",
+        &labels,
+        e.prefix_cache_hits_total,
+    );
     let r = s.requests;
     let _ = writeln!(
         out,
@@ -237,8 +257,10 @@ pub fn render(s: &Snapshot<'_>) -> String {
     let _ = writeln!(
         out,
         "# HELP {CACHE_CONFIG_INFO} Information of the LLMEngine CacheConfig\n# TYPE {CACHE_CONFIG_INFO} gauge\n\
-         {CACHE_CONFIG_INFO}{{block_size=\"{}\",cache_dtype=\"auto\",enable_prefix_caching=\"False\",{labels},num_gpu_blocks=\"{}\"}} 1.0",
-        e.block_size, e.num_blocks
+         {CACHE_CONFIG_INFO}{{block_size=\"{}\",cache_dtype=\"auto\",enable_prefix_caching=\"{}\",{labels},num_gpu_blocks=\"{}\"}} 1.0",
+        e.block_size,
+        if s.prefix_caching { "True" } else { "False" },
+        e.num_blocks
     );
     counter(
         &mut out,
@@ -275,38 +297,14 @@ pub fn render(s: &Snapshot<'_>) -> String {
         &labels,
         u64::from(e.num_blocks) * u64::from(e.block_size),
     );
+    out.push_str(&metronome_runtime::build_info::exposition());
     out
-}
-
-/// Read one sample from Prometheus text: the first line whose series name is `name` and
-/// that carries every `label="value"` pair given. Meant for tests and simple scrapers.
-pub fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|line| {
-            let (series, value) = line.rsplit_once(' ')?;
-            let (series_name, series_labels) = match series.split_once('{') {
-                Some((n, rest)) => (n, rest.trim_end_matches('}')),
-                None => (series, ""),
-            };
-            if series_name != name {
-                return None;
-            }
-            let all = labels.iter().all(|(k, v)| {
-                series_labels
-                    .split(',')
-                    .any(|pair| pair == format!("{k}=\"{v}\""))
-            });
-            if all {
-                value.parse().ok()
-            } else {
-                None
-            }
-        })
 }
 
 #[cfg(test)]
 mod tests {
+    use metronome_protocol::prometheus;
+
     use super::*;
 
     #[test]
@@ -316,6 +314,7 @@ mod tests {
         let text = render(&Snapshot {
             model: "llama-3.1-8b",
             speed: 1.0,
+            prefix_caching: true,
             engine: EngineStats {
                 running: 3,
                 waiting: 2,
@@ -323,18 +322,51 @@ mod tests {
                 num_blocks: 100,
                 block_size: 16,
                 preemptions_total: 4,
+                prefix_cache_queries_total: 100,
+                prefix_cache_hits_total: 64,
                 ..EngineStats::default()
             },
             requests: &requests,
         });
+        assert!(
+            text.contains(&format!(
+                "metronome_build_info{{version=\"{}\",commit=\"{}\"}} 1",
+                metronome_runtime::build_info::VERSION,
+                metronome_runtime::build_info::git_commit()
+            )),
+            "{text}"
+        );
         let m = [("model_name", "llama-3.1-8b")];
-        assert_eq!(sample(&text, "vllm:num_requests_running", &m), Some(3.0));
-        assert_eq!(sample(&text, "vllm:num_requests_waiting", &m), Some(2.0));
-        assert_eq!(sample(&text, "vllm:kv_cache_usage_perc", &m), Some(0.25));
-        assert_eq!(sample(&text, "vllm:gpu_cache_usage_perc", &m), Some(0.25));
-        assert_eq!(sample(&text, "vllm:num_preemptions_total", &m), Some(4.0));
         assert_eq!(
-            sample(
+            prometheus::value(&text, "vllm:num_requests_running", &m),
+            Some(3.0)
+        );
+        assert_eq!(
+            prometheus::value(&text, "vllm:num_requests_waiting", &m),
+            Some(2.0)
+        );
+        assert_eq!(
+            prometheus::value(&text, "vllm:kv_cache_usage_perc", &m),
+            Some(0.25)
+        );
+        assert_eq!(
+            prometheus::value(&text, "vllm:gpu_cache_usage_perc", &m),
+            Some(0.25)
+        );
+        assert_eq!(
+            prometheus::value(&text, "vllm:num_preemptions_total", &m),
+            Some(4.0)
+        );
+        assert_eq!(
+            prometheus::value(&text, "vllm:prefix_cache_queries_total", &m),
+            Some(100.0)
+        );
+        assert_eq!(
+            prometheus::value(&text, "vllm:prefix_cache_hits_total", &m),
+            Some(64.0)
+        );
+        assert_eq!(
+            prometheus::value(
                 &text,
                 "vllm:cache_config_info",
                 &[("num_gpu_blocks", "100"), ("block_size", "16")]
@@ -342,7 +374,7 @@ mod tests {
             Some(1.0)
         );
         assert_eq!(
-            sample(
+            prometheus::value(
                 &text,
                 "vllm:time_to_first_token_seconds_bucket",
                 &[("le", "0.04")]
@@ -350,7 +382,7 @@ mod tests {
             Some(1.0)
         );
         assert_eq!(
-            sample(
+            prometheus::value(
                 &text,
                 "vllm:time_to_first_token_seconds_bucket",
                 &[("le", "0.02")]
@@ -358,7 +390,7 @@ mod tests {
             Some(0.0)
         );
         assert_eq!(
-            sample(&text, "vllm:time_to_first_token_seconds_count", &m),
+            prometheus::value(&text, "vllm:time_to_first_token_seconds_count", &m),
             Some(1.0)
         );
     }

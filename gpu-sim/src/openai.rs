@@ -4,11 +4,17 @@
 //! Readers are tolerant (unknown fields are ignored, as by vLLM) so any OpenAI client works.
 //! Extension: `metronome_prompt_tokens` sets the prompt's token count exactly, overriding
 //! the estimate from the text, so a load generator can replay a trace exactly.
+//!
+//! A prompt's token ids (what the prefix cache hashes) come from
+//! [`metronome_protocol::prefix`]: exact for token-id prompts, else its approximate
+//! tokenisation of the text (4 characters per token, 4 template tokens per chat message),
+//! the same the gateway fingerprints jobs with, so a job's fingerprint names exactly the
+//! blocks this simulator caches for it.
 
+use metronome_protocol::prefix::EMPTY_PROMPT_TOKEN;
+use metronome_protocol::prefix::{chat_token_ids, content_text, fit_to_count, text_token_ids};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-
-use crate::text::{estimate_tokens, CHAT_TOKENS_PER_MESSAGE};
 
 #[derive(Clone, Debug, Default, Deserialize)]
 pub struct StreamOptions {
@@ -74,74 +80,76 @@ pub struct CompletionRequest {
     pub prompt: Value,
 }
 
-/// A prompt reduced to what the simulator needs: its token count and a key that seeds the
-/// generated text.
+/// A prompt reduced to what the simulator needs: its token ids (their count is the
+/// prompt's token count) and a key that seeds the generated text.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Prompt {
     pub tokens: u32,
+    pub token_ids: Vec<u32>,
     pub key: String,
 }
 
-/// Text of a chat message's content (string or text parts).
-fn content_text(content: &Value) -> String {
-    match content {
-        Value::String(s) => s.clone(),
-        Value::Array(parts) => parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .collect::<Vec<_>>()
-            .join(" "),
-        _ => String::new(),
+impl Prompt {
+    fn new(token_ids: Vec<u32>, count: Option<u32>, key: String) -> Prompt {
+        let token_ids = match count {
+            Some(n) => fit_to_count(token_ids, n),
+            None => token_ids,
+        };
+        Prompt {
+            tokens: u32::try_from(token_ids.len()).unwrap_or(u32::MAX),
+            token_ids,
+            key,
+        }
     }
 }
 
 impl ChatRequest {
     pub fn prompt(&self) -> Prompt {
         let mut key = String::new();
-        let mut chars = 0u64;
+        let mut rendered = Vec::with_capacity(self.messages.len());
         for m in &self.messages {
             let text = content_text(&m.content);
-            chars += text.chars().count() as u64;
             key.push_str(&m.role);
             key.push('\n');
             key.push_str(&text);
             key.push('\n');
+            rendered.push((m.role.as_str(), text));
         }
-        // Same rule as `estimate_tokens`, over all messages, plus the template's overhead.
-        let estimated = chars.div_ceil(4).max(1)
-            + u64::from(CHAT_TOKENS_PER_MESSAGE) * self.messages.len() as u64;
-        Prompt {
-            tokens: self
-                .common
-                .metronome_prompt_tokens
-                .unwrap_or(estimated.min(u64::from(u32::MAX)) as u32),
-            key,
-        }
+        // ceil(chars of all contents / 4) (at least 1) plus the template's 4 per message.
+        let ids = chat_token_ids(rendered.iter().map(|(r, t)| (*r, t.as_str())));
+        Prompt::new(ids, self.common.metronome_prompt_tokens, key)
     }
 }
 
 impl CompletionRequest {
     /// The prompt, or a message saying why it is not one the simulator serves.
     pub fn prompt(&self) -> Result<Prompt, String> {
-        let (estimated, key) = match &self.prompt {
-            Value::String(s) => (estimate_tokens(s), s.clone()),
-            Value::Null => (1, String::new()),
+        let (ids, key) = match &self.prompt {
+            Value::String(s) => (text_token_ids(s), s.clone()),
+            Value::Null => (vec![EMPTY_PROMPT_TOKEN], String::new()),
             Value::Array(items) if items.iter().all(Value::is_u64) => {
-                (items.len().max(1) as u32, Value::Array(items.clone()).to_string())
+                let mut ids = Vec::with_capacity(items.len().max(1));
+                for item in items {
+                    let id = item.as_u64().unwrap_or_default();
+                    ids.push(u32::try_from(id).map_err(|_| {
+                        format!("token id {id} is larger than any vocabulary")
+                    })?);
+                }
+                if ids.is_empty() {
+                    ids.push(EMPTY_PROMPT_TOKEN);
+                }
+                (ids, Value::Array(items.clone()).to_string())
             }
             Value::Array(items) if items.len() == 1 && items[0].is_string() => {
                 let s = items[0].as_str().unwrap_or_default();
-                (estimate_tokens(s), s.to_string())
+                (text_token_ids(s), s.to_string())
             }
             Value::Array(_) => {
                 return Err("prompt must be a string, one string, or an array of token ids; batched prompts are not supported".into())
             }
             _ => return Err("prompt must be a string or an array of token ids".into()),
         };
-        Ok(Prompt {
-            tokens: self.common.metronome_prompt_tokens.unwrap_or(estimated),
-            key,
-        })
+        Ok(Prompt::new(ids, self.common.metronome_prompt_tokens, key))
     }
 }
 
@@ -323,6 +331,46 @@ mod tests {
         let batched: CompletionRequest =
             serde_json::from_value(json!({"model": "m", "prompt": ["a", "b"]})).unwrap();
         assert!(batched.prompt().is_err());
+    }
+
+    /// The simulator's token ids are the ones the gateway fingerprints jobs with.
+    #[test]
+    fn token_ids_agree_with_the_protocols_fingerprint_tokenisation() {
+        use metronome_protocol::prefix::request_token_ids;
+        use metronome_protocol::Endpoint;
+        let chats = [
+            json!({"model": "m", "messages": [
+                {"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "bc"}]},
+                {"role": "assistant", "content": null},
+            ]}),
+            json!({"model": "m", "messages": []}),
+            json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "metronome_prompt_tokens": 300}),
+        ];
+        for body in chats {
+            let r: ChatRequest = serde_json::from_value(body.clone()).unwrap();
+            assert_eq!(
+                r.prompt().token_ids,
+                request_token_ids(Endpoint::Chat, &body).unwrap(),
+                "{body}"
+            );
+        }
+        let completions = [
+            json!({"model": "m", "prompt": "Once upon a time"}),
+            json!({"model": "m", "prompt": ["one string"]}),
+            json!({"model": "m", "prompt": [1, 2, 3]}),
+            json!({"model": "m", "prompt": []}),
+            json!({"model": "m"}),
+            json!({"model": "m", "prompt": "p", "metronome_prompt_tokens": 200}),
+        ];
+        for body in completions {
+            let r: CompletionRequest = serde_json::from_value(body.clone()).unwrap();
+            assert_eq!(
+                r.prompt().unwrap().token_ids,
+                request_token_ids(Endpoint::Completion, &body).unwrap(),
+                "{body}"
+            );
+        }
     }
 
     #[test]

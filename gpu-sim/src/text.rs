@@ -4,7 +4,9 @@
 //! - Prompt tokens are estimated as `ceil(chars / 4)` (OpenAI's rule of thumb for English),
 //!   at least 1; a chat adds 4 tokens per message for the chat template's role headers.
 //!   A prompt given as token ids counts exactly one token per id. Load generators that need
-//!   an exact count send the extension field `metronome_prompt_tokens`, which wins.
+//!   an exact count send the extension field `metronome_prompt_tokens`, which wins. The
+//!   rule lives in [`metronome_protocol::prefix`], which also gives the approximate token
+//!   ids the prefix cache hashes, so the gateway's job fingerprints use the same tokens.
 //! - Output is one vocabulary word per token, each with a leading space, drawn from a
 //!   ChaCha8 stream seeded by the server's seed and the prompt: the same seed and prompt
 //!   always give the same text, and the count of output tokens equals the count of words.
@@ -13,12 +15,12 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 /// Chat-template overhead per message (role header and end-of-turn markers).
-pub const CHAT_TOKENS_PER_MESSAGE: u32 = 4;
+pub use metronome_protocol::prefix::CHAT_TOKENS_PER_MESSAGE;
 
-/// Estimated tokens of a text: `ceil(chars / 4)`, at least 1.
+/// Estimated tokens of a text: `ceil(chars / 4)`, at least 1 (the count of its approximate
+/// token ids).
 pub fn estimate_tokens(text: &str) -> u32 {
-    let chars = text.chars().count() as u64;
-    chars.div_ceil(4).clamp(1, u64::from(u32::MAX)) as u32
+    u32::try_from(metronome_protocol::prefix::text_token_ids(text).len()).unwrap_or(u32::MAX)
 }
 
 const VOCABULARY: &[&str] = &[

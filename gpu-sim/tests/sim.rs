@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use futures::StreamExt;
-use metronome_gpu_sim::metrics::sample;
 use metronome_gpu_sim::{spawn_all, SimConfig, SimGpu, SimGpuConfig};
+use metronome_protocol::{prometheus, sse};
 use metronome_testkit::wait_for;
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
@@ -74,7 +74,7 @@ impl Harness {
             .to_str()
             .unwrap()
             .starts_with("text/event-stream"));
-        sse_data(&response.text().await.expect("stream body"))
+        sse::data_payloads(&response.text().await.expect("stream body"))
     }
 
     async fn metrics(&self) -> String {
@@ -90,7 +90,7 @@ impl Harness {
 
     async fn metric(&self, name: &str) -> f64 {
         let text = self.metrics().await;
-        sample(&text, name, &[("model_name", &self.gpu.config().model)])
+        prometheus::value(&text, name, &[("model_name", &self.gpu.config().model)])
             .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{text}"))
     }
 }
@@ -99,17 +99,6 @@ impl Drop for Harness {
     fn drop(&mut self) {
         self.shutdown.cancel();
     }
-}
-
-fn sse_data(body: &str) -> Vec<String> {
-    body.split("\n\n")
-        .filter_map(|event| {
-            event
-                .lines()
-                .find_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
-        })
-        .map(str::to_string)
-        .collect()
 }
 
 fn words(text: &str) -> usize {
@@ -343,12 +332,12 @@ async fn metrics_expose_vllm_names_and_follow_the_load() {
         "vllm:time_to_first_token_seconds_count",
     ] {
         assert!(
-            sample(&text, name, &[("model_name", MODEL)]).is_some(),
+            prometheus::value(&text, name, &[("model_name", MODEL)]).is_some(),
             "{name} missing:\n{text}"
         );
     }
     assert_eq!(
-        sample(
+        prometheus::value(
             &text,
             "vllm:cache_config_info",
             &[("num_gpu_blocks", "2500"), ("block_size", "16")]
@@ -377,9 +366,9 @@ async fn metrics_expose_vllm_names_and_follow_the_load() {
     wait_for("2 running and 2 waiting", WAIT, || async {
         let text = h.metrics().await;
         let m = [("model_name", MODEL)];
-        let running = sample(&text, "vllm:num_requests_running", &m)?;
-        let waiting = sample(&text, "vllm:num_requests_waiting", &m)?;
-        let kv = sample(&text, "vllm:kv_cache_usage_perc", &m)?;
+        let running = prometheus::value(&text, "vllm:num_requests_running", &m)?;
+        let waiting = prometheus::value(&text, "vllm:num_requests_waiting", &m)?;
+        let kv = prometheus::value(&text, "vllm:kv_cache_usage_perc", &m)?;
         (running == 2.0 && waiting == 2.0 && kv > 0.0).then_some(())
     })
     .await;
@@ -396,7 +385,7 @@ async fn metrics_expose_vllm_names_and_follow_the_load() {
     );
     let text = h.metrics().await;
     assert_eq!(
-        sample(
+        prometheus::value(
             &text,
             "vllm:request_success_total",
             &[("finished_reason", "length")]
@@ -449,7 +438,7 @@ async fn half_speed_gpu_is_twice_as_slow_in_simulated_time() {
             .text()
             .await
             .unwrap();
-        busy.push(sample(&text, "metronome_sim_busy_seconds_total", &[]).unwrap());
+        busy.push(prometheus::value(&text, "metronome_sim_busy_seconds_total", &[]).unwrap());
         assert_eq!(
             gpu.stats().steps_total,
             100,
@@ -537,14 +526,14 @@ async fn client_disconnect_aborts_the_sequence_and_frees_kv() {
     wait_for("the aborted sequence to free its KV", WAIT, || async {
         let text = h.metrics().await;
         let m = [("model_name", MODEL)];
-        let running = sample(&text, "vllm:num_requests_running", &m)?;
-        let kv = sample(&text, "vllm:kv_cache_usage_perc", &m)?;
+        let running = prometheus::value(&text, "vllm:num_requests_running", &m)?;
+        let kv = prometheus::value(&text, "vllm:kv_cache_usage_perc", &m)?;
         (running == 0.0 && kv == 0.0).then_some(())
     })
     .await;
     let text = h.metrics().await;
     assert_eq!(
-        sample(
+        prometheus::value(
             &text,
             "vllm:request_success_total",
             &[("finished_reason", "abort")]
@@ -567,12 +556,12 @@ async fn client_disconnect_aborts_the_sequence_and_frees_kv() {
     pending.abort();
     wait_for("the second abort", WAIT, || async {
         let text = h.metrics().await;
-        let aborted = sample(
+        let aborted = prometheus::value(
             &text,
             "vllm:request_success_total",
             &[("finished_reason", "abort")],
         )?;
-        let kv = sample(&text, "vllm:kv_cache_usage_perc", &[("model_name", MODEL)])?;
+        let kv = prometheus::value(&text, "vllm:kv_cache_usage_perc", &[("model_name", MODEL)])?;
         (aborted == 2.0 && kv == 0.0).then_some(())
     })
     .await;
@@ -597,7 +586,7 @@ async fn zero_delay_mode_serves_many_requests_without_simulated_time() {
                     .text()
                     .await
                     .unwrap();
-                sse_data(&text)
+                sse::data_payloads(&text)
             })
         })
         .collect();

@@ -1,16 +1,17 @@
-//! One worker-agent and its GPU in simulated time: what the real agent measures and
-//! reports, computed by the real agent's code where it is pure.
+//! One worker-agent and its GPU in simulated time, driven by the real agent's job
+//! lifecycle: the worker-agent's [`JobMachine`] decides what is taken, when it starts
+//! (once a heartbeat listing it was stored: the agent's no-double-run rule, so the
+//! hand-over costs a heartbeat put, as it does live), what a heartbeat says about the jobs
+//! and what a finished job measured. This file only performs its effects on a simulated
+//! GPU and in simulated time.
 //!
-//! - Jobs it accepts are held and listed in heartbeats; a job starts on the GPU only once a
-//!   heartbeat listing it was stored (the agent's no-double-run rule), so the hand-over
-//!   costs a heartbeat put, as it does live.
 //! - Its heartbeats carry the latest probe of the server's metrics (running, waiting, KV
 //!   usage: sampled once per heartbeat interval, so up to an interval old), the pending
 //!   prefill tokens and the fitted performance model's coefficients.
-//! - Every completed job feeds the [`LoadTracker`] sample to the [`PerfModel`] and folds
-//!   its timings into the worker's EWMAs the way the Redis script does.
+//! - Every completed job feeds the machine's load-tracker sample to the [`PerfModel`] and
+//!   folds its timings into the worker's EWMAs the way the Redis script does.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,28 +21,21 @@ use metronome_protocol::{Job, KvUsage, WorkerStatus, PROTOCOL_VERSION};
 use metronome_scheduler::ewma;
 use metronome_scheduler::perf::{PerfModel, PerfPrior};
 use metronome_scheduler::EwmaSnapshot;
-use metronome_worker_agent::load_tracker::{LoadTracker, Measured};
-use metronome_worker_agent::runner::{measure, Timing};
+use metronome_worker_agent::lifecycle::{Assigned, Effect, Ending, JobMachine, Lease, Settings};
 
 use crate::gpu::Gpu;
 
-/// A job the agent holds.
+/// The lab's side of a held job: what the simulated GPU needs to run it.
 #[derive(Debug, Clone)]
-pub struct Held {
-    pub job: Arc<Job>,
-    pub attempt: u32,
+struct Sim {
+    job: Arc<Job>,
+    attempt: u32,
     /// Tokens it will write (its `max_tokens` or fewer: where the model stops).
     writes: u32,
-    /// Accept counter value when it was taken: a heartbeat built after it reports it.
-    generation: u64,
-    seq_id: Option<SeqId>,
-    pub started_ms: Option<f64>,
-    pub first_token_ms: Option<f64>,
-    pub last_token_ms: Option<f64>,
-    pub tokens: u32,
+    tokens: u32,
     /// Prefill time of the steps that produced its tokens after the first: how long its
     /// decode stood still for other jobs' prompts.
-    pub stall_ms: f64,
+    stall_ms: f64,
 }
 
 /// What the agent tells the world about a finished job.
@@ -49,13 +43,21 @@ pub struct Held {
 pub struct Finished {
     pub job: Arc<Job>,
     pub attempt: u32,
-    pub started_ms: f64,
-    pub first_token_ms: f64,
-    pub last_token_ms: f64,
     pub output_tokens: u32,
     pub ttft_ms: Option<f64>,
     pub tpot_ms: Option<f64>,
+    /// From the agent taking the job to its end.
+    pub e2e_ms: f64,
     pub stall_ms: f64,
+}
+
+/// An assignment the agent handed back to the dispatcher.
+#[derive(Debug, Clone)]
+pub struct Refused {
+    pub job: Arc<Job>,
+    pub attempt: u32,
+    pub reason: String,
+    pub carry_job: bool,
 }
 
 /// What the agent's probe last read from its server.
@@ -64,6 +66,8 @@ struct Probed {
     running: u32,
     waiting: u32,
     kv_used_frac: f64,
+    /// The machine's count of jobs that ended on the server, at the probe.
+    ended_at_scrape: u64,
 }
 
 /// An EWMA hash as the Redis script keeps it.
@@ -97,19 +101,16 @@ pub struct Agent {
     max_concurrency: u32,
     ewma_alpha: f64,
     ewma_half_life_ms: f64,
-    /// Held jobs in the order they were accepted (heartbeats list them so).
-    order: Vec<String>,
-    held: HashMap<String, Held>,
+    /// The agent's job lifecycle, the worker-agent's own.
+    machine: JobMachine,
+    sims: HashMap<String, Sim>,
     by_seq: HashMap<SeqId, String>,
     next_seq_id: SeqId,
-    tracker: LoadTracker,
     perf: PerfModel,
     ewma: [Average; 4],
     heartbeat_seq: u64,
-    pub max_epoch: u64,
-    accepted_generation: u64,
     probed: Probed,
-    /// Simulated time zero as an `Instant`, for the tracker's timestamps.
+    /// Simulated time zero as an `Instant`, for the machine's timestamps.
     origin: Instant,
     origin_unix_ms: u64,
 }
@@ -124,6 +125,15 @@ impl Agent {
         origin: Instant,
         origin_unix_ms: u64,
     ) -> Agent {
+        let machine = JobMachine::new(
+            Settings {
+                worker_id: worker_id.clone(),
+                max_concurrency: agent.max_concurrency,
+                fence_after: agent.fence_after(),
+                reported_before_restart: HashSet::new(),
+            },
+            origin,
+        );
         Agent {
             worker_id,
             model: gpu.model.clone(),
@@ -132,16 +142,13 @@ impl Agent {
             max_concurrency: agent.max_concurrency,
             ewma_alpha: agent.ewma_alpha,
             ewma_half_life_ms: agent.ewma_half_life_ms as f64,
-            order: Vec::new(),
-            held: HashMap::new(),
+            machine,
+            sims: HashMap::new(),
             by_seq: HashMap::new(),
             next_seq_id: 0,
-            tracker: LoadTracker::new(),
             perf: PerfModel::new(prior),
             ewma: [Average::default(); 4],
             heartbeat_seq: 0,
-            max_epoch: 0,
-            accepted_generation: 0,
             probed: Probed::default(),
             origin,
             origin_unix_ms,
@@ -152,30 +159,64 @@ impl Agent {
         self.origin + Duration::from_secs_f64(ms.max(0.0) / 1000.0)
     }
 
-    /// An assignment arrived. Returns whether it was taken (a duplicate is not).
-    pub fn accept(&mut self, job: Arc<Job>, attempt: u32, epoch: u64, writes: u32) -> bool {
-        if self.held.contains_key(&job.id) {
-            return false;
+    /// An assignment arrived at `now_ms`. Returns whether the agent asks for a heartbeat
+    /// (it took the job), and the refusal if it handed the job back.
+    pub fn accept(
+        &mut self,
+        job: Arc<Job>,
+        attempt: u32,
+        epoch: u64,
+        writes: u32,
+        now_ms: f64,
+    ) -> (bool, Option<Refused>) {
+        let assigned = Assigned {
+            job_id: job.id.clone(),
+            attempt,
+            epoch,
+            worker_id: self.worker_id.clone(),
+            tenant: job.tenant.clone(),
+            prompt_tokens: job.prompt_tokens,
+            delivered: 1,
+        };
+        // The lab's one leader holds the lease of every epoch it assigns with.
+        let lease = if self.machine.needs_lease(epoch) {
+            Lease::Vouches
+        } else {
+            Lease::NotRead
+        };
+        let at = self.instant(now_ms);
+        let mut beat = false;
+        let mut refused = None;
+        for effect in self.machine.assigned(&assigned, lease, at) {
+            match effect {
+                Effect::Hold { job_id } => {
+                    self.sims.insert(
+                        job_id,
+                        Sim {
+                            job: job.clone(),
+                            attempt,
+                            writes: writes.max(1),
+                            tokens: 0,
+                            stall_ms: 0.0,
+                        },
+                    );
+                }
+                Effect::Heartbeat => beat = true,
+                Effect::Refuse {
+                    reason, carry_job, ..
+                } => {
+                    refused = Some(Refused {
+                        job: job.clone(),
+                        attempt,
+                        reason,
+                        carry_job,
+                    })
+                }
+                // No WORK stream, no previous run, no revocation in the lab.
+                _ => {}
+            }
         }
-        self.max_epoch = self.max_epoch.max(epoch);
-        self.accepted_generation += 1;
-        self.order.push(job.id.clone());
-        self.held.insert(
-            job.id.clone(),
-            Held {
-                job,
-                attempt,
-                writes: writes.max(1),
-                generation: self.accepted_generation,
-                seq_id: None,
-                started_ms: None,
-                first_token_ms: None,
-                last_token_ms: None,
-                tokens: 0,
-                stall_ms: 0.0,
-            },
-        );
-        true
+        (beat, refused)
     }
 
     /// Read the server's metrics (the probe loop).
@@ -185,12 +226,16 @@ impl Agent {
             running: s.running,
             waiting: s.waiting,
             kv_used_frac: s.kv_usage(),
+            ended_at_scrape: self.machine.ended_on_server(),
         };
     }
 
-    /// Build a heartbeat at `now_ms`; with it, the accept generation it covers.
+    /// Build a heartbeat at `now_ms`; with it, the take count it covers.
     pub fn heartbeat(&mut self, now_ms: f64) -> (WorkerStatus, u64) {
         self.heartbeat_seq += 1;
+        let jobs = self
+            .machine
+            .heartbeat(Some(self.probed.running), self.probed.ended_at_scrape);
         let status = WorkerStatus {
             v: PROTOCOL_VERSION,
             worker_id: self.worker_id.clone(),
@@ -198,52 +243,61 @@ impl Agent {
             node: None,
             gpu_index: Some(self.gpu_index),
             healthy: true,
-            draining: false,
+            draining: jobs.draining,
             max_concurrency: self.max_concurrency,
-            active: self.probed.running,
+            active: jobs.active,
             queued: self.probed.waiting,
-            in_flight: self.order.clone(),
+            in_flight: jobs.in_flight,
             kv: Some(KvUsage {
                 used_frac: self.probed.kv_used_frac,
                 capacity_tokens: Some(self.gpu.capacity_tokens()),
             }),
             gpu: None,
-            // As the agent reports it: the prompts on the server and those held, not started.
-            prefill_pending_tokens: self.tracker.pending_prefill_tokens()
-                + self
-                    .held
-                    .values()
-                    .filter(|h| h.started_ms.is_none())
-                    .map(|h| u64::from(h.job.prompt_tokens))
-                    .sum::<u64>(),
+            prefill_pending_tokens: jobs.prefill_pending_tokens,
             perf: Some(self.perf.coefficients()),
-            max_epoch: self.max_epoch,
+            max_epoch: jobs.max_epoch,
             seq: self.heartbeat_seq,
             sent_ms: self.origin_unix_ms + now_ms as u64,
         };
-        (status, self.accepted_generation)
+        (status, jobs.generation)
     }
 
-    /// Start every held job a stored heartbeat covered (accepted at or before
-    /// `generation`) and not started yet. Returns when the GPU's next step ends, if it
-    /// starts one.
-    pub fn start_reported(&mut self, generation: u64, now_ms: f64) -> Option<f64> {
+    /// A heartbeat covering take count `generation` was stored at `now_ms`: the jobs it
+    /// reported start on the GPU (or are refused, had the agent been fenced). Returns when
+    /// the GPU's next step ends, if it starts one, and the refusals.
+    pub fn start_reported(&mut self, generation: u64, now_ms: f64) -> (Option<f64>, Vec<Refused>) {
         let at = self.instant(now_ms);
-        for id in &self.order {
-            let h = self.held.get_mut(id).expect("ordered ids are held");
-            if h.started_ms.is_some() || h.generation > generation {
-                continue;
+        let mut refused = Vec::new();
+        for effect in self.machine.reported(generation, at) {
+            match effect {
+                Effect::Start { job_id } => {
+                    let sim = self.sims.get(&job_id).expect("started jobs are held");
+                    let seq_id = self.next_seq_id;
+                    self.next_seq_id += 1;
+                    self.by_seq.insert(seq_id, job_id.clone());
+                    let added = self.gpu.add(seq_id, sim.job.prompt_tokens, sim.writes);
+                    debug_assert!(added, "the dispatcher placed a job its GPU cannot hold");
+                }
+                Effect::Refuse {
+                    job_id,
+                    reason,
+                    carry_job,
+                    ..
+                } => {
+                    self.machine.release(&job_id, at);
+                    if let Some(sim) = self.sims.remove(&job_id) {
+                        refused.push(Refused {
+                            job: sim.job,
+                            attempt: sim.attempt,
+                            reason,
+                            carry_job,
+                        });
+                    }
+                }
+                _ => {}
             }
-            let seq_id = self.next_seq_id;
-            self.next_seq_id += 1;
-            h.seq_id = Some(seq_id);
-            h.started_ms = Some(now_ms);
-            self.by_seq.insert(seq_id, id.clone());
-            self.tracker.started(id, h.job.prompt_tokens, at);
-            let added = self.gpu.add(seq_id, h.job.prompt_tokens, h.writes);
-            debug_assert!(added, "the dispatcher placed a job its GPU cannot hold");
         }
-        self.gpu.kick(now_ms)
+        (self.gpu.kick(now_ms), refused)
     }
 
     /// The GPU's step ended at `now_ms`: relay its tokens. Returns the jobs that finished,
@@ -257,52 +311,66 @@ impl Agent {
             let Some(id) = self.by_seq.get(&t.id).cloned() else {
                 continue;
             };
-            let Some(h) = self.held.get_mut(&id) else {
+            let Some(sim) = self.sims.get_mut(&id) else {
                 continue;
             };
-            if h.first_token_ms.is_none() {
-                h.first_token_ms = Some(now_ms);
-                self.tracker.first_token(&id, at);
+            let first_chunk = self
+                .machine
+                .chunk(&id, true, at)
+                .iter()
+                .any(|e| matches!(e, Effect::PublishChunk { seq: 0, .. }));
+            if first_chunk {
                 first.push(id.clone());
             } else {
-                h.stall_ms += step_stall_ms;
+                sim.stall_ms += step_stall_ms;
             }
-            h.last_token_ms = Some(now_ms);
-            h.tokens += 1;
-            self.tracker.tokens(&id, 1, at);
+            sim.tokens += 1;
             if t.finished {
-                finished.push(self.finish(&id, now_ms));
+                finished.push(self.finish(&id, t.id, now_ms));
             }
         }
         (finished, first, self.gpu.kick(now_ms))
     }
 
-    fn finish(&mut self, id: &str, now_ms: f64) -> Finished {
-        let h = self.held.remove(id).expect("finished job is held");
-        self.order.retain(|o| o != id);
-        if let Some(s) = h.seq_id {
-            self.by_seq.remove(&s);
+    fn finish(&mut self, id: &str, seq_id: SeqId, now_ms: f64) -> Finished {
+        let sim = self.sims.remove(id).expect("finished job is held");
+        self.by_seq.remove(&seq_id);
+        let at = self.instant(now_ms);
+        let effects = self
+            .machine
+            .finish(id, Ending::Done, sim.job.prompt_tokens, sim.tokens, at);
+        self.machine.release(id, at);
+        let mut event = None;
+        for effect in effects {
+            match effect {
+                Effect::Learn { sample, perf, .. } => {
+                    if let Some(perf_sample) = perf {
+                        self.perf.observe(&perf_sample);
+                    }
+                    self.fold_ewmas(
+                        [sample.ttft_ms, sample.tpot_ms, sample.tok_s, sample.e2e_ms],
+                        now_ms,
+                    );
+                }
+                Effect::PublishCompletion { event: e, .. } => event = Some(e),
+                _ => {}
+            }
         }
-        let started = h.started_ms.unwrap_or(now_ms);
-        let timing = Timing {
-            start: self.instant(started),
-            first_token: h.first_token_ms.map(|t| self.instant(t)),
-            last_token: h.last_token_ms.map(|t| self.instant(t)),
-        };
-        let end = self.instant(now_ms);
-        let sample = measure(&timing, h.tokens, end);
-        let measured = Measured {
-            prompt_tokens: h.job.prompt_tokens,
-            output_tokens: h.tokens,
-            ttft_ms: sample.ttft_ms,
-            tpot_ms: sample.tpot_ms,
-        };
-        if let Some(perf_sample) = self.tracker.finished(id, &measured, end) {
-            self.perf.observe(&perf_sample);
+        let event = event.expect("a job that ran to its end is published");
+        Finished {
+            job: sim.job,
+            attempt: sim.attempt,
+            output_tokens: sim.tokens,
+            ttft_ms: event.ttft_ms,
+            tpot_ms: event.tpot_ms,
+            e2e_ms: event.e2e_ms,
+            stall_ms: sim.stall_ms,
         }
-        let values = [sample.ttft_ms, sample.tpot_ms, sample.tok_s, sample.e2e_ms];
+    }
+
+    /// One script call updates every field with the hash's one update time.
+    fn fold_ewmas(&mut self, values: [Option<f64>; 4], now_ms: f64) {
         let (alpha, half) = (self.ewma_alpha, self.ewma_half_life_ms);
-        // One script call updates every field with the hash's one update time.
         let a = match self.ewma[0].updated_ms {
             None => 1.0,
             Some(t) => ewma::decayed_alpha(alpha, half, now_ms - t),
@@ -313,17 +381,6 @@ impl Agent {
             }
             avg.updated_ms = Some(now_ms);
             avg.samples += 1;
-        }
-        Finished {
-            job: h.job,
-            attempt: h.attempt,
-            started_ms: started,
-            first_token_ms: h.first_token_ms.unwrap_or(now_ms),
-            last_token_ms: h.last_token_ms.unwrap_or(now_ms),
-            output_tokens: h.tokens,
-            ttft_ms: sample.ttft_ms,
-            tpot_ms: sample.tpot_ms,
-            stall_ms: h.stall_ms,
         }
     }
 
@@ -345,8 +402,13 @@ impl Agent {
         (self.ewma_alpha, self.ewma_half_life_ms)
     }
 
-    /// Jobs held (accepted, started or streaming).
+    /// Jobs held (taken, started or streaming).
     pub fn held(&self) -> usize {
-        self.held.len()
+        self.machine.held()
+    }
+
+    /// The highest leader epoch the agent has seen.
+    pub fn max_epoch(&self) -> u64 {
+        self.machine.max_epoch()
     }
 }

@@ -8,11 +8,12 @@
 //! - per GPU, the simulator's [`Engine`](metronome_gpu_sim::engine::Engine) (continuous
 //!   batching, chunked prefill, paged KV, recompute preemption) at the step times of its
 //!   calibrated cost model;
-//! - per GPU, an agent that does what the worker-agent does with its measurements: the
-//!   [`LoadTracker`](metronome_worker_agent::load_tracker::LoadTracker) features, the
-//!   performance model's online fit ([`metronome_scheduler::perf::PerfModel`]), the EWMAs
-//!   and output-length average the Redis script keeps, heartbeats with the probes' latest
-//!   readings, and starting a job only once a heartbeat reported it.
+//! - per GPU, the worker-agent's own job lifecycle
+//!   ([`JobMachine`](metronome_worker_agent::lifecycle::JobMachine): what is taken, when
+//!   it starts, what heartbeats say about the jobs, what a finished job measured), with
+//!   the performance model's online fit ([`metronome_scheduler::perf::PerfModel`]), the
+//!   EWMAs and output-length average the Redis script keeps, and heartbeats with the
+//!   probes' latest readings.
 //!
 //! What it leaves out, on purpose: CPU contention, NATS and HTTP latencies beyond the fixed
 //! hops of [`Latencies`], failures. It is a design tool, not the benchmark: published figures

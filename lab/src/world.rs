@@ -12,10 +12,9 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
-use metronome_dispatcher::engine::{Effect, Engine, EngineSettings};
-use metronome_dispatcher::event::{Event, Incoming};
-use metronome_dispatcher::publish::Outcome;
-use metronome_dispatcher::registry::{RedisSnapshot, WorkerUpdate};
+use metronome_dispatcher::engine::{
+    Effect, Engine, EngineSettings, Event, Incoming, Outcome, RedisSnapshot, WorkerUpdate,
+};
 use metronome_dispatcher::Metrics;
 use metronome_gpu_sim::SimGpuConfig;
 use metronome_loadgen::{ErrorKind, PlannedRequest, RequestRecord};
@@ -24,7 +23,7 @@ use metronome_protocol::{
     PROTOCOL_VERSION,
 };
 
-use crate::agent::{Agent, Average, Finished};
+use crate::agent::{Agent, Average, Finished, Refused};
 
 /// One-way times of the hops between components, ms. Loopback NATS round trips are well
 /// under a millisecond on an idle machine; these round up, so the lab errs on the slow side.
@@ -477,6 +476,7 @@ impl World {
                     slo: None,
                     tenant: self.tenant_of(&r),
                     priority: None,
+                    prefix: None,
                 };
                 let arrive = now + self.lat.submit_ms;
                 let incoming = Incoming {
@@ -528,8 +528,12 @@ impl World {
                     .jobs
                     .get(&job.id)
                     .map_or(job.max_tokens, |&i| self.plan[i].output_tokens);
-                if self.agents[gpu].accept(job, attempt, epoch, writes) {
+                let (beat, refused) = self.agents[gpu].accept(job, attempt, epoch, writes, now);
+                if beat {
                     self.beat_now(gpu);
+                }
+                if let Some(r) = refused {
+                    self.refused(gpu, r);
                 }
             }
             Ev::PeriodicHeartbeat(gpu) => {
@@ -564,8 +568,12 @@ impl World {
                     tenants: Default::default(),
                 };
                 self.at(seen, Ev::ToEngine(Box::new(Event::Worker(update))));
-                if let Some(end) = self.agents[gpu].start_reported(generation, now) {
+                let (end, refused) = self.agents[gpu].start_reported(generation, now);
+                if let Some(end) = end {
                     self.at(end, Ev::StepEnd(gpu));
+                }
+                for r in refused {
+                    self.refused(gpu, r);
                 }
                 let beat = &mut self.beats[gpu];
                 beat.in_flight = false;
@@ -644,7 +652,7 @@ impl World {
             job_id: f.job.id.clone(),
             worker_id: self.agents[gpu].worker_id.clone(),
             model: f.job.model.clone(),
-            epoch: self.agents[gpu].max_epoch,
+            epoch: self.agents[gpu].max_epoch(),
             attempt: f.attempt,
             outcome: CompletionOutcome::Done,
             streamed: true,
@@ -653,7 +661,7 @@ impl World {
             output_tokens: f.output_tokens,
             ttft_ms: f.ttft_ms,
             tpot_ms: f.tpot_ms,
-            e2e_ms: now - f.started_ms,
+            e2e_ms: f.e2e_ms,
             finished_ms: self.unix(now),
             job: None,
         };
@@ -665,6 +673,38 @@ impl World {
                 output_tokens: f.output_tokens,
             });
         }
+        self.at(
+            now + self.lat.complete_ms,
+            Ev::ToEngine(Box::new(Event::Completion {
+                event: Box::new(event),
+                acker: None,
+            })),
+        );
+    }
+
+    /// Agent `gpu` handed a job back without running it: its refusal reaches the engine as
+    /// a completion event does.
+    fn refused(&mut self, gpu: usize, r: Refused) {
+        let now = self.now;
+        let agent = &self.agents[gpu];
+        let event = CompletionEvent {
+            v: PROTOCOL_VERSION,
+            job_id: r.job.id.clone(),
+            worker_id: agent.worker_id.clone(),
+            model: r.job.model.clone(),
+            epoch: agent.max_epoch(),
+            attempt: r.attempt,
+            outcome: CompletionOutcome::Refused,
+            streamed: false,
+            error: Some(r.reason),
+            prompt_tokens: r.job.prompt_tokens,
+            output_tokens: 0,
+            ttft_ms: None,
+            tpot_ms: None,
+            e2e_ms: 0.0,
+            finished_ms: self.unix(now),
+            job: r.carry_job.then(|| Box::new((*r.job).clone())),
+        };
         self.at(
             now + self.lat.complete_ms,
             Ev::ToEngine(Box::new(Event::Completion {

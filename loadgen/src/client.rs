@@ -8,6 +8,7 @@
 use std::time::Duration;
 
 use futures::StreamExt;
+use metronome_protocol::sse::SseDecoder;
 use serde_json::Value;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -26,56 +27,6 @@ pub const HEADER_WORKER: &str = "x-metronome-worker";
 /// Longest error body excerpt kept in a record.
 const ERROR_EXCERPT: usize = 300;
 
-/// Splits a byte stream into server-sent events, returning each event's `data` payload
-/// (multi-line data joined with `\n`). Handles `\n` and `\r\n` line endings and events
-/// split across reads. Comment lines and other fields are ignored.
-#[derive(Debug, Default)]
-pub struct SseParser {
-    buf: Vec<u8>,
-    data: Option<String>,
-}
-
-impl SseParser {
-    /// Feeds bytes; returns the data of every event completed by them.
-    pub fn push(&mut self, bytes: &[u8]) -> Vec<String> {
-        self.buf.extend_from_slice(bytes);
-        let mut events = Vec::new();
-        while let Some(pos) = self.buf.iter().position(|&b| b == b'\n') {
-            let mut line: Vec<u8> = self.buf.drain(..=pos).collect();
-            line.pop();
-            if line.last() == Some(&b'\r') {
-                line.pop();
-            }
-            let line = String::from_utf8_lossy(&line);
-            if line.is_empty() {
-                if let Some(d) = self.data.take() {
-                    events.push(d);
-                }
-            } else if let Some(rest) = line.strip_prefix("data:") {
-                let rest = rest.strip_prefix(' ').unwrap_or(rest);
-                match &mut self.data {
-                    Some(d) => {
-                        d.push('\n');
-                        d.push_str(rest);
-                    }
-                    None => self.data = Some(rest.to_string()),
-                }
-            }
-        }
-        events
-    }
-
-    /// The data of an event left unterminated when the stream ended.
-    pub fn finish(&mut self) -> Option<String> {
-        if !self.buf.is_empty() {
-            let rest = std::mem::take(&mut self.buf);
-            let _ = self.push(&rest);
-            let _ = self.push(b"\n");
-        }
-        self.data.take()
-    }
-}
-
 /// What one SSE payload says.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct ChunkInfo {
@@ -92,7 +43,7 @@ pub struct ChunkInfo {
 /// Interprets one SSE payload; `Err` with the reason when it is not JSON.
 pub fn interpret_chunk(data: &str) -> Result<ChunkInfo, String> {
     let data = data.trim();
-    if data == "[DONE]" {
+    if data == metronome_protocol::sse::DONE {
         return Ok(ChunkInfo {
             done: true,
             ..Default::default()
@@ -277,14 +228,14 @@ impl Client {
                 format!("HTTP {}: {}", status.as_u16(), excerpt(&msg)),
             ));
         }
-        let mut parser = SseParser::default();
+        let mut decoder = SseDecoder::new();
         let mut stream = resp.bytes_stream();
         let mut done = false;
         while let Some(item) = stream.next().await {
             let bytes = item.map_err(|e| (ErrorKind::Stream, error_chain(&e)))?;
             let now = Instant::now();
-            for data in parser.push(&bytes) {
-                m.handle(&data, now)?;
+            for event in decoder.push(&bytes) {
+                m.handle(&event.data, now)?;
                 if m.done {
                     done = true;
                 }
@@ -294,8 +245,8 @@ impl Client {
             }
         }
         if !done {
-            if let Some(data) = parser.finish() {
-                m.handle(&data, Instant::now())?;
+            if let Some(event) = decoder.finish() {
+                m.handle(&event.data, Instant::now())?;
             }
         }
         if !m.done && m.chunks == 0 && m.usage_tokens.is_none() {
@@ -370,21 +321,6 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sse_parser_handles_split_events_and_crlf() {
-        let mut p = SseParser::default();
-        assert!(p.push(b"data: {\"a\":").is_empty());
-        assert_eq!(
-            p.push(b"1}\n\n: comment\n\ndata: x\r\n\r\ndata:"),
-            vec!["{\"a\":1}", "x"]
-        );
-        assert_eq!(p.push(b"[DONE]\n\n"), vec!["[DONE]"]);
-        assert_eq!(p.push(b"event: e\ndata: l1\ndata: l2\n\n"), vec!["l1\nl2"]);
-        assert!(p.push(b"data: tail").is_empty());
-        assert_eq!(p.finish().as_deref(), Some("tail"));
-        assert_eq!(p.finish(), None);
-    }
 
     #[test]
     fn interprets_chat_completion_usage_error_and_done() {

@@ -19,6 +19,7 @@ pub mod error;
 pub mod output;
 pub mod plan;
 pub mod plots;
+pub mod process;
 pub mod prompt;
 pub mod record;
 pub mod runner;

@@ -160,6 +160,40 @@ pub struct CandidateScore {
     /// What the dispatcher predicted for the job on this worker.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prediction: Option<crate::Prediction>,
+    /// The job's prompt tokens this worker was believed to hold in its prefix cache, which
+    /// the prediction did not charge as prefill; absent when the job carried no prefix
+    /// fingerprint (and in records of older dispatchers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_prefix: Option<CachedPrefix>,
+}
+
+/// Prompt tokens a worker was believed to hold in its prefix cache when a job was judged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CachedPrefix {
+    /// Prompt tokens whose prefill the worker would skip (0: none of the prefix is there).
+    pub tokens: u32,
+    /// Where the figure comes from.
+    pub source: PrefixSource,
+}
+
+/// Where a worker's cached-prefix figure comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefixSource {
+    /// The leader's estimate from its own placements, evicted as the server would evict.
+    Placements,
+    /// The model server's own KV cache events.
+    Events,
+}
+
+impl PrefixSource {
+    /// The source as it is serialised.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PrefixSource::Placements => "placements",
+            PrefixSource::Events => "events",
+        }
+    }
 }
 
 impl<'de> Deserialize<'de> for CandidateScore {
@@ -413,6 +447,8 @@ mod wire {
         terms: Vec<TermIn>,
         #[serde(default)]
         prediction: Option<crate::Prediction>,
+        #[serde(default)]
+        cached_prefix: Option<super::CachedPrefix>,
     }
 
     impl CandidateIn {
@@ -446,6 +482,7 @@ mod wire {
                 raw,
                 normalised,
                 prediction: self.prediction,
+                cached_prefix: self.cached_prefix,
             }
         }
     }

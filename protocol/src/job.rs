@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::names::{is_subject_token, tenant_of_token, NO_TENANT_TOKEN};
+use crate::perf::{SloField, MAX_SLO_TOK_S};
 
 /// Which OpenAI endpoint of the model server runs the job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -67,6 +68,11 @@ pub struct Job {
     /// [`Priority::Interactive`], the class of every job before classes existed.
     #[serde(default)]
     pub priority: Option<Priority>,
+    /// The prompt's prefix as a model server's prefix cache names it (chained KV block
+    /// hashes, see [`crate::prefix`]). The gateway attaches it; `None` for clients that send
+    /// none, whose jobs are placed as if nothing were cached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<crate::prefix::PrefixFingerprint>,
 }
 
 /// Priority class of a job. Within a model, a waiting interactive job goes before a
@@ -150,10 +156,6 @@ pub fn check_tenant(tenant: &str) -> Result<(), JobError> {
     }
     Ok(())
 }
-
-/// Highest decode-rate floor a job may ask for: far above any GPU's single-stream rate, so
-/// only nonsense is refused.
-pub const MAX_SLO_TOK_S: f64 = 10_000.0;
 
 /// Bounds a job must respect to be accepted. Values outside them are rejected with a
 /// reason rather than clamped, so a client learns its request was wrong.
@@ -322,10 +324,10 @@ impl Job {
         }
         if let Some(slo) = &self.slo {
             match slo.invalid_field() {
-                Some(crate::perf::SloField::TtftMs) => {
+                Some(SloField::TtftMs) => {
                     return Err(JobError::BadSlo("ttft_ms must be at least 1".into()));
                 }
-                Some(crate::perf::SloField::MinTokS) => {
+                Some(SloField::MinTokS) => {
                     return Err(JobError::BadSlo(format!(
                         "min_tok_s must be a number in (0, {MAX_SLO_TOK_S}], got {}",
                         slo.min_tok_s.unwrap_or(f64::NAN)
@@ -374,6 +376,28 @@ mod tests {
 
     fn parse(v: &Value) -> Result<Job, JobError> {
         Job::parse(&serde_json::to_vec(v).unwrap(), &JobLimits::default())
+    }
+
+    #[test]
+    fn the_prefix_fingerprint_is_optional_and_round_trips() {
+        let old = parse(&job_json()).unwrap();
+        assert_eq!(old.prefix, None, "a job without a fingerprint is valid");
+        assert!(
+            !serde_json::to_string(&old).unwrap().contains("prefix"),
+            "and is written without one"
+        );
+        let mut v = job_json();
+        v["prefix"] = json!({"block_size": 16, "tokens": 40,
+            "hashes": ["a8531d8ec4fbf5ac", "ba8c183dcde9bc05"]});
+        let job = parse(&v).unwrap();
+        let prefix = job.prefix.clone().unwrap();
+        assert_eq!(
+            prefix.hashes,
+            [0xa853_1d8e_c4fb_f5ac, 0xba8c_183d_cde9_bc05]
+        );
+        assert_eq!(parse(&serde_json::to_value(&job).unwrap()).unwrap(), job);
+        v["prefix"]["hashes"] = json!(["not hex"]);
+        assert_eq!(parse(&v).unwrap_err().code(), "malformed_job");
     }
 
     #[test]

@@ -5,6 +5,9 @@
 //! ignored so a newer writer never breaks an older reader; a reader rejects only what it
 //! cannot interpret (missing required fields, wrong types, values out of range), with a
 //! reason. The contract is documented in `docs/PROTOCOL.md`.
+//!
+//! Also the one reader of each text format the components exchange over HTTP: server-sent
+//! events ([`sse`]) and the Prometheus exposition format ([`prometheus`]).
 
 pub mod assignment;
 pub mod control;
@@ -17,11 +20,14 @@ pub mod lease;
 pub mod names;
 pub mod perf;
 pub mod permissions;
+pub mod prefix;
+pub mod prometheus;
 pub mod queues;
 pub mod redis_keys;
 pub mod result;
 #[cfg(feature = "nats")]
 pub mod setup;
+pub mod sse;
 #[cfg(feature = "nats")]
 pub mod stored;
 pub mod time;
@@ -30,8 +36,8 @@ pub mod worker;
 pub use assignment::Assignment;
 pub use control::{ControlReply, RelayedCancel, Revoke, RevokedJob};
 pub use decision::{
-    CandidateScore, Decision, Outcome, Rejection, RejectionCode, Scoring, TermName, TermScore,
-    DECISION_VERSION, TERM_COUNT,
+    CachedPrefix, CandidateScore, Decision, Outcome, PrefixSource, Rejection, RejectionCode,
+    Scoring, TermName, TermScore, DECISION_VERSION, TERM_COUNT,
 };
 pub use event::{CompletionEvent, CompletionOutcome};
 pub use job::{
@@ -40,6 +46,7 @@ pub use job::{
 };
 pub use lease::{lease_vouches_for, LeaseValue};
 pub use perf::{PerfCoefficients, Prediction, Slo, SloRequest};
+pub use prefix::PrefixFingerprint;
 pub use queues::{FlowCount, Freshness, QueueSnapshot, QueueSnapshotError};
 pub use result::{ErrorCode, FinalResult, ResultChunk, ResultError, Usage};
 pub use worker::{GpuStats, KvUsage, WorkerStatus};

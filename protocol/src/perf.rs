@@ -64,12 +64,16 @@ pub struct SloRequest {
     pub min_tok_s: Option<f64>,
 }
 
+/// Highest decode-rate floor a job may ask for: far above any GPU's single-stream rate, so
+/// only nonsense is refused.
+pub const MAX_SLO_TOK_S: f64 = 10_000.0;
+
 /// Which field of an [`SloRequest`] is out of range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SloField {
     /// `ttft_ms` is 0.
     TtftMs,
-    /// `min_tok_s` is not a number in (0, [`crate::job::MAX_SLO_TOK_S`]].
+    /// `min_tok_s` is not a number in (0, [`MAX_SLO_TOK_S`]].
     MinTokS,
 }
 
@@ -80,9 +84,8 @@ impl SloRequest {
         if self.ttft_ms == Some(0) {
             return Some(SloField::TtftMs);
         }
-        let max = crate::job::MAX_SLO_TOK_S;
         match self.min_tok_s {
-            Some(r) if !(r.is_finite() && r > 0.0 && r <= max) => Some(SloField::MinTokS),
+            Some(r) if !(r.is_finite() && r > 0.0 && r <= MAX_SLO_TOK_S) => Some(SloField::MinTokS),
             _ => None,
         }
     }

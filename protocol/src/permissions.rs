@@ -28,7 +28,9 @@
 //!   matches against the permission; the body-addressed `STREAM.MSG.GET` is not granted,
 //!   since its subject or sequence travels in the body, where no permission looks), and
 //!   cancels only on `cancel.<t>.*`;
-//! - only dispatchers publish results under [`names::DISPATCHER_PUBLISHER`].
+//! - only dispatchers publish results under [`names::DISPATCHER_PUBLISHER`];
+//! - a worker reads the info of WORK, EVENTS and its two buckets only: the info of JOBS,
+//!   DECISIONS or RESULTS, asked with a subjects filter, lists every tenant's job ids.
 //!
 //! What permissions cannot say, readers and the dispatcher check: a worker may publish
 //! results for any job under its own id (the server does not know which jobs it holds), so
@@ -219,7 +221,13 @@ pub fn rules(role: Role) -> RoleRules {
         },
         Role::WorkerAgent => RoleRules {
             publish: vec![
-                stream_info,
+                // The info of the streams and buckets it uses (`setup::ensure_for_worker`)
+                // only: that of JOBS, DECISIONS or RESULTS, asked with a subjects filter,
+                // lists every tenant's job ids.
+                js(&format!("STREAM.INFO.{STREAM_WORK}")),
+                js(&format!("STREAM.INFO.{STREAM_EVENTS}")),
+                js(&format!("STREAM.INFO.KV_{BUCKET_WORKERS}")),
+                js(&format!("STREAM.INFO.KV_{BUCKET_LEADER}")),
                 js(&format!("CONSUMER.INFO.{STREAM_WORK}.worker-{{worker_id}}")),
                 js(&format!(
                     "CONSUMER.CREATE.{STREAM_WORK}.worker-{{worker_id}}.work.{{worker_id}}"
@@ -486,12 +494,30 @@ mod tests {
             ["results.*.*.n1-gpu0.chunk", "results.*.*.n1-gpu0.final"],
             "results under its own id only"
         );
-        // Of the lease, it may only read the one key (to check a new epoch).
+        // Of the lease, it may only open the bucket and read the one key (to check a new
+        // epoch).
         let leader: Vec<&String> = publish.iter().filter(|s| s.contains("leader")).collect();
         assert_eq!(
             leader,
-            ["$JS.API.DIRECT.GET.KV_leader.$KV.leader.dispatcher"],
+            [
+                "$JS.API.STREAM.INFO.KV_leader",
+                "$JS.API.DIRECT.GET.KV_leader.$KV.leader.dispatcher"
+            ],
             "{leader:?}"
+        );
+        // No stream info where the subjects name tenants' jobs.
+        let infos: Vec<&String> = publish
+            .iter()
+            .filter(|s| s.contains("STREAM.INFO"))
+            .collect();
+        assert_eq!(
+            infos,
+            [
+                "$JS.API.STREAM.INFO.WORK",
+                "$JS.API.STREAM.INFO.EVENTS",
+                "$JS.API.STREAM.INFO.KV_workers",
+                "$JS.API.STREAM.INFO.KV_leader"
+            ]
         );
         let acl = redis_acl(&[id], "m");
         assert!(

@@ -123,7 +123,63 @@ pub async fn ensure_all(
     js: &jetstream::Context,
     s: &StreamSettings,
 ) -> Result<Buckets, SetupError> {
-    let streams = [
+    for config in stream_configs(s) {
+        let name = static_name(&config.name);
+        ensure_stream(js, name, config).await?;
+    }
+    let workers = ensure_bucket(js, BUCKET_WORKERS, s.workers_max_age, s).await?;
+    let leader = ensure_bucket(js, BUCKET_LEADER, s.leader_ttl, s).await?;
+    // Counters are kept until overwritten: a failover may come at any time.
+    let fairness = ensure_bucket(js, BUCKET_FAIRNESS, Duration::ZERO, s).await?;
+    let queues = ensure_bucket(js, BUCKET_QUEUES, s.queues_max_age, s).await?;
+    if s.replicas > 1 {
+        for (name, have) in under_replicated(js, s.replicas).await {
+            tracing::warn!(
+                stream = name,
+                replicas = have,
+                configured = s.replicas,
+                "an existing stream keeps fewer copies than configured: losing its node loses it (raise its replicas, docs/PROVISIONING.md)"
+            );
+        }
+    }
+    Ok(Buckets {
+        workers,
+        leader,
+        fairness,
+        queues,
+    })
+}
+
+/// The buckets a worker-agent uses.
+#[derive(Clone)]
+pub struct WorkerBuckets {
+    pub workers: kv::Store,
+    pub leader: kv::Store,
+}
+
+/// Create (or find) what a worker-agent uses: the WORK stream it pulls from, the EVENTS
+/// stream it reports to, and the `workers` and `leader` buckets. Not JOBS, DECISIONS or
+/// RESULTS: their info, asked with a subjects filter, lists every tenant's job ids, which
+/// a worker identity may not read (`permissions`).
+pub async fn ensure_for_worker(
+    js: &jetstream::Context,
+    s: &StreamSettings,
+) -> Result<WorkerBuckets, SetupError> {
+    for config in stream_configs(s) {
+        let name = static_name(&config.name);
+        if name == STREAM_WORK || name == STREAM_EVENTS {
+            ensure_stream(js, name, config).await?;
+        }
+    }
+    Ok(WorkerBuckets {
+        workers: ensure_bucket(js, BUCKET_WORKERS, s.workers_max_age, s).await?,
+        leader: ensure_bucket(js, BUCKET_LEADER, s.leader_ttl, s).await?,
+    })
+}
+
+/// The contract's streams, as `s` configures them.
+fn stream_configs(s: &StreamSettings) -> [stream::Config; 5] {
+    [
         stream::Config {
             name: STREAM_JOBS.into(),
             subjects: JOBS_SUBJECTS.iter().map(|s| s.to_string()).collect(),
@@ -178,32 +234,7 @@ pub async fn ensure_all(
             max_age: s.events_max_age,
             ..Default::default()
         },
-    ];
-    for config in streams {
-        let name = static_name(&config.name);
-        ensure_stream(js, name, config).await?;
-    }
-    let workers = ensure_bucket(js, BUCKET_WORKERS, s.workers_max_age, s).await?;
-    let leader = ensure_bucket(js, BUCKET_LEADER, s.leader_ttl, s).await?;
-    // Counters are kept until overwritten: a failover may come at any time.
-    let fairness = ensure_bucket(js, BUCKET_FAIRNESS, Duration::ZERO, s).await?;
-    let queues = ensure_bucket(js, BUCKET_QUEUES, s.queues_max_age, s).await?;
-    if s.replicas > 1 {
-        for (name, have) in under_replicated(js, s.replicas).await {
-            tracing::warn!(
-                stream = name,
-                replicas = have,
-                configured = s.replicas,
-                "an existing stream keeps fewer copies than configured: losing its node loses it (raise its replicas, docs/PROVISIONING.md)"
-            );
-        }
-    }
-    Ok(Buckets {
-        workers,
-        leader,
-        fairness,
-        queues,
-    })
+    ]
 }
 
 /// Every stream of the contract, the buckets' included (`KV_<bucket>`).

@@ -53,6 +53,10 @@ fn full() -> Decision {
                 ],
                 normalised: [0.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0 / 7.0],
                 prediction: Some(prediction(52.3, 49.7, 2)),
+                cached_prefix: Some(CachedPrefix {
+                    tokens: 1_024,
+                    source: PrefixSource::Placements,
+                }),
             },
             CandidateScore {
                 worker_id: "local-gpu0".into(),
@@ -68,6 +72,7 @@ fn full() -> Decision {
                 ],
                 normalised: [1.0, 0.0, 0.5, 1.0, 0.0, 0.0, 0.0],
                 prediction: None,
+                cached_prefix: None,
             },
         ],
         rejected: vec![Rejection {
@@ -130,8 +135,8 @@ fn the_compact_form_names_the_terms_once_and_lists_values_as_arrays() {
     let keys: Vec<&str> = c.as_object().unwrap().keys().map(String::as_str).collect();
     assert_eq!(
         keys.len(),
-        5,
-        "worker_id, total, raw, normalised, prediction: {keys:?}"
+        6,
+        "worker_id, total, raw, normalised, prediction, cached_prefix: {keys:?}"
     );
     assert!(v["candidates"][1].get("prediction").is_none());
     // No per-term objects, no weight or contribution repeated per candidate.
@@ -325,4 +330,26 @@ fn a_rejection_without_scores_has_no_scoring() {
     let v = serde_json::to_value(&d).unwrap();
     assert!(v.get("scoring").is_none(), "{v}");
     assert_eq!(serde_json::from_value::<Decision>(v).unwrap(), d);
+}
+
+#[test]
+fn a_candidates_cached_prefix_is_written_with_its_source_and_optional_to_read() {
+    let d = full();
+    let text = serde_json::to_value(&d).unwrap();
+    assert_eq!(
+        text["candidates"][0]["cached_prefix"],
+        json!({"tokens": 1024, "source": "placements"})
+    );
+    assert!(text["candidates"][1].get("cached_prefix").is_none());
+    // A record from a dispatcher that knew no prefixes reads without it.
+    let mut old = text.clone();
+    old["candidates"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("cached_prefix");
+    let read: Decision = serde_json::from_value(old).unwrap();
+    assert_eq!(read.candidates[0].cached_prefix, None);
+    let events = json!({"tokens": 16, "source": "events"});
+    let c: CachedPrefix = serde_json::from_value(events).unwrap();
+    assert_eq!(c.source, PrefixSource::Events);
 }

@@ -13,10 +13,13 @@
 //! - [`nats`]: NATS credentials and TLS ([`nats::NatsAuth`]), read the same way by every
 //!   binary and turned into `async_nats::ConnectOptions`;
 //! - [`redis`]: Redis TLS ([`redis::RedisTls`]) and the client every binary opens with it;
-//! - [`tls`]: the CA, certificate and key files both read, checked at start-up.
+//! - [`tls`]: the CA, certificate and key files both read, checked at start-up;
+//! - [`build_info`]: the version and git commit every binary reports on `/metrics`.
 //!
 //! Nothing here decides policy; each binary keeps its own configuration struct, checks,
 //! flags, messages and exit codes and only calls these helpers.
+
+pub mod build_info;
 
 pub mod config;
 

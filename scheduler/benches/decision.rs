@@ -22,6 +22,7 @@ fn decision(c: &mut Criterion) {
             min_tok_s: 30.0,
         },
         ttft_remaining_ms: Some(2_000.0),
+        prefix: None,
     };
     let mut group = c.benchmark_group("decision");
     for n in [8usize, 64, 512] {

@@ -33,6 +33,7 @@ fn main() {
             min_tok_s: 30.0,
         },
         ttft_remaining_ms: Some(2_000.0),
+        prefix: None,
     };
     let (workers, mut ledger) = pool(64);
     for _ in 0..n {

@@ -123,6 +123,7 @@ pub fn rescore(candidates: &[CandidateScore], weights: &Weights) -> Vec<Candidat
                 raw: r.raw,
                 normalised: r.normalised,
                 prediction: r.score.prediction,
+                cached_prefix: r.score.cached_prefix,
             }
         })
         .collect()
@@ -153,6 +154,8 @@ pub(crate) struct Candidate<'a> {
     raw: [Option<f64>; TERMS],
     normalised: [f64; TERMS],
     pub total: f64,
+    /// What the worker holds of the job's prompt, as the decision records it.
+    job_cached: Option<metronome_protocol::CachedPrefix>,
 }
 
 impl Candidate<'_> {
@@ -169,6 +172,7 @@ impl Candidate<'_> {
             raw: self.raw,
             normalised: self.normalised,
             prediction: Some(self.forecast.prediction()),
+            cached_prefix: self.job_cached,
         }
     }
 }
@@ -237,6 +241,7 @@ pub(crate) fn rank<'a>(
             raw,
             normalised: [0.0; TERMS],
             total: 0.0,
+            job_cached: job.cached_prefix_on(view.worker_id()),
         });
     }
     normalise(&mut candidates);

@@ -5,10 +5,12 @@
 //! reservations), `c` context tokens held by them, `q` prompt tokens still waiting for
 //! prefill and a job of `p` prompt tokens expected to write `L` tokens:
 //!
-//! - the job's TTFT is `ttft_base + prefill_per_token · (p + q) + ttft_per_stream · s`;
+//! - the job's TTFT is `ttft_base + prefill_per_token · (u + q) + ttft_per_stream · s`,
+//!   where `u ≤ p` is the part of the prompt the worker does not hold in its prefix cache
+//!   ([`JobRequest::prefill_tokens_on`]; `u = p` for a job without a prefix fingerprint);
 //! - every stream then decodes at one token per
 //!   `step = step_base + step_per_stream · s + step_per_ktok · (c + p + L/2) / 1000`;
-//! - the job's prefill stalls every running stream for `stall_per_prefill_token · p`;
+//! - the job's prefill stalls every running stream for `stall_per_prefill_token · u`;
 //! - the job itself, once running, stands still while later admissions are prefilled, for
 //!   the stall they most likely charge if they go on as they recently have
 //!   ([`crate::StallOutlook::likely_stall_ms`]): its expected average is its output over its
@@ -109,20 +111,25 @@ impl Forecast {
         let mut booked_pending = Some(0.0);
         let mut unreported_pending = 0.0;
         for r in ledger.reservations_on(&status.worker_id) {
-            let (prompt, out) = r.profile.map_or((0.0, default_output), |p| {
-                (f64::from(p.prompt_tokens), p.protected_output)
+            let (prompt, prefill, out) = r.profile.map_or((0.0, 0.0, default_output), |p| {
+                let prefill = p.prompt_tokens.saturating_sub(p.cached_tokens);
+                (
+                    f64::from(p.prompt_tokens),
+                    f64::from(prefill),
+                    p.protected_output,
+                )
             });
             let context = prompt + out / 2.0;
             ledger_context += context;
             if !status.in_flight.contains(&r.job_id) {
                 unreported_context += context;
-                unreported_prompt += prompt;
+                unreported_prompt += prefill;
             }
             booked_pending = match (booked_pending, r.profile) {
                 (Some(sum), Some(p)) if p.decoding_from_ms > 0 && load.now_ms > 0 => {
                     let span = p.decoding_from_ms.saturating_sub(r.reserved_ms).max(1) as f64;
                     let left = p.decoding_from_ms.saturating_sub(load.now_ms) as f64 / span;
-                    let pending = prompt * left.min(1.0);
+                    let pending = prefill * left.min(1.0);
                     if !status.in_flight.contains(&r.job_id) {
                         unreported_pending += pending;
                     }
@@ -155,16 +162,19 @@ impl Forecast {
             .unwrap_or(status.prefill_pending_tokens as f64 + unreported_prompt);
         let streams_before = load.effective_active;
         let s = f64::from(streams_before);
+        // The whole prompt is context for every decode step; only its uncached part is
+        // prefilled, so only that part delays the first token and stalls the streams.
         let p = f64::from(job.prompt_tokens);
+        let prefill = f64::from(job.prefill_tokens_on(&status.worker_id));
         let c = &coefficients;
         let ttft_ms = c.ttft_base_ms
-            + c.prefill_per_token_ms * (p + pending_prefill_tokens)
+            + c.prefill_per_token_ms * (prefill + pending_prefill_tokens)
             + c.ttft_per_stream_ms * s;
         let step_ms = (c.step_base_ms
             + c.step_per_stream_ms * s
             + c.step_per_ktok_ms * (context_tokens + p + default_output / 2.0) / 1000.0)
             .max(1e-3);
-        let stall_ms = c.stall_per_prefill_token_ms * p;
+        let stall_ms = c.stall_per_prefill_token_ms * prefill;
         // Floors are judged a prediction error slower than predicted: judged at the
         // prediction itself, a stream is let down to exactly its floor, and the half of
         // the predictions that come out slow put it under.
@@ -419,6 +429,38 @@ mod tests {
     }
 
     #[test]
+    fn a_cached_prefix_is_not_prefilled_but_still_decoded_over() {
+        use crate::{Cached, PrefixLookup};
+        use metronome_protocol::PrefixSource;
+        let mut w = worker("w1");
+        w.status.perf = Some(PerfCoefficients {
+            step_per_ktok_ms: 1.0,
+            ..coefficients()
+        });
+        w.status.kv = None;
+        let mut j = job("m");
+        j.prompt_tokens = 1_000;
+        let full = forecast(&w, &Ledger::new(), &j);
+        let cached = Cached {
+            tokens: 960,
+            shared_tokens: 0,
+        };
+        let j = j.with_prefix(PrefixLookup::new(
+            PrefixSource::Placements,
+            [("w1".to_string(), cached), ("w2".to_string(), cached)],
+        ));
+        let hit = forecast(&w, &Ledger::new(), &j);
+        // 40 tokens prefilled instead of 1,000: 10 + 0.1 * 40; stall 0.2 * 40.
+        assert!((hit.ttft_ms - 14.0).abs() < 1e-9, "{hit:?}");
+        assert!((full.ttft_ms - 110.0).abs() < 1e-9, "{full:?}");
+        assert!((hit.stall_ms - 8.0).abs() < 1e-9);
+        assert_eq!(
+            hit.step_ms, full.step_ms,
+            "the cached tokens are context all the same"
+        );
+    }
+
+    #[test]
     fn the_recorded_rate_expects_the_stall_the_admissions_most_likely_charge() {
         let mut w = worker("w1");
         w.status.perf = Some(coefficients());
@@ -477,6 +519,7 @@ mod tests {
         let mut l = Ledger::new();
         let booked = JobProfile {
             prompt_tokens: 1_000,
+            cached_tokens: 0,
             protected_output: 100.0,
             min_tok_s: 30.0,
             max_tokens: 100,
@@ -512,6 +555,7 @@ mod tests {
         for id in ["a", "b"] {
             let booked = JobProfile {
                 prompt_tokens: 3_000,
+                cached_tokens: 0,
                 protected_output: 10.0,
                 min_tok_s: 30.0,
                 max_tokens: 10,
@@ -522,6 +566,7 @@ mod tests {
         // A third, not yet reported, just booked: all of its prompt is still ahead.
         let fresh = JobProfile {
             prompt_tokens: 1_000,
+            cached_tokens: 0,
             protected_output: 10.0,
             min_tok_s: 30.0,
             max_tokens: 10,

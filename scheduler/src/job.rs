@@ -4,8 +4,10 @@
 //! job can ever occupy) and the predicted output length used for the job-cost term (the
 //! per-model output-length EWMA, never more than `max_tokens`).
 
-use metronome_protocol::decision::JobCostEstimate;
+use metronome_protocol::decision::{CachedPrefix, JobCostEstimate, PrefixSource};
 use metronome_protocol::{Job, Slo};
+
+use crate::prefix_index::Cached;
 use serde::{Deserialize, Serialize};
 
 /// One job to place.
@@ -23,6 +25,36 @@ pub struct JobRequest {
     /// that budget is spent (the job can no longer meet its TTFT anywhere, so only the
     /// jobs it would join are protected).
     pub ttft_remaining_ms: Option<f64>,
+    /// What each worker holds of the job's prompt in its prefix cache, when the job
+    /// carries a prefix fingerprint: its prefill there is only the uncached rest
+    /// ([`JobRequest::prefill_tokens_on`]). `None`: every worker prefills all of it.
+    #[serde(default)]
+    pub prefix: Option<PrefixLookup>,
+}
+
+/// The cached part of one job's prompt on each worker that holds some of it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PrefixLookup {
+    /// Where the figures come from.
+    pub source: PrefixSource,
+    /// The workers holding part of the prompt, sorted by worker id.
+    pub on: Vec<(String, Cached)>,
+}
+
+impl PrefixLookup {
+    /// A lookup from `source` over the workers' figures (those holding nothing dropped).
+    pub fn new(source: PrefixSource, on: impl IntoIterator<Item = (String, Cached)>) -> Self {
+        let mut on: Vec<(String, Cached)> = on.into_iter().filter(|(_, c)| c.tokens > 0).collect();
+        on.sort_by(|a, b| a.0.cmp(&b.0));
+        PrefixLookup { source, on }
+    }
+
+    /// What `worker_id` holds (nothing when it is not listed).
+    pub fn on(&self, worker_id: &str) -> Cached {
+        self.on
+            .binary_search_by(|(w, _)| w.as_str().cmp(worker_id))
+            .map_or(Cached::default(), |i| self.on[i].1)
+    }
 }
 
 impl JobRequest {
@@ -38,7 +70,45 @@ impl JobRequest {
             predicted_output_tokens,
             slo,
             ttft_remaining_ms: Some(slo.ttft_ms as f64),
+            prefix: None,
         }
+    }
+
+    /// The same job with what each worker holds of its prompt.
+    pub fn with_prefix(mut self, prefix: PrefixLookup) -> Self {
+        self.prefix = Some(prefix);
+        self
+    }
+
+    /// What `worker_id` holds of the prompt in its prefix cache.
+    pub fn cached_on(&self, worker_id: &str) -> Cached {
+        self.prefix
+            .as_ref()
+            .map_or(Cached::default(), |p| p.on(worker_id))
+    }
+
+    /// Prompt tokens `worker_id` would prefill: the prompt less what it holds.
+    pub fn prefill_tokens_on(&self, worker_id: &str) -> u32 {
+        self.prompt_tokens
+            .saturating_sub(self.cached_on(worker_id).tokens)
+    }
+
+    /// New KV tokens the job can occupy on `worker_id` at its largest: [`Self::kv_tokens`]
+    /// less the cached blocks a running job there already holds (shared, not allocated
+    /// again). Cached blocks no job uses count in full: the server counts them free and
+    /// allocates them again for this job.
+    pub fn kv_tokens_on(&self, worker_id: &str) -> u64 {
+        self.kv_tokens()
+            .saturating_sub(u64::from(self.cached_on(worker_id).shared_tokens))
+    }
+
+    /// The cached part on `worker_id` as a decision records it; `None` for a job without
+    /// a prefix fingerprint.
+    pub fn cached_prefix_on(&self, worker_id: &str) -> Option<CachedPrefix> {
+        self.prefix.as_ref().map(|p| CachedPrefix {
+            tokens: p.on(worker_id).tokens,
+            source: p.source,
+        })
     }
 
     /// The same job after waiting `waited_ms` since submission: its TTFT budget shrinks,
@@ -93,7 +163,45 @@ mod tests {
                 min_tok_s: 30.0,
             },
             ttft_remaining_ms: Some(2_000.0),
+            prefix: None,
         }
+    }
+
+    #[test]
+    fn a_worker_holding_part_of_the_prompt_prefills_the_rest() {
+        let cached = |tokens, shared_tokens| Cached {
+            tokens,
+            shared_tokens,
+        };
+        let lookup = PrefixLookup::new(
+            PrefixSource::Placements,
+            [
+                ("w2".to_string(), cached(64, 32)),
+                ("w1".to_string(), cached(80, 0)),
+                ("w3".to_string(), cached(0, 0)),
+            ],
+        );
+        assert_eq!(lookup.on.len(), 2, "workers holding nothing are not listed");
+        let j = job(1.0).with_prefix(lookup);
+        assert_eq!(j.prefill_tokens_on("w1"), 20);
+        assert_eq!(j.prefill_tokens_on("w2"), 36);
+        assert_eq!(j.prefill_tokens_on("w3"), 100);
+        assert_eq!(
+            j.kv_tokens_on("w1"),
+            150,
+            "cached but unreferenced: allocated again"
+        );
+        assert_eq!(j.kv_tokens_on("w2"), 118);
+        assert_eq!(
+            j.cached_prefix_on("w3"),
+            Some(CachedPrefix {
+                tokens: 0,
+                source: PrefixSource::Placements
+            })
+        );
+        let plain = job(1.0);
+        assert_eq!(plain.prefill_tokens_on("w1"), 100);
+        assert_eq!(plain.cached_prefix_on("w1"), None);
     }
 
     #[test]

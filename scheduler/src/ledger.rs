@@ -47,11 +47,15 @@ impl Hasher for Fnv1a {
 type FixedState = BuildHasherDefault<Fnv1a>;
 
 /// What admission control needs to know about a booked job to protect its SLO while it
-/// runs: its prompt (prefill still to come while unreported), its expected output and the
+/// runs: its prompt (prefill still to come while unreported, less its cached prefix), its expected output and the
 /// decode-rate floor it was promised.
 #[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 pub struct JobProfile {
     pub prompt_tokens: u32,
+    /// Of its prompt, the tokens its worker was believed to hold in its prefix cache: not
+    /// prefilled, still context.
+    #[serde(default)]
+    pub cached_tokens: u32,
     /// Output tokens it is protected as writing: a length it is unlikely to fall short of
     /// ([`crate::OutputLength::predict_low`]; its expected output where nothing better is
     /// known), never more than its `max_tokens`.

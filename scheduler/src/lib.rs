@@ -48,6 +48,7 @@ pub mod load;
 pub mod output_len;
 pub mod perf;
 pub mod policy;
+pub mod prefix_index;
 pub mod term;
 #[cfg(test)]
 pub(crate) mod testutil;
@@ -58,12 +59,13 @@ pub use drain::DrainRate;
 pub use evaluate::{evaluate, rescore, Evaluation};
 pub use fairness::{Fairness, FairnessConfig, FairnessSnapshot, RecentArrivals, Tokens};
 pub use forecast::{Forecast, IdleTtft};
-pub use job::JobRequest;
+pub use job::{JobRequest, PrefixLookup};
 pub use least_harm::{least_harm, least_harm_within};
 pub use ledger::{JobProfile, Ledger, LedgerError, Reconciliation, Reservation, StallOutlook};
 pub use load::WorkerLoad;
 pub use output_len::OutputLength;
 pub use policy::{choose, PolicyKind, PolicyState};
+pub use prefix_index::{Cached, PrefixIndex};
 pub use view::{EwmaSnapshot, WorkerView};
 
 /// The job-size record of a decision, re-exported for callers of [`Evaluation`].

@@ -19,6 +19,7 @@ pub fn job(model: &str) -> JobRequest {
             min_tok_s: 30.0,
         },
         ttft_remaining_ms: Some(2_000.0),
+        prefix: None,
     }
 }
 

@@ -152,6 +152,7 @@ fn job_strategy() -> impl Strategy<Value = JobRequest> {
                 min_tok_s: 30.0,
             },
             ttft_remaining_ms: Some(2_000.0),
+            prefix: None,
         }
     })
 }

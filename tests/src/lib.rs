@@ -447,12 +447,3 @@ pub fn chat_body(model: &str, max_tokens: u32, stream: bool) -> serde_json::Valu
         "stream_options": {"include_usage": stream},
     })
 }
-
-/// Parse an SSE body into its `data:` payloads.
-pub fn sse_events(body: &str) -> Vec<String> {
-    body.lines()
-        .filter_map(|l| l.strip_prefix("data:"))
-        .map(|d| d.trim().to_string())
-        .filter(|d| !d.is_empty())
-        .collect()
-}

@@ -16,8 +16,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 source "$ROOT/scripts/lib.sh"
 VENV="$ROOT/.venv"
 ANSIBLE_DIR="$ROOT/ansible"
-BINARIES=(metronome-dispatcher metronome-gateway metronome-worker-agent metronome-gpu-sim)
+BINARIES=(metronome-dispatcher metronome-gateway metronome-worker-agent metronome-gpu-sim metronome)
 declare -A PACKAGE_OF=(
+  [metronome]=metronome-cli
   [metronome-dispatcher]=metronome-dispatcher
   [metronome-gateway]=metronome-gateway
   [metronome-worker-agent]=metronome-worker-agent
@@ -141,6 +142,78 @@ if play "$INV" "$STAGE" site.yml; then
 else
   fail "site.yml runs on the example inventory (2 hosts, 8 GPUs) into a staging root" "$(cat "$WORK/last.log")"
   finish
+fi
+cp "$WORK/last.log" "$WORK/first-run.log"
+
+# Every binary of the package, the operator CLI included, on every host.
+missing_bins=()
+for host in gpu-node-1 gpu-node-2; do
+  for b in "${BINARIES[@]}"; do
+    cmp -s "$WORK/bin/$b" "$STAGE/$host/usr/local/bin/$b" || missing_bins+=("$host:$b")
+  done
+done
+if [ ${#missing_bins[@]} -eq 0 ]; then
+  pass "every binary, the metronome CLI included, is installed on both hosts"
+else
+  fail "every binary, the metronome CLI included, is installed on both hosts" "missing or different: ${missing_bins[*]}"
+fi
+
+# A rolling upgrade: the GPU play runs one node per batch (serial 1 by default), and each
+# node drains exactly the workers it restarts, with the CLI, before restarting them (a
+# first install restarts every assigned GPU; the second run below drains nothing).
+drain_plan() { # $1 = log; prints "host: [GPUs]" for each drain plan of the run
+  grep -oE '[A-Za-z0-9_.-]+: drain before restart GPUs \[[0-9, ]*\]' "$1" | sed 's/ drain before restart GPUs//'
+}
+plan=$(drain_plan "$WORK/first-run.log")
+want_plan="gpu-node-1: [0, 1, 2, 3]
+gpu-node-2: [0, 1, 2]"
+batches=$(grep -c '^PLAY \[GPU nodes' "$WORK/first-run.log")
+if [ "$plan" = "$want_plan" ] && [ "$batches" = 2 ] \
+   && grep -q 'max_fail_percentage: 0' site.yml; then
+  pass "GPU nodes are changed one at a time (2 batches, a failure stops the rollout), each draining exactly the workers it restarts"
+else
+  fail "GPU nodes are changed one at a time, each draining the workers it restarts" \
+    "batches of the GPU play: $batches (want 2); drain plans:
+$plan
+want:
+$want_plan"
+fi
+
+# The metrics flag of each model server that needs one (vLLM and TGI serve /metrics
+# unasked): SGLang here; llama.cpp in the all-kinds inventory below.
+sglang_units=$(grep -l 'sglang.launch_server' "$STAGE"/gpu-node-2/etc/systemd/system/metronome-model-gpu*.service)
+if [ -n "$sglang_units" ] && ! grep -L -- '"--enable-metrics"' $sglang_units | grep -q .; then
+  pass "SGLang model servers start with --enable-metrics ($(wc -w <<<"$sglang_units") units)"
+else
+  fail "SGLang model servers start with --enable-metrics" "${sglang_units:-no SGLang unit rendered}"
+fi
+
+# Prometheus scrapes the model servers it can reach: those of its own host on 127.0.0.1,
+# labelled with worker id, model and kind; gpu-node-2's listen on its loopback, so they
+# are listed as not scraped.
+model_scrape_check() { # $1 = prometheus.yml, $2 = expected "target worker_id server" lines
+  "$PY" - "$1" "$2" <<'PYEOF'
+import sys, yaml
+conf = yaml.safe_load(open(sys.argv[1]))
+job = next((j for j in conf["scrape_configs"] if j["job_name"] == "metronome-model-server"), None)
+if job is None:
+    sys.exit("no metronome-model-server job")
+got = sorted(f'{t} {c["labels"]["worker_id"]} {c["labels"]["server"]}'
+             for c in job["static_configs"] for t in c["targets"])
+want = sorted(l for l in sys.argv[2].splitlines() if l)
+if got != want:
+    sys.exit(f"model-server targets {got}, want {want}")
+PYEOF
+}
+prom1="$STAGE/gpu-node-1/etc/prometheus/prometheus.yml"
+if out=$(model_scrape_check "$prom1" "127.0.0.1:8000 gpu-node-1-gpu0 vllm
+127.0.0.1:8001 gpu-node-1-gpu1 vllm
+127.0.0.1:8002 gpu-node-1-gpu2 vllm
+127.0.0.1:8003 gpu-node-1-gpu3 vllm" 2>&1) \
+   && grep -q '^# Not scraped (model_server_host is loopback on another node): gpu-node-2-gpu0, gpu-node-2-gpu1, gpu-node-2-gpu2$' "$prom1"; then
+  pass "Prometheus scrapes the model servers on its own host (labelled worker_id, model, server) and lists those it cannot reach"
+else
+  fail "Prometheus scrapes the model servers it can reach" "$out$(grep -A20 metronome-model-server "$prom1")"
 fi
 
 # The rendered files against the inventory: every assigned GPU has its two units, the
@@ -653,6 +726,12 @@ if play "$INV" "$STAGE" site.yml; then
   else
     fail "second run restarts nothing" "$(grep -E ': restart ' "$WORK/last.log")"
   fi
+  if [ "$(drain_plan "$WORK/last.log")" = 'gpu-node-1: []
+gpu-node-2: []' ]; then
+    pass "second run drains nothing"
+  else
+    fail "second run drains nothing" "$(drain_plan "$WORK/last.log")"
+  fi
 else
   fail "second run reports changed=0" "$(tail -n 40 "$WORK/last.log")"
 fi
@@ -776,17 +855,86 @@ fi
 
 # --- installing from a release archive ---------------------------------------------------
 # The same binaries packed as a release (with ./-prefixed members, as `tar -C dir .` makes
-# them), installed on a new gpu-node-2, twice: the second run changes nothing.
+# them), installed on a new gpu-node-2, twice: the second run changes nothing. The
+# archive's SHA-256 is required, and a wrong one stops the run before anything is
+# unpacked or installed.
 tar -C "$WORK/bin" -czf "$WORK/release.tar.gz" .
-archive_run() {
-  play "$INV" "$WORK/stage-archive" site.yml --limit gpu-node-2 \
-    -e metronome_binaries_dir= -e "metronome_release_archive=$WORK/release.tar.gz"
+release_sha=$(sha256sum "$WORK/release.tar.gz" | cut -d' ' -f1)
+archive_play() { # $1 = staging base, $2 = the checksum to give
+  play "$INV" "$1" site.yml --limit gpu-node-2 \
+    -e metronome_binaries_dir= -e "metronome_release_archive=$WORK/release.tar.gz" \
+    -e "metronome_release_archive_sha256=$2"
 }
+archive_run() { archive_play "$WORK/stage-archive" "$release_sha"; }
+wrong_sha=$(printf '%s' "$release_sha" | tr '0-9a-f' '1-9a-f0')
+if archive_play "$WORK/stage-badsum" "$wrong_sha"; then
+  fail "a release archive whose SHA-256 differs is refused" "the play succeeded"
+elif ! grep -qF "metronome_release_archive_sha256 says $wrong_sha. Nothing was installed." "$WORK/last.log"; then
+  fail "a release archive whose SHA-256 differs is refused with a clear message" "$(play_failure)"
+elif [ -e "$WORK/stage-badsum/gpu-node-2/usr/local/bin/metronome-worker-agent" ] \
+     || [ -n "$(ls -A "$WORK/stage-badsum/gpu-node-2/opt/metronome/release" 2>/dev/null)" ]; then
+  fail "a release archive whose SHA-256 differs: nothing unpacked or installed" "$(find "$WORK/stage-badsum" -path '*bin*' -o -path '*release*' | head)"
+else
+  pass "a release archive whose SHA-256 differs is refused before anything is unpacked or installed"
+fi
+if archive_play "$WORK/stage-nosum" ""; then
+  fail "a release archive without metronome_release_archive_sha256 is refused" "the play succeeded"
+elif ! grep -qF "metronome_release_archive needs metronome_release_archive_sha256" "$WORK/last.log" \
+     || [ -e "$WORK/stage-nosum" ]; then
+  fail "a release archive without its SHA-256 is refused before anything is written" "$(play_failure)"
+else
+  pass "a release archive without metronome_release_archive_sha256 is refused before anything is written"
+fi
 if archive_run && cmp -s "$WORK/bin/metronome-worker-agent" "$WORK/stage-archive/gpu-node-2/usr/local/bin/metronome-worker-agent" \
   && archive_run && recap_changed | grep -q '^gpu-node-2 changed=0$'; then
   pass "binaries install from a release archive (metronome_release_archive), idempotently"
 else
   fail "binaries install from a release archive (metronome_release_archive), idempotently" "$(tail -n 40 "$WORK/last.log")"
+fi
+
+# --- every model-server kind, reachable model servers --------------------------------
+# gpu-node-2 runs one GPU of each kind the roles know and its model servers listen on all
+# its addresses: each kind gets the metrics flag it needs (SGLang --enable-metrics,
+# llama.cpp --metrics; vLLM and TGI serve /metrics unasked), and gpu-node-1's Prometheus
+# scrapes gpu-node-2's model servers on its address.
+KINDS_INV="$WORK/inventory-kinds"
+cp -r "$INV" "$KINDS_INV"
+cat > "$KINDS_INV/host_vars/gpu-node-2.yml" <<'EOF2'
+---
+metronome_gpu_count: 5
+model_server_host: 0.0.0.0
+metronome_gpus:
+  - {gpu: 0, model: Qwen/Qwen2.5-7B-Instruct, port: 8000, server: sglang}
+  - {gpu: 1, model: /var/lib/models/qwen2.5-7b-q4.gguf, port: 8001, server: llamacpp}
+  - {gpu: 2, model: llama-3.1-8b-sim, port: 8002, server: simulator}
+  - {gpu: 3, model: Qwen/Qwen2.5-7B-Instruct, port: 8003, server: tgi}
+  - {gpu: 4, model: meta-llama/Llama-3.1-8B-Instruct, port: 8004, server: vllm}
+EOF2
+KSTAGE="$WORK/stage-kinds"
+if play "$KINDS_INV" "$KSTAGE" site.yml; then
+  units="$KSTAGE/gpu-node-2/etc/systemd/system"
+  exec_of() { grep '^ExecStart=' "$units/metronome-model-gpu$1.service"; }
+  bad=""
+  exec_of 0 | grep -qF '"--enable-metrics"' || bad+="sglang has no --enable-metrics; "
+  exec_of 1 | grep -qF '"--metrics"' || bad+="llama.cpp has no --metrics; "
+  exec_of 3 | grep -qF 'text-generation-launcher' || bad+="no TGI unit; "
+  exec_of 4 | grep -qF '"serve"' || bad+="no vLLM unit; "
+  if out=$(model_scrape_check "$KSTAGE/gpu-node-1/etc/prometheus/prometheus.yml" "127.0.0.1:8000 gpu-node-1-gpu0 vllm
+127.0.0.1:8001 gpu-node-1-gpu1 vllm
+127.0.0.1:8002 gpu-node-1-gpu2 vllm
+127.0.0.1:8003 gpu-node-1-gpu3 vllm
+10.0.0.12:8000 gpu-node-2-gpu0 sglang
+10.0.0.12:8001 gpu-node-2-gpu1 llamacpp
+10.0.0.12:8002 gpu-node-2-gpu2 simulator
+10.0.0.12:8003 gpu-node-2-gpu3 tgi
+10.0.0.12:8004 gpu-node-2-gpu4 vllm" 2>&1) \
+     && out=$(promtool check config "$KSTAGE/gpu-node-1/etc/prometheus/prometheus.yml" 2>&1) && [ -z "$bad" ]; then
+    pass "every model-server kind starts with its metrics flag, and Prometheus (promtool-checked) scrapes the reachable model servers of both hosts"
+  else
+    fail "every model-server kind starts with its metrics flag, and Prometheus scrapes the reachable model servers" "$bad$out"
+  fi
+else
+  fail "site.yml on an inventory with every model-server kind" "$(play_failure)"
 fi
 
 # --- drain.yml ---------------------------------------------------------------------------

@@ -3,12 +3,16 @@
 #   - `promtool check rules` / `promtool test rules` on ops/prometheus/alerts.yml and its
 #     unit tests (ops/prometheus/alerts_test.yml);
 #   - `promtool check config` on ops/prometheus/prometheus.yml (compose.yaml's scrape config);
+#   - every alert has a `runbook_url` (docs/RUNBOOK.md#<anchor>) whose section exists;
+#   - the dashboard has its template variables (data source, model, worker, tenant), every
+#     panel on the $datasource variable, each filter used, and a Tenants row;
 #   - the Grafana dashboard (ops/grafana/metronome.json) parses, and every panel's query
 #     passes promtool's PromQL parser (each becomes a recording rule of a scratch file);
 #   - `./dev up --observe` for real (debug binaries, one simulated GPU): its rendered
 #     Prometheus config passes `promtool check config`, Prometheus scrapes every target
 #     with `up == 1`, and every metric name the alert rules and the dashboard use is one the
-#     binaries actually expose (after one job, so per-job series exist).
+#     binaries actually expose (after one job, so per-job series exist), and every
+#     binary's metronome_build_info (version, commit) is scraped.
 #
 # promtool and prometheus come from Debian's `prometheus` package; missing ones are
 # installed like the other suites' tools (scripts/lib.sh), and fail with an install hint
@@ -37,6 +41,64 @@ log "promtool test rules alerts_test.yml"
 promtool test rules alerts_test.yml
 log "promtool check config prometheus.yml"
 promtool check config prometheus.yml
+
+log "every alert has a runbook_url whose section exists in docs/RUNBOOK.md"
+python3 - "$ROOT/ops/prometheus/alerts.yml" "$ROOT/docs/RUNBOOK.md" <<'PY'
+import re, sys, yaml
+rules = [r for g in yaml.safe_load(open(sys.argv[1]))["groups"] for r in g["rules"] if "alert" in r]
+# GitHub's heading anchors: lower case, punctuation other than '-' and '_' dropped,
+# spaces to '-'.
+anchors = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+           for h in re.findall(r"(?m)^#{1,6} (.+)$", open(sys.argv[2]).read())}
+errors = []
+for r in rules:
+    url = r.get("annotations", {}).get("runbook_url")
+    if not url:
+        errors.append(f"{r['alert']}: no runbook_url annotation")
+    elif not re.fullmatch(r"docs/RUNBOOK\.md#[a-z0-9_-]+", url):
+        errors.append(f"{r['alert']}: runbook_url {url!r} is not docs/RUNBOOK.md#<anchor>")
+    elif url.split("#", 1)[1] not in anchors:
+        errors.append(f"{r['alert']}: docs/RUNBOOK.md has no section #{url.split('#', 1)[1]}")
+if errors:
+    sys.exit("\n".join(errors))
+print(f"{len(rules)} alerts, each with a runbook section")
+PY
+
+log "dashboard ops/grafana/metronome.json: variables (data source, model, worker, tenant) and tenant panels"
+python3 - "$ROOT/ops/grafana/metronome.json" <<'PY'
+import json, sys
+dash = json.load(open(sys.argv[1]))
+errors = []
+variables = {v["name"]: v for v in dash.get("templating", {}).get("list", [])}
+for name, kind in [("datasource", "datasource"), ("model", "query"), ("worker", "query"), ("tenant", "query")]:
+    if name not in variables:
+        errors.append(f"no template variable ${name}")
+    elif variables[name]["type"] != kind:
+        errors.append(f"${name} is a {variables[name]['type']} variable, want {kind}")
+panels = [p for p in dash["panels"] if p.get("targets")]
+for p in panels:
+    uids = {ds.get("uid") for ds in [p.get("datasource")] + [t.get("datasource") for t in p["targets"]] if ds is not None}
+    if uids - {"${datasource}"}:
+        errors.append(f"panel {p['title']!r} queries data source(s) {sorted(uids - {'${datasource}'})}, not $datasource")
+# Each filter variable is used by at least one panel, and the tenant ones sit under a
+# Tenants row.
+exprs = [t["expr"] for p in panels for t in p["targets"]]
+for var, label in [("model", "model"), ("worker", "worker_id"), ("tenant", "tenant")]:
+    if not any(f'=~"${var}"' in e for e in exprs):
+        errors.append(f"no panel filters by ${var} ({label}=~\"${var}\")")
+rows = [p for p in dash["panels"] if p["type"] == "row"]
+tenant_row = next((r for r in rows if r["title"] == "Tenants"), None)
+if tenant_row is None:
+    errors.append("no Tenants row")
+else:
+    below = [p for p in panels if p["gridPos"]["y"] > tenant_row["gridPos"]["y"]]
+    tenant_panels = [p for p in below if any('tenant=~"$tenant"' in t["expr"] for t in p["targets"])]
+    if len(tenant_panels) < 3:
+        errors.append(f"the Tenants row has {len(tenant_panels)} panels filtered by $tenant, want at least 3")
+if errors:
+    sys.exit("\n".join(errors))
+print(f"variables {sorted(variables)}; {len(panels)} panels on $datasource")
+PY
 
 log "dashboard ops/grafana/metronome.json: every panel query parses"
 python3 - "$ROOT/ops/grafana/metronome.json" "$WORK/dashboard_rules.yml" "$WORK/dashboard_metrics.txt" <<'PY'
@@ -110,5 +172,18 @@ while True:
         sys.exit(f"targets down: {down}\njobs scraped: {sorted(seen_jobs)}\nmetric names used but not exposed: {missing}")
     time.sleep(1)
 print(f"{len(targets)} targets up in jobs {sorted(seen_jobs)}; all {len(wanted)} metric names used by the rules and the dashboard are exposed")
+# Every Metronome binary reports its build: metronome_build_info with a version and a
+# commit label, value 1, in each of the four jobs.
+deadline = time.time() + 30
+while True:
+    rows = get("/api/v1/query?query=metronome_build_info")["result"]
+    bad = [r["metric"] for r in rows if r["value"][1] != "1" or not r["metric"].get("version") or not r["metric"].get("commit")]
+    build_jobs = {r["metric"].get("job") for r in rows}
+    if jobs <= build_jobs and not bad:
+        break
+    if time.time() > deadline:
+        sys.exit(f"metronome_build_info: jobs reporting it {sorted(build_jobs)}, want {sorted(jobs)}; malformed: {bad}")
+    time.sleep(1)
+print("metronome_build_info in every job: " + ", ".join(sorted({f"{r['metric']['job']} {r['metric']['version']} {r['metric']['commit']}" for r in rows})))
 PY
 log "observability checks passed"

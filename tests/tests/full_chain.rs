@@ -3,8 +3,8 @@
 
 use std::collections::BTreeSet;
 
-use metronome_e2e::{chat_body, sse_events, Cluster, ClusterSpec};
-use metronome_protocol::Outcome;
+use metronome_e2e::{chat_body, Cluster, ClusterSpec};
+use metronome_protocol::{sse, Outcome};
 
 const MODEL: &str = "e2e-model";
 
@@ -53,7 +53,7 @@ async fn chat_and_completions_answer_streaming_and_not() {
         .unwrap()
         .starts_with("text/event-stream"));
     assert!(resp.headers().contains_key("x-metronome-job-id"));
-    let events = sse_events(&resp.text().await.unwrap());
+    let events = sse::data_payloads(&resp.text().await.unwrap());
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     let chunks: Vec<serde_json::Value> = events[..events.len() - 1]
         .iter()
@@ -89,7 +89,7 @@ async fn chat_and_completions_answer_streaming_and_not() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);
-    let events = sse_events(&resp.text().await.unwrap());
+    let events = sse::data_payloads(&resp.text().await.unwrap());
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     let text: String = events[..events.len() - 1]
         .iter()
@@ -317,7 +317,7 @@ async fn the_gateway_relays_only_the_assigned_workers_results() {
         text.push_str(&String::from_utf8_lossy(&part.unwrap()));
     }
     assert!(!text.contains("FORGED"), "{text}");
-    let events = sse_events(&text);
+    let events = sse::data_payloads(&text);
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{text}");
     let usage: Vec<serde_json::Value> = events[..events.len() - 1]
         .iter()

@@ -149,7 +149,7 @@ async fn every_error_is_openai_shaped_and_the_system_keeps_serving() {
             cluster.logs()
         );
     }
-    let events = metronome_e2e::sse_events(&long.text().await.unwrap());
+    let events = metronome_protocol::sse::data_payloads(&long.text().await.unwrap());
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     assert_still_serving(&http, &cluster).await;
 

@@ -11,7 +11,7 @@ use async_nats::{Event, ServerError};
 use futures::StreamExt;
 use metronome_protocol::names::{self, BUCKET_LEADER, STREAM_DECISIONS, STREAM_WORK};
 use metronome_protocol::permissions::{nats_authorization, redis_acl, Identity, Role};
-use metronome_protocol::setup::{ensure_all, Buckets, StreamSettings};
+use metronome_protocol::setup::{ensure_all, ensure_for_worker, Buckets, StreamSettings};
 use metronome_runtime::nats::NatsAuth;
 use metronome_testkit::{wait_for, NatsServer, RedisServer};
 
@@ -46,6 +46,8 @@ struct Conn {
     /// event; this short timeout only ends the wait for a reply that never comes.
     js_denied: jetstream::Context,
     errors: Arc<Mutex<Vec<String>>>,
+    /// A stream whose info this identity may read ([`Conn::handled`]).
+    readable_stream: &'static str,
 }
 
 impl Conn {
@@ -78,6 +80,11 @@ impl Conn {
                 .build(client.clone()),
             client,
             errors,
+            readable_stream: if user.starts_with("worker-") {
+                STREAM_WORK
+            } else {
+                names::STREAM_JOBS
+            },
         }
     }
 
@@ -125,10 +132,11 @@ impl Conn {
     /// as a subscription that must be in place before another connection publishes. A
     /// flush only writes to the socket; a request on the same connection is answered after
     /// the server handled what came before it (it handles a connection's messages in
-    /// order). Every identity here but the auditor may read the JOBS stream's info.
+    /// order). Every identity here but the auditor and the workers may read the JOBS
+    /// stream's info; the workers read WORK's.
     async fn handled(&self) {
         self.js
-            .get_stream(names::STREAM_JOBS)
+            .get_stream(self.readable_stream)
             .await
             .expect("a round trip");
     }
@@ -232,7 +240,7 @@ async fn a_worker_uses_its_own_consumer_heartbeat_and_events_and_nothing_else() 
     let dispatcher = Conn::open(&sys.nats, "dispatcher-a").await;
 
     // What a worker-agent does at start and per job works.
-    let buckets = ensure_all(&w1.js, &StreamSettings::default())
+    let buckets = ensure_for_worker(&w1.js, &StreamSettings::default())
         .await
         .expect("a worker opens the existing streams and buckets");
     let work = w1.js.get_stream(STREAM_WORK).await.expect("WORK info");
@@ -441,6 +449,16 @@ async fn a_worker_uses_its_own_consumer_heartbeat_and_events_and_nothing_else() 
         .is_err());
     w1.refused("creating a stream", "$JS.API.STREAM.CREATE.SNOOP")
         .await;
+    // Nor reads a stream's info where its subjects name tenants' jobs: a request with a
+    // subjects filter lists every job id (and a forged refusal needs only the id).
+    for stream in [STREAM_DECISIONS, names::STREAM_RESULTS, names::STREAM_JOBS] {
+        assert!(
+            w1.js_denied.get_stream(stream).await.is_err(),
+            "a worker reads {stream}'s info"
+        );
+        w1.refused("a stream's info", &format!("$JS.API.STREAM.INFO.{stream}"))
+            .await;
+    }
 }
 
 #[tokio::test]

@@ -85,7 +85,7 @@ async fn a_killed_workers_jobs_finish_elsewhere_or_fail_clearly() {
         "stream of the lost job never ended:\n{}",
         cluster.logs()
     );
-    let events = metronome_e2e::sse_events(&received);
+    let events = metronome_protocol::sse::data_payloads(&received);
     if events.iter().any(|e| e == "[DONE]") {
         let decisions: Vec<_> = cluster
             .all_decisions()

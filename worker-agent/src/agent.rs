@@ -9,30 +9,19 @@
 //!   again). While draining every new assignment is refused the same way.
 //! - A message that is not an assignment never stops the loop: it is logged with its
 //!   reason, counted, copied to the dead-letter subject and terminated (never redelivered).
-//! - A job is in `in_flight` from the moment it is accepted until its event is published;
-//!   heartbeats list exactly these ids.
-//! - No job runs twice because of this agent:
-//!   - a redelivered assignment of a job the previous run reported fails as lost
-//!     (whichever leader assigned it: checked before the epoch);
-//!   - one it does not hold otherwise (it restarted, or the delivery never reached a
-//!     runner) is refused back to the dispatcher rather than run;
-//!   - only a refusal of a first delivery carries the job (a leader that does not hold
-//!     the body assigns it again from that copy, so the copy must be of a job no run of
-//!     this agent started);
-//!   - a job starts only once a stored heartbeat lists it, and never if the agent was
-//!     fenced (see [`crate::fence`]) between taking and reporting it;
-//!   - a job the leader revoked (it declared this worker dead and settled the job, or
-//!     assigned again what its purge removed) stops without a result or an event.
+//! - Every other rule (epochs, redeliveries, revocations, the fence, when a job starts)
+//!   is the job lifecycle's ([`crate::lifecycle`]): this file asks it about each delivery
+//!   and performs what it answers. A held job's task ([`hold`]) owns the WORK message and
+//!   performs the effects the lifecycle emits for the job later (start, refuse, terminate).
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::pull::{Pulled, Puller, ANSWER_GRACE, PULL_EXPIRES};
 use async_nats::jetstream::{self, consumer, kv, AckKind};
 use metronome_protocol::names::{
-    event_done_subject, result_final_subject, tenant_token, work_consumer, work_msg_id,
-    work_subject, HEADER_MSG_ID, LEADER_KEY, STREAM_WORK, SUBJECT_DEAD_LETTER,
+    event_done_subject, result_final_subject, work_consumer, work_msg_id, work_subject,
+    HEADER_MSG_ID, LEADER_KEY, STREAM_WORK, SUBJECT_DEAD_LETTER,
 };
 use metronome_protocol::time::unix_ms;
 use metronome_protocol::{
@@ -43,8 +32,9 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
+use crate::lifecycle::{Ack, Assigned, Effect, Lease, Pull, Refusal};
 use crate::runner::{publish_js, run_job, FINAL_ONCE};
-use crate::shared::{Held, InFlight, Shared};
+use crate::shared::{now, Mailbox, Shared, Slot};
 
 /// Errors that stop the agent (everything else is logged and survived).
 #[derive(Debug, thiserror::Error)]
@@ -124,26 +114,31 @@ pub async fn ensure_consumer(
 /// and return. Running jobs are left to finish (the caller drains them). Pull requests are
 /// answered on one inbox ([`crate::pull`]).
 pub(crate) async fn intake(shared: Arc<Shared>, mut puller: Puller, stop: CancellationToken) {
-    let max = shared.config.max_concurrency as usize;
     let mut backoff = Duration::from_millis(100);
     while !stop.is_cancelled() {
-        if shared.fence.check(tokio::time::Instant::now()).fenced {
-            tracing::warn!("fenced: not pulling until a heartbeat is stored");
-            tokio::select! {
-                _ = shared.fence.wait_lowered() => {}
-                _ = stop.cancelled() => break,
+        // Subscribed before the check, so a heartbeat stored in between still wakes it.
+        let mut stored = shared.stored.subscribe();
+        let (pull, effects) = shared.machine(|m| m.pull(now()));
+        effects.into_iter().for_each(|e| shared.perform(e));
+        let free = match pull {
+            Pull::Free(n) => n,
+            Pull::Fenced => {
+                tracing::warn!("fenced: not pulling until a heartbeat is stored");
+                tokio::select! {
+                    _ = stored.changed() => {}
+                    _ = stop.cancelled() => break,
+                }
+                tracing::info!("heartbeats stored again: pulling");
+                continue;
             }
-            tracing::info!("heartbeats stored again: pulling");
-            continue;
-        }
-        let free = max.saturating_sub(shared.running());
-        if free == 0 {
-            tokio::select! {
-                _ = shared.slot_freed.notified() => {}
-                _ = stop.cancelled() => break,
+            Pull::Full => {
+                tokio::select! {
+                    _ = shared.slot_freed.notified() => {}
+                    _ = stop.cancelled() => break,
+                }
+                continue;
             }
-            continue;
-        }
+        };
         if let Err(e) = puller.request(free, PULL_EXPIRES).await {
             tracing::warn!(error = %e, "pull request failed; retrying");
             tokio::select! {
@@ -219,218 +214,116 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
         return;
     }
     let job_id = assignment.job.id.clone();
-    if assignment.worker_id != shared.config.worker_id {
-        tracing::warn!(%job_id, assigned_to = %assignment.worker_id, "assignment names another worker; refused");
-        return refuse(shared, &msg, &assignment, "assignment names another worker").await;
-    }
     let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
-    if delivered > 1 && shared.reported_before_restart.contains(&job_id) && !shared.holds(&job_id) {
-        // Checked before the epoch: a deposed leader's Assignment of a job the previous
-        // run reported must not come back as a refusal either, since a refusal may be
-        // assigned again and would run the job a second time.
-        return fail_as_lost(shared, &msg, &assignment, delivered).await;
-    }
-    let known = shared.max_epoch.load(Ordering::SeqCst);
-    if assignment.epoch > known {
-        // One message must not raise the bar for the real leader: a new epoch counts only
-        // when the lease vouches for it (`metronome_protocol::lease`).
-        if let Err(reason) = lease_vouches(shared, assignment.epoch).await {
-            shared.metrics.unvouched_epoch_refusals.inc();
-            tracing::warn!(%job_id, epoch = assignment.epoch, highest_epoch = known, reason, "assignment epoch not vouched for by the leader lease: refused");
-            return refuse(shared, &msg, &assignment, &reason).await;
-        }
-    }
-    let seen = shared
-        .max_epoch
-        .fetch_max(assignment.epoch, Ordering::SeqCst);
-    if assignment.epoch < seen {
-        shared.metrics.stale_epoch_refusals.inc();
-        tracing::warn!(%job_id, epoch = assignment.epoch, highest_epoch = seen, "stale epoch: assignment from a deposed leader refused");
-        let reason = format!(
-            "stale epoch {} (highest seen {seen}): assigned by a deposed leader",
-            assignment.epoch
-        );
-        return refuse(shared, &msg, &assignment, &reason).await;
-    }
-    if shared.draining.load(Ordering::SeqCst) {
-        tracing::info!(%job_id, "draining: assignment refused");
-        return refuse(shared, &msg, &assignment, "worker is draining").await;
-    }
-    let cancel = CancellationToken::new();
-    let revoke = CancellationToken::new();
-    let lost = CancellationToken::new();
-    let revoked = shared.was_revoked(&job_id, assignment.attempt);
-    let ended = shared
-        .ended
-        .lock()
-        .expect("ended lock")
-        .iter()
-        .any(|(id, a)| *id == job_id && *a == assignment.attempt);
-    let taken = {
-        let mut map = shared.in_flight.lock().expect("in_flight lock");
-        if map.contains_key(&job_id) {
-            Taken::AlreadyHeld
-        } else if revoked {
-            Taken::Revoked
-        } else if ended {
-            Taken::AlreadyEnded
-        } else if delivered > 1 {
-            Taken::NotHeldRedelivery
-        } else {
-            map.insert(
-                job_id.clone(),
-                Held {
-                    cancel: cancel.clone(),
-                    tenant: assignment.job.tenant.clone(),
-                    revoke: revoke.clone(),
-                    lost: lost.clone(),
-                    started: std::sync::atomic::AtomicBool::new(false),
-                    attempt: assignment.attempt,
-                    prompt_tokens: assignment.job.prompt_tokens,
-                },
-            );
-            shared.metrics.running_jobs.set(map.len() as u64);
-            Taken::Accepted
-        }
+    let assigned = Assigned {
+        job_id: job_id.clone(),
+        attempt: assignment.attempt,
+        epoch: assignment.epoch,
+        worker_id: assignment.worker_id.clone(),
+        tenant: assignment.job.tenant.clone(),
+        prompt_tokens: assignment.job.prompt_tokens,
+        delivered: u64::try_from(delivered).unwrap_or(1),
     };
-    match taken {
-        Taken::Accepted => {}
-        Taken::Revoked => {
-            // The leader gave this attempt away before the agent read it.
-            shared.metrics.revoked_jobs.inc();
-            tracing::warn!(%job_id, attempt = assignment.attempt, "assignment already revoked by the leader: not started");
-            if let Err(e) = msg.ack_with(AckKind::Term).await {
-                tracing::warn!(%job_id, error = %e, "terminating a revoked WORK message failed");
+    // One message must not raise the bar for the real leader: a new epoch counts only when
+    // the lease vouches for it (`metronome_protocol::lease`).
+    let lease = if shared.machine(|m| m.needs_lease(assignment.epoch)) {
+        match lease_vouches(shared, assignment.epoch).await {
+            Ok(()) => Lease::Vouches,
+            Err(reason) => Lease::Refuses(reason),
+        }
+    } else {
+        Lease::NotRead
+    };
+    let (effects, mailbox) = shared.assign(|m| m.assigned(&assigned, lease, now()));
+    if let Some(mailbox) = mailbox {
+        // Taken: its task waits for the lifecycle to start it.
+        for effect in effects {
+            if !matches!(effect, Effect::Hold { .. }) {
+                shared.perform(effect);
             }
-            return;
         }
-        Taken::AlreadyEnded => {
-            tracing::info!(%job_id, attempt = assignment.attempt, delivered, "redelivery of an attempt that already ended: acknowledged");
-            if let Err(e) = msg.double_ack().await {
-                tracing::warn!(%job_id, error = %e, "acknowledging an ended redelivery failed");
+        let slot = Slot::new(shared.clone(), job_id);
+        tokio::spawn(hold(shared.clone(), assignment, msg, mailbox, slot, start));
+        return;
+    }
+    let a = &assignment;
+    for effect in effects {
+        match effect {
+            Effect::Refuse {
+                why,
+                reason,
+                carry_job,
+                ..
+            } => {
+                count_refusal(shared, why);
+                tracing::warn!(%job_id, attempt = a.attempt, epoch = a.epoch, delivered, ?why, %reason, "assignment refused");
+                refuse(shared, &msg, a, &reason, carry_job).await;
             }
-            return;
-        }
-        Taken::AlreadyHeld => {
-            // A redelivery of a job this agent is already running: the running copy acks it.
-            tracing::info!(%job_id, "redelivery of a running job ignored");
-            return;
-        }
-        Taken::NotHeldRedelivery => {
-            // Delivered before, not held and never reported: an earlier run of this agent
-            // took it but never started it before a restart, or the delivery was lost on
-            // the way. Running it now could still run it twice (the dispatcher may have
-            // moved it); the dispatcher decides again.
-            shared.metrics.redelivery_refusals.inc();
-            tracing::warn!(%job_id, attempt = assignment.attempt, delivered, "redelivered assignment this agent does not hold: refused");
-            let reason = format!(
-                "redelivered assignment (delivery {delivered}) that worker {} does not hold: it restarted or never started it",
-                shared.config.worker_id
-            );
-            return refuse(shared, &msg, &assignment, &reason).await;
+            Effect::FailLost { message, .. } => {
+                shared.metrics.redelivery_refusals.inc();
+                tracing::warn!(%job_id, attempt = a.attempt, delivered, "redelivered assignment a previous run of this agent had started: failed as lost");
+                fail_as_lost(shared, &msg, a, &message).await;
+            }
+            Effect::Ack { ack, .. } => acknowledge(&msg, &job_id, ack).await,
+            other => shared.perform(other),
         }
     }
-    // Leaves `in_flight` when the task below ends, however it ends.
-    let slot = InFlight::new(shared.clone(), job_id.clone(), assignment.attempt);
-    let generation = shared.accepted_generation.fetch_add(1, Ordering::SeqCst) + 1;
-    // Taken while fenced (read from a pull made before the fence rose, or on waking from a
-    // stop): it counts as taken before the episode, so it is refused, not started, when
-    // the next heartbeat reports it.
-    let fence = shared.fence.check(tokio::time::Instant::now());
-    let episodes = fence.episodes - u64::from(fence.fenced);
-    let shared = shared.clone();
-    tokio::spawn(async move {
-        match wait_until_reported(&shared, generation, episodes, &revoke).await {
-            Reported::Start => {
-                shared.metrics.report_wait.observe(start.elapsed());
-                if let Some(held) = shared
-                    .in_flight
-                    .lock()
-                    .expect("in_flight lock")
-                    .get(&job_id)
-                {
-                    held.started.store(true, Ordering::SeqCst);
-                }
-                run_job(shared.clone(), assignment, msg, cancel, revoke, lost, start).await
-            }
-            Reported::Fenced => {
-                tracing::warn!(%job_id, "the agent was fenced before the job was reported: refused");
-                let reason = "the worker's heartbeats were not stored before the job was reported; it may have been given to another worker";
-                refuse(&shared, &msg, &assignment, reason).await;
-            }
-            Reported::Revoked => {
-                shared.metrics.revoked_jobs.inc();
-                if let Err(e) = msg.ack_with(AckKind::Term).await {
-                    tracing::warn!(%job_id, error = %e, "terminating a revoked WORK message failed");
-                }
-            }
-            Reported::Aborted => {
-                tracing::warn!(%job_id, "shutting down before the job was reported: refused");
-                refuse(
-                    &shared,
-                    &msg,
-                    &assignment,
-                    "the worker-agent shut down before starting the job",
-                )
-                .await;
-            }
-        }
-        drop(slot);
-    });
 }
 
-/// What the intake did with a delivered assignment.
-enum Taken {
-    Accepted,
-    Revoked,
-    AlreadyEnded,
-    AlreadyHeld,
-    NotHeldRedelivery,
-}
-
-/// What became of a job waiting for the heartbeat that reports it.
-#[derive(Debug, PartialEq, Eq)]
-enum Reported {
-    /// A stored heartbeat lists it and the agent was not fenced meanwhile: run it.
-    Start,
-    /// The agent was fenced between taking and reporting it: refuse it.
-    Fenced,
-    /// The leader revoked it.
-    Revoked,
-    /// The drain timeout passed first.
-    Aborted,
-}
-
-/// Start a job only once a stored heartbeat lists it. The dispatcher re-dispatches the
-/// jobs of a dead worker that it never saw reported, so a job must not produce a token
-/// before it is reported: otherwise a crash right after the first tokens would run it
-/// twice and duplicate its output. There is no time limit: a job never starts unreported
-/// (heartbeats that keep failing fence the agent, and the job is refused once they are
-/// stored again). One heartbeat covers every job accepted before it, so under load many
-/// jobs share one put.
-async fn wait_until_reported(
-    shared: &Shared,
-    generation: u64,
-    episodes_at_accept: u64,
-    revoke: &CancellationToken,
-) -> Reported {
-    let mut reported = shared.reported_generation.subscribe();
-    shared.heartbeat_now.notify_one();
-    tokio::select! {
-        r = reported.wait_for(|g| *g >= generation) => {
-            if r.is_err() {
-                return Reported::Aborted;
-            }
-        }
-        _ = revoke.cancelled() => return Reported::Revoked,
-        _ = shared.abort.cancelled() => return Reported::Aborted,
+/// Count a refusal under its reason's metric.
+fn count_refusal(shared: &Shared, why: Refusal) {
+    let m = &shared.metrics;
+    match why {
+        Refusal::StaleEpoch => m.stale_epoch_refusals.inc(),
+        Refusal::Unvouched => m.unvouched_epoch_refusals.inc(),
+        Refusal::NotHeldRedelivery => m.redelivery_refusals.inc(),
+        Refusal::OtherWorker | Refusal::Draining | Refusal::Fenced | Refusal::ShuttingDown => {}
     }
-    // The heartbeat loop records the store in the fence before it publishes the
-    // generation, so a gap that ended with this very store is already counted.
-    if shared.fence.check(tokio::time::Instant::now()).episodes != episodes_at_accept {
-        return Reported::Fenced;
+}
+
+/// Acknowledge a WORK message as the lifecycle says.
+async fn acknowledge(msg: &jetstream::Message, job_id: &str, ack: Ack) {
+    let result = match ack {
+        Ack::Done => msg.double_ack().await,
+        Ack::Term => msg.ack_with(AckKind::Term).await,
+    };
+    if let Err(e) = result {
+        tracing::warn!(%job_id, ?ack, error = %e, "acknowledging a WORK message failed");
     }
-    Reported::Start
+}
+
+/// The task of a held job: it waits for the lifecycle to start the job (a stored heartbeat
+/// listed it), refuse it (fenced meanwhile, or shutting down) or terminate it (revoked),
+/// and does so. Its `slot` is released when it ends, however it ends.
+async fn hold(
+    shared: Arc<Shared>,
+    assignment: Assignment,
+    msg: jetstream::Message,
+    mut mailbox: Mailbox,
+    slot: Slot,
+    taken: Instant,
+) {
+    let job_id = assignment.job.id.clone();
+    while let Some(effect) = mailbox.recv().await {
+        match effect {
+            Effect::Start { .. } => {
+                shared.metrics.report_wait.observe(taken.elapsed());
+                run_job(shared.clone(), assignment, msg, mailbox).await;
+                break;
+            }
+            Effect::Refuse { why, reason, .. } => {
+                tracing::warn!(%job_id, ?why, "held job refused before it started: {reason}");
+                refuse(&shared, &msg, &assignment, &reason, false).await;
+                break;
+            }
+            Effect::Ack { ack, .. } => {
+                acknowledge(&msg, &job_id, ack).await;
+                break;
+            }
+            other => tracing::debug!(%job_id, effect = ?other, "ignored while waiting to start"),
+        }
+    }
+    drop(slot);
 }
 
 /// Ok when the leader lease vouches for `epoch` (above every epoch this agent has seen);
@@ -460,36 +353,31 @@ async fn lease_vouches(shared: &Shared, epoch: u64) -> Result<(), String> {
 /// A redelivery of a job the previous run of this agent reported: it may have started and
 /// streamed, so running it anywhere again could duplicate output its client already has.
 /// It fails with the lost-worker error, as a dead worker's reported jobs do.
-async fn fail_as_lost(shared: &Shared, msg: &jetstream::Message, a: &Assignment, delivered: i64) {
-    let job_id = &a.job.id;
-    shared.metrics.redelivery_refusals.inc();
-    tracing::warn!(%job_id, attempt = a.attempt, delivered, "redelivered assignment a previous run of this agent had started: failed as lost");
-    let message = format!(
-        "worker {} restarted while holding the job; it is not run again so no output is duplicated",
-        shared.config.worker_id
-    );
+async fn fail_as_lost(shared: &Shared, msg: &jetstream::Message, a: &Assignment, message: &str) {
     finish_without_running(
         shared,
         a,
         CompletionOutcome::Failed,
-        Some((ErrorCode::WorkerLost, message.clone())),
-        &message,
+        Some((ErrorCode::WorkerLost, message.to_string())),
+        message,
         true,
         false,
     )
     .await;
-    if let Err(e) = msg.double_ack().await {
-        tracing::warn!(%job_id, error = %e, "acknowledging a lost redelivery failed");
-    }
+    acknowledge(msg, &a.job.id, Ack::Done).await;
 }
 
 /// Refuse without running: the dispatcher will decide again. The refusal carries the job
-/// only when no run of this agent can have started it (its first delivery, not held): a
-/// leader that does not hold the body assigns it again from that copy, and a job that may
-/// have streamed must not run twice.
-async fn refuse(shared: &Shared, msg: &jetstream::Message, a: &Assignment, reason: &str) {
-    let first_delivery = msg.info().is_ok_and(|i| i.delivered == 1);
-    let carry_job = first_delivery && !shared.holds(&a.job.id);
+/// only when the lifecycle says no run of this agent can have started it (`carry_job`):
+/// a leader that does not hold the body assigns it again from that copy, and a job that
+/// may have streamed must not run twice.
+async fn refuse(
+    shared: &Shared,
+    msg: &jetstream::Message,
+    a: &Assignment,
+    reason: &str,
+    carry_job: bool,
+) {
     finish_without_running(
         shared,
         a,
@@ -500,9 +388,7 @@ async fn refuse(shared: &Shared, msg: &jetstream::Message, a: &Assignment, reaso
         carry_job,
     )
     .await;
-    if let Err(e) = msg.double_ack().await {
-        tracing::warn!(job_id = %a.job.id, error = %e, "acknowledging a refused assignment failed");
-    }
+    acknowledge(msg, &a.job.id, Ack::Done).await;
 }
 
 /// Publish the event (and for a failure, the final result) of a job that never ran.
@@ -615,28 +501,4 @@ async fn reject_malformed(shared: &Shared, msg: &jetstream::Message, reason: &st
     if let Err(e) = msg.ack_with(AckKind::Term).await {
         tracing::warn!(error = %e, "terminating a malformed WORK message failed");
     }
-}
-
-/// A client's cancel of `job_id` naming tenant token `tenant`, relayed by the leader on
-/// `control.<worker_id>.cancel` (workers hear no `cancel.*.*`): stop the job if this agent
-/// holds it. A client may publish only under its own tenant but may name any job id, so a
-/// cancel naming another tenant than the held job's is ignored (and counted).
-pub(crate) fn cancel_held(shared: &Shared, tenant: &str, job_id: &str) {
-    let held = shared
-        .in_flight
-        .lock()
-        .expect("in_flight lock")
-        .get(job_id)
-        .map(|h| (h.cancel.clone(), h.tenant.clone()));
-    let Some((cancel, job_tenant)) = held else {
-        tracing::debug!(%job_id, "cancel of a job not held here");
-        return;
-    };
-    if tenant_token(job_tenant.as_deref()) != tenant {
-        shared.metrics.cancels_of_another_tenant.inc();
-        tracing::warn!(%job_id, cancel_tenant = tenant, job_tenant = tenant_token(job_tenant.as_deref()), "ignoring a cancel that names another tenant than the job's");
-        return;
-    }
-    tracing::info!(%job_id, "cancellation requested: stopping generation");
-    cancel.cancel();
 }

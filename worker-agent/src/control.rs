@@ -13,7 +13,6 @@
 //! on its way out. The loop keeps serving the leader's `cancel` and `revoke` until `stop`
 //! (after the drain): a client's cancel must still stop a job while it finishes.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use futures::StreamExt;
@@ -62,8 +61,7 @@ pub(crate) async fn serve(
             let error = apply(&shared, action);
             if closing.is_cancelled() {
                 // The shutdown began while this applied: it drains whatever this said.
-                shared.draining.store(true, Ordering::SeqCst);
-                shared.metrics.draining.set(1);
+                shared.set_draining(true);
             }
             error
         };
@@ -71,7 +69,7 @@ pub(crate) async fn serve(
         let body = ControlReply {
             v: PROTOCOL_VERSION,
             worker_id: shared.config.worker_id.clone(),
-            draining: shared.draining.load(Ordering::SeqCst),
+            draining: shared.draining(),
             running: shared.running() as u32,
             in_flight: shared.in_flight_ids(),
             error,
@@ -87,7 +85,7 @@ pub(crate) async fn serve(
 fn revoke(shared: &Shared, body: &[u8]) -> Option<String> {
     match serde_json::from_slice::<Revoke>(body) {
         Ok(r) => {
-            let held = shared.revoke(&r);
+            let held = shared.dispatch(|m| m.revoke(&r));
             tracing::info!(
                 listed = r.jobs.len(),
                 held,
@@ -108,7 +106,9 @@ fn revoke(shared: &Shared, body: &[u8]) -> Option<String> {
 fn cancel(shared: &Shared, body: &[u8]) -> Option<String> {
     match serde_json::from_slice::<RelayedCancel>(body) {
         Ok(c) => {
-            crate::agent::cancel_held(shared, &c.tenant, &c.job_id);
+            if shared.dispatch(|m| m.cancel(&c.tenant, &c.job_id)) > 0 {
+                tracing::info!(job_id = %c.job_id, "cancellation requested: stopping generation");
+            }
             None
         }
         Err(e) => {
@@ -130,8 +130,7 @@ fn apply(shared: &Shared, action: &str) -> Option<String> {
             ));
         }
     };
-    let was = shared.draining.swap(draining, Ordering::SeqCst);
-    shared.metrics.draining.set(u64::from(draining));
+    let was = shared.set_draining(draining);
     if was != draining {
         tracing::info!(
             draining,

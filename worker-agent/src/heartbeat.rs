@@ -27,9 +27,12 @@
 //! key on the same condition, so of "the agent reports job J" and "the leader gives J away"
 //! exactly one is stored. When the agent's put is the one refused, the leader has settled
 //! everything the agent held (retried or failed to its clients): the agent drops it all
-//! ([`Shared::given_away`]) and registers again with a plain put.
+//! ([`JobMachine::given_away`](crate::lifecycle::JobMachine::given_away)) and registers
+//! again with a plain put.
+//!
+//! What a heartbeat says about the jobs, and what a stored one lets start, is the job
+//! lifecycle's ([`crate::lifecycle`]).
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use async_nats::jetstream::kv;
@@ -38,8 +41,8 @@ use metronome_protocol::time::unix_ms;
 use metronome_protocol::{WorkerStatus, PROTOCOL_VERSION};
 use tokio_util::sync::CancellationToken;
 
-use crate::probe::{ProbeCache, Probed};
-use crate::shared::Shared;
+use crate::probe_cache::{ProbeCache, Probed};
+use crate::shared::{now, Shared};
 
 /// What became of a heartbeat put.
 enum Stored {
@@ -76,14 +79,9 @@ impl Heartbeat {
             gpu,
             ended_at_scrape,
         } = self.probes.latest();
-        let ended_since_scrape = shared
-            .ended_on_server
-            .load(Ordering::SeqCst)
-            .saturating_sub(ended_at_scrape);
-        // Read before the job list: every job accepted up to this generation is in it.
-        self.generation = shared.accepted_generation.load(Ordering::SeqCst);
-        let in_flight = shared.in_flight_ids();
-        let own = in_flight.len() as u32;
+        // One read of the lifecycle: every job taken up to `generation` is listed.
+        let jobs = shared.machine(|m| m.heartbeat(load.running, ended_at_scrape));
+        self.generation = jobs.generation;
         self.seq += 1;
         WorkerStatus {
             v: PROTOCOL_VERSION,
@@ -92,18 +90,18 @@ impl Heartbeat {
             node: cfg.node.clone(),
             gpu_index: cfg.gpu_index,
             healthy,
-            draining: shared.draining.load(Ordering::SeqCst),
+            draining: jobs.draining,
             max_concurrency: cfg.max_concurrency,
-            active: running_now(load.running, ended_since_scrape).unwrap_or(own),
+            active: jobs.active,
             queued: load.waiting.unwrap_or(0),
-            in_flight,
+            in_flight: jobs.in_flight,
             kv: load.kv,
             gpu,
-            prefill_pending_tokens: shared.prefill_pending_tokens(),
+            prefill_pending_tokens: jobs.prefill_pending_tokens,
             perf: Some(shared.perf_coefficients()),
             seq: self.seq,
             sent_ms: unix_ms(),
-            max_epoch: shared.max_epoch.load(Ordering::SeqCst),
+            max_epoch: jobs.max_epoch,
         }
     }
 
@@ -132,7 +130,7 @@ impl Heartbeat {
             }
             Ok(Ok(Stored::GivenAway)) => {
                 self.revision = None;
-                let dropped = shared.given_away();
+                let dropped = shared.dispatch(|m| m.given_away());
                 tracing::warn!(
                     seq = status.seq,
                     dropped,
@@ -158,17 +156,23 @@ impl Heartbeat {
         match put {
             Ok(()) => {
                 shared.metrics.heartbeats.inc();
-                // The fence first: a job waiting for this report checks it next.
-                shared.fence.stored(tokio::time::Instant::now());
+                // The jobs this heartbeat listed start (or are refused, had the agent been
+                // fenced since it took them); a fenced intake pulls again.
                 let generation = self.generation;
-                shared
-                    .reported_generation
-                    .send_modify(|g| *g = (*g).max(generation));
+                shared.dispatch(|m| m.reported(generation, now()));
+                shared.stored.send_modify(|n| *n += 1);
                 Some(status)
             }
             Err(error) => {
                 shared.metrics.heartbeat_errors.inc();
-                let fenced = shared.fence.check(tokio::time::Instant::now()).fenced;
+                let (fence, effects) = shared.machine(|m| {
+                    let mut effects = m.heartbeat_failed(now());
+                    let (state, more) = m.fence(now());
+                    effects.extend(more);
+                    (state, effects)
+                });
+                effects.into_iter().for_each(|e| shared.perform(e));
+                let fenced = fence.fenced;
                 tracing::warn!(%error, seq = status.seq, fenced, "heartbeat not stored");
                 None
             }
@@ -237,24 +241,5 @@ impl Heartbeat {
         if let Err(e) = self.bucket.delete(&self.shared.config.worker_id).await {
             tracing::warn!(error = %e, "removing the worker from the workers bucket failed");
         }
-    }
-}
-
-/// The server's running count at its last scrape, less the agent's jobs that have ended
-/// since: those were running then and are not now.
-fn running_now(scraped: Option<u32>, ended_since_scrape: u64) -> Option<u32> {
-    scraped.map(|r| r.saturating_sub(u32::try_from(ended_since_scrape).unwrap_or(u32::MAX)))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn jobs_ended_since_the_scrape_leave_the_running_count() {
-        assert_eq!(running_now(Some(3), 1), Some(2));
-        assert_eq!(running_now(Some(1), 4), Some(0));
-        assert_eq!(running_now(None, 2), None);
-        assert_eq!(running_now(Some(5), 0), Some(5));
     }
 }

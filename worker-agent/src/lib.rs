@@ -17,28 +17,27 @@ pub mod bound;
 pub mod config;
 mod control;
 pub mod ewma_store;
-mod fence;
 pub mod gpu_probe;
 mod heartbeat;
+pub mod kv_events;
+pub mod lifecycle;
 pub mod load_tracker;
 pub mod metrics;
 pub mod metrics_scrape;
 pub mod model_client;
 pub mod perf_store;
 mod probe;
+mod probe_cache;
 pub mod pull;
 pub mod runner;
 mod shared;
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
-use metronome_protocol::setup::{ensure_all, StreamSettings};
-use tokio::sync::Notify;
+use metronome_protocol::setup::{ensure_for_worker, StreamSettings};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -49,7 +48,8 @@ pub use metrics::AgentMetrics;
 pub use model_client::{HttpModelClient, ModelClient, ModelError};
 
 use heartbeat::Heartbeat;
-use shared::Shared;
+use lifecycle::JobMachine;
+use shared::{Parts, Shared};
 
 /// The I/O the agent reaches through traits, so tests and other hosts can swap them.
 #[derive(Clone)]
@@ -127,7 +127,7 @@ pub async fn start(
         replicas: config.stream_replicas,
         ..StreamSettings::default()
     };
-    let buckets = ensure_all(&js, &settings).await?;
+    let buckets = ensure_for_worker(&js, &settings).await?;
     agent::ensure_consumer(&js, &config).await?;
     let puller = pull::Puller::new(js.clone(), &config.worker_id)
         .await
@@ -190,37 +190,29 @@ pub async fn start(
     let reported_before_restart = previous
         .map(|s| s.in_flight.into_iter().collect())
         .unwrap_or_default();
-    let config_fence_after = config.fence_after();
-    let shared = Arc::new(Shared {
-        config,
-        client: client.clone(),
-        js,
-        model: deps.model,
-        ewma: Some(ewma),
-        metrics: metrics.clone(),
-        load: Mutex::new(load_tracker::LoadTracker::new()),
-        perf: Mutex::new(perf),
-        perf_changed: Notify::new(),
-        in_flight: Mutex::new(BTreeMap::new()),
-        max_epoch: AtomicU64::new(0),
-        leader: buckets.leader.clone(),
-        draining: AtomicBool::new(false),
-        slot_freed: Notify::new(),
-        heartbeat_now: Notify::new(),
-        abort: CancellationToken::new(),
-        accepted_generation: std::sync::atomic::AtomicU64::new(0),
-        ended_on_server: AtomicU64::new(0),
-        reported_generation: tokio::sync::watch::channel(0).0,
-        reported_before_restart,
-        revoked: Mutex::new(std::collections::VecDeque::new()),
-        ended: Mutex::new(std::collections::VecDeque::new()),
-        fence: fence::Fence::new(
-            config_fence_after,
-            tokio::time::Instant::now(),
-            metrics.clone(),
-        ),
-        probes: Arc::new(probe::ProbeCache::default()),
-    });
+    let machine = JobMachine::new(
+        lifecycle::Settings {
+            worker_id: config.worker_id.clone(),
+            max_concurrency: config.max_concurrency,
+            fence_after: config.fence_after(),
+            reported_before_restart,
+        },
+        shared::now(),
+    );
+    let shared = Arc::new(Shared::new(
+        Parts {
+            config,
+            client: client.clone(),
+            js,
+            model: deps.model,
+            ewma: Some(ewma),
+            metrics: metrics.clone(),
+            perf,
+            leader: buckets.leader.clone(),
+            probes: Arc::new(probe_cache::ProbeCache::default()),
+        },
+        machine,
+    ));
 
     let metrics_stop = CancellationToken::new();
     if let Some(listener) = metrics_listener {
@@ -297,8 +289,7 @@ pub async fn start(
         // still applies the leader's relayed cancels and revocations while jobs finish).
         control_closing.cancel();
         tracing::info!(in_flight = shared.running(), "shutdown requested: draining");
-        shared.draining.store(true, Ordering::SeqCst);
-        shared.metrics.draining.set(1);
+        shared.set_draining(true);
         shared.heartbeat_now.notify_one();
         intake_stop.cancel();
         bounded("the intake", intake_task).await;
@@ -373,7 +364,7 @@ async fn drain(shared: &Shared) {
             _ = tokio::time::sleep(Duration::from_millis(200)) => {}
             _ = tokio::time::sleep_until(deadline), if !aborted => {
                 tracing::warn!(running, "drain timeout: ending the remaining jobs with an error");
-                shared.abort.cancel();
+                shared.dispatch(|m| m.abort());
                 aborted = true;
             }
         }

@@ -280,6 +280,11 @@ impl AgentMetrics {
         );
         registry.register_collector(Box::new(Snapshot { families }));
         registry.register(
+            metronome_runtime::build_info::INFO_NAME,
+            metronome_runtime::build_info::HELP,
+            prometheus_client::metrics::info::Info::new(metronome_runtime::build_info::labels()),
+        );
+        registry.register(
             "metronome_worker_ttft_seconds",
             "Time to first token measured by the agent",
             self.ttft.0.clone(),
@@ -343,7 +348,15 @@ mod tests {
         m.job_finished(CompletionOutcome::Done);
         m.redis_errors.inc();
         let text = m.render("n1-gpu0");
-        let samples = crate::metrics_scrape::parse_prometheus(&text);
+        assert!(
+            text.contains(&format!(
+                "metronome_build_info{{worker_id=\"n1-gpu0\",version=\"{}\",commit=\"{}\"}} 1",
+                metronome_runtime::build_info::VERSION,
+                metronome_runtime::build_info::git_commit()
+            )),
+            "{text}"
+        );
+        let samples = metronome_protocol::prometheus::parse(&text);
         let done = samples
             .iter()
             .find(|s| s.name == "metronome_worker_jobs_total" && s.label("outcome") == Some("done"))
@@ -364,7 +377,7 @@ mod tests {
         let m = AgentMetrics::default();
         m.observe_ttft_ms(120.0);
         let text = m.render("odd\"id");
-        let samples = crate::metrics_scrape::parse_prometheus(&text);
+        let samples = metronome_protocol::prometheus::parse(&text);
         let count = samples
             .iter()
             .find(|s| s.name == "metronome_worker_ttft_seconds_count")
@@ -389,7 +402,7 @@ mod tests {
             .observe(std::time::Duration::from_millis(700));
         m.heartbeat_store
             .observe(std::time::Duration::from_millis(2));
-        let samples = crate::metrics_scrape::parse_prometheus(&m.render("n1-gpu0"));
+        let samples = metronome_protocol::prometheus::parse(&m.render("n1-gpu0"));
         let value = |name: &str, le: Option<&str>| {
             samples
                 .iter()

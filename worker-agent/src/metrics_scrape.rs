@@ -18,96 +18,10 @@
 //! label set: counts are summed, capacities summed, occupancy takes the fullest engine (the
 //! one that will refuse work first). Unparseable lines are skipped, never fatal.
 
+use metronome_protocol::prometheus::{self, Sample};
 use metronome_protocol::KvUsage;
 
 use crate::config::ServerKind;
-
-/// One sample of the exposition format.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Sample {
-    pub name: String,
-    pub labels: Vec<(String, String)>,
-    pub value: f64,
-}
-
-impl Sample {
-    pub fn label(&self, key: &str) -> Option<&str> {
-        self.labels
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
-    }
-}
-
-/// Parse the Prometheus text exposition format, skipping comments and lines it cannot read.
-pub fn parse_prometheus(text: &str) -> Vec<Sample> {
-    text.lines().filter_map(parse_line).collect()
-}
-
-fn parse_line(line: &str) -> Option<Sample> {
-    let line = line.trim();
-    if line.is_empty() || line.starts_with('#') {
-        return None;
-    }
-    let name_end = line
-        .find(|c: char| c == '{' || c.is_whitespace())
-        .unwrap_or(line.len());
-    let name = &line[..name_end];
-    if name.is_empty() {
-        return None;
-    }
-    let mut rest = &line[name_end..];
-    let mut labels = Vec::new();
-    if rest.starts_with('{') {
-        let (parsed, after) = parse_labels(&rest[1..])?;
-        labels = parsed;
-        rest = after;
-    }
-    // Value, then an optional timestamp.
-    let value_str = rest.split_whitespace().next()?;
-    let value = match value_str {
-        "+Inf" => f64::INFINITY,
-        "-Inf" => f64::NEG_INFINITY,
-        v => v.parse::<f64>().ok()?,
-    };
-    Some(Sample {
-        name: name.to_string(),
-        labels,
-        value,
-    })
-}
-
-/// Parse `k="v",k2="v2"}` (the opening brace already consumed); returns the text after `}`.
-fn parse_labels(mut s: &str) -> Option<(Vec<(String, String)>, &str)> {
-    let mut labels = Vec::new();
-    loop {
-        s = s.trim_start();
-        if let Some(after) = s.strip_prefix('}') {
-            return Some((labels, after));
-        }
-        let eq = s.find('=')?;
-        let key = s[..eq].trim().to_string();
-        s = s[eq + 1..].trim_start().strip_prefix('"')?;
-        let mut value = String::new();
-        let mut chars = s.char_indices();
-        let end = loop {
-            let (i, c) = chars.next()?;
-            match c {
-                '\\' => match chars.next()?.1 {
-                    'n' => value.push('\n'),
-                    other => value.push(other),
-                },
-                '"' => break i,
-                c => value.push(c),
-            }
-        };
-        labels.push((key, value));
-        s = s[end + 1..].trim_start();
-        if let Some(after) = s.strip_prefix(',') {
-            s = after;
-        }
-    }
-}
 
 /// The server's load as the heartbeat reports it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -201,7 +115,7 @@ fn capacity_tokens(kind: ServerKind, samples: &[Sample]) -> Option<u64> {
 
 /// Read the load of a server of `kind` from its exposition text.
 pub fn scrape(kind: ServerKind, text: &str) -> ServerLoad {
-    let samples = parse_prometheus(text);
+    let samples = prometheus::parse(text);
     let n = names(kind);
     let kv = max_of(&samples, n.kv_used).map(|used| KvUsage {
         used_frac: used.clamp(0.0, 1.0),
@@ -327,17 +241,5 @@ vllm:cache_config_info{engine="1",block_size="16",num_gpu_blocks="100"} 1
             "tgi_batch_current_size 4\ntgi_queue_size 7\n",
         );
         assert_eq!((tgi.running, tgi.waiting, tgi.kv), (Some(4), Some(7), None));
-    }
-
-    #[test]
-    fn labels_with_escapes_commas_and_timestamps() {
-        let s = parse_prometheus(
-            "m{a=\"x,\\\"y\\\"\",b=\"2\"} 1.5 1700000000000\nbroken{a=\"1\" 3\nm_inf +Inf\n",
-        );
-        assert_eq!(s.len(), 2, "{s:?}");
-        assert_eq!(s[0].label("a"), Some("x,\"y\""));
-        assert_eq!(s[0].label("b"), Some("2"));
-        assert_eq!(s[0].value, 1.5);
-        assert!(s[1].value.is_infinite());
     }
 }

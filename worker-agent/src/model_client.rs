@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use futures::{Stream, StreamExt};
+use metronome_protocol::sse::{self, SseDecoder};
 use metronome_protocol::Endpoint;
 use serde_json::{json, Value};
 
@@ -82,29 +83,25 @@ pub fn force_streaming(mut request: Value) -> Value {
     request
 }
 
-/// What one SSE line means for the chunk stream.
+/// What the data of one SSE event means for the chunk stream.
 #[derive(Debug, PartialEq)]
-pub enum SseLine {
+pub enum StreamData {
     /// A JSON chunk.
     Chunk(Value),
-    /// `data: [DONE]`: the stream is over.
+    /// `[DONE]`: the stream is over.
     Done,
-    /// Comments, `event:`/`id:` fields, blank lines: nothing to relay.
+    /// Empty data: nothing to relay.
     Skip,
 }
 
-/// Interpret one line of an OpenAI SSE stream (without its line ending).
-pub fn parse_sse_line(line: &str) -> Result<SseLine, ModelError> {
-    let line = line.strip_suffix('\r').unwrap_or(line);
-    let Some(data) = line.strip_prefix("data:") else {
-        return Ok(SseLine::Skip);
-    };
-    let data = data.strip_prefix(' ').unwrap_or(data).trim_end();
+/// Interpret the data of one event of an OpenAI SSE stream.
+pub fn interpret_data(data: &str) -> Result<StreamData, ModelError> {
+    let data = data.trim_end();
     if data.is_empty() {
-        return Ok(SseLine::Skip);
+        return Ok(StreamData::Skip);
     }
-    if data == "[DONE]" {
-        return Ok(SseLine::Done);
+    if data == sse::DONE {
+        return Ok(StreamData::Done);
     }
     let value: Value = serde_json::from_str(data).map_err(|e| ModelError::BadChunk {
         reason: e.to_string(),
@@ -121,7 +118,7 @@ pub fn parse_sse_line(line: &str) -> Result<SseLine, ModelError> {
             return Err(ModelError::InStream(msg));
         }
     }
-    Ok(SseLine::Chunk(value))
+    Ok(StreamData::Chunk(value))
 }
 
 fn truncate(s: &str, max: usize) -> String {
@@ -135,32 +132,30 @@ fn truncate(s: &str, max: usize) -> String {
     format!("{}…", &s[..end])
 }
 
-/// Split a byte stream into SSE lines and parse them. Lines may be cut anywhere between
-/// network reads, including inside a UTF-8 sequence, so bytes are buffered until a `\n`.
+/// Decode a byte stream as server-sent events and parse each event's data. Events may be
+/// cut anywhere between network reads, including inside a UTF-8 sequence.
 pub fn sse_chunks<S, E>(bytes: S) -> ChunkStream
 where
     S: Stream<Item = Result<bytes::Bytes, E>> + Send + 'static,
     E: std::fmt::Display + Send + 'static,
 {
     Box::pin(async_stream::stream! {
-        let mut buf: Vec<u8> = Vec::new();
+        let mut decoder = SseDecoder::new();
         let mut bytes = Box::pin(bytes);
         'read: loop {
-            match bytes.next().await {
-                Some(Ok(b)) => buf.extend_from_slice(&b),
+            let events = match bytes.next().await {
+                Some(Ok(b)) => decoder.push(&b),
                 Some(Err(e)) => {
                     yield Err(ModelError::Stream(e.to_string()));
                     return;
                 }
                 None => break 'read,
-            }
-            while let Some(pos) = buf.iter().position(|&c| c == b'\n') {
-                let line: Vec<u8> = buf.drain(..=pos).collect();
-                let line = String::from_utf8_lossy(&line[..line.len() - 1]).into_owned();
-                match parse_sse_line(&line) {
-                    Ok(SseLine::Chunk(v)) => yield Ok(v),
-                    Ok(SseLine::Done) => return,
-                    Ok(SseLine::Skip) => {}
+            };
+            for event in events {
+                match interpret_data(&event.data) {
+                    Ok(StreamData::Chunk(v)) => yield Ok(v),
+                    Ok(StreamData::Done) => return,
+                    Ok(StreamData::Skip) => {}
                     Err(e) => {
                         yield Err(e);
                         return;
@@ -168,11 +163,10 @@ where
                 }
             }
         }
-        // A last line without its newline.
-        if !buf.is_empty() {
-            let line = String::from_utf8_lossy(&buf).into_owned();
-            match parse_sse_line(&line) {
-                Ok(SseLine::Chunk(v)) => yield Ok(v),
+        // A last event without its blank line.
+        if let Some(event) = decoder.finish() {
+            match interpret_data(&event.data) {
+                Ok(StreamData::Chunk(v)) => yield Ok(v),
                 Ok(_) => {}
                 Err(e) => yield Err(e),
             }
@@ -286,20 +280,19 @@ mod tests {
     }
 
     #[test]
-    fn sse_lines() {
-        assert_eq!(parse_sse_line("data: [DONE]").unwrap(), SseLine::Done);
-        assert_eq!(parse_sse_line(": keep-alive").unwrap(), SseLine::Skip);
-        assert_eq!(parse_sse_line("").unwrap(), SseLine::Skip);
+    fn event_data() {
+        assert_eq!(interpret_data("[DONE]").unwrap(), StreamData::Done);
+        assert_eq!(interpret_data("").unwrap(), StreamData::Skip);
         assert_eq!(
-            parse_sse_line("data:{\"a\":1}\r").unwrap(),
-            SseLine::Chunk(json!({"a": 1}))
+            interpret_data("{\"a\":1}").unwrap(),
+            StreamData::Chunk(json!({"a": 1}))
         );
         assert!(matches!(
-            parse_sse_line("data: {oops"),
+            interpret_data("{oops"),
             Err(ModelError::BadChunk { .. })
         ));
         assert!(matches!(
-            parse_sse_line("data: {\"error\": {\"message\": \"out of memory\"}}"),
+            interpret_data("{\"error\": {\"message\": \"out of memory\"}}"),
             Err(ModelError::InStream(m)) if m == "out of memory"
         ));
     }

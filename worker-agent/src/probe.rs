@@ -10,59 +10,19 @@
 //! exactly as the heartbeat reported before.
 
 use std::future::Future;
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use metronome_protocol::GpuStats;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::gpu_probe::GpuProbe;
 use crate::metrics_scrape::{scrape, ServerLoad};
+use crate::probe_cache::ProbeCache;
 use crate::shared::Shared;
 
 /// Longest a single probe may take before it counts as failed.
 pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// The latest result of each probe.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub(crate) struct Probed {
-    pub healthy: bool,
-    pub load: ServerLoad,
-    /// [`Shared::ended_on_server`] when `load` was read: the jobs that ended since are
-    /// still in its running count.
-    pub ended_at_scrape: u64,
-    pub gpu: Option<GpuStats>,
-}
-
-/// Shared between the probe loops (writers) and the heartbeat (reader).
-#[derive(Default)]
-pub(crate) struct ProbeCache {
-    latest: Mutex<Probed>,
-}
-
-impl ProbeCache {
-    pub fn latest(&self) -> Probed {
-        self.latest.lock().map(|p| *p).unwrap_or_default()
-    }
-
-    /// Record that the model server stopped answering; whether it was healthy until now.
-    pub fn mark_unhealthy(&self) -> bool {
-        let mut was = false;
-        self.update(|p| {
-            was = p.healthy;
-            p.healthy = false;
-        });
-        was
-    }
-
-    fn update(&self, f: impl FnOnce(&mut Probed)) {
-        if let Ok(mut p) = self.latest.lock() {
-            f(&mut p);
-        }
-    }
-}
 
 async fn probe_health(shared: &Shared, cache: &ProbeCache) {
     let health = tokio::time::timeout(PROBE_TIMEOUT, shared.model.health()).await;
@@ -79,7 +39,7 @@ async fn probe_metrics(shared: &Shared, cache: &ProbeCache) {
     };
     // Read after the scrape: a job that ends while it is under way may or may not be in
     // the count, and is left in (a worker looks busy a moment longer, never idler).
-    let ended = shared.ended_on_server.load(Ordering::SeqCst);
+    let ended = shared.machine(|m| m.ended_on_server());
     cache.update(|p| {
         p.load = load;
         p.ended_at_scrape = ended;

@@ -12,17 +12,17 @@
 //!    (it releases the reservation); 5. the EWMA update and the performance model's
 //!    update (both off the job's slot).
 //!
-//! Measurements: TTFT from the moment the agent took the assignment to the first chunk
-//! carrying text; TPOT the mean gap between text arrivals after the first, per output
-//! token; tokens/s the output tokens over the time from start to the last token; e2e from
-//! start to the final result. A job that fails before any token says `streamed: false`, so
-//! the dispatcher knows no output reached the client. The same token arrivals feed the
-//! agent's [`LoadTracker`](crate::load_tracker::LoadTracker) (one token per chunk carrying
-//! text, as the usage estimate counts them), whose sample of a completed job updates the
-//! worker's performance model.
+//! What to publish, the chunks' numbers, the measurements and how a stopped job ends are
+//! the job lifecycle's ([`crate::lifecycle`]): this file makes the model-server call,
+//! tells the lifecycle each chunk and the call's end, and performs what it answers.
+//! Measurements ([`crate::lifecycle::measure`]) run from the moment the agent took the
+//! assignment. A job that fails before any chunk says `streamed: false`, so the dispatcher
+//! knows no output reached the client. The token arrivals (one per chunk carrying text, as
+//! the usage estimate counts them) feed the lifecycle's load tracker, whose sample of a
+//! completed job updates the worker's performance model.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::{self, AckKind};
@@ -34,68 +34,26 @@ use metronome_protocol::names::{
 };
 use metronome_protocol::time::unix_ms;
 use metronome_protocol::{
-    Assignment, CompletionEvent, CompletionOutcome, ErrorCode, FinalResult, ResultChunk,
-    ResultError, Usage, PROTOCOL_VERSION,
+    Assignment, CompletionEvent, CompletionOutcome, ErrorCode, FinalResult, ResultChunk, Usage,
+    PROTOCOL_VERSION,
 };
 use metronome_scheduler::perf::PerfSample;
-use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::assemble::Assembler;
 use crate::bound::bound_request;
 use crate::ewma_store::JobSample;
-use crate::load_tracker::Measured;
-use crate::shared::Shared;
+use crate::lifecycle::{Ack, Effect, Ending};
+use crate::shared::{now, Mailbox, Shared};
 
-/// How a running job ended, before it is published.
-#[derive(Debug)]
-enum Ending {
-    Done,
-    Failed(ErrorCode, String),
-    Cancelled,
-    /// The leader declared this worker dead and settled the job without it: no result and
-    /// no event, which would compete with the job's other run or its lost-worker error.
-    Revoked,
-}
-
-/// Timing of the token arrivals of one job.
-#[derive(Debug, Clone, Copy)]
-pub struct Timing {
-    pub start: Instant,
-    pub first_token: Option<Instant>,
-    pub last_token: Option<Instant>,
-}
-
-/// The measurements of a job from its timing and output token count.
-pub fn measure(t: &Timing, output_tokens: u32, end: Instant) -> JobSample {
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
-    let ttft_ms = t.first_token.map(|f| ms(f - t.start));
-    let tpot_ms = match (t.first_token, t.last_token) {
-        (Some(f), Some(l)) if output_tokens > 1 => Some(ms(l - f) / f64::from(output_tokens - 1)),
-        _ => None,
-    };
-    let tok_s = t.last_token.and_then(|l| {
-        let secs = (l - t.start).as_secs_f64();
-        (secs > 0.0 && output_tokens > 0).then(|| f64::from(output_tokens) / secs)
-    });
-    JobSample {
-        ttft_ms,
-        tpot_ms,
-        tok_s,
-        e2e_ms: Some(ms(end - t.start)),
-        output_tokens: Some(output_tokens),
-    }
-}
-
-/// Run `assignment` to its end. `cancel` fires when a client cancels the job.
+/// Run `assignment` to its end: the model-server call, its chunks and what the lifecycle
+/// says to publish when it ends. `mailbox` brings the lifecycle's stops (a client's cancel,
+/// a revocation, the leader declaring this worker dead, the drain timeout).
 pub(crate) async fn run_job(
     shared: Arc<Shared>,
     assignment: Assignment,
     msg: jetstream::Message,
-    cancel: CancellationToken,
-    revoke: CancellationToken,
-    lost: CancellationToken,
-    start: Instant,
+    mut mailbox: Mailbox,
 ) {
     let job_id = assignment.job.id.clone();
     // Both ids on the span, so every line about the job (JSON logs list span fields) can be
@@ -111,7 +69,6 @@ pub(crate) async fn run_job(
         let job = &assignment.job;
         let cfg = &shared.config;
         tracing::info!(endpoint = ?job.endpoint, max_tokens = job.max_tokens, "job started");
-        let tracked = Tracking::start(shared.clone(), &job.id, job.prompt_tokens);
         // The job's size, not its body, bounds the output (what was reserved for it).
         let (mut chunks, refused_body) = match bound_request(job.request.clone(), job.max_tokens) {
             Ok(request) => (shared.model.stream_completion(job.endpoint, request), None),
@@ -121,8 +78,6 @@ pub(crate) async fn run_job(
             }
         };
         let mut asm = Assembler::new(job.endpoint);
-        let mut timing = Timing { start, first_token: None, last_token: None };
-        let mut seq: u64 = 0;
         let chunk_subject = result_chunk_subject(job.tenant.as_deref(), &job.id, &cfg.worker_id);
         let mut progress = tokio::time::interval_at(
             tokio::time::Instant::now() + cfg.progress_ack_interval(),
@@ -136,16 +91,14 @@ pub(crate) async fn run_job(
         } else { loop {
             tokio::select! {
                 biased;
-                _ = revoke.cancelled() => break Ending::Revoked,
-                _ = lost.cancelled() => break Ending::Failed(
-                    ErrorCode::WorkerLost,
-                    "the leader declared this worker dead while it ran the job (its heartbeats stopped arriving)".into(),
-                ),
-                _ = cancel.cancelled() => break Ending::Cancelled,
-                _ = shared.abort.cancelled() => break Ending::Failed(
-                    ErrorCode::WorkerFailed,
-                    "the worker-agent shut down before the job finished".into(),
-                ),
+                effect = mailbox.recv() => match effect {
+                    Some(Effect::Stop { why, .. }) => {
+                        tracing::info!(?why, "stopping the job");
+                        break Ending::Stopped;
+                    }
+                    Some(other) => tracing::debug!(effect = ?other, "ignored while running"),
+                    None => break Ending::Stopped,
+                },
                 _ = &mut deadline => break Ending::Failed(
                     ErrorCode::WorkerFailed,
                     format!("the model server did not finish within {} ms", cfg.request_timeout_ms),
@@ -158,167 +111,189 @@ pub(crate) async fn run_job(
                 next = chunks.next() => match next {
                     None => break Ending::Done,
                     Some(Err(e)) => {
-                        tracing::warn!(error = %e, streamed = seq > 0, "model server failed");
+                        let streamed = shared.machine(|m| m.chunks_sent(&job.id)) > 0;
+                        tracing::warn!(error = %e, streamed, "model server failed");
                         if e.server_lost() {
                             shared.model_server_lost();
                         }
                         break Ending::Failed(ErrorCode::WorkerFailed, e.to_string());
                     }
                     Some(Ok(data)) => {
-                        let now = Instant::now();
-                        if asm.push(&data) {
-                            let mut load = shared.load.lock().expect("load lock");
-                            if timing.first_token.is_none() {
-                                timing.first_token = Some(now);
-                                load.first_token(&job.id, now);
-                            }
-                            timing.last_token = Some(now);
-                            load.tokens(&job.id, 1, now);
+                        let text = asm.push(&data);
+                        let effects = shared.machine(|m| m.chunk(&job.id, text, now()));
+                        let mut data = Some(data);
+                        for effect in effects {
+                            let (Effect::PublishChunk { seq, .. }, Some(data)) = (effect, data.take()) else { continue };
+                            publish_chunk(&shared, &chunk_subject, &assignment, seq, data).await;
                         }
-                        let chunk = ResultChunk {
-                            v: PROTOCOL_VERSION,
-                            job_id: job.id.clone(),
-                            seq,
-                            worker_id: cfg.worker_id.clone(),
-                            attempt: Some(assignment.attempt),
-                            data,
-                        };
-                        match serde_json::to_vec(&chunk) {
-                            Ok(body) => {
-                                if let Err(e) = shared.client.publish(chunk_subject.clone(), body.into()).await {
-                                    shared.metrics.nats_publish_errors.inc();
-                                    tracing::warn!(error = %e, seq, "publishing a chunk failed");
-                                }
-                            }
-                            Err(e) => tracing::warn!(error = %e, seq, "encoding a chunk failed"),
-                        }
-                        seq += 1;
                     }
                 },
             }
         } };
         // Dropping the stream closes the HTTP connection: the server stops generating.
         drop(chunks);
-        let end = Instant::now();
-        let streamed = seq > 0;
         let usage: Usage = asm.usage(job.prompt_tokens);
-        let sample = measure(&timing, usage.completion_tokens, end);
-        let measured = matches!(ending, Ending::Done).then(|| Measured {
-            prompt_tokens: usage.prompt_tokens,
-            output_tokens: usage.completion_tokens,
-            ttft_ms: sample.ttft_ms,
-            tpot_ms: sample.tpot_ms,
+        let effects = shared.machine(|m| {
+            m.finish(&job.id, ending, usage.prompt_tokens, usage.completion_tokens, now())
         });
-        let perf_sample = tracked.end(measured.as_ref(), end);
-
-        if matches!(ending, Ending::Revoked) {
-            shared.metrics.revoked_jobs.inc();
-            tracing::warn!(chunks = seq, "job revoked by the leader: stopped without a result");
-            if let Err(e) = msg.ack_with(AckKind::Term).await {
-                tracing::warn!(error = %e, "terminating the revoked WORK message failed");
-            }
-            return;
-        }
-        let (outcome, error) = match &ending {
-            Ending::Done => (CompletionOutcome::Done, None),
-            Ending::Cancelled => (
-                CompletionOutcome::Cancelled,
-                Some(ResultError { code: ErrorCode::Cancelled, message: "cancelled by the client".into() }),
-            ),
-            Ending::Failed(code, message) => (
-                CompletionOutcome::Failed,
-                Some(ResultError { code: *code, message: message.clone() }),
-            ),
-            Ending::Revoked => unreachable!("returned above"),
-        };
-        let final_result = FinalResult {
-            v: PROTOCOL_VERSION,
-            job_id: job.id.clone(),
-            worker_id: Some(cfg.worker_id.clone()),
-            response: matches!(ending, Ending::Done).then(|| asm.finish(&job.id, &job.model, usage)),
-            error: error.clone(),
-            usage,
-            chunks: seq,
-            ttft_ms: sample.ttft_ms,
-            e2e_ms: sample.e2e_ms,
-        };
-        // One final result per job and publisher in RESULTS (stored only on an empty
-        // subject): if the leader already declared this job lost (this agent was silent
-        // too long), its error was stored first and readers accept that one.
-        publish_js(&shared, result_final_subject(job.tenant.as_deref(), &job.id, &cfg.worker_id), FINAL_ONCE, &job.model, &final_result).await;
-        let msg_id = work_msg_id(&job.id, assignment.attempt);
-
-        if let Err(e) = msg.double_ack().await {
-            // The final result is out; a redelivery would be refused as a duplicate by the
-            // dispatcher's bookkeeping, so this is logged rather than retried forever.
-            tracing::warn!(error = %e, "acknowledging the WORK message failed");
-        }
-
-        let event = CompletionEvent {
-            v: PROTOCOL_VERSION,
-            job_id: job.id.clone(),
-            worker_id: cfg.worker_id.clone(),
-            model: job.model.clone(),
-            epoch: assignment.epoch,
-            attempt: assignment.attempt,
-            outcome,
-            streamed,
-            error: error.map(|e| e.message),
-            prompt_tokens: usage.prompt_tokens,
-            output_tokens: usage.completion_tokens,
-            ttft_ms: sample.ttft_ms,
-            tpot_ms: sample.tpot_ms,
-            e2e_ms: sample.e2e_ms.unwrap_or_default(),
-            finished_ms: unix_ms(),
-            job: None,
-        };
-        publish_js(&shared, event_done_subject(&cfg.worker_id), (HEADER_MSG_ID, &msg_id), &job.model, &event).await;
-
-        shared.metrics.job_finished(outcome);
-        shared.metrics.output_tokens.add(u64::from(usage.completion_tokens));
-        shared.metrics.prompt_tokens.add(u64::from(usage.prompt_tokens));
-        if let Some(t) = sample.ttft_ms {
-            shared.metrics.observe_ttft_ms(t);
-        }
-        // What the performance model learns from this job, beside its timings: why a job
-        // was slow (the streams it shared the GPU with, their context, the prompts
-        // prefilled during its decode) and, replayed, how a worker's fit got where it is.
-        let features = perf_sample.as_ref();
-        tracing::info!(
-            outcome = ?outcome,
-            chunks = seq,
-            prompt_tokens = usage.prompt_tokens,
-            output_tokens = usage.completion_tokens,
-            ttft_ms = sample.ttft_ms,
-            tpot_ms = sample.tpot_ms,
-            e2e_ms = sample.e2e_ms,
-            streams_at_start = features.map(|f| f.streams_at_start),
-            prefill_ahead_tokens = features.map(|f| f.prefill_ahead_tokens),
-            mean_decode_streams = features.map(|f| f.mean_decode_streams),
-            mean_context_tokens = features.map(|f| f.mean_context_tokens),
-            stall_prefill_tokens = features.map(|f| f.stall_prefill_tokens),
-            "job finished"
-        );
-
-        // Only complete runs are representative of the worker's speed.
-        if let Some(s) = perf_sample {
-            shared.perf.lock().expect("perf lock").observe(&s);
-            shared.metrics.perf_samples.inc();
-            shared.perf_changed.notify_one();
-        }
-        if matches!(ending, Ending::Done) {
-            if let Some(store) = shared.ewma.clone() {
-                let (worker, model) = (cfg.worker_id.clone(), job.model.clone());
-                tokio::spawn(async move {
-                    if let Err(e) = store.record(&worker, &model, &sample, unix_ms()).await {
-                        tracing::warn!(error = %e, worker_id = %worker, "EWMA update failed; later updates will retry");
+        let mut outcome = None;
+        let mut chunks_sent = 0;
+        for effect in effects {
+            match effect {
+                Effect::PublishFinal { error, chunks, ttft_ms, e2e_ms, .. } => {
+                    chunks_sent = chunks;
+                    let final_result = FinalResult {
+                        v: PROTOCOL_VERSION,
+                        job_id: job.id.clone(),
+                        worker_id: Some(cfg.worker_id.clone()),
+                        response: error.is_none().then(|| asm.finish(&job.id, &job.model, usage)),
+                        error,
+                        usage,
+                        chunks,
+                        ttft_ms,
+                        e2e_ms,
+                    };
+                    // One final result per job and publisher in RESULTS (stored only on an
+                    // empty subject): if the leader already declared this job lost (this
+                    // agent was silent too long), its error was stored first and readers
+                    // accept that one.
+                    publish_js(&shared, result_final_subject(job.tenant.as_deref(), &job.id, &cfg.worker_id), FINAL_ONCE, &job.model, &final_result).await;
+                }
+                Effect::Ack { ack: Ack::Done, .. } => {
+                    if let Err(e) = msg.double_ack().await {
+                        // The final result is out; a redelivery would be refused as a
+                        // duplicate by the dispatcher's bookkeeping, so this is logged
+                        // rather than retried forever.
+                        tracing::warn!(error = %e, "acknowledging the WORK message failed");
                     }
-                });
+                }
+                Effect::Ack { ack: Ack::Term, .. } => {
+                    // Revoked: the leader settled the job without this run; a result or
+                    // an event would compete with the job's other run or its lost-worker
+                    // error.
+                    if let Err(e) = msg.ack_with(AckKind::Term).await {
+                        tracing::warn!(error = %e, "terminating the revoked WORK message failed");
+                    }
+                }
+                Effect::PublishCompletion { event: c, .. } => {
+                    outcome = Some(c.outcome);
+                    let event = CompletionEvent {
+                        v: PROTOCOL_VERSION,
+                        job_id: job.id.clone(),
+                        worker_id: cfg.worker_id.clone(),
+                        model: job.model.clone(),
+                        epoch: assignment.epoch,
+                        attempt: assignment.attempt,
+                        outcome: c.outcome,
+                        streamed: c.streamed,
+                        error: c.error,
+                        prompt_tokens: usage.prompt_tokens,
+                        output_tokens: usage.completion_tokens,
+                        ttft_ms: c.ttft_ms,
+                        tpot_ms: c.tpot_ms,
+                        e2e_ms: c.e2e_ms,
+                        finished_ms: unix_ms(),
+                        job: None,
+                    };
+                    let msg_id = work_msg_id(&job.id, assignment.attempt);
+                    publish_js(&shared, event_done_subject(&cfg.worker_id), (HEADER_MSG_ID, &msg_id), &job.model, &event).await;
+                    shared.metrics.job_finished(c.outcome);
+                    shared.metrics.output_tokens.add(u64::from(usage.completion_tokens));
+                    shared.metrics.prompt_tokens.add(u64::from(usage.prompt_tokens));
+                    if let Some(t) = c.ttft_ms {
+                        shared.metrics.observe_ttft_ms(t);
+                    }
+                }
+                Effect::Learn { done, sample, perf, .. } => {
+                    learn(&shared, &job.model, outcome, chunks_sent, usage, done, sample, perf);
+                }
+                other => shared.perform(other),
             }
         }
     }
     .instrument(span)
     .await
+}
+
+/// Publish one chunk on core NATS (a lost chunk shows as a gap in `seq`).
+async fn publish_chunk(
+    shared: &Shared,
+    subject: &str,
+    assignment: &Assignment,
+    seq: u64,
+    data: serde_json::Value,
+) {
+    let chunk = ResultChunk {
+        v: PROTOCOL_VERSION,
+        job_id: assignment.job.id.clone(),
+        seq,
+        worker_id: shared.config.worker_id.clone(),
+        attempt: Some(assignment.attempt),
+        data,
+    };
+    match serde_json::to_vec(&chunk) {
+        Ok(body) => {
+            if let Err(e) = shared
+                .client
+                .publish(subject.to_string(), body.into())
+                .await
+            {
+                shared.metrics.nats_publish_errors.inc();
+                tracing::warn!(error = %e, seq, "publishing a chunk failed");
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, seq, "encoding a chunk failed"),
+    }
+}
+
+/// What the worker's averages learn from a job that ran: the performance model its sample,
+/// the EWMAs (in Redis, off the job's slot) a completed job's timings.
+#[allow(clippy::too_many_arguments)]
+fn learn(
+    shared: &Shared,
+    model: &str,
+    outcome: Option<CompletionOutcome>,
+    chunks: u64,
+    usage: Usage,
+    done: bool,
+    sample: JobSample,
+    perf: Option<PerfSample>,
+) {
+    // What the performance model learns from this job, beside its timings: why a job was
+    // slow (the streams it shared the GPU with, their context, the prompts prefilled
+    // during its decode) and, replayed, how a worker's fit got where it is.
+    let features = perf.as_ref();
+    tracing::info!(
+        outcome = ?outcome,
+        chunks,
+        prompt_tokens = usage.prompt_tokens,
+        output_tokens = usage.completion_tokens,
+        ttft_ms = sample.ttft_ms,
+        tpot_ms = sample.tpot_ms,
+        e2e_ms = sample.e2e_ms,
+        streams_at_start = features.map(|f| f.streams_at_start),
+        prefill_ahead_tokens = features.map(|f| f.prefill_ahead_tokens),
+        mean_decode_streams = features.map(|f| f.mean_decode_streams),
+        mean_context_tokens = features.map(|f| f.mean_context_tokens),
+        stall_prefill_tokens = features.map(|f| f.stall_prefill_tokens),
+        "job finished"
+    );
+    // Only complete runs are representative of the worker's speed.
+    if let Some(s) = perf {
+        shared.perf.lock().expect("perf lock").observe(&s);
+        shared.metrics.perf_samples.inc();
+        shared.perf_changed.notify_one();
+    }
+    if done {
+        if let Some(store) = shared.ewma.clone() {
+            let (worker, model) = (shared.config.worker_id.clone(), model.to_string());
+            tokio::spawn(async move {
+                if let Err(e) = store.record(&worker, &model, &sample, unix_ms()).await {
+                    tracing::warn!(error = %e, worker_id = %worker, "EWMA update failed; later updates will retry");
+                }
+            });
+        }
+    }
 }
 
 /// How long a JetStream publish is retried. A stream of a NATS cluster whose leader was
@@ -410,91 +385,4 @@ pub(crate) async fn publish_js<T: serde::Serialize>(
         "giving up publishing"
     );
     false
-}
-
-/// A running job's place in the load tracker (streams decoding, prefill pending), which
-/// heartbeats report: it leaves through [`Tracking::end`], or, when the job's task ends
-/// any other way (a panic, the task dropped), when the guard is dropped.
-struct Tracking {
-    shared: Arc<Shared>,
-    job_id: String,
-    open: bool,
-}
-
-impl Tracking {
-    fn start(shared: Arc<Shared>, job_id: &str, prompt_tokens: u32) -> Tracking {
-        shared
-            .load
-            .lock()
-            .expect("load lock")
-            .started(job_id, prompt_tokens, Instant::now());
-        Tracking {
-            shared,
-            job_id: job_id.to_string(),
-            open: true,
-        }
-    }
-
-    /// The job ended at `end`; with `measured` (it completed) its performance sample.
-    fn end(mut self, measured: Option<&Measured>, end: Instant) -> Option<PerfSample> {
-        self.open = false;
-        let mut load = self.shared.load.lock().expect("load lock");
-        match measured {
-            Some(m) => load.finished(&self.job_id, m, end),
-            None => {
-                load.remove(&self.job_id, end);
-                None
-            }
-        }
-    }
-}
-
-impl Drop for Tracking {
-    fn drop(&mut self) {
-        if self.open {
-            let mut load = self.shared.load.lock().unwrap_or_else(|p| p.into_inner());
-            load.remove(&self.job_id, Instant::now());
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn measurements_from_token_arrivals() {
-        let start = Instant::now();
-        let t = Timing {
-            start,
-            first_token: Some(start + Duration::from_millis(100)),
-            last_token: Some(start + Duration::from_millis(500)),
-        };
-        let s = measure(&t, 5, start + Duration::from_millis(600));
-        assert!((s.ttft_ms.unwrap() - 100.0).abs() < 1e-6);
-        assert!(
-            (s.tpot_ms.unwrap() - 100.0).abs() < 1e-6,
-            "400 ms over 4 gaps"
-        );
-        assert!((s.tok_s.unwrap() - 10.0).abs() < 1e-6, "5 tokens in 0.5 s");
-        assert!((s.e2e_ms.unwrap() - 600.0).abs() < 1e-6);
-    }
-
-    #[test]
-    fn no_token_means_no_latency_sample() {
-        let start = Instant::now();
-        let t = Timing {
-            start,
-            first_token: None,
-            last_token: None,
-        };
-        let s = measure(&t, 0, start + Duration::from_millis(10));
-        assert_eq!((s.ttft_ms, s.tpot_ms, s.tok_s), (None, None, None));
-        let t1 = Timing {
-            start,
-            first_token: Some(start),
-            last_token: Some(start),
-        };
-        assert_eq!(measure(&t1, 1, start).tpot_ms, None, "one token has no gap");
-    }
 }

@@ -2,7 +2,7 @@
 //! server: results, events, EWMAs, stale epochs, heartbeats, drain, cancellation and
 //! malformed messages.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering;
 
@@ -180,7 +180,8 @@ async fn an_assignment_streams_chunks_then_a_final_result_an_event_and_ewmas() {
     assert_eq!(
         metric_value(
             &m,
-            "metronome_worker_jobs_total{worker_id=\"n1-gpu0\",outcome=\"done\"}"
+            "metronome_worker_jobs_total",
+            &[("worker_id", "n1-gpu0"), ("outcome", "done")]
         ),
         Some(2.0),
         "{m}"
@@ -249,7 +250,7 @@ async fn a_stale_epoch_is_refused_and_acknowledged() {
     .await;
     let m = Env::agent_metrics(&agent).await;
     assert_eq!(
-        metric_value(&m, "metronome_worker_stale_epoch_refusals_total"),
+        metric_value(&m, "metronome_worker_stale_epoch_refusals_total", &[]),
         Some(1.0),
         "{m}"
     );
@@ -326,12 +327,12 @@ async fn an_epoch_the_lease_does_not_vouch_for_is_refused_and_the_leader_keeps_i
     );
     let m = Env::agent_metrics(&agent).await;
     assert_eq!(
-        metric_value(&m, "metronome_worker_unvouched_epoch_refusals_total"),
+        metric_value(&m, "metronome_worker_unvouched_epoch_refusals_total", &[]),
         Some(1.0),
         "{m}"
     );
     assert_eq!(
-        metric_value(&m, "metronome_worker_stale_epoch_refusals_total"),
+        metric_value(&m, "metronome_worker_stale_epoch_refusals_total", &[]),
         Some(0.0),
         "{m}"
     );
@@ -467,7 +468,7 @@ async fn cancel_stops_a_running_job_and_closes_the_model_server_stream() {
     env.client.flush().await.unwrap();
     wait_for("both forged cancels ignored", WAIT, || async {
         let m = Env::agent_metrics(&agent).await;
-        (metric_value(&m, "metronome_worker_cancels_of_another_tenant_total") == Some(2.0))
+        (metric_value(&m, "metronome_worker_cancels_of_another_tenant_total", &[]) == Some(2.0))
             .then_some(())
     })
     .await;
@@ -579,7 +580,7 @@ async fn malformed_messages_are_terminated_and_the_agent_keeps_serving() {
     assert_eq!(info.num_redelivered, 0);
     let m = Env::agent_metrics(&agent).await;
     assert_eq!(
-        metric_value(&m, "metronome_worker_malformed_assignments_total"),
+        metric_value(&m, "metronome_worker_malformed_assignments_total", &[]),
         Some(1.0),
         "{m}"
     );

@@ -3,7 +3,7 @@
 //! running jobs finish, every request is answered with the agent's state, and `undrain`
 //! makes the worker take work again.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

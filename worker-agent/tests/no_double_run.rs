@@ -4,7 +4,7 @@
 //! what it took before it was fenced), and the forwarded request never asks for more
 //! tokens than the job declared.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering;
 
@@ -41,7 +41,7 @@ fn final_of(list: &Collected) -> Option<FinalResult> {
 }
 
 async fn metric(agent: &metronome_worker_agent::RunningAgent, name: &str) -> f64 {
-    metric_value(&Env::agent_metrics(agent).await, name).unwrap_or(0.0)
+    metric_value(&Env::agent_metrics(agent).await, name, &[]).unwrap_or(0.0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

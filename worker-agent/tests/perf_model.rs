@@ -3,7 +3,7 @@
 //! coefficients and persists it in Redis; a restarted agent resumes it; a garbage value
 //! under its key does not stop an agent. No assertion depends on timings.
 
-mod common;
+use crate::common;
 
 use common::{collect, Env, WAIT};
 use metronome_gpu_sim::{spawn_gpu, SimGpuConfig};

@@ -2,7 +2,7 @@
 //! progress acks, a drain that outlasts its timeout ends the job with a clear error, and a
 //! Redis outage costs only the EWMA updates.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering;
 
@@ -131,13 +131,14 @@ async fn jobs_still_run_while_redis_is_down() {
     assert_eq!(fin.error, None);
     let text = wait_for("the redis error to be counted", WAIT, || async {
         let m = Env::agent_metrics(&agent).await;
-        (metric_value(&m, "metronome_worker_redis_errors_total") >= Some(1.0)).then_some(m)
+        (metric_value(&m, "metronome_worker_redis_errors_total", &[]) >= Some(1.0)).then_some(m)
     })
     .await;
     assert_eq!(
         metric_value(
             &text,
-            "metronome_worker_jobs_total{worker_id=\"r-gpu2\",outcome=\"done\"}"
+            "metronome_worker_jobs_total",
+            &[("worker_id", "r-gpu2"), ("outcome", "done")]
         ),
         Some(1.0)
     );

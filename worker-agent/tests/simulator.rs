@@ -1,7 +1,7 @@
 //! The agent in front of the bundled GPU simulator (in-process), on real NATS and Redis:
 //! the simulator's SSE stream, usage and vLLM-named metrics are read as from vLLM.
 
-mod common;
+use crate::common;
 
 use common::{collect, Env, WAIT};
 use metronome_gpu_sim::{spawn_gpu, SimGpuConfig};

@@ -2,7 +2,7 @@
 //! second one agent relays from an instant stub model server, and the time to first token
 //! it adds. Speed is reported, never asserted.
 
-mod common;
+use crate::common;
 
 use std::time::Instant;
 

@@ -287,20 +287,6 @@ pub async fn assert_openai_error(resp: reqwest::Response, status: u16, kind: &st
     error
 }
 
-/// The `data:` payloads of an SSE body.
-pub fn sse_data(text: &str) -> Vec<String> {
-    text.split("\n\n")
-        .filter_map(|event| {
-            let data: Vec<&str> = event
-                .lines()
-                .filter_map(|l| l.strip_prefix("data:"))
-                .map(|d| d.strip_prefix(' ').unwrap_or(d))
-                .collect();
-            (!data.is_empty()).then(|| data.join("\n"))
-        })
-        .collect()
-}
-
 /// What the fake does with a job, from the markers in its request text.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Script {

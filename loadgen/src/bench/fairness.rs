@@ -35,7 +35,7 @@ use super::scenarios::{
     nominal_for, write_agent_metrics, write_samples, BenchPlan, MODEL, SAMPLE_INTERVAL,
 };
 use super::system::{System, SystemSpec};
-use crate::drill::{signal, stop_restarted, Image};
+use crate::process::{signal, stop_restarted, Image};
 use crate::stats::percentile;
 use crate::{
     run_load, write_outputs, LengthDist, LoadSpec, RequestRecord, RunResult, Summary, TenantLoad,
@@ -413,6 +413,9 @@ pub async fn run_fairness(plan: &FairnessPlan) -> anyhow::Result<Vec<Verdict>> {
     let verdicts = verdicts(&phases, plan.phase_s);
     let section = render(plan, capacity, steady_rps, flood_rps, &phases, &verdicts);
     write_section(&plan.report_path, &section)?;
+    // Kept beside the results, so `metronome-bench --render` writes the section again.
+    let saved = plan.out.join(SECTION_FILE);
+    std::fs::write(&saved, &section).with_context(|| format!("writing {}", saved.display()))?;
     println!("{section}");
     Ok(verdicts)
 }
@@ -756,10 +759,22 @@ fn render(
     }
     let _ = writeln!(
         s,
-        "\nA's errors are its flood's jobs refused at once (429 `deadline_unmeetable`, or expired) because they could not start before their deadline: the share it is owed is served, the rest is refused. Per-request CSVs and summaries: `{}`.",
-        plan.out.display()
+        "\nA's errors are its flood's jobs refused at once (429 `deadline_unmeetable`, or expired) because they could not start before their deadline: the share it is owed is served, the rest is refused. Per-phase summaries and plots: `{}`.",
+        shown_path(&plan.report_path, &plan.out)
     );
     s
+}
+
+/// The file under the drill's `out` folder that holds its last rendered section.
+pub const SECTION_FILE: &str = "section.md";
+
+/// `path` as the report links it: relative to the report's folder when it lies under it.
+fn shown_path(report: &Path, path: &Path) -> String {
+    let base = report.parent().unwrap_or(Path::new("."));
+    path.strip_prefix(base)
+        .unwrap_or(path)
+        .display()
+        .to_string()
 }
 
 /// Replace the `## Fairness` section of `path` (from its heading to the next `## ` heading,

@@ -13,6 +13,7 @@
 
 use std::collections::BTreeMap;
 
+use metronome_protocol::prometheus;
 use serde::{Deserialize, Serialize};
 
 /// One sample of the cluster.
@@ -85,24 +86,7 @@ fn job_waits_for(s: &ClusterSample, model: &str) -> bool {
 /// Queue depth per model from a dispatcher's Prometheus text
 /// (`metronome_dispatcher_queue_depth{model="m"} 3`).
 pub fn parse_queue_depths(text: &str) -> BTreeMap<String, f64> {
-    const NAME: &str = "metronome_dispatcher_queue_depth{";
-    let mut out = BTreeMap::new();
-    for line in text.lines().filter(|l| !l.starts_with('#')) {
-        let Some(rest) = line.strip_prefix(NAME) else {
-            continue;
-        };
-        let Some((labels, value)) = rest.rsplit_once('}') else {
-            continue;
-        };
-        let model = labels
-            .split(',')
-            .find_map(|kv| kv.trim().strip_prefix("model="))
-            .map(|v| v.trim_matches('"').to_string());
-        if let (Some(model), Ok(v)) = (model, value.trim().parse::<f64>()) {
-            *out.entry(model).or_insert(0.0) += v;
-        }
-    }
-    out
+    prometheus::sum_by_label(text, "metronome_dispatcher_queue_depth", "model")
 }
 
 /// The samples as CSV, one row per sample and GPU (`gpu` is its index in the cluster):

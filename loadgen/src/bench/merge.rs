@@ -3,7 +3,8 @@
 //! measured in a run of its own, and its points join the full run's curves instead of
 //! living in a second report; a point measured again with a newer build can replace the
 //! earlier one. Every merged point keeps its own run's figures; the report
-//! says which run each came from. Pure: reading and writing files is the caller's.
+//! says which run (date, commit) each came from. Pure: reading and writing files is the
+//! caller's.
 
 use anyhow::bail;
 
@@ -19,8 +20,8 @@ pub enum Twice {
     LaterReplaces,
 }
 
-/// `extras` merged into `base`, in order, each with the name it is cited by (its
-/// `report.json` path). Refused: a point measured twice unless `twice` lets the later one
+/// `extras` merged into `base`, in order, each with the name errors cite it by (its
+/// `report.json` path; the report itself cites a run by its date and commit). Refused: a point measured twice unless `twice` lets the later one
 /// replace it, or a workload × cluster whose nominal capacity differs between runs (other
 /// requests, other speeds: its loads would not be the same rates).
 pub fn merge_reports(
@@ -78,7 +79,7 @@ pub fn merge_reports(
                 base.clusters.push(c.clone());
             }
         }
-        let mut note = merged_note(&name, &extra);
+        let mut note = merged_note(&extra);
         if !replaced.is_empty() {
             note.push_str(&format!(
                 " These replace the points measured before: {}.",
@@ -86,23 +87,32 @@ pub fn merge_reports(
             ));
         }
         base.notes.push(note);
-        base.command
-            .push_str(&format!("\n# merged from {name}:\n{}", extra.command));
+        base.command.push_str(&format!(
+            "\n# merged, a run of {} (commit {}):\n{}",
+            extra.date_utc,
+            commit_of(&extra),
+            extra.command
+        ));
         base.runs.extend(extra.runs);
     }
     Ok(base)
 }
 
-/// "Load points merged from NAME (a run of DATE, commit C): …" listing its points.
-fn merged_note(name: &str, extra: &Report) -> String {
-    let commit = extra
+/// The commit a run was built from, as its machine table says.
+fn commit_of(report: &Report) -> &str {
+    report
         .machine
         .iter()
         .find(|(k, _)| k == "commit")
-        .map_or("unknown", |(_, v)| v.as_str());
+        .map_or("unknown", |(_, v)| v.as_str())
+}
+
+/// "Load points from a run of DATE, commit C (…): …" listing its points.
+fn merged_note(extra: &Report) -> String {
     format!(
-        "Load points merged from `{name}` (a run of {}, commit {commit}, its own system per policy and cluster): {}.",
+        "Load points from a run of {}, commit {} (its own system per policy and cluster): {}.",
         extra.date_utc,
+        commit_of(extra),
         point_list(&extra.runs)
     )
 }
@@ -199,11 +209,15 @@ mod tests {
         assert_eq!(merged.nominal.len(), 1);
         assert_eq!(
             merged.notes,
-            vec!["Load points merged from `light/report.json` (a run of day of bbb, commit bbb, its own system per policy and cluster): equal/trace/metronome at 5 %, 10 %; equal/trace/least_connections at 5 %, 10 %.".to_string()]
+            vec!["Load points from a run of day of bbb, commit bbb (its own system per policy and cluster): equal/trace/metronome at 5 %, 10 %; equal/trace/least_connections at 5 %, 10 %.".to_string()]
         );
         assert!(merged
             .command
-            .ends_with("# merged from light/report.json:\nbench at bbb"));
+            .ends_with("# merged, a run of day of bbb (commit bbb):\nbench at bbb"));
+        assert!(
+            !merged.notes[0].contains("light/report.json"),
+            "no file path in the report"
+        );
     }
 
     #[test]
@@ -256,7 +270,7 @@ mod tests {
         assert_eq!(merged.runs.len(), 6);
         assert_eq!(
             merged.notes,
-            vec!["Load points merged from `again/report.json` (a run of day of ccc, commit ccc, its own system per policy and cluster): equal/trace/metronome at 5 %, 30 %. These replace the points measured before: equal/trace/metronome at 5 %, 30 %.".to_string()]
+            vec!["Load points from a run of day of ccc, commit ccc (its own system per policy and cluster): equal/trace/metronome at 5 %, 30 %. These replace the points measured before: equal/trace/metronome at 5 %, 30 %.".to_string()]
         );
     }
 }

@@ -194,6 +194,7 @@ mod tests {
             raw: [Some(1.0); TERM_COUNT],
             normalised: [0.1; TERM_COUNT],
             prediction,
+            cached_prefix: None,
         };
         let mut d = serde_json::to_value(Decision {
             v: DECISION_VERSION,

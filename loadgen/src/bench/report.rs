@@ -127,6 +127,10 @@ pub struct Report {
     pub notes: Vec<String>,
     /// Free text: the analysis of targets met and missed.
     pub analysis: String,
+    /// The one command that measures every point of this report in one run
+    /// ([`reproduce_command`]); empty in reports written before it was kept.
+    #[serde(default)]
+    pub reproduce: String,
 }
 
 /// `a / b`, infinite when only `b` is zero, `None` when either is unknown or both are zero.
@@ -687,6 +691,204 @@ pub fn rss_table(rows: &[(String, u64)]) -> String {
     out
 }
 
+/// One policy's line of the headline: its capacity at SLO, Metronome's against it, its best
+/// goodput, and its latency and decode-rate floor at the load Metronome still serves at SLO.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeadlineRow {
+    pub policy: String,
+    pub capacity: Option<SloCapacity>,
+    /// Metronome's capacity at SLO over this policy's (`None` for Metronome itself).
+    pub ratio: Option<CapacityRatio>,
+    /// The highest goodput of any load point, req/s, and that point's load share.
+    pub peak_goodput: Option<(f64, f64)>,
+    /// TTFT p90 (ms) and per-request tok/s p1 at [`headline_load`], when measured there.
+    pub ttft_p90_ms: Option<f64>,
+    pub tok_s_p1: Option<f64>,
+}
+
+/// The load the headline compares latency at: the highest load point at which Metronome
+/// met the SLO for ≥ 90 % of requests, so every policy is seen at the same offered rate
+/// and Metronome within its SLO. `None` when Metronome met it nowhere.
+pub fn headline_load<'a>(report: &'a Report, workload: &str, cluster: &str) -> Option<&'a RunRow> {
+    report
+        .rows(workload, cluster, Some(METRONOME))
+        .into_iter()
+        .filter(|r| r.summary.goodput_share >= ATTAINMENT_TARGET - 1e-12)
+        .max_by(|a, b| a.load_frac.total_cmp(&b.load_frac))
+}
+
+/// Every policy of one workload × cluster, Metronome first, then in run order.
+pub fn headline_rows(report: &Report, workload: &str, cluster: &str) -> Vec<HeadlineRow> {
+    let m_cap = report.slo_capacity(workload, cluster, METRONOME);
+    let at = headline_load(report, workload, cluster).map(|r| r.load_frac);
+    let mut policies = report.policies();
+    policies.sort_by_key(|p| p != METRONOME);
+    policies
+        .into_iter()
+        .filter(|p| !report.rows(workload, cluster, Some(p)).is_empty())
+        .map(|p| {
+            let rows = report.rows(workload, cluster, Some(&p));
+            let capacity = report.slo_capacity(workload, cluster, &p);
+            let ratio = match (m_cap, capacity) {
+                (Some(m), Some(c)) if p != METRONOME => Some(m.ratio_to(c)),
+                _ => None,
+            };
+            let peak_goodput = rows
+                .iter()
+                .max_by(|a, b| a.goodput_rps.total_cmp(&b.goodput_rps))
+                .map(|r| (r.goodput_rps, r.load_frac));
+            let there = at.and_then(|l| rows.iter().find(|r| same(r.load_frac, l)));
+            HeadlineRow {
+                ttft_p90_ms: there.and_then(|r| r.summary.ttft_ms.p90),
+                tok_s_p1: there.and_then(|r| r.summary.tokens_per_s.p1),
+                policy: p,
+                capacity,
+                ratio,
+                peak_goodput,
+            }
+        })
+        .collect()
+}
+
+/// The headline table: every workload × cluster, every policy.
+pub fn headline_table(report: &Report) -> String {
+    let mut out = String::from(
+        "| workload, cluster | policy | capacity at SLO (req/s) | Metronome's ÷ this | peak goodput (req/s, at load) | same load as Metronome's last ≥ 90 % point | TTFT p90 (ms) | tok/s p1 |\n\
+         |---|---|---|---|---|---|---|---|\n",
+    );
+    for (w, c) in sections(report) {
+        let at = headline_load(report, &w, &c);
+        for (i, h) in headline_rows(report, &w, &c).iter().enumerate() {
+            let first = i == 0;
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                if first {
+                    format!("{w}, {c}")
+                } else {
+                    String::new()
+                },
+                if h.policy == METRONOME {
+                    format!("**{}**", h.policy)
+                } else {
+                    h.policy.clone()
+                },
+                h.capacity.map_or("–".into(), |c| c.display()),
+                h.ratio.map_or("–".into(), |r| r.display()),
+                h.peak_goodput.map_or("–".into(), |(g, l)| format!(
+                    "{g:.2} ({:.0} %)",
+                    l * 100.0
+                )),
+                match (first, at) {
+                    (true, Some(r)) =>
+                        format!("{:.0} % ({:.2} req/s)", r.load_frac * 100.0, r.rate_rps),
+                    (true, None) => "none".into(),
+                    (false, _) => String::new(),
+                },
+                ms(h.ttft_p90_ms),
+                num(h.tok_s_p1, 1),
+            );
+        }
+    }
+    out
+}
+
+/// One line per workload × cluster: how many of the targets were met.
+pub fn targets_summary(report: &Report) -> String {
+    sections(report)
+        .iter()
+        .map(|(w, c)| {
+            let checks = target_checks(report, w, c);
+            let met = checks.iter().filter(|c| c.met == Some(true)).count();
+            let missed = checks.iter().filter(|c| c.met == Some(false)).count();
+            let mut s = format!("{w}, {c}: {met} of {} met", checks.len());
+            if missed > 0 {
+                let _ = write!(s, ", **{missed} missed**");
+            }
+            let open = checks.len() - met - missed;
+            if open > 0 {
+                let _ = write!(s, ", {open} undecided");
+            }
+            s
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// What a full run measures when no flag is given: the values [`reproduce_command`] leaves
+/// out.
+#[derive(Debug, Clone)]
+pub struct RunDefaults<'a> {
+    pub policies: &'a [&'a str],
+    pub workloads: &'a [&'a str],
+    pub clusters: &'a [&'a str],
+    pub loads: &'a [f64],
+    pub requests: usize,
+    pub burst_rounds: usize,
+}
+
+/// The one `metronome-bench` command that measures every point of `report` in one run:
+/// its policies, workloads, clusters and the union of its loads, each flag given only where
+/// it differs from `defaults`. A merged report's points came from several runs of the same
+/// method; this command takes them in one.
+pub fn reproduce_command(report: &Report, defaults: &RunDefaults) -> String {
+    let mut flags: Vec<String> = Vec::new();
+    let list = |v: &[String], all: &[&str]| -> Option<String> {
+        let mut sorted: Vec<&str> = all
+            .iter()
+            .copied()
+            .filter(|a| v.iter().any(|x| x == a))
+            .collect();
+        sorted.extend(v.iter().map(String::as_str).filter(|x| !all.contains(x)));
+        (sorted.len() != all.len()).then(|| sorted.join(","))
+    };
+    if let Some(p) = list(&report.policies(), defaults.policies) {
+        flags.push(format!("--policies {p}"));
+    }
+    if let Some(w) = list(&report.workloads, defaults.workloads) {
+        flags.push(format!("--workloads {w}"));
+    }
+    if let Some(c) = list(&report.clusters, defaults.clusters) {
+        flags.push(format!("--clusters {c}"));
+    }
+    let mut loads: Vec<f64> = Vec::new();
+    for r in &report.runs {
+        if !loads.iter().any(|l| same(*l, r.load_frac)) {
+            loads.push(r.load_frac);
+        }
+    }
+    loads.sort_by(f64::total_cmp);
+    let default_loads = loads.len() == defaults.loads.len()
+        && loads.iter().zip(defaults.loads).all(|(a, b)| same(*a, *b));
+    if !default_loads && !loads.is_empty() {
+        flags.push(format!(
+            "--loads {}",
+            loads
+                .iter()
+                .map(|l| format!("{l}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        ));
+    }
+    let requests = report.runs.iter().map(|r| r.summary.count).max();
+    if let Some(n) = requests.filter(|n| *n != defaults.requests) {
+        flags.push(format!("--requests {n}"));
+    }
+    let rounds = report.burst.iter().map(|b| b.rounds).max().unwrap_or(0);
+    if rounds != defaults.burst_rounds {
+        flags.push(format!("--burst-rounds {rounds}"));
+    }
+    if report.overhead.is_empty() && report.max_sustained_rps.is_none() {
+        flags.push("--skip-overhead".into());
+    }
+    let mut cmd = String::from("target/release/metronome-bench");
+    for f in flags {
+        cmd.push(' ');
+        cmd.push_str(&f);
+    }
+    cmd
+}
+
 /// Human title of a workload.
 pub fn workload_title(w: &str) -> &str {
     match w {
@@ -718,46 +920,76 @@ pub fn sections(report: &Report) -> Vec<(String, String)> {
     out
 }
 
-/// The whole `BENCHMARKS.md`.
-pub fn render(report: &Report) -> String {
+/// What every per-point table's columns mean (said once, above the first).
+const POINT_COLUMNS: &str = "SLO attainment = share of all requests with TTFT ≤ 2 s and ≥ 30 tok/s (failures count as misses); goodput = requests meeting the SLO per second of offered time; output tok/s over first send → last completion; tok/s per request (tokens after the first / time after the first); idle = GPU-seconds a GPU had no running or waiting request while the dispatcher queued a job for its model; prediction error = |predicted − actual| / actual (Metronome decisions that carry predictions).";
+
+/// The whole `BENCHMARKS.md`: the headline (one screen: every policy on every workload ×
+/// cluster, the machine, the command), then the generated detail, then the fairness
+/// drill's section when one was saved (`fairness`, written by `--fairness`).
+pub fn render(report: &Report, fairness: Option<&str>) -> String {
     let mut o = String::new();
     let _ = writeln!(o, "# Metronome benchmarks ({})\n", report.title_scale);
+    o.push_str("Metronome against conventional balancers on simulated GPUs: every policy offered the same absolute request rates, every component at the defaults `./dev up` gives it. This file is generated by `metronome-bench` from `bench-results/report.json`; the method and what each figure means: [docs/BENCHMARKING.md](docs/BENCHMARKING.md).\n\n");
+    o.push_str("## Headline\n\n");
+    let secs = sections(report);
+    if secs.is_empty() {
+        o.push_str("No load points were measured.\n\n");
+    } else {
+        o.push_str(&headline_table(report));
+        o.push_str("\nCapacity at SLO: the highest offered rate at which ≥ 90 % of requests meet the SLO (TTFT ≤ 2 s and ≥ 30 tok/s each), interpolated between the two load points that bracket 90 %; `< x` means under 90 % already at the lowest point measured, `≥ x` at or above it at the highest, and a ratio against a bound is itself a bound. Peak goodput: the most requests meeting the SLO per second at any load. TTFT p90 and tok/s p1 (the per-request decode-rate floor 99 % of requests beat) at the same offered rate for every policy.\n\n");
+        let _ = writeln!(
+            o,
+            "Targets met ([docs/BENCHMARKING.md](docs/BENCHMARKING.md#targets)): {}.\n",
+            targets_summary(report)
+        );
+    }
+    let machine: Vec<String> = report
+        .machine
+        .iter()
+        .filter(|(k, _)| k != "note" && k != "commit")
+        .map(|(k, v)| format!("{k} {v}"))
+        .collect();
+    let commit = report
+        .machine
+        .iter()
+        .find(|(k, _)| k == "commit")
+        .map_or(String::new(), |(_, c)| format!(", commit {c}"));
     let _ = writeln!(
         o,
-        "Generated by `metronome-bench` on {}.\n",
-        report.date_utc
+        "Machine: {}; every process of the system and the load generator on these cores. Run {}{commit}{}.\n",
+        machine.join(", "),
+        report.date_utc,
+        if report.notes.is_empty() {
+            ""
+        } else {
+            "; the points of later runs, with their dates and commits, under Notes"
+        }
     );
-    let _ = writeln!(o, "Command:\n\n```sh\n{}\n```\n", report.command);
-    o.push_str("How to run, what each figure means, how nominal capacity is derived and how the simulator is calibrated: [docs/BENCHMARKING.md](docs/BENCHMARKING.md).\n\n");
-    o.push_str("## Machine\n\n| | |\n|---|---|\n");
-    for (k, v) in &report.machine {
-        let _ = writeln!(o, "| {k} | {v} |");
+    if !report.reproduce.is_empty() {
+        let _ = writeln!(
+            o,
+            "Reproduce (hours on 2 cores), or render this file again from the saved results (seconds):\n\n```sh\ncargo build --release --bins\n{}\ntarget/release/metronome-bench --render bench-results/report.json\n```\n",
+            report.reproduce
+        );
     }
-    o.push_str("\n## Setup\n\n");
+
+    o.push_str("## Setup\n\n");
     for s in &report.setup {
         let _ = writeln!(o, "- {s}");
     }
-
     o.push_str("\n## Nominal capacity\n\n");
-    o.push_str("What the GPUs could serve at the SLO's rate floor with perfect packing and no queueing, from the simulator's calibrated cost model (derivation in docs/BENCHMARKING.md). Every policy is offered the same absolute rates: multiples of this figure.\n\n");
+    o.push_str("What the GPUs could serve at the SLO's rate floor with perfect packing and no queueing, from the simulator's calibrated cost model. Every policy is offered the same absolute rates: multiples of this figure.\n\n");
     o.push_str(&nominal_table(&report.nominal));
 
-    o.push_str("\n## Targets (metronome vs least connections, same run)\n\n");
-    let secs = sections(report);
-    if secs.is_empty() {
-        o.push_str("No load points were measured.\n");
-    }
+    o.push_str(
+        "\n## Targets (Metronome against least connections and the best other baseline)\n\n",
+    );
     for (w, c) in &secs {
         let _ = writeln!(o, "### {} on {}\n", workload_title(w), cluster_title(c));
         o.push_str(&targets_table(&target_checks(report, w, c)));
         o.push('\n');
     }
-    let bursts: Vec<&BurstRow> = report
-        .burst
-        .iter()
-        .filter(|b| b.policy == METRONOME)
-        .collect();
-    for b in bursts {
+    for b in report.burst.iter().filter(|b| b.policy == METRONOME) {
         let _ = writeln!(
             o,
             "Burst ({}): metronome put one job per GPU in {} of {} rounds (target: all).\n",
@@ -766,31 +998,28 @@ pub fn render(report: &Report) -> String {
             b.rounds
         );
     }
-    o.push_str("## Analysis\n\n");
-    o.push_str(&report.analysis);
-    o.push('\n');
-
-    o.push_str("\n## Capacity at SLO\n\n");
-    o.push_str("The highest offered rate at which ≥ 90 % of requests meet the SLO (DistServe's definition), linearly interpolated between the two measured load points that bracket 90 %. When every point attains 90 % it is reported as \"≥ the highest point\"; when none does, \"< the lowest point\". A ratio with a bound on either side is itself only a bound (`> 2.30`: a baseline below its lowest point) and decides a target only where every ratio it allows falls on one side.\n\n");
-    for (w, c) in &secs {
-        let _ = writeln!(o, "{} on {}:\n", workload_title(w), cluster_title(c));
-        o.push_str(&slo_capacity_table(report, w, c));
-        o.push('\n');
+    if !report.analysis.trim().is_empty() {
+        o.push_str("## Analysis\n\n");
+        o.push_str(report.analysis.trim_end());
+        o.push_str("\n\n");
     }
 
+    o.push_str("## Every load point\n\n");
+    o.push_str(POINT_COLUMNS);
+    o.push_str("\n\n");
     for (w, c) in &secs {
-        let _ = writeln!(o, "## {} on {}\n", workload_title(w), cluster_title(c));
+        let _ = writeln!(o, "### {} on {}\n", workload_title(w), cluster_title(c));
         if let Some(n) = report.nominal_of(w, c) {
-            let _ = writeln!(o, "Nominal capacity {:.2} req/s.", n.capacity_rps);
+            let _ = write!(o, "Nominal capacity {:.2} req/s.", n.capacity_rps);
         }
         if let Some(p) = report
             .plots
             .iter()
             .find(|p| &p.workload == w && &p.cluster == c)
         {
-            let _ = writeln!(o, "\n![goodput vs offered load]({})\n", p.path);
+            let _ = write!(o, "\n\n![goodput vs offered load]({})", p.path);
         }
-        o.push_str("SLO attainment = share of all requests with TTFT ≤ 2 s and ≥ 30 tok/s (failures count as misses); goodput = requests meeting the SLO per second of offered time; output tok/s over first send → last completion; tok/s per request (tokens after the first / time after the first); idle = GPU-seconds a GPU had no running or waiting request while the dispatcher queued a job for its model; prediction error = |predicted − actual| / actual (metronome decisions that carry predictions).\n\n");
+        o.push_str("\n\n");
         o.push_str(&points_table(&report.rows(w, c, None)));
         let read: usize = report
             .rows(w, c, Some(METRONOME))
@@ -850,12 +1079,19 @@ pub fn render(report: &Report) -> String {
         o.push_str("\nOverhead runs skipped (`--skip-overhead`).\n");
     }
     if !report.rss_kib.is_empty() {
-        let _ = writeln!(o, "\n## Memory\n\nPeak RSS ({}):\n", report.rss_under);
-        o.push_str(&rss_table(&report.rss_kib));
+        let _ = writeln!(
+            o,
+            "\n## Memory\n\nPeak RSS ({}), MiB: {}.",
+            report.rss_under,
+            rss_line(&report.rss_kib)
+        );
     }
     if !report.rss_overhead_kib.is_empty() {
-        o.push_str("\nPeak RSS of the zero-delay system during the overhead runs:\n\n");
-        o.push_str(&rss_table(&report.rss_overhead_kib));
+        let _ = writeln!(
+            o,
+            "\nPeak RSS of the zero-delay system during the overhead runs, MiB: {}.",
+            rss_line(&report.rss_overhead_kib)
+        );
     }
     if !report.notes.is_empty() {
         o.push_str("\n## Notes\n\n");
@@ -863,7 +1099,20 @@ pub fn render(report: &Report) -> String {
             let _ = writeln!(o, "- {n}");
         }
     }
+    if let Some(f) = fairness {
+        o.push('\n');
+        o.push_str(f.trim_end());
+        o.push('\n');
+    }
     o
+}
+
+/// Peak RSS per process on one line: `dispatcher-a 15.2, gateway 104.2, …`.
+fn rss_line(rows: &[(String, u64)]) -> String {
+    rows.iter()
+        .map(|(name, kib)| format!("{name} {:.1}", *kib as f64 / 1024.0))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 #[cfg(test)]
@@ -1081,8 +1330,12 @@ mod tests {
             failed_rounds: 0,
             examples: vec!["g0 g0 g1 g2".into()],
         }];
-        let md = render(&r);
+        let md = render(&r, Some("## Fairness\n\nsaved section\n"));
         assert!(md.contains("# Metronome benchmarks (quick scale)"));
+        assert!(
+            md.trim_end().ends_with("## Fairness\n\nsaved section"),
+            "{md}"
+        );
         assert!(
             md.contains(
                 "| chat | equal (1, 1, 1, 1) | 1000 | 200 | 33 | 26.77 | 0.322 | **10.00** |"
@@ -1095,7 +1348,9 @@ mod tests {
             "{md}"
         );
         assert!(
-            md.contains("| metronome | 10.56 | 106 % | interpolated"),
+            md.contains(
+                "| chat, equal | **metronome** | 10.56 | – | 9.50 (100 %) | 100 % (10.00 req/s) |"
+            ),
             "{md}"
         );
         assert!(
@@ -1111,5 +1366,173 @@ mod tests {
             "Burst (4 mixed GPUs (1, 1, 1, 0.5)): metronome put one job per GPU in 19 of 20"
         ));
         assert!(md.contains("Overhead runs skipped"));
+    }
+
+    /// The headline's fixture: TTFT p90 and tok/s p1 per point, so the same-load columns
+    /// have figures to show.
+    fn with_latency(mut r: Report) -> Report {
+        for run in &mut r.runs {
+            let k = match run.policy.as_str() {
+                "metronome" => 1.0,
+                "least_connections" => 2.0,
+                _ => 3.0,
+            };
+            run.summary.ttft_ms.p90 = Some(100.0 * k * run.load_frac * 10.0);
+            run.summary.tokens_per_s.p1 = Some(60.0 / k);
+        }
+        r
+    }
+
+    #[test]
+    fn the_headline_compares_every_policy_at_metronomes_last_point_within_the_slo() {
+        // Metronome 1.0 / 0.95 / 0.5 at 5 / 10 / 15 req/s: its last point ≥ 90 % is 100 %.
+        let r = with_latency(report(
+            &[1.0, 0.95, 0.5],
+            &[0.95, 0.5, 0.2],
+            &[0.9, 0.6, 0.1],
+        ));
+        assert_eq!(
+            headline_load(&r, "chat", "equal").map(|p| p.load_frac),
+            Some(1.0)
+        );
+        let rows = headline_rows(&r, "chat", "equal");
+        let names: Vec<&str> = rows.iter().map(|h| h.policy.as_str()).collect();
+        assert_eq!(names, ["metronome", "least_connections", "round_robin"]);
+        // Metronome 10.56 req/s against least connections' 5.56: 1.90; Metronome has no
+        // ratio to itself.
+        assert_eq!(rows[0].ratio, None);
+        assert_eq!(rows[1].ratio.map(|x| x.display()), Some("1.90".into()));
+        // Peak goodput: 0.95 × 10 = 9.50 at 100 % for Metronome; 0.5 × 10 = 5.00 at 100 %
+        // for least connections (above its 0.95 × 5 at 50 %).
+        let peak = |h: &HeadlineRow| h.peak_goodput.map(|(g, l)| format!("{g:.2} at {l}"));
+        assert_eq!(peak(&rows[0]).as_deref(), Some("9.50 at 1"));
+        assert_eq!(peak(&rows[1]).as_deref(), Some("5.00 at 1"));
+        // The same offered rate for all: 100 %.
+        assert_eq!(rows[1].ttft_p90_ms, Some(2000.0));
+        assert_eq!(rows[2].tok_s_p1, Some(20.0));
+
+        let table = headline_table(&r);
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines.len(), 2 + 3, "{table}");
+        assert_eq!(
+            lines[2],
+            "| chat, equal | **metronome** | 10.56 | – | 9.50 (100 %) | 100 % (10.00 req/s) | 1000 | 60.0 |"
+        );
+        assert_eq!(
+            lines[3],
+            "|  | least_connections | 5.56 | 1.90 | 5.00 (100 %) |  | 2000 | 30.0 |"
+        );
+    }
+
+    #[test]
+    fn the_headline_shows_bounds_and_gaps_as_such() {
+        // Metronome never reaches 90 %: no common load, no latency columns, and a ratio
+        // against least connections (also below its lowest point) that decides nothing.
+        let mut r = with_latency(report(
+            &[0.8, 0.5, 0.2],
+            &[0.7, 0.5, 0.2],
+            &[0.95, 0.9, 0.5],
+        ));
+        assert!(headline_load(&r, "chat", "equal").is_none());
+        let table = headline_table(&r);
+        assert!(
+            table.contains(
+                "| chat, equal | **metronome** | < 5.00 | – | 5.00 (100 %) | none | – | – |"
+            ),
+            "{table}"
+        );
+        assert!(
+            table.contains("| least_connections | < 5.00 | – |"),
+            "{table}"
+        );
+        // Round robin at ≥ 90 % up to 10 req/s, 0.5 at 15: 10 + 0 × 5 = 10.00; Metronome
+        // below 5: the ratio is a bound, < 0.50.
+        assert!(
+            table.contains("| round_robin | 10.00 | < 0.50 |"),
+            "{table}"
+        );
+        // A policy without the common load point shows no latency rather than another load's.
+        r = with_latency(report(
+            &[1.0, 0.95, 0.5],
+            &[0.95, 0.5, 0.2],
+            &[0.9, 0.6, 0.1],
+        ));
+        r.runs
+            .retain(|x| !(x.policy == "round_robin" && same(x.load_frac, 1.0)));
+        let rows = headline_rows(&r, "chat", "equal");
+        assert_eq!((rows[2].ttft_p90_ms, rows[2].tok_s_p1), (None, None));
+    }
+
+    #[test]
+    fn the_headline_opens_the_document_within_one_screen() {
+        let mut r = with_latency(report(
+            &[1.0, 0.95, 0.5],
+            &[0.95, 0.5, 0.2],
+            &[0.9, 0.6, 0.1],
+        ));
+        r.machine = vec![
+            ("CPU".into(), "Some CPU".into()),
+            ("cores (nproc)".into(), "2".into()),
+            ("note".into(), "shared".into()),
+        ];
+        r.reproduce = "target/release/metronome-bench --quick".into();
+        let md = render(&r, None);
+        let headline = md.find("## Headline").expect("a headline");
+        let setup = md.find("## Setup").expect("a setup section");
+        assert!(headline < setup, "{md}");
+        let screen: Vec<&str> = md.lines().take(50).collect();
+        let screen = screen.join("\n");
+        for must in [
+            "| chat, equal | **metronome** |",
+            "|  | round_robin |",
+            "Targets met",
+            "Machine: CPU Some CPU, cores (nproc) 2;",
+            "target/release/metronome-bench --quick\n",
+            "target/release/metronome-bench --render bench-results/report.json",
+        ] {
+            assert!(
+                screen.contains(must),
+                "{must:?} not in the first screen:\n{screen}"
+            );
+        }
+        assert!(
+            !md.contains("shared"),
+            "the machine's note is said in words: {md}"
+        );
+    }
+
+    #[test]
+    fn the_reproducing_command_names_only_what_differs_from_a_full_run() {
+        let defaults = RunDefaults {
+            policies: &["metronome", "least_connections", "round_robin"],
+            workloads: &["chat"],
+            clusters: &["equal"],
+            loads: &[0.5, 1.0, 1.5],
+            requests: 100,
+            burst_rounds: 0,
+        };
+        let mut r = report(&[1.0, 0.95, 0.5], &[0.95, 0.5, 0.2], &[0.9, 0.6, 0.1]);
+        r.max_sustained_rps = Some(100.0);
+        assert_eq!(
+            reproduce_command(&r, &defaults),
+            "target/release/metronome-bench"
+        );
+        // A merged light point, another request count, burst rounds, no overhead runs.
+        r.runs.push(row("metronome", 0.05, 0.5, 1.0));
+        r.runs.iter_mut().for_each(|x| x.summary.count = 300);
+        r.burst = vec![BurstRow {
+            cluster: "equal".into(),
+            policy: "metronome".into(),
+            rounds: 20,
+            distinct_rounds: 20,
+            failed_rounds: 0,
+            examples: vec![],
+        }];
+        r.max_sustained_rps = None;
+        r.runs.retain(|x| x.policy != "round_robin");
+        assert_eq!(
+            reproduce_command(&r, &defaults),
+            "target/release/metronome-bench --policies metronome,least_connections --loads 0.05,0.5,1,1.5 --requests 300 --burst-rounds 20 --skip-overhead"
+        );
     }
 }

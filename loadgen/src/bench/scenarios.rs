@@ -34,7 +34,7 @@ use super::nominal::{nominal_capacity, CostModel, Nominal};
 use super::prediction::{predicted, predictions_csv, Predicted, PredictedJob, PredictionErrors};
 use super::report::{
     cluster_title, sections, workload_title, BurstRow, NominalRow, OverheadRow, PlotRef, RampStep,
-    Report, RunRow, METRONOME,
+    Report, RunDefaults, RunRow, METRONOME,
 };
 use super::system::{rss_kib, System, SystemSpec, EXTRA_TOML_ENV};
 use crate::plots::{goodput_curves, CurveSeries};
@@ -406,8 +406,8 @@ fn setup_lines(plan: &BenchPlan) -> Vec<String> {
     ];
     if plan.workloads.iter().any(|w| w == "trace") {
         v.push(format!(
-            "Workload `trace`: `{}`, the first {} requests, inter-arrival gaps rescaled to the target mean rate (shape and burstiness kept).",
-            plan.trace.display(),
+            "Workload `trace`: `{}` (the shared Azure LLM inference trace 2023, code), the first {} requests, inter-arrival gaps rescaled to the target mean rate (shape and burstiness kept).",
+            plan.trace.file_name().map_or_else(|| plan.trace.display().to_string(), |f| f.to_string_lossy().into_owned()),
             plan.requests
         ));
     }
@@ -713,11 +713,32 @@ fn finish_report(plan: &BenchPlan, report: &mut Report) -> anyhow::Result<()> {
     } else {
         report.analysis = super::machine::auto_analysis(report);
     }
+    let full = BenchPlan::new(false, plan.repo.clone());
+    report.reproduce = super::report::reproduce_command(
+        report,
+        &RunDefaults {
+            policies: &POLICIES,
+            workloads: &WORKLOADS,
+            clusters: &CLUSTERS,
+            loads: &full.loads,
+            requests: full.requests,
+            burst_rounds: full.burst_rounds,
+        },
+    );
     write_json(plan, report)?;
     if let Some(dir) = plan.report_path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    std::fs::write(&plan.report_path, super::report::render(report))?;
+    // The fairness drill's section, as its last run saved it beside its results.
+    let fairness_path = plan
+        .out
+        .join("fairness")
+        .join(super::fairness::SECTION_FILE);
+    let fairness = std::fs::read_to_string(&fairness_path).ok();
+    std::fs::write(
+        &plan.report_path,
+        super::report::render(report, fairness.as_deref()),
+    )?;
     Ok(())
 }
 

@@ -14,6 +14,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use metronome_protocol::prometheus;
 
 use super::idle::{parse_queue_depths, ClusterSample};
 
@@ -382,8 +383,8 @@ impl System {
             let text = text?;
             sample.gpus.push((
                 model.clone(),
-                prometheus_sum(&text, "vllm:num_requests_running"),
-                prometheus_sum(&text, "vllm:num_requests_waiting"),
+                prometheus::sum(&text, "vllm:num_requests_running"),
+                prometheus::sum(&text, "vllm:num_requests_waiting"),
             ));
         }
         // The leader's queues; a standby keeps none (or a stale copy), so only when no
@@ -394,7 +395,7 @@ impl System {
         }
         let leaders: Vec<&String> = texts
             .iter()
-            .filter(|t| prometheus_sum(t, "metronome_dispatcher_leader") > 0.0)
+            .filter(|t| prometheus::sum(t, "metronome_dispatcher_leader") > 0.0)
             .collect();
         let chosen: Vec<&String> = if leaders.is_empty() {
             texts.iter().collect()
@@ -436,7 +437,7 @@ impl System {
         let mut total = 0.0;
         for url in &self.sim_urls {
             let text = self.get_text(&format!("{url}/metrics")).await?;
-            total += prometheus_sum(&text, name);
+            total += prometheus::sum(&text, name);
         }
         Ok(total)
     }
@@ -448,7 +449,7 @@ impl System {
             let Ok(text) = self.get_text(url).await else {
                 continue;
             };
-            if prometheus_sum(&text, "metronome_dispatcher_leader") > 0.0 {
+            if prometheus::sum(&text, "metronome_dispatcher_leader") > 0.0 {
                 // `./dev up` starts dispatcher-a then -b; their metrics URLs sort the same way.
                 return Ok(format!("dispatcher-{}", ["a", "b"][i.min(1)]));
             }
@@ -612,37 +613,9 @@ impl Drop for System {
     }
 }
 
-/// Sum of every sample of `name` (any labels) in Prometheus text.
-pub fn prometheus_sum(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
-/// `metronome_dispatcher_holds_total{model="..",reason=".."} N` lines, summed per reason.
+/// `metronome_dispatcher_holds_total`, summed per reason over models.
 pub fn parse_holds(text: &str) -> BTreeMap<String, f64> {
-    let mut out = BTreeMap::new();
-    for line in text.lines() {
-        let Some(rest) = line.strip_prefix("metronome_dispatcher_holds_total{") else {
-            continue;
-        };
-        let Some((labels, value)) = rest.rsplit_once("} ") else {
-            continue;
-        };
-        let reason = labels
-            .split(',')
-            .find_map(|l| l.strip_prefix("reason=\""))
-            .map(|r| r.trim_end_matches('"'));
-        if let (Some(reason), Ok(n)) = (reason, value.trim().parse::<f64>()) {
-            *out.entry(reason.to_string()).or_insert(0.0) += n;
-        }
-    }
-    out
+    prometheus::sum_by_label(text, "metronome_dispatcher_holds_total", "reason")
 }
 
 /// VmRSS of a process in KiB, from `/proc/<pid>/status`.
@@ -668,18 +641,6 @@ metronome_dispatcher_leader 1\n";
         assert_eq!(h.get("below_slo_floor"), Some(&5.0));
         assert_eq!(h.get("insufficient_kv"), Some(&1.0));
         assert_eq!(h.len(), 2);
-    }
-
-    #[test]
-    fn sums_samples_of_one_metric_only() {
-        let text = "# HELP vllm:num_preemptions_total x\n\
-                    vllm:num_preemptions_total{model_name=\"m\"} 3\n\
-                    vllm:num_preemptions_total_other 100\n\
-                    vllm:num_preemptions_total{model_name=\"n\"} 4.5\n\
-                    vllm:num_requests_running 2\n";
-        assert_eq!(prometheus_sum(text, "vllm:num_preemptions_total"), 7.5);
-        assert_eq!(prometheus_sum(text, "vllm:num_requests_running"), 2.0);
-        assert_eq!(prometheus_sum(text, "absent"), 0.0);
     }
 
     #[test]

@@ -28,13 +28,13 @@ use metronome_loadgen::LengthDist;
 ///   metronome-bench                              # full scale (hours on 2 cores)
 ///   metronome-bench --quick                      # 60 requests per point
 ///   metronome-bench --quick --policies metronome,least_connections --workloads chat \
-///     --clusters equal --loads 0.5,1.5 --skip-overhead --out /tmp/b --report /tmp/b/B.md
+///     --clusters equal --loads 0.5,1.5 --skip-overhead --out quick --report quick/B.md
 ///   metronome-bench --fairness        # only the tenant-fairness drill: writes the report's
 ///                                     # "## Fairness" section, exits 1 when a target is missed
-///   metronome-bench --render bench-results/report.json,/tmp/light/report.json
+///   metronome-bench --render bench-results/report.json,light/report.json
 ///                                     # no run: the report again from saved runs, the
 ///                                     # second one's load points joining the first's curves
-///   metronome-bench --render bench-results/report.json,/tmp/again/report.json --remeasured
+///   metronome-bench --render bench-results/report.json,again/report.json --remeasured
 ///                                     # the same; a point both runs measured shows the
 ///                                     # second run's figures
 #[derive(Debug, Parser)]

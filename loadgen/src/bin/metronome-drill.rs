@@ -22,7 +22,7 @@ use tracing_subscriber::EnvFilter;
 ///
 /// Examples:
 ///   metronome-drill                     # full: 30 s of load per drill, 10 s SIGSTOP and model-server outage, 30 s Redis outage
-///   metronome-drill --short --report /tmp/R.md    # CI size (under 2 minutes)
+///   metronome-drill --short --report short.md     # CI size (under 2 minutes)
 #[derive(Debug, Parser)]
 #[command(name = "metronome-drill", version, verbatim_doc_comment)]
 struct Cli {

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
+use metronome_protocol::sse::{SseDecoder, DONE};
 use serde_json::{json, Value};
 
 /// What the client saw of one job.
@@ -101,19 +102,20 @@ async fn read_response(r: reqwest::Response, refused: usize) -> HttpJob {
         };
     }
     let mut bytes = r.bytes_stream();
-    let mut buf: Vec<u8> = Vec::new();
+    let mut decoder = SseDecoder::new();
     let outcome = 'read: loop {
-        match bytes.next().await {
-            None => break HttpOutcome::Broken("the stream ended without [DONE]".into()),
-            Some(Err(e)) => break HttpOutcome::Broken(format!("the stream broke: {e}")),
-            Some(Ok(b)) => buf.extend_from_slice(&b),
-        }
-        while let Some(pos) = buf.iter().position(|&c| c == b'\n') {
-            let line: Vec<u8> = buf.drain(..=pos).collect();
-            let line = String::from_utf8_lossy(&line);
-            if let Some(outcome) = sse_line(line.trim_end()) {
-                break 'read outcome;
+        let events = match bytes.next().await {
+            None => {
+                let last = decoder.finish().and_then(|e| stream_end(&e.data));
+                break last.unwrap_or_else(|| {
+                    HttpOutcome::Broken("the stream ended without [DONE]".into())
+                });
             }
+            Some(Err(e)) => break HttpOutcome::Broken(format!("the stream broke: {e}")),
+            Some(Ok(b)) => decoder.push(&b),
+        };
+        if let Some(outcome) = events.iter().find_map(|e| stream_end(&e.data)) {
+            break 'read outcome;
         }
     };
     HttpJob {
@@ -123,10 +125,9 @@ async fn read_response(r: reqwest::Response, refused: usize) -> HttpJob {
     }
 }
 
-/// The end of the stream a line announces, if any.
-fn sse_line(line: &str) -> Option<HttpOutcome> {
-    let data = line.strip_prefix("data:")?.trim_start();
-    if data == "[DONE]" {
+/// The end of the stream an event's data announces, if any.
+fn stream_end(data: &str) -> Option<HttpOutcome> {
+    if data == DONE {
         return Some(HttpOutcome::Complete);
     }
     let value: Value = serde_json::from_str(data).ok()?;
@@ -149,17 +150,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn stream_lines_end_a_job_only_on_done_or_error() {
-        assert_eq!(sse_line("data: [DONE]"), Some(HttpOutcome::Complete));
+    fn stream_events_end_a_job_only_on_done_or_error() {
+        assert_eq!(stream_end("[DONE]"), Some(HttpOutcome::Complete));
         assert_eq!(
-            sse_line(r#"data: {"error": {"code": "worker_lost", "message": "x"}}"#),
+            stream_end(r#"{"error": {"code": "worker_lost", "message": "x"}}"#),
             Some(HttpOutcome::ClearError("worker_lost".into()))
         );
         assert_eq!(
-            sse_line(r#"data: {"choices": [{"delta": {"content": "a"}}]}"#),
+            stream_end(r#"{"choices": [{"delta": {"content": "a"}}]}"#),
             None
         );
-        assert_eq!(sse_line(": keep-alive"), None);
-        assert_eq!(sse_line("data: {not json"), None);
+        assert_eq!(stream_end("{not json"), None);
     }
 }

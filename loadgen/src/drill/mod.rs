@@ -39,19 +39,18 @@ use anyhow::{bail, Context};
 use async_nats::jetstream;
 use futures::StreamExt;
 use metronome_protocol::names::{submit_subject, BUCKET_WORKERS, HEADER_MSG_ID, STREAM_RESULTS};
+use metronome_protocol::prometheus;
 use metronome_protocol::{Endpoint, FinalResult, Job, ResultChunk, WorkerStatus, PROTOCOL_VERSION};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use crate::bench::system::{prometheus_sum, System, SystemSpec};
+use crate::bench::system::{System, SystemSpec};
 
 mod gateway_client;
 pub mod hostile;
-mod process;
 
+use crate::process::{alive, read_env, signal, stop_restarted, Image};
 use gateway_client::HttpOutcome;
-use process::{alive, read_env};
-pub(crate) use process::{signal, stop_restarted, Image};
 
 /// The faults a drill can inject.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,6 +117,23 @@ impl Fault {
             Fault::RollingDeploy => "rolling-deploy",
             Fault::Hostile => "hostile",
             Fault::KillNatsLeader => "kill-nats-leader",
+        }
+    }
+
+    /// What the drill does and what must hold, in one sentence (RELIABILITY.md's list).
+    pub fn purpose(self) -> &'static str {
+        match self {
+            Fault::KillLeader => "SIGKILL the leading dispatcher mid-run, restart it 1 s later as a standby: the standby takes over and every job ends exactly once.",
+            Fault::KillLeaderAmidFaults => "SIGSTOP one agent, then SIGKILL the leader and a second agent with jobs in flight together, both restarted 1 s later, SIGCONT the first after the pause: the next leader settles every job exactly once and the silent agent runs nothing the new term did not give it.",
+            Fault::RestartAgent => "SIGKILL a worker-agent with jobs in flight, restart it 1 s later: its jobs that had streamed fail `WorkerLost`, the others run elsewhere, none twice.",
+            Fault::StopAgent => "SIGSTOP a worker-agent (alive but silent), SIGCONT after the pause: the fenced agent starts nothing more, its jobs end once.",
+            Fault::RedisDown => "SIGKILL redis-server, start it again after the pause: placement goes on without the shared performance store.",
+            Fault::RestartNats => "Restart nats-server (SIGTERM, file storage kept): no job lost or run twice across the restart.",
+            Fault::KillDispatchers => "SIGKILL both dispatchers (no leader, no standby), restart both 2 s later: queued jobs wait in JOBS and are decided after.",
+            Fault::StopModelServer => "SIGKILL one GPU's model server under its agent, restart it after the pause: the jobs it was generating fail at once with a reason, the agent reports itself unhealthy until the server answers.",
+            Fault::RollingDeploy => "SIGTERM every process in turn (standby, leader, gateway, each agent), each back before the next, part of the load over HTTP through the gateway: no stream broken, no job lost.",
+            Fault::Hostile => "A seeded flood of malformed and forged messages on every subject and bucket the admin identity can write: no process stops, the leader does not change, every hostile message is rejected visibly and counted.",
+            Fault::KillNatsLeader => "On a three-node NATS cluster (every stream and bucket R3), SIGKILL the node leading JOBS and every other stream, start it again after the pause: no job lost, failed or run twice, and JOBS keeps three copies.",
         }
     }
 
@@ -823,18 +839,14 @@ async fn scrape_all(urls: &[String]) -> Vec<String> {
 }
 
 fn metric_sum(texts: &[String], name: &str) -> f64 {
-    texts.iter().map(|t| prometheus_sum(t, name)).sum()
+    texts.iter().map(|t| prometheus::sum(t, name)).sum()
 }
 
-/// Sum of the samples of `name` carrying `label` (`key="value"`), whatever other labels.
-fn metric_sum_labelled(texts: &[String], name: &str, label: &str) -> f64 {
+/// Sum of the samples of `name` carrying every `key="value"` pair given, whatever other labels.
+fn metric_sum_labelled(texts: &[String], name: &str, labels: &[(&str, &str)]) -> f64 {
     texts
         .iter()
-        .flat_map(|t| t.lines())
-        .filter_map(|l| l.strip_prefix(name)?.strip_prefix('{'))
-        .filter_map(|rest| rest.split_once("} "))
-        .filter(|(labels, _)| labels.split(',').any(|l| l == label))
-        .filter_map(|(_, v)| v.trim().parse::<f64>().ok())
+        .map(|t| prometheus::sum_where(t, name, labels))
         .sum()
 }
 
@@ -887,7 +899,7 @@ async fn watch(system: &System, gpus: usize) -> anyhow::Result<Watch> {
         leader: system.leader_name().await?,
         epoch: dispatchers
             .iter()
-            .map(|t| prometheus_sum(t, "metronome_dispatcher_epoch"))
+            .map(|t| prometheus::sum(t, "metronome_dispatcher_epoch"))
             .fold(0.0, f64::max),
         pids,
         rss_kib,
@@ -1178,8 +1190,8 @@ async fn hostile_flood(
         delta("metronome_dispatcher_malformed_jobs_total", false),
         delta("metronome_dispatcher_cancels_of_another_tenant_total", false),
         delta("metronome_worker_cancels_of_another_tenant_total", true),
-        metric_sum_labelled(&after.agents, "metronome_worker_jobs_total", "outcome=\"refused\"")
-            - metric_sum_labelled(&before.agents, "metronome_worker_jobs_total", "outcome=\"refused\""),
+        metric_sum_labelled(&after.agents, "metronome_worker_jobs_total", &[("outcome", "refused")])
+            - metric_sum_labelled(&before.agents, "metronome_worker_jobs_total", &[("outcome", "refused")]),
     ));
     let rss: Vec<String> = before
         .rss_kib
@@ -1480,7 +1492,7 @@ async fn wait_running(system: &System, gpu: usize) -> u64 {
             Ok(r) => r.text().await.unwrap_or_default(),
             Err(_) => String::new(),
         };
-        let running = prometheus_sum(&text, metronome_gpu_sim::metrics::NUM_REQUESTS_RUNNING);
+        let running = prometheus::sum(&text, metronome_gpu_sim::metrics::NUM_REQUESTS_RUNNING);
         if running >= 1.0 {
             return running as u64;
         }
@@ -1880,6 +1892,7 @@ async fn submit(js: &jetstream::Context, id: &str) -> anyhow::Result<bool> {
         slo: None,
         tenant: None,
         priority: Default::default(),
+        prefix: None,
     };
     let mut headers = async_nats::HeaderMap::new();
     headers.insert(HEADER_MSG_ID, id);
@@ -1902,30 +1915,72 @@ async fn submit(js: &jetstream::Context, id: &str) -> anyhow::Result<bool> {
     Ok(false)
 }
 
-/// RELIABILITY.md from the reports.
+/// The command line as the report shows it: without the options that name this machine's
+/// folders (`--repo`, `--report`), which say nothing about what was run.
+pub fn shown_command(command: &str) -> String {
+    let mut out: Vec<&str> = Vec::new();
+    let mut skip_value = false;
+    for word in command.split_whitespace() {
+        if skip_value {
+            skip_value = false;
+            continue;
+        }
+        if word == "--repo" || word == "--report" {
+            skip_value = true;
+            continue;
+        }
+        if word.starts_with("--repo=") || word.starts_with("--report=") {
+            continue;
+        }
+        out.push(word);
+    }
+    out.join(" ")
+}
+
+/// How to run the drills, as RELIABILITY.md says it.
+pub const HOW_TO_RUN: &str = "## How to run\n\n\
+Build the binaries first; the drills start whole systems with `./dev up` and need nats-server and redis-server on PATH.\n\n\
+```sh\n\
+./dev test                                   # runs tests/suites/drills.sh: every drill at CI size (--short)\n\
+cargo build --release --bins\n\
+target/release/metronome-drill --profile release                  # every drill, full size, writes RELIABILITY.md\n\
+target/release/metronome-drill --profile release --only kill-leader --rate 40 --load-secs 250   # one drill, 10,000 jobs\n\
+```\n\n\
+`--short` is the CI size (8 s of load per drill, 3 s outages), `--only` picks drills, `--rate` and `--load-secs` size the load, `--report FILE` writes elsewhere. The exit status is non-zero when a job is lost or run twice, or a drill's own check fails.\n\n";
+
+/// RELIABILITY.md from the reports: what the drills are, how to run them, then this run.
 pub fn render_report(plan: &DrillPlan, reports: &[DrillReport]) -> String {
     let mut out = String::new();
     out.push_str("# Reliability: fault drills\n\n");
+    out.push_str(
+        "Each drill starts a real system, offers it jobs, injects one fault mid-run and \
+         then counts by job id, from the RESULTS stream (every final result) and the chunks \
+         the drill's client received, never from logs. *Exactly once*: one final result, a \
+         success. *Failed*: final results, none a success (the client got an error with a \
+         reason). *Lost*: no final result. *Duplicated*: two successful final results, or \
+         chunks from two runs (worker, attempt). *Recover*: from the fault (leader kill, also \
+         amid faults) or the repair (restart, SIGCONT, end of the rolling deploy) to the next \
+         decision (dispatcher kills) or the next successful result (of the faulted worker for \
+         agent and model-server drills); for a NATS node's kill, from the kill to the first \
+         successful result of a job JetStream took after it. A drill fails on any lost or \
+         duplicated job.\n\n",
+    );
+    out.push_str("## The drills\n\n| drill | what it does and what must hold |\n|---|---|\n");
+    for f in Fault::ALL {
+        out.push_str(&format!("| {} | {} |\n", f.name(), f.purpose()));
+    }
+    out.push('\n');
+    out.push_str(HOW_TO_RUN);
+    out.push_str("## Results\n\n");
     out.push_str(&format!(
         "Produced by `{}` on a real system (`./dev up --keep-going`, {} simulated GPUs, real \
          nats-server with file storage and redis-server, dispatcher leader + standby), \
          {:.0} jobs/s offered on `jobs.submit._anon` for {} s per drill, fault at a third of it.\n\n",
-        plan.command,
+        shown_command(&plan.command),
         plan.gpus,
         plan.rate,
         plan.load.as_secs()
     ));
-    out.push_str(
-        "Counted by job id from the RESULTS stream (every final result) and the chunks the \
-         drill's client received, never from logs. *Exactly once*: one final result, a \
-         success. *Failed*: final results, none a success (the client got an error with a \
-         reason). *Lost*: no final result. *Duplicated*: two successful final results, or \
-         chunks from two runs (worker, attempt). *Recover*: from the fault (leader kill, also amid \
-         faults) or the repair (restart, SIGCONT, end of the rolling deploy) to the next decision \
-         (dispatcher kills) or the next successful result (of the faulted worker for agent \
-         and model-server drills); for a NATS node's kill, from the kill to the first \
-         successful result of a job JetStream took after it.\n\n",
-    );
     if plan.faults.iter().any(|f| f.nats_nodes() > 1) {
         out.push_str(&format!(
             "The NATS cluster drills run on a second system, `./dev up --keep-going \
@@ -2013,6 +2068,64 @@ mod tests {
             ttft_ms: None,
             e2e_ms: None,
         }
+    }
+
+    #[test]
+    fn the_report_lists_every_drill_and_how_to_run_it_without_this_machines_folders() {
+        assert_eq!(
+            shown_command(
+                "metronome-drill --repo /srv/x --short --report=/var/r.md --only hostile"
+            ),
+            "metronome-drill --short --only hostile"
+        );
+        let plan = DrillPlan {
+            command: "metronome-drill --short --report /srv/out/R.md".into(),
+            faults: vec![Fault::KillLeader],
+            gpus: 3,
+            rate: 10.0,
+            load: Duration::from_secs(8),
+            repo: PathBuf::from("/srv/repo"),
+            profile: "debug".into(),
+            pause: Duration::from_secs(3),
+            redis_outage: Duration::from_secs(3),
+            settle: Duration::from_secs(30),
+            hostile_messages: 5_000,
+            hostile_seed: 9,
+            hostile_rate: 1_000.0,
+            lease_on_killed_node: false,
+            state_dir: PathBuf::from("/srv/state"),
+        };
+        let report = DrillReport {
+            fault: "kill-leader".into(),
+            what: "SIGKILL the leader".into(),
+            sent: 80,
+            exactly_once: 80,
+            recover_ms: Some(2_900),
+            ..Default::default()
+        };
+        let md = render_report(&plan, &[report]);
+        for f in Fault::ALL {
+            assert!(
+                md.contains(&format!("| {} | {} |", f.name(), f.purpose())),
+                "{} is not listed:\n{md}",
+                f.name()
+            );
+        }
+        let (drills, how, results) = (
+            md.find("## The drills").unwrap(),
+            md.find("## How to run").unwrap(),
+            md.find("## Results").unwrap(),
+        );
+        assert!(drills < how && how < results, "{md}");
+        assert!(
+            md.contains("Produced by `metronome-drill --short` on a real system"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| kill-leader | SIGKILL the leader | 80 | 80 | 0 | 0 | 0 | 2.9 s |"),
+            "{md}"
+        );
+        assert!(!md.contains("/srv/"), "{md}");
     }
 
     /// A read that fails while a NATS node is away is tried again until it succeeds; one

@@ -1,4 +1,6 @@
-//! KV headroom, reservations included: a job may occupy `prompt + max_tokens` KV tokens,
+//! KV headroom, reservations included: a job may occupy `prompt + max_tokens` KV tokens
+//! (less the cached prefix blocks a running job on the worker already holds,
+//! [`crate::JobRequest::kv_tokens_on`]),
 //! and a full KV cache makes the model server preempt running requests (the worst latency
 //! cliff). Admit only while
 //!
@@ -51,14 +53,15 @@ impl Filter for KvHeadroom {
             return Ok(());
         };
         let used = kv_tokens_in_use(kv.used_frac, capacity, ctx.load.unreported_kv_tokens);
-        let need = ctx.job.kv_tokens() as f64;
+        let need_tokens = ctx.job.kv_tokens_on(ctx.view.worker_id());
+        let need = need_tokens as f64;
         let limit = capacity as f64 * (1.0 - ctx.config.kv_headroom_frac);
         if used + need > limit {
             Err(format!(
                 "insufficient KV: {:.0} used + {} reserved + {} needed > {:.0} usable of {} tokens ({}% kept free)",
                 used - ctx.load.unreported_kv_tokens as f64,
                 ctx.load.unreported_kv_tokens,
-                ctx.job.kv_tokens(),
+                need_tokens,
                 limit,
                 capacity,
                 ctx.config.kv_headroom_frac * 100.0

@@ -22,7 +22,7 @@ impl Term for KvPressure {
         match kv.capacity_tokens {
             Some(cap) if cap > 0 => {
                 let used = kv_tokens_in_use(kv.used_frac, cap, ctx.load.unreported_kv_tokens);
-                Some((used + ctx.job.kv_tokens() as f64) / cap as f64)
+                Some((used + ctx.job.kv_tokens_on(ctx.view.worker_id()) as f64) / cap as f64)
             }
             _ => kv
                 .used_frac

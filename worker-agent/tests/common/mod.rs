@@ -368,15 +368,13 @@ pub fn job(id: &str, endpoint: Endpoint, max_tokens: u32, delay_ms: u64) -> Job 
         slo: None,
         tenant: None,
         priority: None,
+        prefix: None,
     }
 }
 
-/// Read a metric's value from exposition text (first sample whose line starts with `prefix`).
-pub fn metric_value(text: &str, prefix: &str) -> Option<f64> {
-    text.lines()
-        .find(|l| l.starts_with(prefix))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
+/// The value of the first sample of `name` carrying every `key="value"` pair given.
+pub fn metric_value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    metronome_protocol::prometheus::value(text, name, labels)
 }
 
 /// Collect messages of a subscription into a shared list, in arrival order.

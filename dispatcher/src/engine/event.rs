@@ -1,15 +1,15 @@
-//! What reaches the deciding loop ([`crate::engine`]): the one input type shared by the
-//! tasks that feed it (intake, registry watch, EWMA refresher, completions, publisher
-//! rollbacks), kept apart from the engine so those tasks and the engine do not import each
-//! other.
+//! The engine's inputs: what reaches the deciding loop from the tasks that feed it
+//! (intake, registry watch, EWMA refresher, completions, publisher rollbacks). Those tasks
+//! depend on the engine for these types; the engine depends on none of them.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use async_nats::jetstream::message::Acker;
-use metronome_protocol::{Assignment, CompletionEvent, Job};
+use metronome_protocol::{Assignment, CompletionEvent, Job, WorkerStatus};
+use metronome_scheduler::EwmaSnapshot;
 
 use crate::queue::QueuedJob;
-use crate::registry::{RedisSnapshot, WorkerUpdate};
 
 /// A job read from JOBS.
 pub struct Incoming {
@@ -67,4 +67,36 @@ pub enum Event {
         job_id: String,
         worker_id: String,
     },
+}
+
+/// One change of the `workers` bucket.
+#[derive(Debug, Clone)]
+pub enum WorkerUpdate {
+    /// A heartbeat, with when the dispatcher saw it (Unix ms) and its revision in the
+    /// bucket (the leader declares a worker dead only if no later heartbeat was stored).
+    Put {
+        status: Box<WorkerStatus>,
+        seen_ms: u64,
+        revision: u64,
+        /// Ids of its `in_flight` for which [`crate::registry::Vouching`] found no decision on record that
+        /// assigns the job to this worker: the engine adopts none of them (it keeps those it
+        /// booked there itself, whose decision may not be stored yet).
+        unvouched: Vec<String>,
+        /// The tenant the decision on record names for each vouched job that has one
+        /// (job id → tenant). A leader counts each tenant's running jobs for fair sharing;
+        /// a new leader learns here whose jobs an earlier leader placed, from the record
+        /// only dispatchers write, not from the worker's word.
+        tenants: HashMap<String, String>,
+    },
+    /// The key was deleted or purged: the worker left.
+    Gone { worker_id: String },
+}
+
+/// What one Redis read found.
+#[derive(Debug, Clone, Default)]
+pub struct RedisSnapshot {
+    /// Per worker id.
+    pub ewmas: HashMap<String, EwmaSnapshot>,
+    /// Output-length EWMA per model (tokens).
+    pub output_len: HashMap<String, f64>,
 }

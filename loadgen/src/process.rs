@@ -1,7 +1,7 @@
-//! Stopping, killing and restarting the processes of a drill's system by their pid files
-//! under `<state>/run/`: a restarted process gets the command line, environment and working
-//! folder of the one it replaces (read from `/proc`), its log appended, and its new pid
-//! written back, so a later drill finds it.
+//! Stopping, killing and restarting the processes of a running system (drills and the
+//! fairness benchmark both do) by their pid files under `<state>/run/`: a restarted process
+//! gets the command line, environment and working folder of the one it replaces (read from
+//! `/proc`), its log appended, and its new pid written back, so a later run finds it.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
