@@ -105,6 +105,12 @@ pub struct Config {
     /// (written when a queue changed, and every second regardless); at most 1000, so
     /// readers never see a live leader's snapshot as stale.
     pub queue_snapshot_ms: u64,
+    /// The provisioning record (`workers.json`, written by `scripts/render-auth.py`): each
+    /// worker id's model and concurrency ceiling. When set, a worker whose heartbeat
+    /// claims another model, a higher cap, or an id without a record takes no work
+    /// (`not_provisioned`); when unset, heartbeats are believed (logged once at start).
+    /// Read when the dispatcher starts. `METRONOME_PROVISIONING_FILE` overrides it.
+    pub provisioning_file: Option<String>,
 }
 
 impl Default for Config {
@@ -146,6 +152,7 @@ impl Default for Config {
             fairness: FairnessConfig::default(),
             fairness_persist_ms: 500,
             queue_snapshot_ms: 500,
+            provisioning_file: None,
         }
     }
 }
@@ -153,7 +160,7 @@ impl Default for Config {
 pub use metronome_runtime::config::{ConfigError, EnvVar, FieldError};
 
 /// The environment variables that override keys of the file.
-pub const ENV: [EnvVar; 5] = [
+pub const ENV: [EnvVar; 6] = [
     EnvVar {
         var: "NATS_URL",
         key: "nats_url",
@@ -173,6 +180,10 @@ pub const ENV: [EnvVar; 5] = [
     EnvVar {
         var: "METRONOME_METRICS_ADDR",
         key: "metrics_addr",
+    },
+    EnvVar {
+        var: "METRONOME_PROVISIONING_FILE",
+        key: "provisioning_file",
     },
 ];
 
@@ -333,6 +344,22 @@ impl Config {
         config.apply_env(lookup)?;
         config.validate().map_err(ConfigError::Invalid)?;
         Ok(config)
+    }
+
+    /// The provisioning record of `provisioning_file`, read and checked; `None` when no
+    /// file is set.
+    pub fn provisioning(&self) -> Result<Option<metronome_scheduler::Provisioning>, FieldError> {
+        let Some(path) = &self.provisioning_file else {
+            return Ok(None);
+        };
+        let field = "provisioning_file";
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| FieldError::new(field, format!("reading {path}: {e}")))?;
+        serde_json::from_str::<metronome_scheduler::Provisioning>(&text)
+            .map_err(|e| e.to_string())
+            .and_then(metronome_scheduler::Provisioning::checked)
+            .map(Some)
+            .map_err(|e| FieldError::new(field, format!("{path}: {e}")))
     }
 
     /// The dispatcher id, generated when the configuration leaves it empty.
