@@ -362,11 +362,12 @@ impl EwmaReader {
             let config = redis::AsyncConnectionConfig::new()
                 .set_connection_timeout(Some(Duration::from_millis(500)))
                 .set_response_timeout(Some(Duration::from_millis(1000)));
-            self.conn = Some(
-                self.client
-                    .get_multiplexed_async_connection_with_config(&config)
-                    .await?,
-            );
+            let mut conn = self
+                .client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await?;
+            load_ewma_function(&mut conn).await;
+            self.conn = Some(conn);
         }
         let conn = self.conn.as_mut().expect("connected above");
         let mut snapshot = RedisSnapshot::default();
@@ -397,6 +398,27 @@ impl EwmaReader {
             }
         }
         Ok(snapshot)
+    }
+}
+
+/// Load the EWMA update function worker-agents call (`redis_keys::EWMA_LIBRARY`), on every
+/// new connection: a Redis restarted without its data has lost it, and the connection to it
+/// is new. Workers may run no Lua of their own, so until a leader has loaded it their
+/// updates fail (counted by each agent). A failure here is logged, never fatal: reading
+/// the EWMAs goes on.
+async fn load_ewma_function(conn: &mut redis::aio::MultiplexedConnection) {
+    let loaded = redis::cmd("FUNCTION")
+        .arg("LOAD")
+        .arg("REPLACE")
+        .arg(redis_keys::EWMA_LIBRARY)
+        .query_async::<String>(conn)
+        .await;
+    match loaded {
+        Ok(_) => tracing::debug!("loaded the EWMA update function"),
+        Err(error) => tracing::warn!(
+            %error,
+            "cannot load the EWMA update function (needs Redis 7 and the dispatcher's `+function|load`): workers cannot update their EWMAs"
+        ),
     }
 }
 

@@ -216,8 +216,12 @@ pub fn rules(role: Role) -> RoleRules {
             ],
             subscribe: strings(&[INBOX, SUBJECT_CANCEL_ALL, "workers.*.heartbeat"]),
             allow_responses: false,
-            // Reads the EWMAs, output lengths and fitted models; writes nothing.
-            redis: Some("resetkeys %R~{prefix}:* resetchannels -@all +@connection +@read".into()),
+            // Reads the EWMAs, output lengths and fitted models; writes no key. Loads the
+            // EWMA update function workers call (`redis_keys::EWMA_LIBRARY`).
+            redis: Some(
+                "resetkeys %R~{prefix}:* resetchannels -@all +@connection +@read +function|load"
+                    .into(),
+            ),
         },
         Role::WorkerAgent => RoleRules {
             publish: vec![
@@ -257,11 +261,12 @@ pub fn rules(role: Role) -> RoleRules {
             subscribe: strings(&[INBOX, "control.{worker_id}.*"]),
             allow_responses: true,
             // Its own EWMA hash and fitted model, and its model's output-length average
-            // (shared with the model's other workers); the update is one Lua script.
+            // (shared with the model's other workers); the update is the function the
+            // dispatcher loads (`FCALL`, under this ACL), never Lua of its own (`EVAL` of a
+            // loop would hold Redis for every role).
             redis: Some(
                 "resetkeys ~{prefix}:ewma:{worker_id} ~{prefix}:perf:{worker_id} ~{prefix}:outlen:{model} \
-                 resetchannels -@all +@connection +get +set +hget +hmget +hgetall +hset \
-                 +eval +evalsha +script|load"
+                 resetchannels -@all +@connection +get +set +hget +hmget +hgetall +hset +fcall"
                     .into(),
             ),
         },

@@ -963,6 +963,8 @@ async fn queue_snapshots_are_written_by_the_dispatcher_and_read_by_operators() {
 
 #[tokio::test]
 async fn redis_lets_each_agent_write_only_its_own_keys_and_the_dispatcher_only_read() {
+    // Redis 7's functions: the EWMA update is loaded by the dispatcher and called by
+    // workers, which may run no Lua of their own.
     let sys = system().await;
     let connect = |user: &str| {
         let url = sys.redis.url_as(user, &password(user));
@@ -998,12 +1000,41 @@ async fn redis_lets_each_agent_write_only_its_own_keys_and_the_dispatcher_only_r
     .query_async::<i64>(&mut w1)
     .await
     .expect("its model's output length");
-    // Scripts run under the caller's ACL too.
-    redis::Script::new("return redis.call('HSET', KEYS[1], 'ttft_ms', 1)")
-        .key(&own)
-        .invoke_async::<i64>(&mut w1)
+    // The EWMA update is a function the dispatcher loads; a worker may only call it, and
+    // it runs under the caller's ACL.
+    let mut dispatcher = connect("dispatcher-a").await;
+    redis::cmd("FUNCTION")
+        .arg("LOAD")
+        .arg("REPLACE")
+        .arg(metronome_protocol::redis_keys::EWMA_LIBRARY)
+        .query_async::<String>(&mut dispatcher)
         .await
-        .expect("own key through the update script");
+        .expect("the dispatcher loads the EWMA update");
+    let fcall = |key: &str| {
+        let mut cmd = redis::cmd("FCALL");
+        cmd.arg(metronome_protocol::redis_keys::EWMA_UPDATE_FUNCTION)
+            .arg(2)
+            .arg(key)
+            .arg(metronome_protocol::redis_keys::output_len_key(
+                PREFIX, MODEL,
+            ))
+            .arg(1_000)
+            .arg(0.5)
+            .arg(60_000)
+            .arg(1)
+            .arg(metronome_protocol::redis_keys::FIELD_SAMPLES)
+            .arg(metronome_protocol::redis_keys::FIELD_UPDATED_MS)
+            .arg(metronome_protocol::redis_keys::FIELD_ALPHA)
+            .arg("ttft_ms")
+            .arg(1)
+            .arg(metronome_protocol::redis_keys::FIELD_TOKENS)
+            .arg("");
+        cmd
+    };
+    fcall(&own)
+        .query_async::<i64>(&mut w1)
+        .await
+        .expect("own key through the update function");
 
     for (what, cmd) in [
         ("another worker's EWMA", hset(other.clone())),
@@ -1022,14 +1053,47 @@ async fn redis_lets_each_agent_write_only_its_own_keys_and_the_dispatcher_only_r
             .expect_err(what);
         assert_eq!(err.code(), Some("NOPERM"), "{what}: {err}");
     }
-    let err = redis::Script::new("return redis.call('HSET', KEYS[1], 'ttft_ms', 1)")
-        .key(&other)
-        .invoke_async::<i64>(&mut w1)
+    let err = fcall(&other)
+        .query_async::<i64>(&mut w1)
         .await
-        .expect_err("another worker's key through a script");
-    assert_eq!(err.code(), Some("NOPERM"), "{err}");
+        .expect_err("another worker's key through the update function");
+    assert!(
+        err.code() == Some("NOPERM") || err.to_string().contains("NOPERM"),
+        "{err}"
+    );
+    // No Lua of its own: a script (even a loop that would hold Redis for every role) or a
+    // function library of its own is refused before it runs.
+    for (what, cmd) in [
+        ("a script", {
+            let mut c = redis::cmd("EVAL");
+            c.arg("while true do end").arg(0);
+            c
+        }),
+        ("loading a script", {
+            let mut c = redis::cmd("SCRIPT");
+            c.arg("LOAD").arg("return 1");
+            c
+        }),
+        ("loading a function", {
+            let mut c = redis::cmd("FUNCTION");
+            c.arg("LOAD")
+                .arg("REPLACE")
+                .arg("#!lua name=mine\nredis.register_function('spin', function() while true do end end)");
+            c
+        }),
+        ("deleting the functions", {
+            let mut c = redis::cmd("FUNCTION");
+            c.arg("FLUSH");
+            c
+        }),
+    ] {
+        let err = cmd
+            .query_async::<redis::Value>(&mut w1)
+            .await
+            .expect_err(what);
+        assert_eq!(err.code(), Some("NOPERM"), "{what}: {err}");
+    }
 
-    let mut dispatcher = connect("dispatcher-a").await;
     let read: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
         .arg(&own)
         .query_async(&mut dispatcher)
