@@ -8,6 +8,7 @@
 
 use std::path::Path;
 
+use metronome_protocol::setup::StreamSettings;
 use metronome_protocol::JobLimits;
 use metronome_scheduler::policy::PolicyKind;
 use metronome_scheduler::{FairnessConfig, SchedulerConfig};
@@ -111,6 +112,13 @@ pub struct Config {
     /// (`not_provisioned`); when unset, heartbeats are believed (logged once at start).
     /// Read when the dispatcher starts. `METRONOME_PROVISIONING_FILE` overrides it.
     pub provisioning_file: Option<String>,
+    /// Most bytes the RESULTS stream keeps (oldest finals first); set on the stream at
+    /// start.
+    pub results_max_bytes: i64,
+    /// Most bytes the EVENTS stream keeps (oldest events first); set at start.
+    pub events_max_bytes: i64,
+    /// Most events EVENTS keeps per worker subject (oldest first); set at start.
+    pub events_max_per_worker: i64,
 }
 
 impl Default for Config {
@@ -153,6 +161,9 @@ impl Default for Config {
             fairness_persist_ms: 500,
             queue_snapshot_ms: 500,
             provisioning_file: None,
+            results_max_bytes: StreamSettings::default().results_max_bytes,
+            events_max_bytes: StreamSettings::default().events_max_bytes,
+            events_max_per_worker: StreamSettings::default().events_max_per_worker,
         }
     }
 }
@@ -305,6 +316,15 @@ impl Config {
         }
         if self.max_attempts == 0 {
             err("max_attempts", "must be at least 1".into());
+        }
+        for (field, v) in [
+            ("results_max_bytes", self.results_max_bytes),
+            ("events_max_bytes", self.events_max_bytes),
+            ("events_max_per_worker", self.events_max_per_worker),
+        ] {
+            if v < 1 {
+                err(field, "must be at least 1".into());
+            }
         }
         if self.redis_prefix.is_empty() {
             err("redis_prefix", "must not be empty".into());

@@ -143,6 +143,9 @@ pub async fn start(
         },
         leader_ttl: Duration::from_millis(config.lease_ttl_ms),
         replicas: config.stream_replicas,
+        results_max_bytes: config.results_max_bytes,
+        events_max_bytes: config.events_max_bytes,
+        events_max_per_worker: config.events_max_per_worker,
         ..StreamSettings::default()
     };
     let buckets = ensure_all(&js, &settings).await?;
@@ -154,6 +157,15 @@ pub async fn start(
     if metronome_protocol::setup::upgrade_results_stream(&js).await? {
         tracing::info!(
             "brought the RESULTS stream (created by an older protocol version) to this contract: results.*.*.*.final"
+        );
+    }
+    for stream in metronome_protocol::setup::apply_stream_limits(&js, &settings).await? {
+        tracing::info!(
+            stream,
+            results_max_bytes = config.results_max_bytes,
+            events_max_bytes = config.events_max_bytes,
+            events_max_per_worker = config.events_max_per_worker,
+            "bounded a stream in bytes (and EVENTS per worker) as configured"
         );
     }
     if let Some(old) = metronome_protocol::setup::align_leader_ttl(&js, settings.leader_ttl).await?

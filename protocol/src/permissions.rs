@@ -199,6 +199,8 @@ pub fn rules(role: Role) -> RoleRules {
                 // the lease bucket gets the configured lease TTL.
                 js(&format!("STREAM.UPDATE.{STREAM_JOBS}")),
                 js(&format!("STREAM.UPDATE.{STREAM_RESULTS}")),
+                // RESULTS and EVENTS get their byte and per-worker bounds.
+                js(&format!("STREAM.UPDATE.{STREAM_EVENTS}")),
                 js(&format!("STREAM.UPDATE.KV_{BUCKET_LEADER}")),
                 // A refused or rescued job goes back on JOBS (`jobs.retry`, which only
                 // dispatchers may publish); a client's cancel is relayed to the worker

@@ -891,6 +891,16 @@ async fn gateway_and_dispatcher_do_their_part_only() {
         .filter(names::work_subject("w1"))
         .await
         .expect("the dispatcher purges a dead worker's assignments");
+    // RESULTS and EVENTS get their byte and per-worker bounds at the dispatcher's start.
+    let tighter = StreamSettings {
+        results_max_bytes: 1 << 20,
+        events_max_bytes: 1 << 20,
+        events_max_per_worker: 1_000,
+        ..StreamSettings::default()
+    };
+    metronome_protocol::setup::apply_stream_limits(&dispatcher.js, &tighter)
+        .await
+        .expect("the dispatcher bounds RESULTS and EVENTS");
     dispatcher.no_violations();
     dispatcher
         .publish_refused(&names::event_done_subject("w1"))
