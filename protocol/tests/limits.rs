@@ -32,7 +32,7 @@ async fn stored(js: &jetstream::Context, subject: String, payload: Vec<u8>) {
 
 async fn subject_count(js: &jetstream::Context, stream: &str, subject: &str) -> u64 {
     use futures::StreamExt;
-    let mut s = js.get_stream(stream).await.expect("stream");
+    let s = js.get_stream(stream).await.expect("stream");
     let counts: Vec<(String, usize)> = s
         .info_with_subjects(subject)
         .await
