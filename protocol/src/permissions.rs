@@ -262,12 +262,12 @@ pub fn rules(role: Role) -> RoleRules {
             // `control.{worker_id}.cancel`: `cancel.*.*` would tell it every job's id.
             subscribe: strings(&[INBOX, "control.{worker_id}.*"]),
             allow_responses: true,
-            // Its own EWMA hash and fitted model, and its model's output-length average
-            // (shared with the model's other workers); the update is the function the
+            // Its own EWMA hash, fitted model and output-length average of its model (the
+            // dispatcher takes the median over the model's workers); the update is the function the
             // dispatcher loads (`FCALL`, under this ACL), never Lua of its own (`EVAL` of a
             // loop would hold Redis for every role).
             redis: Some(
-                "resetkeys ~{prefix}:ewma:{worker_id} ~{prefix}:perf:{worker_id} ~{prefix}:outlen:{model} \
+                "resetkeys ~{prefix}:ewma:{worker_id} ~{prefix}:perf:{worker_id} ~{prefix}:outlen:{model}:{worker_id} \
                  resetchannels -@all +@connection +get +set +hget +hmget +hgetall +hset +fcall"
                     .into(),
             ),
@@ -528,7 +528,7 @@ mod tests {
         );
         let acl = redis_acl(&[id], "m");
         assert!(
-            acl.contains("~m:ewma:n1-gpu0 ~m:perf:n1-gpu0 ~m:outlen:llama-3.1-8b "),
+            acl.contains("~m:ewma:n1-gpu0 ~m:perf:n1-gpu0 ~m:outlen:llama-3.1-8b:n1-gpu0 "),
             "{acl}"
         );
     }

@@ -14,10 +14,25 @@ pub fn ewma_pattern(prefix: &str) -> String {
     format!("{prefix}:ewma:*")
 }
 
-/// `<prefix>:outlen:<model>`: hash with the output-length EWMA of one model
-/// (fields `tokens`, `samples`, `updated_ms`), used to predict a job's cost.
-pub fn output_len_key(prefix: &str, model: &str) -> String {
-    format!("{prefix}:outlen:{model}")
+/// `<prefix>:outlen:<model>:<worker_id>`: hash with one worker's output-length EWMA of its
+/// model (fields `tokens`, `samples`, `updated_ms`). The dispatcher predicts a job's cost
+/// from the median over the model's workers ([`output_len_of_key`]), so no single worker
+/// (a minority of them) sets its model's prediction; each worker may write only its own.
+pub fn output_len_key(prefix: &str, model: &str, worker_id: &str) -> String {
+    format!("{prefix}:outlen:{model}:{worker_id}")
+}
+
+/// `<prefix>:outlen:*`: scan pattern for every worker's output-length hash.
+pub fn output_len_pattern(prefix: &str) -> String {
+    format!("{prefix}:outlen:*")
+}
+
+/// The model and worker id of an output-length key (`None`: another key, such as the
+/// per-model key of earlier versions). Worker ids hold no `:`, model names may.
+pub fn output_len_of_key<'k>(prefix: &str, key: &'k str) -> Option<(&'k str, &'k str)> {
+    let rest = key.strip_prefix(prefix)?.strip_prefix(":outlen:")?;
+    let (model, worker) = rest.rsplit_once(':')?;
+    (!model.is_empty() && crate::names::is_worker_id(worker)).then_some((model, worker))
 }
 
 /// `<prefix>:perf:<worker_id>`: JSON of the worker's fitted performance model (the
@@ -37,6 +52,24 @@ pub const FIELD_TOKENS: &str = "tokens";
 
 /// The EWMA fields, in the order the update script takes them.
 pub const EWMA_FIELDS: [&str; 4] = [FIELD_TTFT_MS, FIELD_TPOT_MS, FIELD_TOK_S, FIELD_E2E_MS];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_output_length_key_names_its_model_and_worker() {
+        let key = output_len_key("m", "org/model:v2", "n1-gpu0");
+        assert_eq!(key, "m:outlen:org/model:v2:n1-gpu0");
+        assert_eq!(
+            output_len_of_key("m", &key),
+            Some(("org/model:v2", "n1-gpu0"))
+        );
+        // The shared per-model key of earlier versions, and other prefixes, are not one.
+        assert_eq!(output_len_of_key("m", "m:outlen:model"), None);
+        assert_eq!(output_len_of_key("m", "x:outlen:model:w"), None);
+    }
+}
 
 /// The Redis function library of the EWMA update (Redis 7 functions). The leading
 /// dispatcher loads it (`FUNCTION LOAD REPLACE`, on every new connection, so a restarted

@@ -1005,11 +1005,11 @@ async fn redis_lets_each_agent_write_only_its_own_keys_and_the_dispatcher_only_r
         .await
         .expect("own performance model");
     hset(metronome_protocol::redis_keys::output_len_key(
-        PREFIX, MODEL,
+        PREFIX, MODEL, "w1",
     ))
     .query_async::<i64>(&mut w1)
     .await
-    .expect("its model's output length");
+    .expect("its own output length of its model");
     // The EWMA update is a function the dispatcher loads; a worker may only call it, and
     // it runs under the caller's ACL.
     let mut dispatcher = connect("dispatcher-a").await;
@@ -1026,7 +1026,7 @@ async fn redis_lets_each_agent_write_only_its_own_keys_and_the_dispatcher_only_r
             .arg(2)
             .arg(key)
             .arg(metronome_protocol::redis_keys::output_len_key(
-                PREFIX, MODEL,
+                PREFIX, MODEL, "w1",
             ))
             .arg(1_000)
             .arg(0.5)
@@ -1053,7 +1053,20 @@ async fn redis_lets_each_agent_write_only_its_own_keys_and_the_dispatcher_only_r
             hset(metronome_protocol::redis_keys::output_len_key(
                 PREFIX,
                 "qwen2.5-7b",
+                "w1",
             )),
+        ),
+        (
+            "another worker's output length of its model",
+            hset(metronome_protocol::redis_keys::output_len_key(
+                PREFIX, MODEL, "w3",
+            )),
+        ),
+        (
+            // What every worker of the model once shared: one worker could move the
+            // prediction of every job of its model.
+            "a shared output length of its model",
+            hset(format!("{PREFIX}:outlen:{MODEL}")),
         ),
         ("flushing everything", redis::cmd("FLUSHALL")),
     ] {

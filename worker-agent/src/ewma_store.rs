@@ -128,7 +128,7 @@ impl EwmaStore {
         inv.arg(EWMA_UPDATE_FUNCTION)
             .arg(2)
             .arg(ewma_key(&self.prefix, worker_id))
-            .arg(output_len_key(&self.prefix, model))
+            .arg(output_len_key(&self.prefix, model, worker_id))
             .arg(now_ms)
             .arg(self.alpha)
             .arg(self.half_life_ms.max(1))

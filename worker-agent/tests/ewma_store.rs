@@ -95,7 +95,7 @@ async fn averages_stay_in_range_and_survive_a_restart_and_an_outage() {
     assert_eq!(h["ttft_ms"], before["ttft_ms"]);
     assert_eq!(h["samples"], 4.0);
 
-    let out = hash(&redis.url(), &output_len_key(PREFIX, "m")).await;
+    let out = hash(&redis.url(), &output_len_key(PREFIX, "m", "w1")).await;
     assert!(out["tokens"] >= 0.0 && out["tokens"] <= 60.0, "{out:?}");
     assert_eq!(out["samples"], 4.0);
 
