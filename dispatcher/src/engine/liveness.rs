@@ -348,3 +348,73 @@ impl Engine {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering::Relaxed;
+    use std::sync::Arc;
+
+    use metronome_scheduler::{ProvisionedWorker, Provisioning};
+
+    use crate::engine::testing::*;
+    use crate::worker_claims::LOG_EVERY_MS;
+
+    fn provisioned() -> Arc<Provisioning> {
+        let w = |model: &str| ProvisionedWorker {
+            model: model.into(),
+            max_concurrency: Some(8),
+        };
+        Arc::new(Provisioning {
+            v: 1,
+            workers: [("w1".to_string(), w("m")), ("w2".to_string(), w("q"))]
+                .into_iter()
+                .collect(),
+        })
+    }
+
+    #[test]
+    fn every_heartbeat_outside_the_provisioning_is_counted_and_logged_once_a_minute() {
+        let mut e = engine(|_| {});
+        e.s.provisioning = Some(provisioned());
+        // w2 is provisioned for model q and claims m, at times 0, 1 s and a minute on.
+        for (seq, at) in [(1, T0), (2, T0 + 1_000), (3, T0 + LOG_EVERY_MS)] {
+            step(&mut e, vec![heartbeat("w2", &[], seq, at, |_| {})], at);
+        }
+        assert_eq!(e.metrics.unprovisioned_heartbeats_total.load(Relaxed), 3);
+        assert_eq!(e.unprovisioned_logged.get("w2"), Some(&(T0 + LOG_EVERY_MS)));
+        let view = &e.workers[e.index["w2"]];
+        assert_eq!(
+            view.not_provisioned.as_deref(),
+            Some("provisioned for model 'q', its heartbeat claims 'm'")
+        );
+        // Within its provisioning: eligible again, nothing counted.
+        step(
+            &mut e,
+            vec![heartbeat("w1", &[], 1, T0 + LOG_EVERY_MS, |s| {
+                s.max_concurrency = 8
+            })],
+            T0 + LOG_EVERY_MS,
+        );
+        assert_eq!(e.workers[e.index["w1"]].not_provisioned, None);
+        assert_eq!(e.metrics.unprovisioned_heartbeats_total.load(Relaxed), 3);
+    }
+
+    #[test]
+    fn without_a_record_heartbeats_are_believed_but_speed_is_still_bounded() {
+        let mut e = engine(|_| {});
+        step(
+            &mut e,
+            vec![heartbeat("stranger", &[], 1, T0, |s| {
+                s.max_concurrency = 100_000;
+                if let Some(p) = s.perf.as_mut() {
+                    p.step_base_ms = 0.0;
+                }
+            })],
+            T0,
+        );
+        let view = &e.workers[e.index["stranger"]];
+        assert_eq!(view.not_provisioned, None);
+        assert_eq!(view.status.perf.map(|p| p.step_base_ms), Some(1.0));
+        assert_eq!(e.metrics.unprovisioned_heartbeats_total.load(Relaxed), 0);
+    }
+}
