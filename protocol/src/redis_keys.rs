@@ -53,24 +53,6 @@ pub const FIELD_TOKENS: &str = "tokens";
 /// The EWMA fields, in the order the update script takes them.
 pub const EWMA_FIELDS: [&str; 4] = [FIELD_TTFT_MS, FIELD_TPOT_MS, FIELD_TOK_S, FIELD_E2E_MS];
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_output_length_key_names_its_model_and_worker() {
-        let key = output_len_key("m", "org/model:v2", "n1-gpu0");
-        assert_eq!(key, "m:outlen:org/model:v2:n1-gpu0");
-        assert_eq!(
-            output_len_of_key("m", &key),
-            Some(("org/model:v2", "n1-gpu0"))
-        );
-        // The shared per-model key of earlier versions, and other prefixes, are not one.
-        assert_eq!(output_len_of_key("m", "m:outlen:model"), None);
-        assert_eq!(output_len_of_key("m", "x:outlen:model:w"), None);
-    }
-}
-
 /// The Redis function library of the EWMA update (Redis 7 functions). The leading
 /// dispatcher loads it (`FUNCTION LOAD REPLACE`, on every new connection, so a restarted
 /// Redis gets it back); worker-agents call it with `FCALL` and may run no Lua of their
@@ -142,3 +124,21 @@ redis.register_function('metronome_ewma_update', update_ewma)
 
 /// The function of [`EWMA_LIBRARY`] a worker-agent calls (`FCALL <name> 2 <keys> <args>`).
 pub const EWMA_UPDATE_FUNCTION: &str = "metronome_ewma_update";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_output_length_key_names_its_model_and_worker() {
+        let key = output_len_key("m", "org/model:v2", "n1-gpu0");
+        assert_eq!(key, "m:outlen:org/model:v2:n1-gpu0");
+        assert_eq!(
+            output_len_of_key("m", &key),
+            Some(("org/model:v2", "n1-gpu0"))
+        );
+        // The shared per-model key of earlier versions, and other prefixes, are not one.
+        assert_eq!(output_len_of_key("m", "m:outlen:model"), None);
+        assert_eq!(output_len_of_key("m", "x:outlen:model:w"), None);
+    }
+}
