@@ -1178,3 +1178,153 @@ async fn store_decision_and_final(
             .unwrap();
     }
 }
+
+/// The probe of a stolen worker identity, end to end: the dispatcher binary runs as its
+/// own identity with the provisioning record `scripts/render-auth.py` writes; `worker-w2`
+/// (provisioned for qwen2.5-7b) heartbeats under its own key, as NATS lets it, claiming
+/// the llama model with room for 100,000 jobs and near-zero step times. A tenant's llama
+/// job goes to the honest llama worker, and the decision names w2 `not_provisioned`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_identity_heartbeating_as_another_model_gets_none_of_its_jobs() {
+    let sys = system().await;
+    let dir = tempfile::tempdir().unwrap();
+    let record = dir.path().join("workers.json");
+    std::fs::write(
+        &record,
+        serde_json::json!({"v": 1, "workers": {
+            "w1": {"model": MODEL, "max_concurrency": 4},
+            "w2": {"model": "qwen2.5-7b", "max_concurrency": 4},
+        }})
+        .to_string(),
+    )
+    .unwrap();
+    let config = dir.path().join("dispatcher.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "nats_url = \"{}\"\nredis_url = \"{}\"\ndispatcher_id = \"a\"\nstorage = \"memory\"\n\
+             provisioning_file = \"{}\"\n\
+             nats_auth = {{ user = \"dispatcher-a\", password = \"{}\" }}\n\
+             [scheduler]\nheartbeat_timeout_ms = 60000\n",
+            sys.nats.url(),
+            sys.redis.url_as("dispatcher-a", &password("dispatcher-a")),
+            record.display(),
+            password("dispatcher-a"),
+        ),
+    )
+    .unwrap();
+    let log = std::fs::File::create(dir.path().join("dispatcher.log")).unwrap();
+    let mut command =
+        std::process::Command::new(metronome_testkit::bin_path("metronome-dispatcher"));
+    command
+        .arg("--config")
+        .arg(&config)
+        .stdout(log.try_clone().unwrap())
+        .stderr(log);
+    let _dispatcher = metronome_testkit::ChildGuard::spawn("dispatcher", command).unwrap();
+    let logs = || std::fs::read_to_string(dir.path().join("dispatcher.log")).unwrap_or_default();
+
+    let fast = metronome_protocol::PerfCoefficients {
+        step_base_ms: 0.001,
+        step_per_stream_ms: 0.0,
+        step_per_ktok_ms: 0.0,
+        stall_per_prefill_token_ms: 0.0,
+        ttft_base_ms: 0.001,
+        prefill_per_token_ms: 0.0,
+        ttft_per_stream_ms: 0.0,
+        step_error_ms: 0.0,
+        samples: 1_000,
+    };
+    for (user, id, cap) in [("worker-w1", "w1", 4), ("worker-w2", "w2", 100_000)] {
+        let conn = Conn::open(&sys.nats, user).await;
+        let buckets = ensure_for_worker(&conn.js, &StreamSettings::default())
+            .await
+            .expect("a worker opens its buckets");
+        let status = metronome_protocol::WorkerStatus {
+            v: metronome_protocol::PROTOCOL_VERSION,
+            worker_id: id.into(),
+            model: MODEL.into(),
+            node: None,
+            gpu_index: None,
+            healthy: true,
+            draining: false,
+            max_concurrency: cap,
+            active: 0,
+            queued: 0,
+            in_flight: Vec::new(),
+            kv: Some(metronome_protocol::KvUsage {
+                used_frac: 0.0,
+                capacity_tokens: Some(1_000_000),
+            }),
+            gpu: None,
+            prefill_pending_tokens: 0,
+            perf: Some(fast),
+            max_epoch: 0,
+            seq: 1,
+            sent_ms: metronome_protocol::time::unix_ms(),
+        };
+        buckets
+            .workers
+            .put(id, serde_json::to_vec(&status).unwrap().into())
+            .await
+            .unwrap_or_else(|e| panic!("{user} heartbeats under its own key: {e}"));
+        conn.no_violations();
+    }
+
+    let client = Conn::open(&sys.nats, "client-acme").await;
+    let acme = Some("acme");
+    let job = serde_json::json!({
+        "v": metronome_protocol::PROTOCOL_VERSION, "id": "job-llama", "model": MODEL,
+        "endpoint": "chat", "request": {"messages": [{"role": "user", "content": "secret"}]},
+        "prompt_tokens": 10, "max_tokens": 10, "tenant": "acme",
+        "submitted_ms": metronome_protocol::time::unix_ms(),
+    });
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(names::HEADER_MSG_ID, "job-llama");
+    client
+        .js
+        .publish_with_headers(
+            names::submit_subject(acme),
+            headers,
+            serde_json::to_vec(&job).unwrap().into(),
+        )
+        .await
+        .expect("publish")
+        .await
+        .expect("JOBS stores the job");
+
+    let decisions = client
+        .js
+        .get_stream_no_info(STREAM_DECISIONS)
+        .await
+        .expect("stream handle");
+    let decision: metronome_protocol::Decision = wait_for("the job's decision", WAIT, || {
+        let decisions = decisions.clone();
+        async move {
+            let m = decisions
+                .direct_get_last_for_subject(names::decision_subject(acme, "job-llama"))
+                .await
+                .ok()?;
+            serde_json::from_slice(&m.payload).ok()
+        }
+    })
+    .await;
+    assert_eq!(
+        decision.worker_id.as_deref(),
+        Some("w1"),
+        "{decision:?}\n{}",
+        logs()
+    );
+    let w2 = decision
+        .rejected
+        .iter()
+        .find(|r| r.worker_id == "w2")
+        .unwrap_or_else(|| panic!("w2 is not among the rejected: {decision:?}"));
+    assert_eq!(
+        (w2.code, w2.reason.as_str()),
+        (
+            metronome_protocol::RejectionCode::NotProvisioned,
+            "not provisioned: provisioned for model 'qwen2.5-7b', its heartbeat claims 'llama-3.1-8b'"
+        )
+    );
+}
