@@ -3,7 +3,8 @@
 
     render-auth.py --dir DIR [--prefix metronome] [--rotate] [--route-user USER] IDENTITY...
 
-IDENTITY is `user:role`; for a worker-agent `user:worker-agent:<worker_id>:<model>`; for a
+IDENTITY is `user:role`; for a worker-agent `user:worker-agent:<worker_id>:<model>[:<max_concurrency>]`
+(the model it may serve and the highest concurrency cap it may claim); for a
 direct-NATS client `user:client:<tenant>` (its tenant's subjects only; `_anon` is the
 tenant token of jobs submitted without a tenant).
 Roles and their permissions come from ansible/roles/metronome/files/permissions.json,
@@ -15,6 +16,9 @@ Writes, all mode 0600 in DIR (mode 0700):
   nats-authorization.conf  the nats-server `authorization` block (passwords in clear:
                            nats-server 2.9 compares them as given)
   redis-acl.conf           Redis `user` lines, passwords as SHA-256 (`#<hex>`)
+  workers.json             the provisioning record the dispatcher reads
+                           (`provisioning_file`): each worker id's model and
+                           concurrency ceiling (null: none given); no secret in it
 
 With --route-user (a NATS cluster), also <USER>.password: the credential the cluster's
 nodes present to each other on their routes (the `cluster { authorization }` block and
@@ -79,6 +83,7 @@ def main():
         password_for(a.dir, a.route_user, a.rotate)
     nats = ["authorization {", "  users = ["]
     redis = ["user default off"]
+    provisioned = {}
     for spec in a.identities:
         parts = spec.split(":")
         user, role = parts[0], parts[1] if len(parts) > 1 else ""
@@ -86,9 +91,17 @@ def main():
             sys.exit(f"render-auth: {spec}: unknown role {role!r} ({', '.join(roles)})")
         if not user or not all(c in ALPHABET + "-_" for c in user):
             sys.exit(f"render-auth: {spec}: a user is letters, digits, '-' and '_'")
-        worker_id, model = (parts[2], parts[3]) if role == "worker-agent" and len(parts) == 4 else ("", "")
-        if role == "worker-agent" and not worker_id:
-            sys.exit(f"render-auth: {spec}: a worker-agent is user:worker-agent:<worker_id>:<model>")
+        worker_id, model = (parts[2], parts[3]) if role == "worker-agent" and len(parts) in (4, 5) else ("", "")
+        if role == "worker-agent" and not (worker_id and model):
+            sys.exit(f"render-auth: {spec}: a worker-agent is "
+                     "user:worker-agent:<worker_id>:<model>[:<max_concurrency>]")
+        ceiling = None
+        if role == "worker-agent" and len(parts) == 5:
+            if not (parts[4].isdigit() and int(parts[4]) >= 1):
+                sys.exit(f"render-auth: {spec}: max_concurrency is a whole number, at least 1")
+            ceiling = int(parts[4])
+        if role == "worker-agent" and worker_id in provisioned:
+            sys.exit(f"render-auth: {spec}: worker id {worker_id!r} is given twice")
         if role == "worker-agent" and (
             worker_id == DISPATCHER_PUBLISHER or not all(c in ALPHABET + "-_" for c in worker_id)
         ):
@@ -101,6 +114,8 @@ def main():
         ):
             sys.exit(f"render-auth: {spec}: a client is user:client:<tenant> (letters, digits, "
                      f"'-' and '_', at most {MAX_TENANT_BYTES}; {NO_TENANT_TOKEN} for no tenant)")
+        if role == "worker-agent":
+            provisioned[worker_id] = {"model": model, "max_concurrency": ceiling}
         rules = roles[role]
         pw = password_for(a.dir, user, a.rotate)
 
@@ -120,6 +135,9 @@ def main():
     nats += ["  ]", "}"]
     write_private(os.path.join(a.dir, "nats-authorization.conf"), "\n".join(nats) + "\n")
     write_private(os.path.join(a.dir, "redis-acl.conf"), "\n".join(redis) + "\n")
+    # scheduler::provisioning::Provisioning, version 1.
+    write_private(os.path.join(a.dir, "workers.json"),
+                  json.dumps({"v": 1, "workers": provisioned}, indent=2, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

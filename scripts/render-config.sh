@@ -22,6 +22,9 @@ redis_url = "$(redis_url_for "$1")"
 dispatcher_id = "$1"
 policy = "$POLICY"
 metrics_addr = "127.0.0.1:$2"
+# Each worker id's model and concurrency ceiling (scripts/render-auth.py): a worker whose
+# heartbeat claims more takes no work.
+provisioning_file = "$AUTH_DIR/workers.json"
 TOML
   # Extra dispatcher settings (TOML appended after the keys above, e.g. a [scheduler]
   # table), so benchmarks can run a tuned scheduler without editing defaults.

@@ -147,7 +147,9 @@ AUTH_DIR="$STATE_DIR/auth"
 IDENTITIES=(admin:admin dispatcher-a:dispatcher dispatcher-b:dispatcher gateway:gateway
   client-demo:client:demo client-_anon:client:_anon auditor:auditor)
 for ((g=0; g<GPUS; g++)); do
-  IDENTITIES+=("worker-local-gpu$g:worker-agent:local-gpu$g:${MODEL_LIST[$((g % ${#MODEL_LIST[@]}))]}")
+  # Its model and concurrency ceiling go into the provisioning record the dispatchers
+  # read (workers.json): the ceiling is the max_concurrency its config is given.
+  IDENTITIES+=("worker-local-gpu$g:worker-agent:local-gpu$g:${MODEL_LIST[$((g % ${#MODEL_LIST[@]}))]}:${WORKER_MAX_CONCURRENCY:-256}")
 done
 # A cluster's nodes authenticate to each other with their own credential (route user).
 ROUTE_USER=nats-route

@@ -39,11 +39,12 @@ use crate::fmt::{self, Table};
 /// The scheduler settings replay re-evaluates; the others are held as recorded.
 pub const REPLAYED_SETTINGS: [&str; 3] = ["weights", "slo", "model_slo"];
 /// The scheduler settings whose effect replay takes from the record.
-pub const HELD_SETTINGS: [&str; 5] = [
+pub const HELD_SETTINGS: [&str; 6] = [
     "heartbeat_timeout_ms",
     "default_max_concurrency",
     "kv_headroom_frac",
     "perf_prior",
+    "perf_claim_floor",
     "reservation_ttl_ms",
 ];
 

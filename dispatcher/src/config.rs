@@ -8,6 +8,7 @@
 
 use std::path::Path;
 
+use metronome_protocol::setup::StreamSettings;
 use metronome_protocol::JobLimits;
 use metronome_scheduler::policy::PolicyKind;
 use metronome_scheduler::{FairnessConfig, SchedulerConfig};
@@ -105,6 +106,19 @@ pub struct Config {
     /// (written when a queue changed, and every second regardless); at most 1000, so
     /// readers never see a live leader's snapshot as stale.
     pub queue_snapshot_ms: u64,
+    /// The provisioning record (`workers.json`, written by `scripts/render-auth.py`): each
+    /// worker id's model and concurrency ceiling. When set, a worker whose heartbeat
+    /// claims another model, a higher cap, or an id without a record takes no work
+    /// (`not_provisioned`); when unset, heartbeats are believed (logged once at start).
+    /// Read when the dispatcher starts. `METRONOME_PROVISIONING_FILE` overrides it.
+    pub provisioning_file: Option<String>,
+    /// Most bytes the RESULTS stream keeps (oldest finals first); set on the stream at
+    /// start.
+    pub results_max_bytes: i64,
+    /// Most bytes the EVENTS stream keeps (oldest events first); set at start.
+    pub events_max_bytes: i64,
+    /// Most events EVENTS keeps per worker subject (oldest first); set at start.
+    pub events_max_per_worker: i64,
 }
 
 impl Default for Config {
@@ -146,6 +160,10 @@ impl Default for Config {
             fairness: FairnessConfig::default(),
             fairness_persist_ms: 500,
             queue_snapshot_ms: 500,
+            provisioning_file: None,
+            results_max_bytes: StreamSettings::default().results_max_bytes,
+            events_max_bytes: StreamSettings::default().events_max_bytes,
+            events_max_per_worker: StreamSettings::default().events_max_per_worker,
         }
     }
 }
@@ -153,7 +171,7 @@ impl Default for Config {
 pub use metronome_runtime::config::{ConfigError, EnvVar, FieldError};
 
 /// The environment variables that override keys of the file.
-pub const ENV: [EnvVar; 5] = [
+pub const ENV: [EnvVar; 6] = [
     EnvVar {
         var: "NATS_URL",
         key: "nats_url",
@@ -173,6 +191,10 @@ pub const ENV: [EnvVar; 5] = [
     EnvVar {
         var: "METRONOME_METRICS_ADDR",
         key: "metrics_addr",
+    },
+    EnvVar {
+        var: "METRONOME_PROVISIONING_FILE",
+        key: "provisioning_file",
     },
 ];
 
@@ -295,6 +317,15 @@ impl Config {
         if self.max_attempts == 0 {
             err("max_attempts", "must be at least 1".into());
         }
+        for (field, v) in [
+            ("results_max_bytes", self.results_max_bytes),
+            ("events_max_bytes", self.events_max_bytes),
+            ("events_max_per_worker", self.events_max_per_worker),
+        ] {
+            if v < 1 {
+                err(field, "must be at least 1".into());
+            }
+        }
         if self.redis_prefix.is_empty() {
             err("redis_prefix", "must not be empty".into());
         }
@@ -333,6 +364,22 @@ impl Config {
         config.apply_env(lookup)?;
         config.validate().map_err(ConfigError::Invalid)?;
         Ok(config)
+    }
+
+    /// The provisioning record of `provisioning_file`, read and checked; `None` when no
+    /// file is set.
+    pub fn provisioning(&self) -> Result<Option<metronome_scheduler::Provisioning>, FieldError> {
+        let Some(path) = &self.provisioning_file else {
+            return Ok(None);
+        };
+        let field = "provisioning_file";
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| FieldError::new(field, format!("reading {path}: {e}")))?;
+        serde_json::from_str::<metronome_scheduler::Provisioning>(&text)
+            .map_err(|e| e.to_string())
+            .and_then(metronome_scheduler::Provisioning::checked)
+            .map(Some)
+            .map_err(|e| FieldError::new(field, format!("{path}: {e}")))
     }
 
     /// The dispatcher id, generated when the configuration leaves it empty.

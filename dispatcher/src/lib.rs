@@ -102,6 +102,19 @@ pub async fn start(
     shutdown: CancellationToken,
 ) -> Result<Running, DispatcherError> {
     config.validate().map_err(DispatcherError::Config)?;
+    let provisioning = config
+        .provisioning()
+        .map_err(|e| DispatcherError::Config(vec![e]))?
+        .map(Arc::new);
+    match &provisioning {
+        Some(p) => tracing::info!(
+            workers = p.workers.len(),
+            "heartbeats are checked against the provisioning record: a worker claiming another model, a higher cap or no record takes no work"
+        ),
+        None => tracing::warn!(
+            "no provisioning_file: every worker's heartbeat is believed (its model and max_concurrency)"
+        ),
+    }
     let dispatcher_id = config.effective_id();
     let options = config
         .nats_auth
@@ -130,6 +143,9 @@ pub async fn start(
         },
         leader_ttl: Duration::from_millis(config.lease_ttl_ms),
         replicas: config.stream_replicas,
+        results_max_bytes: config.results_max_bytes,
+        events_max_bytes: config.events_max_bytes,
+        events_max_per_worker: config.events_max_per_worker,
         ..StreamSettings::default()
     };
     let buckets = ensure_all(&js, &settings).await?;
@@ -141,6 +157,15 @@ pub async fn start(
     if metronome_protocol::setup::upgrade_results_stream(&js).await? {
         tracing::info!(
             "brought the RESULTS stream (created by an older protocol version) to this contract: results.*.*.*.final"
+        );
+    }
+    for stream in metronome_protocol::setup::apply_stream_limits(&js, &settings).await? {
+        tracing::info!(
+            stream,
+            results_max_bytes = config.results_max_bytes,
+            events_max_bytes = config.events_max_bytes,
+            events_max_per_worker = config.events_max_per_worker,
+            "bounded a stream in bytes (and EVENTS per worker) as configured"
         );
     }
     if let Some(old) = metronome_protocol::setup::align_leader_ttl(&js, settings.leader_ttl).await?
@@ -163,6 +188,7 @@ pub async fn start(
     tracing::info!(dispatcher_id, nats = %config.nats_url, policy = %config.policy, ?metrics_addr, "dispatcher started");
     let ctx = Ctx {
         config,
+        provisioning,
         dispatcher_id: dispatcher_id.clone(),
         client,
         js,
@@ -180,6 +206,8 @@ pub async fn start(
 
 struct Ctx {
     config: Config,
+    /// The provisioning record, read at start (`Config::provisioning_file`).
+    provisioning: Option<Arc<metronome_scheduler::Provisioning>>,
     dispatcher_id: String,
     client: async_nats::Client,
     js: jetstream::Context,
@@ -328,7 +356,8 @@ async fn run_term(
     record.set(epoch);
     let mut reader = registry::EwmaReader::new(&c.redis_url, &c.redis_tls, &c.redis_prefix)?;
     let redis = registry::refresh_once(&mut reader, &ctx.metrics).await;
-    let settings = engine::EngineSettings::from_config(c, epoch, ctx.dispatcher_id.clone());
+    let mut settings = engine::EngineSettings::from_config(c, epoch, ctx.dispatcher_id.clone());
+    settings.provisioning = ctx.provisioning.clone();
     let saved_fairness = fairness_store::load(&ctx.buckets.fairness).await?;
     let (fairness_tx, fairness_rx) = tokio::sync::watch::channel(Default::default());
     // Not watched like the other tasks: it ends when the deciding loop does (its sender

@@ -40,6 +40,11 @@ struct Cli {
     #[arg(long, env = "METRONOME_METRICS_ADDR", value_name = "ADDR")]
     metrics_addr: Option<String>,
 
+    /// The provisioning record: each worker id's model and concurrency ceiling (key
+    /// `provisioning_file`).
+    #[arg(long, env = "METRONOME_PROVISIONING_FILE", value_name = "FILE")]
+    provisioning_file: Option<String>,
+
     /// Validate the configuration, print the effective configuration and exit (0 when
     /// valid, 2 with every field error otherwise).
     #[arg(long)]
@@ -56,6 +61,11 @@ impl Cli {
             ("--dispatcher-id", "dispatcher_id", &self.dispatcher_id),
             ("--policy", "policy", &self.policy),
             ("--metrics-addr", "metrics_addr", &self.metrics_addr),
+            (
+                "--provisioning-file",
+                "provisioning_file",
+                &self.provisioning_file,
+            ),
         ];
         flags
             .into_iter()
@@ -80,6 +90,9 @@ fn main() -> ExitCode {
     };
     if let Err(errors) = config.validate() {
         return metronome_runtime::report_invalid_config("metronome-dispatcher: ", &errors);
+    }
+    if let Err(error) = config.provisioning() {
+        return metronome_runtime::report_invalid_config("metronome-dispatcher: ", &[error]);
     }
     if cli.check_config {
         // Secrets stay out of the output: the NATS password serialises masked, the Redis

@@ -82,6 +82,9 @@ pub struct Metrics {
     /// Completion events and refusals dropped because they came from another worker than
     /// the one holding the job ([`crate::worker_claims`]).
     pub worker_claims_dropped_total: AtomicU64,
+    /// Heartbeats claiming more than their worker id was provisioned for (another model,
+    /// a higher cap, no record): the worker takes no new work ([`metronome_scheduler::provisioning`]).
+    pub unprovisioned_heartbeats_total: AtomicU64,
     /// Terms that found a heartbeat claiming an epoch above every epoch on record (not
     /// believed: [`crate::epoch_history`]).
     pub epoch_claims_above_record_total: AtomicU64,
@@ -402,6 +405,11 @@ impl Collector for Exposition {
                 "metronome_dispatcher_worker_claims_dropped",
                 "Completion events and refusals dropped: sent by another worker than the one holding the job.",
                 &m.worker_claims_dropped_total,
+            ),
+            (
+                "metronome_dispatcher_unprovisioned_heartbeats",
+                "Heartbeats claiming another model, a higher cap than provisioned, or no provisioning record; the worker takes no work.",
+                &m.unprovisioned_heartbeats_total,
             ),
             (
                 "metronome_dispatcher_epoch_claims_above_record",

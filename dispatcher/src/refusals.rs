@@ -126,6 +126,7 @@ mod tests {
             status,
             last_seen_ms: 1,
             ewma: None,
+            not_provisioned: None,
         }
     }
 

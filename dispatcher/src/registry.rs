@@ -362,19 +362,20 @@ impl EwmaReader {
             let config = redis::AsyncConnectionConfig::new()
                 .set_connection_timeout(Some(Duration::from_millis(500)))
                 .set_response_timeout(Some(Duration::from_millis(1000)));
-            self.conn = Some(
-                self.client
-                    .get_multiplexed_async_connection_with_config(&config)
-                    .await?,
-            );
+            let mut conn = self
+                .client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await?;
+            load_ewma_function(&mut conn).await;
+            self.conn = Some(conn);
         }
         let conn = self.conn.as_mut().expect("connected above");
         let mut snapshot = RedisSnapshot::default();
         let ewma_prefix = redis_keys::ewma_key(&self.prefix, "");
-        let outlen_prefix = redis_keys::output_len_key(&self.prefix, "");
+        let mut output_lengths = Vec::new();
         for (pattern, is_ewma) in [
             (ewma_pattern(&self.prefix), true),
-            (format!("{outlen_prefix}*"), false),
+            (redis_keys::output_len_pattern(&self.prefix), false),
         ] {
             let keys = scan(conn, &pattern).await?;
             if keys.is_empty() {
@@ -389,14 +390,63 @@ impl EwmaReader {
                 if is_ewma {
                     let id = key[ewma_prefix.len()..].to_string();
                     snapshot.ewmas.insert(id, ewma_from_hash(&hash));
-                } else if let Some(tokens) = field(&hash, redis_keys::FIELD_TOKENS) {
-                    snapshot
-                        .output_len
-                        .insert(key[outlen_prefix.len()..].to_string(), tokens);
+                } else if let (Some((model, _)), Some(tokens)) = (
+                    redis_keys::output_len_of_key(&self.prefix, key),
+                    field(&hash, redis_keys::FIELD_TOKENS),
+                ) {
+                    output_lengths.push((model.to_string(), tokens));
                 }
             }
         }
+        snapshot.output_len = median_per_model(output_lengths);
         Ok(snapshot)
+    }
+}
+
+/// Each model's output length: the median of its workers' own averages (the mean of the
+/// two middle ones for an even count). Each worker writes only its own, so a minority of
+/// a model's workers cannot move the value outside the range of the others'; one shared
+/// average, written by every worker, was set by whichever wrote last.
+fn median_per_model(values: Vec<(String, f64)>) -> HashMap<String, f64> {
+    let mut by_model: HashMap<String, Vec<f64>> = HashMap::new();
+    for (model, tokens) in values {
+        if tokens.is_finite() && tokens >= 0.0 {
+            by_model.entry(model).or_default().push(tokens);
+        }
+    }
+    by_model
+        .into_iter()
+        .map(|(model, mut v)| {
+            v.sort_by(f64::total_cmp);
+            let n = v.len();
+            let median = if n % 2 == 1 {
+                v[n / 2]
+            } else {
+                (v[n / 2 - 1] + v[n / 2]) / 2.0
+            };
+            (model, median)
+        })
+        .collect()
+}
+
+/// Load the EWMA update function worker-agents call (`redis_keys::EWMA_LIBRARY`), on every
+/// new connection: a Redis restarted without its data has lost it, and the connection to it
+/// is new. Workers may run no Lua of their own, so until a leader has loaded it their
+/// updates fail (counted by each agent). A failure here is logged, never fatal: reading
+/// the EWMAs goes on.
+async fn load_ewma_function(conn: &mut redis::aio::MultiplexedConnection) {
+    let loaded = redis::cmd("FUNCTION")
+        .arg("LOAD")
+        .arg("REPLACE")
+        .arg(redis_keys::EWMA_LIBRARY)
+        .query_async::<String>(conn)
+        .await;
+    match loaded {
+        Ok(_) => tracing::debug!("loaded the EWMA update function"),
+        Err(error) => tracing::warn!(
+            %error,
+            "cannot load the EWMA update function (needs Redis 7 and the dispatcher's `+function|load`): workers cannot update their EWMAs"
+        ),
     }
 }
 
@@ -498,6 +548,22 @@ pub fn spawn_ewma_refresher(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_models_output_length_is_the_median_of_its_workers() {
+        let v = |m: &str, t: f64| (m.to_string(), t);
+        let merged = median_per_model(vec![
+            v("m", 100.0),
+            v("m", 120.0),
+            // One worker claims its model's jobs are a million tokens long.
+            v("m", 1e6),
+            v("q", 10.0),
+            v("q", 30.0),
+            v("q", f64::NAN),
+        ]);
+        assert_eq!(merged["m"], 120.0);
+        assert_eq!(merged["q"], 20.0);
+    }
 
     #[test]
     fn ewma_hash_is_read_tolerantly() {

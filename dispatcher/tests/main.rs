@@ -22,6 +22,7 @@ mod fairness;
 mod hostile;
 mod log_lines;
 mod processes;
+mod provisioning;
 mod queues;
 mod retry_subject;
 mod tenant_subject;

@@ -241,6 +241,9 @@ pub enum RejectionCode {
     /// The worker refused this job on an earlier attempt: it is not given the job again
     /// while another worker of the model can take it.
     RefusedJob,
+    /// The worker's heartbeat claims another model than its worker id was provisioned
+    /// for, a concurrency cap above its provisioned ceiling, or an id never provisioned.
+    NotProvisioned,
 }
 
 impl RejectionCode {
@@ -256,6 +259,7 @@ impl RejectionCode {
             RejectionCode::BelowSloFloor => "below_slo_floor",
             RejectionCode::TtftOverBudget => "ttft_over_budget",
             RejectionCode::RefusedJob => "refused_job",
+            RejectionCode::NotProvisioned => "not_provisioned",
         }
     }
 }
@@ -603,6 +607,7 @@ mod tests {
             RejectionCode::BelowSloFloor,
             RejectionCode::TtftOverBudget,
             RejectionCode::RefusedJob,
+            RejectionCode::NotProvisioned,
         ] {
             let json = serde_json::to_string(&code).unwrap();
             assert_eq!(json.trim_matches('"'), code.as_str());

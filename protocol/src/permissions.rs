@@ -199,6 +199,8 @@ pub fn rules(role: Role) -> RoleRules {
                 // the lease bucket gets the configured lease TTL.
                 js(&format!("STREAM.UPDATE.{STREAM_JOBS}")),
                 js(&format!("STREAM.UPDATE.{STREAM_RESULTS}")),
+                // RESULTS and EVENTS get their byte and per-worker bounds.
+                js(&format!("STREAM.UPDATE.{STREAM_EVENTS}")),
                 js(&format!("STREAM.UPDATE.KV_{BUCKET_LEADER}")),
                 // A refused or rescued job goes back on JOBS (`jobs.retry`, which only
                 // dispatchers may publish); a client's cancel is relayed to the worker
@@ -216,8 +218,12 @@ pub fn rules(role: Role) -> RoleRules {
             ],
             subscribe: strings(&[INBOX, SUBJECT_CANCEL_ALL, "workers.*.heartbeat"]),
             allow_responses: false,
-            // Reads the EWMAs, output lengths and fitted models; writes nothing.
-            redis: Some("resetkeys %R~{prefix}:* resetchannels -@all +@connection +@read".into()),
+            // Reads the EWMAs, output lengths and fitted models; writes no key. Loads the
+            // EWMA update function workers call (`redis_keys::EWMA_LIBRARY`).
+            redis: Some(
+                "resetkeys %R~{prefix}:* resetchannels -@all +@connection +@read +function|load"
+                    .into(),
+            ),
         },
         Role::WorkerAgent => RoleRules {
             publish: vec![
@@ -256,12 +262,13 @@ pub fn rules(role: Role) -> RoleRules {
             // `control.{worker_id}.cancel`: `cancel.*.*` would tell it every job's id.
             subscribe: strings(&[INBOX, "control.{worker_id}.*"]),
             allow_responses: true,
-            // Its own EWMA hash and fitted model, and its model's output-length average
-            // (shared with the model's other workers); the update is one Lua script.
+            // Its own EWMA hash, fitted model and output-length average of its model (the
+            // dispatcher takes the median over the model's workers); the update is the function the
+            // dispatcher loads (`FCALL`, under this ACL), never Lua of its own (`EVAL` of a
+            // loop would hold Redis for every role).
             redis: Some(
-                "resetkeys ~{prefix}:ewma:{worker_id} ~{prefix}:perf:{worker_id} ~{prefix}:outlen:{model} \
-                 resetchannels -@all +@connection +get +set +hget +hmget +hgetall +hset \
-                 +eval +evalsha +script|load"
+                "resetkeys ~{prefix}:ewma:{worker_id} ~{prefix}:perf:{worker_id} ~{prefix}:outlen:{model}:{worker_id} \
+                 resetchannels -@all +@connection +get +set +hget +hmget +hgetall +hset +fcall"
                     .into(),
             ),
         },
@@ -521,7 +528,7 @@ mod tests {
         );
         let acl = redis_acl(&[id], "m");
         assert!(
-            acl.contains("~m:ewma:n1-gpu0 ~m:perf:n1-gpu0 ~m:outlen:llama-3.1-8b "),
+            acl.contains("~m:ewma:n1-gpu0 ~m:perf:n1-gpu0 ~m:outlen:llama-3.1-8b:n1-gpu0 "),
             "{acl}"
         );
     }

@@ -32,6 +32,14 @@ pub struct StreamSettings {
     pub results_max_age: Duration,
     /// How long completion events are kept.
     pub events_max_age: Duration,
+    /// Most bytes RESULTS keeps (the oldest finals go first): any worker may store finals
+    /// under its own id, as many as it likes, so the stream needs a bound besides its age.
+    pub results_max_bytes: i64,
+    /// Most bytes EVENTS keeps (the oldest events go first).
+    pub events_max_bytes: i64,
+    /// Most events EVENTS keeps per worker (`events.done.<worker_id>`, the oldest of that
+    /// worker's go first): a worker flooding its own subject evicts only its own events.
+    pub events_max_per_worker: i64,
     /// A worker whose heartbeat is older than this vanishes from the `workers` bucket.
     pub workers_max_age: Duration,
     /// Lifetime of the leader lease if it is not renewed.
@@ -76,6 +84,12 @@ impl Default for StreamSettings {
             decisions_max_age: Duration::from_secs(24 * 3600),
             results_max_age: Duration::from_secs(600),
             events_max_age: Duration::from_secs(3600),
+            // Finals of ~4 kB at 100 jobs/s for the 10 minutes they are kept: 240 MB.
+            results_max_bytes: 512 * 1024 * 1024,
+            events_max_bytes: 256 * 1024 * 1024,
+            // Far more than a worker finishes while a leader is away; consumed events stay
+            // until their max age, so a busy worker reaches it and drops only those.
+            events_max_per_worker: 100_000,
             workers_max_age: Duration::from_secs(15),
             // The dispatcher's default `lease_ttl_ms`: a bucket created by another
             // component needs no alignment.
@@ -222,6 +236,9 @@ fn stream_configs(s: &StreamSettings) -> [stream::Config; 5] {
             storage: s.storage,
             num_replicas: s.replicas,
             max_age: s.results_max_age,
+            // Discard old (the default): a flood of finals shortens how long the others
+            // are kept for late readers; it never refuses a real worker's final.
+            max_bytes: s.results_max_bytes,
             allow_direct: true,
             ..Default::default()
         },
@@ -232,6 +249,10 @@ fn stream_configs(s: &StreamSettings) -> [stream::Config; 5] {
             storage: s.storage,
             num_replicas: s.replicas,
             max_age: s.events_max_age,
+            // Discard old: the leader reads events as they come, so what a flood pushes
+            // out is, unless the leader lags by the whole bound, already read.
+            max_bytes: s.events_max_bytes,
+            max_messages_per_subject: s.events_max_per_worker,
             ..Default::default()
         },
     ]
@@ -319,6 +340,35 @@ pub async fn upgrade_results_stream(js: &jetstream::Context) -> Result<bool, Set
     })
     .await?;
     Ok(changed.is_some())
+}
+
+/// Give RESULTS and EVENTS the byte and per-worker bounds of `s` (streams made by an
+/// earlier version have none; a dispatcher's configuration may change them). Run by
+/// dispatchers, the only role allowed to update these streams, at start. Returns the
+/// streams it changed.
+pub async fn apply_stream_limits(
+    js: &jetstream::Context,
+    s: &StreamSettings,
+) -> Result<Vec<&'static str>, SetupError> {
+    let mut changed = Vec::new();
+    if amend_stream(js, STREAM_RESULTS, |config| {
+        config.max_bytes = s.results_max_bytes;
+    })
+    .await?
+    .is_some()
+    {
+        changed.push(STREAM_RESULTS);
+    }
+    if amend_stream(js, STREAM_EVENTS, |config| {
+        config.max_bytes = s.events_max_bytes;
+        config.max_messages_per_subject = s.events_max_per_worker;
+    })
+    .await?
+    .is_some()
+    {
+        changed.push(STREAM_EVENTS);
+    }
+    Ok(changed)
 }
 
 /// Make the `leader` bucket's TTL the lease TTL a dispatcher is configured with. The bucket

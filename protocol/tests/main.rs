@@ -5,5 +5,6 @@
 
 mod cluster;
 mod decision_forms;
+mod limits;
 mod setup;
 mod text_formats_prop;

@@ -137,6 +137,11 @@ pub struct SchedulerConfig {
     /// The performance model a worker is predicted with until its agent reports a fitted
     /// one (an agent that fits none, or a leader that has not heard from it yet).
     pub perf_prior: PerfPrior,
+    /// Least share of the prior's figures a worker's self-reported performance counts
+    /// as: each fitted coefficient, and the latency EWMAs, are raised to at least this
+    /// times the prior's ([`crate::provisioning::clamp_perf`]), so a worker cannot claim to
+    /// be arbitrarily fast. In (0, 1].
+    pub perf_claim_floor: f64,
     /// A reservation that no heartbeat has confirmed for this long expires.
     pub reservation_ttl_ms: u64,
     /// When no worker can take the job next in line without a predicted miss, how many
@@ -159,6 +164,9 @@ impl Default for SchedulerConfig {
             slo: SloConfig::default(),
             model_slo: BTreeMap::new(),
             perf_prior: PerfPrior::default(),
+            // A twentieth: 1 ms a decode step (1,000 tokens/s for one stream) with the
+            // default prior, beyond any single GPU serving an ~8B model.
+            perf_claim_floor: 0.05,
             // Several heartbeats' worth, so one late heartbeat never drops live work.
             reservation_ttl_ms: 10_000,
             // Measured in the policy lab (metronome-lab, 3 seeds, both workloads, both
@@ -232,6 +240,12 @@ impl SchedulerConfig {
         }
         for e in self.perf_prior.validate("perf_prior") {
             errors.push(ConfigError::new(e.field, e.message));
+        }
+        if !(self.perf_claim_floor > 0.0 && self.perf_claim_floor <= 1.0) {
+            errors.push(ConfigError::new(
+                "perf_claim_floor",
+                format!("must be in (0, 1], got {}", self.perf_claim_floor),
+            ));
         }
         if self.reservation_ttl_ms == 0 {
             errors.push(ConfigError::new("reservation_ttl_ms", "must be > 0"));

@@ -49,6 +49,7 @@ pub mod output_len;
 pub mod perf;
 pub mod policy;
 pub mod prefix_index;
+pub mod provisioning;
 pub mod term;
 #[cfg(test)]
 pub(crate) mod testutil;
@@ -66,6 +67,7 @@ pub use load::WorkerLoad;
 pub use output_len::OutputLength;
 pub use policy::{choose, PolicyKind, PolicyState};
 pub use prefix_index::{Cached, PrefixIndex};
+pub use provisioning::{ProvisionedWorker, Provisioning};
 pub use view::{EwmaSnapshot, WorkerView};
 
 /// The job-size record of a decision, re-exported for callers of [`Evaluation`].

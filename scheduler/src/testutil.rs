@@ -52,6 +52,7 @@ pub fn worker(id: &str) -> WorkerView {
         },
         last_seen_ms: NOW,
         ewma: None,
+        not_provisioned: None,
     }
 }
 

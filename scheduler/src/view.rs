@@ -71,6 +71,10 @@ pub struct WorkerView {
     pub last_seen_ms: u64,
     /// `None` until the worker has completed a request.
     pub ewma: Option<EwmaSnapshot>,
+    /// Why the latest heartbeat claims more than the worker was provisioned for
+    /// ([`crate::provisioning`]); `None`: within its provisioning, or none is checked.
+    #[serde(default)]
+    pub not_provisioned: Option<String>,
 }
 
 impl WorkerView {

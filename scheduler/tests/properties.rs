@@ -133,6 +133,7 @@ fn build(specs: &[WorkerSpec]) -> (Vec<WorkerView>, Ledger) {
                     samples,
                     updated_ms: NOW,
                 }),
+                not_provisioned: None,
             }
         })
         .collect();

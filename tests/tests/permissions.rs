@@ -891,6 +891,16 @@ async fn gateway_and_dispatcher_do_their_part_only() {
         .filter(names::work_subject("w1"))
         .await
         .expect("the dispatcher purges a dead worker's assignments");
+    // RESULTS and EVENTS get their byte and per-worker bounds at the dispatcher's start.
+    let tighter = StreamSettings {
+        results_max_bytes: 1 << 20,
+        events_max_bytes: 1 << 20,
+        events_max_per_worker: 1_000,
+        ..StreamSettings::default()
+    };
+    metronome_protocol::setup::apply_stream_limits(&dispatcher.js, &tighter)
+        .await
+        .expect("the dispatcher bounds RESULTS and EVENTS");
     dispatcher.no_violations();
     dispatcher
         .publish_refused(&names::event_done_subject("w1"))
@@ -963,6 +973,8 @@ async fn queue_snapshots_are_written_by_the_dispatcher_and_read_by_operators() {
 
 #[tokio::test]
 async fn redis_lets_each_agent_write_only_its_own_keys_and_the_dispatcher_only_read() {
+    // Redis 7's functions: the EWMA update is loaded by the dispatcher and called by
+    // workers, which may run no Lua of their own.
     let sys = system().await;
     let connect = |user: &str| {
         let url = sys.redis.url_as(user, &password(user));
@@ -993,17 +1005,46 @@ async fn redis_lets_each_agent_write_only_its_own_keys_and_the_dispatcher_only_r
         .await
         .expect("own performance model");
     hset(metronome_protocol::redis_keys::output_len_key(
-        PREFIX, MODEL,
+        PREFIX, MODEL, "w1",
     ))
     .query_async::<i64>(&mut w1)
     .await
-    .expect("its model's output length");
-    // Scripts run under the caller's ACL too.
-    redis::Script::new("return redis.call('HSET', KEYS[1], 'ttft_ms', 1)")
-        .key(&own)
-        .invoke_async::<i64>(&mut w1)
+    .expect("its own output length of its model");
+    // The EWMA update is a function the dispatcher loads; a worker may only call it, and
+    // it runs under the caller's ACL.
+    let mut dispatcher = connect("dispatcher-a").await;
+    redis::cmd("FUNCTION")
+        .arg("LOAD")
+        .arg("REPLACE")
+        .arg(metronome_protocol::redis_keys::EWMA_LIBRARY)
+        .query_async::<String>(&mut dispatcher)
         .await
-        .expect("own key through the update script");
+        .expect("the dispatcher loads the EWMA update");
+    let fcall = |key: &str| {
+        let mut cmd = redis::cmd("FCALL");
+        cmd.arg(metronome_protocol::redis_keys::EWMA_UPDATE_FUNCTION)
+            .arg(2)
+            .arg(key)
+            .arg(metronome_protocol::redis_keys::output_len_key(
+                PREFIX, MODEL, "w1",
+            ))
+            .arg(1_000)
+            .arg(0.5)
+            .arg(60_000)
+            .arg(1)
+            .arg(metronome_protocol::redis_keys::FIELD_SAMPLES)
+            .arg(metronome_protocol::redis_keys::FIELD_UPDATED_MS)
+            .arg(metronome_protocol::redis_keys::FIELD_ALPHA)
+            .arg("ttft_ms")
+            .arg(1)
+            .arg(metronome_protocol::redis_keys::FIELD_TOKENS)
+            .arg("");
+        cmd
+    };
+    fcall(&own)
+        .query_async::<i64>(&mut w1)
+        .await
+        .expect("own key through the update function");
 
     for (what, cmd) in [
         ("another worker's EWMA", hset(other.clone())),
@@ -1012,7 +1053,20 @@ async fn redis_lets_each_agent_write_only_its_own_keys_and_the_dispatcher_only_r
             hset(metronome_protocol::redis_keys::output_len_key(
                 PREFIX,
                 "qwen2.5-7b",
+                "w1",
             )),
+        ),
+        (
+            "another worker's output length of its model",
+            hset(metronome_protocol::redis_keys::output_len_key(
+                PREFIX, MODEL, "w3",
+            )),
+        ),
+        (
+            // What every worker of the model once shared: one worker could move the
+            // prediction of every job of its model.
+            "a shared output length of its model",
+            hset(format!("{PREFIX}:outlen:{MODEL}")),
         ),
         ("flushing everything", redis::cmd("FLUSHALL")),
     ] {
@@ -1022,14 +1076,47 @@ async fn redis_lets_each_agent_write_only_its_own_keys_and_the_dispatcher_only_r
             .expect_err(what);
         assert_eq!(err.code(), Some("NOPERM"), "{what}: {err}");
     }
-    let err = redis::Script::new("return redis.call('HSET', KEYS[1], 'ttft_ms', 1)")
-        .key(&other)
-        .invoke_async::<i64>(&mut w1)
+    let err = fcall(&other)
+        .query_async::<i64>(&mut w1)
         .await
-        .expect_err("another worker's key through a script");
-    assert_eq!(err.code(), Some("NOPERM"), "{err}");
+        .expect_err("another worker's key through the update function");
+    assert!(
+        err.code() == Some("NOPERM") || err.to_string().contains("NOPERM"),
+        "{err}"
+    );
+    // No Lua of its own: a script (even a loop that would hold Redis for every role) or a
+    // function library of its own is refused before it runs.
+    for (what, cmd) in [
+        ("a script", {
+            let mut c = redis::cmd("EVAL");
+            c.arg("while true do end").arg(0);
+            c
+        }),
+        ("loading a script", {
+            let mut c = redis::cmd("SCRIPT");
+            c.arg("LOAD").arg("return 1");
+            c
+        }),
+        ("loading a function", {
+            let mut c = redis::cmd("FUNCTION");
+            c.arg("LOAD")
+                .arg("REPLACE")
+                .arg("#!lua name=mine\nredis.register_function('spin', function() while true do end end)");
+            c
+        }),
+        ("deleting the functions", {
+            let mut c = redis::cmd("FUNCTION");
+            c.arg("FLUSH");
+            c
+        }),
+    ] {
+        let err = cmd
+            .query_async::<redis::Value>(&mut w1)
+            .await
+            .expect_err(what);
+        assert_eq!(err.code(), Some("NOPERM"), "{what}: {err}");
+    }
 
-    let mut dispatcher = connect("dispatcher-a").await;
     let read: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
         .arg(&own)
         .query_async(&mut dispatcher)
@@ -1090,4 +1177,154 @@ async fn store_decision_and_final(
             .await
             .unwrap();
     }
+}
+
+/// The probe of a stolen worker identity, end to end: the dispatcher binary runs as its
+/// own identity with the provisioning record `scripts/render-auth.py` writes; `worker-w2`
+/// (provisioned for qwen2.5-7b) heartbeats under its own key, as NATS lets it, claiming
+/// the llama model with room for 100,000 jobs and near-zero step times. A tenant's llama
+/// job goes to the honest llama worker, and the decision names w2 `not_provisioned`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_identity_heartbeating_as_another_model_gets_none_of_its_jobs() {
+    let sys = system().await;
+    let dir = tempfile::tempdir().unwrap();
+    let record = dir.path().join("workers.json");
+    std::fs::write(
+        &record,
+        serde_json::json!({"v": 1, "workers": {
+            "w1": {"model": MODEL, "max_concurrency": 4},
+            "w2": {"model": "qwen2.5-7b", "max_concurrency": 4},
+        }})
+        .to_string(),
+    )
+    .unwrap();
+    let config = dir.path().join("dispatcher.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "nats_url = \"{}\"\nredis_url = \"{}\"\ndispatcher_id = \"a\"\nstorage = \"memory\"\n\
+             provisioning_file = \"{}\"\n\
+             nats_auth = {{ user = \"dispatcher-a\", password = \"{}\" }}\n\
+             [scheduler]\nheartbeat_timeout_ms = 60000\n",
+            sys.nats.url(),
+            sys.redis.url_as("dispatcher-a", &password("dispatcher-a")),
+            record.display(),
+            password("dispatcher-a"),
+        ),
+    )
+    .unwrap();
+    let log = std::fs::File::create(dir.path().join("dispatcher.log")).unwrap();
+    let mut command =
+        std::process::Command::new(metronome_testkit::bin_path("metronome-dispatcher"));
+    command
+        .arg("--config")
+        .arg(&config)
+        .stdout(log.try_clone().unwrap())
+        .stderr(log);
+    let _dispatcher = metronome_testkit::ChildGuard::spawn("dispatcher", command).unwrap();
+    let logs = || std::fs::read_to_string(dir.path().join("dispatcher.log")).unwrap_or_default();
+
+    let fast = metronome_protocol::PerfCoefficients {
+        step_base_ms: 0.001,
+        step_per_stream_ms: 0.0,
+        step_per_ktok_ms: 0.0,
+        stall_per_prefill_token_ms: 0.0,
+        ttft_base_ms: 0.001,
+        prefill_per_token_ms: 0.0,
+        ttft_per_stream_ms: 0.0,
+        step_error_ms: 0.0,
+        samples: 1_000,
+    };
+    for (user, id, cap) in [("worker-w1", "w1", 4), ("worker-w2", "w2", 100_000)] {
+        let conn = Conn::open(&sys.nats, user).await;
+        let buckets = ensure_for_worker(&conn.js, &StreamSettings::default())
+            .await
+            .expect("a worker opens its buckets");
+        let status = metronome_protocol::WorkerStatus {
+            v: metronome_protocol::PROTOCOL_VERSION,
+            worker_id: id.into(),
+            model: MODEL.into(),
+            node: None,
+            gpu_index: None,
+            healthy: true,
+            draining: false,
+            max_concurrency: cap,
+            active: 0,
+            queued: 0,
+            in_flight: Vec::new(),
+            kv: Some(metronome_protocol::KvUsage {
+                used_frac: 0.0,
+                capacity_tokens: Some(1_000_000),
+            }),
+            gpu: None,
+            prefill_pending_tokens: 0,
+            perf: Some(fast),
+            max_epoch: 0,
+            seq: 1,
+            sent_ms: metronome_protocol::time::unix_ms(),
+        };
+        buckets
+            .workers
+            .put(id, serde_json::to_vec(&status).unwrap().into())
+            .await
+            .unwrap_or_else(|e| panic!("{user} heartbeats under its own key: {e}"));
+        conn.no_violations();
+    }
+
+    let client = Conn::open(&sys.nats, "client-acme").await;
+    let acme = Some("acme");
+    let job = serde_json::json!({
+        "v": metronome_protocol::PROTOCOL_VERSION, "id": "job-llama", "model": MODEL,
+        "endpoint": "chat", "request": {"messages": [{"role": "user", "content": "secret"}]},
+        "prompt_tokens": 10, "max_tokens": 10, "tenant": "acme",
+        "submitted_ms": metronome_protocol::time::unix_ms(),
+    });
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(names::HEADER_MSG_ID, "job-llama");
+    client
+        .js
+        .publish_with_headers(
+            names::submit_subject(acme),
+            headers,
+            serde_json::to_vec(&job).unwrap().into(),
+        )
+        .await
+        .expect("publish")
+        .await
+        .expect("JOBS stores the job");
+
+    let decisions = client
+        .js
+        .get_stream_no_info(STREAM_DECISIONS)
+        .await
+        .expect("stream handle");
+    let decision: metronome_protocol::Decision = wait_for("the job's decision", WAIT, || {
+        let decisions = decisions.clone();
+        async move {
+            let m = decisions
+                .direct_get_last_for_subject(names::decision_subject(acme, "job-llama"))
+                .await
+                .ok()?;
+            serde_json::from_slice(&m.payload).ok()
+        }
+    })
+    .await;
+    assert_eq!(
+        decision.worker_id.as_deref(),
+        Some("w1"),
+        "{decision:?}\n{}",
+        logs()
+    );
+    let w2 = decision
+        .rejected
+        .iter()
+        .find(|r| r.worker_id == "w2")
+        .unwrap_or_else(|| panic!("w2 is not among the rejected: {decision:?}"));
+    assert_eq!(
+        (w2.code, w2.reason.as_str()),
+        (
+            metronome_protocol::RejectionCode::NotProvisioned,
+            "not provisioned: provisioned for model 'qwen2.5-7b', its heartbeat claims 'llama-3.1-8b'"
+        )
+    );
 }

@@ -1,5 +1,6 @@
 //! The per-worker latency and throughput averages in Redis, and the per-model output-length
-//! average, updated by one atomic Lua script per finished job.
+//! average, updated by one call of the Redis function the leading dispatcher loads
+//! (`redis_keys::EWMA_LIBRARY`) per finished job: an agent may run no Lua of its own.
 //!
 //! Algorithm: an exponentially weighted moving average whose weight grows with the age of
 //! the average. With `alpha` the configured weight of a new sample and `h` the half-life,
@@ -9,7 +10,7 @@
 //! dominates. The first sample sets the average (`alpha_eff = 1`).
 //!
 //! Invariants: each average is a convex combination of the samples it has seen, so it stays
-//! within their range; read-modify-write happens inside Redis in one script, so concurrent
+//! within their range; read-modify-write happens inside Redis in one function call, so concurrent
 //! agents or jobs never lose an update; `samples` counts updates and `updated_ms` records
 //! the last one. A Redis outage is logged and counted, never fatal: the connection manager
 //! reconnects and later updates land again.
@@ -18,65 +19,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use metronome_protocol::redis_keys::{
-    ewma_key, output_len_key, EWMA_FIELDS, FIELD_ALPHA, FIELD_SAMPLES, FIELD_TOKENS,
-    FIELD_UPDATED_MS,
+    ewma_key, output_len_key, EWMA_FIELDS, EWMA_UPDATE_FUNCTION, FIELD_ALPHA, FIELD_SAMPLES,
+    FIELD_TOKENS, FIELD_UPDATED_MS,
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
 use crate::metrics::AgentMetrics;
-
-/// The update script. KEYS: the worker's EWMA hash, the model's output-length hash.
-/// ARGV: now_ms, alpha, half_life_ms, then one value per `EWMA_FIELDS` entry and the
-/// output token count ('' for "no sample of this field").
-const UPDATE_SCRIPT: &str = r#"
-local now = tonumber(ARGV[1])
-local base = tonumber(ARGV[2])
-local half = tonumber(ARGV[3])
-local nfields = tonumber(ARGV[4])
-
-local function alpha_eff(updated)
-  if updated == nil then return 1 end
-  local dt = now - updated
-  if dt < 0 then dt = 0 end
-  local a = 1 - (1 - base) * math.pow(0.5, dt / half)
-  if a < base then a = base end
-  if a > 1 then a = 1 end
-  return a
-end
-
--- Numbers handed to redis.call are truncated to integers: format floats as strings.
-local function num(x) return string.format('%.17g', x) end
-
-local function update(key, fields, values)
-  local any = false
-  for i = 1, #fields do
-    if tonumber(values[i]) ~= nil then any = true end
-  end
-  if not any then return end
-  local old = redis.call('HMGET', key, ARGV[5], ARGV[6], unpack(fields))
-  local samples = tonumber(old[1]) or 0
-  local a = alpha_eff(tonumber(old[2]))
-  for i = 1, #fields do
-    local x = tonumber(values[i])
-    if x ~= nil then
-      local prev = tonumber(old[i + 2])
-      local v = x
-      if prev ~= nil then v = prev + a * (x - prev) end
-      redis.call('HSET', key, fields[i], num(v))
-    end
-  end
-  redis.call('HSET', key, ARGV[5], samples + 1, ARGV[6], num(now), ARGV[7], num(a))
-end
-
-local fields, values = {}, {}
-for i = 1, nfields do
-  fields[i] = ARGV[7 + i]
-  values[i] = ARGV[7 + nfields + i]
-end
-update(KEYS[1], fields, values)
-update(KEYS[2], { ARGV[8 + 2 * nfields] }, { ARGV[9 + 2 * nfields] })
-return 1
-"#;
 
 /// The measurements of one finished job.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -112,7 +60,6 @@ impl EwmaError {
 #[derive(Clone)]
 pub struct EwmaStore {
     conn: ConnectionManager,
-    script: Arc<redis::Script>,
     prefix: String,
     alpha: f64,
     half_life_ms: u64,
@@ -151,7 +98,6 @@ impl EwmaStore {
         let conn = ConnectionManager::new_lazy_with_config(client, config)?;
         Ok(EwmaStore {
             conn,
-            script: Arc::new(redis::Script::new(UPDATE_SCRIPT)),
             prefix: prefix.to_string(),
             alpha,
             half_life_ms,
@@ -178,9 +124,11 @@ impl EwmaStore {
                 .map(|x| x.to_string())
                 .unwrap_or_default()
         };
-        let mut inv = self.script.prepare_invoke();
-        inv.key(ewma_key(&self.prefix, worker_id))
-            .key(output_len_key(&self.prefix, model))
+        let mut inv = redis::cmd("FCALL");
+        inv.arg(EWMA_UPDATE_FUNCTION)
+            .arg(2)
+            .arg(ewma_key(&self.prefix, worker_id))
+            .arg(output_len_key(&self.prefix, model, worker_id))
             .arg(now_ms)
             .arg(self.alpha)
             .arg(self.half_life_ms.max(1))
@@ -201,7 +149,7 @@ impl EwmaStore {
                 .unwrap_or_default(),
         );
         let mut conn = self.conn.clone();
-        let result = tokio::time::timeout(self.timeout, inv.invoke_async::<i64>(&mut conn)).await;
+        let result = tokio::time::timeout(self.timeout, inv.query_async::<i64>(&mut conn)).await;
         match result {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(e)) => {

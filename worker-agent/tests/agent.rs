@@ -170,7 +170,7 @@ async fn an_assignment_streams_chunks_then_a_final_result_an_event_and_ewmas() {
     assert!(f("alpha") > 0.0 && f("alpha") <= 1.0);
     assert!(f("updated_ms") > 0.0);
     let outlen: f64 = redis
-        .hget(output_len_key(DEFAULT_PREFIX, MODEL), "tokens")
+        .hget(output_len_key(DEFAULT_PREFIX, MODEL, worker), "tokens")
         .await
         .map(|s: String| s.parse().unwrap())
         .unwrap();

@@ -1,11 +1,13 @@
-//! The EWMA script against a real redis-server: values stay within the range of the
-//! samples, the counters and timestamps advance, the data survives a restart, and an
-//! outage is an error that is counted, after which writes resume.
+//! The EWMA update function against a real redis-server: values stay within the range of
+//! the samples, the counters and timestamps advance, the data survives a restart, and an
+//! outage is an error that is counted, after which writes resume. Until the function is
+//! loaded (the dispatcher's part) an update is a counted error.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::common::load_ewma_function;
 use metronome_protocol::redis_keys::{ewma_key, output_len_key};
 use metronome_testkit::{wait_for, RedisServer};
 use metronome_worker_agent::ewma_store::{EwmaStore, JobSample};
@@ -42,6 +44,13 @@ async fn averages_stay_in_range_and_survive_a_restart_and_an_outage() {
     let metrics = Arc::new(AgentMetrics::default());
     let store = EwmaStore::new(&redis.url(), PREFIX, 0.3, 60_000, metrics.clone()).unwrap();
     let key = ewma_key(PREFIX, "w1");
+
+    // An agent runs no Lua of its own: before the function is loaded, an update fails.
+    let early = sample(1.0, 1.0, 1.0, 1.0, 1);
+    let error = store.record("w1", "m", &early, 500).await.unwrap_err();
+    assert!(error.to_string().contains("Function not found"), "{error}");
+    assert_eq!(metrics.redis_errors.get(), 1);
+    load_ewma_function(redis::Client::open(redis.url()).unwrap()).await;
 
     // The first sample sets the average.
     store
@@ -86,7 +95,7 @@ async fn averages_stay_in_range_and_survive_a_restart_and_an_outage() {
     assert_eq!(h["ttft_ms"], before["ttft_ms"]);
     assert_eq!(h["samples"], 4.0);
 
-    let out = hash(&redis.url(), &output_len_key(PREFIX, "m")).await;
+    let out = hash(&redis.url(), &output_len_key(PREFIX, "m", "w1")).await;
     assert!(out["tokens"] >= 0.0 && out["tokens"] <= 60.0, "{out:?}");
     assert_eq!(out["samples"], 4.0);
 
@@ -106,12 +115,13 @@ async fn averages_stay_in_range_and_survive_a_restart_and_an_outage() {
     assert_eq!(hash(&redis.url(), &key).await["samples"], 5.0);
 
     // Outage: an error, counted; after the server is back, writes resume.
+    let errors_before = metrics.redis_errors.get();
     redis.stop();
     let err = store
         .record("w1", "m", &sample(1.0, 1.0, 1.0, 1.0, 1), 61_003)
         .await;
     assert!(err.is_err());
-    assert!(metrics.redis_errors.get() >= 1);
+    assert!(metrics.redis_errors.get() > errors_before);
     redis.restart().expect("redis back");
     wait_for(
         "writes to resume after the outage",
@@ -134,6 +144,7 @@ async fn averages_stay_in_range_and_survive_a_restart_and_an_outage() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_updates_are_all_counted() {
     let redis = RedisServer::start().expect("redis-server");
+    load_ewma_function(redis::Client::open(redis.url()).unwrap()).await;
     let metrics = Arc::new(AgentMetrics::default());
     let store = EwmaStore::new(&redis.url(), PREFIX, 0.2, 60_000, metrics).unwrap();
     let writes = (0..50u32).map(|i| {
@@ -164,6 +175,7 @@ async fn concurrent_updates_are_all_counted() {
 async fn the_script_applies_the_cores_ewma_formula() {
     use metronome_scheduler::ewma::{decayed_alpha, update};
     let redis = RedisServer::start().expect("redis-server");
+    load_ewma_function(redis::Client::open(redis.url()).unwrap()).await;
     let (alpha, half_life) = (0.3, 2_000u64);
     let store = EwmaStore::new(
         &redis.url(),

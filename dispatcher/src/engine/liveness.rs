@@ -9,6 +9,7 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use metronome_protocol::ErrorCode;
 use metronome_protocol::WorkerStatus;
+use metronome_scheduler::provisioning::{clamp_ewma, clamp_perf};
 use metronome_scheduler::WorkerView;
 
 use crate::engine::revoke;
@@ -71,6 +72,11 @@ impl Engine {
                     tracing::warn!(worker_id = %id, jobs = ?rec.conflicting, "worker runs jobs booked on another worker");
                 }
                 self.relay_cancels(&status.in_flight, now);
+                let not_provisioned = self.check_provisioning(&status, now);
+                let prior = &self.s.scheduler.perf_prior;
+                status.perf = status
+                    .perf
+                    .map(|p| clamp_perf(p, prior, self.s.scheduler.perf_claim_floor));
                 let ewma = self.ewmas.get(&id).copied();
                 match self.index.get(&id) {
                     Some(&i) => {
@@ -83,6 +89,7 @@ impl Engine {
                         view.status = *status;
                         view.last_seen_ms = seen_ms;
                         view.ewma = ewma;
+                        view.not_provisioned = not_provisioned;
                     }
                     None => {
                         tracing::info!(worker_id = %id, model = %status.model, "worker joined");
@@ -91,6 +98,7 @@ impl Engine {
                             status: *status,
                             last_seen_ms: seen_ms,
                             ewma,
+                            not_provisioned,
                         });
                     }
                 }
@@ -137,14 +145,43 @@ impl Engine {
         self.per_model.clear();
     }
 
-    pub(super) fn on_redis(&mut self, snapshot: RedisSnapshot) {
+    pub(super) fn on_redis(&mut self, mut snapshot: RedisSnapshot) {
         self.per_model.clear();
+        let (prior, floor) = (
+            &self.s.scheduler.perf_prior,
+            self.s.scheduler.perf_claim_floor,
+        );
+        for ewma in snapshot.ewmas.values_mut() {
+            *ewma = clamp_ewma(*ewma, prior, floor);
+        }
         for view in &mut self.workers {
             view.ewma = snapshot.ewmas.get(&view.status.worker_id).copied();
         }
         self.ewmas = snapshot.ewmas;
         self.output_len = snapshot.output_len;
         self.capacity_changed = true;
+    }
+
+    /// Why `status` claims more than its worker id was provisioned for (`None`: within it,
+    /// or no provisioning record is configured). Every such heartbeat is counted; logged
+    /// at most once a minute per worker.
+    fn check_provisioning(&mut self, status: &WorkerStatus, now: u64) -> Option<String> {
+        let provisioning = self.s.provisioning.as_ref()?;
+        let reason = provisioning
+            .check(status, self.s.scheduler.default_max_concurrency)
+            .err()?;
+        self.metrics
+            .unprovisioned_heartbeats_total
+            .fetch_add(1, Relaxed);
+        let id = &status.worker_id;
+        let logged = self.unprovisioned_logged.get(id);
+        if logged.is_none_or(|at| now.saturating_sub(*at) >= crate::worker_claims::LOG_EVERY_MS) {
+            self.unprovisioned_logged
+                .retain(|_, at| now.saturating_sub(*at) < crate::worker_claims::LOG_EVERY_MS);
+            self.unprovisioned_logged.insert(id.clone(), now);
+            tracing::warn!(worker_id = %id, model = %status.model, max_concurrency = status.max_concurrency, reason, "heartbeat outside the worker's provisioning: it takes no new work (further ones from this worker are only counted for a minute)");
+        }
+        Some(reason)
     }
 
     /// Remove from a heartbeat the jobs it claims that no decision on record assigns to
@@ -309,5 +346,75 @@ impl Engine {
             tracing::info!(worker_id = %id, "dead worker left the registry");
             self.forget_worker(&id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering::Relaxed;
+    use std::sync::Arc;
+
+    use metronome_scheduler::{ProvisionedWorker, Provisioning};
+
+    use crate::engine::testing::*;
+    use crate::worker_claims::LOG_EVERY_MS;
+
+    fn provisioned() -> Arc<Provisioning> {
+        let w = |model: &str| ProvisionedWorker {
+            model: model.into(),
+            max_concurrency: Some(8),
+        };
+        Arc::new(Provisioning {
+            v: 1,
+            workers: [("w1".to_string(), w("m")), ("w2".to_string(), w("q"))]
+                .into_iter()
+                .collect(),
+        })
+    }
+
+    #[test]
+    fn every_heartbeat_outside_the_provisioning_is_counted_and_logged_once_a_minute() {
+        let mut e = engine(|_| {});
+        e.s.provisioning = Some(provisioned());
+        // w2 is provisioned for model q and claims m, at times 0, 1 s and a minute on.
+        for (seq, at) in [(1, T0), (2, T0 + 1_000), (3, T0 + LOG_EVERY_MS)] {
+            step(&mut e, vec![heartbeat("w2", &[], seq, at, |_| {})], at);
+        }
+        assert_eq!(e.metrics.unprovisioned_heartbeats_total.load(Relaxed), 3);
+        assert_eq!(e.unprovisioned_logged.get("w2"), Some(&(T0 + LOG_EVERY_MS)));
+        let view = &e.workers[e.index["w2"]];
+        assert_eq!(
+            view.not_provisioned.as_deref(),
+            Some("provisioned for model 'q', its heartbeat claims 'm'")
+        );
+        // Within its provisioning: eligible again, nothing counted.
+        step(
+            &mut e,
+            vec![heartbeat("w1", &[], 1, T0 + LOG_EVERY_MS, |s| {
+                s.max_concurrency = 8
+            })],
+            T0 + LOG_EVERY_MS,
+        );
+        assert_eq!(e.workers[e.index["w1"]].not_provisioned, None);
+        assert_eq!(e.metrics.unprovisioned_heartbeats_total.load(Relaxed), 3);
+    }
+
+    #[test]
+    fn without_a_record_heartbeats_are_believed_but_speed_is_still_bounded() {
+        let mut e = engine(|_| {});
+        step(
+            &mut e,
+            vec![heartbeat("stranger", &[], 1, T0, |s| {
+                s.max_concurrency = 100_000;
+                if let Some(p) = s.perf.as_mut() {
+                    p.step_base_ms = 0.0;
+                }
+            })],
+            T0,
+        );
+        let view = &e.workers[e.index["stranger"]];
+        assert_eq!(view.not_provisioned, None);
+        assert_eq!(view.status.perf.map(|p| p.step_base_ms), Some(1.0));
+        assert_eq!(e.metrics.unprovisioned_heartbeats_total.load(Relaxed), 0);
     }
 }

@@ -139,6 +139,9 @@ pub struct Engine {
     refusals: Refusals,
     /// Events about a job count only from the worker holding it.
     claims: WorkerClaims,
+    /// When a heartbeat outside its worker's provisioning was last logged, per worker
+    /// (at most once a minute each; every one is counted).
+    unprovisioned_logged: HashMap<String, u64>,
     ewmas: HashMap<String, EwmaSnapshot>,
     /// Each model's output-length EWMA (from Redis): the prior of its output model.
     output_len: HashMap<String, f64>,
@@ -199,6 +202,7 @@ impl Engine {
             settled_at_death: HashMap::new(),
             refusals: Refusals::default(),
             claims: WorkerClaims::default(),
+            unprovisioned_logged: HashMap::new(),
             ewmas: HashMap::new(),
             output_len: HashMap::new(),
             output_models: HashMap::new(),

@@ -26,6 +26,8 @@ pub struct EngineSettings {
     /// A worker dead this long (no heartbeat) leaves the registry, and so the decisions.
     pub forget_dead_after_ms: u64,
     pub fairness: FairnessConfig,
+    /// What each worker id was provisioned for; `None`: heartbeats are believed.
+    pub provisioning: Option<std::sync::Arc<metronome_scheduler::Provisioning>>,
 }
 
 impl EngineSettings {
@@ -55,6 +57,8 @@ impl EngineSettings {
             // default.
             forget_dead_after_ms: c.scheduler.heartbeat_timeout_ms.saturating_mul(5),
             fairness: c.fairness,
+            // Read from `provisioning_file` once, when the dispatcher starts.
+            provisioning: None,
         }
     }
 }

@@ -64,6 +64,7 @@ pub fn pool(n: usize) -> (Vec<WorkerView>, Ledger) {
                     samples: 100,
                     updated_ms: NOW - 1_000,
                 }),
+                not_provisioned: None,
             }
         })
         .collect();

@@ -4,8 +4,8 @@
 //! its [`RejectionCode`] and a reason with the numbers that decided it; the first failing
 //! filter, in the order of [`ADMISSION`], is the worker's rejection.
 //!
-//! Two sets exist. [`ELIGIBILITY`] is what any balancer applies (fresh heartbeat, serves
-//! the model, healthy, not draining); [`ADMISSION`] adds Metronome's admission control
+//! Two sets exist. [`ELIGIBILITY`] is what any balancer applies (within its provisioning,
+//! fresh heartbeat, serves the model, healthy, not draining); [`ADMISSION`] adds Metronome's admission control
 //! (concurrency ceiling including reservations, KV headroom, and the two SLO predictions:
 //! the job's TTFT budget and the decode-rate floor of the job and of those it would join). Baseline policies use
 //! only the first set so comparisons show what admission control buys.
@@ -23,6 +23,7 @@ mod healthy;
 mod heartbeat;
 mod kv_headroom;
 mod model;
+mod provisioned;
 mod slo;
 mod ttft;
 
@@ -32,6 +33,7 @@ pub use healthy::Healthy;
 pub use heartbeat::FreshHeartbeat;
 pub use kv_headroom::{fits_when_empty, KvHeadroom};
 pub use model::ServesModel;
+pub use provisioned::Provisioned;
 pub use slo::{OwnRateFloor, SloFloor};
 pub use ttft::TtftBudget;
 
@@ -78,10 +80,17 @@ pub trait Filter: Sync {
 }
 
 /// Filters every balancer applies.
-pub static ELIGIBILITY: [&dyn Filter; 4] = [&FreshHeartbeat, &ServesModel, &Healthy, &NotDraining];
+pub static ELIGIBILITY: [&dyn Filter; 5] = [
+    &Provisioned,
+    &FreshHeartbeat,
+    &ServesModel,
+    &Healthy,
+    &NotDraining,
+];
 
 /// Eligibility plus Metronome's admission control, in evaluation order.
-pub static ADMISSION: [&dyn Filter; 8] = [
+pub static ADMISSION: [&dyn Filter; 9] = [
+    &Provisioned,
     &FreshHeartbeat,
     &ServesModel,
     &Healthy,
@@ -94,7 +103,8 @@ pub static ADMISSION: [&dyn Filter; 8] = [
 
 /// Admission without the protection of running jobs: what a job may be placed through when
 /// it is placed where it does least harm ([`crate::least_harm`]).
-pub static LEAST_HARM: [&dyn Filter; 8] = [
+pub static LEAST_HARM: [&dyn Filter; 9] = [
+    &Provisioned,
     &FreshHeartbeat,
     &ServesModel,
     &Healthy,
@@ -113,7 +123,8 @@ pub static LEAST_HARM: [&dyn Filter; 8] = [
 /// jobs behind it (every worker of a model at its cap is the common case under load).
 pub fn refuses_every_job_of_the_model(code: RejectionCode) -> bool {
     match code {
-        RejectionCode::StaleHeartbeat
+        RejectionCode::NotProvisioned
+        | RejectionCode::StaleHeartbeat
         | RejectionCode::WrongModel
         | RejectionCode::Unhealthy
         | RejectionCode::Draining
@@ -227,7 +238,7 @@ mod tests {
     fn admission_codes_are_distinct_and_cover_every_code() {
         let mut codes: Vec<RejectionCode> = ADMISSION.iter().map(|f| f.code()).collect();
         codes.dedup();
-        assert_eq!(codes.len(), 8);
+        assert_eq!(codes.len(), 9);
         assert!(ELIGIBILITY.iter().all(|e| codes.contains(&e.code())));
     }
 }

@@ -219,7 +219,7 @@ impl Env {
         let buckets = ensure_all(&js, &StreamSettings::default())
             .await
             .expect("streams");
-        Env {
+        let env = Env {
             nats,
             redis,
             stub,
@@ -227,7 +227,10 @@ impl Env {
             js,
             buckets,
             ca,
-        }
+        };
+        let (url, tls) = env.redis_settings();
+        load_ewma_function(tls.client(&url).expect("redis client")).await;
+        env
     }
 
     /// The Redis URL and TLS settings a component uses here.
@@ -387,4 +390,20 @@ pub fn collect(mut sub: async_nats::Subscriber) -> Arc<std::sync::Mutex<Vec<asyn
         }
     });
     list
+}
+
+/// Load the EWMA update function into Redis, as the leading dispatcher does: an agent only
+/// calls it.
+pub async fn load_ewma_function(client: redis::Client) {
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect to redis");
+    redis::cmd("FUNCTION")
+        .arg("LOAD")
+        .arg("REPLACE")
+        .arg(metronome_protocol::redis_keys::EWMA_LIBRARY)
+        .query_async::<String>(&mut conn)
+        .await
+        .expect("load the EWMA update function");
 }
