@@ -30,10 +30,18 @@ async fn a_job_requeued_after_a_refusal_survives_a_leader_change() {
     })
     .await;
     assert_eq!(work[0].0.attempt, 1);
-    // The worker drains, then refuses: no worker can take the retry now.
+    // The worker drains, then refuses: no worker can take the retry now. The refusal must
+    // reach the leader after the drain (they travel on different streams): a heartbeat of
+    // another model's worker, put after the drain, is applied after it, so once the leader
+    // knows two workers it has seen the drain.
     w.draining = true;
     w.seq += 1;
     env.heartbeat(&w).await;
+    env.heartbeat(&worker("rq-marker", "model-other", 4)).await;
+    wait_for("the leader to see the drain", WAIT, || async {
+        (first.metrics.workers_known.load(Relaxed) == 2).then_some(())
+    })
+    .await;
     env.complete(&work[0].0, CompletionOutcome::Refused).await;
     wait_for("the retry put back on jobs.submit", WAIT, || async {
         let mut s = env.js.get_stream(names::STREAM_JOBS).await.unwrap();

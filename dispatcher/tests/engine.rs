@@ -295,6 +295,26 @@ fn a_refused_job_goes_to_another_worker_while_one_can_take_it() {
     assert_eq!(assigned(&out).len(), 1, "{:?}", names(&out));
 }
 
+/// Only a worker of the job's own model counts as "another worker that can take it": a
+/// refused job whose model has one worker goes back to it although another model's worker
+/// is open. Decisions list other models' workers by default, and the job used to wait for
+/// that worker, which could never take it.
+#[test]
+fn a_refused_job_goes_back_to_its_models_only_worker_while_another_models_is_open() {
+    let mut e = engine();
+    let other = heartbeat_with("x1", 1, T0, |s| s.model = "another-model".into());
+    step(&mut e, vec![heartbeat("w1", &[], 1, T0), other], T0);
+    let out = step(&mut e, vec![job("j", 100, 10, T0)], T0);
+    assert_eq!(assigned(&out), vec![("j".to_string(), "w1".to_string())]);
+    let out = refuse_and_retry(&mut e, "w1", 1, T0 + 10);
+    assert_eq!(
+        assigned(&out),
+        vec![("j".to_string(), "w1".to_string())],
+        "{:?}",
+        names(&out)
+    );
+}
+
 /// Issue 9: refusals outlive the leader that saw them. The retry a refusal causes carries
 /// the job's refusals, and a new leader (another engine) reading that retry leaves the
 /// refusing worker out although it scores best; reading the same retry without them, it

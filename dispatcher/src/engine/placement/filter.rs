@@ -76,9 +76,11 @@ impl Engine {
         job_id: &str,
     ) -> Option<(Vec<WorkerView>, Vec<Rejection>)> {
         let now = self.now_ms;
+        // The pool may list other models' workers (decision_list_wrong_model): only a
+        // worker of the job's own model is "another worker that can take it".
         self.refusals
             .narrow(job_id, self.model_workers(model), |w| {
-                self.takes_work(w, now)
+                w.status.model == model && self.takes_work(w, now)
             })
     }
 
