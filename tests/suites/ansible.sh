@@ -775,6 +775,44 @@ else
   fail "units and configs match the inventory's GPU -> model -> port mapping (spare GPU has none)" "$out"
 fi
 
+# The provisioning record the dispatchers read (workers.json, control host only): every
+# assigned GPU's worker id with the model and the concurrency ceiling its own worker-agent
+# config has, nothing else; readable by root and the service group only; named by every
+# dispatcher config.
+provisioning_check() { # $1 = staging base
+  "$PY" - "$1" <<'PYEOF'
+import json, pathlib, stat, sys, tomllib
+stage = pathlib.Path(sys.argv[1])
+errors = []
+record = stage / "gpu-node-1/etc/metronome/dispatcher/workers.json"
+if not record.is_file():
+    sys.exit(f"{record.relative_to(stage)} is missing")
+got = json.loads(record.read_text())["workers"]
+want = {}
+for agent in stage.glob("*/etc/metronome/worker-agent/*.toml"):
+    c = tomllib.loads(agent.read_text())
+    want[c["worker_id"]] = {"model": c["model"], "max_concurrency": c["max_concurrency"]}
+if got != want:
+    errors.append(f"workers.json {got}\nwant (from the agents' configs) {want}")
+mode = stat.S_IMODE(record.stat().st_mode)
+if mode != 0o640:
+    errors.append(f"workers.json is mode {mode:o}, want 640")
+if list(stage.glob("gpu-node-2/etc/metronome/dispatcher/workers.json")):
+    errors.append("workers.json reached a GPU-only host")
+for conf in stage.glob("*/etc/metronome/dispatcher/*.toml"):
+    named = tomllib.loads(conf.read_text()).get("provisioning_file")
+    if named != str(record).replace(str(stage / "gpu-node-1"), "", 1) and named != str(record):
+        errors.append(f"{conf.relative_to(stage)}: provisioning_file = {named!r}")
+print("\n".join(errors))
+sys.exit(1 if errors else 0)
+PYEOF
+}
+if out=$(provisioning_check "$STAGE" 2>&1); then
+  pass "the dispatchers' provisioning record lists every assigned GPU's worker with its agent's model and ceiling (0640, control host only, named by each dispatcher config)"
+else
+  fail "the dispatchers' provisioning record matches the inventory" "$out"
+fi
+
 # Control plane files on the control host only.
 ctl="$STAGE/gpu-node-1"
 missing=""
@@ -1160,10 +1198,11 @@ if play "$INV" "$STAGE" site.yml; then
   snapshot > "$WORK/after.txt"
   removed=$(diff "$WORK/before.txt" "$WORK/after.txt" | sed -n 's/^< [0-9a-f]*  \.\///p' | sort | tr '\n' ' ')
   added=$(diff "$WORK/before.txt" "$WORK/after.txt" | sed -n 's/^> [0-9a-f]*  \.\///p' | sort | tr '\n' ' ')
-  # The control host's Prometheus scrape config follows the inventory (it loses the
-  # retired GPU's worker-agent target), and the removed GPU's worker identity is revoked:
-  # NATS's users and Redis's ACL change too.
-  edited="gpu-node-1/etc/metronome/nats/nats-server.conf gpu-node-1/etc/metronome/redis/redis.conf gpu-node-1/etc/prometheus/prometheus.yml gpu-node-1/etc/systemd/system/metronome-model-gpu2.service gpu-node-2/etc/metronome/worker-agent/gpu0.toml "
+  # The control host's Prometheus scrape config and the dispatchers' provisioning record
+  # follow the inventory (they lose the retired GPU's worker, the record takes GPU 0's new
+  # ceiling), and the removed GPU's worker identity is revoked: NATS's users and Redis's
+  # ACL change too.
+  edited="gpu-node-1/etc/metronome/dispatcher/workers.json gpu-node-1/etc/metronome/nats/nats-server.conf gpu-node-1/etc/metronome/redis/redis.conf gpu-node-1/etc/prometheus/prometheus.yml gpu-node-1/etc/systemd/system/metronome-model-gpu2.service gpu-node-2/etc/metronome/worker-agent/gpu0.toml "
   gone="gpu-node-2/etc/metronome/tls/worker-agent/gpu1.key gpu-node-2/etc/metronome/tls/worker-agent/gpu1.pem gpu-node-2/etc/metronome/worker-agent/gpu1.toml gpu-node-2/etc/systemd/system/metronome-model-gpu1.service gpu-node-2/etc/systemd/system/metronome-worker-agent-gpu1.service "
   want_removed=$(printf '%s\n' $edited $gone | sort | tr '\n' ' ')
   if [ "$removed" = "$want_removed" ] && [ "$added" = "$edited" ]; then
@@ -1181,8 +1220,8 @@ if play "$INV" "$STAGE" site.yml; then
   else
     fail "only the instances whose files changed restart" "$bad$(grep -E ': restart ' "$LAST")"
   fi
-  if out=$(check_mapping "$INV" "$STAGE"); then
-    pass "after the edits the files still match the inventory"
+  if out=$(check_mapping "$INV" "$STAGE") && out=$(provisioning_check "$STAGE" 2>&1); then
+    pass "after the edits the files and the provisioning record still match the inventory"
   else
     fail "after the edits the files still match the inventory" "$out"
   fi
