@@ -460,7 +460,7 @@ impl World {
         let now = self.now;
         match ev {
             Ev::Arrive(i) => {
-                let r = self.plan[i];
+                let r = &self.plan[i];
                 let id = format!("lab-{}-{i}", self.points);
                 self.jobs.insert(id.clone(), i);
                 let job = Job {
@@ -474,7 +474,7 @@ impl World {
                     submitted_ms: self.unix(now),
                     deadline_ms: self.queue_timeout_ms.map(|t| self.unix(now) + t),
                     slo: None,
-                    tenant: self.tenant_of(&r),
+                    tenant: self.tenant_of(r),
                     priority: None,
                     prefix: None,
                 };

@@ -31,6 +31,7 @@ fn plan(n: u64, gap_s: f64) -> Vec<PlannedRequest> {
             prompt_tokens: 200 + (i as u32 * 331) % 1_500,
             output_tokens: 20 + (i as u32 * 97) % 300,
             tenant: None,
+            messages: Vec::new(),
         })
         .collect()
 }
@@ -76,6 +77,7 @@ fn simultaneous_requests_on_idle_gpus_land_on_distinct_gpus() {
                 prompt_tokens: 500 + round as u32,
                 output_tokens: 50,
                 tenant: None,
+                messages: Vec::new(),
             })
             .collect();
         let out = cluster.run(&burst);

@@ -73,6 +73,45 @@ pub enum Workload {
         prompt_tokens: LengthDist,
         output_tokens: LengthDist,
     },
+    /// Shared system prompts ([`crate::prefixes::shared_prefix_plan`]): `groups ×
+    /// users_per_group` requests in a seeded random order at Poisson arrivals of
+    /// `rate_rps`, each its group's system prompt of `prefix_tokens` and a user message of
+    /// its own (`question_tokens`).
+    #[serde(rename = "shared_prefix")]
+    SharedPrefix {
+        rate_rps: f64,
+        groups: u32,
+        users_per_group: u32,
+        prefix_tokens: u32,
+        question_tokens: LengthDist,
+        output_tokens: LengthDist,
+    },
+    /// Multi-turn conversations or agent loops ([`crate::prefixes::multi_turn_plan`]):
+    /// every turn re-sends the whole history and one new user message; `rate_rps` is the
+    /// mean request rate over all turns, `think_s` the mean think time between a reply and
+    /// the next turn; `system_tokens` (0: none) a system prompt every conversation shares.
+    #[serde(rename = "multi_turn")]
+    MultiTurn {
+        rate_rps: f64,
+        turns: LengthDist,
+        #[serde(default)]
+        system_tokens: u32,
+        user_tokens: LengthDist,
+        output_tokens: LengthDist,
+        think_s: f64,
+    },
+}
+
+impl Workload {
+    /// The mean arrival rate it asks for, when it has one (a trace may give a time scale).
+    pub fn rate_rps(&self) -> Option<f64> {
+        match self {
+            Workload::Trace { rate_rps, .. } => *rate_rps,
+            Workload::Poisson { rate_rps, .. }
+            | Workload::SharedPrefix { rate_rps, .. }
+            | Workload::MultiTurn { rate_rps, .. } => Some(*rate_rps),
+        }
+    }
 }
 
 impl Default for Workload {
@@ -331,11 +370,47 @@ impl LoadSpec {
                     );
                 }
             }
+            Workload::SharedPrefix {
+                rate_rps,
+                groups,
+                users_per_group,
+                prefix_tokens,
+                ..
+            } => {
+                if !positive(*rate_rps) {
+                    bad("workload.rate_rps", "must be > 0");
+                }
+                if *groups == 0 {
+                    bad("workload.groups", "must be >= 1");
+                }
+                if *users_per_group == 0 {
+                    bad("workload.users_per_group", "must be >= 1");
+                }
+                if *prefix_tokens == 0 {
+                    bad("workload.prefix_tokens", "must be >= 1");
+                }
+            }
+            Workload::MultiTurn {
+                rate_rps, think_s, ..
+            } => {
+                if !positive(*rate_rps) {
+                    bad("workload.rate_rps", "must be > 0");
+                }
+                if !(think_s.is_finite() && *think_s >= 0.0) {
+                    bad("workload.think_s", "must be >= 0");
+                }
+                if self.limit.is_none() && self.duration_s.is_none() {
+                    bad(
+                        "limit",
+                        "a multi-turn workload needs limit or duration_s (or both)",
+                    );
+                }
+            }
         }
-        if !self.tenants.is_empty() && matches!(self.workload, Workload::Trace { .. }) {
+        if !self.tenants.is_empty() && !matches!(self.workload, Workload::Poisson { .. }) {
             bad(
                 "tenants",
-                "per-tenant traffic needs a Poisson workload (a trace has one arrival stream)",
+                "per-tenant traffic needs a Poisson workload (the others have one arrival stream)",
             );
         }
         let mut names = std::collections::BTreeSet::new();

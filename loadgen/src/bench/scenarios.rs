@@ -43,13 +43,15 @@ use crate::{
     RequestRecord, RunResult, Slo, Summary, Workload,
 };
 
-/// Policies compared, Metronome first, then the conventional balancers.
-pub const POLICIES: [&str; 5] = [
+/// Policies compared, Metronome first, then the conventional balancers, then the
+/// prefix-affinity router (`prefix_affinity`, see `metronome_scheduler::policy`).
+pub const POLICIES: [&str; 6] = [
     "metronome",
     "least_connections",
     "round_robin",
     "random",
     "power_of_two",
+    "prefix_affinity",
 ];
 
 /// Workloads: the shared trace and a chat-like Poisson mix.
@@ -433,6 +435,7 @@ async fn burst_round(sys: &System, n: usize) -> anyhow::Result<(Option<bool>, St
             prompt_tokens: 512,
             output_tokens: 32,
             tenant: None,
+            messages: Vec::new(),
         })
         .collect();
     let r = run_plan(
