@@ -39,6 +39,10 @@ pub struct RunRow {
     pub goodput_rps: f64,
     /// `vllm:num_preemptions_total` summed over the simulated GPUs, after minus before.
     pub preemptions: f64,
+    /// The simulated GPUs' `vllm:prefix_cache_hits_total` over
+    /// `vllm:prefix_cache_queries_total` during the run (tokens); `None` without queries.
+    #[serde(default)]
+    pub prefix_hit_rate: Option<f64>,
     pub idle: IdleStats,
     /// Prediction errors, when the decisions carried predictions.
     #[serde(default)]
@@ -894,6 +898,9 @@ pub fn workload_title(w: &str) -> &str {
     match w {
         "trace" => "trace (Azure LLM 2023, code)",
         "chat" => "chat-like Poisson",
+        "shared_prefix" => "shared system prompts (16 groups × 2,000 tokens)",
+        "multi_turn" => "multi-turn conversations",
+        "agent" => "agent loop",
         other => other,
     }
 }
@@ -1135,6 +1142,7 @@ mod tests {
             },
             goodput_rps: share * rate,
             preemptions: 0.0,
+            prefix_hit_rate: None,
             idle: IdleStats {
                 samples: 100,
                 idle_gpu_s: 0.1,

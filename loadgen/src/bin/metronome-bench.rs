@@ -58,7 +58,9 @@ struct Cli {
     /// Policies to compare, comma-separated.
     #[arg(long, value_delimiter = ',', default_values_t = POLICIES.map(String::from))]
     policies: Vec<String>,
-    /// Workloads, comma-separated: trace, chat.
+    /// Workloads, comma-separated: trace, chat, and the prefix-heavy shared_prefix (groups
+    /// sharing a long system prompt), multi_turn (conversations re-sending their history)
+    /// and agent (a growing tool transcript); see BENCHMARKS.md's setup lines.
     #[arg(long, value_delimiter = ',', default_values_t = WORKLOADS.map(String::from))]
     workloads: Vec<String>,
     /// Clusters, comma-separated: equal (speeds 1,1,1,1), mixed (1,1,1,0.5).
@@ -185,7 +187,10 @@ fn main() -> ExitCode {
     }
     for w in &cli.workloads {
         if !WORKLOADS.contains(&w.as_str()) {
-            return invalid(format!("unknown workload {w:?} (trace, chat)"));
+            return invalid(format!(
+                "unknown workload {w:?} (one of {})",
+                WORKLOADS.join(", ")
+            ));
         }
     }
     for c in &cli.clusters {
