@@ -62,6 +62,10 @@ pub const WORKLOADS: [&str; 5] = ["trace", "chat", "shared_prefix", "multi_turn"
 /// GPUs' prefix-cache hit rate.
 pub const PREFIX_WORKLOADS: [&str; 3] = ["shared_prefix", "multi_turn", "agent"];
 
+/// Folder under the results whose `section.md` (the prefix-heavy workloads' figures, kept
+/// by hand from their runs' commands) the report includes, before the fairness section.
+pub const PREFIX_SECTION_DIR: &str = "prefix";
+
 /// Seed of the prefix-heavy workloads.
 pub const PREFIX_SEED: u64 = 7;
 
@@ -87,12 +91,13 @@ pub fn shared_prefix_workload(rate_rps: f64) -> Workload {
     }
 }
 
-/// `multi_turn`: conversations of 2-10 turns behind a shared 500-token system prompt,
-/// user messages of ~150 tokens, replies of ~200, 5 s mean think time.
+/// `multi_turn`: conversations of 2-8 turns behind a shared 500-token system prompt, user
+/// messages of ~150 tokens, replies of ~200, 3 s mean think time (short, so that a
+/// conversation of ~50 s fits a run of a few hundred requests several times over).
 pub fn multi_turn_workload(rate_rps: f64) -> Workload {
     Workload::MultiTurn {
         rate_rps,
-        turns: LengthDist::Uniform { lo: 2, hi: 10 },
+        turns: LengthDist::Uniform { lo: 2, hi: 8 },
         system_tokens: 500,
         user_tokens: LengthDist::LogNormal {
             mean: 150.0,
@@ -104,7 +109,7 @@ pub fn multi_turn_workload(rate_rps: f64) -> Workload {
             sigma: 0.6,
             max: 1500,
         },
-        think_s: 5.0,
+        think_s: 3.0,
     }
 }
 
@@ -522,7 +527,7 @@ fn setup_lines(plan: &BenchPlan) -> Vec<String> {
         v.push("Workload `shared_prefix`: 16 groups × 20 users (320 requests, the first of a seeded random order), each request its group's 2,000-token system prompt and a question of its own (`lognormal:mean=100,sigma=0.6,max=1000`), output `lognormal:mean=200,sigma=0.6,max=1500`, Poisson arrivals, seed 7. Synthetic (after SGLang's generated-shared-prefix data set).".into());
     }
     if plan.workloads.iter().any(|w| w == "multi_turn") {
-        v.push("Workload `multi_turn`: conversations of `uniform:2,10` turns behind a shared 500-token system prompt, each turn re-sending the whole history and a new user message (`lognormal:mean=150,sigma=0.6,max=1500`), replies `lognormal:mean=200,sigma=0.6,max=1500`; conversations start at Poisson arrivals, the next turn follows the reply time at 30 tok/s plus an exponential think time of mean 5 s (open loop), seed 7. Synthetic: no public conversation data set is bundled.".into());
+        v.push("Workload `multi_turn`: conversations of `uniform:2,8` turns behind a shared 500-token system prompt, each turn re-sending the whole history and a new user message (`lognormal:mean=150,sigma=0.6,max=1500`), replies `lognormal:mean=200,sigma=0.6,max=1500`; conversations start at Poisson arrivals (rate = the load's request rate / mean turns), the next turn follows the reply time at 30 tok/s plus an exponential think time of mean 3 s (open loop), seed 7. Synthetic: no public conversation data set is bundled. The first and last conversations ramp the request rate up and down, so over a run of a few hundred requests the offered rate stays below the planned one, which the goodput figure (attainment × planned rate) still uses.".into());
     }
     if plan.workloads.iter().any(|w| w == "agent") {
         v.push("Workload `agent`: loops of `uniform:4,12` steps behind a 1,500-token system prompt, each step re-sending the transcript with a new tool result (`lognormal:mean=400,sigma=0.8,max=4000`) and asking for a tool call (`lognormal:mean=60,sigma=0.5,max=500`), 0.5 s mean between steps, seed 7. Synthetic.".into());
@@ -850,15 +855,19 @@ fn finish_report(plan: &BenchPlan, report: &mut Report) -> anyhow::Result<()> {
     if let Some(dir) = plan.report_path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    // The fairness drill's section, as its last run saved it beside its results.
-    let fairness_path = plan
-        .out
-        .join("fairness")
-        .join(super::fairness::SECTION_FILE);
-    let fairness = std::fs::read_to_string(&fairness_path).ok();
+    // Hand-written sections saved beside the results: the prefix-heavy workloads' figures,
+    // then the fairness drill's section as its last run saved it.
+    let extra: Vec<String> = [PREFIX_SECTION_DIR, "fairness"]
+        .iter()
+        .filter_map(|dir| {
+            std::fs::read_to_string(plan.out.join(dir).join(super::fairness::SECTION_FILE)).ok()
+        })
+        .map(|s| s.trim_end().to_string())
+        .collect();
+    let extra = (!extra.is_empty()).then(|| extra.join("\n\n"));
     std::fs::write(
         &plan.report_path,
-        super::report::render(report, fairness.as_deref()),
+        super::report::render(report, extra.as_deref()),
     )?;
     Ok(())
 }
