@@ -102,18 +102,6 @@ pub enum Workload {
     },
 }
 
-impl Workload {
-    /// The mean arrival rate it asks for, when it has one (a trace may give a time scale).
-    pub fn rate_rps(&self) -> Option<f64> {
-        match self {
-            Workload::Trace { rate_rps, .. } => *rate_rps,
-            Workload::Poisson { rate_rps, .. }
-            | Workload::SharedPrefix { rate_rps, .. }
-            | Workload::MultiTurn { rate_rps, .. } => Some(*rate_rps),
-        }
-    }
-}
-
 impl Default for Workload {
     fn default() -> Self {
         Workload::Poisson {
@@ -485,6 +473,50 @@ mod tests {
         ] {
             assert!(fields.contains(&f), "{f} missing from {fields:?}");
         }
+    }
+
+    #[test]
+    fn prefix_workloads_parse_and_their_bad_fields_are_reported() {
+        let shared = r#"
+            model = "m"
+            limit = 10
+            [workload]
+            kind = "shared_prefix"
+            rate_rps = 2.0
+            groups = 0
+            users_per_group = 3
+            prefix_tokens = 0
+            question_tokens = "fixed:10"
+            output_tokens = "fixed:5"
+        "#;
+        let spec = LoadSpec::from_toml_str(shared).unwrap();
+        let fields = |spec: &LoadSpec| -> Vec<String> {
+            spec.validate()
+                .err()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|e| e.field)
+                .collect()
+        };
+        assert_eq!(fields(&spec), ["workload.groups", "workload.prefix_tokens"]);
+        let multi = r#"
+            model = "m"
+            [workload]
+            kind = "multi_turn"
+            rate_rps = 2.0
+            turns = "uniform:2,4"
+            user_tokens = "fixed:10"
+            output_tokens = "fixed:5"
+            think_s = -1.0
+        "#;
+        let spec = LoadSpec::from_toml_str(multi).unwrap();
+        assert_eq!(fields(&spec), ["workload.think_s", "limit"]);
+        let Workload::MultiTurn { system_tokens, .. } = spec.workload else {
+            panic!("{:?}", spec.workload);
+        };
+        assert_eq!(system_tokens, 0, "no system prompt unless asked");
+        let back = LoadSpec::from_toml_str(&toml::to_string(&spec).unwrap()).unwrap();
+        assert_eq!(back, spec);
     }
 
     #[test]

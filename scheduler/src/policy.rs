@@ -125,9 +125,10 @@ pub const AFFINITY_REL_IMBALANCE: f64 = 1.5;
 /// - Unless the load is imbalanced, as SGLang's router judges it: the best holder has
 ///   more than [`AFFINITY_ABS_IMBALANCE`] active requests beyond the least-loaded
 ///   candidate's *and* more than [`AFFINITY_REL_IMBALANCE`] times as many (SGLang's
-///   defaults are 64 and 1.5 for real servers' batches of hundreds; 8 suits the
-///   simulator's batches of tens). Then, or when no candidate holds any of the prompt, the
-///   least-loaded candidate (least connections, ties to the lower worker id).
+///   router defaults to a gap of 32 to 64 and a ratio of 1.1 to 1.5, by version, for real
+///   servers' batches of hundreds; 8 suits the simulator's batches of tens). Then, or when
+///   no candidate holds any of the prompt, the least-loaded candidate (least connections,
+///   ties to the lower worker id).
 ///
 /// No admission control, like every baseline: a held prefix wins however slow its
 /// worker would serve it, up to the imbalance bound.
