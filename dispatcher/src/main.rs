@@ -31,8 +31,8 @@ struct Cli {
     #[arg(long, env = "METRONOME_DISPATCHER_ID", value_name = "ID")]
     dispatcher_id: Option<String>,
 
-    /// Scheduling policy: metronome, round_robin, least_connections, random or
-    /// power_of_two (key `policy`).
+    /// Scheduling policy: metronome, round_robin, least_connections, random,
+    /// power_of_two or prefix_affinity (key `policy`).
     #[arg(long, env = "METRONOME_POLICY")]
     policy: Option<String>,
 

@@ -275,7 +275,13 @@ impl Agent {
                     let seq_id = self.next_seq_id;
                     self.next_seq_id += 1;
                     self.by_seq.insert(seq_id, job_id.clone());
-                    let added = self.gpu.add(seq_id, sim.job.prompt_tokens, sim.writes);
+                    // A job with a prefix fingerprint carries its prompt's token ids (the
+                    // world's prefix-heavy workloads): the GPU's prefix cache reuses what it
+                    // holds of them and prefills the rest. Others are anonymous prompts.
+                    let added = match prompt_ids(&sim.job) {
+                        Some(ids) => self.gpu.add_prompt(seq_id, ids, sim.writes),
+                        None => self.gpu.add(seq_id, sim.job.prompt_tokens, sim.writes),
+                    };
                     debug_assert!(added, "the dispatcher placed a job its GPU cannot hold");
                 }
                 Effect::Refuse {
@@ -411,4 +417,15 @@ impl Agent {
     pub fn max_epoch(&self) -> u64 {
         self.machine.max_epoch()
     }
+}
+
+/// The token ids a job's request gives as a completion prompt, when the job carries a
+/// prefix fingerprint (the world puts them there, as a gateway would forward them).
+fn prompt_ids(job: &Job) -> Option<Vec<u32>> {
+    job.prefix.as_ref()?;
+    metronome_protocol::prefix::request_token_ids(
+        metronome_protocol::Endpoint::Completion,
+        &job.request,
+    )
+    .ok()
 }

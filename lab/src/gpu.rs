@@ -30,6 +30,12 @@ impl Gpu {
         self.engine.add(id, prompt_tokens, output_tokens).is_ok()
     }
 
+    /// Queue a sequence whose prompt is `token_ids`: the engine's prefix cache (the
+    /// simulator's block pool) reuses the blocks it holds and prefills only the rest.
+    pub fn add_prompt(&mut self, id: SeqId, token_ids: Vec<u32>, output_tokens: u32) -> bool {
+        self.engine.add_prompt(id, token_ids, output_tokens).is_ok()
+    }
+
     /// Start the next step at `now_ms` if none is running and there is work; the time it
     /// ends, for the caller to come back then.
     pub fn kick(&mut self, now_ms: f64) -> Option<f64> {

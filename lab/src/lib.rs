@@ -29,4 +29,7 @@ pub mod fairness;
 pub mod gpu;
 pub mod world;
 
-pub use world::{run, Cluster, LabConfig, LabRun, Latencies, MaxTokens, StallCheck};
+pub use world::{
+    prompt_token_ids, run, Cluster, LabConfig, LabRun, Latencies, MaxTokens, PrefixCache,
+    StallCheck,
+};

@@ -36,7 +36,10 @@ struct Args {
         default_value = "metronome,least_connections"
     )]
     policies: Vec<String>,
-    /// Workloads: `trace` (the shared trace), `chat` (Poisson chat mix).
+    /// Workloads: `trace` (the shared trace), `chat` (Poisson chat mix), and the
+    /// prefix-heavy `shared_prefix`, `multi_turn` and `agent` (metronome-bench's; their
+    /// requests carry prefix fingerprints, the GPUs' prefix caches prefill only what they
+    /// do not hold, and each point's line ends with its prefix-cache hit rate and TTFT p90).
     #[arg(long, value_delimiter = ',', default_value = "chat,trace")]
     workloads: Vec<String>,
     /// Clusters: `equal` (1,1,1,1), `mixed` (1,1,1,0.5), or speeds such as `1,0.7,0.7`.
@@ -310,6 +313,15 @@ fn point_line(
     let actual: f64 = out.stalls.iter().map(|c| c.actual_ms).sum();
     if actual > 0.0 {
         holds.push(format!("stall charged/actual {:.2}", charged / actual));
+    }
+    if let Some(cache) = out.prefix_cache {
+        holds.push(format!(
+            "prefix-hits {} ttft90 {}",
+            cache
+                .hit_rate()
+                .map_or("-".to_string(), |h| format!("{:.1}%", h * 100.0)),
+            ms(s.ttft_ms.p90)
+        ));
     }
     format!(
         "{:<7} {:<6} {:>5} {:<18} {:>4} {:>6.1}% {:>7.2} {:>7} {:>8} {:>6.1} {:>7.0} {:>5.2}% {:>9} {:>9}  {}",

@@ -17,7 +17,9 @@ use metronome_dispatcher::engine::{
 };
 use metronome_dispatcher::Metrics;
 use metronome_gpu_sim::SimGpuConfig;
-use metronome_loadgen::{ErrorKind, PlannedRequest, RequestRecord};
+use metronome_loadgen::prefixes::message_text;
+use metronome_loadgen::{ErrorKind, Message, PlannedRequest, RequestRecord};
+use metronome_protocol::prefix::{chat_token_ids, PrefixFingerprint, DEFAULT_BLOCK_SIZE};
 use metronome_protocol::{
     CompletionEvent, CompletionOutcome, Endpoint, ErrorCode, Job, Prediction, WorkerStatus,
     PROTOCOL_VERSION,
@@ -129,6 +131,24 @@ pub struct LabRun {
     /// Per completed job: the prefill stall admission charged it against the stall it
     /// stood still for.
     pub stalls: Vec<StallCheck>,
+    /// The GPUs' prefix cache during the point, when its requests carried prefixes
+    /// (prefix-heavy workloads): tokens looked up and tokens found cached (vLLM's
+    /// `prefix_cache_queries` and `prefix_cache_hits`).
+    pub prefix_cache: Option<PrefixCache>,
+}
+
+/// Prefix-cache counters of a point, summed over the GPUs, in tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrefixCache {
+    pub queries: u64,
+    pub hits: u64,
+}
+
+impl PrefixCache {
+    /// Hits over queries; `None` without queries.
+    pub fn hit_rate(&self) -> Option<f64> {
+        (self.queries > 0).then(|| self.hits as f64 / self.queries as f64)
+    }
 }
 
 /// What admission control believed a running job would be stalled, against what it was.
@@ -258,6 +278,8 @@ struct World {
     holds_before: BTreeMap<String, u64>,
     tenants: Vec<String>,
     queue_timeout_ms: Option<u64>,
+    /// The GPUs' prefix-cache counters at the start of the current point.
+    prefix_before: PrefixCache,
 }
 
 /// A simulated cluster that keeps its state from one run to the next, as a system that
@@ -351,6 +373,7 @@ impl World {
             points: 0,
             point_start_ms: 0.0,
             holds_before: BTreeMap::new(),
+            prefix_before: PrefixCache::default(),
             tenants: config.tenants.clone(),
             queue_timeout_ms: config.queue_timeout_ms,
         };
@@ -409,6 +432,7 @@ impl World {
         self.stalls.clear();
         self.outstanding = plan.len();
         self.holds_before = self.holds();
+        self.prefix_before = self.prefix_cache();
         for (i, r) in plan.iter().enumerate() {
             let at = self.point_start_ms + r.at_s * 1000.0;
             self.at(at, Ev::Arrive(i));
@@ -460,23 +484,34 @@ impl World {
         let now = self.now;
         match ev {
             Ev::Arrive(i) => {
-                let r = self.plan[i];
+                let r = &self.plan[i];
                 let id = format!("lab-{}-{i}", self.points);
                 self.jobs.insert(id.clone(), i);
+                // A prefix-heavy workload's chat, as token ids: the agent hands them to its
+                // GPU's prefix cache, and the job carries their fingerprint as the gateway
+                // attaches it. Each point's texts start with its own nonce, so one point
+                // never finds another's prefixes cached (the load generator's per-run nonce).
+                let (request, prefix) = if r.messages.is_empty() {
+                    (serde_json::Value::Null, None)
+                } else {
+                    let ids = prompt_token_ids(&r.messages, self.points as u64);
+                    let fingerprint = PrefixFingerprint::of_tokens(&ids, DEFAULT_BLOCK_SIZE);
+                    (serde_json::json!({ "prompt": ids }), Some(fingerprint))
+                };
                 let job = Job {
                     v: PROTOCOL_VERSION,
                     id,
                     model: self.model.clone(),
                     endpoint: Endpoint::Completion,
-                    request: serde_json::Value::Null,
+                    request,
                     prompt_tokens: r.prompt_tokens,
                     max_tokens: self.max_tokens.of(r.output_tokens),
                     submitted_ms: self.unix(now),
                     deadline_ms: self.queue_timeout_ms.map(|t| self.unix(now) + t),
                     slo: None,
-                    tenant: self.tenant_of(&r),
+                    tenant: self.tenant_of(r),
                     priority: None,
-                    prefix: None,
+                    prefix,
                 };
                 let arrive = now + self.lat.submit_ms;
                 let incoming = Incoming {
@@ -809,6 +844,17 @@ impl World {
         }
     }
 
+    /// The GPUs' prefix-cache counters now, summed.
+    fn prefix_cache(&self) -> PrefixCache {
+        self.agents
+            .iter()
+            .map(|a| a.gpu.stats())
+            .fold(PrefixCache::default(), |acc, s| PrefixCache {
+                queries: acc.queries + s.prefix_cache_queries_total,
+                hits: acc.hits + s.prefix_cache_hits_total,
+            })
+    }
+
     fn end(&mut self) -> LabRun {
         let mut per_worker = BTreeMap::new();
         let records = self
@@ -873,8 +919,25 @@ impl World {
             holds,
             per_worker,
             stalls: std::mem::take(&mut self.stalls),
+            prefix_cache: self.plan.iter().any(|r| !r.messages.is_empty()).then(|| {
+                let now = self.prefix_cache();
+                PrefixCache {
+                    queries: now.queries - self.prefix_before.queries,
+                    hits: now.hits - self.prefix_before.hits,
+                }
+            }),
         }
     }
+}
+
+/// The token ids of a planned chat as the gateway and the simulator tokenise it
+/// ([`metronome_protocol::prefix::chat_token_ids`]), its texts starting with `nonce`.
+pub fn prompt_token_ids(messages: &[Message], nonce: u64) -> Vec<u32> {
+    let texts: Vec<(&str, String)> = messages
+        .iter()
+        .map(|m| (m.role.as_str(), message_text(m, Some(nonce))))
+        .collect();
+    chat_token_ids(texts.iter().map(|(role, text)| (*role, text.as_str())))
 }
 
 /// The HTTP status the gateway answers a job's error with.

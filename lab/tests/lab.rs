@@ -31,6 +31,7 @@ fn plan(n: u64, gap_s: f64) -> Vec<PlannedRequest> {
             prompt_tokens: 200 + (i as u32 * 331) % 1_500,
             output_tokens: 20 + (i as u32 * 97) % 300,
             tenant: None,
+            messages: Vec::new(),
         })
         .collect()
 }
@@ -76,6 +77,7 @@ fn simultaneous_requests_on_idle_gpus_land_on_distinct_gpus() {
                 prompt_tokens: 500 + round as u32,
                 output_tokens: 50,
                 tenant: None,
+                messages: Vec::new(),
             })
             .collect();
         let out = cluster.run(&burst);
@@ -88,4 +90,53 @@ fn simultaneous_requests_on_idle_gpus_land_on_distinct_gpus() {
         workers.dedup();
         assert_eq!(workers.len(), 4, "round {round}: {:?}", out.per_worker);
     }
+}
+
+/// A shared-system-prompt plan: 4 groups × 6 users, each a 1,000-token system prompt and
+/// a short question of its own.
+fn shared_prefix_plan() -> Vec<PlannedRequest> {
+    metronome_loadgen::prefixes::shared_prefix_plan(
+        2.0,
+        4,
+        6,
+        1_000,
+        &metronome_loadgen::LengthDist::Fixed(40),
+        &metronome_loadgen::LengthDist::Fixed(50),
+        3,
+        None,
+        None,
+    )
+}
+
+#[test]
+fn prefix_heavy_plans_hit_the_gpus_prefix_cache_and_others_do_not_query_it() {
+    let p = shared_prefix_plan();
+    let out = run(&config(PolicyKind::PrefixAffinity, 2), &p);
+    assert!(out.records.iter().all(|r| r.ok));
+    let cache = out
+        .prefix_cache
+        .expect("a prefix-heavy plan reports its cache");
+    // Each group's first request on a GPU prefills its prompt; the others find the system
+    // prompt cached (1,000 of ~1,050 tokens): well over half the tokens looked up.
+    assert!(cache.hit_rate().unwrap() > 0.6, "{cache:?}");
+    // The same lengths without messages: anonymous prompts, nothing reported.
+    let plain: Vec<PlannedRequest> = p
+        .iter()
+        .map(|r| PlannedRequest {
+            messages: Vec::new(),
+            ..r.clone()
+        })
+        .collect();
+    assert_eq!(
+        run(&config(PolicyKind::PrefixAffinity, 2), &plain).prefix_cache,
+        None
+    );
+    // Cached prefixes are prefill not paid: the first tokens come sooner.
+    let ttft = |o: &metronome_lab::LabRun| -> f64 {
+        o.records.iter().filter_map(|r| r.ttft_ms).sum::<f64>()
+    };
+    assert!(
+        ttft(&out) < ttft(&run(&config(PolicyKind::PrefixAffinity, 2), &plain)),
+        "cached prefixes did not shorten TTFT"
+    );
 }

@@ -133,6 +133,7 @@ impl Client {
             unique: self.spec.unique_prompts,
             nonce: self.nonce,
             id: req.id,
+            messages: &req.messages,
         });
         let mut rec = RequestRecord {
             id: req.id,

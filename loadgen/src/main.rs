@@ -17,9 +17,19 @@ use metronome_loadgen::{
 /// arrivals, streams every request, and writes requests.csv, summary.json and SVG plots
 /// into --out. Works against any OpenAI-compatible endpoint.
 ///
+/// Prefix-heavy workloads (prompts that repeat earlier prompts, seeded, synthetic) come
+/// from a spec file's [workload] table (--rate and --output-tokens still override):
+///   kind = "shared_prefix": groups, users_per_group, prefix_tokens, question_tokens,
+///     output_tokens, rate_rps: groups × users_per_group requests, each its group's system
+///     prompt and a user message of its own.
+///   kind = "multi_turn": turns, system_tokens (0: none), user_tokens, output_tokens,
+///     think_s, rate_rps: conversations whose every turn re-sends the whole history (an
+///     agent loop with long user_tokens as tool results and a small think_s).
+///
 /// Examples:
 ///   metronome-loadgen --model m --trace trace.csv --rate 4 --duration 60 --out run1
 ///   metronome-loadgen --model m --rate 2 --limit 200 --prompt-tokens lognormal:mean=1500,sigma=0.8 --output-tokens fixed:200
+///   metronome-loadgen --model m --config multi_turn.toml --rate 3 --limit 300
 #[derive(Debug, Parser)]
 #[command(name = "metronome-loadgen", version, verbatim_doc_comment)]
 struct Cli {
@@ -201,6 +211,31 @@ impl Cli {
                 set!(self.rate, *rate_rps);
                 set!(self.prompt_tokens, *prompt_tokens);
                 set!(self.output_tokens, *output_tokens);
+                if self.time_scale.is_some() || self.start_offset.is_some() {
+                    bad(
+                        "time_scale",
+                        "--time-scale/--start-offset apply to trace replay (--trace)",
+                    );
+                }
+            }
+            Workload::SharedPrefix {
+                rate_rps,
+                output_tokens,
+                ..
+            }
+            | Workload::MultiTurn {
+                rate_rps,
+                output_tokens,
+                ..
+            } => {
+                set!(self.rate, *rate_rps);
+                set!(self.output_tokens, *output_tokens);
+                if self.prompt_tokens.is_some() {
+                    bad(
+                        "prompt_tokens",
+                        "--prompt-tokens applies to Poisson workloads; prefix workloads set their lengths in the spec file",
+                    );
+                }
                 if self.time_scale.is_some() || self.start_offset.is_some() {
                     bad(
                         "time_scale",

@@ -15,11 +15,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::dist::LengthDist;
 use crate::error::LoadError;
+use crate::prefixes::{multi_turn_plan, shared_prefix_plan, Message, MultiTurn};
 use crate::spec::{LoadSpec, Workload};
 use crate::trace::{load_trace, trace_stats, TraceRequest};
 
 /// One request to send.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PlannedRequest {
     pub id: u64,
     /// Seconds after the run's start at which it is sent.
@@ -30,6 +31,11 @@ pub struct PlannedRequest {
     /// Index of its tenant in the spec's `tenants`, when the spec has tenants.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<usize>,
+    /// The chat it sends, for the prefix-heavy workloads ([`crate::prefixes`]): messages
+    /// whose texts later requests repeat, `prompt_tokens` long in all. Empty: one user
+    /// message of `prompt_tokens` filler words ([`crate::prompt`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub messages: Vec<Message>,
 }
 
 /// Builds the plan of a (validated) spec. Reads the trace file for trace workloads.
@@ -82,6 +88,44 @@ pub fn plan_requests(spec: &LoadSpec) -> Result<Vec<PlannedRequest>, LoadError> 
             spec.duration_s,
             prompt_tokens,
             output_tokens,
+        ),
+        Workload::SharedPrefix {
+            rate_rps,
+            groups,
+            users_per_group,
+            prefix_tokens,
+            question_tokens,
+            output_tokens,
+        } => shared_prefix_plan(
+            *rate_rps,
+            *groups,
+            *users_per_group,
+            *prefix_tokens,
+            question_tokens,
+            output_tokens,
+            spec.seed,
+            spec.limit,
+            spec.duration_s,
+        ),
+        Workload::MultiTurn {
+            rate_rps,
+            turns,
+            system_tokens,
+            user_tokens,
+            output_tokens,
+            think_s,
+        } => multi_turn_plan(
+            &MultiTurn {
+                rate_rps: *rate_rps,
+                turns: *turns,
+                system_tokens: *system_tokens,
+                user_tokens: *user_tokens,
+                output_tokens: *output_tokens,
+                think_s: *think_s,
+            },
+            spec.seed,
+            spec.limit,
+            spec.duration_s,
         ),
     })
 }
@@ -137,6 +181,7 @@ pub fn trace_plan(
             prompt_tokens: r.prompt_tokens.max(1),
             output_tokens: r.output_tokens.max(1),
             tenant: None,
+            messages: Vec::new(),
         })
         .collect()
 }
@@ -177,6 +222,7 @@ pub fn poisson_plan(
             prompt_tokens: prompt.sample(&mut prompts),
             output_tokens: output.sample(&mut outputs),
             tenant: None,
+            messages: Vec::new(),
         });
     }
     plan

@@ -15,6 +15,7 @@
 
 use serde_json::{json, Value};
 
+use crate::prefixes::{message_text, Message};
 use crate::spec::Endpoint;
 
 /// Body field carrying the intended prompt length in tokens.
@@ -71,20 +72,45 @@ pub struct BodyParams<'a> {
     pub unique: bool,
     pub nonce: u64,
     pub id: u64,
+    /// The chat of a prefix-heavy workload ([`crate::prefixes`]); empty: one user message
+    /// of `prompt_tokens` filler words. Its texts start with the nonce when `unique` is
+    /// set (so runs do not share a cache), never with the request id (so requests do).
+    pub messages: &'a [Message],
 }
 
 /// The JSON body of one streaming request.
 pub fn request_body(p: &BodyParams<'_>) -> Value {
-    let text = prompt_text(p.prompt_tokens, p.unique, p.nonce, p.id);
-    let mut body = match p.endpoint {
-        Endpoint::Chat => json!({
-            "model": p.model,
-            "messages": [{"role": "user", "content": text}],
-        }),
-        Endpoint::Completions => json!({
-            "model": p.model,
-            "prompt": text,
-        }),
+    let mut body = if p.messages.is_empty() {
+        let text = prompt_text(p.prompt_tokens, p.unique, p.nonce, p.id);
+        match p.endpoint {
+            Endpoint::Chat => json!({
+                "model": p.model,
+                "messages": [{"role": "user", "content": text}],
+            }),
+            Endpoint::Completions => json!({
+                "model": p.model,
+                "prompt": text,
+            }),
+        }
+    } else {
+        let nonce = p.unique.then_some(p.nonce);
+        let texts = p
+            .messages
+            .iter()
+            .map(|m| (m.role.as_str(), message_text(m, nonce)));
+        match p.endpoint {
+            Endpoint::Chat => json!({
+                "model": p.model,
+                "messages": texts
+                    .map(|(role, content)| json!({"role": role, "content": content}))
+                    .collect::<Vec<_>>(),
+            }),
+            // No chat template: the contents one after the other.
+            Endpoint::Completions => json!({
+                "model": p.model,
+                "prompt": texts.map(|(_, t)| t).collect::<String>(),
+            }),
+        }
     };
     let obj = body.as_object_mut().expect("body is an object");
     obj.insert("max_tokens".into(), json!(p.max_tokens));
@@ -133,6 +159,7 @@ mod tests {
             unique: false,
             nonce: 0,
             id: 0,
+            messages: &[],
         };
         let b = request_body(&p);
         assert_eq!(b["stream"], json!(true));

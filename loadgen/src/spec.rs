@@ -73,6 +73,33 @@ pub enum Workload {
         prompt_tokens: LengthDist,
         output_tokens: LengthDist,
     },
+    /// Shared system prompts ([`crate::prefixes::shared_prefix_plan`]): `groups ×
+    /// users_per_group` requests in a seeded random order at Poisson arrivals of
+    /// `rate_rps`, each its group's system prompt of `prefix_tokens` and a user message of
+    /// its own (`question_tokens`).
+    #[serde(rename = "shared_prefix")]
+    SharedPrefix {
+        rate_rps: f64,
+        groups: u32,
+        users_per_group: u32,
+        prefix_tokens: u32,
+        question_tokens: LengthDist,
+        output_tokens: LengthDist,
+    },
+    /// Multi-turn conversations or agent loops ([`crate::prefixes::multi_turn_plan`]):
+    /// every turn re-sends the whole history and one new user message; `rate_rps` is the
+    /// mean request rate over all turns, `think_s` the mean think time between a reply and
+    /// the next turn; `system_tokens` (0: none) a system prompt every conversation shares.
+    #[serde(rename = "multi_turn")]
+    MultiTurn {
+        rate_rps: f64,
+        turns: LengthDist,
+        #[serde(default)]
+        system_tokens: u32,
+        user_tokens: LengthDist,
+        output_tokens: LengthDist,
+        think_s: f64,
+    },
 }
 
 impl Default for Workload {
@@ -331,11 +358,47 @@ impl LoadSpec {
                     );
                 }
             }
+            Workload::SharedPrefix {
+                rate_rps,
+                groups,
+                users_per_group,
+                prefix_tokens,
+                ..
+            } => {
+                if !positive(*rate_rps) {
+                    bad("workload.rate_rps", "must be > 0");
+                }
+                if *groups == 0 {
+                    bad("workload.groups", "must be >= 1");
+                }
+                if *users_per_group == 0 {
+                    bad("workload.users_per_group", "must be >= 1");
+                }
+                if *prefix_tokens == 0 {
+                    bad("workload.prefix_tokens", "must be >= 1");
+                }
+            }
+            Workload::MultiTurn {
+                rate_rps, think_s, ..
+            } => {
+                if !positive(*rate_rps) {
+                    bad("workload.rate_rps", "must be > 0");
+                }
+                if !(think_s.is_finite() && *think_s >= 0.0) {
+                    bad("workload.think_s", "must be >= 0");
+                }
+                if self.limit.is_none() && self.duration_s.is_none() {
+                    bad(
+                        "limit",
+                        "a multi-turn workload needs limit or duration_s (or both)",
+                    );
+                }
+            }
         }
-        if !self.tenants.is_empty() && matches!(self.workload, Workload::Trace { .. }) {
+        if !self.tenants.is_empty() && !matches!(self.workload, Workload::Poisson { .. }) {
             bad(
                 "tenants",
-                "per-tenant traffic needs a Poisson workload (a trace has one arrival stream)",
+                "per-tenant traffic needs a Poisson workload (the others have one arrival stream)",
             );
         }
         let mut names = std::collections::BTreeSet::new();
@@ -410,6 +473,50 @@ mod tests {
         ] {
             assert!(fields.contains(&f), "{f} missing from {fields:?}");
         }
+    }
+
+    #[test]
+    fn prefix_workloads_parse_and_their_bad_fields_are_reported() {
+        let shared = r#"
+            model = "m"
+            limit = 10
+            [workload]
+            kind = "shared_prefix"
+            rate_rps = 2.0
+            groups = 0
+            users_per_group = 3
+            prefix_tokens = 0
+            question_tokens = "fixed:10"
+            output_tokens = "fixed:5"
+        "#;
+        let spec = LoadSpec::from_toml_str(shared).unwrap();
+        let fields = |spec: &LoadSpec| -> Vec<String> {
+            spec.validate()
+                .err()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|e| e.field)
+                .collect()
+        };
+        assert_eq!(fields(&spec), ["workload.groups", "workload.prefix_tokens"]);
+        let multi = r#"
+            model = "m"
+            [workload]
+            kind = "multi_turn"
+            rate_rps = 2.0
+            turns = "uniform:2,4"
+            user_tokens = "fixed:10"
+            output_tokens = "fixed:5"
+            think_s = -1.0
+        "#;
+        let spec = LoadSpec::from_toml_str(multi).unwrap();
+        assert_eq!(fields(&spec), ["workload.think_s", "limit"]);
+        let Workload::MultiTurn { system_tokens, .. } = spec.workload else {
+            panic!("{:?}", spec.workload);
+        };
+        assert_eq!(system_tokens, 0, "no system prompt unless asked");
+        let back = LoadSpec::from_toml_str(&toml::to_string(&spec).unwrap()).unwrap();
+        assert_eq!(back, spec);
     }
 
     #[test]

@@ -69,3 +69,55 @@ async fn poisson_load_against_the_simulator() {
     shutdown.cancel();
     gpu.join().await;
 }
+
+/// A shared-system-prompt load, one request at a time, against the simulator: every
+/// request after its group's first finds the group's system prompt in the simulator's
+/// prefix cache, exactly as its blocks hash (the load generator's text and count agree
+/// with the simulator's tokenisation), and a prefix-free load of the same lengths finds
+/// nothing.
+#[tokio::test]
+async fn shared_prefix_load_hits_the_simulators_prefix_cache() {
+    let shutdown = CancellationToken::new();
+    let gpu = SimGpu::spawn(
+        SimGpuConfig {
+            base_step_ms: 1.0,
+            ..SimGpuConfig::new("sim-model")
+        },
+        shutdown.clone(),
+    )
+    .await
+    .expect("simulated GPU starts");
+    let spec = LoadSpec {
+        base_url: format!("{}/v1", gpu.base_url()),
+        model: "sim-model".into(),
+        seed: 7,
+        // One at a time (20 ms apart, each done in a few ms): every group's first request
+        // has its prompt cached before the next of the group arrives.
+        workload: Workload::SharedPrefix {
+            rate_rps: 50.0,
+            groups: 3,
+            users_per_group: 4,
+            prefix_tokens: 320,
+            question_tokens: LengthDist::Fixed(20),
+            output_tokens: LengthDist::Fixed(4),
+        },
+        ..LoadSpec::default()
+    };
+    let plan = metronome_loadgen::plan_requests(&spec).unwrap();
+    let result = run_load(spec, false).await.unwrap();
+    assert_eq!(result.summary.ok, 12, "{:#?}", result.records);
+    let stats = gpu.stats();
+    let prompts: u64 = plan.iter().map(|r| u64::from(r.prompt_tokens)).sum();
+    assert_eq!(stats.prompt_tokens_total, prompts);
+    assert_eq!(stats.prefix_cache_queries_total, prompts);
+    // 9 requests reuse their group's system message: its 324 tokens (content and
+    // template), whole 16-token blocks of them: 320, then the next block holds the user
+    // message's start (template and nonce words, the same for every request of the run).
+    let hits = stats.prefix_cache_hits_total;
+    assert!(
+        (9 * 320..=9 * 336).contains(&hits),
+        "hits {hits} of {prompts} queried"
+    );
+    shutdown.cancel();
+    gpu.join().await;
+}

@@ -250,6 +250,7 @@ fn burst(n: u64) -> Vec<PlannedRequest> {
             prompt_tokens: 4,
             output_tokens: 4,
             tenant: None,
+            messages: Vec::new(),
         })
         .collect()
 }
@@ -304,6 +305,7 @@ async fn cancel_returns_a_partial_result_with_every_request_accounted_for() {
         prompt_tokens: 4,
         output_tokens: 4,
         tenant: None,
+        messages: Vec::new(),
     }));
     let cancel = CancellationToken::new();
     let run = tokio::spawn(run_plan(s, plan, false, cancel.clone()));

@@ -31,15 +31,19 @@ pub enum PolicyKind {
     Random,
     /// Two distinct random eligible workers; the one with fewer active requests.
     PowerOfTwo,
+    /// The worker holding the longest cached prefix of the job's prompt, unless that
+    /// worker is overloaded against the least-loaded one ([`prefix_affinity_pick`]).
+    PrefixAffinity,
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 5] = [
+    pub const ALL: [PolicyKind; 6] = [
         PolicyKind::Metronome,
         PolicyKind::RoundRobin,
         PolicyKind::LeastConnections,
         PolicyKind::Random,
         PolicyKind::PowerOfTwo,
+        PolicyKind::PrefixAffinity,
     ];
 
     /// snake_case name, as in configuration and in `Decision::policy`.
@@ -50,6 +54,7 @@ impl PolicyKind {
             PolicyKind::LeastConnections => "least_connections",
             PolicyKind::Random => "random",
             PolicyKind::PowerOfTwo => "power_of_two",
+            PolicyKind::PrefixAffinity => "prefix_affinity",
         }
     }
 }
@@ -104,6 +109,46 @@ impl PolicyState {
     }
 }
 
+/// [`PolicyKind::PrefixAffinity`] leaves the longest cached prefix for the least-loaded
+/// worker when the first has more than this many active requests beyond the second's...
+pub const AFFINITY_ABS_IMBALANCE: u32 = 8;
+/// ... and more than this many times the second's.
+pub const AFFINITY_REL_IMBALANCE: f64 = 1.5;
+
+/// The prefix-affinity baseline's pick among `(cached tokens, active requests)` per
+/// candidate, given in worker-id order: the cache-aware routing of SGLang's router and
+/// vllm-router (`cache_aware`), and the prefix scorer of llm-d, reduced to their rule.
+///
+/// - The candidate with the most cached tokens of the prompt (by the same estimate of each
+///   worker's cache the leader keeps, [`crate::PrefixIndex`]), ties to fewer active
+///   requests, then to the lower worker id.
+/// - Unless the load is imbalanced, as SGLang's router judges it: the best holder has
+///   more than [`AFFINITY_ABS_IMBALANCE`] active requests beyond the least-loaded
+///   candidate's *and* more than [`AFFINITY_REL_IMBALANCE`] times as many (SGLang's
+///   router defaults to a gap of 32 to 64 and a ratio of 1.1 to 1.5, by version, for real
+///   servers' batches of hundreds; 8 suits the simulator's batches of tens). Then, or when
+///   no candidate holds any of the prompt, the least-loaded candidate (least connections,
+///   ties to the lower worker id).
+///
+/// No admission control, like every baseline: a held prefix wins however slow its
+/// worker would serve it, up to the imbalance bound.
+pub fn prefix_affinity_pick(cands: &[(u32, u32)]) -> Option<usize> {
+    let least = (0..cands.len()).min_by_key(|&i| cands[i].1)?;
+    // max_by_key keeps the last maximum; reversing keeps the first (lowest worker id).
+    let best = (0..cands.len())
+        .rev()
+        .max_by_key(|&i| (cands[i].0, std::cmp::Reverse(cands[i].1)))?;
+    let (cached, active) = cands[best];
+    let least_active = cands[least].1;
+    let imbalanced = active > least_active.saturating_add(AFFINITY_ABS_IMBALANCE)
+        && f64::from(active) > AFFINITY_REL_IMBALANCE * f64::from(least_active);
+    Some(if cached == 0 || imbalanced {
+        least
+    } else {
+        best
+    })
+}
+
 /// Decide with `kind`. For [`PolicyKind::Metronome`] this is exactly [`evaluate()`].
 pub fn choose(
     kind: PolicyKind,
@@ -139,6 +184,13 @@ pub fn choose(
                 *by_id.iter().min_by_key(|&&i| active(i)).expect("non-empty")
             }
             PolicyKind::Random => by_id[state.below(by_id.len())],
+            PolicyKind::PrefixAffinity => {
+                let held: Vec<(u32, u32)> = by_id
+                    .iter()
+                    .map(|&i| (job.cached_on(cands[i].worker_id()).tokens, active(i)))
+                    .collect();
+                by_id[prefix_affinity_pick(&held).expect("non-empty")]
+            }
             PolicyKind::PowerOfTwo => {
                 if by_id.len() == 1 {
                     by_id[0]
@@ -322,6 +374,72 @@ mod tests {
                 );
             }
         }
+    }
+
+    fn with_cached(on: &[(&str, u32)]) -> JobRequest {
+        job("m").with_prefix(crate::PrefixLookup::new(
+            metronome_protocol::decision::PrefixSource::Placements,
+            on.iter().map(|&(w, tokens)| {
+                (
+                    w.to_string(),
+                    crate::prefix_index::Cached {
+                        tokens,
+                        shared_tokens: 0,
+                    },
+                )
+            }),
+        ))
+    }
+
+    fn affinity(job: &JobRequest, workers: &[WorkerView]) -> String {
+        choose(
+            PolicyKind::PrefixAffinity,
+            &mut PolicyState::new(0),
+            job,
+            workers,
+            &Ledger::new(),
+            &SchedulerConfig::default(),
+            NOW,
+        )
+        .winner
+        .unwrap()
+    }
+
+    #[test]
+    fn prefix_affinity_picks_the_longest_cached_prefix() {
+        let mut workers = pool(4);
+        workers.reverse();
+        // w0 is the least loaded; w2 holds the longest prefix, w1 a shorter one.
+        workers[1].status.active = 3; // w2
+        workers[2].status.active = 1; // w1
+        let held = with_cached(&[("w1", 64), ("w2", 96)]);
+        assert_eq!(affinity(&held, &workers), "w2");
+        // Without a prefix anywhere: least connections.
+        assert_eq!(affinity(&job("m"), &workers), "w0");
+        // Equal prefixes: the less loaded of the holders, then the lower id.
+        let tie = with_cached(&[("w1", 96), ("w2", 96)]);
+        assert_eq!(affinity(&tie, &workers), "w1");
+        workers[1].status.active = 1;
+        assert_eq!(affinity(&tie, &workers), "w1");
+    }
+
+    #[test]
+    fn prefix_affinity_falls_back_to_the_least_loaded_under_imbalance() {
+        let mut workers = pool(3);
+        workers[0].status.active = 2;
+        workers[1].status.active = 2 + AFFINITY_ABS_IMBALANCE;
+        workers[2].status.active = 5;
+        let held = with_cached(&[("w1", 512), ("w2", 16)]);
+        // At the bound: still the holder of the longest prefix.
+        assert_eq!(affinity(&held, &workers), "w1");
+        // One more: the least-loaded worker, even over w2's shorter prefix.
+        workers[1].status.active += 1;
+        assert_eq!(affinity(&held, &workers), "w0");
+        // An absolute gap above the bound but within the relative one keeps affinity.
+        for w in &mut workers {
+            w.status.active += 30;
+        }
+        assert_eq!(affinity(&held, &workers), "w1");
     }
 
     #[test]

@@ -153,6 +153,7 @@ mod tests {
             summary: Summary::default(),
             goodput_rps: 0.0,
             preemptions: 0.0,
+            prefix_hit_rate: None,
             idle: IdleStats::default(),
             prediction: None,
             decisions_read: 0,

@@ -145,6 +145,7 @@ mod tests {
             prompt_tokens: p,
             output_tokens: o,
             tenant: None,
+            messages: Vec::new(),
         }
     }
 

@@ -43,17 +43,97 @@ use crate::{
     RequestRecord, RunResult, Slo, Summary, Workload,
 };
 
-/// Policies compared, Metronome first, then the conventional balancers.
-pub const POLICIES: [&str; 5] = [
+/// Policies compared, Metronome first, then the conventional balancers, then the
+/// prefix-affinity router (`prefix_affinity`, see `metronome_scheduler::policy`).
+pub const POLICIES: [&str; 6] = [
     "metronome",
     "least_connections",
     "round_robin",
     "random",
     "power_of_two",
+    "prefix_affinity",
 ];
 
-/// Workloads: the shared trace and a chat-like Poisson mix.
-pub const WORKLOADS: [&str; 2] = ["trace", "chat"];
+/// Workloads: the shared trace, a chat-like Poisson mix, and the prefix-heavy ones: shared
+/// system prompts, multi-turn conversations and an agent loop ([`crate::prefixes`]).
+pub const WORKLOADS: [&str; 5] = ["trace", "chat", "shared_prefix", "multi_turn", "agent"];
+
+/// The prefix-heavy workloads among [`WORKLOADS`]: their figures include the simulated
+/// GPUs' prefix-cache hit rate.
+pub const PREFIX_WORKLOADS: [&str; 3] = ["shared_prefix", "multi_turn", "agent"];
+
+/// Folder under the results whose `section.md` (the prefix-heavy workloads' figures, kept
+/// by hand from their runs' commands) the report includes, before the fairness section.
+pub const PREFIX_SECTION_DIR: &str = "prefix";
+
+/// Seed of the prefix-heavy workloads.
+pub const PREFIX_SEED: u64 = 7;
+
+/// `shared_prefix`: 16 groups × 20 users, a 2,000-token system prompt per group (32,000
+/// tokens of prefixes: most of one GPU's 40,000-token cache, an eighth of the cluster's),
+/// a short question of its own, replies like the chat workload's.
+pub fn shared_prefix_workload(rate_rps: f64) -> Workload {
+    Workload::SharedPrefix {
+        rate_rps,
+        groups: 16,
+        users_per_group: 20,
+        prefix_tokens: 2000,
+        question_tokens: LengthDist::LogNormal {
+            mean: 100.0,
+            sigma: 0.6,
+            max: 1000,
+        },
+        output_tokens: LengthDist::LogNormal {
+            mean: 200.0,
+            sigma: 0.6,
+            max: 1500,
+        },
+    }
+}
+
+/// `multi_turn`: conversations of 2-8 turns behind a shared 500-token system prompt, user
+/// messages of ~150 tokens, replies of ~200, 3 s mean think time (short, so that a
+/// conversation of ~50 s fits a run of a few hundred requests several times over).
+pub fn multi_turn_workload(rate_rps: f64) -> Workload {
+    Workload::MultiTurn {
+        rate_rps,
+        turns: LengthDist::Uniform { lo: 2, hi: 8 },
+        system_tokens: 500,
+        user_tokens: LengthDist::LogNormal {
+            mean: 150.0,
+            sigma: 0.6,
+            max: 1500,
+        },
+        output_tokens: LengthDist::LogNormal {
+            mean: 200.0,
+            sigma: 0.6,
+            max: 1500,
+        },
+        think_s: 3.0,
+    }
+}
+
+/// `agent`: loops of 4-12 steps behind a 1,500-token system prompt of tool definitions;
+/// each step a tool result of ~400 tokens and a short tool call of ~60, 0.5 s between a
+/// call and its result.
+pub fn agent_workload(rate_rps: f64) -> Workload {
+    Workload::MultiTurn {
+        rate_rps,
+        turns: LengthDist::Uniform { lo: 4, hi: 12 },
+        system_tokens: 1500,
+        user_tokens: LengthDist::LogNormal {
+            mean: 400.0,
+            sigma: 0.8,
+            max: 4000,
+        },
+        output_tokens: LengthDist::LogNormal {
+            mean: 60.0,
+            sigma: 0.5,
+            max: 500,
+        },
+        think_s: 0.5,
+    }
+}
 
 /// Clusters: 4 equal GPUs and 4 of mixed speed.
 pub const CLUSTERS: [&str; 2] = ["equal", "mixed"];
@@ -163,6 +243,16 @@ impl BenchPlan {
                 limit: Some(self.requests),
                 ..base
             },
+            "shared_prefix" | "multi_turn" | "agent" => LoadSpec {
+                workload: match workload {
+                    "shared_prefix" => shared_prefix_workload(rate),
+                    "multi_turn" => multi_turn_workload(rate),
+                    _ => agent_workload(rate),
+                },
+                limit: Some(self.requests),
+                seed: PREFIX_SEED,
+                ..base
+            },
             _ => LoadSpec {
                 workload: Workload::Poisson {
                     rate_rps: rate,
@@ -246,6 +336,8 @@ fn peaks_vec(p: &Arc<Mutex<BTreeMap<String, u64>>>) -> Vec<(String, u64)> {
 struct Measured {
     result: RunResult,
     preemptions: f64,
+    /// The simulated GPUs' prefix-cache hits over queries (tokens) during the run.
+    prefix_hit_rate: Option<f64>,
     idle: IdleStats,
     /// Refusals of queued jobs during the run, per reason (see
     /// [`System::dispatcher_holds`]).
@@ -257,6 +349,7 @@ struct Measured {
 async fn measured_run(sys: &System, spec: LoadSpec, dir: &Path) -> anyhow::Result<Measured> {
     sys.wait_idle(Duration::from_secs(600)).await?;
     let before = sys.sim_metric_sum("vllm:num_preemptions_total").await?;
+    let prefix_before = prefix_counters(sys).await?;
     let holds_before = sys.dispatcher_holds().await;
     let stop = CancellationToken::new();
     let sampler = sys.sample_until(&stop, Instant::now(), SAMPLE_INTERVAL, None);
@@ -269,6 +362,9 @@ async fn measured_run(sys: &System, spec: LoadSpec, dir: &Path) -> anyhow::Resul
     let result = result?;
     sys.wait_idle(Duration::from_secs(600)).await.ok();
     let after = sys.sim_metric_sum("vllm:num_preemptions_total").await?;
+    let prefix_after = prefix_counters(sys).await?;
+    let queries = prefix_after.0 - prefix_before.0;
+    let prefix_hit_rate = (queries > 0.0).then(|| (prefix_after.1 - prefix_before.1) / queries);
     let mut holds = sys.dispatcher_holds().await;
     for (reason, n) in &holds_before {
         if let Some(h) = holds.get_mut(reason) {
@@ -282,9 +378,19 @@ async fn measured_run(sys: &System, spec: LoadSpec, dir: &Path) -> anyhow::Resul
     Ok(Measured {
         result,
         preemptions: after - before,
+        prefix_hit_rate,
         idle: idle_stats(&samples),
         holds,
     })
+}
+
+/// The simulated GPUs' prefix-cache counters summed: (queries, hits), in tokens.
+async fn prefix_counters(sys: &System) -> anyhow::Result<(f64, f64)> {
+    Ok((
+        sys.sim_metric_sum("vllm:prefix_cache_queries_total")
+            .await?,
+        sys.sim_metric_sum("vllm:prefix_cache_hits_total").await?,
+    ))
 }
 
 /// Write a run's cluster samples as `cluster_samples.csv` in `dir` (see
@@ -417,6 +523,22 @@ fn setup_lines(plan: &BenchPlan) -> Vec<String> {
             plan.chat_prompt, plan.chat_output
         ));
     }
+    if plan.workloads.iter().any(|w| w == "shared_prefix") {
+        v.push("Workload `shared_prefix`: 16 groups × 20 users (320 requests, the first of a seeded random order), each request its group's 2,000-token system prompt and a question of its own (`lognormal:mean=100,sigma=0.6,max=1000`), output `lognormal:mean=200,sigma=0.6,max=1500`, Poisson arrivals, seed 7. Synthetic (after SGLang's generated-shared-prefix data set).".into());
+    }
+    if plan.workloads.iter().any(|w| w == "multi_turn") {
+        v.push("Workload `multi_turn`: conversations of `uniform:2,8` turns behind a shared 500-token system prompt, each turn re-sending the whole history and a new user message (`lognormal:mean=150,sigma=0.6,max=1500`), replies `lognormal:mean=200,sigma=0.6,max=1500`; conversations start at Poisson arrivals (rate = the load's request rate / mean turns), the next turn follows the reply time at 30 tok/s plus an exponential think time of mean 3 s (open loop), seed 7. Synthetic: no public conversation data set is bundled. The first and last conversations ramp the request rate up and down, so over a run of a few hundred requests the offered rate stays below the planned one, which the goodput figure (attainment × planned rate) still uses.".into());
+    }
+    if plan.workloads.iter().any(|w| w == "agent") {
+        v.push("Workload `agent`: loops of `uniform:4,12` steps behind a 1,500-token system prompt, each step re-sending the transcript with a new tool result (`lognormal:mean=400,sigma=0.8,max=4000`) and asking for a tool call (`lognormal:mean=60,sigma=0.5,max=500`), 0.5 s mean between steps, seed 7. Synthetic.".into());
+    }
+    if plan
+        .workloads
+        .iter()
+        .any(|w| PREFIX_WORKLOADS.contains(&w.as_str()))
+    {
+        v.push("Nominal capacity counts every prompt's full prefill, as for the other workloads: with a prefix cache the GPUs can serve more.".into());
+    }
     v.push("SLO: TTFT ≤ 2 s and ≥ 30 tok/s per request; failed requests count as misses.".into());
     v
 }
@@ -433,6 +555,7 @@ async fn burst_round(sys: &System, n: usize) -> anyhow::Result<(Option<bool>, St
             prompt_tokens: 512,
             output_tokens: 32,
             tenant: None,
+            messages: Vec::new(),
         })
         .collect();
     let r = run_plan(
@@ -566,12 +689,14 @@ pub async fn run_bench(plan: &BenchPlan) -> anyhow::Result<Report> {
                     progress(
                         start,
                         format!(
-                            "{c}/{w}/{policy} at {load} %: SLO attainment {:.1} %, goodput {goodput_rps:.2} req/s, TTFT p50 {:.0} ms p99 {:.0} ms, tok/s p1 {:.1} CV {:.2}, idle {:.1} GPU-s ({:.2} %, {} samples, max queue {:.0}), {} errors{}{}",
+                            "{c}/{w}/{policy} at {load} %: SLO attainment {:.1} %, goodput {goodput_rps:.2} req/s, TTFT p50 {:.0} ms p90 {:.0} ms p99 {:.0} ms, tok/s p1 {:.1} CV {:.2}, prefix-cache hit rate {}, idle {:.1} GPU-s ({:.2} %, {} samples, max queue {:.0}), {} errors{}{}",
                             s.goodput_share * 100.0,
                             s.ttft_ms.p50.unwrap_or(0.0),
+                            s.ttft_ms.p90.unwrap_or(0.0),
                             s.ttft_ms.p99.unwrap_or(0.0),
                             s.tokens_per_s.p1.unwrap_or(0.0),
                             s.tokens_per_s.cv.unwrap_or(0.0),
+                            m.prefix_hit_rate.map_or("–".to_string(), |h| format!("{:.1} %", h * 100.0)),
                             m.idle.idle_gpu_s,
                             m.idle.share * 100.0,
                             m.idle.samples,
@@ -611,6 +736,7 @@ pub async fn run_bench(plan: &BenchPlan) -> anyhow::Result<Report> {
                         goodput_rps,
                         summary: m.result.summary,
                         preemptions: m.preemptions,
+                        prefix_hit_rate: m.prefix_hit_rate,
                         idle: m.idle,
                         prediction,
                         decisions_read,
@@ -729,15 +855,19 @@ fn finish_report(plan: &BenchPlan, report: &mut Report) -> anyhow::Result<()> {
     if let Some(dir) = plan.report_path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    // The fairness drill's section, as its last run saved it beside its results.
-    let fairness_path = plan
-        .out
-        .join("fairness")
-        .join(super::fairness::SECTION_FILE);
-    let fairness = std::fs::read_to_string(&fairness_path).ok();
+    // Hand-written sections saved beside the results: the prefix-heavy workloads' figures,
+    // then the fairness drill's section as its last run saved it.
+    let extra: Vec<String> = [PREFIX_SECTION_DIR, "fairness"]
+        .iter()
+        .filter_map(|dir| {
+            std::fs::read_to_string(plan.out.join(dir).join(super::fairness::SECTION_FILE)).ok()
+        })
+        .map(|s| s.trim_end().to_string())
+        .collect();
+    let extra = (!extra.is_empty()).then(|| extra.join("\n\n"));
     std::fs::write(
         &plan.report_path,
-        super::report::render(report, fairness.as_deref()),
+        super::report::render(report, extra.as_deref()),
     )?;
     Ok(())
 }
@@ -978,6 +1108,28 @@ mod tests {
         };
         assert_eq!(lengths(1.0), lengths(17.3));
         assert_eq!(lengths(1.0).len(), 300);
+    }
+
+    #[test]
+    fn prefix_workloads_plan_the_same_requests_at_every_rate() {
+        let p = plan();
+        for w in PREFIX_WORKLOADS {
+            assert!(WORKLOADS.contains(&w));
+            let requests = |rate: f64| {
+                let mut v: Vec<(u32, u32, usize)> =
+                    plan_requests(&p.spec(w, "http://127.0.0.1/v1".into(), rate))
+                        .unwrap()
+                        .iter()
+                        .map(|r| (r.prompt_tokens, r.output_tokens, r.messages.len()))
+                        .collect();
+                v.sort();
+                v
+            };
+            let a = requests(1.0);
+            assert_eq!(a, requests(17.3), "{w}");
+            assert_eq!(a.len(), 300, "{w}");
+            assert!(a.iter().all(|r| r.2 >= 2), "{w}: every prompt is a chat");
+        }
     }
 
     #[test]

@@ -19,16 +19,23 @@ use metronome_loadgen::LengthDist;
 /// `cargo build --release -p metronome-dispatcher --example dispatch_bench`) first. Needs
 /// nats-server and redis-server on PATH. For each cluster (4 equal GPUs; 4 mixed, one at
 /// half speed) and policy it starts a fresh `./dev up` with its defaults and offers each
-/// workload (the shared trace; a chat-like Poisson mix) at 30-150 % of the cluster's nominal
-/// capacity (the same absolute rates for every policy), then runs the burst case; then the
-/// overhead runs with a zero-delay simulator. Writes BENCHMARKS.md and bench-results/
-/// (per-run CSV, JSON, SVG plots; goodput curves; report.json). See docs/BENCHMARKING.md.
+/// workload (the shared trace; a chat-like Poisson mix; shared system prompts, multi-turn
+/// conversations and an agent loop, whose prompts repeat earlier ones) at 30-150 % of the
+/// cluster's nominal capacity (the same absolute rates for every policy), then runs the
+/// burst case; then the overhead runs with a zero-delay simulator. Writes BENCHMARKS.md
+/// and bench-results/ (per-run CSV, JSON, SVG plots; goodput curves; report.json). See
+/// docs/BENCHMARKING.md.
 ///
 /// Examples:
 ///   metronome-bench                              # full scale (hours on 2 cores)
 ///   metronome-bench --quick                      # 60 requests per point
 ///   metronome-bench --quick --policies metronome,least_connections --workloads chat \
 ///     --clusters equal --loads 0.5,1.5 --skip-overhead --out quick --report quick/B.md
+///   metronome-bench --policies metronome,least_connections,prefix_affinity \
+///     --workloads shared_prefix --clusters equal --loads 0.7 --burst-rounds 0 \
+///     --skip-overhead --out runs/shared --report runs/shared/B.md
+///                                     # the prefix-heavy comparison of
+///                                     # bench-results/prefix/README.md
 ///   metronome-bench --fairness        # only the tenant-fairness drill: writes the report's
 ///                                     # "## Fairness" section, exits 1 when a target is missed
 ///   metronome-bench --render bench-results/report.json,light/report.json
@@ -58,7 +65,9 @@ struct Cli {
     /// Policies to compare, comma-separated.
     #[arg(long, value_delimiter = ',', default_values_t = POLICIES.map(String::from))]
     policies: Vec<String>,
-    /// Workloads, comma-separated: trace, chat.
+    /// Workloads, comma-separated: trace, chat, and the prefix-heavy shared_prefix (groups
+    /// sharing a long system prompt), multi_turn (conversations re-sending their history)
+    /// and agent (a growing tool transcript); see docs/BENCHMARKING.md.
     #[arg(long, value_delimiter = ',', default_values_t = WORKLOADS.map(String::from))]
     workloads: Vec<String>,
     /// Clusters, comma-separated: equal (speeds 1,1,1,1), mixed (1,1,1,0.5).
@@ -185,7 +194,10 @@ fn main() -> ExitCode {
     }
     for w in &cli.workloads {
         if !WORKLOADS.contains(&w.as_str()) {
-            return invalid(format!("unknown workload {w:?} (trace, chat)"));
+            return invalid(format!(
+                "unknown workload {w:?} (one of {})",
+                WORKLOADS.join(", ")
+            ));
         }
     }
     for c in &cli.clusters {
