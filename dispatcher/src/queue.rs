@@ -668,6 +668,7 @@ mod tests {
                 tenant: tenant.map(str::to_string),
                 priority,
                 prefix: None,
+                traceparent: None,
             }),
             attempt: 1,
             acker: None,

@@ -11,7 +11,9 @@
 //! Invariant: every response of these endpoints, error or not, carries
 //! `x-metronome-job-id`, and `x-metronome-worker` once a worker is known (when
 //! `expose_worker_header` is on), so any slow or failed request can be traced to its
-//! decision on `decisions.<job_id>`.
+//! decision on `decisions.<job_id>`; and `x-metronome-trace-id`, the W3C trace the request
+//! belongs to (the client's `traceparent` when it sent a valid one, else a new trace), which
+//! the job carries to the worker and the worker to the model server.
 
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue};
@@ -20,6 +22,7 @@ use axum::Json;
 use metronome_protocol::perf::SloField;
 use metronome_protocol::perf::MAX_SLO_TOK_S;
 use metronome_protocol::time::unix_ms;
+use metronome_protocol::trace::{TraceParent, TRACEPARENT_HEADER};
 use metronome_protocol::{Endpoint, SloRequest};
 use serde_json::{json, Value};
 use tracing::Instrument;
@@ -35,6 +38,8 @@ use crate::AppState;
 pub const HEADER_JOB_ID: &str = "x-metronome-job-id";
 /// Response header: the worker that ran the job.
 pub const HEADER_WORKER: &str = "x-metronome-worker";
+/// Response header: the trace id (32 hex digits) of the request's W3C trace context.
+pub const HEADER_TRACE_ID: &str = "x-metronome-trace-id";
 /// Request header: the job's queueing deadline, either a budget in milliseconds from now
 /// (`5000`) or, from 10^12 on, an absolute Unix time in milliseconds.
 pub const HEADER_DEADLINE_MS: &str = "x-metronome-deadline-ms";
@@ -74,18 +79,32 @@ async fn handle(
     body: Result<OpenAiJson<Value>, ApiError>,
 ) -> Response {
     let job_id = new_job_id();
+    let trace = TraceParent::continue_or_start(
+        headers
+            .get(TRACEPARENT_HEADER)
+            .and_then(|v| v.to_str().ok()),
+    );
     let span = tracing::info_span!(
         "job",
         job_id = %job_id,
+        trace_id = %trace.trace_id(),
         endpoint = ?endpoint,
         model = tracing::field::Empty,
         tenant = tracing::field::Empty,
         key_id = tracing::field::Empty,
     );
     let mut worker = None;
-    let result = serve(&state, endpoint, &headers, body, &job_id, &mut worker)
-        .instrument(span)
-        .await;
+    let result = serve(
+        &state,
+        endpoint,
+        &headers,
+        body,
+        &job_id,
+        &trace,
+        &mut worker,
+    )
+    .instrument(span)
+    .await;
     let mut response = result.unwrap_or_else(|error| {
         tracing::debug!(%job_id, %error, "request failed");
         error.into_response()
@@ -93,6 +112,9 @@ async fn handle(
     let h = response.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&job_id) {
         h.insert(HEADER_JOB_ID, v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&trace.trace_id()) {
+        h.insert(HEADER_TRACE_ID, v);
     }
     if state.config.expose_worker_header {
         if let Some(v) = worker.and_then(|w| HeaderValue::from_str(&w).ok()) {
@@ -168,6 +190,7 @@ async fn serve(
     headers: &HeaderMap,
     body: Result<OpenAiJson<Value>, ApiError>,
     job_id: &str,
+    trace: &TraceParent,
     worker: &mut Option<String>,
 ) -> Result<Response, ApiError> {
     let caller = crate::auth::authenticate(&state.auth, &state.metrics, headers)?;
@@ -204,6 +227,7 @@ async fn serve(
     let mut job = build_job(job_id, &request, &caller.tenant_name, now_ms, deadline);
     job.slo = slo;
     job.priority = Some(priority);
+    job.traceparent = Some(trace.to_string());
     let mut submission = Submission::submit(state, &job).await?;
     tracing::debug!(
         prompt_tokens = job.prompt_tokens,

@@ -106,6 +106,7 @@ pub fn build_job(
         // The prompt's cached-prefix fingerprint, from the body as forwarded (a batched
         // completion has no single prefix and gets none).
         prefix: PrefixFingerprint::of_request(request.endpoint, &request.body),
+        traceparent: None,
     }
 }
 
@@ -574,6 +575,7 @@ pub fn refusal(decision: &Decision) -> ResultError {
                 | "model_too_long"
                 | "bad_slo"
                 | "bad_tenant"
+                | "bad_traceparent"
                 | "unplaceable",
             ),
         ) => ErrorCode::InvalidJob,

@@ -101,6 +101,46 @@ async fn the_job_carries_model_header_msg_id_cost_and_deadline() {
     job.validate(&Default::default()).expect("a valid job");
 }
 
+/// One trace per request: the job carries the client's `traceparent` when it parses, a new
+/// one when the client sent none or a broken one, and the response names its trace id.
+#[tokio::test]
+async fn the_job_carries_the_clients_trace_or_a_new_one() {
+    const CLIENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let h = Harness::start(|_| {}).await;
+    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT_ALL).await.unwrap();
+    sync_subscriptions(&h.client).await;
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]});
+    for sent in [Some(CLIENT), None, Some("00-not-a-trace-01")] {
+        let mut req = h.http.post(h.url("/v1/chat/completions")).json(&body);
+        if let Some(tp) = sent {
+            req = req.header("traceparent", tp);
+        }
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let answered = resp.headers()["x-metronome-trace-id"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        let message = tokio::time::timeout(WAIT, submitted.next())
+            .await
+            .unwrap()
+            .unwrap();
+        let job: metronome_protocol::Job = serde_json::from_slice(&message.payload).unwrap();
+        let carried = job.traceparent.clone().expect("every job carries a trace");
+        let trace = metronome_protocol::trace::TraceParent::parse(&carried)
+            .unwrap_or_else(|| panic!("{carried:?} is a valid traceparent"));
+        assert_eq!(trace.trace_id(), answered, "sent {sent:?}");
+        match sent {
+            Some(CLIENT) => assert_eq!(carried, CLIENT, "the client's trace is continued"),
+            _ => assert_ne!(
+                answered, "4bf92f3577b34da6a3ce929d0e0e4736",
+                "a new trace for {sent:?}"
+            ),
+        }
+        job.validate(&Default::default()).expect("a valid job");
+    }
+}
+
 #[tokio::test]
 async fn streaming_chat_relays_chunks_in_order_then_usage_then_done() {
     let h = Harness::start(|_| {}).await;

@@ -37,6 +37,7 @@ fn job(id: &str) -> Job {
         tenant: TENANT.map(String::from),
         priority: None,
         prefix: None,
+        traceparent: None,
     }
 }
 

@@ -512,6 +512,7 @@ impl World {
                     tenant: self.tenant_of(r),
                     priority: None,
                     prefix,
+                    traceparent: None,
                 };
                 let arrive = now + self.lat.submit_ms;
                 let incoming = Incoming {

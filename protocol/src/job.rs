@@ -73,6 +73,12 @@ pub struct Job {
     /// none, whose jobs are placed as if nothing were cached.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefix: Option<crate::prefix::PrefixFingerprint>,
+    /// The request's W3C trace context (`traceparent`, version 00, see [`crate::trace`]):
+    /// the gateway continues the client's or starts one; the worker-agent passes it to the
+    /// model server, so the request's spans everywhere share one trace id. `None` for
+    /// clients that send none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
 }
 
 /// Priority class of a job. Within a model, a waiting interactive job goes before a
@@ -209,6 +215,8 @@ pub enum JobError {
     BadSlo(String),
     #[error("job tenant: {0}")]
     BadTenant(String),
+    #[error("job traceparent {0:?} is not a W3C trace context of version 00 (00-<32 hex>-<16 hex>-<2 hex>, lower case, ids not all zero)")]
+    BadTraceparent(String),
 }
 
 impl JobError {
@@ -228,6 +236,7 @@ impl JobError {
             JobError::RequestNotObject => "request_not_object",
             JobError::BadSlo(_) => "bad_slo",
             JobError::BadTenant(_) => "bad_tenant",
+            JobError::BadTraceparent(_) => "bad_traceparent",
         }
     }
 }
@@ -322,6 +331,11 @@ impl Job {
         if let Some(tenant) = &self.tenant {
             check_tenant(tenant)?;
         }
+        if let Some(tp) = &self.traceparent {
+            if crate::trace::TraceParent::parse(tp).is_none() {
+                return Err(JobError::BadTraceparent(tp.chars().take(80).collect()));
+            }
+        }
         if let Some(slo) = &self.slo {
             match slo.invalid_field() {
                 Some(SloField::TtftMs) => {
@@ -376,6 +390,21 @@ mod tests {
 
     fn parse(v: &Value) -> Result<Job, JobError> {
         Job::parse(&serde_json::to_vec(v).unwrap(), &JobLimits::default())
+    }
+
+    #[test]
+    fn a_traceparent_is_optional_and_a_broken_one_is_a_malformed_job() {
+        assert_eq!(parse(&job_json()).unwrap().traceparent, None);
+        let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let mut v = job_json();
+        v["traceparent"] = json!(tp);
+        let job = parse(&v).unwrap();
+        assert_eq!(job.traceparent.as_deref(), Some(tp));
+        assert_eq!(serde_json::to_value(&job).unwrap()["traceparent"], tp);
+        v["traceparent"] = json!("00-00000000000000000000000000000000-00f067aa0ba902b7-01");
+        let err = parse(&v).unwrap_err();
+        assert_eq!(err.code(), "bad_traceparent");
+        assert!(err.to_string().contains("W3C trace context"), "{err}");
     }
 
     #[test]

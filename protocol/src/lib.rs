@@ -31,6 +31,7 @@ pub mod sse;
 #[cfg(feature = "nats")]
 pub mod stored;
 pub mod time;
+pub mod trace;
 pub mod worker;
 
 pub use assignment::Assignment;

@@ -53,11 +53,29 @@ impl ModelError {
     }
 }
 
+/// What the model server is told of a job besides its body, so its own logs and traces
+/// join Metronome's: the job id as `X-Request-Id` (vLLM and SGLang take it as the request's
+/// id) and the job's W3C `traceparent`, passed on as it came (vLLM's OpenTelemetry spans
+/// continue it).
+#[derive(Debug, Clone, Copy)]
+pub struct RequestIds<'a> {
+    pub request_id: &'a str,
+    pub traceparent: Option<&'a str>,
+}
+
+/// Request header naming the request, as vLLM, SGLang and most proxies read it.
+pub const HEADER_REQUEST_ID: &str = "x-request-id";
+
 /// The narrow interface of a model server. Held as `Arc<dyn ModelClient>`.
 pub trait ModelClient: Send + Sync {
     /// Start a streaming completion of `request` (the OpenAI body) on `endpoint`.
     /// Connection and HTTP errors come out as the stream's first item.
-    fn stream_completion(&self, endpoint: Endpoint, request: Value) -> ChunkStream;
+    fn stream_completion(
+        &self,
+        endpoint: Endpoint,
+        request: Value,
+        ids: RequestIds<'_>,
+    ) -> ChunkStream;
     /// The raw Prometheus exposition text of the server.
     fn metrics(&self) -> BoxFuture<'_, Result<String, ModelError>>;
     /// Ok when the server's health endpoint answers 2xx.
@@ -225,13 +243,22 @@ impl HttpModelClient {
 }
 
 impl ModelClient for HttpModelClient {
-    fn stream_completion(&self, endpoint: Endpoint, request: Value) -> ChunkStream {
+    fn stream_completion(
+        &self,
+        endpoint: Endpoint,
+        request: Value,
+        ids: RequestIds<'_>,
+    ) -> ChunkStream {
         let url = format!("{}{}", self.base, endpoint.path());
-        let req = self
+        let mut req = self
             .http
             .post(url)
             .header(reqwest::header::ACCEPT, "text/event-stream")
+            .header(HEADER_REQUEST_ID, ids.request_id)
             .json(&force_streaming(request));
+        if let Some(tp) = ids.traceparent {
+            req = req.header(metronome_protocol::trace::TRACEPARENT_HEADER, tp);
+        }
         Box::pin(async_stream::stream! {
             let resp = match req.send().await {
                 Ok(r) => r,

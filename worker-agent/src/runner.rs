@@ -44,6 +44,7 @@ use crate::assemble::Assembler;
 use crate::bound::bound_request;
 use crate::ewma_store::JobSample;
 use crate::lifecycle::{Ack, Effect, Ending};
+use crate::model_client::RequestIds;
 use crate::shared::{now, Mailbox, Shared};
 
 /// Run `assignment` to its end: the model-server call, its chunks and what the lifecycle
@@ -63,15 +64,31 @@ pub(crate) async fn run_job(
         job_id = %job_id,
         worker_id = %assignment.worker_id,
         attempt = assignment.attempt,
-        epoch = assignment.epoch
+        epoch = assignment.epoch,
+        trace_id = tracing::field::Empty,
     );
+    // The request's trace id beside the job id, as the gateway's lines carry it.
+    if let Some(trace) = assignment
+        .job
+        .traceparent
+        .as_deref()
+        .and_then(metronome_protocol::trace::TraceParent::parse)
+    {
+        span.record("trace_id", trace.trace_id().as_str());
+    }
     async move {
         let job = &assignment.job;
         let cfg = &shared.config;
         tracing::info!(endpoint = ?job.endpoint, max_tokens = job.max_tokens, "job started");
         // The job's size, not its body, bounds the output (what was reserved for it).
         let (mut chunks, refused_body) = match bound_request(job.request.clone(), job.max_tokens) {
-            Ok(request) => (shared.model.stream_completion(job.endpoint, request), None),
+            Ok(request) => {
+                let ids = RequestIds {
+                    request_id: &job.id,
+                    traceparent: job.traceparent.as_deref(),
+                };
+                (shared.model.stream_completion(job.endpoint, request, ids), None)
+            }
             Err(e) => {
                 let none: crate::model_client::ChunkStream = Box::pin(futures::stream::empty());
                 (none, Some(e.to_string()))

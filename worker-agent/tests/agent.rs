@@ -53,6 +53,9 @@ async fn final_of(
     .await
 }
 
+/// The W3C specification's example trace context.
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_assignment_streams_chunks_then_a_final_result_an_event_and_ewmas() {
     let env = Env::start().await;
@@ -81,6 +84,7 @@ async fn an_assignment_streams_chunks_then_a_final_result_an_event_and_ewmas() {
 
     let mut chat_job = job("job-chat", Endpoint::Chat, 6, 0);
     chat_job.tenant = Some("acme".into());
+    chat_job.traceparent = Some(TRACEPARENT.into());
     env.assign(worker, &chat_job, 1).await;
     env.assign(worker, &job("job-text", Endpoint::Completion, 4, 0), 1)
         .await;
@@ -138,6 +142,16 @@ async fn an_assignment_streams_chunks_then_a_final_result_an_event_and_ewmas() {
 
     // The agent forced streaming with usage on both requests.
     assert_eq!(env.stub.stats.forced_streaming.load(Ordering::SeqCst), 2);
+    // Each request named its job to the model server, and the chat job's trace went along.
+    let mut ids = env.stub.stats.ids.lock().unwrap().clone();
+    ids.sort();
+    assert_eq!(
+        ids,
+        vec![
+            (Some("job-chat".to_string()), Some(TRACEPARENT.to_string())),
+            (Some("job-text".to_string()), None),
+        ]
+    );
 
     // The EWMAs landed in Redis, within the range of what was measured.
     let mut redis = redis::Client::open(env.redis.url())

@@ -114,6 +114,7 @@ pub fn body(tenant: Option<&str>, id: &str, prompt: u32, max_tokens: u32, at: u6
         tenant: tenant.map(str::to_string),
         priority: None,
         prefix: None,
+        traceparent: None,
     }
 }
 

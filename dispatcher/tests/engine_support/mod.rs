@@ -101,6 +101,7 @@ pub fn body(
         tenant: tenant.map(str::to_string),
         priority: None,
         prefix: None,
+        traceparent: None,
     }
 }
 

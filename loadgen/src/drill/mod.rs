@@ -1893,6 +1893,7 @@ async fn submit(js: &jetstream::Context, id: &str) -> anyhow::Result<bool> {
         tenant: None,
         priority: Default::default(),
         prefix: None,
+        traceparent: None,
     };
     let mut headers = async_nats::HeaderMap::new();
     headers.insert(HEADER_MSG_ID, id);

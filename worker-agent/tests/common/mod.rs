@@ -43,6 +43,8 @@ pub struct StubStats {
     /// Streams whose client went away before the end (the connection was closed).
     pub aborted: AtomicU64,
     pub running: AtomicU64,
+    /// Each completion request's `x-request-id` and `traceparent` headers, in arrival order.
+    pub ids: std::sync::Mutex<Vec<(Option<String>, Option<String>)>>,
 }
 
 /// Counts a stream as aborted unless it reached its end.
@@ -120,16 +122,40 @@ async fn metrics(State(stats): State<Arc<StubStats>>) -> String {
     )
 }
 
-async fn chat(State(stats): State<Arc<StubStats>>, Json(body): Json<Value>) -> Response {
-    generate(stats, body, Endpoint::Chat)
+async fn chat(
+    State(stats): State<Arc<StubStats>>,
+    headers: axum::http::HeaderMap,
+    Json(body): Json<Value>,
+) -> Response {
+    generate(stats, &headers, body, Endpoint::Chat)
 }
 
-async fn completions(State(stats): State<Arc<StubStats>>, Json(body): Json<Value>) -> Response {
-    generate(stats, body, Endpoint::Completion)
+async fn completions(
+    State(stats): State<Arc<StubStats>>,
+    headers: axum::http::HeaderMap,
+    Json(body): Json<Value>,
+) -> Response {
+    generate(stats, &headers, body, Endpoint::Completion)
 }
 
-fn generate(stats: Arc<StubStats>, body: Value, endpoint: Endpoint) -> Response {
+fn generate(
+    stats: Arc<StubStats>,
+    headers: &axum::http::HeaderMap,
+    body: Value,
+    endpoint: Endpoint,
+) -> Response {
     stats.requests.fetch_add(1, Ordering::SeqCst);
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(String::from)
+    };
+    stats
+        .ids
+        .lock()
+        .unwrap()
+        .push((header("x-request-id"), header("traceparent")));
     if body["stream"] == true && body["stream_options"]["include_usage"] == true {
         stats.forced_streaming.fetch_add(1, Ordering::SeqCst);
     }
@@ -372,6 +398,7 @@ pub fn job(id: &str, endpoint: Endpoint, max_tokens: u32, delay_ms: u64) -> Job 
         tenant: None,
         priority: None,
         prefix: None,
+        traceparent: None,
     }
 }
 
