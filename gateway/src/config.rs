@@ -67,6 +67,11 @@ pub struct Config {
     pub retry_after_secs: u64,
     /// Send `x-metronome-worker` on responses.
     pub expose_worker_header: bool,
+    /// Origins of browser pages that may call the OpenAI endpoints (CORS), each
+    /// `scheme://host[:port]`, or `["*"]` for any; empty (the default): no CORS headers, so
+    /// browsers refuse cross-origin calls. The console is never opened to other origins.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub cors_allowed_origins: Vec<String>,
     /// A worker whose last heartbeat in the `workers` bucket is older than this no longer
     /// counts as serving its model.
     pub worker_stale_after_ms: u64,
@@ -206,6 +211,7 @@ impl Default for Config {
             publish_timeout_ms: 5_000,
             retry_after_secs: 2,
             expose_worker_header: true,
+            cors_allowed_origins: Vec::new(),
             worker_stale_after_ms: 15_000,
             stream_storage: StreamStorage::File,
             stream_replicas: 1,
@@ -220,6 +226,30 @@ impl Default for Config {
 }
 
 pub use metronome_runtime::config::{ConfigError, EnvVar, FieldError};
+
+/// What is wrong with `origins` as [`Config::cors_allowed_origins`], if anything: each must
+/// be a browser origin (`http` or `https`, a host, an optional port, nothing after), or the
+/// list must be `["*"]` alone.
+fn check_cors_origins(origins: &[String]) -> Option<String> {
+    if origins.iter().any(|o| o == "*") {
+        return (origins.len() > 1)
+            .then(|| "\"*\" allows every origin and cannot be listed with others".into());
+    }
+    origins.iter().find_map(|o| {
+        let rest = o
+            .strip_prefix("https://")
+            .or_else(|| o.strip_prefix("http://"));
+        let valid = rest.is_some_and(|host| {
+            !host.is_empty()
+                && host
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-.:[]".contains(c))
+        });
+        (!valid).then(|| {
+            format!("{o:?} is not an origin: scheme://host[:port] with http or https and no path")
+        })
+    })
+}
 
 /// The environment variables that override keys of the file.
 pub const ENV: [EnvVar; 3] = [
@@ -290,6 +320,12 @@ impl Config {
         );
         let bad_url = metronome_runtime::nats::check_server_urls(&self.nats_url);
         check(bad_url.is_none(), "nats_url", bad_url.unwrap_or_default());
+        let bad_origin = check_cors_origins(&self.cors_allowed_origins);
+        check(
+            bad_origin.is_none(),
+            "cors_allowed_origins",
+            bad_origin.unwrap_or_default(),
+        );
         let bad_replicas = metronome_protocol::setup::check_replicas(self.stream_replicas);
         check(
             bad_replicas.is_none(),
@@ -706,6 +742,34 @@ revoked = true
         assert_eq!(errors[3].1, "keys[4]: duplicate key (same hash as keys[0])");
         assert!(errors[4].1.contains("unknown tenant \"nobody\""));
         assert!(errors[5].1.contains("reserved"));
+    }
+
+    #[test]
+    fn cors_origins_are_origins_or_a_lone_star() {
+        let errors_of = |origins: &[&str]| {
+            let c = Config {
+                cors_allowed_origins: origins.iter().map(|o| o.to_string()).collect(),
+                ..Config::default()
+            };
+            match c.validate() {
+                Ok(()) => Vec::new(),
+                Err(_) => fields(&c),
+            }
+        };
+        assert!(errors_of(&[]).is_empty());
+        assert!(errors_of(&["*"]).is_empty());
+        assert!(errors_of(&["https://app.example.com", "http://localhost:3000"]).is_empty());
+        for bad in [
+            &["*", "https://app.example.com"][..],
+            &["app.example.com"],
+            &["https://app.example.com/"],
+            &["ftp://app.example.com"],
+            &["https://"],
+        ] {
+            let errors = errors_of(bad);
+            assert_eq!(errors.len(), 1, "{bad:?}: {errors:?}");
+            assert_eq!(errors[0].0, "cors_allowed_origins", "{bad:?}");
+        }
     }
 
     #[test]

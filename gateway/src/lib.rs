@@ -13,6 +13,7 @@
 pub mod auth;
 pub mod config;
 pub mod console;
+pub mod cors;
 pub mod error;
 pub mod extract;
 pub mod health;
@@ -30,7 +31,7 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use axum::extract::DefaultBodyLimit;
-use axum::routing::{get, post};
+use axum::routing::{get, post, MethodRouter};
 use axum::Router;
 use metronome_protocol::setup::{ensure_all, Buckets, StreamSettings};
 use tokio_util::sync::CancellationToken;
@@ -79,11 +80,26 @@ impl AppState {
 /// The HTTP router.
 pub fn app(state: AppState) -> Router {
     let body_limit = state.config.body_limit_bytes;
+    let cors = cors::layer(&state.config.cors_allowed_origins);
+    // With CORS on, each endpoint also routes OPTIONS, so a preflight reaches the CORS
+    // layer (which answers it) instead of the router's 405.
+    let route = |method: MethodRouter<AppState>| match cors {
+        Some(_) => method.options(|| async { axum::http::StatusCode::NO_CONTENT }),
+        None => method,
+    };
+    let mut openai = Router::new()
+        .route(
+            "/v1/chat/completions",
+            route(post(routes::chat_completions)),
+        )
+        .route("/v1/completions", route(post(routes::completions)))
+        .route("/v1/models", route(get(routes::list_models)))
+        .route("/v1/models/{*model}", route(get(routes::get_model)));
+    if let Some(cors) = cors {
+        openai = openai.layer(cors);
+    }
     Router::new()
-        .route("/v1/chat/completions", post(routes::chat_completions))
-        .route("/v1/completions", post(routes::completions))
-        .route("/v1/models", get(routes::list_models))
-        .route("/v1/models/{*model}", get(routes::get_model))
+        .merge(openai)
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
         .route("/metrics", get(health::metrics))

@@ -141,6 +141,73 @@ async fn the_job_carries_the_clients_trace_or_a_new_one() {
     }
 }
 
+/// CORS: a page of an allowed origin gets its preflight answered and may read the
+/// Metronome headers of the response; another origin gets no CORS headers, nor does any
+/// origin when none is configured, and the console is never opened to other origins.
+#[tokio::test]
+async fn cors_opens_the_openai_endpoints_to_the_configured_origins_only() {
+    const PAGE: &str = "https://app.example.com";
+    let preflight = |h: &Harness, path: &str, origin: &str| {
+        h.http
+            .request(reqwest::Method::OPTIONS, h.url(path))
+            .header("origin", origin)
+            .header("access-control-request-method", "POST")
+            .header(
+                "access-control-request-headers",
+                "authorization,content-type,traceparent",
+            )
+            .send()
+    };
+    let allow = |r: &reqwest::Response| {
+        r.headers()
+            .get("access-control-allow-origin")
+            .map(|v| v.to_str().unwrap().to_string())
+    };
+    let h = Harness::start(|c| c.cors_allowed_origins = vec![PAGE.into()]).await;
+    let resp = preflight(&h, "/v1/chat/completions", PAGE).await.unwrap();
+    assert!(resp.status().is_success(), "{}", resp.status());
+    assert_eq!(allow(&resp).as_deref(), Some(PAGE));
+    let allowed_headers = resp.headers()["access-control-allow-headers"]
+        .to_str()
+        .unwrap()
+        .to_ascii_lowercase();
+    assert!(
+        allowed_headers.contains("authorization") && allowed_headers.contains("traceparent"),
+        "{allowed_headers}"
+    );
+    let other = preflight(&h, "/v1/chat/completions", "https://evil.example")
+        .await
+        .unwrap();
+    assert_eq!(allow(&other), None);
+    let console = preflight(&h, "/console/api/workers", PAGE).await.unwrap();
+    assert_eq!(allow(&console), None, "the console is not opened");
+
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]});
+    let resp = h
+        .http
+        .post(h.url("/v1/chat/completions"))
+        .header("origin", PAGE)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(allow(&resp).as_deref(), Some(PAGE));
+    let exposed = resp.headers()["access-control-expose-headers"]
+        .to_str()
+        .unwrap()
+        .to_ascii_lowercase();
+    for name in ["x-metronome-job-id", "x-metronome-trace-id", "retry-after"] {
+        assert!(exposed.contains(name), "{name} not in {exposed}");
+    }
+
+    let closed = Harness::start(|_| {}).await;
+    let resp = preflight(&closed, "/v1/chat/completions", PAGE)
+        .await
+        .unwrap();
+    assert_eq!(allow(&resp), None, "no CORS unless configured");
+}
+
 #[tokio::test]
 async fn streaming_chat_relays_chunks_in_order_then_usage_then_done() {
     let h = Harness::start(|_| {}).await;
