@@ -218,15 +218,17 @@ pub async fn start(
     if let Some(listener) = metrics_listener {
         let worker_id = shared.config.worker_id.clone();
         let m = metrics.clone();
+        let probes = shared.probes.clone();
         let app = axum::Router::new().route(
             "/metrics",
             axum::routing::get(move || {
                 let m = m.clone();
                 let w = worker_id.clone();
+                let gpu = probes.latest().gpu;
                 async move {
                     (
                         [(axum::http::header::CONTENT_TYPE, metrics::CONTENT_TYPE)],
-                        m.render(&w),
+                        m.render(&w, gpu),
                     )
                 }
             }),

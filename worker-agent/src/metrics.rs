@@ -8,14 +8,14 @@
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use metronome_protocol::CompletionOutcome;
+use metronome_protocol::{CompletionOutcome, GpuStats};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Registry, Unit};
 
 /// Content type of [`AgentMetrics::render`]'s text.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -152,8 +152,10 @@ impl AgentMetrics {
         }
     }
 
-    /// The OpenMetrics text exposition of every metric, labelled with the worker id.
-    pub fn render(&self, worker_id: &str) -> String {
+    /// The OpenMetrics text exposition of every metric, labelled with the worker id; with
+    /// the GPU's utilisation and memory when the probe has a sample (absent when it has
+    /// none: no invented zero).
+    pub fn render(&self, worker_id: &str, gpu: Option<GpuStats>) -> String {
         let c = |name, help, rows: Vec<(Option<(&'static str, &'static str)>, &Counter)>| Family {
             name,
             help,
@@ -299,6 +301,26 @@ impl AgentMetrics {
             "Time to store one heartbeat in the workers bucket, answered or not",
             self.heartbeat_store.0.clone(),
         );
+        if let Some(gpu) = gpu {
+            let gauge = ConstGauge::<f64>::new;
+            registry.register(
+                "metronome_worker_gpu_utilisation_ratio",
+                "GPU utilisation from NVML (0..1), as the heartbeat reports it",
+                gauge(gpu.util_frac),
+            );
+            registry.register_with_unit(
+                "metronome_worker_gpu_memory_used",
+                "GPU memory in use, from NVML",
+                Unit::Bytes,
+                gauge(gpu.mem_used_bytes as f64),
+            );
+            registry.register_with_unit(
+                "metronome_worker_gpu_memory_total",
+                "GPU memory in all, from NVML",
+                Unit::Bytes,
+                gauge(gpu.mem_total_bytes as f64),
+            );
+        }
         let mut out = String::with_capacity(4096);
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
@@ -342,12 +364,33 @@ mod tests {
     use super::*;
 
     #[test]
+    fn gpu_figures_are_rendered_only_when_sampled() {
+        let m = AgentMetrics::default();
+        assert!(!m.render("w", None).contains("metronome_worker_gpu_"));
+        let gpu = GpuStats {
+            util_frac: 0.5,
+            mem_used_bytes: 3,
+            mem_total_bytes: 4,
+        };
+        let text = m.render("w", Some(gpu));
+        let value =
+            |name| metronome_protocol::prometheus::value(&text, name, &[("worker_id", "w")]);
+        assert_eq!(
+            value("metronome_worker_gpu_utilisation_ratio"),
+            Some(0.5),
+            "{text}"
+        );
+        assert_eq!(value("metronome_worker_gpu_memory_used_bytes"), Some(3.0));
+        assert_eq!(value("metronome_worker_gpu_memory_total_bytes"), Some(4.0));
+    }
+
+    #[test]
     fn renders_parseable_text_with_units_in_names() {
         let m = AgentMetrics::default();
         m.job_finished(CompletionOutcome::Done);
         m.job_finished(CompletionOutcome::Done);
         m.redis_errors.inc();
-        let text = m.render("n1-gpu0");
+        let text = m.render("n1-gpu0", None);
         assert!(
             text.contains(&format!(
                 "metronome_build_info{{worker_id=\"n1-gpu0\",version=\"{}\",commit=\"{}\"}} 1",
@@ -376,7 +419,7 @@ mod tests {
     fn ttft_is_a_histogram_and_label_values_are_escaped() {
         let m = AgentMetrics::default();
         m.observe_ttft_ms(120.0);
-        let text = m.render("odd\"id");
+        let text = m.render("odd\"id", None);
         let samples = metronome_protocol::prometheus::parse(&text);
         let count = samples
             .iter()
@@ -402,7 +445,7 @@ mod tests {
             .observe(std::time::Duration::from_millis(700));
         m.heartbeat_store
             .observe(std::time::Duration::from_millis(2));
-        let samples = metronome_protocol::prometheus::parse(&m.render("n1-gpu0"));
+        let samples = metronome_protocol::prometheus::parse(&m.render("n1-gpu0", None));
         let value = |name: &str, le: Option<&str>| {
             samples
                 .iter()

@@ -191,6 +191,10 @@ async fn an_assignment_streams_chunks_then_a_final_result_an_event_and_ewmas() {
     assert!((4.0..=6.0).contains(&outlen), "{outlen}");
 
     let m = Env::agent_metrics(&agent).await;
+    assert!(
+        !m.contains("metronome_worker_gpu_"),
+        "no GPU probe, no GPU figures: {m}"
+    );
     assert_eq!(
         metric_value(
             &m,
@@ -719,4 +723,51 @@ async fn relay_cancel(env: &Env, worker: &str, tenant: Option<&str>, job_id: &st
         )
         .await
         .unwrap();
+}
+
+/// A GPU probe with fixed figures (NVML's path itself needs a GPU).
+struct FixedGpu(metronome_protocol::GpuStats);
+
+impl metronome_worker_agent::GpuProbe for FixedGpu {
+    fn sample(&self) -> Option<metronome_protocol::GpuStats> {
+        Some(self.0)
+    }
+    fn describe(&self) -> String {
+        "fixed".into()
+    }
+}
+
+/// The GPU probe's figures reach the agent's /metrics (utilisation, memory used and in
+/// all), as they reach its heartbeat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gpu_probes_figures_are_on_the_agents_metrics() {
+    let env = Env::start().await;
+    let stats = metronome_protocol::GpuStats {
+        util_frac: 0.75,
+        mem_used_bytes: 10 << 30,
+        mem_total_bytes: 80 << 30,
+    };
+    let (agent, shutdown) = env
+        .start_agent_with_gpu(env.config("n1-gpu0"), std::sync::Arc::new(FixedGpu(stats)))
+        .await;
+    let labels = [("worker_id", "n1-gpu0")];
+    let text = wait_for("the GPU figures on /metrics", WAIT, || async {
+        let m = Env::agent_metrics(&agent).await;
+        metric_value(&m, "metronome_worker_gpu_utilisation_ratio", &labels).map(|_| m)
+    })
+    .await;
+    assert_eq!(
+        metric_value(&text, "metronome_worker_gpu_utilisation_ratio", &labels),
+        Some(0.75)
+    );
+    assert_eq!(
+        metric_value(&text, "metronome_worker_gpu_memory_used_bytes", &labels),
+        Some((10u64 << 30) as f64)
+    );
+    assert_eq!(
+        metric_value(&text, "metronome_worker_gpu_memory_total_bytes", &labels),
+        Some((80u64 << 30) as f64)
+    );
+    shutdown.cancel();
+    agent.wait().await.unwrap();
 }

@@ -296,10 +296,19 @@ impl Env {
     }
 
     pub async fn start_agent(&self, config: Config) -> (RunningAgent, CancellationToken) {
+        self.start_agent_with_gpu(config, Arc::new(NoGpu)).await
+    }
+
+    /// An agent whose GPU figures come from `gpu`.
+    pub async fn start_agent_with_gpu(
+        &self,
+        config: Config,
+        gpu: Arc<dyn metronome_worker_agent::GpuProbe>,
+    ) -> (RunningAgent, CancellationToken) {
         config.validate().expect("valid test config");
         let shutdown = CancellationToken::new();
         let mut deps = Dependencies::from_config(&config).expect("deps");
-        deps.gpu = Arc::new(NoGpu);
+        deps.gpu = gpu;
         let agent = metronome_worker_agent::start(config, deps, shutdown.clone())
             .await
             .expect("agent starts");
