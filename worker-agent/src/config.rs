@@ -54,8 +54,13 @@ pub struct Config {
     pub node: Option<String>,
     /// GPU index on the host; also the NVML device the agent probes.
     pub gpu_index: Option<u32>,
-    /// Base URL of the OpenAI-compatible model server (`http://127.0.0.1:8001`).
+    /// Base URL of the OpenAI-compatible model server (`http://127.0.0.1:8001`; `https://`
+    /// is verified against the system's CA certificates, and `model_server_ca_file`'s).
     pub model_server_url: String,
+    /// PEM file of a CA the model server's certificate may also be signed by (a private
+    /// CA), for an `https://` `model_server_url`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_server_ca_file: Option<String>,
     pub model_server_kind: ServerKind,
     /// Path of the model server's health endpoint.
     pub health_path: String,
@@ -117,6 +122,7 @@ impl Default for Config {
             node: None,
             gpu_index: None,
             model_server_url: "http://127.0.0.1:8001".into(),
+            model_server_ca_file: None,
             model_server_kind: ServerKind::Vllm,
             health_path: "/health".into(),
             metrics_path: "/metrics".into(),
@@ -246,6 +252,11 @@ impl Config {
                 "model_server_url",
                 format!("{:?}: {e}", self.model_server_url),
             ),
+        }
+        if let Some(ca) = &self.model_server_ca_file {
+            if let Err(e) = crate::model_client::read_ca(ca) {
+                err("model_server_ca_file", e.to_string());
+            }
         }
         for (field, path) in [
             ("health_path", &self.health_path),

@@ -67,6 +67,7 @@ impl Dependencies {
             &config.model_server_url,
             &config.health_path,
             &config.metrics_path,
+            config.model_server_ca_file.as_deref(),
         )?;
         let gpu: Arc<dyn GpuProbe> = match (config.gpu_index, config.model_server_kind) {
             (Some(index), kind) if kind != ServerKind::Simulator => Arc::new(NvmlProbe::new(index)),

@@ -66,6 +66,20 @@ pub struct RequestIds<'a> {
 /// Request header naming the request, as vLLM, SGLang and most proxies read it.
 pub const HEADER_REQUEST_ID: &str = "x-request-id";
 
+/// The CA certificates of a PEM file (at least one).
+pub fn read_ca(path: &str) -> Result<Vec<reqwest::Certificate>, ModelError> {
+    let pem = std::fs::read(path)
+        .map_err(|e| ModelError::Connect(format!("reading the CA file {path}: {e}")))?;
+    let certs = reqwest::Certificate::from_pem_bundle(&pem)
+        .map_err(|e| ModelError::Connect(format!("the CA file {path}: {e}")))?;
+    if certs.is_empty() {
+        return Err(ModelError::Connect(format!(
+            "the CA file {path} holds no PEM certificate"
+        )));
+    }
+    Ok(certs)
+}
+
 /// The narrow interface of a model server. Held as `Arc<dyn ModelClient>`.
 pub trait ModelClient: Send + Sync {
     /// Start a streaming completion of `request` (the OpenAI body) on `endpoint`.
@@ -202,13 +216,25 @@ pub struct HttpModelClient {
 }
 
 impl HttpModelClient {
-    /// `base` is the server root (`http://127.0.0.1:8001`), without `/v1`.
-    pub fn new(base: &str, health_path: &str, metrics_path: &str) -> Result<Self, ModelError> {
-        let http = reqwest::Client::builder()
+    /// `base` is the server root (`http://127.0.0.1:8001`), without `/v1`; an `https://`
+    /// server's certificate is verified against the system's CAs and `ca_file`'s (PEM).
+    pub fn new(
+        base: &str,
+        health_path: &str,
+        metrics_path: &str,
+        ca_file: Option<&str>,
+    ) -> Result<Self, ModelError> {
+        let mut builder = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(5))
             // Only the small status calls get a short overall timeout (per request below);
             // a generation may legitimately stream for minutes.
-            .pool_idle_timeout(Duration::from_secs(30))
+            .pool_idle_timeout(Duration::from_secs(30));
+        if let Some(path) = ca_file {
+            for cert in read_ca(path)? {
+                builder = builder.add_root_certificate(cert);
+            }
+        }
+        let http = builder
             .build()
             .map_err(|e| ModelError::Connect(e.to_string()))?;
         Ok(HttpModelClient {

@@ -9,6 +9,7 @@ mod common;
 mod control;
 mod ewma_store;
 mod kv_events;
+mod model_server_tls;
 mod no_double_run;
 mod perf_model;
 mod pull;
