@@ -62,14 +62,10 @@ async fn the_job_carries_model_header_msg_id_cost_and_deadline() {
         .to_str()
         .unwrap()
         .to_string();
-    let message = tokio::time::timeout(WAIT, submitted.next())
-        .await
-        .unwrap()
-        .unwrap();
+    let (message, job) = next_job(&mut submitted).await;
     let headers = message.headers.clone().unwrap();
     assert_eq!(headers.get("Nats-Msg-Id").unwrap().as_str(), job_id);
     assert_eq!(headers.get("Metronome-Model").unwrap().as_str(), MODEL);
-    let job: metronome_protocol::Job = serde_json::from_slice(&message.payload).unwrap();
     assert_eq!(job.id, job_id);
     assert_eq!(job.max_tokens, 100, "the configured default");
     assert_eq!(
@@ -121,11 +117,7 @@ async fn the_job_carries_the_clients_trace_or_a_new_one() {
             .to_str()
             .unwrap()
             .to_string();
-        let message = tokio::time::timeout(WAIT, submitted.next())
-            .await
-            .unwrap()
-            .unwrap();
-        let job: metronome_protocol::Job = serde_json::from_slice(&message.payload).unwrap();
+        let (_, job) = next_job(&mut submitted).await;
         let carried = job.traceparent.clone().expect("every job carries a trace");
         let trace = metronome_protocol::trace::TraceParent::parse(&carried)
             .unwrap_or_else(|| panic!("{carried:?} is a valid traceparent"));

@@ -4,7 +4,6 @@
 
 use crate::support;
 
-use futures::StreamExt;
 use metronome_gateway::auth::key_sha256;
 use metronome_gateway::{Config, KeyConfig, ModelList, TenantConfig};
 use metronome_protocol::names::SUBJECT_JOBS_SUBMIT_ALL;
@@ -181,11 +180,7 @@ async fn a_valid_key_publishes_the_job_with_its_tenant_and_lists_only_its_models
     assert_eq!(resp.status(), 200);
     let body: Value = resp.json().await.unwrap();
     assert_eq!(body["choices"][0]["message"]["content"], "Hello");
-    let message = tokio::time::timeout(WAIT, submitted.next())
-        .await
-        .unwrap()
-        .unwrap();
-    let job: metronome_protocol::Job = serde_json::from_slice(&message.payload).unwrap();
+    let (message, job) = next_job(&mut submitted).await;
     assert_eq!(job.tenant.as_deref(), Some("acme"));
     assert_eq!(
         message.subject.as_str(),
@@ -249,11 +244,7 @@ async fn the_priority_class_is_the_keys_or_a_lower_one_the_request_asks_for() {
         (BULK_KEY, None),
     ] {
         assert_eq!(post(key, asked).await.unwrap().status(), 200);
-        let message = tokio::time::timeout(WAIT, submitted.next())
-            .await
-            .unwrap()
-            .unwrap();
-        let job: metronome_protocol::Job = serde_json::from_slice(&message.payload).unwrap();
+        let (_, job) = next_job(&mut submitted).await;
         classes.push(job.priority);
     }
     assert_eq!(
@@ -370,21 +361,13 @@ async fn anonymous_access_when_enabled_runs_as_tenant_anonymous() {
     sync_subscriptions(&h.client).await;
     let resp = post_as(&h, None, &chat_body("hello", false)).await;
     assert_eq!(resp.status(), 200);
-    let message = tokio::time::timeout(WAIT, submitted.next())
-        .await
-        .unwrap()
-        .unwrap();
-    let job: metronome_protocol::Job = serde_json::from_slice(&message.payload).unwrap();
+    let (_, job) = next_job(&mut submitted).await;
     assert_eq!(job.tenant.as_deref(), Some("anonymous"));
     // OpenAI clients always send a key: an unknown one is anonymous too, a revoked one
     // is refused, a configured one keeps its tenant.
     let resp = post_as(&h, Some("unused"), &chat_body("hello", false)).await;
     assert_eq!(resp.status(), 200);
-    let message = tokio::time::timeout(WAIT, submitted.next())
-        .await
-        .unwrap()
-        .unwrap();
-    let job: metronome_protocol::Job = serde_json::from_slice(&message.payload).unwrap();
+    let (_, job) = next_job(&mut submitted).await;
     assert_eq!(job.tenant.as_deref(), Some("anonymous"));
     let resp = post_as(&h, Some(REVOKED_KEY), &chat_body("hello", false)).await;
     assert_openai_error(resp, 401, "invalid_request_error").await;
@@ -437,11 +420,7 @@ async fn keys_create_prints_a_key_that_then_authenticates() {
         .post("/v1/chat/completions", &chat_body("hello", false))
         .await;
     assert_eq!(resp.status(), 200);
-    let message = tokio::time::timeout(WAIT, submitted.next())
-        .await
-        .unwrap()
-        .unwrap();
-    let job: metronome_protocol::Job = serde_json::from_slice(&message.payload).unwrap();
+    let (_, job) = next_job(&mut submitted).await;
     assert_eq!(job.tenant.as_deref(), Some("cli"));
 
     // --append: the key alone on stdout, the entries in the file (the tenant once).

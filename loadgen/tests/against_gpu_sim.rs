@@ -5,10 +5,9 @@ use metronome_gpu_sim::{SimGpu, SimGpuConfig};
 use metronome_loadgen::{run_load, write_outputs, LengthDist, LoadSpec, Workload};
 use tokio_util::sync::CancellationToken;
 
-#[tokio::test]
-async fn poisson_load_against_the_simulator() {
-    let shutdown = CancellationToken::new();
-    let gpu = SimGpu::spawn(
+/// A simulated GPU serving `sim-model` with 1 ms steps, until `shutdown`.
+async fn fast_gpu(shutdown: &CancellationToken) -> SimGpu {
+    SimGpu::spawn(
         SimGpuConfig {
             base_step_ms: 1.0,
             ..SimGpuConfig::new("sim-model")
@@ -16,7 +15,13 @@ async fn poisson_load_against_the_simulator() {
         shutdown.clone(),
     )
     .await
-    .expect("simulated GPU starts");
+    .expect("simulated GPU starts")
+}
+
+#[tokio::test]
+async fn poisson_load_against_the_simulator() {
+    let shutdown = CancellationToken::new();
+    let gpu = fast_gpu(&shutdown).await;
     let spec = LoadSpec {
         base_url: format!("{}/v1", gpu.base_url()),
         model: "sim-model".into(),
@@ -78,15 +83,7 @@ async fn poisson_load_against_the_simulator() {
 #[tokio::test]
 async fn shared_prefix_load_hits_the_simulators_prefix_cache() {
     let shutdown = CancellationToken::new();
-    let gpu = SimGpu::spawn(
-        SimGpuConfig {
-            base_step_ms: 1.0,
-            ..SimGpuConfig::new("sim-model")
-        },
-        shutdown.clone(),
-    )
-    .await
-    .expect("simulated GPU starts");
+    let gpu = fast_gpu(&shutdown).await;
     let spec = LoadSpec {
         base_url: format!("{}/v1", gpu.base_url()),
         model: "sim-model".into(),

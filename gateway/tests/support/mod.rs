@@ -234,6 +234,19 @@ impl Drop for Harness {
     }
 }
 
+/// The next job published on `submitted` (within [`WAIT`]): the message, for its headers,
+/// and its body as a Job.
+pub async fn next_job(
+    submitted: &mut async_nats::Subscriber,
+) -> (async_nats::Message, metronome_protocol::Job) {
+    let message = tokio::time::timeout(WAIT, submitted.next())
+        .await
+        .expect("a job within the wait")
+        .expect("the subscription is open");
+    let job = serde_json::from_slice(&message.payload).expect("the body is a Job");
+    (message, job)
+}
+
 /// Returns once the server has processed every subscription `client` made before: a
 /// message to a fresh subject on the same connection comes back only after them
 /// (`flush` only empties the client's buffer).
