@@ -65,6 +65,14 @@ pub struct Metrics {
     /// Jobs answered at once (429) because the queue was predicted to reach them only
     /// after their deadline.
     pub deadline_unmeetable_total: AtomicU64,
+    /// Workers' cache reports (`kvcache.<worker_id>.*`) applied.
+    pub cache_updates_total: AtomicU64,
+    /// Cache reports ignored: already covered by what was applied, of an older agent
+    /// run, or not valid (malformed, a subject naming another worker).
+    pub cache_updates_ignored_total: AtomicU64,
+    /// Cache deltas applied after a gap in their sequence (deltas lost; the worker's next
+    /// snapshot closes it).
+    pub cache_update_gaps_total: AtomicU64,
     /// Internal tasks of a term (publisher, intake, watches) that died and ended the term.
     pub term_task_failures_total: AtomicU64,
     /// Heartbeats and completion events ignored because they could not be trusted
@@ -375,6 +383,21 @@ impl Collector for Exposition {
                 "metronome_dispatcher_deadline_unmeetable",
                 "Jobs answered at once with a Retry-After because the queue was predicted to reach them only after their deadline.",
                 &m.deadline_unmeetable_total,
+            ),
+            (
+                "metronome_dispatcher_cache_updates",
+                "Workers' prefix-cache reports (kvcache.<worker_id>.delta and .snapshot) read.",
+                &m.cache_updates_total,
+            ),
+            (
+                "metronome_dispatcher_cache_updates_ignored",
+                "Workers' prefix-cache reports ignored: already applied, of an older agent run, malformed or naming another worker than their subject.",
+                &m.cache_updates_ignored_total,
+            ),
+            (
+                "metronome_dispatcher_cache_update_gaps",
+                "Prefix-cache deltas applied after a gap in their sequence; the worker's next snapshot closes it.",
+                &m.cache_update_gaps_total,
             ),
             (
                 "metronome_dispatcher_term_task_failures",

@@ -206,3 +206,64 @@ fn jobs_without_a_fingerprint_are_placed_exactly_as_if_nothing_were_cached() {
         .iter()
         .all(|d| d.candidates.iter().all(|c| c.cached_prefix.is_none())));
 }
+
+/// A cache report of `worker` (run 1): a snapshot of `blocks`, after delta `seq`.
+fn snapshot(worker: &str, seq: u64, blocks: &[u64]) -> Event {
+    use metronome_protocol::cache_state::{CacheUpdate, CacheUpdateKind, CACHE_UPDATE_VERSION};
+    Event::Cache(Box::new(CacheUpdate {
+        v: CACHE_UPDATE_VERSION,
+        worker_id: worker.into(),
+        run: 1,
+        seq,
+        kind: CacheUpdateKind::Snapshot,
+        block_size: 16,
+        cleared: false,
+        stored: blocks.to_vec(),
+        removed: Vec::new(),
+        truncated: false,
+        sent_ms: 0,
+    }))
+}
+
+#[test]
+fn a_worker_that_reports_its_cache_is_judged_by_its_report_the_others_by_placements() {
+    let mut e = two_workers();
+    // w1 ran p1: the placements say it holds p1's prefix. But its server's report says it
+    // holds only the first 800 tokens (the rest was evicted for requests the leader did
+    // not place), and w0's server reports holding all of it.
+    let first = tokens(1, 1_600, 1, PROMPT - 1_600);
+    placed_on_w1_and_finished(&mut e, with_prefix("p1", &first, T0 + 2));
+    let hashes = PrefixFingerprint::of_tokens(&first, 16).hashes;
+    let second = tokens(1, 1_600, 2, PROMPT + 100 - 1_600);
+    let out = step(
+        &mut e,
+        vec![
+            snapshot("w1", 0, &hashes[..50]),
+            arrival(with_prefix("p2", &second, T0 + 600), T0 + 600, T0 + 600),
+        ],
+        T0 + 600,
+    );
+    let d = assignment_decisions(&out)[0];
+    assert_eq!(cached_on(d, "w1"), Some((800, PrefixSource::Events)));
+    assert_eq!(cached_on(d, "w0"), Some((0, PrefixSource::Placements)));
+    assert_eq!(e.reported_caches().blocks_on("w1"), 50);
+
+    // The report goes stale (no message for longer than it is believed): w1 is judged by
+    // the placements again, which now include p2 wherever it went.
+    let later = T0 + 600 + metronome_scheduler::reported_cache::DEFAULT_STALE_AFTER_MS + 1;
+    let third = tokens(1, 1_600, 3, PROMPT - 1_600);
+    let out = step(
+        &mut e,
+        vec![
+            heartbeat("w0", "m", 4, &[], 2, later),
+            heartbeat("w1", "m", 4, &[], 2, later),
+            arrival(with_prefix("p3", &third, later), later, later),
+        ],
+        later,
+    );
+    let d = assignment_decisions(&out)[0];
+    assert_eq!(
+        cached_on(d, "w1").map(|(_, s)| s),
+        Some(PrefixSource::Placements)
+    );
+}

@@ -10,6 +10,7 @@
 //! events ([`sse`]) and the Prometheus exposition format ([`prometheus`]).
 
 pub mod assignment;
+pub mod cache_state;
 pub mod control;
 pub mod decision;
 pub mod event;
@@ -35,6 +36,7 @@ pub mod trace;
 pub mod worker;
 
 pub use assignment::Assignment;
+pub use cache_state::{CacheUpdate, CacheUpdateKind};
 pub use control::{ControlReply, RelayedCancel, Revoke, RevokedJob};
 pub use decision::{
     CachedPrefix, CandidateScore, Decision, Outcome, PrefixSource, Rejection, RejectionCode,

@@ -32,13 +32,18 @@ pub struct JobRequest {
     pub prefix: Option<PrefixLookup>,
 }
 
-/// The cached part of one job's prompt on each worker that holds some of it.
+/// The cached part of one job's prompt on each worker that holds some of it, and where
+/// each worker's figure comes from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PrefixLookup {
-    /// Where the figures come from.
+    /// Where the figures come from, for every worker not in `reported`.
     pub source: PrefixSource,
     /// The workers holding part of the prompt, sorted by worker id.
     pub on: Vec<(String, Cached)>,
+    /// The workers whose figure (held or not) comes from their model server's KV events
+    /// ([`PrefixSource::Events`]), sorted.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reported: Vec<String>,
 }
 
 impl PrefixLookup {
@@ -46,7 +51,31 @@ impl PrefixLookup {
     pub fn new(source: PrefixSource, on: impl IntoIterator<Item = (String, Cached)>) -> Self {
         let mut on: Vec<(String, Cached)> = on.into_iter().filter(|(_, c)| c.tokens > 0).collect();
         on.sort_by(|a, b| a.0.cmp(&b.0));
-        PrefixLookup { source, on }
+        PrefixLookup {
+            source,
+            on,
+            reported: Vec::new(),
+        }
+    }
+
+    /// A lookup whose figures each name their own source: the workers whose source is
+    /// [`PrefixSource::Events`] are listed in `reported`, the others are estimates from
+    /// placements.
+    pub fn by_worker(on: impl IntoIterator<Item = (String, Cached, PrefixSource)>) -> Self {
+        let mut reported = Vec::new();
+        let figures: Vec<(String, Cached)> = on
+            .into_iter()
+            .map(|(w, c, source)| {
+                if source == PrefixSource::Events {
+                    reported.push(w.clone());
+                }
+                (w, c)
+            })
+            .collect();
+        let mut lookup = PrefixLookup::new(PrefixSource::Placements, figures);
+        reported.sort();
+        lookup.reported = reported;
+        lookup
     }
 
     /// What `worker_id` holds (nothing when it is not listed).
@@ -54,6 +83,19 @@ impl PrefixLookup {
         self.on
             .binary_search_by(|(w, _)| w.as_str().cmp(worker_id))
             .map_or(Cached::default(), |i| self.on[i].1)
+    }
+
+    /// Where `worker_id`'s figure comes from.
+    pub fn source_on(&self, worker_id: &str) -> PrefixSource {
+        if self
+            .reported
+            .binary_search_by(|w| w.as_str().cmp(worker_id))
+            .is_ok()
+        {
+            PrefixSource::Events
+        } else {
+            self.source
+        }
     }
 }
 
@@ -107,7 +149,7 @@ impl JobRequest {
     pub fn cached_prefix_on(&self, worker_id: &str) -> Option<CachedPrefix> {
         self.prefix.as_ref().map(|p| CachedPrefix {
             tokens: p.on(worker_id).tokens,
-            source: p.source,
+            source: p.source_on(worker_id),
         })
     }
 
@@ -202,6 +244,29 @@ mod tests {
         let plain = job(1.0);
         assert_eq!(plain.prefill_tokens_on("w1"), 100);
         assert_eq!(plain.cached_prefix_on("w1"), None);
+    }
+
+    #[test]
+    fn each_worker_names_the_source_of_its_figure() {
+        let held = Cached {
+            tokens: 64,
+            shared_tokens: 0,
+        };
+        let lookup = PrefixLookup::by_worker([
+            ("w2".to_string(), held, PrefixSource::Events),
+            ("w1".to_string(), held, PrefixSource::Placements),
+            ("w3".to_string(), Cached::default(), PrefixSource::Events),
+        ]);
+        let j = job(1.0).with_prefix(lookup);
+        let source = |w| j.cached_prefix_on(w).map(|c| (c.tokens, c.source));
+        assert_eq!(source("w1"), Some((64, PrefixSource::Placements)));
+        assert_eq!(source("w2"), Some((64, PrefixSource::Events)));
+        assert_eq!(
+            source("w3"),
+            Some((0, PrefixSource::Events)),
+            "events say: none"
+        );
+        assert_eq!(source("w4"), Some((0, PrefixSource::Placements)));
     }
 
     #[test]

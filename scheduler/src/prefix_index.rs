@@ -22,8 +22,9 @@
 //!
 //! **Lookup** ([`PrefixIndex::cached`]): the tokens of a prompt a worker would not prefill
 //! are its fingerprint's leading blocks found there (the chain is matched from its start and
-//! stops at the first miss) times the block size, capped at one token below the prompt
-//! length: vLLM always computes the last prompt token, even on a full hit.
+//! stops at the first miss) times the block size, capped at the whole blocks before the
+//! prompt's last token: vLLM always computes the last prompt token, even on a full hit,
+//! and reuses whole blocks only (`max_cache_hit_length = num_tokens - 1`).
 //!
 //! **Memory.** Per worker: one hash-map entry per block held (8-byte hash, 8-byte last
 //! use, 4-byte reference count, padded to 24 bytes, plus the map's control byte and spare
@@ -278,8 +279,12 @@ impl PrefixIndex {
             }
             None => false,
         });
-        let most = prompt_tokens.saturating_sub(1);
-        let tokens = (matched as u32).saturating_mul(self.block_size).min(most);
+        // Whole blocks before the last token: the server always computes that token and
+        // reuses whole blocks only (vLLM's `max_cache_hit_length`).
+        let reusable = prompt_tokens.saturating_sub(1) / self.block_size;
+        let tokens = (matched as u32)
+            .min(reusable)
+            .saturating_mul(self.block_size);
         Cached {
             tokens,
             shared_tokens: shared_blocks.saturating_mul(self.block_size).min(tokens),
@@ -338,7 +343,8 @@ mod tests {
         let mut index = PrefixIndex::new(16);
         let p = prompt(1, 64); // exactly 4 blocks
         index.place("w", Some(10_000), "a", &fp(&p), 64);
-        assert_eq!(index.cached("w", &fp(&p), 64).tokens, 63);
+        assert_eq!(index.cached("w", &fp(&p), 64).tokens, 48, "3 whole blocks");
+        assert_eq!(index.cached("w", &fp(&p), 65).tokens, 64);
         assert_eq!(index.cached("w", &fp(&p), 0).tokens, 0);
     }
 
@@ -524,7 +530,7 @@ mod tests {
                 let mut index = PrefixIndex::new(16);
                 let p = prompt(9, len);
                 index.place("w", Some(100_000), "j", &fp(&p), u64::from(len));
-                let expected = (len / 16 * 16).min(len - 1);
+                let expected = (len - 1) / 16 * 16;
                 prop_assert_eq!(index.cached("w", &fp(&p), len).tokens, expected);
             }
         }

@@ -9,8 +9,10 @@
 //! them), from which the filters admit and the terms score.
 //!
 //! **Cached prefixes.** A job with a prefix fingerprint (`Job::prefix`) is judged with
-//! what each worker of its model holds of its prompt, by this leader's estimate of their
-//! prefix caches ([`metronome_scheduler::PrefixIndex`], from its own placements): the
+//! what each worker of its model holds of its prompt: what the worker's model server says
+//! (its KV events, forwarded by its agent: [`metronome_scheduler::ReportedCaches`]) where
+//! that report is live, else this leader's estimate from its own placements
+//! ([`metronome_scheduler::PrefixIndex`]); each figure names its source. The
 //! request carries the per-worker figures ([`JobRequest::prefix`]) and each worker's
 //! forecast charges only the uncached rest as prefill (its TTFT, the stall it imposes on
 //! the running streams, the prefill later placements wait behind), and counts as new KV
@@ -21,7 +23,7 @@
 
 use metronome_protocol::prefix::PrefixFingerprint;
 use metronome_protocol::{CompletionEvent, Job, PrefixSource, Slo};
-use metronome_scheduler::{JobProfile, JobRequest, OutputLength, PrefixLookup};
+use metronome_scheduler::{Cached, JobProfile, JobRequest, OutputLength, PrefixLookup};
 
 use super::order::waited_ms;
 use super::Judged;
@@ -77,7 +79,10 @@ impl Engine {
         (request, slo)
     }
 
-    /// What each worker of `model` holds of `job`'s prompt, by this leader's placements.
+    /// What each worker of `model` holds of `job`'s prompt: by its model server's KV
+    /// events where its report is live, else by this leader's placements. Of the tokens
+    /// the events name, those a running job there also uses (which take no new KV) come
+    /// from the placements: the events say what is cached, not who uses it.
     fn cached_prefix(
         &self,
         model: &str,
@@ -90,10 +95,22 @@ impl Engine {
             .filter(|w| w.status.model == model)
             .map(|w| {
                 let id = w.worker_id();
-                let cached = self.prefix_index.cached(id, fingerprint, job.prompt_tokens);
-                (id.to_string(), cached)
+                let placed = self.prefix_index.cached(id, fingerprint, job.prompt_tokens);
+                match self
+                    .reported_caches
+                    .cached(id, fingerprint, job.prompt_tokens, self.now_ms)
+                {
+                    Some(tokens) => {
+                        let cached = Cached {
+                            tokens,
+                            shared_tokens: placed.shared_tokens.min(tokens),
+                        };
+                        (id.to_string(), cached, PrefixSource::Events)
+                    }
+                    None => (id.to_string(), placed, PrefixSource::Placements),
+                }
             });
-        PrefixLookup::new(PrefixSource::Placements, on)
+        PrefixLookup::by_worker(on)
     }
 
     /// The profile a placed job is protected with while it runs (its floor, against the
