@@ -714,6 +714,17 @@ mod tests {
             text.contains("cached prefix: 1024 prompt tokens not prefilled (from placements)"),
             "{text}"
         );
+        // A worker whose model server reports its cache: the figure names the events.
+        let d = s.decisions.last_mut().unwrap();
+        d.candidates[0].cached_prefix = Some(metronome_protocol::CachedPrefix {
+            tokens: 2_000,
+            source: metronome_protocol::PrefixSource::Events,
+        });
+        let text = s.render();
+        assert!(
+            text.contains("cached prefix: 2000 prompt tokens not prefilled (from events)"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -36,14 +36,21 @@ pub struct JobRequest {
 /// each worker's figure comes from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PrefixLookup {
-    /// Where the figures come from, for every worker not in `reported`.
+    /// Where the figures come from, for every worker not in `other_source`.
     pub source: PrefixSource,
     /// The workers holding part of the prompt, sorted by worker id.
     pub on: Vec<(String, Cached)>,
-    /// The workers whose figure (held or not) comes from their model server's KV events
-    /// ([`PrefixSource::Events`]), sorted.
+    /// The workers whose figure (held or not) comes from the other source, sorted: the
+    /// fewer of the two, so a fleet where every worker reports (or none does) lists none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub reported: Vec<String>,
+    pub other_source: Vec<String>,
+}
+
+fn other(source: PrefixSource) -> PrefixSource {
+    match source {
+        PrefixSource::Events => PrefixSource::Placements,
+        PrefixSource::Placements => PrefixSource::Events,
+    }
 }
 
 impl PrefixLookup {
@@ -54,27 +61,33 @@ impl PrefixLookup {
         PrefixLookup {
             source,
             on,
-            reported: Vec::new(),
+            other_source: Vec::new(),
         }
     }
 
-    /// A lookup whose figures each name their own source: the workers whose source is
-    /// [`PrefixSource::Events`] are listed in `reported`, the others are estimates from
-    /// placements.
+    /// A lookup whose figures each name their own source (per worker: its id, its
+    /// figure, where the figure comes from).
     pub fn by_worker(on: impl IntoIterator<Item = (String, Cached, PrefixSource)>) -> Self {
-        let mut reported = Vec::new();
-        let figures: Vec<(String, Cached)> = on
-            .into_iter()
-            .map(|(w, c, source)| {
-                if source == PrefixSource::Events {
-                    reported.push(w.clone());
-                }
-                (w, c)
-            })
-            .collect();
-        let mut lookup = PrefixLookup::new(PrefixSource::Placements, figures);
-        reported.sort();
-        lookup.reported = reported;
+        let all: Vec<(String, Cached, PrefixSource)> = on.into_iter().collect();
+        let events = all.iter().filter(|w| w.2 == PrefixSource::Events).count();
+        let source = if 2 * events > all.len() {
+            PrefixSource::Events
+        } else {
+            PrefixSource::Placements
+        };
+        let mut listed = Vec::new();
+        let mut figures = Vec::new();
+        for (w, c, s) in all {
+            if s != source {
+                listed.push(w.clone());
+            }
+            if c.tokens > 0 {
+                figures.push((w, c));
+            }
+        }
+        let mut lookup = PrefixLookup::new(source, figures);
+        listed.sort();
+        lookup.other_source = listed;
         lookup
     }
 
@@ -88,11 +101,11 @@ impl PrefixLookup {
     /// Where `worker_id`'s figure comes from.
     pub fn source_on(&self, worker_id: &str) -> PrefixSource {
         if self
-            .reported
+            .other_source
             .binary_search_by(|w| w.as_str().cmp(worker_id))
             .is_ok()
         {
-            PrefixSource::Events
+            other(self.source)
         } else {
             self.source
         }

@@ -306,6 +306,16 @@ impl PrefixIndex {
         self.workers.get(worker_id).map_or(0, |c| c.capacity_blocks)
     }
 
+    /// The heap bytes `worker_id`'s estimate takes, by its allocations: the block table's
+    /// slots (hash, block and a control byte each) and the eviction queue's entries (a
+    /// B-tree holds 16-byte entries at about two-thirds occupancy).
+    pub fn memory_bytes(&self, worker_id: &str) -> usize {
+        self.workers.get(worker_id).map_or(0, |c| {
+            c.blocks.capacity() * (std::mem::size_of::<(BlockHash, Block)>() + 1)
+                + c.free.len() * 24
+        })
+    }
+
     /// Jobs whose blocks are referenced.
     pub fn running_jobs(&self) -> usize {
         self.jobs.len()

@@ -6,7 +6,9 @@
 //!
 //! Two tasks: a reader that receives the server's batches (asking the replay socket, when
 //! there is one, for what it missed: everything buffered at start, any gap later) and hands
-//! them over a channel, and the reporter that owns the index and publishes. A server that
+//! them over a channel, and the reporter that owns the index and publishes. A live batch
+//! whose sequence number is below the last one means the server started again (vLLM's
+//! events carry no epoch): the index is cleared and rebuilt from what follows. A server that
 //! cannot be reached is retried; a failed publish loses that delta (the leader sees the gap
 //! in `seq`, and the next snapshot closes it).
 
@@ -42,13 +44,18 @@ const RECONNECT_AFTER: Duration = Duration::from_secs(2);
 /// How long a publish may wait for the stream's acknowledgement.
 const PUBLISH_WITHIN: Duration = Duration::from_secs(5);
 
+/// What the reader hands the reporter.
+enum Received {
+    Batch(u64, EventBatch),
+    /// The server's sequence starts again: at each (re)subscription, and when a live batch
+    /// comes with a lower sequence number than the last one (the server restarted, and
+    /// its cache with it).
+    Restarted,
+}
+
 /// Receive the server's batches into `tx` until `stop`: the buffered history first (replay
 /// from 0, where the server has a replay socket), then live, filling gaps from the replay.
-async fn read_events(
-    s: ReportSettings,
-    tx: mpsc::Sender<(u64, EventBatch)>,
-    stop: CancellationToken,
-) {
+async fn read_events(s: ReportSettings, tx: mpsc::Sender<Received>, stop: CancellationToken) {
     loop {
         let connected = tokio::select! {
             _ = stop.cancelled() => return,
@@ -65,13 +72,16 @@ async fn read_events(
             }
         };
         tracing::info!(endpoint = %s.endpoint, "KV events: subscribed to the model server's cache events");
+        if tx.send(Received::Restarted).await.is_err() {
+            return;
+        }
         let mut last: Option<u64> = None;
         if s.replay_endpoint.is_some() {
             match sub.replay_from(0).await {
                 Ok(batches) => {
                     for (seq, batch) in batches {
                         last = Some(seq);
-                        if tx.send((seq, batch)).await.is_err() {
+                        if tx.send(Received::Batch(seq, batch)).await.is_err() {
                             return;
                         }
                     }
@@ -97,11 +107,18 @@ async fn read_events(
                     continue;
                 }
             };
+            if last.is_some_and(|l| seq < l) {
+                tracing::warn!(seq, last = ?last, "KV events: the model server's sequence started again (restarted?): its cache is rebuilt from its events");
+                last = None;
+                if tx.send(Received::Restarted).await.is_err() {
+                    return;
+                }
+            }
             if let Some(l) = last.filter(|l| seq > l + 1) {
                 match sub.replay_from(l + 1).await {
                     Ok(missed) => {
                         for (s, b) in missed.into_iter().filter(|(s, _)| *s < seq) {
-                            if tx.send((s, b)).await.is_err() {
+                            if tx.send(Received::Batch(s, b)).await.is_err() {
                                 return;
                             }
                         }
@@ -110,7 +127,7 @@ async fn read_events(
                 }
             }
             last = Some(last.map_or(seq, |l| l.max(seq)));
-            if tx.send((seq, batch)).await.is_err() {
+            if tx.send(Received::Batch(seq, batch)).await.is_err() {
                 return;
             }
         }
@@ -124,7 +141,13 @@ struct Reporter {
     index: BlockIndex,
     run: u64,
     seq: u64,
+    /// When a failed publish was last logged (at most once a minute: a missing stream or
+    /// permission fails every one).
+    warned: Option<tokio::time::Instant>,
 }
+
+/// How often a failing publish is logged.
+const WARN_EVERY: Duration = Duration::from_secs(60);
 
 impl Reporter {
     fn message(&self, kind: CacheUpdateKind) -> CacheUpdate {
@@ -143,7 +166,7 @@ impl Reporter {
         }
     }
 
-    async fn publish(&self, subject: String, update: &CacheUpdate) {
+    async fn publish(&mut self, subject: String, update: &CacheUpdate) {
         let body = serde_json::to_vec(update).expect("a cache update serialises");
         let stored = async {
             self.js
@@ -153,10 +176,18 @@ impl Reporter {
                 .await
                 .map_err(|e| e.to_string())
         };
-        match tokio::time::timeout(PUBLISH_WITHIN, stored).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => tracing::warn!(%subject, error = %e, "cache report not stored"),
-            Err(_) => tracing::warn!(%subject, "cache report not acknowledged in time"),
+        let error = match tokio::time::timeout(PUBLISH_WITHIN, stored).await {
+            Ok(Ok(_)) => return,
+            Ok(Err(e)) => e,
+            Err(_) => "not acknowledged in time".to_string(),
+        };
+        let now = tokio::time::Instant::now();
+        if self
+            .warned
+            .is_none_or(|at| now.duration_since(at) >= WARN_EVERY)
+        {
+            self.warned = Some(now);
+            tracing::warn!(%subject, %error, "cache report not stored (the leader falls back to its placement estimate; logged once a minute)");
         }
     }
 
@@ -209,6 +240,7 @@ pub fn spawn(
             index: BlockIndex::new(s.block_size, MAX_SNAPSHOT_BLOCKS).recording(),
             run: metronome_protocol::time::unix_ms(),
             seq: 0,
+            warned: None,
             s,
         };
         let mut deltas = tokio::time::interval(r.s.delta_interval);
@@ -218,10 +250,11 @@ pub fn spawn(
         loop {
             tokio::select! {
                 _ = stop.cancelled() => break,
-                batch = rx.recv() => match batch {
-                    Some((seq, batch)) => {
+                received = rx.recv() => match received {
+                    Some(Received::Batch(seq, batch)) => {
                         r.index.apply(seq, &batch);
                     }
+                    Some(Received::Restarted) => r.index.restart(),
                     None => break,
                 },
                 _ = deltas.tick() => r.publish_changes().await,

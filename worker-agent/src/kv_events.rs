@@ -449,6 +449,14 @@ impl BlockIndex {
         fingerprint.matched_blocks(|h| self.contains(h)) as u32 * self.block_size
     }
 
+    /// The server's stream starts again (its process restarted, or the subscription was
+    /// made again): everything indexed is dropped, as a clear, and any sequence number is
+    /// accepted next.
+    pub fn restart(&mut self) {
+        self.last_seq = None;
+        self.apply_event(&KvCacheEvent::AllBlocksCleared);
+    }
+
     /// Apply batch `seq` (its sequence number from the message).
     pub fn apply(&mut self, seq: u64, batch: &EventBatch) -> Applied {
         let applied = match self.last_seq {
