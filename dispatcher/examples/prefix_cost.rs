@@ -49,7 +49,7 @@ const T0: u64 = 1_800_000_000_000;
 const EPOCH: u64 = 7;
 const PROMPT: u32 = 4_200;
 
-fn worker(id: &str, at: u64) -> Event {
+fn worker(id: &str, seq: u64, at: u64) -> Event {
     let status = WorkerStatus {
         v: PROTOCOL_VERSION,
         worker_id: id.into(),
@@ -80,13 +80,13 @@ fn worker(id: &str, at: u64) -> Event {
             samples: 100,
         }),
         max_epoch: 0,
-        seq: 1,
+        seq,
         sent_ms: at,
     };
     Event::Worker(WorkerUpdate::Put {
         status: Box::new(status),
         seen_ms: at,
-        revision: 1,
+        revision: seq,
         unvouched: Vec::new(),
         tenants: Default::default(),
     })
@@ -155,6 +155,7 @@ fn done(id: &str, worker: &str, at: u64) -> Event {
 }
 
 struct Run {
+    placed: usize,
     mean_us: f64,
     p50_us: f64,
     p99_us: f64,
@@ -171,7 +172,7 @@ fn run(workers: usize, jobs: usize, blocks: usize, mode: &str) -> Run {
     );
     let ids: Vec<String> = (0..workers).map(|w| format!("w{w}")).collect();
     for id in &ids {
-        e.handle(worker(id, T0), T0);
+        e.handle(worker(id, 1, T0), T0);
     }
     if mode == "events" {
         // Worker k holds family k's whole prefix and `blocks - 256` blocks of its own.
@@ -205,10 +206,34 @@ fn run(workers: usize, jobs: usize, blocks: usize, mode: &str) -> Run {
         let started = Instant::now();
         e.handle(job(i, workers, mode != "none", at), at);
         e.dispatch_if_changed(at);
-        times.push(started.elapsed().as_secs_f64() * 1e6);
+        let elapsed = started.elapsed().as_secs_f64() * 1e6;
+        let mut placed = false;
         for effect in e.take_effects() {
-            if let Effect::Publish(Outcome::Assign { job, worker_id, .. }) = effect {
-                e.handle(done(&job.job.id, &worker_id, at), at);
+            match effect {
+                Effect::Publish(Outcome::Assign { job, worker_id, .. }) => {
+                    placed = true;
+                    e.handle(done(&job.job.id, &worker_id, at), at);
+                }
+                Effect::Publish(Outcome::Reject { decision, .. }) => {
+                    if std::env::var_os("PREFIX_COST_DEBUG").is_some() {
+                        eprintln!("job {i}: rejected {:?}", decision.reason_code);
+                    }
+                }
+                _ => {}
+            }
+        }
+        // Only decisions that placed their job count: one held or answered otherwise is
+        // not the decision measured here.
+        if placed {
+            if elapsed > 1_000.0 && std::env::var_os("PREFIX_COST_DEBUG").is_some() {
+                eprintln!("slow {mode} job {i}: {elapsed:.0} us");
+            }
+            times.push(elapsed);
+        }
+        // Heartbeats stay fresh (a worker silent past its timeout is declared dead).
+        if i % 500 == 499 {
+            for id in &ids {
+                e.handle(worker(id, 2 + i as u64 / 500, at), at);
             }
         }
         e.dispatch_if_changed(at);
@@ -218,6 +243,7 @@ fn run(workers: usize, jobs: usize, blocks: usize, mode: &str) -> Run {
     let at = |q: f64| times[((q * times.len() as f64) as usize).min(times.len() - 1)];
     let per_worker = |bytes: usize| bytes as f64 / workers as f64;
     Run {
+        placed: times.len(),
         mean_us: times.iter().sum::<f64>() / times.len() as f64,
         p50_us: at(0.5),
         p99_us: at(0.99),
@@ -236,7 +262,7 @@ fn main() {
     let args = Args::parse();
     println!(
         "{:>7} {:<10} {:>6} {:>9} {:>9} {:>9} {:>14} {:>14}",
-        "workers", "index", "jobs", "mean_us", "p50_us", "p99_us", "events_B/wkr", "placed_B/wkr"
+        "workers", "index", "placed", "mean_us", "p50_us", "p99_us", "events_B/wkr", "placed_B/wkr"
     );
     for &workers in &args.workers {
         for mode in ["none", "placements", "events"] {
@@ -245,7 +271,7 @@ fn main() {
                 "{:>7} {:<10} {:>6} {:>9.1} {:>9.1} {:>9.1} {:>14.0} {:>14.0}",
                 workers,
                 mode,
-                args.jobs,
+                r.placed,
                 r.mean_us,
                 r.p50_us,
                 r.p99_us,

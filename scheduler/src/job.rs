@@ -279,7 +279,8 @@ mod tests {
             Some((0, PrefixSource::Events)),
             "events say: none"
         );
-        assert_eq!(source("w4"), Some((0, PrefixSource::Placements)));
+        // Only the minority's ids are listed (here the one estimated worker).
+        assert_eq!(j.prefix.as_ref().unwrap().other_source, ["w1"]);
     }
 
     #[test]

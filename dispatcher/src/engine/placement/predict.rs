@@ -95,19 +95,22 @@ impl Engine {
             .filter(|w| w.status.model == model)
             .map(|w| {
                 let id = w.worker_id();
-                let placed = self.prefix_index.cached(id, fingerprint, job.prompt_tokens);
+                let placed = || self.prefix_index.cached(id, fingerprint, job.prompt_tokens);
                 match self
                     .reported_caches
                     .cached(id, fingerprint, job.prompt_tokens, self.now_ms)
                 {
+                    // Nothing held: no shared blocks to look up (at a thousand workers the
+                    // second index's lookups, each a cache miss, cost as much again).
+                    Some(0) => (id.to_string(), Cached::default(), PrefixSource::Events),
                     Some(tokens) => {
                         let cached = Cached {
                             tokens,
-                            shared_tokens: placed.shared_tokens.min(tokens),
+                            shared_tokens: placed().shared_tokens.min(tokens),
                         };
                         (id.to_string(), cached, PrefixSource::Events)
                     }
-                    None => (id.to_string(), placed, PrefixSource::Placements),
+                    None => (id.to_string(), placed(), PrefixSource::Placements),
                 }
             });
         PrefixLookup::by_worker(on)
