@@ -209,25 +209,14 @@ fn run(workers: usize, jobs: usize, blocks: usize, mode: &str) -> Run {
         let elapsed = started.elapsed().as_secs_f64() * 1e6;
         let mut placed = false;
         for effect in e.take_effects() {
-            match effect {
-                Effect::Publish(Outcome::Assign { job, worker_id, .. }) => {
-                    placed = true;
-                    e.handle(done(&job.job.id, &worker_id, at), at);
-                }
-                Effect::Publish(Outcome::Reject { decision, .. }) => {
-                    if std::env::var_os("PREFIX_COST_DEBUG").is_some() {
-                        eprintln!("job {i}: rejected {:?}", decision.reason_code);
-                    }
-                }
-                _ => {}
+            if let Effect::Publish(Outcome::Assign { job, worker_id, .. }) = effect {
+                placed = true;
+                e.handle(done(&job.job.id, &worker_id, at), at);
             }
         }
         // Only decisions that placed their job count: one held or answered otherwise is
         // not the decision measured here.
         if placed {
-            if elapsed > 1_000.0 && std::env::var_os("PREFIX_COST_DEBUG").is_some() {
-                eprintln!("slow {mode} job {i}: {elapsed:.0} us");
-            }
             times.push(elapsed);
         }
         // Heartbeats stay fresh (a worker silent past its timeout is declared dead).
