@@ -120,6 +120,7 @@ fn decision(job_id: &str, attempt: u32, now: u64) -> Decision {
         policy: "metronome".into(),
         queue_wait_ms: 25,
         retry_after_ms: None,
+        affinity: None,
         decision_latency_us: 31,
         epoch: 4,
         dispatcher_id: "d1".into(),

@@ -37,8 +37,8 @@ pub mod worker;
 pub use assignment::Assignment;
 pub use control::{ControlReply, RelayedCancel, Revoke, RevokedJob};
 pub use decision::{
-    CachedPrefix, CandidateScore, Decision, Outcome, PrefixSource, Rejection, RejectionCode,
-    Scoring, TermName, TermScore, DECISION_VERSION, TERM_COUNT,
+    Affinity, AffinityOutcome, CachedPrefix, CandidateScore, Decision, Outcome, PrefixSource,
+    Rejection, RejectionCode, Scoring, TermName, TermScore, DECISION_VERSION, TERM_COUNT,
 };
 pub use event::{CompletionEvent, CompletionOutcome};
 pub use job::{
