@@ -10,11 +10,13 @@
 //! Library entry points for a scenario runner: [`run_load`] / [`run_load_until`] /
 //! [`run_plan`], [`summarize`], [`write_outputs`], [`load_trace`] and [`trace_stats`]
 //! (a trace's mean rate and length statistics, to scale it to a fraction of capacity).
+//!
+//! [`system`] starts and probes a whole Metronome system under test (`./dev up`), and
+//! [`process`] signals its processes: the benchmark (`bench/`) and the fault drills
+//! (`drill/`) are built on both.
 
-pub mod bench;
 pub mod client;
 pub mod dist;
-pub mod drill;
 pub mod error;
 pub mod output;
 pub mod plan;
@@ -27,6 +29,7 @@ pub mod runner;
 pub mod spec;
 pub mod stats;
 pub mod summary;
+pub mod system;
 pub mod trace;
 
 pub use dist::LengthDist;

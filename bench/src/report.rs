@@ -16,7 +16,7 @@ use super::curve::{capacity_at_slo, CapacityRatio, CurvePoint, SloCapacity, ATTA
 use super::idle::IdleStats;
 use super::nominal::Nominal;
 use super::prediction::PredictionErrors;
-use crate::Summary;
+use metronome_loadgen::Summary;
 
 /// The policy under test and the baseline the targets are judged against.
 pub const METRONOME: &str = "metronome";
@@ -1126,7 +1126,7 @@ fn rss_line(rows: &[(String, u64)]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::prediction::ErrorStats;
+    use crate::prediction::ErrorStats;
 
     fn row(policy: &str, frac: f64, rate: f64, share: f64) -> RunRow {
         RunRow {
