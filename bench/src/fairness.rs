@@ -31,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::idle::{idle_stats, IdleStats};
 use super::prediction::predicted;
+use super::report::SECTION_FILE;
 use super::scenarios::{
     nominal_for, write_agent_metrics, write_samples, BenchPlan, MODEL, SAMPLE_INTERVAL,
 };
@@ -764,9 +765,6 @@ fn render(
     );
     s
 }
-
-/// The file under the drill's `out` folder that holds its last rendered section.
-pub const SECTION_FILE: &str = "section.md";
 
 /// `path` as the report links it: relative to the report's folder when it lies under it.
 fn shown_path(report: &Path, path: &Path) -> String {

@@ -914,6 +914,10 @@ pub fn cluster_title(c: &str) -> &str {
     }
 }
 
+/// The file under a results folder that holds a section saved for the report (the
+/// fairness drill's, the prefix-heavy workloads'): the rendered report ends with these.
+pub const SECTION_FILE: &str = "section.md";
+
 /// Workload × cluster pairs that have runs, in report order.
 pub fn sections(report: &Report) -> Vec<(String, String)> {
     let mut out = Vec::new();

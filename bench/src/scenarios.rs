@@ -860,7 +860,7 @@ fn finish_report(plan: &BenchPlan, report: &mut Report) -> anyhow::Result<()> {
     let extra: Vec<String> = [PREFIX_SECTION_DIR, "fairness"]
         .iter()
         .filter_map(|dir| {
-            std::fs::read_to_string(plan.out.join(dir).join(super::fairness::SECTION_FILE)).ok()
+            std::fs::read_to_string(plan.out.join(dir).join(super::report::SECTION_FILE)).ok()
         })
         .map(|s| s.trim_end().to_string())
         .collect();
