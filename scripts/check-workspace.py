@@ -2,9 +2,11 @@
 """Workspace hygiene checks that `./dev test` runs before it builds anything.
 
 1. Unused dependencies. A crate's dependency is used when its name (dashes as underscores)
-   appears as a path (`name::`, `use name`, `extern crate name`) in the crate's src/, tests/,
-   benches/, examples/ or build.rs. Grep-based, as cargo-machete is: a name mentioned only in
-   a comment counts as used, so it can miss an unused dependency but never flags a used one.
+   appears as a path (`name::` that does not follow another segment, as in
+   `metronome_runtime::redis::`; `use name`; `extern crate name`) in the crate's src/,
+   tests/, benches/, examples/ or build.rs. Grep-based, as cargo-machete is: a name
+   mentioned only in a comment counts as used, so it can miss an unused dependency but never
+   flags a used one.
    A `[workspace.dependencies]` entry no crate declares is unused too.
 2. Test modules. A crate with `autotests = false` builds its integration tests as one binary
    from tests/main.rs; a tests/*.rs file that main.rs does not declare as a module would never
@@ -51,7 +53,7 @@ for member in workspace["members"]:
         for name in manifest.get(table, {}):
             declared_anywhere.add(name)
             ident = re.escape(name.replace("-", "_"))
-            if not re.search(r"\b%s\s*::|\buse\s+%s\b|\bextern\s+crate\s+%s\b" % (ident, ident, ident), code):
+            if not re.search(r"(?<!\w::)\b%s\s*::|\buse\s+%s\b|\bextern\s+crate\s+%s\b" % (ident, ident, ident), code):
                 failures.append(f"{member}/Cargo.toml: [{table}] {name} is declared but never used")
 
     if manifest["package"].get("autotests") is False:
