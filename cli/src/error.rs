@@ -1,5 +1,6 @@
 //! The CLI's errors, each with the exit code a script can act on.
 
+use metronome_readmodel::ReadError;
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -31,6 +32,21 @@ impl CliError {
             CliError::Usage(_) => 2,
             CliError::TimedOut(_) => 4,
             _ => 3,
+        }
+    }
+}
+
+/// A read's error as the CLI reports it: the same kind, with the CLI's hint where there is
+/// one (the flag or variable to set).
+impl From<ReadError> for CliError {
+    fn from(e: ReadError) -> CliError {
+        match e {
+            ReadError::Connect { url, message } => CliError::Connect { url, message },
+            ReadError::Nats(m) => CliError::Nats(m),
+            ReadError::Redis(m) => CliError::Redis(m),
+            ReadError::Decode { what, message } => CliError::Decode { what, message },
+            ReadError::NotFound(m) => CliError::NotFound(m),
+            ReadError::Usage(m) => CliError::Usage(m),
         }
     }
 }

@@ -34,7 +34,7 @@ use metronome_protocol::{
 };
 use metronome_scheduler::{rescore, SchedulerConfig, Weights};
 
-use crate::fmt::{self, Table};
+use metronome_readmodel::fmt::{self, Table};
 
 /// The scheduler settings replay re-evaluates; the others are held as recorded.
 pub const REPLAYED_SETTINGS: [&str; 3] = ["weights", "slo", "model_slo"];

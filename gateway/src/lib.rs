@@ -10,12 +10,14 @@
 //! limits are checked before anything is published ([`auth`], [`limits`]). Tests and the binary
 //! share [`bind`] / [`Gateway::serve`] (or [`run`]); [`app`] builds the router alone.
 
+pub mod api_key;
 pub mod auth;
 pub mod config;
 pub mod console;
 pub mod cors;
 pub mod error;
 pub mod extract;
+pub mod headers;
 pub mod health;
 pub mod limits;
 pub mod metrics;
@@ -38,9 +40,9 @@ use tokio_util::sync::CancellationToken;
 
 pub use config::{Config, ConfigError, FieldError, KeyConfig, ModelList, TenantConfig};
 pub use error::{ApiError, GatewayError};
+pub use headers::{HEADER_DEADLINE_MS, HEADER_JOB_ID, HEADER_PRIORITY, HEADER_WORKER};
 pub use metrics::Metrics;
 pub use registry::Registry;
-pub use routes::{HEADER_DEADLINE_MS, HEADER_JOB_ID, HEADER_PRIORITY, HEADER_WORKER};
 
 /// What every handler shares.
 #[derive(Clone)]

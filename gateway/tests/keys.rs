@@ -4,7 +4,7 @@
 
 use crate::support;
 
-use metronome_gateway::auth::key_sha256;
+use metronome_gateway::api_key::key_sha256;
 use metronome_gateway::{Config, KeyConfig, ModelList, TenantConfig};
 use metronome_protocol::names::SUBJECT_JOBS_SUBMIT_ALL;
 use serde_json::{json, Value};

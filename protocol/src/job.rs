@@ -8,28 +8,9 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::endpoint::Endpoint;
 use crate::names::{is_subject_token, tenant_of_token, NO_TENANT_TOKEN};
 use crate::perf::{SloField, MAX_SLO_TOK_S};
-
-/// Which OpenAI endpoint of the model server runs the job.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Endpoint {
-    /// `POST /v1/chat/completions`
-    Chat,
-    /// `POST /v1/completions`
-    Completion,
-}
-
-impl Endpoint {
-    /// Path of the endpoint on an OpenAI-compatible server.
-    pub fn path(self) -> &'static str {
-        match self {
-            Endpoint::Chat => "/v1/chat/completions",
-            Endpoint::Completion => "/v1/completions",
-        }
-    }
-}
 
 /// A job as submitted on `jobs.submit.<tenant>`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

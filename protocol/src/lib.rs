@@ -12,6 +12,7 @@
 pub mod assignment;
 pub mod control;
 pub mod decision;
+pub mod endpoint;
 pub mod event;
 #[cfg(feature = "nats")]
 pub mod headers;
@@ -40,9 +41,10 @@ pub use decision::{
     Affinity, AffinityOutcome, CachedPrefix, CandidateScore, Decision, Outcome, PrefixSource,
     Rejection, RejectionCode, Scoring, TermName, TermScore, DECISION_VERSION, TERM_COUNT,
 };
+pub use endpoint::Endpoint;
 pub use event::{CompletionEvent, CompletionOutcome};
 pub use job::{
-    check_model_name, check_tenant, Endpoint, Job, JobError, JobLimits, Priority, ANONYMOUS_TENANT,
+    check_model_name, check_tenant, Job, JobError, JobLimits, Priority, ANONYMOUS_TENANT,
     MAX_TENANT_BYTES,
 };
 pub use lease::{lease_vouches_for, LeaseValue};

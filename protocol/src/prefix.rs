@@ -39,7 +39,7 @@
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::Value;
 
-use crate::Endpoint;
+use crate::endpoint::Endpoint;
 
 /// One KV block's hash, covering every token from the start of the prompt to its end.
 pub type BlockHash = u64;

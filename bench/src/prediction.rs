@@ -14,7 +14,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::stats;
+use metronome_loadgen::stats;
 
 /// What the winner's candidate predicted for one job.
 #[derive(Debug, Clone, Copy, PartialEq)]
