@@ -28,7 +28,8 @@ use metronome_readmodel::{decisions, explain, status_report, story, worker_views
 ///
 /// Talks only the NATS contract of docs/PROTOCOL.md; tables for people, `--json` for
 /// scripts. Exit codes: 0 ok, 1 not found (unknown job id or worker), 2 bad usage, 3 NATS
-/// or Redis unreachable or unreadable, 4 `drain --wait` timed out.
+/// or Redis unreachable or unreadable (or the output unwritable), 4 `drain --wait` timed
+/// out; a closed output pipe (`metronome decisions --follow | head`) ends it quietly with 0.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "metronome", version, about, long_about)]
 pub struct Cli {
@@ -117,7 +118,7 @@ pub enum Command {
         /// Wait until the worker's running jobs have finished.
         #[arg(long)]
         wait: bool,
-        /// Give up waiting after this many seconds (exit 1).
+        /// Give up waiting after this many seconds (exit 4).
         #[arg(long, default_value_t = 600)]
         timeout_s: u64,
     },
@@ -241,7 +242,7 @@ pub async fn run(cli: Cli, out: &mut (dyn Write + Send)) -> Result<(), CliError>
             return decisions_cmd(&nats, &filter, n, scan, follow, json, out).await;
         }
     };
-    write!(out, "{text}").map_err(|e| CliError::Usage(format!("writing output: {e}")))
+    write!(out, "{text}").map_err(CliError::writing)
 }
 
 fn to_json<T: serde::Serialize>(v: &T) -> Result<String, CliError> {
@@ -333,7 +334,7 @@ async fn decisions_cmd(
         };
         writeln!(out, "{line}")
             .and_then(|()| out.flush())
-            .map_err(|e| CliError::Usage(format!("writing output: {e}")))
+            .map_err(CliError::writing)
     };
     // Subscribe before reading the past so nothing decided in between is lost.
     let mut live = if follow {
@@ -423,7 +424,7 @@ async fn drain_cmd(
         if line != last_line {
             writeln!(out, "{line}")
                 .and_then(|()| out.flush())
-                .map_err(|e| CliError::Usage(format!("writing output: {e}")))?;
+                .map_err(CliError::writing)?;
             last_line = line;
         }
         if !wait || r.running == 0 {
