@@ -156,6 +156,15 @@ pub enum Command {
         #[arg(long, default_value_t = 1_000_000)]
         scan: usize,
     },
+    /// Print a shell completion script, generated from this command line's definition
+    /// (`metronome completions bash > /etc/bash_completion.d/metronome`). Needs no NATS.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff), generated from this command line's definition
+    /// (`metronome man > /usr/local/share/man/man1/metronome.1`). Needs no NATS.
+    Man,
 }
 
 /// `--outcome` values.
@@ -178,10 +187,15 @@ impl From<OutcomeArg> for Outcome {
 
 /// Run one command, writing its output to `out`.
 pub async fn run(cli: Cli, out: &mut (dyn Write + Send)) -> Result<(), CliError> {
+    if let Some(text) = generated(&cli.command)? {
+        return out.write_all(&text).map_err(CliError::writing);
+    }
     let nats = Nats::connect(&cli.nats_url, &cli.nats_auth).await?;
     let json = cli.json;
     let text = match cli.command {
         Command::Explain { job_id, scan } => explain(&nats, &job_id, scan, json).await?,
+        // Answered above, without a connection.
+        Command::Completions { .. } | Command::Man => return Ok(()),
         Command::Replay {
             since,
             config,
@@ -243,6 +257,23 @@ pub async fn run(cli: Cli, out: &mut (dyn Write + Send)) -> Result<(), CliError>
         }
     };
     write!(out, "{text}").map_err(CliError::writing)
+}
+
+/// The output of the commands generated from the command line's own definition
+/// (completions, man page); `None` for the commands that read the system.
+fn generated(command: &Command) -> Result<Option<Vec<u8>>, CliError> {
+    let definition = <Cli as clap::CommandFactory>::command;
+    let mut text = Vec::new();
+    match command {
+        Command::Completions { shell } => {
+            clap_complete::generate(*shell, &mut definition(), "metronome", &mut text);
+        }
+        Command::Man => clap_mangen::Man::new(definition())
+            .render(&mut text)
+            .map_err(CliError::writing)?,
+        _ => return Ok(None),
+    }
+    Ok(Some(text))
 }
 
 fn to_json<T: serde::Serialize>(v: &T) -> Result<String, CliError> {
