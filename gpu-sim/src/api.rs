@@ -23,6 +23,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
 use crate::engine::EngineError;
+use crate::logprobs::{LogprobSampler, TokenLogprobs};
 use crate::metrics;
 use crate::openai::{
     self, ChatRequest, Common, CompletionRequest, Kind, Prompt, ResponseMeta, Usage,
@@ -155,6 +156,9 @@ async fn generate(
             Some("max_tokens"),
         ));
     }
+    let logprobs = common
+        .logprobs_request(kind)
+        .map_err(|(message, field)| ApiError::bad_request(message, Some(field)))?;
     let mut text = TextGenerator::new(cfg.seed, &prompt.key);
     let output_tokens = if common.ignore_eos {
         max_tokens
@@ -165,6 +169,16 @@ async fn generate(
         "stop"
     } else {
         "length"
+    };
+    let tokens: Vec<String> = (0..output_tokens).map(|_| text.next_token()).collect();
+    let logprobs = logprobs.map(|asked| {
+        let mut sampler = LogprobSampler::new(cfg.seed, &prompt.key, 0, asked.top);
+        tokens.iter().map(|t| sampler.next(t)).collect::<Vec<_>>()
+    });
+    let output = Output {
+        tokens,
+        logprobs,
+        finish_reason,
     };
     let prompt_tokens = prompt.tokens;
     let submission = gpu
@@ -180,36 +194,38 @@ async fn generate(
     tracing::debug!(model = %cfg.model, seq_id = submission.id, request_id = %meta.id, prompt_tokens, output_tokens, stream = common.stream, "request admitted to the queue");
     let usage = Usage::new(prompt_tokens, output_tokens);
     if common.stream {
-        let stream = token_stream(
-            submission,
-            text,
-            meta,
-            finish_reason,
-            usage,
-            common.include_usage(),
-        );
+        let stream = token_stream(submission, output, meta, usage, common.include_usage());
         Ok(Sse::new(stream).into_response())
     } else {
-        collect(submission, text, meta, finish_reason, usage).await
+        collect(submission, output, meta, usage).await
     }
+}
+
+/// What one request writes, decided before it is queued (the simulator knows its output
+/// length up front): its tokens, their log-probabilities when asked for, and why it ends.
+struct Output {
+    tokens: Vec<String>,
+    logprobs: Option<Vec<TokenLogprobs>>,
+    finish_reason: &'static str,
 }
 
 fn token_stream(
     mut submission: Submission,
-    mut text: TextGenerator,
+    output: Output,
     meta: ResponseMeta,
-    finish_reason: &'static str,
     usage: Usage,
     include_usage: bool,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     async_stream::stream! {
-        let mut first = true;
-        while let Some(SeqEvent::Token { finished, .. }) = submission.next().await {
-            let token = text.next_token();
-            yield Ok(data(&meta.token_chunk(&token, first, include_usage)));
-            first = false;
+        let mut offset = 0;
+        while let Some(SeqEvent::Token { index, finished }) = submission.next().await {
+            let i = index as usize;
+            let token = output.tokens.get(i).map_or("", String::as_str);
+            let logprobs = output.logprobs.as_ref().and_then(|l| l.get(i));
+            yield Ok(data(&meta.token_chunk(token, logprobs, offset, index == 0, include_usage)));
+            offset += token.chars().count();
             if finished {
-                yield Ok(data(&meta.finish_chunk(finish_reason, include_usage)));
+                yield Ok(data(&meta.finish_chunk(output.finish_reason, include_usage)));
                 if include_usage {
                     yield Ok(data(&meta.usage_chunk(usage)));
                 }
@@ -229,16 +245,20 @@ fn data(value: &Value) -> Event {
 
 async fn collect(
     mut submission: Submission,
-    mut text: TextGenerator,
+    output: Output,
     meta: ResponseMeta,
-    finish_reason: &'static str,
     usage: Usage,
 ) -> Result<Response, ApiError> {
-    let mut output = String::new();
     while let Some(SeqEvent::Token { finished, .. }) = submission.next().await {
-        output.push_str(&text.next_token());
         if finished {
-            return Ok(Json(meta.response(&output, finish_reason, usage)).into_response());
+            let text = output.tokens.concat();
+            let response = meta.response(
+                &text,
+                output.logprobs.as_deref(),
+                output.finish_reason,
+                usage,
+            );
+            return Ok(Json(response).into_response());
         }
     }
     Err(ApiError::unavailable(

@@ -24,6 +24,7 @@ pub mod config;
 pub mod cost;
 pub mod engine;
 pub mod kv_publisher;
+pub mod logprobs;
 pub mod metrics;
 pub mod openai;
 pub mod scheduler;

@@ -16,6 +16,8 @@ use metronome_protocol::prefix::{chat_token_ids, content_text, fit_to_count, tex
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use crate::logprobs::{LogprobsRequest, TokenLogprobs, MAX_TOP_LOGPROBS};
+
 #[derive(Clone, Debug, Default, Deserialize)]
 pub struct StreamOptions {
     #[serde(default)]
@@ -41,6 +43,13 @@ pub struct Common {
     pub n: Option<u32>,
     #[serde(default)]
     pub metronome_prompt_tokens: Option<u32>,
+    /// Chat: a boolean; completions: how many alternatives per token
+    /// ([`Common::logprobs_request`]).
+    #[serde(default)]
+    pub logprobs: Value,
+    /// Chat: alternatives per token (needs `logprobs: true`).
+    #[serde(default)]
+    pub top_logprobs: Value,
 }
 
 impl Common {
@@ -52,6 +61,51 @@ impl Common {
 
     pub fn requested_max_tokens(&self) -> Option<u32> {
         self.max_completion_tokens.or(self.max_tokens)
+    }
+
+    /// The log-probabilities asked for, if any: `logprobs: true` with `top_logprobs: k` on
+    /// the chat endpoint, `logprobs: k` on the completions endpoint. Anything else is
+    /// refused with a message and the field at fault, as vLLM refuses it.
+    pub fn logprobs_request(
+        &self,
+        kind: Kind,
+    ) -> Result<Option<LogprobsRequest>, (String, &'static str)> {
+        let count = |v: &Value, field: &'static str| match v {
+            Value::Null => Ok(None),
+            v => v
+                .as_u64()
+                .filter(|k| *k <= u64::from(MAX_TOP_LOGPROBS))
+                .map(|k| Some(k as u32))
+                .ok_or_else(|| {
+                    (
+                        format!("`{field}` must be an integer from 0 to {MAX_TOP_LOGPROBS}"),
+                        field,
+                    )
+                }),
+        };
+        match kind {
+            Kind::Chat => {
+                let wanted = match &self.logprobs {
+                    Value::Null => false,
+                    Value::Bool(b) => *b,
+                    _ => return Err(("`logprobs` must be a boolean".into(), "logprobs")),
+                };
+                let top = count(&self.top_logprobs, "top_logprobs")?;
+                match (wanted, top) {
+                    (true, top) => Ok(Some(LogprobsRequest {
+                        top: top.unwrap_or(0),
+                    })),
+                    (false, Some(_)) => Err((
+                        "`top_logprobs` needs `logprobs: true`".into(),
+                        "top_logprobs",
+                    )),
+                    (false, None) => Ok(None),
+                }
+            }
+            Kind::Completion => {
+                Ok(count(&self.logprobs, "logprobs")?.map(|k| LogprobsRequest { top: k.max(1) }))
+            }
+        }
     }
 }
 
@@ -210,8 +264,19 @@ impl ResponseMeta {
         }
     }
 
-    /// A stream chunk carrying one token (`first` adds the assistant role for chat).
-    pub fn token_chunk(&self, text: &str, first: bool, include_usage: bool) -> Value {
+    /// A stream chunk carrying one token (`first` adds the assistant role for chat), with its
+    /// log-probabilities when asked for, `offset` characters into the choice's text.
+    pub fn token_chunk(
+        &self,
+        text: &str,
+        logprobs: Option<&TokenLogprobs>,
+        offset: usize,
+        first: bool,
+        include_usage: bool,
+    ) -> Value {
+        let logprobs = logprobs.map_or(Value::Null, |l| {
+            crate::logprobs::render(self.kind, std::slice::from_ref(l), offset)
+        });
         let choice = match self.kind {
             Kind::Chat => {
                 let delta = if first {
@@ -219,10 +284,10 @@ impl ResponseMeta {
                 } else {
                     json!({"content": text})
                 };
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": null})
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": null})
             }
             Kind::Completion => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": null})
+                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": null})
             }
         };
         self.chunk(vec![choice], include_usage)
@@ -261,8 +326,15 @@ impl ResponseMeta {
         v
     }
 
-    /// The whole (non-streaming) response.
-    pub fn response(&self, text: &str, finish_reason: &str, usage: Usage) -> Value {
+    /// The whole (non-streaming) response, with the tokens' log-probabilities when asked for.
+    pub fn response(
+        &self,
+        text: &str,
+        logprobs: Option<&[TokenLogprobs]>,
+        finish_reason: &str,
+        usage: Usage,
+    ) -> Value {
+        let logprobs = logprobs.map_or(Value::Null, |l| crate::logprobs::render(self.kind, l, 0));
         match self.kind {
             Kind::Chat => json!({
                 "id": self.id, "object": "chat.completion", "created": self.created,
@@ -270,7 +342,7 @@ impl ResponseMeta {
                 "choices": [{
                     "index": 0,
                     "message": {"role": "assistant", "content": text},
-                    "logprobs": null,
+                    "logprobs": logprobs,
                     "finish_reason": finish_reason,
                 }],
                 "usage": usage,
@@ -278,7 +350,7 @@ impl ResponseMeta {
             Kind::Completion => json!({
                 "id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason}],
+                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
                 "usage": usage,
             }),
         }
