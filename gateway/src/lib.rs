@@ -93,6 +93,7 @@ pub fn app(state: AppState) -> Router {
             route(post(routes::chat_completions)),
         )
         .route("/v1/completions", route(post(routes::completions)))
+        .route("/v1/embeddings", route(post(routes::embeddings)))
         .route("/v1/models", route(get(routes::list_models)))
         .route("/v1/models/{*model}", route(get(routes::get_model)));
     if let Some(cors) = cors {

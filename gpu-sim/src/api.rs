@@ -1,7 +1,8 @@
 //! The HTTP face of one simulated GPU: vLLM's OpenAI-compatible routes.
 //!
 //! `POST /v1/chat/completions` and `POST /v1/completions` (streaming as SSE and not),
-//! `GET /v1/models`, `GET /health`, `GET /metrics`. Errors use OpenAI's body
+//! `POST /v1/embeddings` ([`crate::embedding`]), `GET /v1/models`, `GET /health`,
+//! `GET /metrics`. Errors use OpenAI's body
 //! (`{"error": {"message", "type", "param", "code"}}`): malformed JSON or a bad field 400,
 //! unknown model 404, a request longer than `max_model_len` 400, shutting down 503.
 //! Streams send one chunk per token (the first chat chunk also carries the assistant role,
@@ -22,6 +23,7 @@ use futures::Stream;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
+use crate::embedding::{self, EmbeddingRequest};
 use crate::engine::EngineError;
 use crate::logprobs::{LogprobSampler, TokenLogprobs};
 use crate::metrics;
@@ -36,6 +38,7 @@ pub fn router(gpu: Arc<Gpu>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(prometheus))
@@ -183,13 +186,7 @@ async fn generate(
     let prompt_tokens = prompt.tokens;
     let submission = gpu
         .submit_prompt(prompt.token_ids, output_tokens, output_tokens < max_tokens)
-        .map_err(|e| match e {
-            SubmitError::Closed => ApiError::unavailable(e.to_string()),
-            SubmitError::Engine(e @ EngineError::TooLong { .. }) => {
-                ApiError::bad_request(e.to_string(), Some("max_tokens"))
-            }
-            SubmitError::Engine(e) => ApiError::bad_request(e.to_string(), None),
-        })?;
+        .map_err(submit_error)?;
     let meta = ResponseMeta::new(kind, &cfg.model);
     tracing::debug!(model = %cfg.model, seq_id = submission.id, request_id = %meta.id, prompt_tokens, output_tokens, stream = common.stream, "request admitted to the queue");
     let usage = Usage::new(prompt_tokens, output_tokens);
@@ -207,6 +204,89 @@ struct Output {
     tokens: Vec<String>,
     logprobs: Option<Vec<TokenLogprobs>>,
     finish_reason: &'static str,
+}
+
+/// A request the GPU refused to queue, in OpenAI's error shape.
+fn submit_error(e: SubmitError) -> ApiError {
+    match e {
+        SubmitError::Closed => ApiError::unavailable(e.to_string()),
+        SubmitError::Engine(e @ EngineError::TooLong { .. }) => {
+            ApiError::bad_request(e.to_string(), Some("max_tokens"))
+        }
+        SubmitError::Engine(e) => ApiError::bad_request(e.to_string(), None),
+    }
+}
+
+/// `POST /v1/embeddings`: every input prefilled on the GPU at once, each answered when its
+/// prefill (and the one step that completes it) is done.
+async fn embeddings(State(gpu): State<Arc<Gpu>>, body: Bytes) -> Result<Response, ApiError> {
+    let request: EmbeddingRequest = parse(&body)?;
+    let cfg = gpu.config();
+    if request.model != cfg.model {
+        return Err(ApiError::model_not_found(&request.model));
+    }
+    let invalid =
+        |(message, field): embedding::Invalid| ApiError::bad_request(message, Some(field));
+    let inputs = request.inputs().map_err(invalid)?;
+    let encoding = request.encoding().map_err(invalid)?;
+    let dimensions = request.dimensions().map_err(invalid)?;
+    if let Some(long) = inputs
+        .iter()
+        .find(|i| i.token_ids.len() as u64 > u64::from(cfg.max_model_len))
+    {
+        return Err(ApiError::bad_request(
+            format!(
+                "This model's maximum context length is {} tokens. However, you requested {} tokens in the input for embedding generation.",
+                cfg.max_model_len,
+                long.token_ids.len()
+            ),
+            Some("input"),
+        ));
+    }
+    let prompt_tokens: u32 = inputs
+        .iter()
+        .map(|i| u32::try_from(i.token_ids.len()).unwrap_or(u32::MAX))
+        .fold(0, u32::saturating_add);
+    // Queued together, so a batch of inputs is prefilled together as vLLM would.
+    let mut submissions = Vec::with_capacity(inputs.len());
+    for input in &inputs {
+        submissions.push(
+            gpu.submit_prompt(input.token_ids.clone(), 1, false)
+                .map_err(submit_error)?,
+        );
+    }
+    tracing::debug!(model = %cfg.model, inputs = inputs.len(), prompt_tokens, "embedding admitted to the queue");
+    for mut submission in submissions {
+        loop {
+            match submission.next().await {
+                Some(SeqEvent::Token { finished: true, .. }) => break,
+                Some(_) => {}
+                None => {
+                    return Err(ApiError::unavailable(
+                        "the simulated GPU shut down before the request finished",
+                    ))
+                }
+            }
+        }
+    }
+    let vectors: Vec<Vec<f32>> = inputs
+        .iter()
+        .map(|i| embedding::vector(cfg.seed, &i.key, dimensions))
+        .collect();
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default();
+    let id = format!("embd-{}", uuid::Uuid::new_v4().simple());
+    Ok(Json(embedding::response(
+        &id,
+        created,
+        &cfg.model,
+        &vectors,
+        encoding,
+        prompt_tokens,
+    ))
+    .into_response())
 }
 
 fn token_stream(

@@ -22,6 +22,7 @@ pub mod api;
 pub mod block_pool;
 pub mod config;
 pub mod cost;
+pub mod embedding;
 pub mod engine;
 pub mod kv_publisher;
 pub mod logprobs;

@@ -19,6 +19,8 @@ pub enum Endpoint {
     Chat,
     /// `POST /v1/completions`
     Completion,
+    /// `POST /v1/embeddings`: a prefill and no decode; the job's `max_tokens` is 0.
+    Embedding,
 }
 
 impl Endpoint {
@@ -27,6 +29,23 @@ impl Endpoint {
         match self {
             Endpoint::Chat => "/v1/chat/completions",
             Endpoint::Completion => "/v1/completions",
+            Endpoint::Embedding => "/v1/embeddings",
+        }
+    }
+
+    /// Whether the endpoint generates tokens (and streams them). An embedding is answered
+    /// in one piece once its prompt is prefilled: it has no output tokens, no decode rate
+    /// and no stream.
+    pub fn generates(self) -> bool {
+        !matches!(self, Endpoint::Embedding)
+    }
+
+    /// The request field holding the prompt: `messages`, `prompt` or `input`.
+    pub fn prompt_field(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "messages",
+            Endpoint::Completion => "prompt",
+            Endpoint::Embedding => "input",
         }
     }
 }
@@ -47,7 +66,7 @@ pub struct Job {
     pub request: Value,
     /// Estimated prompt tokens.
     pub prompt_tokens: u32,
-    /// Upper bound of generated tokens (`max_tokens` of the request).
+    /// Upper bound of generated tokens (`max_tokens` of the request; 0 for an embedding).
     pub max_tokens: u32,
     /// When the client submitted the job (Unix ms).
     pub submitted_ms: u64,
@@ -205,7 +224,7 @@ pub enum JobError {
     ModelControlChar { code: u32, at: usize },
     #[error("model name is {len} bytes, longer than the limit of {limit} bytes")]
     ModelTooLong { len: usize, limit: usize },
-    #[error("job asks for max_tokens = 0")]
+    #[error("job asks for max_tokens = 0 (only an embedding job writes no tokens)")]
     ZeroMaxTokens,
     #[error("job needs {total} tokens (prompt + max_tokens), more than the limit of {limit}")]
     TooManyTokens { total: u64, limit: u32 },
@@ -315,7 +334,7 @@ impl Job {
             return Err(JobError::BadId(self.id.clone()));
         }
         check_model_name(&self.model)?;
-        if self.max_tokens == 0 {
+        if self.max_tokens == 0 && self.endpoint.generates() {
             return Err(JobError::ZeroMaxTokens);
         }
         let total = u64::from(self.prompt_tokens) + u64::from(self.max_tokens);
@@ -625,6 +644,21 @@ mod tests {
         for (v, code) in cases {
             assert_eq!(parse(&v).unwrap_err().code(), code, "for {v}");
         }
+    }
+
+    #[test]
+    fn only_an_embedding_job_may_write_no_tokens() {
+        let mut v = job_json();
+        v["endpoint"] = json!("embedding");
+        v["request"] = json!({"model": "m", "input": "hello"});
+        v["max_tokens"] = json!(0);
+        let job = parse(&v).unwrap();
+        assert_eq!(job.endpoint, Endpoint::Embedding);
+        assert!(!job.endpoint.generates());
+        assert_eq!(job.endpoint.path(), "/v1/embeddings");
+        assert_eq!(job.kv_tokens(), 10);
+        v["endpoint"] = json!("completion");
+        assert_eq!(parse(&v).unwrap_err().code(), "zero_max_tokens");
     }
 
     #[test]

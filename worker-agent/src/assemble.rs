@@ -18,6 +18,9 @@
 //! - any other field of a choice (vLLM's `stop_reason`, SGLang's `matched_stop`) and of the
 //!   chunk (`system_fingerprint`, `service_tier`, `prompt_logprobs`) keeps its last
 //!   non-null value.
+//!
+//! An embedding is not streamed: its one "chunk" is the server's whole response, kept as
+//! it came, with the usage it reports (prompt tokens, no output).
 
 use std::collections::BTreeMap;
 
@@ -59,6 +62,8 @@ pub struct Assembler {
     choices: BTreeMap<u64, Choice>,
     usage: Option<Usage>,
     content_chunks: u32,
+    /// An embedding's response, as the server answered it.
+    whole: Option<Value>,
 }
 
 impl Assembler {
@@ -72,12 +77,18 @@ impl Assembler {
             choices: BTreeMap::new(),
             usage: None,
             content_chunks: 0,
+            whole: None,
         }
     }
 
     /// Fold one chunk in. Returns true when it carried generated text (a token arrival,
     /// which is what time-to-first-token and time-per-token measure).
     pub fn push(&mut self, chunk: &Value) -> bool {
+        if !self.endpoint.generates() {
+            self.read_usage(chunk);
+            self.whole = Some(chunk.clone());
+            return true;
+        }
         if self.id.is_none() {
             self.id = chunk.get("id").and_then(Value::as_str).map(str::to_string);
         }
@@ -93,20 +104,7 @@ impl Assembler {
         if let Some(fields) = chunk.as_object() {
             keep_last(&mut self.extra, fields, &CHUNK_FIELDS);
         }
-        if let Some(u) = chunk.get("usage").filter(|u| !u.is_null()) {
-            let get = |k: &str| u.get(k).and_then(Value::as_u64).unwrap_or(0) as u32;
-            let (p, c) = (get("prompt_tokens"), get("completion_tokens"));
-            let t = u
-                .get("total_tokens")
-                .and_then(Value::as_u64)
-                .map(|t| t as u32)
-                .unwrap_or(p + c);
-            self.usage = Some(Usage {
-                prompt_tokens: p,
-                completion_tokens: c,
-                total_tokens: t,
-            });
-        }
+        self.read_usage(chunk);
         let mut produced = false;
         for (pos, c) in chunk
             .get("choices")
@@ -123,7 +121,7 @@ impl Assembler {
                         produced |= acc.push_delta(delta);
                     }
                 }
-                Endpoint::Completion => {
+                Endpoint::Completion | Endpoint::Embedding => {
                     if let Some(text) = c.get("text").and_then(Value::as_str) {
                         acc.text.push_str(text);
                         produced |= !text.is_empty();
@@ -144,6 +142,24 @@ impl Assembler {
             self.content_chunks += 1;
         }
         produced
+    }
+
+    /// Take the chunk's usage, when it carries one.
+    fn read_usage(&mut self, chunk: &Value) {
+        if let Some(u) = chunk.get("usage").filter(|u| !u.is_null()) {
+            let get = |k: &str| u.get(k).and_then(Value::as_u64).unwrap_or(0) as u32;
+            let (p, c) = (get("prompt_tokens"), get("completion_tokens"));
+            let t = u
+                .get("total_tokens")
+                .and_then(Value::as_u64)
+                .map(|t| t as u32)
+                .unwrap_or(p + c);
+            self.usage = Some(Usage {
+                prompt_tokens: p,
+                completion_tokens: c,
+                total_tokens: t,
+            });
+        }
     }
 
     /// The server's usage, if it sent one.
@@ -168,6 +184,9 @@ impl Assembler {
 
     /// The assembled non-streaming response.
     pub fn finish(&self, job_id: &str, model: &str, usage: Usage) -> Value {
+        if let Some(whole) = &self.whole {
+            return whole.clone();
+        }
         let choices: Vec<Value> = self
             .choices
             .iter()
@@ -178,7 +197,7 @@ impl Assembler {
                     Endpoint::Chat => {
                         choice.insert("message".into(), Value::Object(c.message()));
                     }
-                    Endpoint::Completion => {
+                    Endpoint::Completion | Endpoint::Embedding => {
                         choice.insert("text".into(), json!(c.text));
                     }
                 }
@@ -198,7 +217,7 @@ impl Assembler {
             .collect();
         let object = match self.endpoint {
             Endpoint::Chat => "chat.completion",
-            Endpoint::Completion => "text_completion",
+            Endpoint::Completion | Endpoint::Embedding => "text_completion",
         };
         let mut out = json!({
             "id": self.id.clone().unwrap_or_else(|| format!("cmpl-{job_id}")),
@@ -476,6 +495,28 @@ mod tests {
         let r = a.finish("j", "m", a.usage(0));
         assert_eq!(r["choices"][0]["logprobs"], Value::Null);
         assert!(r.get("system_fingerprint").is_none());
+    }
+
+    #[test]
+    fn an_embedding_is_kept_as_the_server_answered_it() {
+        let mut a = Assembler::new(Endpoint::Embedding);
+        let response = json!({"object": "list", "model": "m",
+            "data": [{"object": "embedding", "index": 0, "embedding": [0.6, 0.8]}],
+            "usage": {"prompt_tokens": 4, "total_tokens": 4}});
+        assert!(
+            a.push(&response),
+            "the answer is the job's first and only result"
+        );
+        let usage = a.usage(99);
+        assert_eq!(
+            usage,
+            Usage {
+                prompt_tokens: 4,
+                completion_tokens: 0,
+                total_tokens: 4
+            }
+        );
+        assert_eq!(a.finish("j", "m", usage), response);
     }
 
     #[test]
