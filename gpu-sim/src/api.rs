@@ -19,19 +19,18 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
+use crate::choice::{Choice, ForcedTool, Plan};
 use crate::embedding::{self, EmbeddingRequest};
 use crate::engine::EngineError;
-use crate::logprobs::{LogprobSampler, TokenLogprobs};
 use crate::metrics;
 use crate::openai::{
     self, ChatRequest, Common, CompletionRequest, Kind, Prompt, ResponseMeta, Usage,
 };
 use crate::scheduler::{Gpu, SeqEvent, Submission, SubmitError};
-use crate::text::TextGenerator;
 
 /// The router of one simulated GPU.
 pub fn router(gpu: Arc<Gpu>) -> Router {
@@ -116,7 +115,10 @@ fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
 async fn chat_completions(State(gpu): State<Arc<Gpu>>, body: Bytes) -> Result<Response, ApiError> {
     let request: ChatRequest = parse(&body)?;
     let prompt = request.prompt();
-    generate(gpu, Kind::Chat, request.common, prompt).await
+    let tool = request
+        .forced_tool()
+        .map_err(|(message, field)| ApiError::bad_request(message, Some(field)))?;
+    generate(gpu, Kind::Chat, request.common, prompt, tool).await
 }
 
 async fn completions(State(gpu): State<Arc<Gpu>>, body: Bytes) -> Result<Response, ApiError> {
@@ -124,7 +126,7 @@ async fn completions(State(gpu): State<Arc<Gpu>>, body: Bytes) -> Result<Respons
     let prompt = request
         .prompt()
         .map_err(|m| ApiError::bad_request(m, Some("prompt")))?;
-    generate(gpu, Kind::Completion, request.common, prompt).await
+    generate(gpu, Kind::Completion, request.common, prompt, None).await
 }
 
 async fn generate(
@@ -132,14 +134,15 @@ async fn generate(
     kind: Kind,
     common: Common,
     prompt: Prompt,
+    tool: Option<ForcedTool>,
 ) -> Result<Response, ApiError> {
     let cfg = gpu.config();
     if common.model != cfg.model {
         return Err(ApiError::model_not_found(&common.model));
     }
-    if common.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::bad_request("only n = 1 is supported", Some("n")));
-    }
+    let invalid =
+        |(message, field): (String, &'static str)| ApiError::bad_request(message, Some(field));
+    let n = common.choices().map_err(invalid)?;
     let max_tokens = common
         .requested_max_tokens()
         .unwrap_or(cfg.default_max_tokens);
@@ -159,51 +162,41 @@ async fn generate(
             Some("max_tokens"),
         ));
     }
-    let logprobs = common
-        .logprobs_request(kind)
-        .map_err(|(message, field)| ApiError::bad_request(message, Some(field)))?;
-    let mut text = TextGenerator::new(cfg.seed, &prompt.key);
-    let output_tokens = if common.ignore_eos {
-        max_tokens
-    } else {
-        text.sample_length(cfg.eos_probability, max_tokens)
-    };
-    let finish_reason = if output_tokens < max_tokens {
-        "stop"
-    } else {
-        "length"
-    };
-    let tokens: Vec<String> = (0..output_tokens).map(|_| text.next_token()).collect();
-    let logprobs = logprobs.map(|asked| {
-        let mut sampler = LogprobSampler::new(cfg.seed, &prompt.key, 0, asked.top);
-        tokens.iter().map(|t| sampler.next(t)).collect::<Vec<_>>()
-    });
-    let output = Output {
-        tokens,
+    let logprobs = common.logprobs_request(kind).map_err(invalid)?;
+    let stop = common.stop_sequences().map_err(invalid)?;
+    let plan = Plan {
+        seed: cfg.seed,
+        prompt_key: &prompt.key,
+        max_tokens,
+        eos_probability: cfg.eos_probability,
+        ignore_eos: common.ignore_eos,
+        stop: &stop,
         logprobs,
-        finish_reason,
+        tool: tool.as_ref(),
     };
+    let choices: Vec<Choice> = (0..n).map(|i| plan.choice(i)).collect();
     let prompt_tokens = prompt.tokens;
-    let submission = gpu
-        .submit_prompt(prompt.token_ids, output_tokens, output_tokens < max_tokens)
-        .map_err(submit_error)?;
+    // One sequence per choice, queued together (vLLM runs `n` as `n` sequences).
+    let mut submissions = Vec::with_capacity(choices.len());
+    for c in &choices {
+        submissions.push(
+            gpu.submit_prompt(prompt.token_ids.clone(), c.tokens(), c.stopped_early())
+                .map_err(submit_error)?,
+        );
+    }
     let meta = ResponseMeta::new(kind, &cfg.model);
-    tracing::debug!(model = %cfg.model, seq_id = submission.id, request_id = %meta.id, prompt_tokens, output_tokens, stream = common.stream, "request admitted to the queue");
+    let output_tokens = choices
+        .iter()
+        .map(Choice::tokens)
+        .fold(0, u32::saturating_add);
+    tracing::debug!(model = %cfg.model, request_id = %meta.id, prompt_tokens, output_tokens, n, stream = common.stream, "request admitted to the queue");
     let usage = Usage::new(prompt_tokens, output_tokens);
     if common.stream {
-        let stream = token_stream(submission, output, meta, usage, common.include_usage());
+        let stream = token_stream(submissions, choices, meta, usage, common.include_usage());
         Ok(Sse::new(stream).into_response())
     } else {
-        collect(submission, output, meta, usage).await
+        collect(submissions, choices, meta, usage).await
     }
-}
-
-/// What one request writes, decided before it is queued (the simulator knows its output
-/// length up front): its tokens, their log-probabilities when asked for, and why it ends.
-struct Output {
-    tokens: Vec<String>,
-    logprobs: Option<Vec<TokenLogprobs>>,
-    finish_reason: &'static str,
 }
 
 /// A request the GPU refused to queue, in OpenAI's error shape.
@@ -290,27 +283,40 @@ async fn embeddings(State(gpu): State<Arc<Gpu>>, body: Bytes) -> Result<Response
 }
 
 fn token_stream(
-    mut submission: Submission,
-    output: Output,
+    submissions: Vec<Submission>,
+    choices: Vec<Choice>,
     meta: ResponseMeta,
     usage: Usage,
     include_usage: bool,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
+    // Each choice's events tagged with its index, interleaved as the GPU produces them.
+    let events =
+        futures::stream::select_all(submissions.into_iter().enumerate().map(|(i, submission)| {
+            futures::stream::unfold(submission, |mut s| async move {
+                s.next().await.map(|event| (event, s))
+            })
+            .map(move |event| (i, event))
+            .boxed()
+        }));
     async_stream::stream! {
-        let mut offset = 0;
-        while let Some(SeqEvent::Token { index, finished }) = submission.next().await {
-            let i = index as usize;
-            let token = output.tokens.get(i).map_or("", String::as_str);
-            let logprobs = output.logprobs.as_ref().and_then(|l| l.get(i));
-            yield Ok(data(&meta.token_chunk(token, logprobs, offset, index == 0, include_usage)));
-            offset += token.chars().count();
+        let mut events = events;
+        let mut offsets = vec![0usize; choices.len()];
+        let mut open = choices.len();
+        while let Some((i, SeqEvent::Token { index, finished })) = events.next().await {
+            let choice = &choices[i];
+            let token = index as usize;
+            yield Ok(data(&meta.token_chunk(i as u32, choice, token, offsets[i], include_usage)));
+            offsets[i] += choice.pieces.get(token).map_or(0, |p| p.chars().count());
             if finished {
-                yield Ok(data(&meta.finish_chunk(output.finish_reason, include_usage)));
-                if include_usage {
-                    yield Ok(data(&meta.usage_chunk(usage)));
+                yield Ok(data(&meta.finish_chunk(i as u32, choice, include_usage)));
+                open -= 1;
+                if open == 0 {
+                    if include_usage {
+                        yield Ok(data(&meta.usage_chunk(usage)));
+                    }
+                    yield Ok(Event::default().data("[DONE]"));
+                    return;
                 }
-                yield Ok(Event::default().data("[DONE]"));
-                return;
             }
         }
         // The GPU shut down mid-generation: say so instead of a silent truncation.
@@ -324,26 +330,25 @@ fn data(value: &Value) -> Event {
 }
 
 async fn collect(
-    mut submission: Submission,
-    output: Output,
+    submissions: Vec<Submission>,
+    choices: Vec<Choice>,
     meta: ResponseMeta,
     usage: Usage,
 ) -> Result<Response, ApiError> {
-    while let Some(SeqEvent::Token { finished, .. }) = submission.next().await {
-        if finished {
-            let text = output.tokens.concat();
-            let response = meta.response(
-                &text,
-                output.logprobs.as_deref(),
-                output.finish_reason,
-                usage,
-            );
-            return Ok(Json(response).into_response());
+    for mut submission in submissions {
+        loop {
+            match submission.next().await {
+                Some(SeqEvent::Token { finished: true, .. }) => break,
+                Some(_) => {}
+                None => {
+                    return Err(ApiError::unavailable(
+                        "the simulated GPU shut down before the request finished",
+                    ))
+                }
+            }
         }
     }
-    Err(ApiError::unavailable(
-        "the simulated GPU shut down before the request finished",
-    ))
+    Ok(Json(meta.response(&choices, usage)).into_response())
 }
 
 async fn models(State(gpu): State<Arc<Gpu>>) -> Json<Value> {

@@ -20,6 +20,7 @@
 
 pub mod api;
 pub mod block_pool;
+pub mod choice;
 pub mod config;
 pub mod cost;
 pub mod embedding;

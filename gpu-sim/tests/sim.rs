@@ -770,3 +770,123 @@ async fn logprobs_asked_for_wrongly_are_refused_naming_the_field() {
     assert_eq!(status, 400, "{answer}");
     assert_eq!(answer["error"]["param"], "logprobs");
 }
+
+#[tokio::test]
+async fn n_choices_are_generated_as_n_sequences_streamed_and_not() {
+    let h = Harness::start(fast(MODEL)).await;
+    let request = json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 5, "n": 3});
+    let (status, body) = h.post("/v1/chat/completions", request.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let texts: Vec<&str> = body["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["message"]["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(texts.len(), 3);
+    assert!(texts[0] != texts[1] && texts[1] != texts[2], "{texts:?}");
+    assert_eq!(body["usage"]["completion_tokens"], 15);
+    let (_, single) = h
+        .post(
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}),
+        )
+        .await;
+    assert_eq!(single["choices"][0]["message"]["content"], texts[0]);
+
+    let mut streamed = request;
+    streamed["stream"] = json!(true);
+    let choices = streamed_choices(&h.stream("/v1/chat/completions", streamed).await);
+    for (i, text) in texts.iter().enumerate() {
+        let mine: Vec<&Value> = choices.iter().filter(|c| c["index"] == i).collect();
+        let joined: String = mine
+            .iter()
+            .filter_map(|c| c["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(&joined, text, "choice {i}");
+        assert_eq!(mine.last().unwrap()["finish_reason"], "length");
+    }
+    let (status, _) = h
+        .post(
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "x", "max_tokens": 2, "n": 17}),
+        )
+        .await;
+    assert_eq!(status, 400);
+}
+
+#[tokio::test]
+async fn a_stop_sequence_ends_the_text_before_it() {
+    let h = Harness::start(fast(MODEL)).await;
+    let body = |stop: Value| json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 30, "stop": stop});
+    let (_, full) = h.post("/v1/completions", body(Value::Null)).await;
+    let full_text = full["choices"][0]["text"].as_str().unwrap().to_string();
+    let word = full_text.split_whitespace().nth(5).unwrap().to_string();
+    let (status, cut) = h
+        .post(
+            "/v1/completions",
+            body(json!(["no such text", word.clone()])),
+        )
+        .await;
+    assert_eq!(status, 200, "{cut}");
+    let choice = &cut["choices"][0];
+    let text = choice["text"].as_str().unwrap();
+    assert_eq!(choice["finish_reason"], "stop");
+    assert_eq!(choice["stop_reason"], word.as_str());
+    assert_eq!(text, &full_text[..full_text.find(&word).unwrap()]);
+    assert!(cut["usage"]["completion_tokens"].as_u64().unwrap() < 30);
+    let (status, _) = h.post("/v1/completions", body(json!([1]))).await;
+    assert_eq!(status, 400);
+}
+
+#[tokio::test]
+async fn a_forced_tool_choice_is_answered_with_a_tool_call() {
+    let h = Harness::start(fast(MODEL)).await;
+    let tools = json!([
+        {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}},
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}},
+    ]);
+    let request = json!({"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}],
+        "max_tokens": 50, "tools": tools,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}});
+    let (status, body) = h.post("/v1/chat/completions", request.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let choice = &body["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls");
+    assert_eq!(choice["message"]["content"], Value::Null);
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(call["type"], "function");
+    assert_eq!(call["function"]["name"], "get_weather");
+    let args: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(args["city"].is_string() && args["days"].is_u64(), "{args}");
+
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let choices = streamed_choices(&h.stream("/v1/chat/completions", streamed).await);
+    assert_eq!(
+        choices[0]["delta"]["tool_calls"][0]["function"]["name"],
+        "get_weather"
+    );
+    let arguments: String = choices
+        .iter()
+        .filter_map(|c| c["delta"]["tool_calls"][0]["function"]["arguments"].as_str())
+        .collect();
+    assert_eq!(arguments, call["function"]["arguments"].as_str().unwrap());
+
+    // `auto` answers with text; a name not among the tools is refused.
+    let mut auto = request.clone();
+    auto["tool_choice"] = json!("auto");
+    let (_, text) = h.post("/v1/chat/completions", auto).await;
+    assert!(
+        text["choices"][0]["message"]["content"].is_string(),
+        "{text}"
+    );
+    let mut unknown = request;
+    unknown["tool_choice"] = json!({"type": "function", "function": {"name": "nope"}});
+    let (status, error) = h.post("/v1/chat/completions", unknown).await;
+    assert_eq!(status, 400);
+    assert_eq!(error["error"]["param"], "tool_choice");
+}

@@ -289,7 +289,14 @@ impl Choice {
             "role".into(),
             json!(self.role.clone().unwrap_or_else(|| "assistant".into())),
         );
-        message.insert("content".into(), json!(self.text));
+        // A message that only calls tools has no content (`null`, as OpenAI answers it).
+        let calls = !self.tool_calls.is_empty() || self.function_call.is_some();
+        let content = if self.text.is_empty() && calls {
+            Value::Null
+        } else {
+            json!(self.text)
+        };
+        message.insert("content".into(), content);
         for (k, v) in &self.delta_text {
             // An empty reasoning or refusal text is no such text.
             if v.as_str().is_some_and(|t| !t.is_empty()) {
@@ -525,6 +532,7 @@ mod tests {
         a.push(&json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"x\""}}]}}]}));
         a.push(&json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ":1}"}}]}, "finish_reason": "tool_calls"}]}));
         let r = a.finish("j", "m", a.usage(0));
+        assert_eq!(r["choices"][0]["message"]["content"], Value::Null);
         let call = &r["choices"][0]["message"]["tool_calls"][0];
         assert_eq!(call["id"], "call_1");
         assert_eq!(call["function"]["arguments"], "{\"x\":1}");
