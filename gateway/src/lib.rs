@@ -17,6 +17,7 @@ pub mod cors;
 pub mod error;
 pub mod extract;
 pub mod health;
+pub mod key_store;
 pub mod limits;
 pub mod metrics;
 pub mod openai;
@@ -201,13 +202,19 @@ impl Gateway {
             self.state.metrics.clone(),
             watcher_stop.clone(),
         );
+        let key_watcher = key_store::spawn_watcher(
+            self.state.buckets.api_keys.clone(),
+            self.state.auth.clone(),
+            self.state.metrics.clone(),
+            watcher_stop.clone(),
+        );
         tracing::info!(addr = %self.local_addr, nats = %self.state.config.nats_url, "gateway listening");
         if self.state.config.allow_anonymous {
             tracing::warn!(
                 "anonymous access is on: requests without an API key are served as tenant `anonymous`"
             );
         } else if !self.state.auth.admits_anyone() {
-            tracing::warn!("no API key is configured and anonymous access is off: every OpenAI request will get 401 (create a key with `metronome-gateway keys create --tenant NAME`)");
+            tracing::warn!("no API key is configured and anonymous access is off: every OpenAI request will get 401 until a key is created (`metronome keys create --tenant NAME`, or `metronome-gateway keys create --tenant NAME` for the configuration file)");
         }
         let client = self.state.client.clone();
         let mut state = self.state;
@@ -222,6 +229,7 @@ impl Gateway {
             .map_err(GatewayError::Serve);
         watcher_stop.cancel();
         let _ = watcher.await;
+        let _ = key_watcher.await;
         // Sends what is still buffered (e.g. cancellations of dropped streams).
         if let Err(error) = client.drain().await {
             tracing::debug!(%error, "draining the NATS connection");
