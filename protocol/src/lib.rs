@@ -9,6 +9,7 @@
 //! Also the one reader of each text format the components exchange over HTTP: server-sent
 //! events ([`sse`]) and the Prometheus exposition format ([`prometheus`]).
 
+pub mod api_keys;
 pub mod assignment;
 pub mod control;
 pub mod decision;

@@ -437,6 +437,7 @@ fn chunk_data(job: &Job, text: &str) -> Value {
             "id": "cmpl-test", "object": "text_completion", "created": 1, "model": job.model,
             "choices": [{"index": 0, "text": text, "finish_reason": null}],
         }),
+        Endpoint::Embedding => panic!("an embedding is not streamed"),
     }
 }
 
@@ -453,6 +454,11 @@ fn response(job: &Job) -> Value {
             "id": "cmpl-test", "object": "text_completion", "created": 1, "model": job.model,
             "choices": [{"index": 0, "text": "Hello", "finish_reason": "stop"}],
             "usage": usage,
+        }),
+        Endpoint::Embedding => json!({
+            "object": "list", "model": job.model,
+            "data": [{"object": "embedding", "index": 0, "embedding": [0.6, 0.8]}],
+            "usage": {"prompt_tokens": 3, "total_tokens": 3},
         }),
     }
 }
