@@ -17,7 +17,7 @@ phase_done() {
 ensure_cargo
 ensure_servers
 
-log "workspace checks (unused dependencies, undeclared test files)"
+log "workspace checks (unused dependencies, undeclared test files, module cycles)"
 python3 "$ROOT/scripts/check-workspace.py"
 
 # The suites' tools (Debian packages, the Python environment) install while cargo compiles:

@@ -8,7 +8,7 @@ use crate::engine_support;
 use engine_support::*;
 use metronome_dispatcher::engine::{Engine, Event, WorkerUpdate};
 use metronome_protocol::prefix::PrefixFingerprint;
-use metronome_protocol::{Decision, Job, PrefixSource};
+use metronome_protocol::{AffinityOutcome, Decision, Job, PrefixSource};
 
 const PROMPT: u32 = 2_000;
 
@@ -155,11 +155,82 @@ fn a_worker_holding_the_prefix_but_missing_the_slo_loses_to_one_that_meets_it() 
         .find(|r| r.worker_id == "w1")
         .expect("w1 refused");
     assert_eq!(refused.code.as_str(), "ttft_over_budget");
+    let affinity = d.affinity.as_ref().expect("affinity recorded");
+    assert_eq!(
+        (affinity.worker_id.as_str(), affinity.cached_tokens),
+        ("w1", 2_000)
+    );
+    assert_eq!(affinity.outcome, AffinityOutcome::Overridden);
+    assert_eq!(affinity.reason_code.as_deref(), Some("ttft_over_budget"));
     let reason = d.reason.as_deref().unwrap_or_default();
     assert!(
-        reason.contains("prefix affinity overridden: w1 holds 2000 cached prompt tokens (placements), refused (ttft_over_budget"),
+        reason.contains(
+            "prefix affinity overridden: w1 holds 2000 cached prompt tokens, not eligible:"
+        ),
         "{reason}"
     );
+}
+
+#[test]
+fn the_holder_with_one_more_running_job_wins_on_predicted_cost() {
+    // w1 holds the prefix and runs one job; w0 is idle. The score alone prefers the idle
+    // w0 (one request fewer); in milliseconds w1 is cheaper by the prefill it skips, so
+    // affinity gives it the job and the decision says so.
+    let mut e = two_workers();
+    let first = tokens(1, PROMPT, 1, 0);
+    placed_on_w1_and_finished(&mut e, with_prefix("p1", &first, T0 + 2));
+    let busy = heartbeat_with("w1", 2, T0 + 600, |s| {
+        s.in_flight = vec!["x".into()];
+        s.active = 1;
+    });
+    let second = tokens(1, PROMPT, 2, 200);
+    let out = step(
+        &mut e,
+        vec![
+            busy,
+            arrival(with_prefix("p2", &second, T0 + 600), T0 + 600, T0 + 600),
+        ],
+        T0 + 600,
+    );
+    assert_eq!(assigned(&out), [("p2".to_string(), "w1".to_string())]);
+    let d = assignment_decisions(&out)[0];
+    let affinity = d.affinity.as_ref().expect("affinity recorded");
+    assert_eq!(affinity.worker_id, "w1");
+    assert_eq!(affinity.outcome, AffinityOutcome::Chosen);
+    assert_eq!(
+        d.candidates[0].worker_id, "w1",
+        "the winner is listed first"
+    );
+    assert!(
+        d.candidates[0].total > d.candidates[1].total,
+        "the score alone preferred w0"
+    );
+
+    // With affinity off, the same inputs go to w0 and no record is made.
+    let mut off = engine(|s| s.scheduler.affinity_max_share = 0.0);
+    step(
+        &mut off,
+        vec![
+            heartbeat("w0", "m", 4, &[], 1, T0),
+            heartbeat("w1", "m", 4, &[], 1, T0),
+        ],
+        T0,
+    );
+    placed_on_w1_and_finished(&mut off, with_prefix("p1", &first, T0 + 2));
+    let busy = heartbeat_with("w1", 2, T0 + 600, |s| {
+        s.in_flight = vec!["x".into()];
+        s.active = 1;
+    });
+    let out = step(
+        &mut off,
+        vec![
+            busy,
+            arrival(with_prefix("p2", &second, T0 + 600), T0 + 600, T0 + 600),
+        ],
+        T0 + 600,
+    );
+    assert_eq!(assigned(&out), [("p2".to_string(), "w0".to_string())]);
+    assert_eq!(assignment_decisions(&out)[0].affinity, None);
 }
 
 #[test]

@@ -461,8 +461,8 @@ impl Config {
         let mut hashes = std::collections::HashMap::new();
         for (i, k) in self.keys.iter().enumerate() {
             let at = format!("keys[{i}]");
-            if !crate::auth::is_sha256_hex(&k.sha256) {
-                let hint = if k.sha256.starts_with(crate::auth::KEY_PREFIX) {
+            if !crate::api_key::is_sha256_hex(&k.sha256) {
+                let hint = if k.sha256.starts_with(crate::api_key::KEY_PREFIX) {
                     "this looks like the key itself: store only its SHA-256 (`keys create` prints it)"
                 } else {
                     "must be 64 lowercase hex digits, the SHA-256 of the key (`keys create` prints it)"

@@ -10,7 +10,7 @@ use std::time::Duration;
 use axum::http::{header, HeaderName, HeaderValue, Method};
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
-use crate::routes::{
+use crate::headers::{
     HEADER_DEADLINE_MS, HEADER_JOB_ID, HEADER_PRIORITY, HEADER_SLO_MIN_TOK_S, HEADER_SLO_TTFT_MS,
     HEADER_TRACE_ID, HEADER_WORKER,
 };

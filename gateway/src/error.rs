@@ -131,7 +131,7 @@ impl ApiError {
             "invalid_request_error",
             format!("this API key may not ask for priority `{asked}`; the highest it may use is `{allowed}`"),
         )
-        .with_param(crate::routes::HEADER_PRIORITY)
+        .with_param(crate::headers::HEADER_PRIORITY)
         .with_code("priority_not_allowed")
     }
 

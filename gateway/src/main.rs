@@ -118,7 +118,7 @@ fn keys_create(args: CreateArgs) -> ExitCode {
         eprintln!(
             "metronome-gateway: key for tenant {:?} (id {}) added to {}; the key above is shown once and stored nowhere. Restart the gateway to use it.",
             tenant.name,
-            metronome_gateway::auth::key_id(&new.sha256),
+            metronome_gateway::api_key::key_id(&new.sha256),
             path.display()
         );
         return ExitCode::SUCCESS;

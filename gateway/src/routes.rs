@@ -1,5 +1,6 @@
 //! The OpenAI endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (both also
-//! streaming) and `GET /v1/models`.
+//! streaming), `POST /v1/embeddings` (a job like the others, with no output) and
+//! `GET /v1/models`.
 //!
 //! Per request: authenticate the API key (401), read and validate the body, refuse a model
 //! the tenant may not use (403) or that no worker serves (404), charge the tenant's limits
@@ -29,28 +30,14 @@ use tracing::Instrument;
 
 use crate::error::ApiError;
 use crate::extract::OpenAiJson;
+use crate::headers::{
+    HEADER_DEADLINE_MS, HEADER_JOB_ID, HEADER_PRIORITY, HEADER_SLO_MIN_TOK_S, HEADER_SLO_TTFT_MS,
+    HEADER_TRACE_ID, HEADER_WORKER,
+};
 use crate::openai::{parse_request, InferenceRequest, RequestPolicy};
 use crate::relay::sse_response;
 use crate::submit::{build_job, new_job_id, JobEvent, Submission};
 use crate::AppState;
-
-/// Response header: the job id.
-pub const HEADER_JOB_ID: &str = "x-metronome-job-id";
-/// Response header: the worker that ran the job.
-pub const HEADER_WORKER: &str = "x-metronome-worker";
-/// Response header: the trace id (32 hex digits) of the request's W3C trace context.
-pub const HEADER_TRACE_ID: &str = "x-metronome-trace-id";
-/// Request header: the job's queueing deadline, either a budget in milliseconds from now
-/// (`5000`) or, from 10^12 on, an absolute Unix time in milliseconds.
-pub const HEADER_DEADLINE_MS: &str = "x-metronome-deadline-ms";
-
-/// Request header: a tighter time-to-first-token target than the model's, in ms.
-pub const HEADER_SLO_TTFT_MS: &str = "x-metronome-slo-ttft-ms";
-/// Request header: a higher decode-rate floor than the model's, in tokens/s.
-pub const HEADER_SLO_MIN_TOK_S: &str = "x-metronome-slo-min-tok-s";
-/// Request header asking for a priority class (`interactive`, `batch`) no higher than the
-/// API key's.
-pub const HEADER_PRIORITY: &str = "x-metronome-priority";
 
 /// Values from this on in [`HEADER_DEADLINE_MS`] are absolute Unix milliseconds
 /// (10^12 ms is September 2001; no budget is that long).
@@ -70,6 +57,14 @@ pub async fn completions(
     body: Result<OpenAiJson<Value>, ApiError>,
 ) -> Response {
     handle(state, Endpoint::Completion, headers, body).await
+}
+
+pub async fn embeddings(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<OpenAiJson<Value>, ApiError>,
+) -> Response {
+    handle(state, Endpoint::Embedding, headers, body).await
 }
 
 async fn handle(

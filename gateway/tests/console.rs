@@ -7,7 +7,7 @@ use crate::support;
 
 use base64::Engine as _;
 use futures::StreamExt;
-use metronome_gateway::auth::key_sha256;
+use metronome_gateway::api_key::key_sha256;
 use metronome_gateway::{Config, KeyConfig, TenantConfig};
 use serde_json::Value;
 use support::*;

@@ -6,7 +6,7 @@ use crate::support;
 
 use std::sync::{Arc, Mutex};
 
-use metronome_gateway::auth::key_sha256;
+use metronome_gateway::api_key::key_sha256;
 use metronome_gateway::{Config, KeyConfig, TenantConfig};
 use support::*;
 
@@ -74,7 +74,7 @@ async fn keys_never_appear_in_the_logs() {
     drop(h);
     let logs = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
     // The capture works: the job span names the tenant and the key's public id.
-    let acme_id = metronome_gateway::auth::key_id(&key_sha256(ACME_KEY)).to_string();
+    let acme_id = metronome_gateway::api_key::key_id(&key_sha256(ACME_KEY)).to_string();
     assert!(logs.contains("tenant=\"acme\""), "{logs}");
     assert!(logs.contains(&acme_id), "{logs}");
     for secret in [ACME_KEY, wrong, "Bearer"] {

@@ -6,7 +6,7 @@
 //!
 //! What it cannot show: the leader failover phase (the lab runs one engine, no failures).
 
-use metronome_loadgen::bench::fairness::{FairnessPlan, FLOOD, STEADY};
+use metronome_bench::fairness::{FairnessPlan, FLOOD, STEADY};
 use metronome_loadgen::plan::tenants_plan;
 use metronome_loadgen::stats::percentile;
 use metronome_loadgen::{summarize, Slo};

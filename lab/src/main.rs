@@ -9,13 +9,13 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::Parser;
+use metronome_bench::curve::{capacity_at_slo, CurvePoint, ATTAINMENT_TARGET};
+use metronome_bench::fairness::FairnessPlan;
+use metronome_bench::scenarios::{cluster_speeds, nominal_for, BenchPlan, MODEL};
 use metronome_dispatcher::Config as DispatcherConfig;
 use metronome_gpu_sim::SimGpuConfig;
 use metronome_lab::fairness::{run_fairness, TenantFigures};
 use metronome_lab::{Cluster, LabConfig, LabRun, Latencies, MaxTokens};
-use metronome_loadgen::bench::curve::{capacity_at_slo, CurvePoint, ATTAINMENT_TARGET};
-use metronome_loadgen::bench::fairness::FairnessPlan;
-use metronome_loadgen::bench::scenarios::{cluster_speeds, nominal_for, BenchPlan, MODEL};
 use metronome_loadgen::{meets_slo, plan_requests, summarize, Slo, Workload};
 use metronome_scheduler::policy::PolicyKind;
 

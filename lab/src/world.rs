@@ -530,11 +530,18 @@ impl World {
         r.tenant.and_then(|t| self.tenants.get(t).cloned())
     }
 
+    /// The queue's holds by rejection code, and the prefix-affinity decisions by outcome
+    /// (`affinity_chosen`, `affinity_<reason it was overridden>`).
     fn holds(&self) -> BTreeMap<String, u64> {
-        HOLD_CODES
+        let holds = HOLD_CODES
             .iter()
-            .map(|code| (code.to_string(), self.metrics.holds(&self.model, code)))
-            .collect()
+            .map(|code| (code.to_string(), self.metrics.holds(&self.model, code)));
+        let affinity = self
+            .metrics
+            .affinity(&self.model)
+            .into_iter()
+            .map(|(k, n)| (format!("affinity_{k}"), n));
+        holds.chain(affinity).collect()
     }
 
     /// Let time pass until no job is held anywhere and the queue is empty (the bench waits

@@ -14,9 +14,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::LoadError;
-use crate::plan::PlannedRequest;
 use crate::prompt::{request_body, BodyParams};
 use crate::record::{ErrorKind, RequestRecord};
+use crate::request::PlannedRequest;
 use crate::spec::LoadSpec;
 
 /// Response header carrying Metronome's job id.

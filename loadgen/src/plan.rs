@@ -11,32 +11,13 @@
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use serde::{Deserialize, Serialize};
 
 use crate::dist::LengthDist;
 use crate::error::LoadError;
-use crate::prefixes::{multi_turn_plan, shared_prefix_plan, Message, MultiTurn};
+use crate::prefixes::{multi_turn_plan, shared_prefix_plan, MultiTurn};
+use crate::request::PlannedRequest;
 use crate::spec::{LoadSpec, Workload};
 use crate::trace::{load_trace, trace_stats, TraceRequest};
-
-/// One request to send.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PlannedRequest {
-    pub id: u64,
-    /// Seconds after the run's start at which it is sent.
-    pub at_s: f64,
-    pub prompt_tokens: u32,
-    /// Requested output length (`max_tokens`).
-    pub output_tokens: u32,
-    /// Index of its tenant in the spec's `tenants`, when the spec has tenants.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tenant: Option<usize>,
-    /// The chat it sends, for the prefix-heavy workloads ([`crate::prefixes`]): messages
-    /// whose texts later requests repeat, `prompt_tokens` long in all. Empty: one user
-    /// message of `prompt_tokens` filler words ([`crate::prompt`]).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub messages: Vec<Message>,
-}
 
 /// Builds the plan of a (validated) spec. Reads the trace file for trace workloads.
 pub fn plan_requests(spec: &LoadSpec) -> Result<Vec<PlannedRequest>, LoadError> {

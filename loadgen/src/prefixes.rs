@@ -40,10 +40,9 @@
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use serde::{Deserialize, Serialize};
 
 use crate::dist::LengthDist;
-use crate::plan::PlannedRequest;
+use crate::request::{Message, MessageKind, PlannedRequest, Role};
 
 /// Template tokens per chat message, as the gateway and the simulator count them.
 pub const TOKENS_PER_MESSAGE: u32 = metronome_protocol::prefix::CHAT_TOKENS_PER_MESSAGE;
@@ -51,52 +50,6 @@ pub const TOKENS_PER_MESSAGE: u32 = metronome_protocol::prefix::CHAT_TOKENS_PER_
 /// Decode rate a reply is assumed to stream at when planning the next turn (the SLO's
 /// default rate).
 pub const REPLY_TOK_S: f64 = 30.0;
-
-/// Who says a message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    System,
-    User,
-    Assistant,
-}
-
-impl Role {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::System => "system",
-            Role::User => "user",
-            Role::Assistant => "assistant",
-        }
-    }
-}
-
-/// What a message is, which with its numbers names its text.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum MessageKind {
-    /// A group's system prompt (`a` = group).
-    Group,
-    /// One request's own user message (`a` = its index in the workload).
-    Question,
-    /// The system prompt every conversation shares.
-    Preamble,
-    /// A conversation's user message (`a` = conversation, `b` = turn).
-    Turn,
-    /// A conversation's assistant reply (`a` = conversation, `b` = turn).
-    Reply,
-}
-
-/// One chat message of a planned prompt: its text is [`message_text`] of these fields.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Message {
-    pub role: Role,
-    pub kind: MessageKind,
-    pub a: u32,
-    pub b: u32,
-    /// Content tokens (template tokens not included).
-    pub tokens: u32,
-}
 
 /// Prompt tokens of a chat of `messages`: content plus template tokens.
 pub fn prompt_tokens_of(messages: &[Message]) -> u32 {

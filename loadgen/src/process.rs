@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
-pub(crate) fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
+pub fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
     let status = std::process::Command::new("kill")
         .args([&format!("-{sig}"), &pid.to_string()])
         .status()?;
@@ -19,7 +19,7 @@ pub(crate) fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub(crate) fn stop_restarted(pids: &[u32]) {
+pub fn stop_restarted(pids: &[u32]) {
     for pid in pids.iter().rev() {
         let _ = signal(*pid, "TERM");
     }
@@ -37,7 +37,7 @@ pub(crate) fn stop_restarted(pids: &[u32]) {
 }
 
 /// Whether `pid` runs (an exited child not yet reaped, a zombie, does not).
-pub(crate) fn alive(pid: u32) -> bool {
+pub fn alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .ok()
         .and_then(|stat| {
@@ -48,14 +48,14 @@ pub(crate) fn alive(pid: u32) -> bool {
 }
 
 /// What it takes to start a process again as it was.
-pub(crate) struct Image {
+pub struct Image {
     argv: Vec<String>,
     env: Vec<(String, String)>,
     cwd: PathBuf,
 }
 
 impl Image {
-    pub(crate) fn read(pid: u32) -> anyhow::Result<Image> {
+    pub fn read(pid: u32) -> anyhow::Result<Image> {
         let split = |bytes: Vec<u8>| -> Vec<String> {
             // NUL-terminated entries; an empty argument (`--save ""`) is kept.
             let body = bytes.strip_suffix(&[0]).unwrap_or(&bytes);
@@ -80,7 +80,7 @@ impl Image {
 
     /// redis-server rewrites its command line (`redis-server 127.0.0.1:PORT`), so its
     /// arguments are rebuilt as `./dev up` passes them, with the port from the env file.
-    pub(crate) fn redis(pid: u32, state_dir: &Path) -> anyhow::Result<Image> {
+    pub fn redis(pid: u32, state_dir: &Path) -> anyhow::Result<Image> {
         let mut image = Image::read(pid)?;
         let env = read_env(&state_dir.join("env"))?;
         let url = env.get("REDIS_URL").context("REDIS_URL in the env file")?;
@@ -113,7 +113,7 @@ impl Image {
     }
 
     /// Start it again, appending to `<state>/logs/<name>.log`, and record its pid.
-    pub(crate) fn spawn(&self, state_dir: &Path, name: &str) -> anyhow::Result<u32> {
+    pub fn spawn(&self, state_dir: &Path, name: &str) -> anyhow::Result<u32> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -134,7 +134,7 @@ impl Image {
     }
 }
 
-pub(crate) fn read_env(path: &Path) -> anyhow::Result<BTreeMap<String, String>> {
+pub fn read_env(path: &Path) -> anyhow::Result<BTreeMap<String, String>> {
     let text = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
     Ok(text
         .lines()

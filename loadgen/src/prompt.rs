@@ -15,7 +15,8 @@
 
 use serde_json::{json, Value};
 
-use crate::prefixes::{message_text, Message};
+use crate::prefixes::message_text;
+use crate::request::Message;
 use crate::spec::Endpoint;
 
 /// Body field carrying the intended prompt length in tokens.

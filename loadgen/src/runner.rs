@@ -21,8 +21,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::client::{Client, Stops};
 use crate::error::LoadError;
-use crate::plan::{plan_requests, PlannedRequest};
+use crate::plan::plan_requests;
 use crate::record::{ErrorKind, RequestRecord};
+use crate::request::PlannedRequest;
 use crate::spec::LoadSpec;
 use crate::stats;
 use crate::summary::{summarize, Summary};

@@ -7,7 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
-use metronome_loadgen::bench::system::{System, SystemSpec};
+use metronome_loadgen::system::{System, SystemSpec};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -9,10 +9,12 @@
 //! Also the one reader of each text format the components exchange over HTTP: server-sent
 //! events ([`sse`]) and the Prometheus exposition format ([`prometheus`]).
 
+pub mod api_keys;
 pub mod assignment;
 pub mod cache_state;
 pub mod control;
 pub mod decision;
+pub mod endpoint;
 pub mod event;
 #[cfg(feature = "nats")]
 pub mod headers;
@@ -39,12 +41,13 @@ pub use assignment::Assignment;
 pub use cache_state::{CacheUpdate, CacheUpdateKind};
 pub use control::{ControlReply, RelayedCancel, Revoke, RevokedJob};
 pub use decision::{
-    CachedPrefix, CandidateScore, Decision, Outcome, PrefixSource, Rejection, RejectionCode,
-    Scoring, TermName, TermScore, DECISION_VERSION, TERM_COUNT,
+    Affinity, AffinityOutcome, CachedPrefix, CandidateScore, Decision, Outcome, PrefixSource,
+    Rejection, RejectionCode, Scoring, TermName, TermScore, DECISION_VERSION, TERM_COUNT,
 };
+pub use endpoint::Endpoint;
 pub use event::{CompletionEvent, CompletionOutcome};
 pub use job::{
-    check_model_name, check_tenant, Endpoint, Job, JobError, JobLimits, Priority, ANONYMOUS_TENANT,
+    check_model_name, check_tenant, Job, JobError, JobLimits, Priority, ANONYMOUS_TENANT,
     MAX_TENANT_BYTES,
 };
 pub use lease::{lease_vouches_for, LeaseValue};

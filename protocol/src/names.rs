@@ -95,6 +95,9 @@ pub const FAIRNESS_KEY: &str = "counters";
 /// KV bucket of the leader's per-model admission queues: key = [`queue_key`] of the
 /// model, value = its latest [`crate::QueueSnapshot`].
 pub const BUCKET_QUEUES: &str = "queues";
+/// KV bucket of the API keys managed live (`metronome keys`): key = the key's SHA-256 in
+/// hex, value = an [`crate::api_keys::KeyRecord`]. Every gateway watches it.
+pub const BUCKET_API_KEYS: &str = "api_keys";
 
 /// De-duplication id understood by JetStream.
 pub const HEADER_MSG_ID: &str = "Nats-Msg-Id";

@@ -41,11 +41,11 @@
 use serde::Serialize;
 
 use crate::names::{
-    self, tenant_token, BUCKET_FAIRNESS, BUCKET_LEADER, BUCKET_QUEUES, BUCKET_WORKERS,
-    CONTROL_CANCEL, CONTROL_REVOKE, LEADER_KEY, STREAM_CACHE_DELTAS, STREAM_CACHE_SNAPSHOTS,
-    STREAM_DECISIONS, STREAM_EVENTS, STREAM_JOBS, STREAM_RESULTS, STREAM_WORK, SUBJECT_CANCEL_ALL,
-    SUBJECT_DEAD_LETTER, SUBJECT_DECISIONS_ALL, SUBJECT_JOBS_RETRY, SUBJECT_JOBS_SUBMIT_ALL,
-    SUBJECT_JOBS_SUBMIT_PREFIX,
+    self, tenant_token, BUCKET_API_KEYS, BUCKET_FAIRNESS, BUCKET_LEADER, BUCKET_QUEUES,
+    BUCKET_WORKERS, CONTROL_CANCEL, CONTROL_REVOKE, LEADER_KEY, STREAM_CACHE_DELTAS,
+    STREAM_CACHE_SNAPSHOTS, STREAM_DECISIONS, STREAM_EVENTS, STREAM_JOBS, STREAM_RESULTS,
+    STREAM_WORK, SUBJECT_CANCEL_ALL, SUBJECT_DEAD_LETTER, SUBJECT_DECISIONS_ALL,
+    SUBJECT_JOBS_RETRY, SUBJECT_JOBS_SUBMIT_ALL, SUBJECT_JOBS_SUBMIT_PREFIX,
 };
 
 /// One kind of identity.
@@ -163,6 +163,8 @@ pub fn rules(role: Role) -> RoleRules {
             .into_iter()
             // The console's queue table: the leader's per-model queue snapshots.
             .chain(read_bucket(BUCKET_QUEUES))
+            // API keys managed live (`metronome keys`): watched, never written.
+            .chain(read_bucket(BUCKET_API_KEYS))
             .collect(),
             subscribe: strings(&[INBOX, "results.>", SUBJECT_DECISIONS_ALL]),
             allow_responses: false,

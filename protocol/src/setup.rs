@@ -147,6 +147,7 @@ pub struct Buckets {
     pub leader: kv::Store,
     pub fairness: kv::Store,
     pub queues: kv::Store,
+    pub api_keys: kv::Store,
 }
 
 /// Create (or find) every stream and bucket.
@@ -163,6 +164,8 @@ pub async fn ensure_all(
     // Counters are kept until overwritten: a failover may come at any time.
     let fairness = ensure_bucket(js, BUCKET_FAIRNESS, Duration::ZERO, s).await?;
     let queues = ensure_bucket(js, BUCKET_QUEUES, s.queues_max_age, s).await?;
+    // Keys are kept until revoked or deleted.
+    let api_keys = ensure_bucket(js, BUCKET_API_KEYS, Duration::ZERO, s).await?;
     if s.replicas > 1 {
         for (name, have) in under_replicated(js, s.replicas).await {
             tracing::warn!(
@@ -178,6 +181,7 @@ pub async fn ensure_all(
         leader,
         fairness,
         queues,
+        api_keys,
     })
 }
 
@@ -309,7 +313,7 @@ fn stream_configs(s: &StreamSettings) -> [stream::Config; 7] {
 pub const CACHE_MAX_MESSAGE_BYTES: i32 = 1024 * 1024;
 
 /// Every stream of the contract, the buckets' included (`KV_<bucket>`).
-pub const ALL_STREAMS: [&str; 11] = [
+pub const ALL_STREAMS: [&str; 12] = [
     STREAM_JOBS,
     STREAM_WORK,
     STREAM_DECISIONS,
@@ -321,6 +325,7 @@ pub const ALL_STREAMS: [&str; 11] = [
     "KV_leader",
     "KV_fairness",
     "KV_queues",
+    "KV_api_keys",
 ];
 
 /// The contract's streams (and bucket streams) that exist with fewer than `replicas`
@@ -597,6 +602,7 @@ mod tests {
             BUCKET_LEADER,
             BUCKET_FAIRNESS,
             BUCKET_QUEUES,
+            BUCKET_API_KEYS,
         ] {
             assert!(
                 ALL_STREAMS.contains(&format!("KV_{bucket}").as_str()),

@@ -1,6 +1,6 @@
 //! Process plumbing shared by Metronome's thin binaries (`metronome-dispatcher`,
 //! `metronome-gateway`, `metronome-worker-agent`, `metronome-gpu-sim`,
-//! `metronome-loadgen`):
+//! `metronome-loadgen`, `metronome-bench`, `metronome-drill`):
 //!
 //! - [`init_tracing`]: the log subscriber, filtered by `RUST_LOG` (default `info`), human
 //!   text or, with `METRONOME_LOG_FORMAT=json`, one JSON object per line ([`LogFormat`]);

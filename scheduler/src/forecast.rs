@@ -36,8 +36,8 @@
 
 use metronome_protocol::{PerfCoefficients, Prediction};
 
-use crate::filter::kv_tokens_in_use;
 use crate::ledger::{JobProfile, StallOutlook};
+use crate::load::kv_tokens_in_use;
 use crate::{JobRequest, Ledger, SchedulerConfig, WorkerLoad, WorkerView};
 
 /// The effect on one running job.

@@ -34,6 +34,7 @@
 //!   concurrency cap.
 //! - A job is reserved on at most one worker; releasing is idempotent.
 
+pub mod affinity;
 pub mod config;
 pub mod drain;
 pub mod evaluate;

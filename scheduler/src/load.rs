@@ -72,6 +72,18 @@ pub fn effective_active(view: &WorkerView, ledger: &Ledger) -> u32 {
     WorkerLoad::of(view, ledger, &SchedulerConfig::default()).effective_active
 }
 
+/// KV tokens in use (reported) or booked (unreported reservations): the KV half of the
+/// counting rule above. An unreadable
+/// `used_frac` counts as full: better to refuse than to overfill.
+pub(crate) fn kv_tokens_in_use(used_frac: f64, capacity: u64, unreported: u64) -> f64 {
+    let frac = if used_frac.is_finite() {
+        used_frac.clamp(0.0, 1.0)
+    } else {
+        1.0
+    };
+    frac * capacity as f64 + unreported as f64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

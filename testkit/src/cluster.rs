@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
-use crate::servers::{find_binary, free_port, http_get_body, kill_child, read_log};
-use crate::TestkitError;
+use crate::error::TestkitError;
+use crate::process::find_binary;
+use crate::servers::{free_port, http_get_body, kill_child, read_log};
 
 const ROUTE_USER: &str = "route";
 const ROUTE_PASSWORD: &str = "route-secret";

@@ -10,14 +10,16 @@
 
 mod cluster;
 mod config_env;
+mod error;
 mod process;
 mod servers;
 mod tls;
 
 pub use cluster::NatsCluster;
 pub use config_env::assert_nats_and_redis_settings_from_env;
+pub use error::TestkitError;
 pub use process::{bin_path, ChildGuard};
-pub use servers::{free_port, NatsServer, RedisServer, TestkitError};
+pub use servers::{free_port, NatsServer, RedisServer};
 pub use tls::TestCa;
 
 /// Poll `check` until it returns `Some`, or panic after `timeout` with `what`.

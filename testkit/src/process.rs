@@ -1,8 +1,25 @@
-//! Metronome's own binaries as child processes, killed on drop.
+//! Binaries: system ones found on PATH (or in /usr/sbin, /usr/bin) with an install hint
+//! when missing, and Metronome's own run as child processes, killed on drop.
 
 use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
+
+use crate::error::TestkitError;
+
+/// A system binary (`nats-server`, `redis-server`, `openssl`): on PATH, or in /usr/sbin or
+/// /usr/bin; missing, an error naming the Debian package that installs it.
+pub(crate) fn find_binary(
+    binary: &'static str,
+    package: &'static str,
+) -> Result<PathBuf, TestkitError> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/bin")])
+        .map(|dir| dir.join(binary))
+        .find(|p| p.is_file())
+        .ok_or(TestkitError::MissingBinary { binary, package })
+}
 
 /// Path of a workspace binary built next to the running test executable
 /// (`target/<profile>/<name>`). Panics with a build hint when it is missing.
@@ -79,5 +96,19 @@ impl Drop for ChildGuard {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_binary_names_the_package_to_install() {
+        let err = find_binary("metronome-no-such-binary", "some-package").unwrap_err();
+        assert!(
+            err.to_string().contains("apt-get install -y some-package"),
+            "{err}"
+        );
     }
 }

@@ -10,26 +10,8 @@ use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
 
-/// Why a test server could not be started.
-#[derive(Debug, thiserror::Error)]
-pub enum TestkitError {
-    #[error("`{binary}` was not found on PATH. Install it with `apt-get install -y {package}` (or run `./dev test`, which installs it).")]
-    MissingBinary {
-        binary: &'static str,
-        package: &'static str,
-    },
-    #[error("starting {what}: {source}")]
-    Io {
-        what: String,
-        source: std::io::Error,
-    },
-    #[error("{what} did not become ready within {timeout:?}; its log:\n{log}")]
-    NotReady {
-        what: String,
-        timeout: Duration,
-        log: String,
-    },
-}
+use crate::error::TestkitError;
+use crate::process::find_binary;
 
 const READY_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -62,18 +44,6 @@ fn spawn_on_free_ports<S>(
         }
     }
     spawn(server)
-}
-
-pub(crate) fn find_binary(
-    binary: &'static str,
-    package: &'static str,
-) -> Result<PathBuf, TestkitError> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/bin")])
-        .map(|dir| dir.join(binary))
-        .find(|p| p.is_file())
-        .ok_or(TestkitError::MissingBinary { binary, package })
 }
 
 pub(crate) fn read_log(path: &Path) -> String {
@@ -462,14 +432,5 @@ mod tests {
         assert!(!redis_ping(redis.port()));
         redis.restart().expect("restart");
         assert!(redis_ping(redis.port()));
-    }
-
-    #[test]
-    fn missing_binary_names_the_package_to_install() {
-        let err = find_binary("metronome-no-such-binary", "some-package").unwrap_err();
-        assert!(
-            err.to_string().contains("apt-get install -y some-package"),
-            "{err}"
-        );
     }
 }

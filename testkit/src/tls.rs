@@ -13,7 +13,8 @@ use std::process::Command;
 
 use tempfile::TempDir;
 
-use crate::servers::{find_binary, TestkitError};
+use crate::error::TestkitError;
+use crate::process::find_binary;
 
 /// A private CA and the certificates it signed, removed on drop. Keep it alive as long as
 /// the servers using it (a restart reads the files again).

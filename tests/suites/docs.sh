@@ -80,7 +80,7 @@ done
 # BENCHMARKS.md against a fresh render of the committed results.
 if [ ! -x "$BENCH" ]; then
   fail "BENCHMARKS.md renders from bench-results/" \
-    "$BENCH is missing: cargo build -p metronome-loadgen --bins"
+    "$BENCH is missing: cargo build -p metronome-bench"
 elif [ ! -f bench-results/report.json ]; then
   fail "BENCHMARKS.md renders from bench-results/" "bench-results/report.json is missing"
 else

@@ -2,9 +2,9 @@
 //! per-model picture (the leader's admission queues from the `queues` bucket, stale ones
 //! marked), a live decision feed and the explain view of any job, in the browser.
 //!
-//! Everything is read through the documented NATS contract with the `metronome` CLI's own
-//! library (`metronome_cli`), so the console and `metronome status / workers / explain`
-//! can never disagree. The page is three static files embedded in the binary
+//! Everything is read through the documented NATS contract with the read model the
+//! `metronome` CLI prints (`metronome_readmodel`), so the console and `metronome status /
+//! workers / explain` can never disagree. The page is three static files embedded in the binary
 //! (`include_str!`, no build step); it loads snapshots from `/console/api/*` and then
 //! follows `/console/api/events`, an SSE stream of decisions as they are made, the
 //! workers and the queues every second, and the status every five.
@@ -25,10 +25,10 @@ use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use futures::{Stream, StreamExt};
-use metronome_cli::source::Nats;
-use metronome_cli::CliError;
 use metronome_protocol::time::unix_ms;
 use metronome_protocol::{redis_keys, Decision, Outcome, Prediction};
+use metronome_readmodel::source::Nats;
+use metronome_readmodel::ReadError;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -129,18 +129,18 @@ fn nats(state: &AppState) -> Nats {
     }
 }
 
-fn api_error(e: CliError) -> ApiError {
+fn api_error(e: ReadError) -> ApiError {
     match e {
-        CliError::NotFound(m) => ApiError::not_found(m),
-        CliError::Usage(m) => ApiError::invalid_request(m),
+        ReadError::NotFound(m) => ApiError::not_found(m),
+        ReadError::Usage(m) => ApiError::invalid_request(m),
         other => ApiError::nats_unavailable(other, 2),
     }
 }
 
 /// The workers as `metronome workers --json` shows them, with EWMAs when the gateway knows
 /// Redis.
-async fn worker_list(state: &AppState) -> Result<Value, CliError> {
-    let (views, warning) = metronome_cli::worker_views(
+async fn worker_list(state: &AppState) -> Result<Value, ReadError> {
+    let (views, warning) = metronome_readmodel::worker_views(
         &nats(state),
         state.config.worker_stale_after_ms,
         state.config.redis_url.as_deref(),
@@ -154,24 +154,24 @@ async fn worker_list(state: &AppState) -> Result<Value, CliError> {
     Ok(serde_json::json!({ "now_ms": unix_ms(), "workers": views }))
 }
 
-async fn status_report(state: &AppState) -> Result<Value, CliError> {
-    let report = metronome_cli::status_report(
+async fn status_report(state: &AppState) -> Result<Value, ReadError> {
+    let report = metronome_readmodel::status_report(
         &nats(state),
         STATUS_WINDOW_S,
         state.config.worker_stale_after_ms,
         unix_ms(),
     )
     .await?;
-    serde_json::to_value(report).map_err(|e| CliError::Usage(e.to_string()))
+    serde_json::to_value(report).map_err(|e| ReadError::Usage(e.to_string()))
 }
 
 /// The leader's queue snapshots as `metronome status --json` shows them, each judged
 /// fresh or stale now (against the newest epoch in the bucket: the status event carries
 /// the leader's).
-async fn queue_list(state: &AppState) -> Result<Value, CliError> {
+async fn queue_list(state: &AppState) -> Result<Value, ReadError> {
     let (snapshots, _unreadable) = nats(state).queues().await?;
     let now = unix_ms();
-    let rows = metronome_cli::status::QueueRow::rows(snapshots, None, now);
+    let rows = metronome_readmodel::status::QueueRow::rows(snapshots, None, now);
     Ok(serde_json::json!({ "now_ms": now, "queues": rows }))
 }
 
@@ -249,18 +249,18 @@ async fn explain(
     State(state): State<AppState>,
     Path(job_id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let mut story = metronome_cli::story(&nats(&state), &job_id, EXPLAIN_SCAN)
+    let mut story = metronome_readmodel::story(&nats(&state), &job_id, EXPLAIN_SCAN)
         .await
         .map_err(api_error)?;
     without_output(&mut story);
-    let mut body = metronome_cli::explain::to_json(&story);
+    let mut body = metronome_readmodel::explain::to_json(&story);
     body["text"] = Value::String(story.render());
     Ok(Json(body))
 }
 
 /// Drop everything a job's records hold of its output: the console shows how a job was
 /// placed and how it ran, never what it said.
-pub fn without_output(story: &mut metronome_cli::explain::Story) {
+pub fn without_output(story: &mut metronome_readmodel::explain::Story) {
     if let Some(result) = story.result.as_mut() {
         result.response = None;
     }

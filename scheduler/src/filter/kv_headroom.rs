@@ -13,19 +13,9 @@
 use metronome_protocol::RejectionCode;
 
 use super::{Filter, FilterContext};
+use crate::load::kv_tokens_in_use;
 
 pub struct KvHeadroom;
-
-/// KV tokens in use (reported) or booked (unreported reservations). An unreadable
-/// `used_frac` counts as full: better to refuse than to overfill.
-pub(crate) fn kv_tokens_in_use(used_frac: f64, capacity: u64, unreported: u64) -> f64 {
-    let frac = if used_frac.is_finite() {
-        used_frac.clamp(0.0, 1.0)
-    } else {
-        1.0
-    };
-    frac * capacity as f64 + unreported as f64
-}
 
 /// Whether `job` could fit on `view` once everything running there had finished: `None`
 /// when the worker reports no KV capacity in tokens (then nobody can tell). A job that fits

@@ -37,8 +37,6 @@ pub use provisioned::Provisioned;
 pub use slo::{OwnRateFloor, SloFloor};
 pub use ttft::TtftBudget;
 
-pub(crate) use kv_headroom::kv_tokens_in_use;
-
 /// Everything a filter may look at.
 #[derive(Debug, Clone, Copy)]
 pub struct FilterContext<'a> {

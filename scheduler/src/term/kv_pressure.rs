@@ -8,7 +8,7 @@
 use metronome_protocol::TermName;
 
 use super::{Term, TermContext};
-use crate::filter::kv_tokens_in_use;
+use crate::load::kv_tokens_in_use;
 
 pub struct KvPressure;
 

@@ -31,10 +31,14 @@ use crate::engine::Engine;
 use crate::queue::QueuedJob;
 
 impl Engine {
-    /// Expected output tokens of `job`: its model's output model when it has seen a
-    /// completion, else the model's output-length EWMA, else `max_tokens` (nothing known,
-    /// so the worst case).
+    /// Expected output tokens of `job`: none for a job that generates nothing (an
+    /// embedding: its cost is its prefill alone), else its model's output model when it
+    /// has seen a completion, else the model's output-length EWMA, else `max_tokens`
+    /// (nothing known, so the worst case).
     pub(in crate::engine) fn predicted_output(&self, job: &Job) -> f64 {
+        if !job.endpoint.generates() {
+            return 0.0;
+        }
         match self.output_models.get(&job.model) {
             Some(m) if m.samples() > 0 => m.predict(job.max_tokens),
             _ => self
@@ -142,11 +146,18 @@ impl Engine {
             .winner
             .as_deref()
             .map_or(0, |w| request.cached_on(w).tokens);
+        // A job that writes nothing (an embedding) has no decode rate to protect: later
+        // admissions may stall it (they delay its answer, which its TTFT target bounds).
+        let min_tok_s = if request.max_tokens == 0 {
+            0.0
+        } else {
+            judged.slo.min_tok_s
+        };
         JobProfile {
             prompt_tokens: request.prompt_tokens,
             cached_tokens,
             protected_output: protect,
-            min_tok_s: judged.slo.min_tok_s,
+            min_tok_s,
             max_tokens: request.max_tokens,
             decoding_from_ms,
         }
@@ -189,6 +200,20 @@ mod tests {
         assert_eq!(e.predicted_output(&j), 150.0);
         e.output_len.insert("m".into(), 9_000.0);
         assert_eq!(e.predicted_output(&j), 400.0);
+    }
+
+    #[test]
+    fn an_embedding_is_predicted_to_write_nothing_even_once_outputs_are_known() {
+        let mut e = engine(|_| {});
+        let mut j = body(None, "a", 100, 400, T0);
+        j.endpoint = metronome_protocol::Endpoint::Embedding;
+        j.max_tokens = 0;
+        assert_eq!(e.predicted_output(&j), 0.0);
+        e.output_len.insert("m".into(), 150.0);
+        assert_eq!(e.predicted_output(&j), 0.0);
+        let (request, _) = e.request_of("m", &queued(j, T0));
+        assert_eq!(request.predicted_output(), 0.0);
+        assert_eq!(request.kv_tokens(), 100);
     }
 
     #[test]

@@ -16,7 +16,7 @@ use super::curve::{capacity_at_slo, CapacityRatio, CurvePoint, SloCapacity, ATTA
 use super::idle::IdleStats;
 use super::nominal::Nominal;
 use super::prediction::PredictionErrors;
-use crate::Summary;
+use metronome_loadgen::Summary;
 
 /// The policy under test and the baseline the targets are judged against.
 pub const METRONOME: &str = "metronome";
@@ -914,6 +914,10 @@ pub fn cluster_title(c: &str) -> &str {
     }
 }
 
+/// The file under a results folder that holds a section saved for the report (the
+/// fairness drill's, the prefix-heavy workloads'): the rendered report ends with these.
+pub const SECTION_FILE: &str = "section.md";
+
 /// Workload × cluster pairs that have runs, in report order.
 pub fn sections(report: &Report) -> Vec<(String, String)> {
     let mut out = Vec::new();
@@ -1126,7 +1130,7 @@ fn rss_line(rows: &[(String, u64)]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::prediction::ErrorStats;
+    use crate::prediction::ErrorStats;
 
     fn row(policy: &str, frac: f64, rate: f64, share: f64) -> RunRow {
         RunRow {

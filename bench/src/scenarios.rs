@@ -29,16 +29,16 @@ use tokio_util::sync::CancellationToken;
 
 use super::capacity::{completion_rate, keeps_up, CapacitySearch, KeepUp};
 use super::curve::goodput_rate;
-use super::idle::{idle_stats, samples_csv, ClusterSample, IdleStats};
+use super::idle::{idle_stats, samples_csv, IdleStats};
 use super::nominal::{nominal_capacity, CostModel, Nominal};
 use super::prediction::{predicted, predictions_csv, Predicted, PredictedJob, PredictionErrors};
 use super::report::{
     cluster_title, sections, workload_title, BurstRow, NominalRow, OverheadRow, PlotRef, RampStep,
     Report, RunDefaults, RunRow, METRONOME,
 };
-use super::system::{rss_kib, System, SystemSpec, EXTRA_TOML_ENV};
-use crate::plots::{goodput_curves, CurveSeries};
-use crate::{
+use metronome_loadgen::plots::{goodput_curves, CurveSeries};
+use metronome_loadgen::system::{rss_kib, ClusterSample, System, SystemSpec, EXTRA_TOML_ENV};
+use metronome_loadgen::{
     plan_requests, run_load, run_plan, write_outputs, LengthDist, LoadSpec, PlannedRequest,
     RequestRecord, RunResult, Slo, Summary, Workload,
 };
@@ -55,7 +55,7 @@ pub const POLICIES: [&str; 6] = [
 ];
 
 /// Workloads: the shared trace, a chat-like Poisson mix, and the prefix-heavy ones: shared
-/// system prompts, multi-turn conversations and an agent loop ([`crate::prefixes`]).
+/// system prompts, multi-turn conversations and an agent loop ([`metronome_loadgen::prefixes`]).
 pub const WORKLOADS: [&str; 5] = ["trace", "chat", "shared_prefix", "multi_turn", "agent"];
 
 /// The prefix-heavy workloads among [`WORKLOADS`]: their figures include the simulated
@@ -860,7 +860,7 @@ fn finish_report(plan: &BenchPlan, report: &mut Report) -> anyhow::Result<()> {
     let extra: Vec<String> = [PREFIX_SECTION_DIR, "fairness"]
         .iter()
         .filter_map(|dir| {
-            std::fs::read_to_string(plan.out.join(dir).join(super::fairness::SECTION_FILE)).ok()
+            std::fs::read_to_string(plan.out.join(dir).join(super::report::SECTION_FILE)).ok()
         })
         .map(|s| s.trim_end().to_string())
         .collect();

@@ -1,5 +1,5 @@
 //! Reading the system over the documented NATS contract (and Redis for the EWMAs): the
-//! only I/O of the CLI. Every read is bounded: a direct get, a KV read, or a scan of a
+//! only I/O of the read model. Every read is bounded: a direct get, a KV read, or a scan of a
 //! stream that stops at the stream's end, at a message budget, or after a quiet timeout.
 
 use std::collections::HashMap;
@@ -16,7 +16,7 @@ use metronome_protocol::{
     redis_keys, CompletionEvent, Decision, FinalResult, QueueSnapshot, WorkerStatus,
 };
 
-use crate::error::CliError;
+use crate::error::ReadError;
 use crate::status::{Leader, LeaseValue};
 use crate::workers::Ewma;
 
@@ -34,8 +34,8 @@ impl Nats {
     pub async fn connect(
         url: &str,
         auth: &metronome_runtime::nats::NatsAuth,
-    ) -> Result<Nats, CliError> {
-        let options = auth.connect_options().map_err(|e| CliError::Connect {
+    ) -> Result<Nats, ReadError> {
+        let options = auth.connect_options().map_err(|e| ReadError::Connect {
             url: url.to_string(),
             message: e.to_string(),
         })?;
@@ -44,7 +44,7 @@ impl Nats {
             .connection_timeout(Duration::from_secs(5))
             .connect(metronome_runtime::nats::server_urls(url))
             .await
-            .map_err(|e| CliError::Connect {
+            .map_err(|e| ReadError::Connect {
                 url: url.to_string(),
                 message: e.to_string(),
             })?;
@@ -52,16 +52,16 @@ impl Nats {
         Ok(Nats { client, js })
     }
 
-    async fn stream(&self, name: &str) -> Result<stream::Stream, CliError> {
+    async fn stream(&self, name: &str) -> Result<stream::Stream, ReadError> {
         self.js
             .get_stream(name)
             .await
-            .map_err(|e| CliError::Nats(format!("stream {name}: {e}")))
+            .map_err(|e| ReadError::Nats(format!("stream {name}: {e}")))
     }
 
     /// Every decision stored on `decisions.<tenant>.<job_id>`, oldest first (one per
     /// attempt that reached an outcome); empty for an unknown id.
-    pub async fn decisions_of(&self, job_id: &str) -> Result<Vec<Decision>, CliError> {
+    pub async fn decisions_of(&self, job_id: &str) -> Result<Vec<Decision>, ReadError> {
         let stream = self.stream(STREAM_DECISIONS).await?;
         // The job's subject, whatever its tenant: its first record, found with the filter
         // in the request body (a direct get names a literal subject in its own subject).
@@ -72,12 +72,12 @@ impl Nats {
         {
             Ok(m) => m.subject.to_string(),
             Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(CliError::Nats(format!("direct get {any}: {e}"))),
+            Err(e) => return Err(ReadError::Nats(format!("direct get {any}: {e}"))),
         };
         let last = match stream.direct_get_last_for_subject(subject.clone()).await {
             Ok(m) => m,
             Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(CliError::Nats(format!("direct get {subject}: {e}"))),
+            Err(e) => return Err(ReadError::Nats(format!("direct get {subject}: {e}"))),
         };
         // Walk the subject from the start: attempts are few, so this is a handful of gets.
         let mut out = Vec::new();
@@ -93,7 +93,7 @@ impl Nats {
                 }
                 Ok(_) => break,
                 Err(e) if e.kind() == stream::DirectGetErrorKind::NotFound => break,
-                Err(e) => return Err(CliError::Nats(format!("direct get {subject}: {e}"))),
+                Err(e) => return Err(ReadError::Nats(format!("direct get {subject}: {e}"))),
             }
         }
         out.push(decode::<Decision>(&last.payload, &subject)?);
@@ -107,12 +107,12 @@ impl Nats {
         &self,
         job_id: &str,
         assigned: Option<&str>,
-    ) -> Result<Option<FinalResult>, CliError> {
+    ) -> Result<Option<FinalResult>, ReadError> {
         let stream = self.stream(STREAM_RESULTS).await?;
         match metronome_protocol::stored::accepted_final(&stream, job_id, assigned).await {
             Ok(Some(m)) => decode(&m.payload, m.subject.as_str()).map(Some),
             Ok(None) => Ok(None),
-            Err(e) => Err(CliError::Nats(format!("final result of {job_id}: {e}"))),
+            Err(e) => Err(ReadError::Nats(format!("final result of {job_id}: {e}"))),
         }
     }
 
@@ -126,7 +126,7 @@ impl Nats {
         since_ms: u64,
         budget: usize,
         done: impl Fn(&CompletionEvent) -> bool,
-    ) -> Result<Vec<CompletionEvent>, CliError> {
+    ) -> Result<Vec<CompletionEvent>, ReadError> {
         let filter = match worker {
             Some(w) => names::event_done_subject(w),
             None => names::SUBJECT_EVENTS_DONE_ALL.to_string(),
@@ -159,18 +159,18 @@ impl Nats {
         &self,
         since_ms: u64,
         budget: usize,
-    ) -> Result<Vec<T>, CliError> {
+    ) -> Result<Vec<T>, ReadError> {
         let policy = by_start_time(since_ms)?;
         self.decisions_from(policy, budget).await
     }
 
     /// The last `window` decisions of the stream, oldest first.
-    pub async fn last_decisions(&self, window: u64) -> Result<Vec<Decision>, CliError> {
+    pub async fn last_decisions(&self, window: u64) -> Result<Vec<Decision>, ReadError> {
         let mut stream = self.stream(STREAM_DECISIONS).await?;
         let state = stream
             .info()
             .await
-            .map_err(|e| CliError::Nats(format!("stream {STREAM_DECISIONS}: {e}")))?
+            .map_err(|e| ReadError::Nats(format!("stream {STREAM_DECISIONS}: {e}")))?
             .state
             .clone();
         if state.messages == 0 || window == 0 {
@@ -193,7 +193,7 @@ impl Nats {
         &self,
         policy: consumer::DeliverPolicy,
         budget: usize,
-    ) -> Result<Vec<T>, CliError> {
+    ) -> Result<Vec<T>, ReadError> {
         let mut out = Vec::new();
         self.scan(
             STREAM_DECISIONS,
@@ -222,7 +222,7 @@ impl Nats {
         policy: consumer::DeliverPolicy,
         budget: usize,
         mut each: impl FnMut(&[u8]) -> bool,
-    ) -> Result<(), CliError> {
+    ) -> Result<(), ReadError> {
         let stream = self.stream(name).await?;
         let c = stream
             .create_consumer(consumer::pull::OrderedConfig {
@@ -231,19 +231,19 @@ impl Nats {
                 ..Default::default()
             })
             .await
-            .map_err(|e| CliError::Nats(format!("reading {name}: {e}")))?;
+            .map_err(|e| ReadError::Nats(format!("reading {name}: {e}")))?;
         if c.cached_info().num_pending == 0 || budget == 0 {
             return Ok(());
         }
         let mut messages = c
             .messages()
             .await
-            .map_err(|e| CliError::Nats(format!("reading {name}: {e}")))?;
+            .map_err(|e| ReadError::Nats(format!("reading {name}: {e}")))?;
         let mut read = 0;
         loop {
             let m = match tokio::time::timeout(QUIET, messages.next()).await {
                 Ok(Some(Ok(m))) => m,
-                Ok(Some(Err(e))) => return Err(CliError::Nats(format!("reading {name}: {e}"))),
+                Ok(Some(Err(e))) => return Err(ReadError::Nats(format!("reading {name}: {e}"))),
                 Ok(None) | Err(_) => return Ok(()),
             };
             read += 1;
@@ -255,11 +255,13 @@ impl Nats {
     }
 
     /// Live decisions (core subscription on `decisions.>`, as an auditor would).
-    pub async fn follow_decisions(&self) -> Result<async_nats::Subscriber, CliError> {
+    pub async fn follow_decisions(&self) -> Result<async_nats::Subscriber, ReadError> {
         self.client
             .subscribe(names::SUBJECT_DECISIONS_ALL)
             .await
-            .map_err(|e| CliError::Nats(format!("subscribe {}: {e}", names::SUBJECT_DECISIONS_ALL)))
+            .map_err(|e| {
+                ReadError::Nats(format!("subscribe {}: {e}", names::SUBJECT_DECISIONS_ALL))
+            })
     }
 
     /// Every heartbeat in the `workers` bucket with its age (server time of the write
@@ -267,16 +269,16 @@ impl Nats {
     pub async fn workers(
         &self,
         now_ms: u64,
-    ) -> Result<(Vec<(WorkerStatus, u64)>, usize), CliError> {
+    ) -> Result<(Vec<(WorkerStatus, u64)>, usize), ReadError> {
         let kv = self
             .js
             .get_key_value(names::BUCKET_WORKERS)
             .await
-            .map_err(|e| CliError::Nats(format!("bucket {}: {e}", names::BUCKET_WORKERS)))?;
+            .map_err(|e| ReadError::Nats(format!("bucket {}: {e}", names::BUCKET_WORKERS)))?;
         let mut keys = kv
             .keys()
             .await
-            .map_err(|e| CliError::Nats(format!("bucket {}: {e}", names::BUCKET_WORKERS)))?;
+            .map_err(|e| ReadError::Nats(format!("bucket {}: {e}", names::BUCKET_WORKERS)))?;
         let mut out = Vec::new();
         let mut unreadable = 0;
         while let Some(key) = keys.next().await {
@@ -301,14 +303,14 @@ impl Nats {
 
     /// The leader's per-model queue snapshots in the `queues` bucket (none when the bucket
     /// does not exist yet). Entries that are not valid snapshots are skipped and counted.
-    pub async fn queues(&self) -> Result<(Vec<QueueSnapshot>, usize), CliError> {
+    pub async fn queues(&self) -> Result<(Vec<QueueSnapshot>, usize), ReadError> {
         let Ok(kv) = self.js.get_key_value(names::BUCKET_QUEUES).await else {
             return Ok((Vec::new(), 0));
         };
         let mut keys = kv
             .keys()
             .await
-            .map_err(|e| CliError::Nats(format!("bucket {}: {e}", names::BUCKET_QUEUES)))?;
+            .map_err(|e| ReadError::Nats(format!("bucket {}: {e}", names::BUCKET_QUEUES)))?;
         let mut out = Vec::new();
         let mut unreadable = 0;
         while let Some(key) = keys.next().await {
@@ -328,17 +330,17 @@ impl Nats {
     }
 
     /// The lease in the `leader` bucket, with the epoch from the newest decision.
-    pub async fn leader(&self) -> Result<Option<Leader>, CliError> {
+    pub async fn leader(&self) -> Result<Option<Leader>, ReadError> {
         let kv = self
             .js
             .get_key_value(names::BUCKET_LEADER)
             .await
-            .map_err(|e| CliError::Nats(format!("bucket {}: {e}", names::BUCKET_LEADER)))?;
+            .map_err(|e| ReadError::Nats(format!("bucket {}: {e}", names::BUCKET_LEADER)))?;
         let entry = match kv.entry(names::LEADER_KEY).await {
             Ok(Some(e)) if !e.value.is_empty() => e,
             Ok(_) => return Ok(None),
             Err(e) => {
-                return Err(CliError::Nats(format!(
+                return Err(ReadError::Nats(format!(
                     "bucket {}: {e}",
                     names::BUCKET_LEADER
                 )))
@@ -359,12 +361,12 @@ impl Nats {
         }))
     }
 
-    async fn newest_decision(&self) -> Result<Option<Decision>, CliError> {
+    async fn newest_decision(&self) -> Result<Option<Decision>, ReadError> {
         let mut stream = self.stream(STREAM_DECISIONS).await?;
         let last = stream
             .info()
             .await
-            .map_err(|e| CliError::Nats(format!("stream {STREAM_DECISIONS}: {e}")))?
+            .map_err(|e| ReadError::Nats(format!("stream {STREAM_DECISIONS}: {e}")))?
             .state
             .last_sequence;
         if last == 0 {
@@ -377,7 +379,7 @@ impl Nats {
     }
 
     /// Jobs in the JOBS stream: submitted and not yet decided, all models together.
-    pub async fn jobs_waiting(&self) -> Result<Option<u64>, CliError> {
+    pub async fn jobs_waiting(&self) -> Result<Option<u64>, ReadError> {
         match self.js.get_stream(STREAM_JOBS).await {
             Ok(mut s) => Ok(s.info().await.ok().map(|i| i.state.messages)),
             Err(_) => Ok(None),
@@ -387,17 +389,17 @@ impl Nats {
 
 /// `DeliverPolicy::ByStartTime` from Unix ms, built through the policy's own serde form so
 /// the CLI needs no date-time crate of its own.
-fn by_start_time(since_ms: u64) -> Result<consumer::DeliverPolicy, CliError> {
+fn by_start_time(since_ms: u64) -> Result<consumer::DeliverPolicy, ReadError> {
     let rfc3339 = crate::fmt::utc(since_ms).replace(' ', "T");
     serde_json::from_value(serde_json::json!({
         "deliver_policy": "by_start_time",
         "opt_start_time": rfc3339,
     }))
-    .map_err(|e| CliError::Nats(format!("start time {rfc3339}: {e}")))
+    .map_err(|e| ReadError::Nats(format!("start time {rfc3339}: {e}")))
 }
 
-fn decode<T: DeserializeOwned>(payload: &[u8], what: &str) -> Result<T, CliError> {
-    serde_json::from_slice(payload).map_err(|e| CliError::Decode {
+fn decode<T: DeserializeOwned>(payload: &[u8], what: &str) -> Result<T, ReadError> {
+    serde_json::from_slice(payload).map_err(|e| ReadError::Decode {
         what: what.to_string(),
         message: e.to_string(),
     })
@@ -410,10 +412,10 @@ pub async fn ewmas(
     tls: &metronome_runtime::redis::RedisTls,
     prefix: &str,
     workers: &[String],
-) -> Result<HashMap<String, Ewma>, CliError> {
+) -> Result<HashMap<String, Ewma>, ReadError> {
     let client = tls
         .client(redis_url)
-        .map_err(|e| CliError::Redis(e.to_string()))?;
+        .map_err(|e| ReadError::Redis(e.to_string()))?;
     let read = async {
         let mut conn = client.get_multiplexed_async_connection().await?;
         let mut out = HashMap::new();
@@ -440,8 +442,8 @@ pub async fn ewmas(
     };
     match tokio::time::timeout(Duration::from_secs(5), read).await {
         Ok(Ok(m)) => Ok(m),
-        Ok(Err(e)) => Err(CliError::Redis(e.to_string())),
-        Err(_) => Err(CliError::Redis(format!(
+        Ok(Err(e)) => Err(ReadError::Redis(e.to_string())),
+        Err(_) => Err(ReadError::Redis(format!(
             "{redis_url}: no answer within 5 s"
         ))),
     }

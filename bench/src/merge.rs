@@ -138,10 +138,10 @@ fn point_list(runs: &[RunRow]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::idle::IdleStats;
-    use crate::bench::nominal::Nominal;
-    use crate::bench::report::NominalRow;
-    use crate::summary::Summary;
+    use crate::idle::IdleStats;
+    use crate::nominal::Nominal;
+    use crate::report::NominalRow;
+    use metronome_loadgen::summary::Summary;
 
     fn run(policy: &str, load: f64) -> RunRow {
         RunRow {

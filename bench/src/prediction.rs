@@ -14,7 +14,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::stats;
+use metronome_loadgen::stats;
 
 /// What the winner's candidate predicted for one job.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -211,6 +211,7 @@ mod tests {
             rejected: vec![],
             slo: None,
             retry_after_ms: None,
+            affinity: None,
             policy: "metronome".into(),
             queue_wait_ms: 20,
             decision_latency_us: 1,

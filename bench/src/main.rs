@@ -1,16 +1,14 @@
 //! `metronome-bench`: the one-command predictability benchmark. Parses flags, builds the
 //! [`BenchPlan`], runs it and writes `BENCHMARKS.md`; everything else lives in
-//! `metronome_loadgen::bench`.
+//! `metronome_bench`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use metronome_loadgen::bench::fairness::{run_fairness, FairnessPlan};
-use metronome_loadgen::bench::merge::Twice;
-use metronome_loadgen::bench::{
-    render_merged, run_bench, BenchPlan, CLUSTERS, POLICIES, WORKLOADS,
-};
+use metronome_bench::fairness::{run_fairness, FairnessPlan};
+use metronome_bench::merge::Twice;
+use metronome_bench::{render_merged, run_bench, BenchPlan, CLUSTERS, POLICIES, WORKLOADS};
 use metronome_loadgen::LengthDist;
 
 /// Goodput versus offered load: Metronome against conventional balancers on simulated GPUs.
@@ -233,7 +231,7 @@ fn main() -> ExitCode {
     plan.skip_overhead = cli.skip_overhead;
     plan.analysis = cli.analysis;
     plan.command = format!(
-        "cargo build --release --bins && cargo build --release -p metronome-dispatcher --example dispatch_bench\ncargo run --release -p metronome-loadgen --bin metronome-bench --{}{}",
+        "cargo build --release --bins && cargo build --release -p metronome-dispatcher --example dispatch_bench\ncargo run --release -p metronome-bench --{}{}",
         if argv.is_empty() { "" } else { " " },
         argv.join(" ")
     );
@@ -280,7 +278,7 @@ fn fairness(cli: &Cli, repo: PathBuf, argv: &[String]) -> ExitCode {
         plan.output = d;
     }
     plan.command = format!(
-        "cargo build --release --bins && cargo run --release -p metronome-loadgen --bin metronome-bench -- {}",
+        "cargo build --release --bins && cargo run --release -p metronome-bench -- {}",
         argv.join(" ")
     );
     let result = run_until_signal(run_fairness(&plan));

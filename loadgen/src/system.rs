@@ -1,6 +1,7 @@
 //! One Metronome system under test, started with `./dev up --no-build` as a child process in
 //! its own process group and stopped with SIGTERM (which `./dev up` turns into a graceful
-//! stop of everything it started), plus the probes the benchmark needs: the simulated GPUs'
+//! stop of everything it started), plus the probes the benchmark (`metronome-bench`) and
+//! the fault drills (`metronome-drill`) need: the simulated GPUs'
 //! Prometheus metrics, their idleness, the dispatchers' queue depth (each dispatcher's
 //! `metrics_addr`, which `./dev up` writes to `<state>/config/dispatcher-*.toml`), the
 //! decisions on the record, and every process's resident memory.
@@ -15,8 +16,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use metronome_protocol::prometheus;
-
-use super::idle::{parse_queue_depths, ClusterSample};
 
 /// How to start a system.
 #[derive(Debug, Clone)]
@@ -613,6 +612,23 @@ impl Drop for System {
     }
 }
 
+/// One sample of the cluster.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ClusterSample {
+    /// Seconds since the run's start.
+    pub t_s: f64,
+    /// Per GPU: (model, running, waiting).
+    pub gpus: Vec<(String, f64, f64)>,
+    /// Dispatcher queue depth per model.
+    pub queued: BTreeMap<String, f64>,
+}
+
+/// Queue depth per model from a dispatcher's Prometheus text
+/// (`metronome_dispatcher_queue_depth{model="m"} 3`).
+pub fn parse_queue_depths(text: &str) -> BTreeMap<String, f64> {
+    prometheus::sum_by_label(text, "metronome_dispatcher_queue_depth", "model")
+}
+
 /// `metronome_dispatcher_holds_total`, summed per reason over models.
 pub fn parse_holds(text: &str) -> BTreeMap<String, f64> {
     prometheus::sum_by_label(text, "metronome_dispatcher_holds_total", "reason")
@@ -641,6 +657,20 @@ metronome_dispatcher_leader 1\n";
         assert_eq!(h.get("below_slo_floor"), Some(&5.0));
         assert_eq!(h.get("insufficient_kv"), Some(&1.0));
         assert_eq!(h.len(), 2);
+    }
+
+    #[test]
+    fn parses_queue_depth_per_model() {
+        let text = "# HELP metronome_dispatcher_queue_depth x\n\
+                    # TYPE metronome_dispatcher_queue_depth gauge\n\
+                    metronome_dispatcher_queue_depth{model=\"llama-3.1-8b\"} 4\n\
+                    metronome_dispatcher_queue_depth{model=\"bench-model\"} 0\n\
+                    metronome_dispatcher_queue_depth_other{model=\"x\"} 9\n\
+                    metronome_dispatcher_leader 1\n";
+        let q = parse_queue_depths(text);
+        assert_eq!(q.len(), 2);
+        assert_eq!(q["llama-3.1-8b"], 4.0);
+        assert_eq!(q["bench-model"], 0.0);
     }
 
     #[test]

@@ -44,13 +44,13 @@ use metronome_protocol::{Endpoint, FinalResult, Job, ResultChunk, WorkerStatus, 
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use crate::bench::system::{System, SystemSpec};
+use metronome_loadgen::system::{System, SystemSpec};
 
 mod gateway_client;
 pub mod hostile;
 
-use crate::process::{alive, read_env, signal, stop_restarted, Image};
 use gateway_client::HttpOutcome;
+use metronome_loadgen::process::{alive, read_env, signal, stop_restarted, Image};
 
 /// The faults a drill can inject.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -893,7 +893,7 @@ async fn watch(system: &System, gpus: usize) -> anyhow::Result<Watch> {
         .filter(|(n, _)| {
             n.starts_with("dispatcher") || n.starts_with("worker") || n.as_str() == "gateway"
         })
-        .filter_map(|(n, p)| Some((n.clone(), crate::bench::system::rss_kib(*p)?)))
+        .filter_map(|(n, p)| Some((n.clone(), metronome_loadgen::system::rss_kib(*p)?)))
         .collect();
     Ok(Watch {
         leader: system.leader_name().await?,

@@ -7,13 +7,14 @@
 //! Split by concept: [`nominal`] (nominal capacity from the simulator's calibration),
 //! [`curve`] (capacity at SLO from a curve, goodput rate), [`idle`] (idle GPU-seconds from
 //! samples), [`prediction`] (prediction error from decisions), [`report`] (rows, targets,
-//! Markdown), [`capacity`] (the keep-up search the overhead runs use), [`system`] (one
-//! system under test and its probes), [`machine`] (machine facts, factual analysis),
+//! Markdown), [`capacity`] (the keep-up search the overhead runs use), [`machine`]
+//! (machine facts, factual analysis),
 //! [`scenarios`] (the order of runs and the fairness rules), [`merge`] (one report from
 //! several runs' load points, `--render`).
 //! [`fairness`] is the tenant-fairness drill (`--fairness`): two tenants' API keys, one
-//! flooding, and a leader killed mid-run. All but the last two and
-//! `system` are pure and unit-tested; the rest is exercised by running the benchmark.
+//! flooding, and a leader killed mid-run. All but the last two are pure and unit-tested;
+//! the rest is exercised by running the benchmark. The system under test (started with
+//! `./dev up`, probed, stopped) is [`metronome_loadgen::system`], which the drills share.
 
 pub mod capacity;
 pub mod curve;
@@ -25,6 +26,5 @@ pub mod nominal;
 pub mod prediction;
 pub mod report;
 pub mod scenarios;
-pub mod system;
 
 pub use scenarios::{render_merged, run_bench, BenchPlan, CLUSTERS, LOADS, POLICIES, WORKLOADS};

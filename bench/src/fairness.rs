@@ -4,7 +4,7 @@
 //!
 //! One system (`./dev up --keep-going`, defaults, the gateway given one key per tenant),
 //! three phases of the same length, B's arrivals identical in each (same seed, same tenant
-//! index; see [`crate::plan::tenants_plan`]):
+//! index; see [`metronome_loadgen::plan::tenants_plan`]):
 //!
 //! 1. *alone*: B offers `steady_share` of the model's nominal capacity (Poisson, the chat
 //!    mix), nobody else;
@@ -31,13 +31,14 @@ use tokio_util::sync::CancellationToken;
 
 use super::idle::{idle_stats, IdleStats};
 use super::prediction::predicted;
+use super::report::SECTION_FILE;
 use super::scenarios::{
     nominal_for, write_agent_metrics, write_samples, BenchPlan, MODEL, SAMPLE_INTERVAL,
 };
-use super::system::{System, SystemSpec};
-use crate::process::{signal, stop_restarted, Image};
-use crate::stats::percentile;
-use crate::{
+use metronome_loadgen::process::{signal, stop_restarted, Image};
+use metronome_loadgen::stats::percentile;
+use metronome_loadgen::system::{System, SystemSpec};
+use metronome_loadgen::{
     run_load, write_outputs, LengthDist, LoadSpec, RequestRecord, RunResult, Summary, TenantLoad,
     Workload,
 };
@@ -552,8 +553,8 @@ fn queue_waits(by_tenant: &BTreeMap<String, Vec<f64>>) -> String {
     let parts: Vec<String> = by_tenant
         .iter()
         .filter_map(|(tenant, waits)| {
-            let p50 = crate::stats::percentile(waits, 50.0)?;
-            let p99 = crate::stats::percentile(waits, 99.0)?;
+            let p50 = metronome_loadgen::stats::percentile(waits, 50.0)?;
+            let p99 = metronome_loadgen::stats::percentile(waits, 99.0)?;
             Some(format!("{tenant} p50 {p50:.0} ms / p99 {p99:.0} ms"))
         })
         .collect();
@@ -765,9 +766,6 @@ fn render(
     s
 }
 
-/// The file under the drill's `out` folder that holds its last rendered section.
-pub const SECTION_FILE: &str = "section.md";
-
 /// `path` as the report links it: relative to the report's folder when it lies under it.
 fn shown_path(report: &Path, path: &Path) -> String {
     let base = report.parent().unwrap_or(Path::new("."));
@@ -848,7 +846,7 @@ pub fn replace_section(text: &str, heading: &str, section: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ErrorKind;
+    use metronome_loadgen::ErrorKind;
 
     fn rec(tenant: &str, at: f64, ttft: Option<f64>, tokens: u32) -> RequestRecord {
         RequestRecord {

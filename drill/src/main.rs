@@ -1,13 +1,13 @@
 //! `metronome-drill`: fault drills against a real system under load; writes RELIABILITY.md
 //! and exits non-zero when a drill lost or duplicated a job. Everything else lives in
-//! `metronome_loadgen::drill`.
+//! `metronome_drill`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use metronome_loadgen::drill::{render_report, run_drills, DrillPlan, Fault};
+use metronome_drill::{render_report, run_drills, DrillPlan, Fault};
 use tracing_subscriber::EnvFilter;
 
 /// Fault drills: SIGKILL the leader (alone, and together with a second agent's SIGKILL
@@ -81,7 +81,7 @@ fn main() -> ExitCode {
     let repo = cli.repo.unwrap_or_else(|| {
         PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .parent()
-            .expect("loadgen has a parent")
+            .expect("the drill crate sits in the repository")
             .to_path_buf()
     });
     let (load, pause, redis_outage, rate) = if cli.short {

@@ -22,7 +22,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::PlannedRequest;
+use metronome_loadgen::PlannedRequest;
 
 /// The simulator's cost parameters that capacity depends on.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]

@@ -9,23 +9,11 @@
 //! `Σ_k (t_{k+1} - t_k) · #{gpu idle at k while a job for model(gpu) waits at k}` and the
 //! total is `#gpus · (t_last - t_first)`. The queue gauge is refreshed on the dispatcher's
 //! tick (100 ms by default), so a short idle spell right after a completion can be
-//! counted; that bias is the same for every policy. Pure.
+//! counted; that bias is the same for every policy. Pure; the samples come from
+//! [`System::sample`](metronome_loadgen::system::System::sample).
 
-use std::collections::BTreeMap;
-
-use metronome_protocol::prometheus;
+use metronome_loadgen::system::ClusterSample;
 use serde::{Deserialize, Serialize};
-
-/// One sample of the cluster.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct ClusterSample {
-    /// Seconds since the run's start.
-    pub t_s: f64,
-    /// Per GPU: (model, running, waiting).
-    pub gpus: Vec<(String, f64, f64)>,
-    /// Dispatcher queue depth per model.
-    pub queued: BTreeMap<String, f64>,
-}
 
 /// Idle GPU-seconds of one run.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
@@ -81,12 +69,6 @@ fn job_waits_for(s: &ClusterSample, model: &str) -> bool {
         || s.gpus
             .iter()
             .any(|(m, _, waiting)| m == model && *waiting > 0.0)
-}
-
-/// Queue depth per model from a dispatcher's Prometheus text
-/// (`metronome_dispatcher_queue_depth{model="m"} 3`).
-pub fn parse_queue_depths(text: &str) -> BTreeMap<String, f64> {
-    prometheus::sum_by_label(text, "metronome_dispatcher_queue_depth", "model")
 }
 
 /// The samples as CSV, one row per sample and GPU (`gpu` is its index in the cluster):
@@ -194,19 +176,5 @@ mod tests {
             idle_stats(&[sample(0.0, &[(0.0, 0.0)], 9.0)]).total_gpu_s,
             0.0
         );
-    }
-
-    #[test]
-    fn parses_queue_depth_per_model() {
-        let text = "# HELP metronome_dispatcher_queue_depth x\n\
-                    # TYPE metronome_dispatcher_queue_depth gauge\n\
-                    metronome_dispatcher_queue_depth{model=\"llama-3.1-8b\"} 4\n\
-                    metronome_dispatcher_queue_depth{model=\"bench-model\"} 0\n\
-                    metronome_dispatcher_queue_depth_other{model=\"x\"} 9\n\
-                    metronome_dispatcher_leader 1\n";
-        let q = parse_queue_depths(text);
-        assert_eq!(q.len(), 2);
-        assert_eq!(q["llama-3.1-8b"], 4.0);
-        assert_eq!(q["bench-model"], 0.0);
     }
 }

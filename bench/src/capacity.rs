@@ -11,7 +11,7 @@
 //! highest passing and the lowest failing rate a fixed number of times. Invariant: the
 //! reported capacity is always a rate that was measured and passed.
 
-use crate::Summary;
+use metronome_loadgen::Summary;
 
 /// Thresholds of [`keeps_up`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -119,7 +119,7 @@ impl CapacitySearch {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::summary::Dist;
+    use metronome_loadgen::summary::Dist;
 
     fn summary(count: usize, ok: usize, offered: f64, duration: f64, p50_ms: f64) -> Summary {
         Summary {
