@@ -25,6 +25,7 @@ pub mod recent;
 pub mod refusals;
 pub mod registry;
 pub mod supervise;
+pub mod tenant_limits;
 pub mod worker_claims;
 
 use std::net::SocketAddr;
@@ -437,6 +438,7 @@ async fn run_term(
         intake::spawn_jobs(
             consumer,
             c.job_limits,
+            tenant_limits::TenantLimits::new(c.tenant_limits.clone(), c.default_tenant_limits),
             reject,
             seen_before,
             tx,

@@ -214,7 +214,7 @@ impl Auth {
             tenants: tenants
                 .into_iter()
                 .map(|config| Tenant {
-                    limiter: Mutex::new(TenantLimiter::new(&config, 0)),
+                    limiter: Mutex::new(TenantLimiter::new(&config.rate_limits(), 0)),
                     config,
                 })
                 .collect(),

@@ -15,6 +15,7 @@ pub mod decision;
 pub mod event;
 #[cfg(feature = "nats")]
 pub mod headers;
+pub mod input_tokens;
 pub mod job;
 pub mod lease;
 pub mod names;

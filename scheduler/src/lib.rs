@@ -50,6 +50,7 @@ pub mod perf;
 pub mod policy;
 pub mod prefix_index;
 pub mod provisioning;
+pub mod rate_limit;
 pub mod term;
 #[cfg(test)]
 pub(crate) mod testutil;

@@ -62,6 +62,12 @@ pub struct Config {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub model_server_ca_file: Option<String>,
     pub model_server_kind: ServerKind,
+    /// Request fields the model server gets besides OpenAI's own (see
+    /// `request_fields`): `None`, the default extras of `model_server_kind` (plain
+    /// sampling parameters, and the simulator's exact prompt size); a list, exactly those
+    /// (empty: OpenAI's fields only). Every other field of a client's body stays behind.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub extra_request_fields: Option<Vec<String>>,
     /// Path of the model server's health endpoint.
     pub health_path: String,
     /// Path of the model server's Prometheus endpoint.
@@ -124,6 +130,7 @@ impl Default for Config {
             model_server_url: "http://127.0.0.1:8001".into(),
             model_server_ca_file: None,
             model_server_kind: ServerKind::Vllm,
+            extra_request_fields: None,
             health_path: "/health".into(),
             metrics_path: "/metrics".into(),
             max_concurrency: 256,
@@ -266,6 +273,14 @@ impl Config {
                 err(field, format!("{path:?} must start with '/'"));
             }
         }
+        for field in self.extra_request_fields.iter().flatten() {
+            if field.is_empty() || field.len() > 64 || field.contains(char::is_control) {
+                err(
+                    "extra_request_fields",
+                    format!("{field:?} is not a request field name"),
+                );
+            }
+        }
         if self.max_concurrency == 0 {
             err("max_concurrency", "must be at least 1".into());
         }
@@ -356,6 +371,18 @@ impl Config {
     pub fn ack_wait(&self) -> Duration {
         Duration::from_millis(self.ack_wait_ms)
     }
+    /// The request fields allowed besides OpenAI's (`extra_request_fields`, or the server
+    /// kind's defaults).
+    pub fn request_extras(&self) -> Vec<String> {
+        match &self.extra_request_fields {
+            Some(fields) => fields.clone(),
+            None => crate::request_fields::default_extra_fields(self.model_server_kind)
+                .iter()
+                .map(|f| f.to_string())
+                .collect(),
+        }
+    }
+
     pub fn request_timeout(&self) -> Duration {
         Duration::from_millis(self.request_timeout_ms)
     }

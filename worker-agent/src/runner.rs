@@ -81,7 +81,17 @@ pub(crate) async fn run_job(
         let cfg = &shared.config;
         tracing::info!(endpoint = ?job.endpoint, max_tokens = job.max_tokens, "job started");
         // The job's size, not its body, bounds the output (what was reserved for it).
-        let (mut chunks, refused_body) = match bound_request(job.request.clone(), job.max_tokens) {
+        // Built, not forwarded: OpenAI's fields and the configured extras, the job's model.
+        let built = crate::request_fields::build(
+            job.endpoint,
+            &job.model,
+            &job.request,
+            &shared.request_extras,
+        );
+        if !built.dropped.is_empty() {
+            tracing::debug!(dropped = ?built.dropped, "request fields left out");
+        }
+        let (mut chunks, refused_body) = match bound_request(built.body, job.max_tokens) {
             Ok(request) => {
                 let ids = RequestIds {
                     request_id: &job.id,
