@@ -202,6 +202,24 @@ impl ApiError {
         .with_code("payload_too_large")
     }
 
+    /// 429 at once: the gateway holds as much as it may (requests in flight, in total or
+    /// for the tenant, or their bodies' bytes); nothing was read or queued.
+    pub fn overloaded(full: &crate::in_flight::Full, retry_after_secs: u64) -> Self {
+        use crate::in_flight::Full;
+        let what = match full {
+            Full::Requests { limit } => format!("{limit} requests in flight"),
+            Full::Tenant { limit } => format!("{limit} requests in flight for this tenant"),
+            Full::BodyBytes { limit } => format!("{limit} bytes of request bodies in flight"),
+        };
+        ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            format!("the gateway holds its most ({what}); retry after the time in Retry-After"),
+        )
+        .with_code(full.reason())
+        .with_retry_after(retry_after_secs)
+    }
+
     /// 503: the JOBS stream is at its limits and refused the job; nothing was queued.
     pub fn jobs_stream_full(detail: impl std::fmt::Display, retry_after_secs: u64) -> Self {
         ApiError::new(
