@@ -11,6 +11,7 @@
 //! A term never carries state into the next: everything is rebuilt from NATS and Redis.
 
 pub mod config;
+pub mod consumer_sweep;
 pub mod deciding;
 pub mod engine;
 pub mod epoch_history;
@@ -379,6 +380,7 @@ async fn run_term(
     engine.queue_snapshots(c.queue_snapshot_ms, metronome_protocol::time::unix_ms());
     // Like the fairness writer, it ends with the deciding loop (its sender dropped) or the
     // term.
+    let _consumer_sweep = consumer_sweep::spawn(ctx.js.clone(), ctx.metrics.clone(), term.clone());
     let _queue_writer = queue_store::spawn_writer(
         ctx.buckets.queues.clone(),
         queues_rx,

@@ -56,6 +56,8 @@ pub struct Metrics {
     pub decisions_rejected_total: AtomicU64,
     pub decisions_expired_total: AtomicU64,
     pub malformed_jobs_total: AtomicU64,
+    /// Push consumers deleted for delivering beyond an inbox.
+    pub swept_push_consumers_total: AtomicU64,
     /// Jobs rejected over their tenant's `[tenant_limits]`.
     pub tenant_limited_jobs_total: AtomicU64,
     pub publish_failures_total: AtomicU64,
@@ -352,6 +354,11 @@ impl Collector for Exposition {
                 "metronome_dispatcher_malformed_jobs",
                 "Messages on jobs.submit that were not valid jobs.",
                 &m.malformed_jobs_total,
+            ),
+            (
+                "metronome_dispatcher_swept_push_consumers",
+                "Push consumers deleted for delivering beyond an inbox (a stream's messages sent to subjects their creator may not publish).",
+                &m.swept_push_consumers_total,
             ),
             (
                 "metronome_dispatcher_tenant_limited_jobs",
