@@ -6,11 +6,13 @@
 //! every interval and bound is positive. Environment lookups are passed in as a function,
 //! so tests never touch the process environment.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use metronome_protocol::setup::StreamSettings;
 use metronome_protocol::JobLimits;
 use metronome_scheduler::policy::PolicyKind;
+use metronome_scheduler::rate_limit::RateLimits;
 use metronome_scheduler::{FairnessConfig, SchedulerConfig};
 use serde::{Deserialize, Serialize};
 
@@ -119,6 +121,15 @@ pub struct Config {
     pub events_max_bytes: i64,
     /// Most events EVENTS keeps per worker subject (oldest first); set at start.
     pub events_max_per_worker: i64,
+    /// Each tenant's limits (`[tenant_limits.<tenant>]`: `requests_per_second`, `burst`,
+    /// `tokens_per_minute`), charged to every job the leader reads, however it was
+    /// submitted: what holds direct NATS clients to a tenant's limits. Set them at or
+    /// above the gateway's for the same tenant (the gateway's shape HTTP traffic and
+    /// answer with `Retry-After` before a round trip).
+    pub tenant_limits: BTreeMap<String, RateLimits>,
+    /// Limits of every tenant without an entry in `tenant_limits` (and of jobs without a
+    /// tenant); none: no limit.
+    pub default_tenant_limits: Option<RateLimits>,
 }
 
 impl Default for Config {
@@ -164,6 +175,8 @@ impl Default for Config {
             results_max_bytes: StreamSettings::default().results_max_bytes,
             events_max_bytes: StreamSettings::default().events_max_bytes,
             events_max_per_worker: StreamSettings::default().events_max_per_worker,
+            tenant_limits: BTreeMap::new(),
+            default_tenant_limits: None,
         }
     }
 }
@@ -235,6 +248,17 @@ impl Config {
         }
         if let Some(why) = metronome_runtime::nats::check_server_urls(&self.nats_url) {
             err("nats_url", why);
+        }
+        for (tenant, limits) in &self.tenant_limits {
+            if let Err(e) = metronome_protocol::check_tenant(tenant) {
+                err("tenant_limits", format!("{tenant:?}: {e}"));
+            }
+            for (field, message) in limits.problems() {
+                err(&format!("tenant_limits.{tenant}.{field}"), message);
+            }
+        }
+        for (field, message) in self.default_tenant_limits.iter().flat_map(|l| l.problems()) {
+            err(&format!("default_tenant_limits.{field}"), message);
         }
         if let Some(why) = metronome_protocol::setup::check_replicas(self.stream_replicas) {
             err("stream_replicas", why);

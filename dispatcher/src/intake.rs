@@ -50,7 +50,9 @@ use tokio_util::sync::CancellationToken;
 use crate::engine::{self, Event, Incoming};
 use crate::metrics::Metrics;
 use crate::publish::Publisher;
+use crate::tenant_limits::TenantLimits;
 use crate::DispatcherError;
+use metronome_scheduler::rate_limit::Refusal;
 
 /// What JOBS held when this term's consumer was created.
 #[derive(Debug, Clone, Copy)]
@@ -298,6 +300,7 @@ fn retry_headers(headers: Option<&async_nats::HeaderMap>, seq: u64) -> (u32, u64
 pub fn spawn_jobs(
     consumer: consumer::PullConsumer,
     limits: JobLimits,
+    mut tenant_limits: TenantLimits,
     context: RejectContext,
     seen: SeenBefore,
     tx: mpsc::Sender<Event>,
@@ -335,7 +338,16 @@ pub fn spawn_jobs(
             let ends_backlog = backlog_open && next.as_ref().is_some_and(|(_, ends)| *ends);
             match next.map(|(step, _)| step) {
                 Some(Step::Job(incoming)) => {
-                    if tx.send(Event::Job(incoming)).await.is_err() {
+                    // Charged in stream order, here, off the deciding loop; a retry was
+                    // charged as the first attempt it was.
+                    let charged = if incoming.attempt == 1 && tenant_limits.is_active() {
+                        tenant_limits.admit(&incoming.job, incoming.received_ms)
+                    } else {
+                        Ok(())
+                    };
+                    if let Err(refusal) = charged {
+                        context.reject_over_limit(&incoming, &refusal);
+                    } else if tx.send(Event::Job(incoming)).await.is_err() {
                         return;
                     }
                 }
@@ -409,6 +421,64 @@ impl RejectContext {
     /// DECISIONS remembers that id only the live feed shows the answer.
     pub fn answer_of(&self, stored: Decision) -> Decision {
         answer_of(stored, self.epoch, &self.dispatcher_id)
+    }
+
+    /// Reject a job over its tenant's limits (429 to its client, with the wait when
+    /// waiting can help).
+    pub fn reject_over_limit(&self, incoming: &Incoming, refusal: &Refusal) {
+        self.metrics.tenant_limited_jobs_total.fetch_add(1, Relaxed);
+        let job = &incoming.job;
+        let reason = match refusal {
+            Refusal::Requests { .. } => "the tenant's requests_per_second limit".to_string(),
+            Refusal::Tokens { needed, .. } => format!(
+                "the tenant's tokens_per_minute limit (this job needs {needed} tokens: input + max_tokens)"
+            ),
+            Refusal::TooLarge {
+                needed,
+                tokens_per_minute,
+            } => format!(
+                "this job needs {needed} tokens (input + max_tokens), more than the tenant's limit of {tokens_per_minute} tokens per minute"
+            ),
+        };
+        let retry_after_ms = match refusal {
+            Refusal::Requests { retry_after_ms } | Refusal::Tokens { retry_after_ms, .. } => {
+                Some(*retry_after_ms)
+            }
+            Refusal::TooLarge { .. } => None,
+        };
+        tracing::info!(job_id = %job.id, tenant = ?job.tenant, code = refusal.reason(), "job over its tenant's limits: rejected");
+        let decision = Decision {
+            v: metronome_protocol::DECISION_VERSION,
+            job_id: job.id.clone(),
+            model: Some(job.model.clone()),
+            outcome: Outcome::Rejected,
+            attempt: 1,
+            reason: Some(format!("over {reason}")),
+            reason_code: Some(refusal.reason().to_string()),
+            worker_id: None,
+            cost: None,
+            scoring: None,
+            candidates: Vec::new(),
+            rejected: Vec::new(),
+            slo: None,
+            policy: self.policy.clone(),
+            queue_wait_ms: 0,
+            retry_after_ms,
+            affinity: None,
+            decision_latency_us: 0,
+            epoch: self.epoch,
+            dispatcher_id: self.dispatcher_id.clone(),
+            decided_ms: metronome_protocol::time::unix_ms(),
+            tenant: job.tenant.clone(),
+            priority: job.priority,
+            fair_counter: None,
+        };
+        self.publisher.send(engine::Outcome::Reject {
+            decision: Box::new(decision),
+            error: ErrorCode::QueueFull,
+            message: format!("rejected: over {reason}"),
+            acker: incoming.acker.clone(),
+        });
     }
 
     /// Reject a message that is not a valid job, with the parse error as reason.

@@ -12,6 +12,7 @@
 
 pub mod cache_feed;
 pub mod config;
+pub mod consumer_sweep;
 pub mod deciding;
 pub mod engine;
 pub mod epoch_history;
@@ -26,6 +27,7 @@ pub mod recent;
 pub mod refusals;
 pub mod registry;
 pub mod supervise;
+pub mod tenant_limits;
 pub mod worker_claims;
 
 use std::net::SocketAddr;
@@ -406,6 +408,7 @@ async fn run_term(
     engine.queue_snapshots(c.queue_snapshot_ms, metronome_protocol::time::unix_ms());
     // Like the fairness writer, it ends with the deciding loop (its sender dropped) or the
     // term.
+    let _consumer_sweep = consumer_sweep::spawn(ctx.js.clone(), ctx.metrics.clone(), term.clone());
     let _queue_writer = queue_store::spawn_writer(
         ctx.buckets.queues.clone(),
         queues_rx,
@@ -465,6 +468,7 @@ async fn run_term(
         intake::spawn_jobs(
             consumer,
             c.job_limits,
+            tenant_limits::TenantLimits::new(c.tenant_limits.clone(), c.default_tenant_limits),
             reject,
             seen_before,
             tx,

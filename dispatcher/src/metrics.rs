@@ -56,6 +56,10 @@ pub struct Metrics {
     pub decisions_rejected_total: AtomicU64,
     pub decisions_expired_total: AtomicU64,
     pub malformed_jobs_total: AtomicU64,
+    /// Push consumers deleted for delivering beyond an inbox.
+    pub swept_push_consumers_total: AtomicU64,
+    /// Jobs rejected over their tenant's `[tenant_limits]`.
+    pub tenant_limited_jobs_total: AtomicU64,
     pub publish_failures_total: AtomicU64,
     pub duplicate_assignments_total: AtomicU64,
     pub rescued_jobs_total: AtomicU64,
@@ -390,6 +394,16 @@ impl Collector for Exposition {
                 "metronome_dispatcher_malformed_jobs",
                 "Messages on jobs.submit that were not valid jobs.",
                 &m.malformed_jobs_total,
+            ),
+            (
+                "metronome_dispatcher_swept_push_consumers",
+                "Push consumers deleted for delivering beyond an inbox (a stream's messages sent to subjects their creator may not publish).",
+                &m.swept_push_consumers_total,
+            ),
+            (
+                "metronome_dispatcher_tenant_limited_jobs",
+                "Jobs rejected over their tenant's rate or token limits.",
+                &m.tenant_limited_jobs_total,
             ),
             (
                 "metronome_dispatcher_publish_failures",

@@ -25,6 +25,7 @@ mod processes;
 mod provisioning;
 mod queues;
 mod retry_subject;
+mod tenant_limits;
 mod tenant_subject;
 mod unmeetable;
 mod worker_claims;

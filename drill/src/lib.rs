@@ -46,6 +46,7 @@ use tokio_util::sync::CancellationToken;
 
 use metronome_loadgen::system::{System, SystemSpec};
 
+pub mod flood;
 mod gateway_client;
 pub mod hostile;
 
@@ -84,13 +85,17 @@ pub enum Fault {
     /// admin identity can write (`hostile`): no component may stop, the leader may not
     /// change, every class must be rejected visibly.
     Hostile,
+    /// Many more chat requests through the gateway at once than the system can serve
+    /// (`gateway-flood`): every one is answered 200 or 429, and the gateway's peak RSS stays
+    /// under its documented ceiling.
+    GatewayFlood,
     /// On a three-node NATS cluster (streams and buckets R3): SIGKILL the nats-server that
     /// leads the JOBS stream, start it again after the pause; the service goes on.
     KillNatsLeader,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 11] = [
+    pub const ALL: [Fault; 12] = [
         Fault::KillLeader,
         Fault::KillLeaderAmidFaults,
         Fault::RestartAgent,
@@ -101,6 +106,7 @@ impl Fault {
         Fault::StopModelServer,
         Fault::RollingDeploy,
         Fault::Hostile,
+        Fault::GatewayFlood,
         Fault::KillNatsLeader,
     ];
 
@@ -116,6 +122,7 @@ impl Fault {
             Fault::StopModelServer => "stop-model-server",
             Fault::RollingDeploy => "rolling-deploy",
             Fault::Hostile => "hostile",
+            Fault::GatewayFlood => "gateway-flood",
             Fault::KillNatsLeader => "kill-nats-leader",
         }
     }
@@ -133,6 +140,7 @@ impl Fault {
             Fault::StopModelServer => "SIGKILL one GPU's model server under its agent, restart it after the pause: the jobs it was generating fail at once with a reason, the agent reports itself unhealthy until the server answers.",
             Fault::RollingDeploy => "SIGTERM every process in turn (standby, leader, gateway, each agent), each back before the next, part of the load over HTTP through the gateway: no stream broken, no job lost.",
             Fault::Hostile => "A seeded flood of malformed and forged messages on every subject and bucket the admin identity can write: no process stops, the leader does not change, every hostile message is rejected visibly and counted.",
+            Fault::GatewayFlood => "Many more chat requests through the gateway at once than the system can serve (10,000, 2,000 at a time; 2,000 in the short run), during the normal load: every request is answered 200 or 429, none lost, and the gateway's peak RSS stays under 256 MiB.",
             Fault::KillNatsLeader => "On a three-node NATS cluster (every stream and bucket R3), SIGKILL the node leading JOBS and every other stream, start it again after the pause: no job lost, failed or run twice, and JOBS keeps three copies.",
         }
     }
@@ -170,6 +178,9 @@ pub struct DrillPlan {
     pub hostile_messages: usize,
     pub hostile_seed: u64,
     pub hostile_rate: f64,
+    /// Requests the `gateway-flood` drill sends, and how many at a time.
+    pub flood_requests: usize,
+    pub flood_concurrency: usize,
     /// `kill-nats-leader`: the node killed leads the dispatchers' lease bucket too (else the
     /// lease is led by another node, so the leader keeps deciding through the failover).
     pub lease_on_killed_node: bool,
@@ -788,6 +799,20 @@ async fn inject(
         Fault::Hostile => {
             let what = hostile_flood(plan, system, client, js, &target, &mut notes).await?;
             (what, Instant::now())
+        }
+        Fault::GatewayFlood => {
+            let pid = system.pid_of("gateway").context("gateway pid")?;
+            let model = system.sim_models.first().context("a model")?.clone();
+            let account = flood::flood(
+                &system.gateway_url,
+                &model,
+                plan.flood_requests,
+                plan.flood_concurrency,
+                pid,
+            )
+            .await?;
+            target.failures.lock().unwrap().extend(account.failures());
+            (account.describe(), Instant::now())
         }
         Fault::KillNatsLeader => {
             kill_nats_leader(plan, system, client, js, &target, restarted, &mut notes).await?
@@ -1674,9 +1699,11 @@ async fn recovery(
                     .iter()
                     .find(|(t, w, _)| *t > mark && w.as_deref() == worker.as_deref())
                     .map(|(t, _, _)| *t),
-                Fault::RedisDown | Fault::RestartNats | Fault::RollingDeploy | Fault::Hostile => {
-                    s.finals.iter().map(|(t, _, _)| *t).find(|t| *t > mark)
-                }
+                Fault::RedisDown
+                | Fault::RestartNats
+                | Fault::RollingDeploy
+                | Fault::Hostile
+                | Fault::GatewayFlood => s.finals.iter().map(|(t, _, _)| *t).find(|t| *t > mark),
                 Fault::KillNatsLeader => s
                     .finals
                     .iter()
@@ -2093,6 +2120,8 @@ mod tests {
             hostile_messages: 5_000,
             hostile_seed: 9,
             hostile_rate: 1_000.0,
+            flood_requests: 2_000,
+            flood_concurrency: 2_000,
             lease_on_killed_node: false,
             state_dir: PathBuf::from("/srv/state"),
         };

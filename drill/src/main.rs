@@ -51,7 +51,7 @@ struct Cli {
     /// Drills not to run, comma-separated (kill-leader, kill-leader-amid-faults,
     /// restart-agent, stop-agent,
     /// redis-down, restart-nats, kill-dispatchers, stop-model-server, rolling-deploy,
-    /// hostile, kill-nats-leader).
+    /// hostile, gateway-flood, kill-nats-leader).
     #[arg(long, value_delimiter = ',')]
     skip: Vec<String>,
     /// Run only these drills, comma-separated, in the usual order.
@@ -66,6 +66,12 @@ struct Cli {
     /// Most hostile messages per second [default: 1000 short, 1500 full].
     #[arg(long, value_name = "PER_S")]
     hostile_rate: Option<f64>,
+    /// Requests the `gateway-flood` drill sends [default: 2000 short, 10000 full].
+    #[arg(long, value_name = "N")]
+    flood_requests: Option<usize>,
+    /// How many of them are in flight at once [default: 2000].
+    #[arg(long, value_name = "N", default_value_t = 2_000)]
+    flood_concurrency: usize,
     /// kill-nats-leader: the killed node also leads the dispatchers' lease bucket (by
     /// default another node does, so the leader decides through the failover).
     #[arg(long)]
@@ -127,6 +133,10 @@ fn main() -> ExitCode {
             .hostile_messages
             .unwrap_or(if cli.short { 5_000 } else { 100_000 }),
         hostile_seed: cli.hostile_seed,
+        flood_requests: cli
+            .flood_requests
+            .unwrap_or(if cli.short { 2_000 } else { 10_000 }),
+        flood_concurrency: cli.flood_concurrency.max(1),
         hostile_rate: cli
             .hostile_rate
             .unwrap_or(if cli.short { 1_000.0 } else { 1_500.0 }),

@@ -102,7 +102,7 @@ fn basic_password(encoded: &str) -> Option<String> {
 impl Tenant {
     fn new(config: TenantConfig) -> Arc<Tenant> {
         Arc::new(Tenant {
-            limiter: Mutex::new(TenantLimiter::new(&config, 0)),
+            limiter: Mutex::new(TenantLimiter::new(&config.rate_limits(), 0)),
             config,
         })
     }

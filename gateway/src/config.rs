@@ -45,6 +45,21 @@ pub struct Config {
     pub nats_auth: metronome_runtime::nats::NatsAuth,
     /// Largest accepted request body, in bytes; larger bodies get an OpenAI-shaped 413.
     pub body_limit_bytes: usize,
+    /// Most chat and completion requests held at once (read, queued, generating or
+    /// streaming); beyond it a request is answered 429 at once, before its body is read.
+    /// With `max_in_flight_body_bytes` it bounds the gateway's memory under a flood
+    /// (docs/RUNBOOK.md: about 60 KB per request in flight besides its body).
+    pub max_in_flight: usize,
+    /// Most requests of one tenant held at once (429 beyond it), so one tenant's flood
+    /// leaves room for the others.
+    pub max_in_flight_per_tenant: usize,
+    /// Most bytes of request bodies held at once, each charged its `Content-Length` (or
+    /// `body_limit_bytes` without one); 429 beyond it.
+    pub max_in_flight_body_bytes: u64,
+    /// Most bytes of results a request holds from workers no decision has named yet
+    /// (beyond it they are dropped and counted, as results of a worker that does not hold
+    /// the job).
+    pub held_results_max_bytes: usize,
     /// `max_tokens` assumed when a request sets neither `max_tokens` nor
     /// `max_completion_tokens`.
     pub default_max_tokens: u32,
@@ -202,6 +217,10 @@ impl Default for Config {
             nats_url: "nats://127.0.0.1:4222".into(),
             nats_auth: Default::default(),
             body_limit_bytes: 4 * 1024 * 1024,
+            max_in_flight: 1024,
+            max_in_flight_per_tenant: 512,
+            max_in_flight_body_bytes: 64 * 1024 * 1024,
+            held_results_max_bytes: 1024 * 1024,
             default_max_tokens: 256,
             inject_default_max_tokens: true,
             max_tokens_limit: 131_072,
@@ -336,6 +355,20 @@ impl Config {
             self.body_limit_bytes >= 1024,
             "body_limit_bytes",
             format!("{} is below the minimum of 1024", self.body_limit_bytes),
+        );
+        for (field, value) in [
+            ("max_in_flight", self.max_in_flight),
+            ("max_in_flight_per_tenant", self.max_in_flight_per_tenant),
+        ] {
+            check(value >= 1, field, "must be at least 1".into());
+        }
+        check(
+            self.max_in_flight_body_bytes >= self.body_limit_bytes as u64,
+            "max_in_flight_body_bytes",
+            format!(
+                "{} is below body_limit_bytes ({}): a body of the largest size would never be admitted",
+                self.max_in_flight_body_bytes, self.body_limit_bytes
+            ),
         );
         check(
             self.default_max_tokens >= 1,

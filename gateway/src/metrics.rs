@@ -40,6 +40,7 @@ pub const STREAM_GAPS_TOTAL: &str = "metronome_gateway_stream_gaps_total";
 pub const MALFORMED_MESSAGES_TOTAL: &str = "metronome_gateway_malformed_messages_total";
 pub const UNATTRIBUTED_RESULTS_TOTAL: &str = "metronome_gateway_unattributed_results_total";
 pub const AUTH_FAILURES_TOTAL: &str = "metronome_gateway_auth_failures_total";
+pub const SHED_TOTAL: &str = "metronome_gateway_shed_total";
 pub const TENANT_REQUESTS_TOTAL: &str = "metronome_gateway_tenant_requests_total";
 pub const TENANT_REJECTIONS_TOTAL: &str = "metronome_gateway_tenant_rejections_total";
 pub const TENANT_ADMITTED_TOKENS_TOTAL: &str = "metronome_gateway_tenant_admitted_tokens_total";
@@ -75,6 +76,7 @@ pub struct Metrics {
     ttfb: Family<Labels, Histogram, LatencyBuckets>,
     malformed: Family<Labels, Counter>,
     auth_failures: Family<Labels, Counter>,
+    shed: Family<Labels, Counter>,
     /// Per tenant; the tenants are the configured ones, so the label set is bounded.
     tenant_requests: Family<Labels, Counter>,
     tenant_rejections: Family<Labels, Counter>,
@@ -101,6 +103,7 @@ impl Default for Metrics {
             ttfb: Family::new_with_constructor(LatencyBuckets),
             malformed: Family::default(),
             auth_failures: Family::default(),
+            shed: Family::default(),
             tenant_requests: Family::default(),
             tenant_rejections: Family::default(),
             tenant_tokens: Family::default(),
@@ -167,6 +170,11 @@ impl Default for Metrics {
             counter_name(UNATTRIBUTED_RESULTS_TOTAL),
             "Result messages not relayed because no decision gave their job to the worker that published them (held until the job ended), or whose body named another worker than their subject, by reason",
             m.unattributed_results.clone(),
+        );
+        r.register(
+            counter_name(SHED_TOTAL),
+            "Requests answered 429 at once, before their body was read, because the gateway held its most (in_flight, in_flight_tenant, in_flight_body_bytes)",
+            m.shed.clone(),
         );
         r.register(
             counter_name(AUTH_FAILURES_TOTAL),
@@ -244,6 +252,13 @@ impl Metrics {
         self.unattributed_results
             .get_or_create(&vec![("reason", reason.to_string())])
             .inc_by(n);
+    }
+
+    /// A request answered 429 at once by a bound of [`crate::in_flight`].
+    pub fn shed(&self, reason: &'static str) {
+        self.shed
+            .get_or_create(&vec![("reason", reason.to_string())])
+            .inc();
     }
 
     /// A request refused with 401, by reason (`missing`, `malformed`, `invalid`, `revoked`),

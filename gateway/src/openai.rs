@@ -1,29 +1,26 @@
 //! The OpenAI request as the gateway sees it: the few fields it needs to build a job
-//! (model, prompt size, output bound, streaming), read from the body without consuming it.
+//! (model, input size, output bound, streaming), read from the body without consuming it.
 //!
-//! The body itself travels to the model server unchanged, with one documented exception:
-//! when the request sets no output limit and `inject_default_max_tokens` is on, the
-//! default `max_tokens` is written into it, so the model server can never generate more
-//! than the dispatcher reserved KV cache and time for.
+//! The body travels in the job; the worker-agent builds the model server's request from
+//! it (OpenAI's fields and its configured extras only, the job's model: see the agent's
+//! `request_fields`). The gateway changes it in one documented way: when the request sets
+//! no output limit and `inject_default_max_tokens` is on, the default `max_tokens` is
+//! written into it, so the model server can never generate more than the dispatcher
+//! reserved KV cache and time for.
 //!
-//! Prompt size heuristic (no tokenizer in the gateway, the model is not known here):
-//! every text counts `ceil(chars / 4)` tokens (OpenAI's rule of thumb for English BPE
-//! vocabularies; it under-counts CJK text and over-counts long ASCII words), each chat
-//! message adds 4 tokens of role and separators, and a chat adds 3 tokens of reply
-//! priming. Token-id prompts (`prompt: [1, 2, 3]`) are counted exactly. The estimate
-//! only orders and sizes jobs; the worker reports the true counts.
+//! Input size: `metronome_protocol::input_tokens` (no tokenizer in the gateway, the model
+//! is not known here): every message, content part (images included), tool list and
+//! response format counts, so all of a request's input is charged against the tenant's
+//! `tokens_per_minute`. The estimate also orders and sizes jobs; the worker reports the
+//! true counts.
 
 use metronome_protocol::Endpoint;
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
 
-/// Tokens of role and separators around each chat message.
-const TOKENS_PER_MESSAGE: u32 = 4;
-/// Tokens priming the assistant's reply in a chat.
-const TOKENS_REPLY_PRIMING: u32 = 3;
-/// Characters per token of the heuristic.
-const CHARS_PER_TOKEN: usize = 4;
+use metronome_protocol::input_tokens::text_tokens;
+use metronome_protocol::input_tokens::{message_tokens, template_tokens, TOKENS_REPLY_PRIMING};
 
 /// Limits and defaults applied while reading a request.
 #[derive(Debug, Clone, Copy)]
@@ -109,6 +106,8 @@ pub fn parse_request(
             });
         }
     };
+    // Tools, schemas and a suffix reach the prompt too.
+    let prompt_tokens = prompt_tokens.saturating_add(template_tokens(&object));
     let max_tokens = read_max_tokens(&object, policy)?;
     let n = match object.get("n") {
         None | Some(Value::Null) => 1,
@@ -194,12 +193,6 @@ fn read_max_tokens(
     Ok(None)
 }
 
-/// Heuristic token count of a text.
-pub fn text_tokens(text: &str) -> u32 {
-    let chars = text.chars().count();
-    u32::try_from(chars.div_ceil(CHARS_PER_TOKEN)).unwrap_or(u32::MAX)
-}
-
 fn chat_prompt_tokens(object: &Map<String, Value>) -> Result<u32, ApiError> {
     let messages = match object.get("messages") {
         Some(Value::Array(m)) if !m.is_empty() => m,
@@ -236,25 +229,16 @@ fn chat_prompt_tokens(object: &Map<String, Value>) -> Result<u32, ApiError> {
                 "each message needs a string `role`",
             ));
         }
-        let content = match m.get("content") {
-            None | Some(Value::Null) => 0,
-            Some(Value::String(s)) => text_tokens(s),
-            // Content parts: only text parts have a size the gateway can estimate.
-            Some(Value::Array(parts)) => parts
-                .iter()
-                .filter_map(|p| p.get("text").and_then(Value::as_str))
-                .map(text_tokens)
-                .fold(0u32, u32::saturating_add),
-            Some(_) => {
-                return Err(ApiError::invalid_field(
-                    &format!("messages[{i}].content"),
-                    "`content` must be a string, an array of parts or null",
-                ))
-            }
-        };
-        total = total
-            .saturating_add(TOKENS_PER_MESSAGE)
-            .saturating_add(content);
+        if !matches!(
+            m.get("content"),
+            None | Some(Value::Null | Value::String(_) | Value::Array(_))
+        ) {
+            return Err(ApiError::invalid_field(
+                &format!("messages[{i}].content"),
+                "`content` must be a string, an array of parts or null",
+            ));
+        }
+        total = total.saturating_add(message_tokens(m));
     }
     Ok(total)
 }
@@ -351,7 +335,10 @@ mod tests {
             {"role": "user", "content": [{"type": "text", "text": "abcd"}, {"type": "image_url"}]},
         ], "max_tokens": 10}))
         .unwrap();
-        assert_eq!(r.prompt_tokens, 3 + (4 + 2) + (4 + 1));
+        assert_eq!(
+            r.prompt_tokens,
+            3 + (4 + 2) + (4 + 1 + metronome_protocol::input_tokens::TOKENS_PER_IMAGE)
+        );
         assert_eq!(r.max_tokens, 10);
         assert!(!r.stream);
     }
@@ -383,7 +370,7 @@ mod tests {
     }
 
     #[test]
-    fn unknown_fields_are_forwarded_unchanged() {
+    fn unknown_fields_travel_in_the_job_unchanged() {
         let body = json!({"model": "m", "prompt": "hi", "max_tokens": 5, "temperature": 0.3,
             "logit_bias": {"50256": -100}});
         let r = completion(body.clone()).unwrap();

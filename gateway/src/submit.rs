@@ -51,9 +51,10 @@ const REFUSAL_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 /// read (and again as long as they wait): the live decision normally comes first or
 /// within milliseconds, so this only matters when the gateway missed it.
 const DECISION_LOOKUP: std::time::Duration = std::time::Duration::from_secs(1);
-/// At most this many results of workers no decision has named are held per job; beyond
-/// it they are dropped (and counted): only a worker that does not hold the job sends
-/// that many before its decision.
+/// At most this many results of workers no decision has named are held per job, and at
+/// most `held_results_max_bytes` of them (the config's); beyond either they are dropped
+/// (and counted): only a worker that does not hold the job sends that much before its
+/// decision.
 const MAX_HELD: usize = 4096;
 use crate::openai::InferenceRequest;
 use crate::AppState;
@@ -181,9 +182,11 @@ pub struct Submission {
     tenant: Option<String>,
     results: Subscriber,
     decisions: Subscriber,
-    /// Results of workers no decision has named (yet), with their publisher, in arrival
-    /// order.
-    held: VecDeque<(String, JobEvent)>,
+    /// Results of workers no decision has named (yet), with their publisher and their
+    /// message's size, in arrival order.
+    held: VecDeque<(String, JobEvent, usize)>,
+    /// Bytes of the messages in `held`.
+    held_bytes: usize,
     /// When to read the stored decision for the held results.
     lookup_at: Option<Instant>,
     cancel: CancelGuard,
@@ -271,6 +274,7 @@ impl Submission {
             results,
             decisions,
             held: VecDeque::new(),
+            held_bytes: 0,
             lookup_at: None,
             cancel: CancelGuard {
                 client,
@@ -331,7 +335,7 @@ impl Submission {
                     if publisher.is_none() || publisher == self.worker_id {
                         return Ok(event);
                     }
-                    self.hold(publisher.unwrap_or_default(), event);
+                    self.hold(publisher.unwrap_or_default(), event, message.payload.len());
                 }
                 message = self.decisions.next() => {
                     let Some(message) = message else {
@@ -381,13 +385,16 @@ impl Submission {
     }
 
     /// Hold a result of `publisher`, which no decision has given the job (yet).
-    fn hold(&mut self, publisher: String, event: JobEvent) {
-        if self.held.len() >= MAX_HELD {
+    fn hold(&mut self, publisher: String, event: JobEvent, bytes: usize) {
+        if self.held.len() >= MAX_HELD
+            || self.held_bytes.saturating_add(bytes) > self.state.config.held_results_max_bytes
+        {
             self.state.metrics.unattributed_results("not_assigned", 1);
             return;
         }
         tracing::debug!(job_id = %self.job_id, %publisher, "holding a result until a decision names its worker");
-        self.held.push_back((publisher, event));
+        self.held.push_back((publisher, event, bytes));
+        self.held_bytes += bytes;
         self.lookup_at
             .get_or_insert_with(|| Instant::now() + DECISION_LOOKUP);
     }
@@ -412,9 +419,10 @@ impl Submission {
                 self.worker_id = Some(worker.clone());
                 let (released, rest): (VecDeque<_>, VecDeque<_>) = std::mem::take(&mut self.held)
                     .into_iter()
-                    .partition(|(publisher, _)| *publisher == worker);
+                    .partition(|(publisher, _, _)| *publisher == worker);
                 self.held = rest;
-                self.replay.extend(released.into_iter().map(|(_, e)| e));
+                self.held_bytes = self.held.iter().map(|(_, _, bytes)| bytes).sum();
+                self.replay.extend(released.into_iter().map(|(_, e, _)| e));
                 if self.held.is_empty() {
                     self.lookup_at = None;
                 }
@@ -518,7 +526,7 @@ impl Drop for Submission {
             return;
         }
         let publishers: std::collections::BTreeSet<&str> =
-            self.held.iter().map(|(p, _)| p.as_str()).collect();
+            self.held.iter().map(|(p, _, _)| p.as_str()).collect();
         self.state
             .metrics
             .unattributed_results("not_assigned", self.held.len() as u64);

@@ -825,3 +825,67 @@ async fn the_assigned_workers_results_that_precede_its_decision_are_relayed() {
         }
     }
 }
+
+/// Beyond `max_in_flight` a request is answered 429 at once, before its body is read, and
+/// a request that ends gives its place back: a flood costs the gateway a bounded number
+/// of requests, not one per request sent.
+#[tokio::test]
+async fn beyond_max_in_flight_a_request_is_answered_429_at_once() {
+    let mut h = Harness::start(|c| c.max_in_flight = 2).await;
+    // Nothing answers: the jobs wait, and their requests stay in flight.
+    h.stop_fake();
+    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT_ALL).await.unwrap();
+    sync_subscriptions(&h.client).await;
+    let hold = |h: &Harness| {
+        let request = h
+            .http
+            .post(h.url("/v1/chat/completions"))
+            .json(&chat_body("held", false));
+        tokio::spawn(async move { request.send().await })
+    };
+    let first = hold(&h);
+    let _second = hold(&h);
+    next_job(&mut submitted).await;
+    next_job(&mut submitted).await;
+    let refused = h
+        .http
+        .post(h.url("/v1/chat/completions"))
+        .json(&chat_body("one too many", false))
+        .timeout(std::time::Duration::from_secs(5))
+        .send()
+        .await
+        .expect("answered at once");
+    assert!(refused.headers().contains_key("retry-after"));
+    let error = assert_openai_error(refused, 429, "rate_limit_error").await;
+    assert_eq!(error["code"], "in_flight", "{error}");
+    // A client that leaves gives its place back.
+    first.abort();
+    let _ = first.await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let third = hold(&h);
+        let got =
+            tokio::time::timeout(std::time::Duration::from_millis(500), submitted.next()).await;
+        if got.is_ok() {
+            break;
+        }
+        third.abort();
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the place never came back"
+        );
+    }
+    let metrics = h
+        .http
+        .get(h.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("metronome_gateway_shed_total{reason=\"in_flight\"}"),
+        "{metrics}"
+    );
+}

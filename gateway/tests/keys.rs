@@ -347,6 +347,51 @@ async fn over_the_tenants_limits_is_429_with_retry_after() {
     }
 }
 
+/// Input a chat template renders into the prompt counts against `tokens_per_minute` like
+/// the messages do: a two-character message with a long tool list, a response schema or
+/// an image costs far more than the message.
+#[tokio::test]
+async fn tools_schemas_and_images_count_against_tokens_per_minute() {
+    let h = Harness::start_with_key(tenants, Some(ACME_KEY)).await;
+    let mut body = chat_body("hi", false);
+    body["max_tokens"] = json!(1);
+    let padding = "x".repeat(400);
+    let with = |field: &str, value: Value| {
+        let mut b = body.clone();
+        b[field] = value;
+        b
+    };
+    let hostile = [
+        with(
+            "tools",
+            json!([{"type": "function", "function": {"name": "f", "description": padding}}]),
+        ),
+        with(
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"name": "s", "description": padding}}),
+        ),
+        with(
+            "messages",
+            json!([{"role": "user", "content": [{"type": "text", "text": "hi"},
+                {"type": "image_url", "image_url": {"url": "https://example.invalid/cat.png"}}]}]),
+        ),
+    ];
+    for b in &hostile {
+        let resp = post_as(&h, Some(FRUGAL_KEY), b).await;
+        let error = assert_openai_error(resp, 429, "rate_limit_error").await;
+        assert!(
+            error["message"]
+                .as_str()
+                .unwrap()
+                .contains("tokens per minute"),
+            "{error}"
+        );
+    }
+    // The message alone fits.
+    let ok = post_as(&h, Some(FRUGAL_KEY), &body).await;
+    assert_eq!(ok.status(), 200);
+}
+
 #[tokio::test]
 async fn anonymous_access_when_enabled_runs_as_tenant_anonymous() {
     let h = Harness::start(|c| {

@@ -18,6 +18,7 @@ pub mod endpoint;
 pub mod event;
 #[cfg(feature = "nats")]
 pub mod headers;
+pub mod input_tokens;
 pub mod job;
 pub mod lease;
 pub mod names;

@@ -622,3 +622,64 @@ mod tests {
         assert_eq!(StreamSettings::default().replicas, 1);
     }
 }
+
+/// A push consumer [`sweep_push_consumers`] deleted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SweptConsumer {
+    pub stream: String,
+    pub consumer: String,
+    pub deliver_subject: String,
+}
+
+/// Delete every push consumer of the contract's streams (KV buckets included) whose
+/// deliver subject is not an inbox (`_INBOX.…`).
+///
+/// Why: nats-server delivers a push consumer's messages on the `deliver_subject` its
+/// creator names in the request body, without checking the creator's publish permissions,
+/// and a stream whose subjects match stores them (probed on nats-server 2.9.10: a worker's
+/// consumer of its own WORK subject delivering on `jobs.submit.<tenant>` submitted jobs as
+/// that tenant; the auditor's consumer of DECISIONS delivered decisions on another worker's
+/// `work.<id>`). Every role that may create a consumer needs one only with an inbox
+/// delivery (an ordered consumer) or none (a pull consumer), so anything else is an attack;
+/// an inbox is only heard by its own user. The leader runs this periodically: a consumer
+/// lives until the next sweep.
+pub async fn sweep_push_consumers(
+    js: &jetstream::Context,
+) -> Result<Vec<SweptConsumer>, async_nats::Error> {
+    use futures::StreamExt;
+    let mut swept = Vec::new();
+    let streams = [
+        STREAM_JOBS.to_string(),
+        STREAM_WORK.to_string(),
+        STREAM_DECISIONS.to_string(),
+        STREAM_RESULTS.to_string(),
+        STREAM_EVENTS.to_string(),
+        format!("KV_{BUCKET_WORKERS}"),
+        format!("KV_{BUCKET_LEADER}"),
+        format!("KV_{BUCKET_FAIRNESS}"),
+        format!("KV_{BUCKET_QUEUES}"),
+    ];
+    for name in streams {
+        // A stream that does not exist (yet) has no consumers.
+        let Ok(stream) = js.get_stream(&name).await else {
+            continue;
+        };
+        let mut consumers = stream.consumers();
+        while let Some(info) = consumers.next().await {
+            let info = info?;
+            let Some(subject) = info.config.deliver_subject.as_deref() else {
+                continue;
+            };
+            if subject.starts_with("_INBOX.") {
+                continue;
+            }
+            stream.delete_consumer(&info.name).await?;
+            swept.push(SweptConsumer {
+                stream: name.clone(),
+                consumer: info.name.clone(),
+                deliver_subject: subject.to_string(),
+            });
+        }
+    }
+    Ok(swept)
+}

@@ -51,6 +51,7 @@ pub mod perf;
 pub mod policy;
 pub mod prefix_index;
 pub mod provisioning;
+pub mod rate_limit;
 pub mod reported_cache;
 pub mod term;
 #[cfg(test)]

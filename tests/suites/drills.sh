@@ -2,9 +2,10 @@
 # Fault drills suite: the short drills of `metronome-drill --short` (leader SIGKILL, alone and
 # together with a second agent's SIGKILL while a first one is SIGSTOPped, agent
 # SIGKILL + restart, agent SIGSTOP, Redis down, nats-server restart, both dispatchers
-# SIGKILLed, a model server SIGKILLed, a rolling deploy of every process, and `hostile`: 5,000
+# SIGKILLed, a model server SIGKILLed, a rolling deploy of every process, `hostile`: 5,000
 # seeded hostile messages on every subject and bucket the admin identity can write, about
-# 20 s) on a real system of debug binaries under load, then `kill-nats-leader` on a second
+# 20 s, and `gateway-flood`: 2,000 chat requests through the gateway at once, each answered
+# 200 or 429 and the gateway's peak RSS under 256 MiB, about 15 s) on a real system of debug binaries under load, then `kill-nats-leader` on a second
 # system with a 3-node NATS cluster (every stream and bucket R3; SIGKILL the node leading
 # JOBS, every other stream but the lease moved to it first; about 45 s), about 4 minutes
 # in all. Fails when any drill lost or duplicated a job, or when a check failed (hostile: a

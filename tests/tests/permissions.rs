@@ -1328,3 +1328,105 @@ async fn a_worker_identity_heartbeating_as_another_model_gets_none_of_its_jobs()
         )
     );
 }
+
+/// A push consumer's messages go to the `deliver_subject` its creator names in the request
+/// body, which nats-server (2.9.10) does not check against the creator's publish
+/// permissions, and a stream whose subjects match stores them: a worker's consumer of its
+/// own WORK subject delivering on `jobs.submit.acme` submits jobs as `acme`, the auditor's
+/// consumer of DECISIONS delivering on `work.w2` feeds another worker's queue. The server
+/// accepts both consumers; the leader's sweep (`setup::sweep_push_consumers`) deletes
+/// every push consumer that does not deliver to an inbox, and then nothing is delivered.
+#[tokio::test]
+async fn push_consumers_delivering_beyond_an_inbox_are_swept() {
+    let sys = system().await;
+    let admin = Conn::open(&sys.nats, "admin").await;
+    let w1 = Conn::open(&sys.nats, "worker-w1").await;
+    let auditor = Conn::open(&sys.nats, "auditor").await;
+    let dispatcher = Conn::open(&sys.nats, "dispatcher-a").await;
+    let target_jobs = names::submit_subject(Some("acme"));
+    let mut seen_jobs = admin.client.subscribe(target_jobs.clone()).await.unwrap();
+    let mut seen_work = admin.client.subscribe("work.w2").await.unwrap();
+    admin.handled().await;
+    w1.js
+        .get_stream(STREAM_WORK)
+        .await
+        .unwrap()
+        .create_consumer(consumer::push::Config {
+            durable_name: Some(names::work_consumer("w1")),
+            filter_subject: "work.w1".into(),
+            deliver_subject: target_jobs.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("the server accepts a worker's push consumer to any subject");
+    auditor
+        .js
+        .get_stream_no_info(STREAM_DECISIONS)
+        .await
+        .unwrap()
+        .create_consumer(consumer::push::Config {
+            deliver_subject: "work.w2".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("the server accepts the auditor's push consumer to any subject");
+    let swept = metronome_protocol::setup::sweep_push_consumers(&dispatcher.js)
+        .await
+        .expect("the leader sweeps");
+    let mut delivering: Vec<&str> = swept.iter().map(|s| s.deliver_subject.as_str()).collect();
+    delivering.sort();
+    assert_eq!(delivering, [target_jobs.as_str(), "work.w2"], "{swept:?}");
+    dispatcher
+        .js
+        .publish("work.w1", "assignment for w1".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    dispatcher
+        .js
+        .publish(
+            names::decision_subject(Some("acme"), "job-p"),
+            "decision".into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    // Nothing comes: a delivery would arrive within milliseconds on loopback (it did,
+    // before the sweep existed, and JOBS stored it).
+    let jobs = tokio::time::timeout(Duration::from_secs(2), seen_jobs.next()).await;
+    let work = tokio::time::timeout(Duration::from_secs(2), seen_work.next()).await;
+    assert!(
+        jobs.is_err(),
+        "a worker's consumer delivered on {target_jobs}"
+    );
+    assert!(work.is_err(), "the auditor's consumer delivered on work.w2");
+    let jobs_stored = admin
+        .js
+        .get_stream(names::STREAM_JOBS)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .state
+        .messages;
+    assert_eq!(jobs_stored, 0, "JOBS stored a consumer's delivery");
+    // An inbox delivery (what ordered consumers use) is left alone.
+    auditor
+        .js
+        .get_stream_no_info(STREAM_DECISIONS)
+        .await
+        .unwrap()
+        .create_consumer(consumer::push::Config {
+            deliver_subject: "_INBOX.auditor.feed".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("an inbox delivery");
+    let swept = metronome_protocol::setup::sweep_push_consumers(&dispatcher.js)
+        .await
+        .unwrap();
+    assert!(swept.is_empty(), "{swept:?}");
+}

@@ -29,6 +29,22 @@ pub enum ServerKind {
     Tgi,
 }
 
+impl ServerKind {
+    /// Extras of the model server's request ([`crate::request_fields`]) allowed when the
+    /// config names none: plain sampling parameters the server families share (they bound
+    /// nothing and parse nothing), and for the simulator its exact prompt size (what the
+    /// load generator replays traces with).
+    pub fn default_extra_fields(self) -> &'static [&'static str] {
+        match self {
+            ServerKind::Vllm | ServerKind::Sglang => {
+                &["top_k", "min_p", "repetition_penalty", "ignore_eos"]
+            }
+            ServerKind::Simulator => &["ignore_eos", "metronome_prompt_tokens"],
+            ServerKind::Llamacpp | ServerKind::Tgi => &["top_k", "min_p", "repetition_penalty"],
+        }
+    }
+}
+
 impl fmt::Display for ServerKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = match self {
@@ -62,6 +78,12 @@ pub struct Config {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub model_server_ca_file: Option<String>,
     pub model_server_kind: ServerKind,
+    /// Request fields the model server gets besides OpenAI's own (see
+    /// `request_fields`): `None`, the default extras of `model_server_kind` (plain
+    /// sampling parameters, and the simulator's exact prompt size); a list, exactly those
+    /// (empty: OpenAI's fields only). Every other field of a client's body stays behind.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub extra_request_fields: Option<Vec<String>>,
     /// Path of the model server's health endpoint.
     pub health_path: String,
     /// Path of the model server's Prometheus endpoint.
@@ -142,6 +164,7 @@ impl Default for Config {
             model_server_url: "http://127.0.0.1:8001".into(),
             model_server_ca_file: None,
             model_server_kind: ServerKind::Vllm,
+            extra_request_fields: None,
             health_path: "/health".into(),
             metrics_path: "/metrics".into(),
             max_concurrency: 256,
@@ -290,6 +313,14 @@ impl Config {
                 err(field, format!("{path:?} must start with '/'"));
             }
         }
+        for field in self.extra_request_fields.iter().flatten() {
+            if field.is_empty() || field.len() > 64 || field.contains(char::is_control) {
+                err(
+                    "extra_request_fields",
+                    format!("{field:?} is not a request field name"),
+                );
+            }
+        }
         if self.max_concurrency == 0 {
             err("max_concurrency", "must be at least 1".into());
         }
@@ -422,6 +453,20 @@ impl Config {
     pub fn ack_wait(&self) -> Duration {
         Duration::from_millis(self.ack_wait_ms)
     }
+    /// The request fields allowed besides OpenAI's (`extra_request_fields`, or the server
+    /// kind's defaults).
+    pub fn request_extras(&self) -> Vec<String> {
+        match &self.extra_request_fields {
+            Some(fields) => fields.clone(),
+            None => self
+                .model_server_kind
+                .default_extra_fields()
+                .iter()
+                .map(|f| f.to_string())
+                .collect(),
+        }
+    }
+
     pub fn request_timeout(&self) -> Duration {
         Duration::from_millis(self.request_timeout_ms)
     }

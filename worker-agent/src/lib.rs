@@ -30,6 +30,7 @@ pub mod perf_store;
 mod probe;
 mod probe_cache;
 pub mod pull;
+pub mod request_fields;
 pub mod runner;
 mod shared;
 

@@ -80,12 +80,22 @@ pub(crate) async fn run_job(
         let job = &assignment.job;
         let cfg = &shared.config;
         tracing::info!(endpoint = ?job.endpoint, max_tokens = job.max_tokens, "job started");
-        // The job's size, not its body, bounds the output (what was reserved for it). An
-        // embedding has no output to bound.
+        // The job's size, not its body, bounds the output (what was reserved for it); an
+        // embedding has no output to bound. Built, not forwarded: OpenAI's fields of the
+        // endpoint and the configured extras, the job's model.
+        let built = crate::request_fields::build(
+            job.endpoint,
+            &job.model,
+            &job.request,
+            &shared.request_extras,
+        );
+        if !built.dropped.is_empty() {
+            tracing::debug!(dropped = ?built.dropped, "request fields left out");
+        }
         let bounded = if job.endpoint.generates() {
-            bound_request(job.request.clone(), job.max_tokens)
+            bound_request(built.body, job.max_tokens)
         } else {
-            Ok(job.request.clone())
+            Ok(built.body)
         };
         let (mut chunks, refused_body) = match bounded {
             Ok(request) => {

@@ -39,6 +39,8 @@ pub(crate) struct Shared {
     pub client: async_nats::Client,
     pub js: jetstream::Context,
     pub model: Arc<dyn ModelClient>,
+    /// Request fields allowed besides OpenAI's (`Config::request_extras`, read once).
+    pub request_extras: Vec<String>,
     pub ewma: Option<EwmaStore>,
     pub metrics: Arc<AgentMetrics>,
     /// This worker's performance model, fitted from its completed jobs.
@@ -79,6 +81,7 @@ pub(crate) struct Parts {
 impl Shared {
     pub fn new(parts: Parts, machine: JobMachine) -> Shared {
         Shared {
+            request_extras: parts.config.request_extras(),
             config: parts.config,
             client: parts.client,
             js: parts.js,

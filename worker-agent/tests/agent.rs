@@ -771,3 +771,39 @@ async fn the_gpu_probes_figures_are_on_the_agents_metrics() {
     shutdown.cancel();
     agent.wait().await.unwrap();
 }
+
+/// The body a client sent is not what reaches the model server: fields outside OpenAI's
+/// (and the configured extras) stay behind, and `model` is the job's whatever the body says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_model_server_gets_only_allowed_fields_and_the_jobs_model() {
+    let env = Env::start().await;
+    let worker = "n1-gpu7";
+    let results = collect(
+        env.client
+            .subscribe(results_subject_all(None, "job-fields"))
+            .await
+            .unwrap(),
+    );
+    env.client.flush().await.unwrap();
+    let (agent, shutdown) = env.start_agent(env.config(worker)).await;
+    let mut hostile = job("job-fields", Endpoint::Chat, 3, 0);
+    let request = hostile.request.as_object_mut().unwrap();
+    request.insert("model".into(), "another-tenants-model".into());
+    request.insert("chat_template".into(), "{{ cycler.__init__ }}".into());
+    request.insert("prompt_embeds".into(), "AAAA".into());
+    request.insert("temperature".into(), 0.5.into());
+    env.assign(worker, &hostile, 1).await;
+    let (_, fin) = final_of(&results, "final result").await;
+    assert!(fin.error.is_none(), "{fin:?}");
+    let body = env.stub.stats.bodies.lock().unwrap()[0].clone();
+    assert_eq!(body["model"], MODEL, "{body}");
+    assert_eq!(body["temperature"], 0.5, "{body}");
+    for field in ["chat_template", "prompt_embeds"] {
+        assert!(
+            body.get(field).is_none(),
+            "{field} reached the server: {body}"
+        );
+    }
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+}

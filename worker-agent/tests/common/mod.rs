@@ -45,6 +45,8 @@ pub struct StubStats {
     pub running: AtomicU64,
     /// Each completion request's `x-request-id` and `traceparent` headers, in arrival order.
     pub ids: std::sync::Mutex<Vec<(Option<String>, Option<String>)>>,
+    /// Each completion request's body, in arrival order.
+    pub bodies: std::sync::Mutex<Vec<Value>>,
 }
 
 /// Counts a stream as aborted unless it reached its end.
@@ -156,6 +158,7 @@ fn generate(
         .lock()
         .unwrap()
         .push((header("x-request-id"), header("traceparent")));
+    stats.bodies.lock().unwrap().push(body.clone());
     if body["stream"] == true && body["stream_options"]["include_usage"] == true {
         stats.forced_streaming.fetch_add(1, Ordering::SeqCst);
     }
@@ -279,6 +282,8 @@ impl Env {
             model: MODEL.into(),
             model_server_url: self.stub.url(),
             model_server_kind: ServerKind::Vllm,
+            // The stub's own knobs travel like a model server's extra fields.
+            extra_request_fields: Some(vec!["stub_delay_ms".into(), "stub_fail".into()]),
             nats_url: self.nats.url(),
             nats_auth: NatsAuth {
                 ca_file: self.ca.as_ref().map(TestCa::ca_file),
