@@ -8,6 +8,7 @@
 //!   [`CancellationToken`] that the binary's `run` watches;
 //! - [`config`]: loading configuration (TOML file, then environment variables and flags,
 //!   each setting one key) and its field error type;
+//! - [`retry`]: pauses between retries, exponential with jitter ([`retry::Pauses`]);
 //! - [`settings`]: each binary's flags and environment variables, declared once in a table
 //!   that both clap and the configuration loader read;
 //! - [`report_invalid_config`]: the `invalid configuration:` report, one indented line per
@@ -28,6 +29,8 @@ pub mod config;
 pub mod nats;
 
 pub mod redis;
+
+pub mod retry;
 
 pub mod settings;
 
