@@ -3,9 +3,7 @@
 //! that holds it, the SLO rules still decide, and a job without a fingerprint is placed
 //! exactly as before.
 
-use crate::engine_support;
-
-use engine_support::*;
+use metronome_dispatcher::engine::testing::*;
 use metronome_dispatcher::engine::{Engine, Event, WorkerUpdate};
 use metronome_protocol::prefix::PrefixFingerprint;
 use metronome_protocol::{Decision, Job, PrefixSource};
@@ -31,8 +29,8 @@ fn with_prefix(id: &str, tokens: &[u32], at: u64) -> Job {
 fn two_workers() -> Engine {
     let mut e = engine(|_| {});
     let workers = vec![
-        heartbeat("w0", "m", 4, &[], 1, T0),
-        heartbeat("w1", "m", 4, &[], 1, T0),
+        heartbeat_of("w0", "m", 4, &[], 1, T0),
+        heartbeat_of("w1", "m", 4, &[], 1, T0),
     ];
     step(&mut e, workers, T0);
     e
@@ -45,7 +43,7 @@ fn heartbeat_with(
     at: u64,
     change: impl FnOnce(&mut metronome_protocol::WorkerStatus),
 ) -> Event {
-    let mut hb = heartbeat(id, "m", 4, &[], seq, at);
+    let mut hb = heartbeat_of(id, "m", 4, &[], seq, at);
     if let Event::Worker(WorkerUpdate::Put { status, .. }) = &mut hb {
         change(status);
     }
@@ -55,7 +53,7 @@ fn heartbeat_with(
 /// `first` (job `p1`) ran on w1 and finished: w1 holds its prefix. `w0` was busy meanwhile
 /// with a job without a prefix, so `p1` went to w1.
 fn placed_on_w1_and_finished(e: &mut Engine, first: Job) {
-    let busy = step(e, vec![job("busy", "m", T0 + 1)], T0 + 1);
+    let busy = step(e, vec![small_job("busy", "m", T0 + 1)], T0 + 1);
     assert_eq!(assigned(&busy), [("busy".to_string(), "w0".to_string())]);
     let out = step(e, vec![arrival(first, T0 + 2, T0 + 2)], T0 + 2);
     assert_eq!(assigned(&out), [("p1".to_string(), "w1".to_string())]);

@@ -163,7 +163,7 @@ mod tests {
     #[test]
     fn nothing_known_predicts_max_tokens_and_the_ewma_is_bounded_by_it() {
         let mut e = engine(|_| {});
-        let j = body(None, "a", 100, 400, T0);
+        let j = body("a", "m", None, 100, 400, T0);
         assert_eq!(e.predicted_output(&j), 400.0);
         e.output_len.insert("m".into(), 150.0);
         assert_eq!(e.predicted_output(&j), 150.0);
@@ -174,7 +174,7 @@ mod tests {
     #[test]
     fn completions_of_assigned_jobs_fit_the_output_model() {
         let mut e = engine(|_| {});
-        let j = body(None, "a", 100, 1_000, T0);
+        let j = body("a", "m", None, 100, 1_000, T0);
         e.assigned.insert(
             "a".into(),
             crate::engine::AssignedJob {
@@ -193,7 +193,7 @@ mod tests {
     #[test]
     fn the_request_carries_the_ttft_budget_its_wait_has_left() {
         let e = engine(|_| {});
-        let mut j = body(None, "a", 100, 10, T0);
+        let mut j = body("a", "m", None, 100, 10, T0);
         j.submitted_ms = T0;
         let (request, slo) = e.request_of("m", &queued(j, T0));
         assert_eq!(request.prompt_tokens, 100);
