@@ -31,10 +31,12 @@ ARG METRONOME_GIT_COMMIT=""
 RUN METRONOME_GIT_COMMIT="$METRONOME_GIT_COMMIT" cargo build --release --locked \
         -p metronome-dispatcher -p metronome-gateway \
         -p metronome-worker-agent -p metronome-gpu-sim -p metronome-cli \
- && mkdir -p /out \
+ && mkdir -p /out/bin /out/share/man/man1 /out/share/bash-completion/completions \
  && cp target/release/metronome-dispatcher target/release/metronome-gateway \
        target/release/metronome-worker-agent target/release/metronome-gpu-sim \
-       target/release/metronome /out/
+       target/release/metronome /out/bin/ \
+ && /out/bin/metronome man > /out/share/man/man1/metronome.1 \
+ && /out/bin/metronome completions bash > /out/share/bash-completion/completions/metronome
 
 # --- runtime ---------------------------------------------------------------------------
 FROM debian:bookworm-slim
@@ -45,7 +47,8 @@ RUN apt-get update \
  && groupadd --system --gid 10001 metronome \
  && useradd --system --uid 10001 --gid metronome --no-create-home \
         --home-dir /nonexistent --shell /usr/sbin/nologin metronome
-COPY --from=builder /out/ /usr/local/bin/
+COPY --from=builder /out/bin/ /usr/local/bin/
+COPY --from=builder /out/share/ /usr/local/share/
 USER metronome:metronome
 ENV RUST_LOG=info
 # The endpoint the health check asks: the gateway's /healthz by default. A container

@@ -41,7 +41,7 @@ TOML
   fi
 }
 
-render_worker_config() { # worker id, model, model server port, gpu index, metrics port
+render_worker_config() { # worker id, model, model server port, gpu index, metrics port[, KV events port, replay port]
   cat <<TOML
 worker_id = "$1"
 metrics_port = $5
@@ -50,6 +50,8 @@ node = "$(hostname -s 2>/dev/null || echo local)"
 gpu_index = $4
 model_server_url = "http://127.0.0.1:$3"
 model_server_kind = "simulator"
+$([ -n "${6:-}" ] && echo "kv_events_endpoint = \"tcp://127.0.0.1:$6\"")
+$([ -n "${7:-}" ] && echo "kv_events_replay_endpoint = \"tcp://127.0.0.1:$7\"")
 max_concurrency = ${WORKER_MAX_CONCURRENCY:-256}
 nats_url = "$NATS_URL"
 stream_replicas = ${NATS_REPLICAS:-1}

@@ -216,12 +216,16 @@ source "$ROOT/scripts/render-config.sh"
 # server per GPU, so one model server can fail or restart without the others (the drill
 # stop-model-server). The GPUs are independent, so this serves exactly what one process
 # serving every GPU would.
-declare -a GPU_PORTS GPU_MODELS
+# Each publishes its prefix cache's KV events as vLLM does (a ZMQ PUB socket and its replay
+# socket), which its worker-agent follows and reports to the leader.
+declare -a GPU_PORTS GPU_MODELS KV_PORTS KV_REPLAY_PORTS
 for ((g=0; g<GPUS; g++)); do
   GPU_PORTS[$g]=$(free_port)
+  KV_PORTS[$g]=$(free_port)
+  KV_REPLAY_PORTS[$g]=$(free_port)
   GPU_MODELS[$g]="${MODEL_LIST[$((g % ${#MODEL_LIST[@]}))]}"
   speed="${SPEED_LIST[$g]:-1.0}"
-  start "sim-gpu$g" "$BIN/metronome-gpu-sim" --gpu "model=${GPU_MODELS[$g]},port=${GPU_PORTS[$g]},speed=$speed" \
+  start "sim-gpu$g" "$BIN/metronome-gpu-sim" --gpu "model=${GPU_MODELS[$g]},port=${GPU_PORTS[$g]},speed=$speed,kv_events_endpoint=tcp://127.0.0.1:${KV_PORTS[$g]},kv_events_replay_endpoint=tcp://127.0.0.1:${KV_REPLAY_PORTS[$g]}" \
     ${SIM_ARGS[@]+"${SIM_ARGS[@]}"}
 done
 for ((g=0; g<GPUS; g++)); do wait_tcp "${GPU_PORTS[$g]}" "simulated GPU $g"; done
@@ -238,7 +242,8 @@ done
 WORKER_METRICS=()
 for ((g=0; g<GPUS; g++)); do
   port=$(free_port); WORKER_METRICS+=("127.0.0.1:$port")
-  render_worker_config "local-gpu$g" "${GPU_MODELS[$g]}" "${GPU_PORTS[$g]}" "$g" "$port" > "$STATE_DIR/config/worker-gpu$g.toml"
+  render_worker_config "local-gpu$g" "${GPU_MODELS[$g]}" "${GPU_PORTS[$g]}" "$g" "$port" \
+    "${KV_PORTS[$g]}" "${KV_REPLAY_PORTS[$g]}" > "$STATE_DIR/config/worker-gpu$g.toml"
   start "worker-gpu$g" "$BIN/metronome-worker-agent" --config "$STATE_DIR/config/worker-gpu$g.toml"
 done
 

@@ -211,6 +211,7 @@ mod tests {
             rejected: vec![],
             slo: None,
             retry_after_ms: None,
+            affinity: None,
             policy: "metronome".into(),
             queue_wait_ms: 20,
             decision_latency_us: 1,

@@ -21,13 +21,33 @@ pub enum CliError {
     /// A wait (`drain --wait`) ran out of time.
     #[error("{0}")]
     TimedOut(String),
+    /// The reader of the output went away (`metronome decisions --follow | head`): it has
+    /// what it wanted, so the command ends quietly, successfully.
+    #[error("output closed")]
+    OutputClosed,
+    /// Writing the output failed otherwise (a full disk, a closed terminal).
+    #[error("writing output: {0}")]
+    Output(String),
 }
 
 impl CliError {
-    /// 1: not found (a script's "no such job", "no such worker"); 2: bad usage; 3: the
-    /// system could not be reached or read; 4: a wait ran out of time.
+    /// The error of a failed write of the output.
+    pub fn writing(e: std::io::Error) -> CliError {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            CliError::OutputClosed
+        } else {
+            CliError::Output(e.to_string())
+        }
+    }
+}
+
+impl CliError {
+    /// 0: the output's reader went away; 1: not found (a script's "no such job", "no such
+    /// worker"); 2: bad usage; 3: the system could not be reached or read, or the output
+    /// could not be written; 4: a wait ran out of time.
     pub fn exit_code(&self) -> u8 {
         match self {
+            CliError::OutputClosed => 0,
             CliError::NotFound(_) => 1,
             CliError::Usage(_) => 2,
             CliError::TimedOut(_) => 4,

@@ -10,6 +10,7 @@
 
 pub mod drain;
 pub mod error;
+pub mod keys;
 pub mod replay;
 
 use std::io::Write;
@@ -28,7 +29,8 @@ use metronome_readmodel::{decisions, explain, status_report, story, worker_views
 ///
 /// Talks only the NATS contract of docs/PROTOCOL.md; tables for people, `--json` for
 /// scripts. Exit codes: 0 ok, 1 not found (unknown job id or worker), 2 bad usage, 3 NATS
-/// or Redis unreachable or unreadable, 4 `drain --wait` timed out.
+/// or Redis unreachable or unreadable (or the output unwritable), 4 `drain --wait` timed
+/// out; a closed output pipe (`metronome decisions --follow | head`) ends it quietly with 0.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "metronome", version, about, long_about)]
 pub struct Cli {
@@ -117,7 +119,7 @@ pub enum Command {
         /// Wait until the worker's running jobs have finished.
         #[arg(long)]
         wait: bool,
-        /// Give up waiting after this many seconds (exit 1).
+        /// Give up waiting after this many seconds (exit 4).
         #[arg(long, default_value_t = 600)]
         timeout_s: u64,
     },
@@ -155,6 +157,72 @@ pub enum Command {
         #[arg(long, default_value_t = 1_000_000)]
         scan: usize,
     },
+    /// Print a shell completion script, generated from this command line's definition
+    /// (`metronome completions bash > /etc/bash_completion.d/metronome`). Needs no NATS.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff), generated from this command line's definition
+    /// (`metronome man > /usr/local/share/man/man1/metronome.1`). Needs no NATS.
+    Man,
+    /// API keys managed live: `create`, `list`, `revoke` (the `api_keys` bucket every
+    /// gateway watches; keys in a gateway's configuration file keep working beside them).
+    Keys {
+        #[command(subcommand)]
+        action: KeysAction,
+    },
+}
+
+/// `metronome keys` actions.
+#[derive(Subcommand, Debug, Clone)]
+pub enum KeysAction {
+    /// Create an API key for a tenant, served by every gateway within a second. The key is
+    /// printed once; only its SHA-256 is stored (in the `api_keys` bucket).
+    Create {
+        /// The tenant the key acts for (letters, digits, `-`, `_`). Its models and limits
+        /// are a gateway's `[[tenants]]` entry of that name; without one, every model and
+        /// no limits.
+        #[arg(long)]
+        tenant: String,
+        /// A note kept with the key (who or what it is for).
+        #[arg(long)]
+        note: Option<String>,
+        /// The key may open the gateway's operator console.
+        #[arg(long)]
+        operator: bool,
+        /// The highest priority class the key may ask for (default interactive).
+        #[arg(long, value_enum)]
+        priority: Option<PriorityArg>,
+    },
+    /// One row per key: id, tenant, state, note; with a gateway's URL, each tenant's
+    /// requests and admitted tokens as that gateway counts them.
+    List {
+        /// A gateway whose `/metrics` give the tenants' usage.
+        #[arg(long, env = "METRONOME_GATEWAY_URL")]
+        gateway_url: Option<String>,
+    },
+    /// Revoke a key: every gateway refuses it within a second. Exits 1 for an unknown id.
+    Revoke {
+        /// The key's id (at least its first 12 hex digits, as `keys list` shows) or hash.
+        id: String,
+    },
+}
+
+/// `--priority` values.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PriorityArg {
+    Interactive,
+    Batch,
+}
+
+impl From<PriorityArg> for metronome_protocol::Priority {
+    fn from(p: PriorityArg) -> Self {
+        match p {
+            PriorityArg::Interactive => metronome_protocol::Priority::Interactive,
+            PriorityArg::Batch => metronome_protocol::Priority::Batch,
+        }
+    }
 }
 
 /// `--outcome` values.
@@ -177,10 +245,15 @@ impl From<OutcomeArg> for Outcome {
 
 /// Run one command, writing its output to `out`.
 pub async fn run(cli: Cli, out: &mut (dyn Write + Send)) -> Result<(), CliError> {
+    if let Some(text) = generated(&cli.command)? {
+        return out.write_all(&text).map_err(CliError::writing);
+    }
     let nats = Nats::connect(&cli.nats_url, &cli.nats_auth).await?;
     let json = cli.json;
     let text = match cli.command {
         Command::Explain { job_id, scan } => explain(&nats, &job_id, scan, json).await?,
+        // Answered above, without a connection.
+        Command::Completions { .. } | Command::Man => return Ok(()),
         Command::Replay {
             since,
             config,
@@ -217,6 +290,7 @@ pub async fn run(cli: Cli, out: &mut (dyn Write + Send)) -> Result<(), CliError>
             wait,
             timeout_s,
         } => return drain_cmd(&nats, &worker, wait, timeout_s, json, out).await,
+        Command::Keys { action } => keys_cmd(&nats, action, json).await?,
         Command::Undrain { worker } => {
             let r = control(&nats, &worker, names::CONTROL_UNDRAIN).await?;
             if json {
@@ -241,7 +315,87 @@ pub async fn run(cli: Cli, out: &mut (dyn Write + Send)) -> Result<(), CliError>
             return decisions_cmd(&nats, &filter, n, scan, follow, json, out).await;
         }
     };
-    write!(out, "{text}").map_err(|e| CliError::Usage(format!("writing output: {e}")))
+    write!(out, "{text}").map_err(CliError::writing)
+}
+
+/// The output of the commands generated from the command line's own definition
+/// (completions, man page); `None` for the commands that read the system.
+fn generated(command: &Command) -> Result<Option<Vec<u8>>, CliError> {
+    let definition = <Cli as clap::CommandFactory>::command;
+    let mut text = Vec::new();
+    match command {
+        Command::Completions { shell } => {
+            clap_complete::generate(*shell, &mut definition(), "metronome", &mut text);
+        }
+        Command::Man => clap_mangen::Man::new(definition())
+            .render(&mut text)
+            .map_err(CliError::writing)?,
+        _ => return Ok(None),
+    }
+    Ok(Some(text))
+}
+
+/// `keys create|list|revoke`.
+async fn keys_cmd(nats: &Nats, action: KeysAction, json: bool) -> Result<String, CliError> {
+    match action {
+        KeysAction::Create {
+            tenant,
+            note,
+            operator,
+            priority,
+        } => {
+            let created =
+                keys::create(nats, &tenant, note, operator, priority.map(Into::into)).await?;
+            if json {
+                to_json(&created)
+            } else {
+                Ok(format!(
+                    "key {} for tenant {} (shown once; only its hash is stored):\n{}\n",
+                    created.id, created.tenant, created.key
+                ))
+            }
+        }
+        KeysAction::List { gateway_url } => {
+            let metrics = match gateway_url {
+                Some(url) => Some(gateway_metrics(&url).await?),
+                None => None,
+            };
+            let rows = keys::rows(keys::records(nats).await?, metrics.as_deref());
+            if json {
+                to_json(&rows)
+            } else {
+                Ok(keys::table(&rows))
+            }
+        }
+        KeysAction::Revoke { id } => {
+            let record = keys::revoke(nats, &id).await?;
+            if json {
+                to_json(&record)
+            } else {
+                Ok(format!(
+                    "key {} of tenant {} is revoked\n",
+                    record.id(),
+                    record.tenant
+                ))
+            }
+        }
+    }
+}
+
+/// A gateway's `/metrics` text.
+async fn gateway_metrics(url: &str) -> Result<String, CliError> {
+    let url = format!("{}/metrics", url.trim_end_matches('/'));
+    let unreachable = |e: reqwest::Error| CliError::Nats(format!("reading {url}: {e}"));
+    reqwest::Client::new()
+        .get(&url)
+        .timeout(std::time::Duration::from_secs(5))
+        .send()
+        .await
+        .and_then(reqwest::Response::error_for_status)
+        .map_err(unreachable)?
+        .text()
+        .await
+        .map_err(unreachable)
 }
 
 fn to_json<T: serde::Serialize>(v: &T) -> Result<String, CliError> {
@@ -333,7 +487,7 @@ async fn decisions_cmd(
         };
         writeln!(out, "{line}")
             .and_then(|()| out.flush())
-            .map_err(|e| CliError::Usage(format!("writing output: {e}")))
+            .map_err(CliError::writing)
     };
     // Subscribe before reading the past so nothing decided in between is lost.
     let mut live = if follow {
@@ -423,7 +577,7 @@ async fn drain_cmd(
         if line != last_line {
             writeln!(out, "{line}")
                 .and_then(|()| out.flush())
-                .map_err(|e| CliError::Usage(format!("writing output: {e}")))?;
+                .map_err(CliError::writing)?;
             last_line = line;
         }
         if !wait || r.running == 0 {

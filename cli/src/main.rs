@@ -22,6 +22,7 @@ fn main() -> ExitCode {
     let mut stdout = std::io::stdout();
     match runtime.block_on(metronome_cli::run(cli, &mut stdout)) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(metronome_cli::CliError::OutputClosed) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("metronome: {e}");
             ExitCode::from(e.exit_code())

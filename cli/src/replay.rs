@@ -385,7 +385,8 @@ fn redecide(
 
     // The record must reproduce itself before it can say anything about other weights.
     let recorded_weights = Weights::from_array(scoring.weights);
-    let again = rescore(&d.candidates, &recorded_weights);
+    let recorded_share = d.affinity.as_ref().map_or(0.0, |a| a.max_share);
+    let again = rescore(&d.candidates, &recorded_weights, recorded_share);
     let reproduces = again[0].worker_id == recorded_winner
         && d.candidates.iter().all(|c| {
             again.iter().any(|a| {
@@ -445,7 +446,7 @@ fn redecide(
         }
         kept.push(c.clone());
     }
-    let ranked = rescore(&kept, &config.weights);
+    let ranked = rescore(&kept, &config.weights, config.affinity_max_share);
     Ok(Redecided {
         winner: ranked.first().map(|c| c.worker_id.clone()),
         prediction: ranked.first().and_then(|c| c.prediction),
@@ -648,7 +649,7 @@ mod tests {
 
     /// An assigned decision scored under `weights`, as the dispatcher would record it.
     fn decision(job: &str, candidates: &[CandidateScore], weights: &Weights) -> Decision {
-        let scored = rescore(candidates, weights);
+        let scored = rescore(candidates, weights, 0.0);
         Decision {
             v: 1,
             job_id: job.into(),
@@ -671,6 +672,7 @@ mod tests {
             rejected: Vec::new(),
             slo: Some(SLO),
             retry_after_ms: None,
+            affinity: None,
             tenant: None,
             priority: None,
             fair_counter: None,

@@ -120,6 +120,7 @@ fn decision(job_id: &str, attempt: u32, now: u64) -> Decision {
         policy: "metronome".into(),
         queue_wait_ms: 25,
         retry_after_ms: None,
+        affinity: None,
         decision_latency_us: 31,
         epoch: 4,
         dispatcher_id: "d1".into(),
@@ -810,4 +811,125 @@ async fn decisions_follow_prints_past_then_live_decisions_that_match() {
         !text.contains("live-assigned"),
         "the filter holds live: {text}"
     );
+}
+
+/// The binary's exit codes, each made to happen, as `metronome --help` documents them:
+/// 0 ok, 1 not found, 2 bad usage, 3 NATS unreachable, 4 `drain --wait` out of time, and
+/// 0 when the reader of the output goes away.
+#[tokio::test]
+async fn the_binary_exits_as_documented() {
+    use futures::StreamExt;
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let env = env().await;
+    let run = |args: &[&str], url: &str| {
+        Command::new(env!("CARGO_BIN_EXE_metronome"))
+            .args(args)
+            .env("NATS_URL", url)
+            .output()
+            .expect("run metronome")
+    };
+    let url = env.nats.url();
+    let help = run(&["--help"], &url);
+    assert_eq!(help.status.code(), Some(0));
+    let help = String::from_utf8_lossy(&help.stdout).to_string();
+    for documented in [
+        "0 ok",
+        "1 not found",
+        "2 bad usage",
+        "3 NATS",
+        "4 `drain --wait`",
+    ] {
+        assert!(help.contains(documented), "{documented}: {help}");
+    }
+    assert_eq!(run(&["status"], &url).status.code(), Some(0));
+    assert_eq!(
+        run(&["explain", "no-such-job"], &url).status.code(),
+        Some(1)
+    );
+    assert_eq!(
+        run(&["explain", "--no-such-flag"], &url).status.code(),
+        Some(2)
+    );
+    let closed = format!("nats://127.0.0.1:{}", metronome_testkit::free_port());
+    let unreachable = run(&["status"], &closed);
+    assert_eq!(unreachable.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&unreachable.stderr).contains("cannot connect to NATS"));
+
+    // A worker whose job never finishes: drain --wait gives up after a second.
+    let client = async_nats::connect(env.nats.url()).await.unwrap();
+    let mut sub = client
+        .subscribe(names::control_subject_all("n1-gpu5"))
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    let agent = client.clone();
+    tokio::spawn(async move {
+        while let Some(m) = sub.next().await {
+            let reply = ControlReply {
+                v: 1,
+                worker_id: "n1-gpu5".into(),
+                draining: true,
+                running: 1,
+                in_flight: vec!["forever".into()],
+                error: None,
+            };
+            agent
+                .publish(m.reply.unwrap(), serde_json::to_vec(&reply).unwrap().into())
+                .await
+                .unwrap();
+        }
+    });
+    let drain = tokio::task::spawn_blocking({
+        let url = url.clone();
+        move || {
+            Command::new(env!("CARGO_BIN_EXE_metronome"))
+                .args(["drain", "n1-gpu5", "--wait", "--timeout-s", "1"])
+                .env("NATS_URL", url)
+                .output()
+                .expect("run metronome")
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(drain.status.code(), Some(4), "{drain:?}");
+
+    // `decisions --follow | head -1`: the reader leaves after one line; the next decision
+    // finds the pipe closed and the command ends with 0, saying nothing.
+    let now = unix_ms();
+    env.publish(
+        names::decision_subject(None, "p1"),
+        "p1:1",
+        &decision("p1", 1, now),
+    )
+    .await;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_metronome"))
+        .args(["decisions", "--follow"])
+        .env("NATS_URL", &url)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn metronome");
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.contains("p1"), "{first}");
+    // The reader is gone (its end of the pipe dropped with the BufReader).
+    for i in 2..50 {
+        let id = format!("p{i}");
+        env.publish(
+            names::decision_subject(None, &id),
+            &format!("{id}:1"),
+            &decision(&id, 1, now + i),
+        )
+        .await;
+        if child.try_wait().unwrap().is_some() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let out = child.wait_with_output().expect("metronome ends");
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stderr), "");
 }

@@ -5,3 +5,4 @@
 
 mod against_nats;
 mod config_reference;
+mod generated;

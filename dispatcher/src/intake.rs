@@ -451,6 +451,7 @@ impl RejectContext {
                     policy: self.policy.clone(),
                     queue_wait_ms: 0,
                     retry_after_ms: None,
+                    affinity: None,
                     decision_latency_us: 0,
                     epoch: self.epoch,
                     dispatcher_id: self.dispatcher_id.clone(),

@@ -10,6 +10,7 @@
 //! steps down, rather than hold the lease while deciding nothing.
 //! A term never carries state into the next: everything is rebuilt from NATS and Redis.
 
+pub mod cache_feed;
 pub mod config;
 pub mod deciding;
 pub mod engine;
@@ -275,6 +276,8 @@ async fn lead_loop(ctx: Ctx, shutdown: CancellationToken) -> Result<(), Dispatch
 /// longer uses one (`registry::load_workers`); this bound stays as the backstop: past it
 /// the term fails, the lease is let go and leadership is tried again.
 const LOAD_WORKERS_WITHIN: Duration = Duration::from_secs(10);
+/// The most a takeover waits for the workers' stored cache reports (a few MB at most).
+const CACHE_BACKLOG_WITHIN: Duration = Duration::from_secs(2);
 
 /// One leadership term: rebuild, then decide until `term` is cancelled.
 async fn run_term(
@@ -374,6 +377,31 @@ async fn run_term(
     engine.time_decisions(std::time::Instant::now);
     engine.fairness(saved_fairness);
     engine.load(workers, redis, metronome_protocol::time::unix_ms());
+    // The workers' prefix caches as their model servers' events say: the latest snapshot
+    // of each and the deltas after it, applied before the first decision of the term.
+    let mut cache_feed = cache_feed::CacheFeed::open(&ctx.js)
+        .await
+        .map_err(DispatcherError::Nats)?;
+    let reports = cache_feed.backlog(CACHE_BACKLOG_WITHIN, &ctx.metrics).await;
+    let now = metronome_protocol::time::unix_ms();
+    let read = reports.len();
+    for update in reports {
+        engine.handle(engine::Event::Cache(Box::new(update)), now);
+    }
+    tracing::info!(
+        reports = read,
+        workers = engine.reported_caches().workers(),
+        "workers' prefix caches rebuilt from their reports"
+    );
+    tasks.watch(
+        "cache reports",
+        cache_feed.spawn(
+            ctx.js.clone(),
+            tx.clone(),
+            ctx.metrics.clone(),
+            term.clone(),
+        ),
+    );
     let (queues_tx, queues_rx) = tokio::sync::watch::channel(Vec::new());
     engine.queue_snapshots(c.queue_snapshot_ms, metronome_protocol::time::unix_ms());
     // Like the fairness writer, it ends with the deciding loop (its sender dropped) or the

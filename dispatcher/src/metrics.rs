@@ -65,6 +65,14 @@ pub struct Metrics {
     /// Jobs answered at once (429) because the queue was predicted to reach them only
     /// after their deadline.
     pub deadline_unmeetable_total: AtomicU64,
+    /// Workers' cache reports (`kvcache.<worker_id>.*`) applied.
+    pub cache_updates_total: AtomicU64,
+    /// Cache reports ignored: already covered by what was applied, of an older agent
+    /// run, or not valid (malformed, a subject naming another worker).
+    pub cache_updates_ignored_total: AtomicU64,
+    /// Cache deltas applied after a gap in their sequence (deltas lost; the worker's next
+    /// snapshot closes it).
+    pub cache_update_gaps_total: AtomicU64,
     /// Internal tasks of a term (publisher, intake, watches) that died and ended the term.
     pub term_task_failures_total: AtomicU64,
     /// Heartbeats and completion events ignored because they could not be trusted
@@ -116,6 +124,10 @@ pub struct Metrics {
     /// Why jobs waited: per model and rejection code, how many times a worker refused the
     /// job at the head of the model's queue when no worker admitted it.
     holds: Mutex<BTreeMap<String, BTreeMap<&'static str, u64>>>,
+    /// Prefix affinity per model: how often the worker holding more of a prompt than the
+    /// score's choice got the job (`chosen`), or why not (`cost`, `fair_share`, a
+    /// rejection code).
+    affinity: Mutex<BTreeMap<String, BTreeMap<String, u64>>>,
 }
 
 /// The `reason` of `metronome_dispatcher_holds_total` when a job waited so that its model
@@ -191,6 +203,34 @@ impl Metrics {
     pub fn holds(&self, model: &str, code: &str) -> u64 {
         let m = self.holds.lock().unwrap_or_else(|p| p.into_inner());
         m.get(model).and_then(|c| c.get(code)).copied().unwrap_or(0)
+    }
+
+    /// A decision of `model` recorded prefix affinity (see [`Metrics::affinity`]).
+    pub fn affinity_decided(&self, model: &str, affinity: &metronome_protocol::Affinity) {
+        let key = match affinity.outcome {
+            metronome_protocol::AffinityOutcome::Chosen => "chosen",
+            metronome_protocol::AffinityOutcome::Overridden => {
+                affinity.reason_code.as_deref().unwrap_or("overridden")
+            }
+        };
+        let mut m = self.affinity.lock().unwrap_or_else(|p| p.into_inner());
+        let by_key = match m.get_mut(model) {
+            Some(c) => c,
+            None => m.entry(model.to_string()).or_default(),
+        };
+        match by_key.get_mut(key) {
+            Some(n) => *n += 1,
+            None => {
+                by_key.insert(key.to_string(), 1);
+            }
+        }
+    }
+
+    /// Prefix-affinity decisions of `model` by outcome: `chosen`, or the reason it was
+    /// overridden.
+    pub fn affinity(&self, model: &str) -> BTreeMap<String, u64> {
+        let m = self.affinity.lock().unwrap_or_else(|p| p.into_inner());
+        m.get(model).cloned().unwrap_or_default()
     }
 
     /// A job of `tenant` was assigned after waiting `queue_wait_ms`.
@@ -377,6 +417,21 @@ impl Collector for Exposition {
                 &m.deadline_unmeetable_total,
             ),
             (
+                "metronome_dispatcher_cache_updates",
+                "Workers' prefix-cache reports (kvcache.<worker_id>.delta and .snapshot) read.",
+                &m.cache_updates_total,
+            ),
+            (
+                "metronome_dispatcher_cache_updates_ignored",
+                "Workers' prefix-cache reports ignored: already applied, of an older agent run, malformed or naming another worker than their subject.",
+                &m.cache_updates_ignored_total,
+            ),
+            (
+                "metronome_dispatcher_cache_update_gaps",
+                "Prefix-cache deltas applied after a gap in their sequence; the worker's next snapshot closes it.",
+                &m.cache_update_gaps_total,
+            ),
+            (
                 "metronome_dispatcher_term_task_failures",
                 "Internal tasks of a leadership term that died; each ends the term.",
                 &m.term_task_failures_total,
@@ -526,6 +581,29 @@ impl Collector for Exposition {
                 }
             }
         }
+        {
+            let affinity = m.affinity.lock().unwrap_or_else(|p| p.into_inner());
+            let mut family = enc.encode_descriptor(
+                "metronome_dispatcher_prefix_affinity",
+                "Decisions in which a worker held more of the job's prompt than the score's choice, per model and outcome: chosen, or the reason the holder was overridden (cost, fair_share, or its rejection code).",
+                None,
+                prometheus_client::metrics::MetricType::Counter,
+            )?;
+            for (model, by_key) in affinity.iter() {
+                for (key, n) in by_key {
+                    let (outcome, reason) = if key == "chosen" {
+                        ("chosen", "")
+                    } else {
+                        ("overridden", key.as_str())
+                    };
+                    ConstCounter::new(*n).encode(family.encode_family(&[
+                        ("model", model.as_str()),
+                        ("outcome", outcome),
+                        ("reason", reason),
+                    ])?)?;
+                }
+            }
+        }
         m.encode_tenants(&mut enc)?;
         m.decision_latency.0.encode(enc.encode_descriptor(
             "metronome_dispatcher_decision_latency_seconds",
@@ -566,6 +644,40 @@ async fn render(State(metrics): State<Arc<Metrics>>) -> impl IntoResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefix_affinity_is_counted_per_model_and_outcome() {
+        use metronome_protocol::{Affinity, AffinityOutcome};
+        let record = |outcome, code: Option<&str>| Affinity {
+            worker_id: "w1".into(),
+            cached_tokens: 2_000,
+            outcome,
+            reason_code: code.map(String::from),
+            reason: None,
+            max_share: 1.5,
+        };
+        let m = Metrics::new();
+        m.affinity_decided("m", &record(AffinityOutcome::Chosen, None));
+        m.affinity_decided("m", &record(AffinityOutcome::Chosen, None));
+        m.affinity_decided(
+            "m",
+            &record(AffinityOutcome::Overridden, Some("fair_share")),
+        );
+        let counts = m.affinity("m");
+        assert_eq!(counts.get("chosen"), Some(&2));
+        assert_eq!(counts.get("fair_share"), Some(&1));
+        assert!(m.affinity("other").is_empty());
+        let text = m.render();
+        assert!(
+            text.contains(
+                "metronome_dispatcher_prefix_affinity_total{model=\"m\",outcome=\"chosen\",reason=\"\"} 2"
+            ),
+            "{text}"
+        );
+        assert!(text.contains(
+            "metronome_dispatcher_prefix_affinity_total{model=\"m\",outcome=\"overridden\",reason=\"fair_share\"} 1"
+        ));
+    }
 
     #[test]
     fn holds_are_counted_per_model_and_reason() {

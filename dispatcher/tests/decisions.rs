@@ -453,7 +453,11 @@ async fn a_stored_decision_is_compact_and_replays_to_itself() {
         }
         let d = &decisions[id];
         assert_eq!(d.outcome, Outcome::Assigned);
-        let replayed = metronome_scheduler::rescore(&d.candidates, &weights);
+        let replayed = metronome_scheduler::rescore(
+            &d.candidates,
+            &weights,
+            d.affinity.as_ref().map_or(0.0, |a| a.max_share),
+        );
         assert_eq!(replayed, d.candidates, "{id}: replayed from its record");
         assert_eq!(replayed[0].worker_id, d.worker_id.clone().unwrap());
     }

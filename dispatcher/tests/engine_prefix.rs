@@ -4,9 +4,9 @@
 //! exactly as before.
 
 use metronome_dispatcher::engine::testing::*;
-use metronome_dispatcher::engine::{Engine, Event, WorkerUpdate};
+use metronome_dispatcher::engine::{Engine, Event};
 use metronome_protocol::prefix::PrefixFingerprint;
-use metronome_protocol::{Decision, Job, PrefixSource};
+use metronome_protocol::{AffinityOutcome, Decision, Job, PrefixSource};
 
 const PROMPT: u32 = 2_000;
 
@@ -43,11 +43,9 @@ fn heartbeat_with(
     at: u64,
     change: impl FnOnce(&mut metronome_protocol::WorkerStatus),
 ) -> Event {
-    let mut hb = heartbeat_of(id, "m", 4, &[], seq, at);
-    if let Event::Worker(WorkerUpdate::Put { status, .. }) = &mut hb {
-        change(status);
-    }
-    hb
+    let mut s = status(id, "m", 4, &[], seq, at);
+    change(&mut s);
+    put(s, seq, at)
 }
 
 /// `first` (job `p1`) ran on w1 and finished: w1 holds its prefix. `w0` was busy meanwhile
@@ -153,11 +151,82 @@ fn a_worker_holding_the_prefix_but_missing_the_slo_loses_to_one_that_meets_it() 
         .find(|r| r.worker_id == "w1")
         .expect("w1 refused");
     assert_eq!(refused.code.as_str(), "ttft_over_budget");
+    let affinity = d.affinity.as_ref().expect("affinity recorded");
+    assert_eq!(
+        (affinity.worker_id.as_str(), affinity.cached_tokens),
+        ("w1", 2_000)
+    );
+    assert_eq!(affinity.outcome, AffinityOutcome::Overridden);
+    assert_eq!(affinity.reason_code.as_deref(), Some("ttft_over_budget"));
     let reason = d.reason.as_deref().unwrap_or_default();
     assert!(
-        reason.contains("prefix affinity overridden: w1 holds 2000 cached prompt tokens (placements), refused (ttft_over_budget"),
+        reason.contains(
+            "prefix affinity overridden: w1 holds 2000 cached prompt tokens, not eligible:"
+        ),
         "{reason}"
     );
+}
+
+#[test]
+fn the_holder_with_one_more_running_job_wins_on_predicted_cost() {
+    // w1 holds the prefix and runs one job; w0 is idle. The score alone prefers the idle
+    // w0 (one request fewer); in milliseconds w1 is cheaper by the prefill it skips, so
+    // affinity gives it the job and the decision says so.
+    let mut e = two_workers();
+    let first = tokens(1, PROMPT, 1, 0);
+    placed_on_w1_and_finished(&mut e, with_prefix("p1", &first, T0 + 2));
+    let busy = heartbeat_with("w1", 2, T0 + 600, |s| {
+        s.in_flight = vec!["x".into()];
+        s.active = 1;
+    });
+    let second = tokens(1, PROMPT, 2, 200);
+    let out = step(
+        &mut e,
+        vec![
+            busy,
+            arrival(with_prefix("p2", &second, T0 + 600), T0 + 600, T0 + 600),
+        ],
+        T0 + 600,
+    );
+    assert_eq!(assigned(&out), [("p2".to_string(), "w1".to_string())]);
+    let d = assignment_decisions(&out)[0];
+    let affinity = d.affinity.as_ref().expect("affinity recorded");
+    assert_eq!(affinity.worker_id, "w1");
+    assert_eq!(affinity.outcome, AffinityOutcome::Chosen);
+    assert_eq!(
+        d.candidates[0].worker_id, "w1",
+        "the winner is listed first"
+    );
+    assert!(
+        d.candidates[0].total > d.candidates[1].total,
+        "the score alone preferred w0"
+    );
+
+    // With affinity off, the same inputs go to w0 and no record is made.
+    let mut off = engine(|s| s.scheduler.affinity_max_share = 0.0);
+    step(
+        &mut off,
+        vec![
+            heartbeat_of("w0", "m", 4, &[], 1, T0),
+            heartbeat_of("w1", "m", 4, &[], 1, T0),
+        ],
+        T0,
+    );
+    placed_on_w1_and_finished(&mut off, with_prefix("p1", &first, T0 + 2));
+    let busy = heartbeat_with("w1", 2, T0 + 600, |s| {
+        s.in_flight = vec!["x".into()];
+        s.active = 1;
+    });
+    let out = step(
+        &mut off,
+        vec![
+            busy,
+            arrival(with_prefix("p2", &second, T0 + 600), T0 + 600, T0 + 600),
+        ],
+        T0 + 600,
+    );
+    assert_eq!(assigned(&out), [("p2".to_string(), "w0".to_string())]);
+    assert_eq!(assignment_decisions(&out)[0].affinity, None);
 }
 
 #[test]
@@ -203,4 +272,65 @@ fn jobs_without_a_fingerprint_are_placed_exactly_as_if_nothing_were_cached() {
     assert!(with
         .iter()
         .all(|d| d.candidates.iter().all(|c| c.cached_prefix.is_none())));
+}
+
+/// A cache report of `worker` (run 1): a snapshot of `blocks`, after delta `seq`.
+fn snapshot(worker: &str, seq: u64, blocks: &[u64]) -> Event {
+    use metronome_protocol::cache_state::{CacheUpdate, CacheUpdateKind, CACHE_UPDATE_VERSION};
+    Event::Cache(Box::new(CacheUpdate {
+        v: CACHE_UPDATE_VERSION,
+        worker_id: worker.into(),
+        run: 1,
+        seq,
+        kind: CacheUpdateKind::Snapshot,
+        block_size: 16,
+        cleared: false,
+        stored: blocks.to_vec(),
+        removed: Vec::new(),
+        truncated: false,
+        sent_ms: 0,
+    }))
+}
+
+#[test]
+fn a_worker_that_reports_its_cache_is_judged_by_its_report_the_others_by_placements() {
+    let mut e = two_workers();
+    // w1 ran p1: the placements say it holds p1's prefix. But its server's report says it
+    // holds only the first 800 tokens (the rest was evicted for requests the leader did
+    // not place), and w0's server reports holding all of it.
+    let first = tokens(1, 1_600, 1, PROMPT - 1_600);
+    placed_on_w1_and_finished(&mut e, with_prefix("p1", &first, T0 + 2));
+    let hashes = PrefixFingerprint::of_tokens(&first, 16).hashes;
+    let second = tokens(1, 1_600, 2, PROMPT + 100 - 1_600);
+    let out = step(
+        &mut e,
+        vec![
+            snapshot("w1", 0, &hashes[..50]),
+            arrival(with_prefix("p2", &second, T0 + 600), T0 + 600, T0 + 600),
+        ],
+        T0 + 600,
+    );
+    let d = assignment_decisions(&out)[0];
+    assert_eq!(cached_on(d, "w1"), Some((800, PrefixSource::Events)));
+    assert_eq!(cached_on(d, "w0"), Some((0, PrefixSource::Placements)));
+    assert_eq!(e.reported_caches().blocks_on("w1"), 50);
+
+    // The report goes stale (no message for longer than it is believed): w1 is judged by
+    // the placements again, which now include p2 wherever it went.
+    let later = T0 + 600 + metronome_scheduler::reported_cache::DEFAULT_STALE_AFTER_MS + 1;
+    let third = tokens(1, 1_600, 3, PROMPT - 1_600);
+    let out = step(
+        &mut e,
+        vec![
+            heartbeat_of("w0", "m", 4, &[], 2, later),
+            heartbeat_of("w1", "m", 4, &[], 2, later),
+            arrival(with_prefix("p3", &third, later), later, later),
+        ],
+        later,
+    );
+    let d = assignment_decisions(&out)[0];
+    assert_eq!(
+        cached_on(d, "w1").map(|(_, s)| s),
+        Some(PrefixSource::Placements)
+    );
 }

@@ -156,6 +156,7 @@ fn stored_decision(job_id: &str, outcome: Outcome) -> Decision {
         policy: "metronome".into(),
         queue_wait_ms: 0,
         retry_after_ms: None,
+        affinity: None,
         decision_latency_us: 0,
         epoch: 1,
         dispatcher_id: "earlier".into(),

@@ -235,3 +235,115 @@ async fn killing_the_leader_loses_and_duplicates_nothing() {
     assert_eq!(work.len(), ids.len(), "every job assigned");
     beat.cancel();
 }
+
+/// Store a worker's cache report through JetStream, as its agent does.
+async fn report_cache(env: &Env, update: &metronome_protocol::CacheUpdate) {
+    let subject = match update.kind {
+        metronome_protocol::CacheUpdateKind::Snapshot => {
+            names::cache_snapshot_subject(&update.worker_id)
+        }
+        metronome_protocol::CacheUpdateKind::Delta => names::cache_delta_subject(&update.worker_id),
+    };
+    env.js
+        .publish(subject, serde_json::to_vec(update).unwrap().into())
+        .await
+        .unwrap()
+        .await
+        .expect("cache report stored");
+}
+
+/// A leader that takes over after the last one was killed rebuilds each worker's prefix
+/// cache from the workers' reports (the latest snapshot and the deltas after it): its very
+/// first decision sees the cached tokens, by the events, on the worker whose server holds
+/// them, though it never placed anything there itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_sees_the_reported_caches_from_its_first_decision() {
+    use metronome_protocol::cache_state::{CacheUpdate, CacheUpdateKind, CACHE_UPDATE_VERSION};
+    use metronome_protocol::prefix::PrefixFingerprint;
+    use metronome_protocol::{Endpoint, PrefixSource};
+
+    let env = Env::start().await;
+    let ws: Vec<WorkerStatus> = (0..2)
+        .map(|i| worker(&format!("k-{i}"), "model-k", 8))
+        .collect();
+    for w in &ws {
+        env.work_consumer(&w.worker_id).await;
+        env.heartbeat(w).await;
+    }
+    let beat = keep_alive(&env, ws.clone());
+    let mut a = spawn_dispatcher(&env, "disp-a");
+    wait_for("disp-a leads", WAIT, || async {
+        (leader(&env).await.as_deref() == Some("disp-a")).then_some(())
+    })
+    .await;
+    let _b = spawn_dispatcher(&env, "disp-b");
+
+    // A 500-token conversation; k-1's server holds all of it: a snapshot of its first
+    // blocks, then a delta with the others (k-0's server reports nothing).
+    let request = serde_json::json!({"model": "model-k", "max_tokens": 10, "messages": [
+        {"role": "system", "content": "You answer briefly. ".repeat(100)},
+        {"role": "user", "content": "And then?"},
+    ]});
+    let fp = PrefixFingerprint::of_request(Endpoint::Chat, &request).unwrap();
+    let n = fp.hashes.len();
+    assert!(n >= 30, "{n} blocks");
+    let report = |seq, kind, stored: &[u64]| CacheUpdate {
+        v: CACHE_UPDATE_VERSION,
+        worker_id: "k-1".into(),
+        run: 1,
+        seq,
+        kind,
+        block_size: 16,
+        cleared: false,
+        stored: stored.to_vec(),
+        removed: Vec::new(),
+        truncated: false,
+        sent_ms: metronome_protocol::time::unix_ms(),
+    };
+    report_cache(
+        &env,
+        &report(0, CacheUpdateKind::Snapshot, &fp.hashes[..n / 2]),
+    )
+    .await;
+    report_cache(
+        &env,
+        &report(1, CacheUpdateKind::Delta, &fp.hashes[n / 2..]),
+    )
+    .await;
+
+    // The leader dies; the job arrives while nobody leads and is the standby's first
+    // decision.
+    assert!(
+        a.guard.signal_and_wait(9, Duration::from_secs(5)),
+        "leader killed"
+    );
+    let mut job = job_json("after-kill", "model-k", fp.tokens, 10);
+    job["request"] = request;
+    job["prefix"] = serde_json::to_value(&fp).unwrap();
+    env.submit_raw("after-kill", job).await;
+    wait_for("disp-b leads", WAIT, || async {
+        (leader(&env).await.as_deref() == Some("disp-b")).then_some(())
+    })
+    .await;
+    let d = env
+        .decisions_for(&["after-kill".to_string()])
+        .await
+        .remove("after-kill")
+        .unwrap();
+    let cached = |w: &str| {
+        d.candidates
+            .iter()
+            .find(|c| c.worker_id == w)
+            .and_then(|c| c.cached_prefix)
+            .map(|c| (c.tokens, c.source))
+    };
+    let held = (n as u32 * 16).min(fp.tokens - 1);
+    assert_eq!(cached("k-1"), Some((held, PrefixSource::Events)), "{d:?}");
+    assert_eq!(cached("k-0"), Some((0, PrefixSource::Placements)));
+    assert_eq!(
+        d.worker_id.as_deref(),
+        Some("k-1"),
+        "the cached prefill is cheaper"
+    );
+    beat.cancel();
+}

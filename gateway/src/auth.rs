@@ -6,6 +6,13 @@
 //! (`subtle`), with no early exit, so the time taken says nothing about which stored hash
 //! is nearest. Logs carry a key's public id and the tenant, never the key.
 //!
+//! Keys come from two places: the configuration file's `[[keys]]` (read at start) and the
+//! `api_keys` bucket that `metronome keys` writes ([`crate::key_store`] watches it and hands
+//! every change to [`Auth::set_live_keys`]), so a key created or revoked there takes
+//! effect at once. A hash in both is the bucket's record (revoked if either says so). A
+//! bucket key's tenant has the configuration's limits and models when the file names it,
+//! else every model without limits.
+//!
 //! Invariants: the key text is never logged, echoed in an error, or kept after hashing;
 //! without `allow_anonymous`, a request without a configured key is refused with 401. With
 //! it, a request without `Authorization` or with a bearer token that is no configured key
@@ -13,10 +20,12 @@
 //! in a demo), never as another tenant; a revoked key or a header that is not `Bearer` is
 //! refused with 401 either way.
 
-use std::sync::Mutex;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
 use axum::http::{header, HeaderMap};
+use metronome_protocol::api_keys::KeyRecord;
 use metronome_protocol::{Priority, ANONYMOUS_TENANT};
 use subtle::{ConditionallySelectable, ConstantTimeEq};
 
@@ -25,6 +34,15 @@ use crate::config::{Config, TenantConfig};
 use crate::error::ApiError;
 use crate::limits::{Refusal, TenantLimiter};
 use crate::metrics::Metrics;
+
+/// Keys and tenants from the `api_keys` bucket, replaced whole on every change.
+#[derive(Debug, Default)]
+struct LiveKeys {
+    keys: Vec<StoredKey>,
+    /// Tenants the configuration does not name, kept across changes so their limiters
+    /// (none, today) and their identity survive a key being added beside them.
+    tenants: HashMap<String, Arc<Tenant>>,
+}
 
 /// Why a request could not be authenticated (the metric's `reason` label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,6 +99,15 @@ fn basic_password(encoded: &str) -> Option<String> {
     Some(password.to_string())
 }
 
+impl Tenant {
+    fn new(config: TenantConfig) -> Arc<Tenant> {
+        Arc::new(Tenant {
+            limiter: Mutex::new(TenantLimiter::new(&config, 0)),
+            config,
+        })
+    }
+}
+
 /// A tenant as served: its configuration and its buckets.
 #[derive(Debug)]
 struct Tenant {
@@ -88,10 +115,10 @@ struct Tenant {
     limiter: Mutex<TenantLimiter>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct StoredKey {
     hash: [u8; 32],
-    tenant: usize,
+    tenant: Arc<Tenant>,
     revoked: bool,
     operator: bool,
     id: String,
@@ -101,7 +128,7 @@ struct StoredKey {
 /// The authenticated caller of one request.
 #[derive(Debug, Clone)]
 pub struct Caller {
-    tenant: usize,
+    tenant: Arc<Tenant>,
     /// The tenant's name (written into the job).
     pub tenant_name: String,
     /// Public id of the key used; `None` for an anonymous caller.
@@ -113,10 +140,13 @@ pub struct Caller {
 /// Keys, tenants and their limiters, built once from a validated configuration.
 #[derive(Debug)]
 pub struct Auth {
-    tenants: Vec<Tenant>,
+    tenants: Vec<Arc<Tenant>>,
+    /// The configuration file's keys.
     keys: Vec<StoredKey>,
+    /// The `api_keys` bucket's keys.
+    live: RwLock<LiveKeys>,
     /// The tenant of requests without a key, when anonymous access is on.
-    anonymous: Option<usize>,
+    anonymous: Option<Arc<Tenant>>,
     /// Origin of the monotonic milliseconds the limiters run on.
     origin: Instant,
 }
@@ -138,13 +168,14 @@ impl Auth {
                 },
             );
         }
+        let tenants: Vec<Arc<Tenant>> = tenants.into_iter().map(Tenant::new).collect();
         let keys = config
             .keys
             .iter()
             .filter_map(|k| {
                 Some(StoredKey {
                     hash: parse_sha256(&k.sha256)?,
-                    tenant: tenants.iter().position(|t| t.name == k.tenant)?,
+                    tenant: tenants.iter().find(|t| t.config.name == k.tenant)?.clone(),
                     revoked: k.revoked,
                     operator: k.operator,
                     id: key_id(&k.sha256).to_string(),
@@ -153,17 +184,52 @@ impl Auth {
             })
             .collect();
         Auth {
-            tenants: tenants
-                .into_iter()
-                .map(|config| Tenant {
-                    limiter: Mutex::new(TenantLimiter::new(&config, 0)),
-                    config,
-                })
-                .collect(),
+            anonymous: anonymous.map(|i| tenants[i].clone()),
+            tenants,
             keys,
-            anonymous,
+            live: RwLock::default(),
             origin: Instant::now(),
         }
+    }
+
+    /// Serve exactly `records` (the `api_keys` bucket's valid records) beside the
+    /// configuration's keys, from the next request on.
+    pub fn set_live_keys<'a>(&self, records: impl IntoIterator<Item = &'a KeyRecord>) {
+        let mut live = self.live.write().unwrap_or_else(|p| p.into_inner());
+        let mut keys = Vec::new();
+        for r in records {
+            let Some(hash) = parse_sha256(&r.sha256) else {
+                continue;
+            };
+            let tenant = match self.tenants.iter().find(|t| t.config.name == r.tenant) {
+                Some(t) => t.clone(),
+                None => live
+                    .tenants
+                    .entry(r.tenant.clone())
+                    .or_insert_with(|| Tenant::new(TenantConfig::unlimited(&r.tenant)))
+                    .clone(),
+            };
+            // A hash also in the file stays revoked if the file revoked it.
+            let revoked_in_file = self.keys.iter().any(|k| k.hash == hash && k.revoked);
+            keys.push(StoredKey {
+                hash,
+                tenant,
+                revoked: r.revoked || revoked_in_file,
+                operator: r.operator,
+                id: r.id().to_string(),
+                priority: r.priority.unwrap_or(Priority::Interactive),
+            });
+        }
+        live.keys = keys;
+    }
+
+    /// Keys served from the `api_keys` bucket (revoked ones included).
+    pub fn live_key_count(&self) -> usize {
+        self.live
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys
+            .len()
     }
 
     /// Milliseconds since this `Auth` was built (monotonic).
@@ -173,13 +239,14 @@ impl Auth {
 
     /// Whether any request can be served at all (a key or anonymous access).
     pub fn admits_anyone(&self) -> bool {
-        self.anonymous.is_some() || self.keys.iter().any(|k| !k.revoked)
+        let live = self.live.read().unwrap_or_else(|p| p.into_inner());
+        self.anonymous.is_some() || self.keys.iter().chain(&live.keys).any(|k| !k.revoked)
     }
 
     /// Who sends `headers`.
     pub fn authenticate(&self, headers: &HeaderMap) -> Result<Caller, AuthFailure> {
         let Some(value) = headers.get(header::AUTHORIZATION) else {
-            return match self.anonymous {
+            return match &self.anonymous {
                 Some(tenant) => Ok(self.caller(tenant, None, Priority::Interactive)),
                 None => Err(AuthFailure::Missing),
             };
@@ -190,7 +257,7 @@ impl Auth {
             return Err(AuthFailure::Malformed);
         }
         let Some(stored) = self.find(key.trim()) else {
-            return match self.anonymous {
+            return match &self.anonymous {
                 Some(tenant) => Ok(self.caller(tenant, None, Priority::Interactive)),
                 None => Err(AuthFailure::Invalid),
             };
@@ -198,18 +265,21 @@ impl Auth {
         if stored.revoked {
             return Err(AuthFailure::Revoked);
         }
-        Ok(self.caller(stored.tenant, Some(stored.id.clone()), stored.priority))
+        Ok(self.caller(&stored.tenant, Some(stored.id.clone()), stored.priority))
     }
 
-    /// The stored key whose hash is `key`'s. Every stored hash is compared, whatever
-    /// matches, so the time taken does not depend on where (or whether) the key is found.
-    fn find(&self, key: &str) -> Option<&StoredKey> {
+    /// The stored key whose hash is `key`'s (the bucket's record over the file's). Every
+    /// stored hash is compared, whatever matches, so the time taken does not depend on
+    /// where (or whether) the key is found.
+    fn find(&self, key: &str) -> Option<StoredKey> {
         let presented = digest(key);
+        let live = self.live.read().unwrap_or_else(|p| p.into_inner());
         let mut found = u64::MAX;
-        for (i, stored) in self.keys.iter().enumerate() {
+        for (i, stored) in self.keys.iter().chain(&live.keys).enumerate() {
             found.conditional_assign(&(i as u64), stored.hash.ct_eq(&presented));
         }
-        self.keys.get(usize::try_from(found).unwrap_or(usize::MAX))
+        let i = usize::try_from(found).unwrap_or(usize::MAX);
+        self.keys.iter().chain(&live.keys).nth(i).cloned()
     }
 
     /// Whether `headers` may open the operator console: anyone when anonymous access is
@@ -252,10 +322,10 @@ impl Auth {
         Ok(Some(stored.id.clone()))
     }
 
-    fn caller(&self, tenant: usize, key_id: Option<String>, priority: Priority) -> Caller {
+    fn caller(&self, tenant: &Arc<Tenant>, key_id: Option<String>, priority: Priority) -> Caller {
         Caller {
-            tenant,
-            tenant_name: self.tenants[tenant].config.name.clone(),
+            tenant: tenant.clone(),
+            tenant_name: tenant.config.name.clone(),
             key_id,
             priority,
         }
@@ -263,12 +333,13 @@ impl Auth {
 
     /// Whether `caller`'s tenant may use `model`.
     pub fn allows_model(&self, caller: &Caller, model: &str) -> bool {
-        self.tenants[caller.tenant].config.models.allows(model)
+        caller.tenant.config.models.allows(model)
     }
 
     /// Charge one request of `tokens` to `caller`'s tenant at `now_ms`.
     pub fn admit(&self, caller: &Caller, now_ms: u64, tokens: u64) -> Result<(), Refusal> {
-        self.tenants[caller.tenant]
+        caller
+            .tenant
             .limiter
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -366,7 +437,7 @@ pub fn create_key(
     note: Option<&str>,
     operator: bool,
 ) -> Result<NewKey, String> {
-    let key = generate_key().map_err(|_| "the operating system's random source failed")?;
+    let key = generate_key()?;
     let sha256 = key_sha256(&key);
     let entry = crate::config::KeyConfig {
         tenant: tenant.name.clone(),

@@ -19,6 +19,7 @@ pub mod error;
 pub mod extract;
 pub mod headers;
 pub mod health;
+pub mod key_store;
 pub mod limits;
 pub mod metrics;
 pub mod openai;
@@ -95,6 +96,7 @@ pub fn app(state: AppState) -> Router {
             route(post(routes::chat_completions)),
         )
         .route("/v1/completions", route(post(routes::completions)))
+        .route("/v1/embeddings", route(post(routes::embeddings)))
         .route("/v1/models", route(get(routes::list_models)))
         .route("/v1/models/{*model}", route(get(routes::get_model)));
     if let Some(cors) = cors {
@@ -202,13 +204,19 @@ impl Gateway {
             self.state.metrics.clone(),
             watcher_stop.clone(),
         );
+        let key_watcher = key_store::spawn_watcher(
+            self.state.buckets.api_keys.clone(),
+            self.state.auth.clone(),
+            self.state.metrics.clone(),
+            watcher_stop.clone(),
+        );
         tracing::info!(addr = %self.local_addr, nats = %self.state.config.nats_url, "gateway listening");
         if self.state.config.allow_anonymous {
             tracing::warn!(
                 "anonymous access is on: requests without an API key are served as tenant `anonymous`"
             );
         } else if !self.state.auth.admits_anyone() {
-            tracing::warn!("no API key is configured and anonymous access is off: every OpenAI request will get 401 (create a key with `metronome-gateway keys create --tenant NAME`)");
+            tracing::warn!("no API key is configured and anonymous access is off: every OpenAI request will get 401 until a key is created (`metronome keys create --tenant NAME`, or `metronome-gateway keys create --tenant NAME` for the configuration file)");
         }
         let client = self.state.client.clone();
         let mut state = self.state;
@@ -223,6 +231,7 @@ impl Gateway {
             .map_err(GatewayError::Serve);
         watcher_stop.cancel();
         let _ = watcher.await;
+        let _ = key_watcher.await;
         // Sends what is still buffered (e.g. cancellations of dropped streams).
         if let Err(error) = client.drain().await {
             tracing::debug!(%error, "draining the NATS connection");

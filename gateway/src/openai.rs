@@ -93,7 +93,21 @@ pub fn parse_request(
     };
     let (prompt_tokens, prompts) = match endpoint {
         Endpoint::Chat => (chat_prompt_tokens(&object)?, 1),
-        Endpoint::Completion => completion_prompt_tokens(&object)?,
+        Endpoint::Completion => completion_prompt_tokens(&object, "prompt")?,
+        Endpoint::Embedding => {
+            // A prefill and no decode: no output bound, no stream, nothing injected.
+            let (prompt_tokens, _) = completion_prompt_tokens(&object, "input")?;
+            return Ok(InferenceRequest {
+                endpoint,
+                model,
+                max_tokens: 0,
+                choices: 1,
+                stream: false,
+                include_usage: false,
+                prompt_tokens: prompt_tokens.max(1),
+                body: Value::Object(object),
+            });
+        }
     };
     let max_tokens = read_max_tokens(&object, policy)?;
     let n = match object.get("n") {
@@ -245,18 +259,22 @@ fn chat_prompt_tokens(object: &Map<String, Value>) -> Result<u32, ApiError> {
     Ok(total)
 }
 
-/// Prompt tokens and the number of prompts of a completion request.
-fn completion_prompt_tokens(object: &Map<String, Value>) -> Result<(u32, u32), ApiError> {
+/// Prompt tokens and the number of prompts of a completion request (`field` = `prompt`)
+/// or of an embedding request (`field` = `input`, which takes the same shapes).
+fn completion_prompt_tokens(
+    object: &Map<String, Value>,
+    field: &str,
+) -> Result<(u32, u32), ApiError> {
     let invalid = || {
         ApiError::invalid_field(
-            "prompt",
-            "`prompt` must be a string, an array of strings, an array of token ids or an array of token-id arrays",
+            field,
+            format!("`{field}` must be a string, an array of strings, an array of token ids or an array of token-id arrays"),
         )
     };
-    match object.get("prompt") {
+    match object.get(field) {
         None => Err(ApiError::invalid_field(
-            "prompt",
-            "missing required field `prompt`",
+            field,
+            format!("missing required field `{field}`"),
         )),
         Some(Value::String(s)) => Ok((text_tokens(s), 1)),
         Some(Value::Array(items)) if items.is_empty() => Err(invalid()),
@@ -405,6 +423,33 @@ mod tests {
                 .as_deref(),
             Some("prompt")
         );
+    }
+
+    #[test]
+    fn an_embedding_costs_its_input_and_writes_nothing() {
+        let body = json!({"model": "m", "input": ["abcd", "abcdefgh"], "encoding_format": "float"});
+        let r = parse_request(Endpoint::Embedding, body.clone(), &POLICY).unwrap();
+        assert_eq!(
+            (r.prompt_tokens, r.max_tokens, r.total_max_tokens()),
+            (3, 0, 0)
+        );
+        assert!(!r.stream);
+        assert_eq!(r.body, body, "nothing injected");
+        let r = parse_request(
+            Endpoint::Embedding,
+            json!({"model": "m", "input": [[1, 2, 3]]}),
+            &POLICY,
+        )
+        .unwrap();
+        assert_eq!(r.prompt_tokens, 3);
+        for bad in [
+            json!({"model": "m"}),
+            json!({"model": "m", "input": 5}),
+            json!({"model": "m", "input": []}),
+        ] {
+            let e = parse_request(Endpoint::Embedding, bad.clone(), &POLICY).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("input"), "{bad}");
+        }
     }
 
     #[test]

@@ -121,10 +121,7 @@ impl UsagePolicy {
         let created = last
             .and_then(|c| c.get("created").cloned())
             .unwrap_or_else(|| Value::from(unix_ms() / 1000));
-        let object = match endpoint {
-            Endpoint::Chat => "chat.completion.chunk",
-            Endpoint::Completion => "text_completion",
-        };
+        let object = chunk_object(endpoint);
         let model = last
             .and_then(|c| c.get("model").cloned())
             .unwrap_or_else(|| Value::from(model));
@@ -139,16 +136,22 @@ impl UsagePolicy {
     }
 }
 
+/// The `object` of a streamed chunk of `endpoint` (an embedding is never streamed: its
+/// response is a `list`).
+fn chunk_object(endpoint: Endpoint) -> &'static str {
+    match endpoint {
+        Endpoint::Chat => "chat.completion.chunk",
+        Endpoint::Completion => "text_completion",
+        Endpoint::Embedding => "list",
+    }
+}
+
 /// A whole response as one streaming chunk, for a final result that carries a response
 /// but came without chunks (a model server that does not stream).
 pub fn response_as_chunk(endpoint: Endpoint, response: &Value) -> Value {
     let mut chunk = response.clone();
     if let Some(object) = chunk.as_object_mut() {
-        let kind = match endpoint {
-            Endpoint::Chat => "chat.completion.chunk",
-            Endpoint::Completion => "text_completion",
-        };
-        object.insert("object".into(), Value::from(kind));
+        object.insert("object".into(), Value::from(chunk_object(endpoint)));
         // Usage goes out in its own chunk, when asked for.
         object.remove("usage");
         if let Some(Value::Array(choices)) = object.get_mut("choices") {

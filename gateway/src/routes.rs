@@ -1,5 +1,6 @@
 //! The OpenAI endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (both also
-//! streaming) and `GET /v1/models`.
+//! streaming), `POST /v1/embeddings` (a job like the others, with no output) and
+//! `GET /v1/models`.
 //!
 //! Per request: authenticate the API key (401), read and validate the body, refuse a model
 //! the tenant may not use (403) or that no worker serves (404), charge the tenant's limits
@@ -56,6 +57,14 @@ pub async fn completions(
     body: Result<OpenAiJson<Value>, ApiError>,
 ) -> Response {
     handle(state, Endpoint::Completion, headers, body).await
+}
+
+pub async fn embeddings(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<OpenAiJson<Value>, ApiError>,
+) -> Response {
+    handle(state, Endpoint::Embedding, headers, body).await
 }
 
 async fn handle(

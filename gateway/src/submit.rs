@@ -613,6 +613,7 @@ mod tests {
             policy: "metronome".into(),
             queue_wait_ms: 0,
             retry_after_ms: None,
+            affinity: None,
             decision_latency_us: 0,
             epoch: 1,
             dispatcher_id: "d".into(),

@@ -7,6 +7,7 @@ use crate::support;
 use metronome_gateway::api_key::key_sha256;
 use metronome_gateway::{Config, KeyConfig, ModelList, TenantConfig};
 use metronome_protocol::names::SUBJECT_JOBS_SUBMIT_ALL;
+use metronome_testkit::wait_for;
 use serde_json::{json, Value};
 use support::*;
 
@@ -443,4 +444,99 @@ async fn keys_create_prints_a_key_that_then_authenticates() {
     );
     let text = std::fs::read_to_string(&file).unwrap();
     assert!(!text.contains(first) && !text.contains(second));
+}
+
+/// `metronome keys create|list|revoke` against a running gateway on a real nats-server:
+/// a created key is served without a restart (with its configured tenant's model list, or
+/// every model for a tenant the file does not name), `list` shows it with the tenant's
+/// usage at this gateway, and a revoked one is refused. Each change is polled for (the
+/// watch brings it within a second), never timed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_created_and_revoked_live_take_effect_without_a_restart() {
+    use metronome_cli::keys;
+    let h = Harness::start_with_key(tenants, Some(ACME_KEY)).await;
+    let nats = metronome_readmodel::source::Nats {
+        client: h.client.clone(),
+        js: h.js.clone(),
+    };
+    let status_of = |key: String| {
+        let request = h.http.get(h.url("/v1/models")).bearer_auth(key);
+        async move {
+            request
+                .send()
+                .await
+                .expect("request sent")
+                .status()
+                .as_u16()
+        }
+    };
+
+    let acme = keys::create(&nats, "acme", Some("ci".into()), false, None)
+        .await
+        .expect("create");
+    wait_for("the gateway serves the new key", WAIT, || {
+        let status = status_of(acme.key.clone());
+        async move { (status.await == 200).then_some(()) }
+    })
+    .await;
+    let mut submitted = h.client.subscribe(SUBJECT_JOBS_SUBMIT_ALL).await.unwrap();
+    sync_subscriptions(&h.client).await;
+    let resp = post_as(&h, Some(&acme.key), &chat_body("hello", false)).await;
+    assert_eq!(resp.status(), 200);
+    let (_, job) = next_job(&mut submitted).await;
+    assert_eq!(job.tenant.as_deref(), Some("acme"));
+    // The configuration's tenant: its model list holds.
+    let body: Value = models_as(&h, Some(&acme.key)).await.json().await.unwrap();
+    assert_eq!(body["data"].as_array().unwrap().len(), 1);
+
+    // A tenant the file does not name: every model, and its jobs carry it.
+    let newco = keys::create(&nats, "newco", None, false, None)
+        .await
+        .unwrap();
+    wait_for("the gateway serves the second key", WAIT, || {
+        let status = status_of(newco.key.clone());
+        async move { (status.await == 200).then_some(()) }
+    })
+    .await;
+    let resp = post_as(&h, Some(&newco.key), &chat_body("hello", false)).await;
+    assert_eq!(resp.status(), 200);
+    let (_, job) = next_job(&mut submitted).await;
+    assert_eq!(job.tenant.as_deref(), Some("newco"));
+
+    // `list`: both keys, with each tenant's usage as this gateway counts it.
+    let text = metrics(&h).await;
+    let rows = keys::rows(keys::records(&nats).await.unwrap(), Some(&text));
+    let row = |tenant: &str| rows.iter().find(|r| r.record.tenant == tenant).unwrap();
+    assert_eq!(row("acme").id, acme.id);
+    assert_eq!(row("acme").record.note.as_deref(), Some("ci"));
+    assert_eq!(row("acme").usage.unwrap().requests, 1.0, "its one chat");
+    assert!(row("newco").usage.unwrap().admitted_tokens > 0.0);
+    assert!(!rows.iter().any(|r| r.record.revoked));
+
+    // Revoke: refused as revoked; the other key still served.
+    let revoked = keys::revoke(&nats, &acme.id).await.expect("revoke");
+    assert!(revoked.revoked && revoked.revoked_ms.is_some());
+    wait_for("the gateway refuses the revoked key", WAIT, || {
+        let status = status_of(acme.key.clone());
+        async move { (status.await == 401).then_some(()) }
+    })
+    .await;
+    let refused = post_as(&h, Some(&acme.key), &chat_body("hello", false)).await;
+    let error = assert_openai_error(refused, 401, "invalid_request_error").await;
+    assert!(error.to_string().contains("revoked"), "{error}");
+    assert_eq!(status_of(newco.key.clone()).await, 200);
+    assert_eq!(
+        status_of(ACME_KEY.into()).await,
+        200,
+        "the file's keys keep working"
+    );
+    let listed = keys::records(&nats).await.unwrap();
+    assert!(
+        listed.iter().any(|r| r.tenant == "acme" && r.revoked),
+        "a revoked key stays listed"
+    );
+    assert!(matches!(
+        keys::revoke(&nats, "ffffffffffff").await,
+        Err(metronome_cli::CliError::NotFound(_))
+    ));
 }

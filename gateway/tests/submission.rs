@@ -59,6 +59,7 @@ fn assigned(job_id: &str, worker: &str) -> Decision {
         policy: "test".into(),
         queue_wait_ms: 0,
         retry_after_ms: None,
+        affinity: None,
         decision_latency_us: 0,
         epoch: 1,
         dispatcher_id: "test".into(),

@@ -1,7 +1,8 @@
 //! The HTTP face of one simulated GPU: vLLM's OpenAI-compatible routes.
 //!
 //! `POST /v1/chat/completions` and `POST /v1/completions` (streaming as SSE and not),
-//! `GET /v1/models`, `GET /health`, `GET /metrics`. Errors use OpenAI's body
+//! `POST /v1/embeddings` ([`crate::embedding`]), `GET /v1/models`, `GET /health`,
+//! `GET /metrics`. Errors use OpenAI's body
 //! (`{"error": {"message", "type", "param", "code"}}`): malformed JSON or a bad field 400,
 //! unknown model 404, a request longer than `max_model_len` 400, shutting down 503.
 //! Streams send one chunk per token (the first chat chunk also carries the assistant role,
@@ -18,23 +19,25 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
+use crate::choice::{Choice, ForcedTool, Plan};
+use crate::embedding::{self, EmbeddingRequest};
 use crate::engine::EngineError;
 use crate::metrics;
 use crate::openai::{
     self, ChatRequest, Common, CompletionRequest, Kind, Prompt, ResponseMeta, Usage,
 };
 use crate::scheduler::{Gpu, SeqEvent, Submission, SubmitError};
-use crate::text::TextGenerator;
 
 /// The router of one simulated GPU.
 pub fn router(gpu: Arc<Gpu>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(prometheus))
@@ -112,7 +115,10 @@ fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
 async fn chat_completions(State(gpu): State<Arc<Gpu>>, body: Bytes) -> Result<Response, ApiError> {
     let request: ChatRequest = parse(&body)?;
     let prompt = request.prompt();
-    generate(gpu, Kind::Chat, request.common, prompt).await
+    let tool = request
+        .forced_tool()
+        .map_err(|(message, field)| ApiError::bad_request(message, Some(field)))?;
+    generate(gpu, Kind::Chat, request.common, prompt, tool).await
 }
 
 async fn completions(State(gpu): State<Arc<Gpu>>, body: Bytes) -> Result<Response, ApiError> {
@@ -120,7 +126,7 @@ async fn completions(State(gpu): State<Arc<Gpu>>, body: Bytes) -> Result<Respons
     let prompt = request
         .prompt()
         .map_err(|m| ApiError::bad_request(m, Some("prompt")))?;
-    generate(gpu, Kind::Completion, request.common, prompt).await
+    generate(gpu, Kind::Completion, request.common, prompt, None).await
 }
 
 async fn generate(
@@ -128,14 +134,15 @@ async fn generate(
     kind: Kind,
     common: Common,
     prompt: Prompt,
+    tool: Option<ForcedTool>,
 ) -> Result<Response, ApiError> {
     let cfg = gpu.config();
     if common.model != cfg.model {
         return Err(ApiError::model_not_found(&common.model));
     }
-    if common.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::bad_request("only n = 1 is supported", Some("n")));
-    }
+    let invalid =
+        |(message, field): (String, &'static str)| ApiError::bad_request(message, Some(field));
+    let n = common.choices().map_err(invalid)?;
     let max_tokens = common
         .requested_max_tokens()
         .unwrap_or(cfg.default_max_tokens);
@@ -155,66 +162,161 @@ async fn generate(
             Some("max_tokens"),
         ));
     }
-    let mut text = TextGenerator::new(cfg.seed, &prompt.key);
-    let output_tokens = if common.ignore_eos {
-        max_tokens
-    } else {
-        text.sample_length(cfg.eos_probability, max_tokens)
+    let logprobs = common.logprobs_request(kind).map_err(invalid)?;
+    let stop = common.stop_sequences().map_err(invalid)?;
+    let plan = Plan {
+        seed: cfg.seed,
+        prompt_key: &prompt.key,
+        max_tokens,
+        eos_probability: cfg.eos_probability,
+        ignore_eos: common.ignore_eos,
+        stop: &stop,
+        logprobs,
+        tool: tool.as_ref(),
     };
-    let finish_reason = if output_tokens < max_tokens {
-        "stop"
-    } else {
-        "length"
-    };
+    let choices: Vec<Choice> = (0..n).map(|i| plan.choice(i)).collect();
     let prompt_tokens = prompt.tokens;
-    let submission = gpu
-        .submit_prompt(prompt.token_ids, output_tokens, output_tokens < max_tokens)
-        .map_err(|e| match e {
-            SubmitError::Closed => ApiError::unavailable(e.to_string()),
-            SubmitError::Engine(e @ EngineError::TooLong { .. }) => {
-                ApiError::bad_request(e.to_string(), Some("max_tokens"))
-            }
-            SubmitError::Engine(e) => ApiError::bad_request(e.to_string(), None),
-        })?;
+    // One sequence per choice, queued together (vLLM runs `n` as `n` sequences).
+    let mut submissions = Vec::with_capacity(choices.len());
+    for c in &choices {
+        submissions.push(
+            gpu.submit_prompt(prompt.token_ids.clone(), c.tokens(), c.stopped_early())
+                .map_err(submit_error)?,
+        );
+    }
     let meta = ResponseMeta::new(kind, &cfg.model);
-    tracing::debug!(model = %cfg.model, seq_id = submission.id, request_id = %meta.id, prompt_tokens, output_tokens, stream = common.stream, "request admitted to the queue");
+    let output_tokens = choices
+        .iter()
+        .map(Choice::tokens)
+        .fold(0, u32::saturating_add);
+    tracing::debug!(model = %cfg.model, request_id = %meta.id, prompt_tokens, output_tokens, n, stream = common.stream, "request admitted to the queue");
     let usage = Usage::new(prompt_tokens, output_tokens);
     if common.stream {
-        let stream = token_stream(
-            submission,
-            text,
-            meta,
-            finish_reason,
-            usage,
-            common.include_usage(),
-        );
+        let stream = token_stream(submissions, choices, meta, usage, common.include_usage());
         Ok(Sse::new(stream).into_response())
     } else {
-        collect(submission, text, meta, finish_reason, usage).await
+        collect(submissions, choices, meta, usage).await
     }
 }
 
+/// A request the GPU refused to queue, in OpenAI's error shape.
+fn submit_error(e: SubmitError) -> ApiError {
+    match e {
+        SubmitError::Closed => ApiError::unavailable(e.to_string()),
+        SubmitError::Engine(e @ EngineError::TooLong { .. }) => {
+            ApiError::bad_request(e.to_string(), Some("max_tokens"))
+        }
+        SubmitError::Engine(e) => ApiError::bad_request(e.to_string(), None),
+    }
+}
+
+/// `POST /v1/embeddings`: every input prefilled on the GPU at once, each answered when its
+/// prefill (and the one step that completes it) is done.
+async fn embeddings(State(gpu): State<Arc<Gpu>>, body: Bytes) -> Result<Response, ApiError> {
+    let request: EmbeddingRequest = parse(&body)?;
+    let cfg = gpu.config();
+    if request.model != cfg.model {
+        return Err(ApiError::model_not_found(&request.model));
+    }
+    let invalid =
+        |(message, field): embedding::Invalid| ApiError::bad_request(message, Some(field));
+    let inputs = request.inputs().map_err(invalid)?;
+    let encoding = request.encoding().map_err(invalid)?;
+    let dimensions = request.dimensions().map_err(invalid)?;
+    if let Some(long) = inputs
+        .iter()
+        .find(|i| i.token_ids.len() as u64 > u64::from(cfg.max_model_len))
+    {
+        return Err(ApiError::bad_request(
+            format!(
+                "This model's maximum context length is {} tokens. However, you requested {} tokens in the input for embedding generation.",
+                cfg.max_model_len,
+                long.token_ids.len()
+            ),
+            Some("input"),
+        ));
+    }
+    let prompt_tokens: u32 = inputs
+        .iter()
+        .map(|i| u32::try_from(i.token_ids.len()).unwrap_or(u32::MAX))
+        .fold(0, u32::saturating_add);
+    // Queued together, so a batch of inputs is prefilled together as vLLM would.
+    let mut submissions = Vec::with_capacity(inputs.len());
+    for input in &inputs {
+        submissions.push(
+            gpu.submit_prompt(input.token_ids.clone(), 1, false)
+                .map_err(submit_error)?,
+        );
+    }
+    tracing::debug!(model = %cfg.model, inputs = inputs.len(), prompt_tokens, "embedding admitted to the queue");
+    for mut submission in submissions {
+        loop {
+            match submission.next().await {
+                Some(SeqEvent::Token { finished: true, .. }) => break,
+                Some(_) => {}
+                None => {
+                    return Err(ApiError::unavailable(
+                        "the simulated GPU shut down before the request finished",
+                    ))
+                }
+            }
+        }
+    }
+    let vectors: Vec<Vec<f32>> = inputs
+        .iter()
+        .map(|i| embedding::vector(cfg.seed, &i.key, dimensions))
+        .collect();
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default();
+    let id = format!("embd-{}", uuid::Uuid::new_v4().simple());
+    Ok(Json(embedding::response(
+        &id,
+        created,
+        &cfg.model,
+        &vectors,
+        encoding,
+        prompt_tokens,
+    ))
+    .into_response())
+}
+
 fn token_stream(
-    mut submission: Submission,
-    mut text: TextGenerator,
+    submissions: Vec<Submission>,
+    choices: Vec<Choice>,
     meta: ResponseMeta,
-    finish_reason: &'static str,
     usage: Usage,
     include_usage: bool,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
+    // Each choice's events tagged with its index, interleaved as the GPU produces them.
+    let events =
+        futures::stream::select_all(submissions.into_iter().enumerate().map(|(i, submission)| {
+            futures::stream::unfold(submission, |mut s| async move {
+                s.next().await.map(|event| (event, s))
+            })
+            .map(move |event| (i, event))
+            .boxed()
+        }));
     async_stream::stream! {
-        let mut first = true;
-        while let Some(SeqEvent::Token { finished, .. }) = submission.next().await {
-            let token = text.next_token();
-            yield Ok(data(&meta.token_chunk(&token, first, include_usage)));
-            first = false;
+        let mut events = events;
+        let mut offsets = vec![0usize; choices.len()];
+        let mut open = choices.len();
+        while let Some((i, SeqEvent::Token { index, finished })) = events.next().await {
+            let choice = &choices[i];
+            let token = index as usize;
+            yield Ok(data(&meta.token_chunk(i as u32, choice, token, offsets[i], include_usage)));
+            offsets[i] += choice.pieces.get(token).map_or(0, |p| p.chars().count());
             if finished {
-                yield Ok(data(&meta.finish_chunk(finish_reason, include_usage)));
-                if include_usage {
-                    yield Ok(data(&meta.usage_chunk(usage)));
+                yield Ok(data(&meta.finish_chunk(i as u32, choice, include_usage)));
+                open -= 1;
+                if open == 0 {
+                    if include_usage {
+                        yield Ok(data(&meta.usage_chunk(usage)));
+                    }
+                    yield Ok(Event::default().data("[DONE]"));
+                    return;
                 }
-                yield Ok(Event::default().data("[DONE]"));
-                return;
             }
         }
         // The GPU shut down mid-generation: say so instead of a silent truncation.
@@ -228,22 +330,25 @@ fn data(value: &Value) -> Event {
 }
 
 async fn collect(
-    mut submission: Submission,
-    mut text: TextGenerator,
+    submissions: Vec<Submission>,
+    choices: Vec<Choice>,
     meta: ResponseMeta,
-    finish_reason: &'static str,
     usage: Usage,
 ) -> Result<Response, ApiError> {
-    let mut output = String::new();
-    while let Some(SeqEvent::Token { finished, .. }) = submission.next().await {
-        output.push_str(&text.next_token());
-        if finished {
-            return Ok(Json(meta.response(&output, finish_reason, usage)).into_response());
+    for mut submission in submissions {
+        loop {
+            match submission.next().await {
+                Some(SeqEvent::Token { finished: true, .. }) => break,
+                Some(_) => {}
+                None => {
+                    return Err(ApiError::unavailable(
+                        "the simulated GPU shut down before the request finished",
+                    ))
+                }
+            }
         }
     }
-    Err(ApiError::unavailable(
-        "the simulated GPU shut down before the request finished",
-    ))
+    Ok(Json(meta.response(&choices, usage)).into_response())
 }
 
 async fn models(State(gpu): State<Arc<Gpu>>) -> Json<Value> {

@@ -207,6 +207,9 @@ pub struct Engine {
     running: Vec<Seq>,
     pool: BlockPool,
     stats: EngineStats,
+    /// Each admitted prompt's tokens found cached, when recorded
+    /// ([`Engine::record_prefix_hits`]).
+    hits: Option<Vec<(SeqId, u32)>>,
 }
 
 impl Engine {
@@ -230,7 +233,21 @@ impl Engine {
                 block_size: params.block_size,
                 ..EngineStats::default()
             },
+            hits: None,
         }
+    }
+
+    /// Record, per admitted sequence with token ids, the prompt tokens found cached (what
+    /// a prediction of its cached tokens is judged against), for
+    /// [`Engine::take_prefix_hits`].
+    pub fn record_prefix_hits(&mut self) {
+        self.hits.get_or_insert_with(Vec::new);
+    }
+
+    /// The admissions' cached tokens since the last call (a sequence admitted again after
+    /// a preemption appears again).
+    pub fn take_prefix_hits(&mut self) -> Vec<(SeqId, u32)> {
+        self.hits.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     pub fn params(&self) -> &EngineParams {
@@ -502,6 +519,9 @@ impl Engine {
                 if seq.prompt.is_some() {
                     self.stats.prefix_cache_queries_total += u64::from(seq.context_len());
                     self.stats.prefix_cache_hits_total += u64::from(hit_tokens);
+                    if let Some(hits) = self.hits.as_mut() {
+                        hits.push((seq.id, hit_tokens));
+                    }
                 }
                 self.pool.touch(&hit);
                 seq.cached_blocks = hit.len();

@@ -20,12 +20,16 @@
 
 pub mod api;
 pub mod block_pool;
+pub mod choice;
 pub mod config;
 pub mod cost;
+pub mod embedding;
 pub mod engine;
 pub mod kv_publisher;
+pub mod logprobs;
 pub mod metrics;
 pub mod openai;
+pub mod response_kind;
 pub mod scheduler;
 pub mod text;
 

@@ -16,6 +16,13 @@ use metronome_protocol::prefix::{chat_token_ids, content_text, fit_to_count, tex
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use crate::choice::{Choice, ForcedTool};
+use crate::logprobs::{LogprobsRequest, MAX_TOP_LOGPROBS};
+pub use crate::response_kind::Kind;
+
+/// Most choices one request may ask for (`n`).
+pub const MAX_CHOICES: u32 = 16;
+
 #[derive(Clone, Debug, Default, Deserialize)]
 pub struct StreamOptions {
     #[serde(default)]
@@ -41,6 +48,16 @@ pub struct Common {
     pub n: Option<u32>,
     #[serde(default)]
     pub metronome_prompt_tokens: Option<u32>,
+    /// Chat: a boolean; completions: how many alternatives per token
+    /// ([`Common::logprobs_request`]).
+    #[serde(default)]
+    pub logprobs: Value,
+    /// Chat: alternatives per token (needs `logprobs: true`).
+    #[serde(default)]
+    pub top_logprobs: Value,
+    /// A stop sequence or a list of them ([`Common::stop_sequences`]).
+    #[serde(default)]
+    pub stop: Value,
 }
 
 impl Common {
@@ -52,6 +69,84 @@ impl Common {
 
     pub fn requested_max_tokens(&self) -> Option<u32> {
         self.max_completion_tokens.or(self.max_tokens)
+    }
+
+    /// Choices to generate (`n`, 1 to [`MAX_CHOICES`]).
+    pub fn choices(&self) -> Result<u32, (String, &'static str)> {
+        match self.n {
+            None => Ok(1),
+            Some(n) if (1..=MAX_CHOICES).contains(&n) => Ok(n),
+            Some(_) => Err((format!("`n` must be from 1 to {MAX_CHOICES}"), "n")),
+        }
+    }
+
+    /// The stop sequences: `stop` as a string or a list of up to 4 non-empty strings.
+    pub fn stop_sequences(&self) -> Result<Vec<String>, (String, &'static str)> {
+        let invalid = || {
+            (
+                "`stop` must be a string or a list of at most 4 non-empty strings".to_string(),
+                "stop",
+            )
+        };
+        match &self.stop {
+            Value::Null => Ok(Vec::new()),
+            Value::String(s) if !s.is_empty() => Ok(vec![s.clone()]),
+            Value::Array(items) if items.len() <= 4 => items
+                .iter()
+                .map(|i| {
+                    i.as_str()
+                        .filter(|s| !s.is_empty())
+                        .map(str::to_string)
+                        .ok_or_else(invalid)
+                })
+                .collect(),
+            _ => Err(invalid()),
+        }
+    }
+
+    /// The log-probabilities asked for, if any: `logprobs: true` with `top_logprobs: k` on
+    /// the chat endpoint, `logprobs: k` on the completions endpoint. Anything else is
+    /// refused with a message and the field at fault, as vLLM refuses it.
+    pub fn logprobs_request(
+        &self,
+        kind: Kind,
+    ) -> Result<Option<LogprobsRequest>, (String, &'static str)> {
+        let count = |v: &Value, field: &'static str| match v {
+            Value::Null => Ok(None),
+            v => v
+                .as_u64()
+                .filter(|k| *k <= u64::from(MAX_TOP_LOGPROBS))
+                .map(|k| Some(k as u32))
+                .ok_or_else(|| {
+                    (
+                        format!("`{field}` must be an integer from 0 to {MAX_TOP_LOGPROBS}"),
+                        field,
+                    )
+                }),
+        };
+        match kind {
+            Kind::Chat => {
+                let wanted = match &self.logprobs {
+                    Value::Null => false,
+                    Value::Bool(b) => *b,
+                    _ => return Err(("`logprobs` must be a boolean".into(), "logprobs")),
+                };
+                let top = count(&self.top_logprobs, "top_logprobs")?;
+                match (wanted, top) {
+                    (true, top) => Ok(Some(LogprobsRequest {
+                        top: top.unwrap_or(0),
+                    })),
+                    (false, Some(_)) => Err((
+                        "`top_logprobs` needs `logprobs: true`".into(),
+                        "top_logprobs",
+                    )),
+                    (false, None) => Ok(None),
+                }
+            }
+            Kind::Completion => {
+                Ok(count(&self.logprobs, "logprobs")?.map(|k| LogprobsRequest { top: k.max(1) }))
+            }
+        }
     }
 }
 
@@ -69,6 +164,69 @@ pub struct ChatRequest {
     #[serde(flatten)]
     pub common: Common,
     pub messages: Vec<ChatMessage>,
+    /// Functions the model may call: `[{"type": "function", "function": {"name",
+    /// "parameters"}}]`.
+    #[serde(default)]
+    pub tools: Value,
+    /// `none`, `auto`, `required` or `{"type": "function", "function": {"name"}}`.
+    #[serde(default)]
+    pub tool_choice: Value,
+}
+
+impl ChatRequest {
+    /// The function the request makes the model call, if it makes it call one
+    /// ([`crate::choice`]): `required` calls the first tool, a named choice that tool.
+    pub fn forced_tool(&self) -> Result<Option<ForcedTool>, (String, &'static str)> {
+        let tools: Vec<ForcedTool> = match &self.tools {
+            Value::Null => Vec::new(),
+            Value::Array(items) => items
+                .iter()
+                .map(|t| {
+                    let f = &t["function"];
+                    match f.get("name").and_then(Value::as_str) {
+                        Some(name) if !name.is_empty() => Ok(ForcedTool {
+                            name: name.to_string(),
+                            parameters: f.get("parameters").cloned().unwrap_or(Value::Null),
+                        }),
+                        _ => Err(("each tool needs `function.name`".to_string(), "tools")),
+                    }
+                })
+                .collect::<Result<_, _>>()?,
+            _ => return Err(("`tools` must be a list".into(), "tools")),
+        };
+        let named = |name: &str| {
+            tools
+                .iter()
+                .find(|t| t.name == name)
+                .cloned()
+                .map(Some)
+                .ok_or_else(|| {
+                    (
+                        format!("`tool_choice` names `{name}`, which is not among `tools`"),
+                        "tool_choice",
+                    )
+                })
+        };
+        match &self.tool_choice {
+            Value::Null => Ok(None),
+            Value::String(c) if c == "none" || c == "auto" => Ok(None),
+            Value::String(c) if c == "required" => match tools.first() {
+                Some(t) => Ok(Some(t.clone())),
+                None => Err((
+                    "`tool_choice: required` needs `tools`".into(),
+                    "tool_choice",
+                )),
+            },
+            Value::Object(_) => match self.tool_choice["function"]["name"].as_str() {
+                Some(name) => named(name),
+                None => Err(("`tool_choice` needs `function.name`".into(), "tool_choice")),
+            },
+            _ => Err((
+                "`tool_choice` must be `none`, `auto`, `required` or a named function".into(),
+                "tool_choice",
+            )),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -170,13 +328,6 @@ impl Usage {
     }
 }
 
-/// Which endpoint a response belongs to: decides the object names and choice shape.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Kind {
-    Chat,
-    Completion,
-}
-
 /// Identity shared by every chunk and the response of one request.
 #[derive(Clone, Debug)]
 pub struct ResponseMeta {
@@ -210,35 +361,60 @@ impl ResponseMeta {
         }
     }
 
-    /// A stream chunk carrying one token (`first` adds the assistant role for chat).
-    pub fn token_chunk(&self, text: &str, first: bool, include_usage: bool) -> Value {
+    /// A stream chunk carrying token `token` of choice `index` (its first token adds the
+    /// assistant role for chat, and a tool call's id and name), with its log-probabilities
+    /// when asked for, `offset` characters into the choice's text.
+    pub fn token_chunk(
+        &self,
+        index: u32,
+        choice: &Choice,
+        token: usize,
+        offset: usize,
+        include_usage: bool,
+    ) -> Value {
+        let piece = choice.pieces.get(token).map_or("", String::as_str);
+        let logprobs = choice
+            .logprobs
+            .as_ref()
+            .and_then(|l| l.get(token))
+            .and_then(Option::as_ref)
+            .map_or(Value::Null, |l| {
+                crate::logprobs::render(self.kind, std::slice::from_ref(l), offset)
+            });
+        let first = token == 0;
         let choice = match self.kind {
             Kind::Chat => {
-                let delta = if first {
-                    json!({"role": "assistant", "content": text})
-                } else {
-                    json!({"content": text})
+                let mut delta = match &choice.tool_call {
+                    Some(call) if first => json!({"content": null, "tool_calls": [{
+                        "index": 0, "id": call.id, "type": "function",
+                        "function": {"name": call.name, "arguments": piece}}]}),
+                    Some(_) => {
+                        json!({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
+                    }
+                    None => json!({"content": piece}),
                 };
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": null})
+                if first {
+                    delta["role"] = json!("assistant");
+                }
+                json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": null})
             }
             Kind::Completion => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": null})
+                json!({"index": index, "text": piece, "logprobs": logprobs, "finish_reason": null})
             }
         };
         self.chunk(vec![choice], include_usage)
     }
 
-    /// The chunk that closes the choice with its finish reason.
-    pub fn finish_chunk(&self, finish_reason: &str, include_usage: bool) -> Value {
-        let choice = match self.kind {
-            Kind::Chat => {
-                json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish_reason})
-            }
-            Kind::Completion => {
-                json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish_reason})
-            }
+    /// The chunk that closes choice `index` with its finish reason (and the stop sequence
+    /// that ended it).
+    pub fn finish_chunk(&self, index: u32, choice: &Choice, include_usage: bool) -> Value {
+        let mut c = match self.kind {
+            Kind::Chat => json!({"index": index, "delta": {}, "logprobs": null}),
+            Kind::Completion => json!({"index": index, "text": "", "logprobs": null}),
         };
-        self.chunk(vec![choice], include_usage)
+        c["finish_reason"] = json!(choice.finish_reason);
+        c["stop_reason"] = json!(choice.stop_reason);
+        self.chunk(vec![c], include_usage)
     }
 
     /// The final usage chunk of `stream_options.include_usage`: no choices, usage set.
@@ -261,27 +437,43 @@ impl ResponseMeta {
         v
     }
 
-    /// The whole (non-streaming) response.
-    pub fn response(&self, text: &str, finish_reason: &str, usage: Usage) -> Value {
-        match self.kind {
-            Kind::Chat => json!({
-                "id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model,
-                "choices": [{
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": null,
-                    "finish_reason": finish_reason,
-                }],
-                "usage": usage,
-            }),
-            Kind::Completion => json!({
-                "id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason}],
-                "usage": usage,
-            }),
-        }
+    /// The whole (non-streaming) response: every choice, with its tokens'
+    /// log-probabilities when asked for.
+    pub fn response(&self, choices: &[Choice], usage: Usage) -> Value {
+        let choices: Vec<Value> = choices
+            .iter()
+            .enumerate()
+            .map(|(index, c)| {
+                let logprobs = c.logprobs.as_ref().map_or(Value::Null, |l| {
+                    let kept: Vec<_> = l.iter().flatten().cloned().collect();
+                    crate::logprobs::render(self.kind, &kept, 0)
+                });
+                let mut choice = match self.kind {
+                    Kind::Chat => {
+                        let message = match &c.tool_call {
+                            Some(call) => json!({"role": "assistant", "content": null,
+                                "tool_calls": [{"id": call.id, "type": "function",
+                                    "function": {"name": call.name, "arguments": c.text()}}]}),
+                            None => json!({"role": "assistant", "content": c.text()}),
+                        };
+                        json!({"index": index, "message": message})
+                    }
+                    Kind::Completion => json!({"index": index, "text": c.text()}),
+                };
+                choice["logprobs"] = logprobs;
+                choice["finish_reason"] = json!(c.finish_reason);
+                choice["stop_reason"] = json!(c.stop_reason);
+                choice
+            })
+            .collect();
+        let object = match self.kind {
+            Kind::Chat => "chat.completion",
+            Kind::Completion => "text_completion",
+        };
+        json!({
+            "id": self.id, "object": object, "created": self.created,
+            "model": self.model, "choices": choices, "usage": usage,
+        })
     }
 }
 

@@ -23,7 +23,8 @@ pub fn estimate_tokens(text: &str) -> u32 {
     u32::try_from(metronome_protocol::prefix::text_token_ids(text).len()).unwrap_or(u32::MAX)
 }
 
-const VOCABULARY: &[&str] = &[
+/// The words a simulated generation draws from (each token is one, with a leading space).
+pub const VOCABULARY: &[&str] = &[
     "the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "was", "with", "be",
     "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have",
     "an", "had", "they", "you", "were", "their", "one", "all", "we", "can", "her", "has", "there",
@@ -34,7 +35,7 @@ const VOCABULARY: &[&str] = &[
 
 /// FNV-1a, to fold a prompt into the generator's seed without a hashing dependency whose
 /// output could change between releases.
-fn fnv1a(bytes: &[u8]) -> u64 {
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in bytes {
         h ^= u64::from(*b);

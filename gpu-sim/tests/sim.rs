@@ -634,3 +634,259 @@ async fn early_stop_is_opt_in_and_ignore_eos_overrides_it() {
     // practically impossible, and the seed makes it deterministic anyway.
     assert!(stopped > 0);
 }
+
+/// The streamed chunks' `choices[0]` objects, without the closing `[DONE]`.
+fn streamed_choices(events: &[String]) -> Vec<Value> {
+    events
+        .iter()
+        .filter(|e| e.as_str() != "[DONE]")
+        .map(|e| serde_json::from_str::<Value>(e).unwrap())
+        .filter_map(|c| c["choices"].get(0).cloned())
+        .collect()
+}
+
+#[tokio::test]
+async fn chat_logprobs_come_in_openais_shape_and_streamed_as_answered() {
+    let h = Harness::start(fast(MODEL)).await;
+    let request = json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 6, "logprobs": true, "top_logprobs": 3});
+    let (status, body) = h.post("/v1/chat/completions", request.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let choice = &body["choices"][0];
+    let content = choice["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 6, "one entry per token");
+    let tokens: String = content
+        .iter()
+        .map(|t| t["token"].as_str().unwrap())
+        .collect();
+    assert_eq!(tokens, choice["message"]["content"].as_str().unwrap());
+    for t in content {
+        let lp = t["logprob"].as_f64().unwrap();
+        assert!(lp <= 0.0, "{t}");
+        let top = t["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        assert_eq!(top[0]["token"], t["token"]);
+        let bytes: Vec<u8> = serde_json::from_value(t["bytes"].clone()).unwrap();
+        assert_eq!(bytes, t["token"].as_str().unwrap().as_bytes());
+    }
+
+    // Streamed: each token's chunk carries its entry, and together they are the answer's.
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let choices = streamed_choices(&h.stream("/v1/chat/completions", streamed).await);
+    let entries: Vec<Value> = choices
+        .iter()
+        .filter_map(|c| c["logprobs"]["content"].as_array())
+        .flatten()
+        .cloned()
+        .collect();
+    assert_eq!(&entries, content);
+
+    // Without `logprobs`, none.
+    let (_, plain) = h
+        .post(
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6}),
+        )
+        .await;
+    assert_eq!(plain["choices"][0]["logprobs"], Value::Null);
+    assert_eq!(
+        plain["choices"][0]["message"]["content"], choice["message"]["content"],
+        "asking for logprobs does not change the text"
+    );
+}
+
+#[tokio::test]
+async fn completion_logprobs_come_in_the_legacy_shape() {
+    let h = Harness::start(fast(MODEL)).await;
+    let request =
+        json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5, "logprobs": 2});
+    let (status, body) = h.post("/v1/completions", request.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let choice = &body["choices"][0];
+    let lp = &choice["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(tokens.concat(), choice["text"].as_str().unwrap());
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), 5);
+    let offsets: Vec<usize> = serde_json::from_value(lp["text_offset"].clone()).unwrap();
+    let mut at = 0;
+    for (offset, token) in offsets.iter().zip(&tokens) {
+        assert_eq!(*offset, at);
+        at += token.chars().count();
+    }
+    for top in lp["top_logprobs"].as_array().unwrap() {
+        assert_eq!(top.as_object().unwrap().len(), 2);
+    }
+
+    let mut streamed = request;
+    streamed["stream"] = json!(true);
+    let choices = streamed_choices(&h.stream("/v1/completions", streamed).await);
+    let streamed_offsets: Vec<u64> = choices
+        .iter()
+        .filter_map(|c| c["logprobs"]["text_offset"].as_array())
+        .flatten()
+        .map(|o| o.as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        streamed_offsets,
+        offsets.iter().map(|o| *o as u64).collect::<Vec<_>>(),
+        "streamed offsets count from the start of the choice"
+    );
+}
+
+#[tokio::test]
+async fn logprobs_asked_for_wrongly_are_refused_naming_the_field() {
+    let h = Harness::start(fast(MODEL)).await;
+    let chat = |extra: Value| {
+        let mut body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        body
+    };
+    for (body, param) in [
+        (chat(json!({"top_logprobs": 2})), "top_logprobs"),
+        (
+            chat(json!({"logprobs": true, "top_logprobs": 21})),
+            "top_logprobs",
+        ),
+        (chat(json!({"logprobs": 3})), "logprobs"),
+    ] {
+        let (status, answer) = h.post("/v1/chat/completions", body.clone()).await;
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(answer["error"]["param"], param, "{answer}");
+    }
+    let (status, answer) = h
+        .post(
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "x", "max_tokens": 2, "logprobs": true}),
+        )
+        .await;
+    assert_eq!(status, 400, "{answer}");
+    assert_eq!(answer["error"]["param"], "logprobs");
+}
+
+#[tokio::test]
+async fn n_choices_are_generated_as_n_sequences_streamed_and_not() {
+    let h = Harness::start(fast(MODEL)).await;
+    let request = json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 5, "n": 3});
+    let (status, body) = h.post("/v1/chat/completions", request.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let texts: Vec<&str> = body["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["message"]["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(texts.len(), 3);
+    assert!(texts[0] != texts[1] && texts[1] != texts[2], "{texts:?}");
+    assert_eq!(body["usage"]["completion_tokens"], 15);
+    let (_, single) = h
+        .post(
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}),
+        )
+        .await;
+    assert_eq!(single["choices"][0]["message"]["content"], texts[0]);
+
+    let mut streamed = request;
+    streamed["stream"] = json!(true);
+    let choices = streamed_choices(&h.stream("/v1/chat/completions", streamed).await);
+    for (i, text) in texts.iter().enumerate() {
+        let mine: Vec<&Value> = choices.iter().filter(|c| c["index"] == i).collect();
+        let joined: String = mine
+            .iter()
+            .filter_map(|c| c["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(&joined, text, "choice {i}");
+        assert_eq!(mine.last().unwrap()["finish_reason"], "length");
+    }
+    let (status, _) = h
+        .post(
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "x", "max_tokens": 2, "n": 17}),
+        )
+        .await;
+    assert_eq!(status, 400);
+}
+
+#[tokio::test]
+async fn a_stop_sequence_ends_the_text_before_it() {
+    let h = Harness::start(fast(MODEL)).await;
+    let body = |stop: Value| json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 30, "stop": stop});
+    let (_, full) = h.post("/v1/completions", body(Value::Null)).await;
+    let full_text = full["choices"][0]["text"].as_str().unwrap().to_string();
+    let word = full_text.split_whitespace().nth(5).unwrap().to_string();
+    let (status, cut) = h
+        .post(
+            "/v1/completions",
+            body(json!(["no such text", word.clone()])),
+        )
+        .await;
+    assert_eq!(status, 200, "{cut}");
+    let choice = &cut["choices"][0];
+    let text = choice["text"].as_str().unwrap();
+    assert_eq!(choice["finish_reason"], "stop");
+    assert_eq!(choice["stop_reason"], word.as_str());
+    assert_eq!(text, &full_text[..full_text.find(&word).unwrap()]);
+    assert!(cut["usage"]["completion_tokens"].as_u64().unwrap() < 30);
+    let (status, _) = h.post("/v1/completions", body(json!([1]))).await;
+    assert_eq!(status, 400);
+}
+
+#[tokio::test]
+async fn a_forced_tool_choice_is_answered_with_a_tool_call() {
+    let h = Harness::start(fast(MODEL)).await;
+    let tools = json!([
+        {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}},
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}},
+    ]);
+    let request = json!({"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}],
+        "max_tokens": 50, "tools": tools,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}});
+    let (status, body) = h.post("/v1/chat/completions", request.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let choice = &body["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls");
+    assert_eq!(choice["message"]["content"], Value::Null);
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(call["type"], "function");
+    assert_eq!(call["function"]["name"], "get_weather");
+    let args: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(args["city"].is_string() && args["days"].is_u64(), "{args}");
+
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let choices = streamed_choices(&h.stream("/v1/chat/completions", streamed).await);
+    assert_eq!(
+        choices[0]["delta"]["tool_calls"][0]["function"]["name"],
+        "get_weather"
+    );
+    let arguments: String = choices
+        .iter()
+        .filter_map(|c| c["delta"]["tool_calls"][0]["function"]["arguments"].as_str())
+        .collect();
+    assert_eq!(arguments, call["function"]["arguments"].as_str().unwrap());
+
+    // `auto` answers with text; a name not among the tools is refused.
+    let mut auto = request.clone();
+    auto["tool_choice"] = json!("auto");
+    let (_, text) = h.post("/v1/chat/completions", auto).await;
+    assert!(
+        text["choices"][0]["message"]["content"].is_string(),
+        "{text}"
+    );
+    let mut unknown = request;
+    unknown["tool_choice"] = json!({"type": "function", "function": {"name": "nope"}});
+    let (status, error) = h.post("/v1/chat/completions", unknown).await;
+    assert_eq!(status, 400);
+    assert_eq!(error["error"]["param"], "tool_choice");
+}

@@ -116,6 +116,7 @@ pub struct Agent {
 }
 
 impl Agent {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         worker_id: String,
         gpu_index: u32,
@@ -124,6 +125,7 @@ impl Agent {
         prior: &PerfPrior,
         origin: Instant,
         origin_unix_ms: u64,
+        kv_events: bool,
     ) -> Agent {
         let machine = JobMachine::new(
             Settings {
@@ -138,7 +140,7 @@ impl Agent {
             worker_id,
             model: gpu.model.clone(),
             gpu_index,
-            gpu: Gpu::new(gpu),
+            gpu: Gpu::new(gpu, kv_events),
             max_concurrency: agent.max_concurrency,
             ewma_alpha: agent.ewma_alpha,
             ewma_half_life_ms: agent.ewma_half_life_ms as f64,
@@ -153,6 +155,17 @@ impl Agent {
             origin,
             origin_unix_ms,
         }
+    }
+
+    /// The jobs the GPU admitted since the last call, each with its prompt tokens found
+    /// in the prefix cache (call before [`Agent::step_done`], which forgets finished
+    /// sequences).
+    pub fn take_prefix_hits(&mut self) -> Vec<(String, u32)> {
+        self.gpu
+            .take_prefix_hits()
+            .into_iter()
+            .filter_map(|(seq, tokens)| self.by_seq.get(&seq).map(|j| (j.clone(), tokens)))
+            .collect()
     }
 
     fn instant(&self, ms: f64) -> Instant {

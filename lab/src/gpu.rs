@@ -2,6 +2,7 @@
 //! it has work, each step's tokens delivered when the step ends (as the simulator's server
 //! loop does: a sequence added during a step joins the next one).
 
+use metronome_gpu_sim::block_pool::KvEvent;
 use metronome_gpu_sim::cost::StepShape;
 use metronome_gpu_sim::engine::{Emitted, Engine, EngineStats, SeqId};
 use metronome_gpu_sim::SimGpuConfig;
@@ -17,12 +18,26 @@ pub struct Gpu {
 }
 
 impl Gpu {
-    pub fn new(config: &SimGpuConfig) -> Gpu {
+    /// A GPU whose engine records each admission's cached prompt tokens, and its prefix
+    /// cache's KV events when `kv_events` (a reporting agent reads them).
+    pub fn new(config: &SimGpuConfig, kv_events: bool) -> Gpu {
+        let mut engine = Engine::with_kv_events(config.engine_params(), kv_events);
+        engine.record_prefix_hits();
         Gpu {
-            engine: Engine::new(config.engine_params()),
+            engine,
             running: None,
             busy_ms: 0.0,
         }
+    }
+
+    /// Each sequence admitted since the last call, with its prompt tokens found cached.
+    pub fn take_prefix_hits(&mut self) -> Vec<(SeqId, u32)> {
+        self.engine.take_prefix_hits()
+    }
+
+    /// The prefix cache's KV events since the last call.
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        self.engine.take_kv_events()
     }
 
     /// Queue a sequence. A request the cache can never hold is refused, as the server does.

@@ -30,6 +30,6 @@ pub mod gpu;
 pub mod world;
 
 pub use world::{
-    prompt_token_ids, run, Cluster, LabConfig, LabRun, Latencies, MaxTokens, PrefixCache,
-    StallCheck,
+    cached_errors, prompt_token_ids, run, CachedCheck, CachedErrors, Cluster, LabConfig, LabRun,
+    Latencies, MaxTokens, PrefixCache, StallCheck,
 };

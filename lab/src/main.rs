@@ -88,6 +88,12 @@ struct Args {
     /// B's TTFT alone and beside A's flood.
     #[arg(long)]
     fairness: bool,
+    /// The agents report their GPUs' prefix caches to the dispatcher (the KV events an
+    /// agent with `kv_events_endpoint` forwards); without it the dispatcher estimates each
+    /// cache from its own placements. Prefix-heavy workloads' lines then show how far the
+    /// cached tokens each decision counted on were from what the GPU found.
+    #[arg(long)]
+    kv_events: bool,
 }
 
 /// One measured point.
@@ -151,7 +157,8 @@ fn main() -> anyhow::Result<()> {
                     .parse()
                     .map_err(|e| anyhow::anyhow!("policy {policy:?}: {e}"))?;
                 dispatcher.policy = kind;
-                let config = lab_config(dispatcher.clone(), &speeds, max_tokens);
+                let mut config = lab_config(dispatcher.clone(), &speeds, max_tokens);
+                config.cache_reports = args.kv_events;
                 let mut system = Cluster::new(&config);
                 for workload in &args.workloads {
                     let nominal = nominal_for(&plan, workload, &speeds)?;
@@ -293,6 +300,7 @@ fn lab_config(dispatcher: DispatcherConfig, speeds: &[f64], max_tokens: MaxToken
         max_tokens,
         tenants: Vec::new(),
         queue_timeout_ms: None,
+        cache_reports: false,
     }
 }
 
@@ -322,6 +330,21 @@ fn point_line(
                 .map_or("-".to_string(), |h| format!("{:.1}%", h * 100.0)),
             ms(s.ttft_ms.p90)
         ));
+        // How far the cached tokens each decision counted on were from the GPU's hits.
+        if let Some(e) = metronome_lab::cached_errors(&out.cached) {
+            holds.push(format!(
+                "cached-err({}) p50 {} tok ({:.1}%) p90 {} tok ({:.1}%) exact {:.0}% under {:.0}% over {:.0}% n={}",
+                e.source,
+                e.p50_tokens,
+                e.p50_share * 100.0,
+                e.p90_tokens,
+                e.p90_share * 100.0,
+                e.exact * 100.0,
+                e.under * 100.0,
+                e.over * 100.0,
+                e.jobs
+            ));
+        }
     }
     format!(
         "{:<7} {:<6} {:>5} {:<18} {:>4} {:>6.1}% {:>7.2} {:>7} {:>8} {:>6.1} {:>7.0} {:>5.2}% {:>9} {:>9}  {}",

@@ -25,6 +25,13 @@ use metronome_protocol::{
     PROTOCOL_VERSION,
 };
 
+use metronome_gpu_sim::block_pool::KvEvent;
+use metronome_protocol::cache_state::{
+    CacheUpdate, CacheUpdateKind, CACHE_UPDATE_VERSION, MAX_SNAPSHOT_BLOCKS,
+};
+use metronome_protocol::{CachedPrefix, PrefixSource};
+use metronome_worker_agent::kv_events::{BlockIndex, EventBatch, KvCacheEvent};
+
 use crate::agent::{Agent, Average, Finished, Refused};
 
 /// One-way times of the hops between components, ms. Loopback NATS round trips are well
@@ -80,6 +87,12 @@ pub struct LabConfig {
     /// Each job's deadline after its submission, ms, as the gateway sets it from its
     /// `queue_timeout_ms` (None: no deadline in the job; the dispatcher's default applies).
     pub queue_timeout_ms: Option<u64>,
+    /// Whether the agents report their GPUs' prefix caches to the dispatcher (the KV
+    /// events a `kv_events_endpoint` makes an agent follow: deltas every
+    /// `cache_delta_interval_ms`, snapshots every `cache_snapshot_interval_ms` of the
+    /// agent's configuration). Without it the dispatcher estimates the caches from its
+    /// placements.
+    pub cache_reports: bool,
 }
 
 /// How clients set `max_tokens`. The load generator asks for exactly the length a request
@@ -135,6 +148,9 @@ pub struct LabRun {
     /// (prefix-heavy workloads): tokens looked up and tokens found cached (vLLM's
     /// `prefix_cache_queries` and `prefix_cache_hits`).
     pub prefix_cache: Option<PrefixCache>,
+    /// Per job with a prefix fingerprint admitted on a GPU: its predicted against its
+    /// actual cached tokens.
+    pub cached: Vec<CachedCheck>,
 }
 
 /// Prefix-cache counters of a point, summed over the GPUs, in tokens.
@@ -149,6 +165,76 @@ impl PrefixCache {
     pub fn hit_rate(&self) -> Option<f64> {
         (self.queries > 0).then(|| self.hits as f64 / self.queries as f64)
     }
+}
+
+/// The cached prompt tokens the winner was believed to hold for a job, against what its
+/// GPU found cached when it admitted the job.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CachedCheck {
+    /// The decision's figure for the winner (`None`: the job's assignment carried none).
+    pub predicted: Option<CachedPrefix>,
+    /// Prompt tokens the GPU's prefix cache held at admission.
+    pub actual: u32,
+    pub prompt_tokens: u32,
+}
+
+impl CachedCheck {
+    /// `|predicted − actual|` in tokens (a missing prediction counts as 0 predicted).
+    pub fn error_tokens(&self) -> u32 {
+        self.predicted.map_or(0, |p| p.tokens).abs_diff(self.actual)
+    }
+}
+
+/// The cached-token errors of a point, over the jobs checked.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CachedErrors {
+    pub jobs: usize,
+    /// Absolute error in tokens, median and 90th percentile.
+    pub p50_tokens: u32,
+    pub p90_tokens: u32,
+    /// Absolute error as a share of the prompt, median and 90th percentile.
+    pub p50_share: f64,
+    pub p90_share: f64,
+    /// Shares of jobs predicted exactly, below their hit, above it.
+    pub exact: f64,
+    pub under: f64,
+    pub over: f64,
+    /// The source most jobs' figure came from.
+    pub source: &'static str,
+}
+
+/// The cached-token errors of a point (`None` without checked jobs).
+pub fn cached_errors(checks: &[CachedCheck]) -> Option<CachedErrors> {
+    if checks.is_empty() {
+        return None;
+    }
+    let n = checks.len();
+    let mut tokens: Vec<u32> = checks.iter().map(CachedCheck::error_tokens).collect();
+    tokens.sort_unstable();
+    let mut shares: Vec<f64> = checks
+        .iter()
+        .map(|c| f64::from(c.error_tokens()) / f64::from(c.prompt_tokens.max(1)))
+        .collect();
+    shares.sort_by(f64::total_cmp);
+    let at = |q: f64| ((q * n as f64).ceil() as usize).clamp(1, n) - 1;
+    let share =
+        |f: &dyn Fn(&CachedCheck) -> bool| checks.iter().filter(|c| f(c)).count() as f64 / n as f64;
+    let predicted = |c: &CachedCheck| c.predicted.map_or(0, |p| p.tokens);
+    let events = share(&|c| {
+        c.predicted
+            .is_some_and(|p| p.source == PrefixSource::Events)
+    });
+    Some(CachedErrors {
+        jobs: n,
+        p50_tokens: tokens[at(0.5)],
+        p90_tokens: tokens[at(0.9)],
+        p50_share: shares[at(0.5)],
+        p90_share: shares[at(0.9)],
+        exact: share(&|c| predicted(c) == c.actual),
+        under: share(&|c| predicted(c) < c.actual),
+        over: share(&|c| predicted(c) > c.actual),
+        source: if events > 0.5 { "events" } else { "placements" },
+    })
 }
 
 /// What admission control believed a running job would be stalled, against what it was.
@@ -196,6 +282,41 @@ enum Ev {
     Probe(usize),
     StepEnd(usize),
     Sample,
+    /// An agent publishes the changes to its GPU's prefix cache.
+    CacheDeltas(usize),
+    /// An agent publishes its GPU's whole prefix cache.
+    CacheSnapshot(usize),
+}
+
+/// An agent's report of its GPU's prefix cache, as `metronome_worker_agent::cache_report`
+/// keeps it: the block index its KV events build, and the sequence of its deltas.
+struct CacheReporter {
+    index: BlockIndex,
+    batches: u64,
+    seq: u64,
+}
+
+/// The simulator's KV event as the agent decodes it from vLLM's wire format.
+fn as_received(event: KvEvent) -> KvCacheEvent {
+    match event {
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+        } => KvCacheEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            medium: None,
+        },
+        KvEvent::BlockRemoved { block_hashes } => KvCacheEvent::BlockRemoved {
+            block_hashes,
+            medium: None,
+        },
+        KvEvent::AllBlocksCleared => KvCacheEvent::AllBlocksCleared,
+    }
 }
 
 struct Scheduled {
@@ -280,6 +401,14 @@ struct World {
     queue_timeout_ms: Option<u64>,
     /// The GPUs' prefix-cache counters at the start of the current point.
     prefix_before: PrefixCache,
+    /// Per agent, its cache report, when the agents report (`LabConfig::cache_reports`).
+    reporters: Option<Vec<CacheReporter>>,
+    cache_delta_ms: f64,
+    cache_snapshot_ms: f64,
+    /// Per planned request, the cached tokens its (last) assignment's winner was believed
+    /// to hold, and whether its admission was checked already.
+    cached_predicted: Vec<(Option<CachedPrefix>, bool)>,
+    cached: Vec<CachedCheck>,
 }
 
 /// A simulated cluster that keeps its state from one run to the next, as a system that
@@ -328,9 +457,20 @@ impl World {
                     &prior,
                     origin,
                     ORIGIN_UNIX_MS,
+                    config.cache_reports,
                 )
             })
             .collect();
+        let reporters = config.cache_reports.then(|| {
+            agents
+                .iter()
+                .map(|_| CacheReporter {
+                    index: BlockIndex::new(DEFAULT_BLOCK_SIZE, MAX_SNAPSHOT_BLOCKS).recording(),
+                    batches: 0,
+                    seq: 0,
+                })
+                .collect()
+        });
         let metrics = Metrics::new();
         let settings = EngineSettings::from_config(&config.dispatcher, 1, "lab".into());
         let engine = Engine::new(settings, metrics.clone(), None);
@@ -376,6 +516,11 @@ impl World {
             prefix_before: PrefixCache::default(),
             tenants: config.tenants.clone(),
             queue_timeout_ms: config.queue_timeout_ms,
+            reporters,
+            cache_delta_ms: config.agent.cache_delta_interval_ms as f64,
+            cache_snapshot_ms: config.agent.cache_snapshot_interval_ms as f64,
+            cached_predicted: Vec::new(),
+            cached: Vec::new(),
         };
         w.start();
         w
@@ -385,11 +530,18 @@ impl World {
         r.tenant.and_then(|t| self.tenants.get(t).cloned())
     }
 
+    /// The queue's holds by rejection code, and the prefix-affinity decisions by outcome
+    /// (`affinity_chosen`, `affinity_<reason it was overridden>`).
     fn holds(&self) -> BTreeMap<String, u64> {
-        HOLD_CODES
+        let holds = HOLD_CODES
             .iter()
-            .map(|code| (code.to_string(), self.metrics.holds(&self.model, code)))
-            .collect()
+            .map(|code| (code.to_string(), self.metrics.holds(&self.model, code)));
+        let affinity = self
+            .metrics
+            .affinity(&self.model)
+            .into_iter()
+            .map(|(k, n)| (format!("affinity_{k}"), n));
+        holds.chain(affinity).collect()
     }
 
     /// Let time pass until no job is held anywhere and the queue is empty (the bench waits
@@ -433,6 +585,8 @@ impl World {
         self.outstanding = plan.len();
         self.holds_before = self.holds();
         self.prefix_before = self.prefix_cache();
+        self.cached_predicted = vec![(None, false); plan.len()];
+        self.cached.clear();
         for (i, r) in plan.iter().enumerate() {
             let at = self.point_start_ms + r.at_s * 1000.0;
             self.at(at, Ev::Arrive(i));
@@ -458,6 +612,11 @@ impl World {
             let phase = (i as f64 * 0.37).fract() * self.heartbeat_ms;
             self.at(phase * 0.5, Ev::Probe(i));
             self.at(phase * 0.5 + 1.0, Ev::PeriodicHeartbeat(i));
+            if self.reporters.is_some() {
+                // A new run's first message is its snapshot.
+                self.at(phase * 0.5 + 2.0, Ev::CacheSnapshot(i));
+                self.at(phase * 0.5 + 2.0 + self.cache_delta_ms, Ev::CacheDeltas(i));
+            }
         }
         self.at(0.0, Ev::Tick);
         self.at(self.ewma_refresh_ms * 0.5, Ev::EwmaRefresh);
@@ -622,6 +781,32 @@ impl World {
                 self.at(now + self.heartbeat_ms, Ev::Probe(gpu));
             }
             Ev::StepEnd(gpu) => {
+                for (job, actual) in self.agents[gpu].take_prefix_hits() {
+                    let Some(&i) = self.jobs.get(&job) else {
+                        continue;
+                    };
+                    let (predicted, checked) = &mut self.cached_predicted[i];
+                    if !std::mem::replace(checked, true) {
+                        self.cached.push(CachedCheck {
+                            predicted: *predicted,
+                            actual,
+                            prompt_tokens: self.plan[i].prompt_tokens,
+                        });
+                    }
+                }
+                if let Some(reporters) = self.reporters.as_mut() {
+                    let events = self.agents[gpu].gpu.take_kv_events();
+                    if !events.is_empty() {
+                        let r = &mut reporters[gpu];
+                        let batch = EventBatch {
+                            ts: 0.0,
+                            events: events.into_iter().map(as_received).collect(),
+                            data_parallel_rank: None,
+                        };
+                        r.index.apply(r.batches, &batch);
+                        r.batches += 1;
+                    }
+                }
                 let (finished, first, next) = self.agents[gpu].step_done(now);
                 let relay = now + self.lat.relay_ms;
                 for id in first {
@@ -652,7 +837,64 @@ impl World {
                 }
                 self.at(now + self.sample_ms, Ev::Sample);
             }
+            Ev::CacheDeltas(gpu) => {
+                if let Some(update) = self.cache_report(gpu, CacheUpdateKind::Delta) {
+                    self.at(
+                        now + self.lat.complete_ms,
+                        Ev::ToEngine(Box::new(Event::Cache(Box::new(update)))),
+                    );
+                }
+                self.at(now + self.cache_delta_ms, Ev::CacheDeltas(gpu));
+            }
+            Ev::CacheSnapshot(gpu) => {
+                for kind in [CacheUpdateKind::Delta, CacheUpdateKind::Snapshot] {
+                    if let Some(update) = self.cache_report(gpu, kind) {
+                        self.at(
+                            now + self.lat.complete_ms,
+                            Ev::ToEngine(Box::new(Event::Cache(Box::new(update)))),
+                        );
+                    }
+                }
+                self.at(now + self.cache_snapshot_ms, Ev::CacheSnapshot(gpu));
+            }
         }
+    }
+
+    /// Agent `gpu`'s next cache report of `kind`: its changes since the last delta
+    /// (`None` when nothing changed), or its whole index.
+    fn cache_report(&mut self, gpu: usize, kind: CacheUpdateKind) -> Option<CacheUpdate> {
+        let worker_id = self.agents[gpu].worker_id.clone();
+        let r = &mut self.reporters.as_mut()?[gpu];
+        let mut update = CacheUpdate {
+            v: CACHE_UPDATE_VERSION,
+            worker_id,
+            run: ORIGIN_UNIX_MS,
+            seq: r.seq,
+            kind,
+            block_size: DEFAULT_BLOCK_SIZE,
+            cleared: false,
+            stored: Vec::new(),
+            removed: Vec::new(),
+            truncated: false,
+            sent_ms: ORIGIN_UNIX_MS + self.now as u64,
+        };
+        match kind {
+            CacheUpdateKind::Delta => {
+                let changes = r.index.take_changes();
+                if changes.is_empty() {
+                    return None;
+                }
+                r.seq += 1;
+                update.seq = r.seq;
+                update.cleared = changes.cleared;
+                update.stored = changes.stored;
+                update.removed = changes.removed;
+            }
+            CacheUpdateKind::Snapshot => {
+                (update.stored, update.truncated) = r.index.newest(MAX_SNAPSHOT_BLOCKS);
+            }
+        }
+        Some(update)
     }
 
     /// Ask agent `gpu` for a heartbeat now (coalesced with one already being stored).
@@ -774,11 +1016,12 @@ impl World {
                     return;
                 };
                 if let Some(&i) = self.jobs.get(&job.job.id) {
-                    let prediction = decision
+                    let winner = decision
                         .candidates
                         .iter()
-                        .find(|c| c.worker_id == worker_id)
-                        .and_then(|c| c.prediction);
+                        .find(|c| c.worker_id == worker_id);
+                    self.cached_predicted[i].0 = winner.and_then(|c| c.cached_prefix);
+                    let prediction = winner.and_then(|c| c.prediction);
                     self.predicted[i] = prediction.map(|p| Predicted {
                         queue_wait_ms: decision.queue_wait_ms as f64,
                         prediction: p,
@@ -927,6 +1170,7 @@ impl World {
                     hits: now.hits - self.prefix_before.hits,
                 }
             }),
+            cached: std::mem::take(&mut self.cached),
         }
     }
 }

@@ -20,6 +20,7 @@ fn config(policy: PolicyKind, gpus: usize) -> LabConfig {
         max_tokens: MaxTokens::Exact,
         tenants: Vec::new(),
         queue_timeout_ms: None,
+        cache_reports: false,
     }
 }
 
@@ -139,4 +140,25 @@ fn prefix_heavy_plans_hit_the_gpus_prefix_cache_and_others_do_not_query_it() {
         ttft(&out) < ttft(&run(&config(PolicyKind::PrefixAffinity, 2), &plain)),
         "cached prefixes did not shorten TTFT"
     );
+}
+
+/// With the agents reporting their GPUs' caches, every cached-token figure a decision
+/// counted on comes from the events and matches what the GPU found at admission for at
+/// least half the jobs (the rest: a job admitted before the report of a prefix stored
+/// just before it arrived).
+#[test]
+fn reported_caches_predict_the_gpus_hits() {
+    let p = shared_prefix_plan();
+    let mut reporting = config(PolicyKind::Metronome, 2);
+    reporting.cache_reports = true;
+    let out = run(&reporting, &p);
+    assert!(out.records.iter().all(|r| r.ok));
+    assert_eq!(out.cached.len(), p.len(), "every job's admission checked");
+    let e = metronome_lab::cached_errors(&out.cached).unwrap();
+    assert_eq!((e.jobs, e.source), (p.len(), "events"));
+    assert_eq!(e.p50_tokens, 0, "{:?}", out.cached);
+    // Without reports the figures are the placements' estimate.
+    let estimated = run(&config(PolicyKind::Metronome, 2), &p);
+    let e = metronome_lab::cached_errors(&estimated.cached).unwrap();
+    assert_eq!(e.source, "placements");
 }

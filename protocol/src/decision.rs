@@ -223,6 +223,40 @@ impl CandidateScore {
     }
 }
 
+/// Prefix affinity in one decision: the candidate holding more of the job's prompt than the
+/// score's choice, and whether it was given the job ([`AffinityOutcome`]). Absent when no
+/// worker held more of the prompt than the score's choice (or the job carried no prefix
+/// fingerprint, or the policy has no affinity).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Affinity {
+    /// The worker holding the most of the prompt.
+    pub worker_id: String,
+    /// The prompt tokens it holds.
+    pub cached_tokens: u32,
+    pub outcome: AffinityOutcome,
+    /// Why it was overridden: `cost` (its predicted job cost, ms, is higher than the
+    /// score's choice's), `fair_share` (it would run more than `max_share` times an even
+    /// share of the candidates' requests) or the code it was rejected with (an admission
+    /// or SLO rule: `below_slo_floor`, `ttft_over_budget`, `at_concurrency_cap`...).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason_code: Option<String>,
+    /// The same in words, with the numbers compared.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The fair-share bound the decision applied (`scheduler.affinity_max_share`).
+    pub max_share: f64,
+}
+
+/// Whether the worker holding the prompt got the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AffinityOutcome {
+    /// It won over the score's choice.
+    Chosen,
+    /// The score's choice stands (see [`Affinity::reason_code`]).
+    Overridden,
+}
+
 /// Why a worker was not eligible.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -330,6 +364,9 @@ pub struct Decision {
     /// predicted to be free for it (the gateway's `Retry-After`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_after_ms: Option<u64>,
+    /// Prefix affinity, when a worker held more of the job's prompt than the score's choice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<Affinity>,
     /// Scheduling policy that decided (`metronome`, `least_connections`…).
     pub policy: String,
     /// Time the job spent in the admission queue.
@@ -401,6 +438,8 @@ mod wire {
         slo: Option<crate::Slo>,
         #[serde(default)]
         retry_after_ms: Option<u64>,
+        #[serde(default)]
+        affinity: Option<super::Affinity>,
         policy: String,
         queue_wait_ms: u64,
         decision_latency_us: u64,
@@ -568,6 +607,7 @@ mod wire {
                 rejected: d.rejected,
                 slo: d.slo,
                 retry_after_ms: d.retry_after_ms,
+                affinity: d.affinity,
                 policy: d.policy,
                 queue_wait_ms: d.queue_wait_ms,
                 decision_latency_us: d.decision_latency_us,

@@ -11,6 +11,8 @@ pub enum Endpoint {
     Chat,
     /// `POST /v1/completions`
     Completion,
+    /// `POST /v1/embeddings`: a prefill and no decode; the job's `max_tokens` is 0.
+    Embedding,
 }
 
 impl Endpoint {
@@ -19,6 +21,23 @@ impl Endpoint {
         match self {
             Endpoint::Chat => "/v1/chat/completions",
             Endpoint::Completion => "/v1/completions",
+            Endpoint::Embedding => "/v1/embeddings",
+        }
+    }
+
+    /// Whether the endpoint generates tokens (and streams them). An embedding is answered
+    /// in one piece once its prompt is prefilled: it has no output tokens, no decode rate
+    /// and no stream.
+    pub fn generates(self) -> bool {
+        !matches!(self, Endpoint::Embedding)
+    }
+
+    /// The request field holding the prompt: `messages`, `prompt` or `input`.
+    pub fn prompt_field(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "messages",
+            Endpoint::Completion => "prompt",
+            Endpoint::Embedding => "input",
         }
     }
 }

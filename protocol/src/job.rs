@@ -28,7 +28,7 @@ pub struct Job {
     pub request: Value,
     /// Estimated prompt tokens.
     pub prompt_tokens: u32,
-    /// Upper bound of generated tokens (`max_tokens` of the request).
+    /// Upper bound of generated tokens (`max_tokens` of the request; 0 for an embedding).
     pub max_tokens: u32,
     /// When the client submitted the job (Unix ms).
     pub submitted_ms: u64,
@@ -186,7 +186,7 @@ pub enum JobError {
     ModelControlChar { code: u32, at: usize },
     #[error("model name is {len} bytes, longer than the limit of {limit} bytes")]
     ModelTooLong { len: usize, limit: usize },
-    #[error("job asks for max_tokens = 0")]
+    #[error("job asks for max_tokens = 0 (only an embedding job writes no tokens)")]
     ZeroMaxTokens,
     #[error("job needs {total} tokens (prompt + max_tokens), more than the limit of {limit}")]
     TooManyTokens { total: u64, limit: u32 },
@@ -296,7 +296,7 @@ impl Job {
             return Err(JobError::BadId(self.id.clone()));
         }
         check_model_name(&self.model)?;
-        if self.max_tokens == 0 {
+        if self.max_tokens == 0 && self.endpoint.generates() {
             return Err(JobError::ZeroMaxTokens);
         }
         let total = u64::from(self.prompt_tokens) + u64::from(self.max_tokens);
@@ -606,6 +606,21 @@ mod tests {
         for (v, code) in cases {
             assert_eq!(parse(&v).unwrap_err().code(), code, "for {v}");
         }
+    }
+
+    #[test]
+    fn only_an_embedding_job_may_write_no_tokens() {
+        let mut v = job_json();
+        v["endpoint"] = json!("embedding");
+        v["request"] = json!({"model": "m", "input": "hello"});
+        v["max_tokens"] = json!(0);
+        let job = parse(&v).unwrap();
+        assert_eq!(job.endpoint, Endpoint::Embedding);
+        assert!(!job.endpoint.generates());
+        assert_eq!(job.endpoint.path(), "/v1/embeddings");
+        assert_eq!(job.kv_tokens(), 10);
+        v["endpoint"] = json!("completion");
+        assert_eq!(parse(&v).unwrap_err().code(), "zero_max_tokens");
     }
 
     #[test]

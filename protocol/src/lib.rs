@@ -9,7 +9,9 @@
 //! Also the one reader of each text format the components exchange over HTTP: server-sent
 //! events ([`sse`]) and the Prometheus exposition format ([`prometheus`]).
 
+pub mod api_keys;
 pub mod assignment;
+pub mod cache_state;
 pub mod control;
 pub mod decision;
 pub mod endpoint;
@@ -36,10 +38,11 @@ pub mod trace;
 pub mod worker;
 
 pub use assignment::Assignment;
+pub use cache_state::{CacheUpdate, CacheUpdateKind};
 pub use control::{ControlReply, RelayedCancel, Revoke, RevokedJob};
 pub use decision::{
-    CachedPrefix, CandidateScore, Decision, Outcome, PrefixSource, Rejection, RejectionCode,
-    Scoring, TermName, TermScore, DECISION_VERSION, TERM_COUNT,
+    Affinity, AffinityOutcome, CachedPrefix, CandidateScore, Decision, Outcome, PrefixSource,
+    Rejection, RejectionCode, Scoring, TermName, TermScore, DECISION_VERSION, TERM_COUNT,
 };
 pub use endpoint::Endpoint;
 pub use event::{CompletionEvent, CompletionOutcome};

@@ -14,6 +14,10 @@ pub const STREAM_DECISIONS: &str = "DECISIONS";
 pub const STREAM_RESULTS: &str = "RESULTS";
 /// Completion and failure events that release reservations.
 pub const STREAM_EVENTS: &str = "EVENTS";
+/// Changes to each worker's prefix cache ([`crate::cache_state`]), kept a short time.
+pub const STREAM_CACHE_DELTAS: &str = "CACHE_DELTAS";
+/// The latest snapshot of each worker's prefix cache, one per worker.
+pub const STREAM_CACHE_SNAPSHOTS: &str = "CACHE_SNAPSHOTS";
 
 /// Subject token of the jobs of no tenant: `jobs.submit._anon`, `results._anon.<job>.…`,
 /// `decisions._anon.<job>`. No tenant may be called this ([`crate::check_tenant`]).
@@ -59,6 +63,10 @@ pub const SUBJECT_RESULTS_FINAL_ALL_V1: &str = "results.*.final";
 /// The RESULTS filter of protocol version 2 (`results.<tenant>.<job_id>.final`, no
 /// publisher), replaced the same way.
 pub const SUBJECT_RESULTS_FINAL_ALL_V2: &str = "results.*.*.final";
+/// Subject filter of the CACHE_DELTAS stream (`kvcache.<worker_id>.delta`).
+pub const SUBJECT_CACHE_DELTAS_ALL: &str = "kvcache.*.delta";
+/// Subject filter of the CACHE_SNAPSHOTS stream (`kvcache.<worker_id>.snapshot`).
+pub const SUBJECT_CACHE_SNAPSHOTS_ALL: &str = "kvcache.*.snapshot";
 /// Subject filter of the EVENTS stream.
 pub const SUBJECT_EVENTS_ALL: &str = "events.>";
 /// Completion events of every worker.
@@ -87,6 +95,9 @@ pub const FAIRNESS_KEY: &str = "counters";
 /// KV bucket of the leader's per-model admission queues: key = [`queue_key`] of the
 /// model, value = its latest [`crate::QueueSnapshot`].
 pub const BUCKET_QUEUES: &str = "queues";
+/// KV bucket of the API keys managed live (`metronome keys`): key = the key's SHA-256 in
+/// hex, value = an [`crate::api_keys::KeyRecord`]. Every gateway watches it.
+pub const BUCKET_API_KEYS: &str = "api_keys";
 
 /// De-duplication id understood by JetStream.
 pub const HEADER_MSG_ID: &str = "Nats-Msg-Id";
@@ -138,6 +149,25 @@ pub const CONSUMER_DISPATCHER_EVENTS: &str = "dispatcher-events";
 /// client's own id (the job id).
 pub fn retry_msg_id(job_id: &str, attempt: u32) -> String {
     format!("{job_id}:retry:{attempt}")
+}
+
+/// `kvcache.<worker_id>.delta`: changes to one worker's prefix cache.
+pub fn cache_delta_subject(worker_id: &str) -> String {
+    format!("kvcache.{worker_id}.delta")
+}
+
+/// `kvcache.<worker_id>.snapshot`: one worker's whole prefix cache.
+pub fn cache_snapshot_subject(worker_id: &str) -> String {
+    format!("kvcache.{worker_id}.snapshot")
+}
+
+/// The worker a `kvcache.<worker_id>.<kind>` subject names.
+pub fn cache_subject_worker(subject: &str) -> Option<&str> {
+    let mut parts = subject.split('.');
+    match (parts.next(), parts.next(), parts.next(), parts.next()) {
+        (Some("kvcache"), Some(worker), Some("delta" | "snapshot"), None) => Some(worker),
+        _ => None,
+    }
 }
 
 /// `work.<worker_id>`: assignments for one worker.

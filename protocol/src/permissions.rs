@@ -41,9 +41,10 @@
 use serde::Serialize;
 
 use crate::names::{
-    self, tenant_token, BUCKET_FAIRNESS, BUCKET_LEADER, BUCKET_QUEUES, BUCKET_WORKERS,
-    CONTROL_CANCEL, CONTROL_REVOKE, LEADER_KEY, STREAM_DECISIONS, STREAM_EVENTS, STREAM_JOBS,
-    STREAM_RESULTS, STREAM_WORK, SUBJECT_CANCEL_ALL, SUBJECT_DEAD_LETTER, SUBJECT_DECISIONS_ALL,
+    self, tenant_token, BUCKET_API_KEYS, BUCKET_FAIRNESS, BUCKET_LEADER, BUCKET_QUEUES,
+    BUCKET_WORKERS, CONTROL_CANCEL, CONTROL_REVOKE, LEADER_KEY, STREAM_CACHE_DELTAS,
+    STREAM_CACHE_SNAPSHOTS, STREAM_DECISIONS, STREAM_EVENTS, STREAM_JOBS, STREAM_RESULTS,
+    STREAM_WORK, SUBJECT_CANCEL_ALL, SUBJECT_DEAD_LETTER, SUBJECT_DECISIONS_ALL,
     SUBJECT_JOBS_RETRY, SUBJECT_JOBS_SUBMIT_ALL, SUBJECT_JOBS_SUBMIT_PREFIX,
 };
 
@@ -162,6 +163,8 @@ pub fn rules(role: Role) -> RoleRules {
             .into_iter()
             // The console's queue table: the leader's per-model queue snapshots.
             .chain(read_bucket(BUCKET_QUEUES))
+            // API keys managed live (`metronome keys`): watched, never written.
+            .chain(read_bucket(BUCKET_API_KEYS))
             .collect(),
             subscribe: strings(&[INBOX, "results.>", SUBJECT_DECISIONS_ALL]),
             allow_responses: false,
@@ -232,6 +235,8 @@ pub fn rules(role: Role) -> RoleRules {
                 // lists every tenant's job ids.
                 js(&format!("STREAM.INFO.{STREAM_WORK}")),
                 js(&format!("STREAM.INFO.{STREAM_EVENTS}")),
+                js(&format!("STREAM.INFO.{STREAM_CACHE_DELTAS}")),
+                js(&format!("STREAM.INFO.{STREAM_CACHE_SNAPSHOTS}")),
                 js(&format!("STREAM.INFO.KV_{BUCKET_WORKERS}")),
                 js(&format!("STREAM.INFO.KV_{BUCKET_LEADER}")),
                 js(&format!("CONSUMER.INFO.{STREAM_WORK}.worker-{{worker_id}}")),
@@ -252,6 +257,10 @@ pub fn rules(role: Role) -> RoleRules {
                 )),
                 "workers.{worker_id}.heartbeat".into(),
                 "events.done.{worker_id}".into(),
+                // Its model server's prefix cache, under its own id only: a worker cannot
+                // tell the leader what another worker holds.
+                "kvcache.{worker_id}.delta".into(),
+                "kvcache.{worker_id}.snapshot".into(),
                 // Results of any tenant's job, but only under its own id: which jobs it
                 // holds the server cannot know, so readers check the job's decision.
                 "results.*.*.{worker_id}.chunk".into(),
@@ -320,12 +329,14 @@ pub fn rules(role: Role) -> RoleRules {
 }
 
 /// Streams the rules name, so a renamed stream breaks the tests rather than the fleet.
-pub const STREAMS_NAMED: [&str; 5] = [
+pub const STREAMS_NAMED: [&str; 7] = [
     STREAM_JOBS,
     STREAM_WORK,
     STREAM_DECISIONS,
     STREAM_RESULTS,
     STREAM_EVENTS,
+    STREAM_CACHE_DELTAS,
+    STREAM_CACHE_SNAPSHOTS,
 ];
 
 /// One identity to render: a user of `role` with its password; `worker_id` and `model`
@@ -522,9 +533,20 @@ mod tests {
             [
                 "$JS.API.STREAM.INFO.WORK",
                 "$JS.API.STREAM.INFO.EVENTS",
+                "$JS.API.STREAM.INFO.CACHE_DELTAS",
+                "$JS.API.STREAM.INFO.CACHE_SNAPSHOTS",
                 "$JS.API.STREAM.INFO.KV_workers",
                 "$JS.API.STREAM.INFO.KV_leader"
             ]
+        );
+        let cache: Vec<&String> = publish
+            .iter()
+            .filter(|s| s.starts_with("kvcache."))
+            .collect();
+        assert_eq!(
+            cache,
+            ["kvcache.n1-gpu0.delta", "kvcache.n1-gpu0.snapshot"],
+            "its own cache state only"
         );
         let acl = redis_acl(&[id], "m");
         assert!(

@@ -249,25 +249,28 @@ pub fn request_token_ids(endpoint: Endpoint, body: &Value) -> Result<Vec<u32>, P
                 .collect();
             chat_token_ids(rendered.iter().map(|(r, c)| (*r, c.as_str())))
         }
-        Endpoint::Completion => match body.get("prompt").unwrap_or(&Value::Null) {
-            Value::String(s) => text_token_ids(s),
-            Value::Null => vec![EMPTY_PROMPT_TOKEN],
-            Value::Array(items) if items.iter().all(Value::is_u64) => {
-                let mut ids = Vec::with_capacity(items.len());
-                for item in items {
-                    let id = item.as_u64().unwrap_or_default();
-                    ids.push(u32::try_from(id).map_err(|_| PromptError::TokenId(id))?);
+        // An embedding's `input` takes the shapes of a completion's `prompt`.
+        Endpoint::Completion | Endpoint::Embedding => {
+            match body.get(endpoint.prompt_field()).unwrap_or(&Value::Null) {
+                Value::String(s) => text_token_ids(s),
+                Value::Null => vec![EMPTY_PROMPT_TOKEN],
+                Value::Array(items) if items.iter().all(Value::is_u64) => {
+                    let mut ids = Vec::with_capacity(items.len());
+                    for item in items {
+                        let id = item.as_u64().unwrap_or_default();
+                        ids.push(u32::try_from(id).map_err(|_| PromptError::TokenId(id))?);
+                    }
+                    if ids.is_empty() {
+                        ids.push(EMPTY_PROMPT_TOKEN);
+                    }
+                    ids
                 }
-                if ids.is_empty() {
-                    ids.push(EMPTY_PROMPT_TOKEN);
+                Value::Array(items) if items.len() == 1 && items[0].is_string() => {
+                    text_token_ids(items[0].as_str().unwrap_or_default())
                 }
-                ids
+                _ => return Err(PromptError::Prompt),
             }
-            Value::Array(items) if items.len() == 1 && items[0].is_string() => {
-                text_token_ids(items[0].as_str().unwrap_or_default())
-            }
-            _ => return Err(PromptError::Prompt),
-        },
+        }
     };
     Ok(
         match body.get("metronome_prompt_tokens").and_then(Value::as_u64) {

@@ -40,6 +40,17 @@ pub struct StreamSettings {
     /// Most events EVENTS keeps per worker (`events.done.<worker_id>`, the oldest of that
     /// worker's go first): a worker flooding its own subject evicts only its own events.
     pub events_max_per_worker: i64,
+    /// How long CACHE_DELTAS keeps a worker's cache changes: a new leader reads the
+    /// latest snapshot and every delta after it, so this must exceed the agents'
+    /// snapshot interval by a margin.
+    pub cache_deltas_max_age: Duration,
+    /// Most bytes CACHE_DELTAS keeps (the oldest go first).
+    pub cache_deltas_max_bytes: i64,
+    /// Most deltas CACHE_DELTAS keeps per worker: a worker flooding its own subject pushes
+    /// out only its own.
+    pub cache_deltas_max_per_worker: i64,
+    /// Most bytes CACHE_SNAPSHOTS keeps (one snapshot per worker, each at most ~620 KB).
+    pub cache_snapshots_max_bytes: i64,
     /// A worker whose heartbeat is older than this vanishes from the `workers` bucket.
     pub workers_max_age: Duration,
     /// Lifetime of the leader lease if it is not renewed.
@@ -90,6 +101,12 @@ impl Default for StreamSettings {
             // Far more than a worker finishes while a leader is away; consumed events stay
             // until their max age, so a busy worker reaches it and drops only those.
             events_max_per_worker: 100_000,
+            // Six snapshot intervals of the agents' default (10 s).
+            cache_deltas_max_age: Duration::from_secs(60),
+            cache_deltas_max_bytes: 256 * 1024 * 1024,
+            // A minute of deltas at 10 a second, with room for bursts.
+            cache_deltas_max_per_worker: 10_000,
+            cache_snapshots_max_bytes: 1024 * 1024 * 1024,
             workers_max_age: Duration::from_secs(15),
             // The dispatcher's default `lease_ttl_ms`: a bucket created by another
             // component needs no alignment.
@@ -130,6 +147,7 @@ pub struct Buckets {
     pub leader: kv::Store,
     pub fairness: kv::Store,
     pub queues: kv::Store,
+    pub api_keys: kv::Store,
 }
 
 /// Create (or find) every stream and bucket.
@@ -146,6 +164,8 @@ pub async fn ensure_all(
     // Counters are kept until overwritten: a failover may come at any time.
     let fairness = ensure_bucket(js, BUCKET_FAIRNESS, Duration::ZERO, s).await?;
     let queues = ensure_bucket(js, BUCKET_QUEUES, s.queues_max_age, s).await?;
+    // Keys are kept until revoked or deleted.
+    let api_keys = ensure_bucket(js, BUCKET_API_KEYS, Duration::ZERO, s).await?;
     if s.replicas > 1 {
         for (name, have) in under_replicated(js, s.replicas).await {
             tracing::warn!(
@@ -161,6 +181,7 @@ pub async fn ensure_all(
         leader,
         fairness,
         queues,
+        api_keys,
     })
 }
 
@@ -172,7 +193,8 @@ pub struct WorkerBuckets {
 }
 
 /// Create (or find) what a worker-agent uses: the WORK stream it pulls from, the EVENTS
-/// stream it reports to, and the `workers` and `leader` buckets. Not JOBS, DECISIONS or
+/// stream it reports to, the cache streams it forwards its model server's prefix cache
+/// to, and the `workers` and `leader` buckets. Not JOBS, DECISIONS or
 /// RESULTS: their info, asked with a subjects filter, lists every tenant's job ids, which
 /// a worker identity may not read (`permissions`).
 pub async fn ensure_for_worker(
@@ -181,7 +203,10 @@ pub async fn ensure_for_worker(
 ) -> Result<WorkerBuckets, SetupError> {
     for config in stream_configs(s) {
         let name = static_name(&config.name);
-        if name == STREAM_WORK || name == STREAM_EVENTS {
+        if matches!(
+            name,
+            STREAM_WORK | STREAM_EVENTS | STREAM_CACHE_DELTAS | STREAM_CACHE_SNAPSHOTS
+        ) {
             ensure_stream(js, name, config).await?;
         }
     }
@@ -192,7 +217,7 @@ pub async fn ensure_for_worker(
 }
 
 /// The contract's streams, as `s` configures them.
-fn stream_configs(s: &StreamSettings) -> [stream::Config; 5] {
+fn stream_configs(s: &StreamSettings) -> [stream::Config; 7] {
     [
         stream::Config {
             name: STREAM_JOBS.into(),
@@ -255,20 +280,52 @@ fn stream_configs(s: &StreamSettings) -> [stream::Config; 5] {
             max_messages_per_subject: s.events_max_per_worker,
             ..Default::default()
         },
+        stream::Config {
+            name: STREAM_CACHE_DELTAS.into(),
+            subjects: vec![SUBJECT_CACHE_DELTAS_ALL.into()],
+            retention: stream::RetentionPolicy::Limits,
+            storage: s.storage,
+            num_replicas: s.replicas,
+            max_age: s.cache_deltas_max_age,
+            // Discard old: a delta is worth less than the next; a gap is closed by the
+            // next snapshot.
+            max_bytes: s.cache_deltas_max_bytes,
+            max_messages_per_subject: s.cache_deltas_max_per_worker,
+            max_message_size: CACHE_MAX_MESSAGE_BYTES,
+            ..Default::default()
+        },
+        stream::Config {
+            name: STREAM_CACHE_SNAPSHOTS.into(),
+            subjects: vec![SUBJECT_CACHE_SNAPSHOTS_ALL.into()],
+            retention: stream::RetentionPolicy::Limits,
+            storage: s.storage,
+            num_replicas: s.replicas,
+            // Only the latest snapshot of each worker counts.
+            max_messages_per_subject: 1,
+            max_bytes: s.cache_snapshots_max_bytes,
+            max_message_size: CACHE_MAX_MESSAGE_BYTES,
+            ..Default::default()
+        },
     ]
 }
 
+/// Largest message the cache streams accept (a full snapshot is about 620 KB).
+pub const CACHE_MAX_MESSAGE_BYTES: i32 = 1024 * 1024;
+
 /// Every stream of the contract, the buckets' included (`KV_<bucket>`).
-pub const ALL_STREAMS: [&str; 9] = [
+pub const ALL_STREAMS: [&str; 12] = [
     STREAM_JOBS,
     STREAM_WORK,
     STREAM_DECISIONS,
     STREAM_RESULTS,
     STREAM_EVENTS,
+    STREAM_CACHE_DELTAS,
+    STREAM_CACHE_SNAPSHOTS,
     "KV_workers",
     "KV_leader",
     "KV_fairness",
     "KV_queues",
+    "KV_api_keys",
 ];
 
 /// The contract's streams (and bucket streams) that exist with fewer than `replicas`
@@ -521,6 +578,8 @@ fn static_name(name: &str) -> &'static str {
         STREAM_DECISIONS,
         STREAM_RESULTS,
         STREAM_EVENTS,
+        STREAM_CACHE_DELTAS,
+        STREAM_CACHE_SNAPSHOTS,
     ]
     .into_iter()
     .find(|n| *n == name)
@@ -543,6 +602,7 @@ mod tests {
             BUCKET_LEADER,
             BUCKET_FAIRNESS,
             BUCKET_QUEUES,
+            BUCKET_API_KEYS,
         ] {
             assert!(
                 ALL_STREAMS.contains(&format!("KV_{bucket}").as_str()),

@@ -322,6 +322,10 @@ fn render_decision(out: &mut String, d: &Decision) {
         format!("  waited in queue: {} ms\n", d.queue_wait_ms)
     });
 
+    if let Some(a) = &d.affinity {
+        out.push_str(&format!("  prefix affinity: {}\n", affinity(a)));
+    }
+
     if d.candidates.is_empty() {
         out.push_str("\nCandidates: none eligible\n");
     } else {
@@ -477,6 +481,27 @@ pub fn to_json(story: &Story) -> serde_json::Value {
     })
 }
 
+/// A decision's prefix-affinity record in one line.
+fn affinity(a: &metronome_protocol::Affinity) -> String {
+    let held = format!(
+        "{} holds {} cached prompt tokens",
+        a.worker_id, a.cached_tokens
+    );
+    match a.outcome {
+        metronome_protocol::AffinityOutcome::Chosen => {
+            format!(
+                "{held}, chosen over the score's choice (at most {}× an even share)",
+                a.max_share
+            )
+        }
+        metronome_protocol::AffinityOutcome::Overridden => format!(
+            "{held}, overridden: {} [{}]",
+            a.reason.as_deref().unwrap_or("no reason recorded"),
+            a.reason_code.as_deref().unwrap_or("-")
+        ),
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod fixtures {
     //! Fixed records shared by the view tests.
@@ -549,6 +574,7 @@ pub(crate) mod fixtures {
             policy: "metronome".into(),
             queue_wait_ms: 15,
             retry_after_ms: None,
+            affinity: None,
             decision_latency_us: 42,
             epoch: 7,
             dispatcher_id: "d1".into(),
@@ -714,6 +740,44 @@ mod tests {
             text.contains("cached prefix: 1024 prompt tokens not prefilled (from placements)"),
             "{text}"
         );
+        // A worker whose model server reports its cache: the figure names the events.
+        let d = s.decisions.last_mut().unwrap();
+        d.candidates[0].cached_prefix = Some(metronome_protocol::CachedPrefix {
+            tokens: 2_000,
+            source: metronome_protocol::PrefixSource::Events,
+        });
+        let text = s.render();
+        assert!(
+            text.contains("cached prefix: 2000 prompt tokens not prefilled (from events)"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_prefix_affinity_record_is_shown_with_its_reason() {
+        let mut s = story();
+        assert!(!s.render().contains("prefix affinity"));
+        let d = s.decisions.last_mut().unwrap();
+        d.affinity = Some(metronome_protocol::Affinity {
+            worker_id: "n1-gpu3".into(),
+            cached_tokens: 2_000,
+            outcome: metronome_protocol::AffinityOutcome::Overridden,
+            reason_code: Some("fair_share".into()),
+            reason: Some("n1-gpu3 would run 5 requests, above 1.5 times an even share".into()),
+            max_share: 1.5,
+        });
+        let text = s.render();
+        assert!(
+            text.contains(
+                "prefix affinity: n1-gpu3 holds 2000 cached prompt tokens, overridden: n1-gpu3 would run 5 requests, above 1.5 times an even share [fair_share]"
+            ),
+            "{text}"
+        );
+        let d = s.decisions.last_mut().unwrap();
+        d.affinity.as_mut().unwrap().outcome = metronome_protocol::AffinityOutcome::Chosen;
+        assert!(s
+            .render()
+            .contains("holds 2000 cached prompt tokens, chosen"));
     }
 
     #[test]

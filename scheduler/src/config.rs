@@ -150,6 +150,11 @@ pub struct SchedulerConfig {
     /// back the small ones behind it that fit now; it keeps its place and goes first as
     /// soon as room opens.
     pub lookahead: usize,
+    /// Prefix affinity ([`crate::affinity`]): the candidate holding the most of a job's
+    /// prompt gets it over the score's choice when its predicted job cost is no higher,
+    /// while it would run at most this many times an even share of the candidates'
+    /// requests. 0 turns affinity off; otherwise at least 1.
+    pub affinity_max_share: f64,
 }
 
 impl Default for SchedulerConfig {
@@ -175,6 +180,7 @@ impl Default for SchedulerConfig {
             // lookaheads gain more in overload and lose a little at moderate load on a
             // mixed-speed cluster.
             lookahead: 8,
+            affinity_max_share: crate::affinity::DEFAULT_MAX_SHARE,
         }
     }
 }
@@ -215,6 +221,13 @@ impl SchedulerConfig {
         }
         if self.default_max_concurrency == 0 {
             errors.push(ConfigError::new("default_max_concurrency", "must be > 0"));
+        }
+        let share = self.affinity_max_share;
+        if !(share == 0.0 || (share.is_finite() && share >= 1.0)) {
+            errors.push(ConfigError::new(
+                "affinity_max_share",
+                format!("must be 0 (off) or a finite number >= 1, got {share}"),
+            ));
         }
         if !(0.0..1.0).contains(&self.kv_headroom_frac) {
             errors.push(ConfigError::new(

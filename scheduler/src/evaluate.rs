@@ -22,8 +22,9 @@
 use std::cell::OnceCell;
 
 use metronome_protocol::decision::JobCostEstimate;
-use metronome_protocol::{CandidateScore, Rejection, Scoring, TermName};
+use metronome_protocol::{Affinity, CandidateScore, Rejection, Scoring, TermName};
 
+use crate::affinity::{self, Refused, Seat};
 use crate::filter::{self, Filter, FilterContext};
 use crate::forecast::Forecast;
 use crate::term::{self, TermContext};
@@ -47,6 +48,10 @@ pub struct Evaluation {
     /// Prefill stall the job is predicted to impose on each job already running on the
     /// winner, ms (0 without a winner): the caller charges it to them in the ledger.
     pub winner_stall_ms: f64,
+    /// Prefix affinity, when a worker held more of the prompt than the score's choice
+    /// ([`crate::affinity`]).
+    #[serde(default)]
+    pub affinity: Option<Affinity>,
 }
 
 impl Evaluation {
@@ -65,7 +70,8 @@ pub fn evaluate(
     config: &SchedulerConfig,
     now_ms: u64,
 ) -> Evaluation {
-    let ranked = rank(&filter::ADMISSION, job, workers, ledger, config, now_ms);
+    let mut ranked = rank(&filter::ADMISSION, job, workers, ledger, config, now_ms);
+    let affinity = apply_affinity(&mut ranked, job, config.affinity_max_share);
     let best = ranked.best().next();
     let winner = best.map(|c| c.worker_id().to_owned());
     let winner_stall_ms = best.map_or(0.0, |c| c.forecast.stall_ms);
@@ -77,7 +83,41 @@ pub fn evaluate(
         rejected: ranked.rejected,
         cost: job.cost_estimate(),
         winner_stall_ms,
+        affinity,
     }
+}
+
+/// Prefix affinity over a ranking: the candidate it promotes goes first.
+fn apply_affinity(ranked: &mut Ranked<'_>, job: &JobRequest, max_share: f64) -> Option<Affinity> {
+    // A job without a fingerprint is placed by the score alone.
+    job.prefix.as_ref()?;
+    let job_cost = TermName::JobCost.index();
+    let seats: Vec<Seat<'_>> = ranked
+        .best()
+        .map(|c| Seat {
+            worker_id: c.worker_id(),
+            cached_tokens: job.cached_on(c.worker_id()).tokens,
+            cost_ms: c.raw[job_cost],
+            active: c.load.effective_active,
+        })
+        .collect();
+    let refused: Vec<Refused<'_>> = ranked
+        .rejected
+        .iter()
+        .map(|r| Refused {
+            worker_id: &r.worker_id,
+            cached_tokens: job.cached_on(&r.worker_id).tokens,
+            code: r.code.as_str(),
+            reason: &r.reason,
+        })
+        .filter(|r| r.cached_tokens > 0 && r.code != "wrong_model")
+        .collect();
+    let verdict = affinity::decide(&seats, &refused, max_share);
+    if let Some(i) = verdict.promote {
+        let promoted = ranked.order.remove(i);
+        ranked.order.insert(0, promoted);
+    }
+    verdict.record
 }
 
 /// Rank recorded candidates again under other `weights`: the normalise → select half of
@@ -88,8 +128,14 @@ pub fn evaluate(
 /// (the `active_requests` raw value is the effective active count). With a decision's own
 /// candidates and weights it reproduces that decision's totals and order exactly; this is
 /// what `metronome replay` re-decides with. A term missing from a record counts as
-/// unavailable.
-pub fn rescore(candidates: &[CandidateScore], weights: &Weights) -> Vec<CandidateScore> {
+/// unavailable. Prefix affinity is applied again with `affinity_max_share` (0: off; a
+/// recorded decision's own is in its [`Affinity`] record) from the recorded cached tokens,
+/// job costs and active counts.
+pub fn rescore(
+    candidates: &[CandidateScore],
+    weights: &Weights,
+    affinity_max_share: f64,
+) -> Vec<CandidateScore> {
     let mut recorded: Vec<Recorded<'_>> = candidates
         .iter()
         .map(|c| Recorded {
@@ -113,7 +159,25 @@ pub fn rescore(candidates: &[CandidateScore], weights: &Weights) -> Vec<Candidat
             (totals[i], active, i as u32)
         })
         .collect();
-    best_first(keys, |i| &recorded[i].score.worker_id)
+    let mut order = best_first(keys, |i| &recorded[i].score.worker_id);
+    let job_cost = TermName::JobCost.index();
+    let seats: Vec<Seat<'_>> = order
+        .iter()
+        .map(|&i| {
+            let r = &recorded[i as usize];
+            Seat {
+                worker_id: &r.score.worker_id,
+                cached_tokens: r.score.cached_prefix.map_or(0, |c| c.tokens),
+                cost_ms: r.raw[job_cost],
+                active: r.raw[0].map_or(0, |a| a as u32),
+            }
+        })
+        .collect();
+    if let Some(i) = affinity::decide(&seats, &[], affinity_max_share).promote {
+        let promoted = order.remove(i);
+        order.insert(0, promoted);
+    }
+    order
         .into_iter()
         .map(|i| {
             let r = &recorded[i as usize];

@@ -32,13 +32,25 @@ pub struct JobRequest {
     pub prefix: Option<PrefixLookup>,
 }
 
-/// The cached part of one job's prompt on each worker that holds some of it.
+/// The cached part of one job's prompt on each worker that holds some of it, and where
+/// each worker's figure comes from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PrefixLookup {
-    /// Where the figures come from.
+    /// Where the figures come from, for every worker not in `other_source`.
     pub source: PrefixSource,
     /// The workers holding part of the prompt, sorted by worker id.
     pub on: Vec<(String, Cached)>,
+    /// The workers whose figure (held or not) comes from the other source, sorted: the
+    /// fewer of the two, so a fleet where every worker reports (or none does) lists none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub other_source: Vec<String>,
+}
+
+fn other(source: PrefixSource) -> PrefixSource {
+    match source {
+        PrefixSource::Events => PrefixSource::Placements,
+        PrefixSource::Placements => PrefixSource::Events,
+    }
 }
 
 impl PrefixLookup {
@@ -46,7 +58,37 @@ impl PrefixLookup {
     pub fn new(source: PrefixSource, on: impl IntoIterator<Item = (String, Cached)>) -> Self {
         let mut on: Vec<(String, Cached)> = on.into_iter().filter(|(_, c)| c.tokens > 0).collect();
         on.sort_by(|a, b| a.0.cmp(&b.0));
-        PrefixLookup { source, on }
+        PrefixLookup {
+            source,
+            on,
+            other_source: Vec::new(),
+        }
+    }
+
+    /// A lookup whose figures each name their own source (per worker: its id, its
+    /// figure, where the figure comes from).
+    pub fn by_worker(on: impl IntoIterator<Item = (String, Cached, PrefixSource)>) -> Self {
+        let all: Vec<(String, Cached, PrefixSource)> = on.into_iter().collect();
+        let events = all.iter().filter(|w| w.2 == PrefixSource::Events).count();
+        let source = if 2 * events > all.len() {
+            PrefixSource::Events
+        } else {
+            PrefixSource::Placements
+        };
+        let mut listed = Vec::new();
+        let mut figures = Vec::new();
+        for (w, c, s) in all {
+            if s != source {
+                listed.push(w.clone());
+            }
+            if c.tokens > 0 {
+                figures.push((w, c));
+            }
+        }
+        let mut lookup = PrefixLookup::new(source, figures);
+        listed.sort();
+        lookup.other_source = listed;
+        lookup
     }
 
     /// What `worker_id` holds (nothing when it is not listed).
@@ -54,6 +96,19 @@ impl PrefixLookup {
         self.on
             .binary_search_by(|(w, _)| w.as_str().cmp(worker_id))
             .map_or(Cached::default(), |i| self.on[i].1)
+    }
+
+    /// Where `worker_id`'s figure comes from.
+    pub fn source_on(&self, worker_id: &str) -> PrefixSource {
+        if self
+            .other_source
+            .binary_search_by(|w| w.as_str().cmp(worker_id))
+            .is_ok()
+        {
+            other(self.source)
+        } else {
+            self.source
+        }
     }
 }
 
@@ -107,7 +162,7 @@ impl JobRequest {
     pub fn cached_prefix_on(&self, worker_id: &str) -> Option<CachedPrefix> {
         self.prefix.as_ref().map(|p| CachedPrefix {
             tokens: p.on(worker_id).tokens,
-            source: p.source,
+            source: p.source_on(worker_id),
         })
     }
 
@@ -202,6 +257,30 @@ mod tests {
         let plain = job(1.0);
         assert_eq!(plain.prefill_tokens_on("w1"), 100);
         assert_eq!(plain.cached_prefix_on("w1"), None);
+    }
+
+    #[test]
+    fn each_worker_names_the_source_of_its_figure() {
+        let held = Cached {
+            tokens: 64,
+            shared_tokens: 0,
+        };
+        let lookup = PrefixLookup::by_worker([
+            ("w2".to_string(), held, PrefixSource::Events),
+            ("w1".to_string(), held, PrefixSource::Placements),
+            ("w3".to_string(), Cached::default(), PrefixSource::Events),
+        ]);
+        let j = job(1.0).with_prefix(lookup);
+        let source = |w| j.cached_prefix_on(w).map(|c| (c.tokens, c.source));
+        assert_eq!(source("w1"), Some((64, PrefixSource::Placements)));
+        assert_eq!(source("w2"), Some((64, PrefixSource::Events)));
+        assert_eq!(
+            source("w3"),
+            Some((0, PrefixSource::Events)),
+            "events say: none"
+        );
+        // Only the minority's ids are listed (here the one estimated worker).
+        assert_eq!(j.prefix.as_ref().unwrap().other_source, ["w1"]);
     }
 
     #[test]

@@ -91,6 +91,7 @@ pub fn least_harm_within(
         rejected: ranked.rejected,
         cost: job.cost_estimate(),
         winner_stall_ms: pick.map_or(0.0, |p| ranked.candidates[p].forecast.stall_ms),
+        affinity: None,
     }
 }
 

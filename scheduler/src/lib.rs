@@ -34,6 +34,7 @@
 //!   concurrency cap.
 //! - A job is reserved on at most one worker; releasing is idempotent.
 
+pub mod affinity;
 pub mod config;
 pub mod drain;
 pub mod evaluate;
@@ -50,6 +51,7 @@ pub mod perf;
 pub mod policy;
 pub mod prefix_index;
 pub mod provisioning;
+pub mod reported_cache;
 pub mod term;
 #[cfg(test)]
 pub(crate) mod testutil;
@@ -68,6 +70,7 @@ pub use output_len::OutputLength;
 pub use policy::{choose, PolicyKind, PolicyState};
 pub use prefix_index::{Cached, PrefixIndex};
 pub use provisioning::{ProvisionedWorker, Provisioning};
+pub use reported_cache::ReportedCaches;
 pub use view::{EwmaSnapshot, WorkerView};
 
 /// The job-size record of a decision, re-exported for callers of [`Evaluation`].

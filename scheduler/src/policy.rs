@@ -229,6 +229,7 @@ pub fn choose(
         rejected: ranked.rejected,
         cost: job.cost_estimate(),
         winner_stall_ms: pick.map_or(0.0, |p| cands[p].forecast.stall_ms),
+        affinity: None,
     }
 }
 

@@ -22,8 +22,9 @@
 //!
 //! **Lookup** ([`PrefixIndex::cached`]): the tokens of a prompt a worker would not prefill
 //! are its fingerprint's leading blocks found there (the chain is matched from its start and
-//! stops at the first miss) times the block size, capped at one token below the prompt
-//! length: vLLM always computes the last prompt token, even on a full hit.
+//! stops at the first miss) times the block size, capped at the whole blocks before the
+//! prompt's last token: vLLM always computes the last prompt token, even on a full hit,
+//! and reuses whole blocks only (`max_cache_hit_length = num_tokens - 1`).
 //!
 //! **Memory.** Per worker: one hash-map entry per block held (8-byte hash, 8-byte last
 //! use, 4-byte reference count, padded to 24 bytes, plus the map's control byte and spare
@@ -278,8 +279,12 @@ impl PrefixIndex {
             }
             None => false,
         });
-        let most = prompt_tokens.saturating_sub(1);
-        let tokens = (matched as u32).saturating_mul(self.block_size).min(most);
+        // Whole blocks before the last token: the server always computes that token and
+        // reuses whole blocks only (vLLM's `max_cache_hit_length`).
+        let reusable = prompt_tokens.saturating_sub(1) / self.block_size;
+        let tokens = (matched as u32)
+            .min(reusable)
+            .saturating_mul(self.block_size);
         Cached {
             tokens,
             shared_tokens: shared_blocks.saturating_mul(self.block_size).min(tokens),
@@ -299,6 +304,16 @@ impl PrefixIndex {
     /// The capacity in blocks the index bounds `worker_id` by (0 when not indexed).
     pub fn capacity_of(&self, worker_id: &str) -> u64 {
         self.workers.get(worker_id).map_or(0, |c| c.capacity_blocks)
+    }
+
+    /// The heap bytes `worker_id`'s estimate takes, by its allocations: the block table's
+    /// slots (hash, block and a control byte each) and the eviction queue's entries (a
+    /// B-tree holds 16-byte entries at about two-thirds occupancy).
+    pub fn memory_bytes(&self, worker_id: &str) -> usize {
+        self.workers.get(worker_id).map_or(0, |c| {
+            c.blocks.capacity() * (std::mem::size_of::<(BlockHash, Block)>() + 1)
+                + c.free.len() * 24
+        })
     }
 
     /// Jobs whose blocks are referenced.
@@ -338,7 +353,8 @@ mod tests {
         let mut index = PrefixIndex::new(16);
         let p = prompt(1, 64); // exactly 4 blocks
         index.place("w", Some(10_000), "a", &fp(&p), 64);
-        assert_eq!(index.cached("w", &fp(&p), 64).tokens, 63);
+        assert_eq!(index.cached("w", &fp(&p), 64).tokens, 48, "3 whole blocks");
+        assert_eq!(index.cached("w", &fp(&p), 65).tokens, 64);
         assert_eq!(index.cached("w", &fp(&p), 0).tokens, 0);
     }
 
@@ -524,7 +540,7 @@ mod tests {
                 let mut index = PrefixIndex::new(16);
                 let p = prompt(9, len);
                 index.place("w", Some(100_000), "j", &fp(&p), u64::from(len));
-                let expected = (len / 16 * 16).min(len - 1);
+                let expected = (len - 1) / 16 * 16;
                 prop_assert_eq!(index.cached("w", &fp(&p), len).tokens, expected);
             }
         }

@@ -445,10 +445,10 @@ proptest! {
         let e = evaluate(&job, &workers, &ledger, &config, NOW);
         let recorded: Vec<CandidateScore> =
             serde_json::from_str(&serde_json::to_string(&e.candidates).unwrap()).unwrap();
-        prop_assert_eq!(&rescore(&recorded, &config.weights), &e.candidates);
+        prop_assert_eq!(&rescore(&recorded, &config.weights, config.affinity_max_share), &e.candidates);
         let reweighted = SchedulerConfig { weights: other.weights.clone(), ..config.clone() };
         let live = evaluate(&job, &workers, &ledger, &reweighted, NOW);
-        prop_assert_eq!(rescore(&recorded, &other.weights), live.candidates);
+        prop_assert_eq!(rescore(&recorded, &other.weights, other.affinity_max_share), live.candidates);
     }
 
     /// Replay from a whole record, in either form: a decision written compactly (version 3)
@@ -473,7 +473,7 @@ proptest! {
             let weights = read.scoring.map(|s| metronome_scheduler::Weights::from_array(s.weights));
             if let Some(w) = weights {
                 prop_assert_eq!(w, config.weights.clone());
-                prop_assert_eq!(rescore(&read.candidates, &config.weights), e.candidates.clone());
+                prop_assert_eq!(rescore(&read.candidates, &config.weights, config.affinity_max_share), e.candidates.clone());
             } else {
                 prop_assert!(e.candidates.is_empty());
             }
@@ -498,6 +498,7 @@ fn record(e: &metronome_scheduler::Evaluation) -> Decision {
         rejected: e.rejected.clone(),
         slo: None,
         retry_after_ms: None,
+        affinity: None,
         policy: "metronome".into(),
         queue_wait_ms: 0,
         decision_latency_us: 0,

@@ -139,6 +139,11 @@ impl Cluster {
         ChildGuard::spawn(name, cmd).unwrap_or_else(|e| panic!("spawning {binary}: {e}"))
     }
 
+    /// The base URL of simulated GPU `i` (its model server, without `/v1`).
+    pub fn gpu_url(&self, i: usize) -> String {
+        format!("http://127.0.0.1:{}", self.gpu_ports[i])
+    }
+
     /// Where process `name` (`gateway`, `dispatcher-0`, `gpu-sim`, a worker id) logs.
     pub fn log_path(&self, name: &str) -> PathBuf {
         self.dir.path().join(format!("{name}.log"))

@@ -558,3 +558,97 @@ async fn a_direct_nats_clients_cancel_stops_its_running_job() {
         CompletionOutcome::Cancelled
     );
 }
+
+/// A non-streamed request asking for log-probabilities gets them through the whole chain
+/// (the worker assembles its answer from the stream), and they are the simulated GPU's:
+/// the same request straight to a GPU (same seed, same prompt) answers the same numbers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_reach_a_client_that_does_not_stream() {
+    let cluster = Cluster::start(ClusterSpec::uniform(1, MODEL)).await;
+    let http = reqwest::Client::new();
+    let mut body = chat_body(MODEL, 6, false);
+    body["logprobs"] = serde_json::json!(true);
+    body["top_logprobs"] = serde_json::json!(2);
+    let through: serde_json::Value = http
+        .post(format!("{}/v1/chat/completions", cluster.gateway_url))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let direct: serde_json::Value = http
+        .post(format!("{}/v1/chat/completions", cluster.gpu_url(0)))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let content = &through["choices"][0]["logprobs"]["content"];
+    assert_eq!(content.as_array().map(Vec::len), Some(6), "{through}");
+    assert_eq!(content, &direct["choices"][0]["logprobs"]["content"]);
+    assert_eq!(
+        through["choices"][0]["message"]["content"],
+        direct["choices"][0]["message"]["content"]
+    );
+}
+
+/// `POST /v1/embeddings` is a job like any other (queued, decided, run by a worker, answered
+/// by the model server), whose cost is its prompt alone: the decision reserves no output
+/// and predicts none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_are_routed_like_any_job_and_cost_their_prefill_only() {
+    let cluster = Cluster::start(ClusterSpec::uniform(2, MODEL)).await;
+    let http = reqwest::Client::new();
+    let embed = |input: serde_json::Value| {
+        let http = http.clone();
+        let url = format!("{}/v1/embeddings", cluster.gateway_url);
+        async move {
+            http.post(url)
+                .json(&serde_json::json!({"model": MODEL, "input": input}))
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    let resp = embed(serde_json::json!(["the first text", "a second one"])).await;
+    assert_eq!(resp.status(), 200, "{}", cluster.logs());
+    let job_id = resp.headers()["x-metronome-job-id"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(body["object"], "list", "{body}");
+    let data = body["data"].as_array().unwrap();
+    assert_eq!(data.len(), 2);
+    assert_eq!(data[1]["index"], 1);
+    let first: Vec<f64> = serde_json::from_value(data[0]["embedding"].clone()).unwrap();
+    let norm: f64 = first.iter().map(|x| x * x).sum::<f64>().sqrt();
+    assert!((norm - 1.0).abs() < 1e-3, "unit vectors: {norm}");
+    assert!(body["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
+
+    let decision = cluster.decision(&job_id).await;
+    assert_eq!(decision.outcome, Outcome::Assigned, "{decision:?}");
+    let cost = decision.cost.expect("the decision records the job's cost");
+    assert_eq!(cost.max_tokens, 0);
+    assert_eq!(cost.predicted_output_tokens, 0.0);
+    assert_eq!(cost.kv_tokens, u64::from(cost.prompt_tokens));
+
+    // The same input, the same vector; another input, another.
+    let again: serde_json::Value = embed(serde_json::json!("the first text"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(again["data"][0]["embedding"], data[0]["embedding"]);
+    assert_ne!(data[1]["embedding"], data[0]["embedding"]);
+
+    // An input that is not one is refused by the gateway, naming the field.
+    let bad = embed(serde_json::json!(5)).await;
+    assert_eq!(bad.status(), 400);
+    let error: serde_json::Value = bad.json().await.unwrap();
+    assert_eq!(error["error"]["param"], "input", "{error}");
+}

@@ -109,6 +109,24 @@ pub struct Config {
     pub metrics_port: Option<u16>,
     /// Address the metrics endpoint binds to.
     pub metrics_bind: String,
+    /// The model server's KV cache event publisher (`tcp://host:port`: vLLM's
+    /// `--kv-events-config` `endpoint`, the simulator's `kv_events_endpoint`); `None`: the
+    /// agent does not report the server's prefix cache, and the leader estimates it from
+    /// its placements.
+    pub kv_events_endpoint: Option<String>,
+    /// The publisher's replay socket (vLLM's `replay_endpoint`), asked for the batches
+    /// buffered before the agent subscribed and for any it missed. Optional.
+    pub kv_events_replay_endpoint: Option<String>,
+    /// The topic the server publishes on (vLLM's `topic`, empty by default).
+    pub kv_events_topic: String,
+    /// Tokens per KV block of the server (vLLM's `--block-size`, 16 by default on CUDA);
+    /// events of another size are not indexed.
+    pub kv_events_block_size: u32,
+    /// How often the changes to the server's cache are published, when there are any.
+    pub cache_delta_interval_ms: u64,
+    /// How often the whole index is published as a snapshot (the leader believes a
+    /// report for three of these intervals after the last message).
+    pub cache_snapshot_interval_ms: u64,
     /// Where this worker's performance model starts (`[perf_prior]`); `None`: the
     /// scheduler's generic prior. Last, as TOML writes tables after plain values.
     pub perf_prior: Option<PerfPrior>,
@@ -143,6 +161,12 @@ impl Default for Config {
             drain_timeout_ms: 60_000,
             metrics_port: None,
             metrics_bind: "127.0.0.1".into(),
+            kv_events_endpoint: None,
+            kv_events_replay_endpoint: None,
+            kv_events_topic: String::new(),
+            kv_events_block_size: metronome_protocol::prefix::DEFAULT_BLOCK_SIZE,
+            cache_delta_interval_ms: 100,
+            cache_snapshot_interval_ms: 10_000,
             perf_prior: None,
         }
     }
@@ -335,6 +359,11 @@ impl Config {
             ("ack_wait_ms", self.ack_wait_ms),
             ("request_timeout_ms", self.request_timeout_ms),
             ("drain_timeout_ms", self.drain_timeout_ms),
+            ("cache_delta_interval_ms", self.cache_delta_interval_ms),
+            (
+                "cache_snapshot_interval_ms",
+                self.cache_snapshot_interval_ms,
+            ),
         ] {
             if ms == 0 {
                 err(field, "must be above 0".into());
@@ -357,6 +386,29 @@ impl Config {
                     self.progress_ack_interval_ms, self.ack_wait_ms
                 ),
             );
+        }
+        for (field, endpoint) in [
+            ("kv_events_endpoint", &self.kv_events_endpoint),
+            ("kv_events_replay_endpoint", &self.kv_events_replay_endpoint),
+        ] {
+            if let Some(e) = endpoint {
+                let ok = e
+                    .strip_prefix("tcp://")
+                    .and_then(|rest| rest.rsplit_once(':'))
+                    .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+                if !ok {
+                    err(field, format!("{e:?} is not a tcp://host:port address"));
+                }
+            }
+        }
+        if self.kv_events_replay_endpoint.is_some() && self.kv_events_endpoint.is_none() {
+            err(
+                "kv_events_replay_endpoint",
+                "needs kv_events_endpoint (the replay serves what is published there)".into(),
+            );
+        }
+        if self.kv_events_block_size == 0 {
+            err("kv_events_block_size", "must be at least 1".into());
         }
         if self.metrics_bind.parse::<std::net::IpAddr>().is_err() {
             err(
@@ -384,6 +436,20 @@ impl Config {
     pub fn heartbeat_interval(&self) -> Duration {
         Duration::from_millis(self.heartbeat_interval_ms)
     }
+    /// What the cache reporter needs, when the agent follows its server's KV events.
+    pub fn cache_report(&self) -> Option<crate::cache_report::ReportSettings> {
+        let endpoint = self.kv_events_endpoint.clone()?;
+        Some(crate::cache_report::ReportSettings {
+            worker_id: self.worker_id.clone(),
+            endpoint,
+            replay_endpoint: self.kv_events_replay_endpoint.clone(),
+            topic: self.kv_events_topic.clone(),
+            block_size: self.kv_events_block_size,
+            delta_interval: Duration::from_millis(self.cache_delta_interval_ms),
+            snapshot_interval: Duration::from_millis(self.cache_snapshot_interval_ms),
+        })
+    }
+
     pub fn fence_after(&self) -> Duration {
         Duration::from_millis(self.fence_after_ms)
     }

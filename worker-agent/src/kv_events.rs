@@ -288,6 +288,62 @@ pub struct IndexStats {
     pub missed_batches: u64,
 }
 
+/// What changed in a [`BlockIndex`] since the changes were last taken, by chain hash:
+/// apply `cleared`, then `removed`, then `stored` (the two lists never share a hash: the
+/// latest change of a block wins).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    pub cleared: bool,
+    pub stored: Vec<BlockHash>,
+    pub removed: Vec<BlockHash>,
+}
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        !self.cleared && self.stored.is_empty() && self.removed.is_empty()
+    }
+}
+
+/// The changes of an index being recorded: each block's latest change (true: stored).
+#[derive(Debug, Default)]
+struct Recorder {
+    cleared: bool,
+    latest: HashMap<BlockHash, bool>,
+    /// Blocks in the order of their latest change.
+    order: Vec<BlockHash>,
+}
+
+impl Recorder {
+    fn note(&mut self, hash: BlockHash, stored: bool) {
+        if self.latest.insert(hash, stored).is_none() {
+            self.order.push(hash);
+        }
+    }
+
+    fn clear(&mut self) {
+        *self = Recorder {
+            cleared: true,
+            ..Recorder::default()
+        };
+    }
+
+    fn take(&mut self) -> Changes {
+        let r = std::mem::take(self);
+        let mut changes = Changes {
+            cleared: r.cleared,
+            ..Changes::default()
+        };
+        for hash in r.order {
+            if r.latest[&hash] {
+                changes.stored.push(hash);
+            } else {
+                changes.removed.push(hash);
+            }
+        }
+        changes
+    }
+}
+
 /// The blocks one worker's model server holds in its GPU prefix cache, by Metronome's
 /// chain hash.
 #[derive(Debug)]
@@ -302,6 +358,8 @@ pub struct BlockIndex {
     stored_order: VecDeque<u64>,
     last_seq: Option<u64>,
     stats: IndexStats,
+    /// Changes since they were last taken, when recorded ([`BlockIndex::recording`]).
+    recorder: Option<Recorder>,
 }
 
 impl BlockIndex {
@@ -316,6 +374,47 @@ impl BlockIndex {
             stored_order: VecDeque::new(),
             last_seq: None,
             stats: IndexStats::default(),
+            recorder: None,
+        }
+    }
+
+    /// The same index, recording its changes for [`BlockIndex::take_changes`] (what the
+    /// agent forwards to the leader).
+    pub fn recording(mut self) -> Self {
+        self.recorder = Some(Recorder::default());
+        self
+    }
+
+    /// The changes since the last call (empty when not recording).
+    pub fn take_changes(&mut self) -> Changes {
+        self.recorder
+            .as_mut()
+            .map_or_else(Changes::default, Recorder::take)
+    }
+
+    /// Up to `max` cached blocks, the most recently stored first, and whether some were
+    /// left out.
+    pub fn newest(&self, max: usize) -> (Vec<BlockHash>, bool) {
+        let mut out = Vec::with_capacity(self.blocks.len().min(max));
+        let mut seen = std::collections::HashSet::new();
+        for server_hash in self.stored_order.iter().rev() {
+            let Some(chain) = self.by_server_hash.get(server_hash) else {
+                continue;
+            };
+            if self.blocks.get(chain) != Some(server_hash) || !seen.insert(*chain) {
+                continue;
+            }
+            if out.len() == max {
+                return (out, true);
+            }
+            out.push(*chain);
+        }
+        (out, false)
+    }
+
+    fn note(&mut self, chain: BlockHash, stored: bool) {
+        if let Some(r) = self.recorder.as_mut() {
+            r.note(chain, stored);
         }
     }
 
@@ -348,6 +447,14 @@ impl BlockIndex {
             return 0;
         }
         fingerprint.matched_blocks(|h| self.contains(h)) as u32 * self.block_size
+    }
+
+    /// The server's stream starts again (its process restarted, or the subscription was
+    /// made again): everything indexed is dropped, as a clear, and any sequence number is
+    /// accepted next.
+    pub fn restart(&mut self) {
+        self.last_seq = None;
+        self.apply_event(&KvCacheEvent::AllBlocksCleared);
     }
 
     /// Apply batch `seq` (its sequence number from the message).
@@ -409,6 +516,7 @@ impl BlockIndex {
                         self.stored_order.push_back(*server_hash);
                     }
                     self.blocks.insert(chain, *server_hash);
+                    self.note(chain, true);
                     self.stats.stored += 1;
                 }
                 self.enforce_capacity();
@@ -425,6 +533,7 @@ impl BlockIndex {
                     if let Some(chain) = self.by_server_hash.remove(h) {
                         if self.blocks.get(&chain) == Some(h) {
                             self.blocks.remove(&chain);
+                            self.note(chain, false);
                         }
                         self.stats.removed += 1;
                     }
@@ -435,6 +544,9 @@ impl BlockIndex {
                 self.by_server_hash.clear();
                 self.blocks.clear();
                 self.stored_order.clear();
+                if let Some(r) = self.recorder.as_mut() {
+                    r.clear();
+                }
                 self.stats.cleared += 1;
             }
             KvCacheEvent::Unknown(_) => self.stats.skipped += 1,
@@ -449,6 +561,7 @@ impl BlockIndex {
             if let Some(chain) = self.by_server_hash.remove(&oldest) {
                 if self.blocks.get(&chain) == Some(&oldest) {
                     self.blocks.remove(&chain);
+                    self.note(chain, false);
                 }
                 self.stats.dropped_for_capacity += 1;
             }
@@ -678,6 +791,52 @@ mod tests {
             ])]),
         ]);
         assert!(decode_batch(&encode(&bad_hashes)).is_err());
+    }
+
+    #[test]
+    fn recorded_changes_keep_each_blocks_latest_and_a_clear_drops_the_rest() {
+        let tokens: Vec<u32> = (0..12).collect();
+        let chain = chain_hashes(&tokens, 4, 10);
+        let stored = |hashes: Vec<u64>, parent: Option<u64>, tokens: &[u32]| EventBatch {
+            ts: 0.0,
+            events: vec![KvCacheEvent::BlockStored {
+                block_hashes: hashes,
+                parent_block_hash: parent,
+                token_ids: tokens.to_vec(),
+                block_size: 4,
+                medium: None,
+            }],
+            data_parallel_rank: None,
+        };
+        let removed = |hashes: Vec<u64>| EventBatch {
+            ts: 0.0,
+            events: vec![KvCacheEvent::BlockRemoved {
+                block_hashes: hashes,
+                medium: None,
+            }],
+            data_parallel_rank: None,
+        };
+        let mut index = BlockIndex::new(4, 100).recording();
+        index.apply(0, &stored(vec![10, 11, 12], None, &tokens));
+        index.apply(1, &removed(vec![12]));
+        let c = index.take_changes();
+        assert_eq!((c.cleared, c.stored.clone()), (false, chain[..2].to_vec()));
+        assert_eq!(c.removed, vec![chain[2]], "stored then removed: removed");
+        assert!(index.take_changes().is_empty());
+        assert_eq!(index.newest(10), (vec![chain[1], chain[0]], false));
+        assert_eq!(index.newest(1), (vec![chain[1]], true));
+        index.apply(
+            2,
+            &EventBatch {
+                ts: 0.0,
+                events: vec![KvCacheEvent::AllBlocksCleared],
+                data_parallel_rank: None,
+            },
+        );
+        index.apply(3, &stored(vec![20], None, &tokens[..4]));
+        let c = index.take_changes();
+        assert!(c.cleared);
+        assert_eq!((c.stored, c.removed), (vec![chain[0]], vec![]));
     }
 
     #[test]

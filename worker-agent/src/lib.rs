@@ -14,6 +14,7 @@
 pub mod agent;
 pub mod assemble;
 pub mod bound;
+pub mod cache_report;
 pub mod config;
 mod control;
 pub mod ewma_store;
@@ -279,6 +280,12 @@ pub async fn start(
         control_closing.clone(),
         control_stop.clone(),
     ));
+    // The model server's prefix cache, told to the leader (when configured).
+    let cache_stop = CancellationToken::new();
+    let cache_task = shared
+        .config
+        .cache_report()
+        .map(|s| cache_report::spawn(shared.js.clone(), s, cache_stop.clone()));
     let perf_stop = CancellationToken::new();
     let perf_task = tokio::spawn(perf_store::persist(
         shared.clone(),
@@ -314,6 +321,10 @@ pub async fn start(
         }
         probe_stop.cancel();
         bounded("the probes", probe_task).await;
+        cache_stop.cancel();
+        if let Some(task) = cache_task {
+            bounded("the cache reports", task).await;
+        }
         control_stop.cancel();
         bounded("the control loop", control_task).await;
         metrics_stop.cancel();

@@ -1,9 +1,10 @@
 //! The model server as the agent sees it: a streaming OpenAI completion, its Prometheus
 //! text and its health. One trait, one real implementation over HTTP (reqwest).
 //!
-//! Invariants: every request goes out with `stream: true` and
+//! Invariants: every request of an endpoint that generates goes out with `stream: true` and
 //! `stream_options.include_usage: true`, whatever the client asked, so the agent can relay
-//! chunks, time the first token and read the usage from the last chunk. Dropping the chunk
+//! chunks, time the first token and read the usage from the last chunk. An embedding
+//! request goes out as it came and its whole JSON answer is the stream's one item. Dropping the chunk
 //! stream drops the HTTP response, which closes the connection; OpenAI-compatible servers
 //! (vLLM, SGLang) abort the generation when the client goes away, so dropping is how a job
 //! is cancelled.
@@ -82,7 +83,8 @@ pub fn read_ca(path: &str) -> Result<Vec<reqwest::Certificate>, ModelError> {
 
 /// The narrow interface of a model server. Held as `Arc<dyn ModelClient>`.
 pub trait ModelClient: Send + Sync {
-    /// Start a streaming completion of `request` (the OpenAI body) on `endpoint`.
+    /// Start a streaming completion of `request` (the OpenAI body) on `endpoint`; for an
+    /// endpoint that does not stream (embeddings), the stream's one item is the response.
     /// Connection and HTTP errors come out as the stream's first item.
     fn stream_completion(
         &self,
@@ -276,12 +278,18 @@ impl ModelClient for HttpModelClient {
         ids: RequestIds<'_>,
     ) -> ChunkStream {
         let url = format!("{}{}", self.base, endpoint.path());
+        let streams = endpoint.generates();
+        let (accept, body) = if streams {
+            ("text/event-stream", force_streaming(request))
+        } else {
+            ("application/json", request)
+        };
         let mut req = self
             .http
             .post(url)
-            .header(reqwest::header::ACCEPT, "text/event-stream")
+            .header(reqwest::header::ACCEPT, accept)
             .header(HEADER_REQUEST_ID, ids.request_id)
-            .json(&force_streaming(request));
+            .json(&body);
         if let Some(tp) = ids.traceparent {
             req = req.header(metronome_protocol::trace::TRACEPARENT_HEADER, tp);
         }
@@ -297,6 +305,20 @@ impl ModelClient for HttpModelClient {
             if !status.is_success() {
                 let body = resp.text().await.unwrap_or_default();
                 yield Err(ModelError::Status { status: status.as_u16(), body: truncate(&body, 500) });
+                return;
+            }
+            if !streams {
+                let body = match resp.bytes().await {
+                    Ok(b) => b,
+                    Err(e) => {
+                        yield Err(ModelError::Stream(e.to_string()));
+                        return;
+                    }
+                };
+                yield serde_json::from_slice::<Value>(&body).map_err(|e| ModelError::BadChunk {
+                    reason: e.to_string(),
+                    line: truncate(&String::from_utf8_lossy(&body), 200),
+                });
                 return;
             }
             let mut chunks = sse_chunks(resp.bytes_stream());

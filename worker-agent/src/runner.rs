@@ -81,8 +81,14 @@ pub(crate) async fn run_job(
         let job = &assignment.job;
         let cfg = &shared.config;
         tracing::info!(endpoint = ?job.endpoint, max_tokens = job.max_tokens, "job started");
-        // The job's size, not its body, bounds the output (what was reserved for it).
-        let (mut chunks, refused_body) = match bound_request(job.request.clone(), job.max_tokens) {
+        // The job's size, not its body, bounds the output (what was reserved for it). An
+        // embedding has no output to bound.
+        let bounded = if job.endpoint.generates() {
+            bound_request(job.request.clone(), job.max_tokens)
+        } else {
+            Ok(job.request.clone())
+        };
+        let (mut chunks, refused_body) = match bounded {
             Ok(request) => {
                 let ids = RequestIds {
                     request_id: &job.id,
@@ -140,7 +146,9 @@ pub(crate) async fn run_job(
                         let text = asm.push(&data);
                         let effects = shared.machine(|m| m.chunk(&job.id, text, now()));
                         let mut data = Some(data);
-                        for effect in effects {
+                        // An embedding's answer goes out once, in the final result.
+                        let relayed = job.endpoint.generates();
+                        for effect in effects.into_iter().filter(|_| relayed) {
                             let (Effect::PublishChunk { seq, .. }, Some(data)) = (effect, data.take()) else { continue };
                             publish_chunk(&shared, &chunk_subject, &assignment, seq, data).await;
                         }
@@ -159,6 +167,7 @@ pub(crate) async fn run_job(
         for effect in effects {
             match effect {
                 Effect::PublishFinal { error, chunks, ttft_ms, e2e_ms, .. } => {
+                    let chunks = if job.endpoint.generates() { chunks } else { 0 };
                     chunks_sent = chunks;
                     let final_result = FinalResult {
                         v: PROTOCOL_VERSION,
@@ -222,7 +231,11 @@ pub(crate) async fn run_job(
                         shared.metrics.observe_ttft_ms(t);
                     }
                 }
-                Effect::Learn { done, sample, perf, .. } => {
+                Effect::Learn { done, mut sample, perf, .. } => {
+                    // An embedding writes nothing: it says nothing of the model's output length.
+                    if !job.endpoint.generates() {
+                        sample.output_tokens = None;
+                    }
                     learn(&shared, &job.model, outcome, chunks_sent, usage, done, sample, perf);
                 }
                 other => shared.perform(other),

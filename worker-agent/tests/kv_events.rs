@@ -202,3 +202,138 @@ async fn evictions_under_memory_pressure_leave_the_index() {
     );
     shutdown.cancel();
 }
+
+/// What a new leader would rebuild from the cache streams now: the worker's latest
+/// snapshot, then every retained delta.
+async fn rebuilt_from_streams(
+    js: &async_nats::jetstream::Context,
+) -> metronome_scheduler::ReportedCaches {
+    use async_nats::jetstream::consumer;
+    use futures::StreamExt;
+    use metronome_protocol::names;
+    let mut caches = metronome_scheduler::ReportedCaches::default();
+    let now = metronome_protocol::time::unix_ms();
+    for (stream, filter, policy) in [
+        (
+            names::STREAM_CACHE_SNAPSHOTS,
+            names::SUBJECT_CACHE_SNAPSHOTS_ALL,
+            consumer::DeliverPolicy::LastPerSubject,
+        ),
+        (
+            names::STREAM_CACHE_DELTAS,
+            names::SUBJECT_CACHE_DELTAS_ALL,
+            consumer::DeliverPolicy::All,
+        ),
+    ] {
+        let c = js
+            .get_stream(stream)
+            .await
+            .unwrap()
+            .create_consumer(consumer::pull::OrderedConfig {
+                filter_subject: filter.into(),
+                deliver_policy: policy,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let mut pending = c.cached_info().num_pending;
+        let mut messages = c.messages().await.unwrap();
+        while pending > 0 {
+            let m = messages.next().await.unwrap().unwrap();
+            pending = m.info().unwrap().pending;
+            let update: metronome_protocol::CacheUpdate =
+                serde_json::from_slice(&m.payload).unwrap();
+            update.validate().unwrap();
+            caches.apply(&update, now);
+        }
+    }
+    caches
+}
+
+/// The agent's reports, as a new leader reads them back from the streams, say exactly
+/// what the simulator's cache holds, prompt by prompt, evictions included.
+#[tokio::test]
+async fn the_reports_rebuild_exactly_what_the_servers_cache_holds() {
+    use metronome_protocol::setup::{ensure_for_worker, StreamSettings};
+    use metronome_worker_agent::cache_report::{self, ReportSettings};
+
+    let nats = metronome_testkit::NatsServer::start().expect("nats-server");
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    ensure_for_worker(
+        &js,
+        &StreamSettings {
+            storage: async_nats::jetstream::stream::StorageType::Memory,
+            ..StreamSettings::default()
+        },
+    )
+    .await
+    .unwrap();
+    let (gpu, shutdown) = spawn(640).await;
+    let endpoints = gpu.kv_event_endpoints().unwrap().clone();
+    let stop = CancellationToken::new();
+    let reporter = cache_report::spawn(
+        js.clone(),
+        ReportSettings {
+            worker_id: "w1".into(),
+            endpoint: endpoints.publish.clone(),
+            replay_endpoint: endpoints.replay.clone(),
+            topic: String::new(),
+            block_size: 16,
+            delta_interval: Duration::from_millis(20),
+            snapshot_interval: Duration::from_millis(500),
+        },
+        stop.clone(),
+    );
+    for topic in ["alpha", "bravo", "charlie"] {
+        chat(&gpu, &format!("{topic} ").repeat(200)).await;
+    }
+    let agrees = |caches: &metronome_scheduler::ReportedCaches| {
+        let now = metronome_protocol::time::unix_ms();
+        ["alpha", "bravo", "charlie"].iter().all(|topic| {
+            let request = body(&format!("{topic} ").repeat(200));
+            let fp = PrefixFingerprint::of_request(Endpoint::Chat, &request).unwrap();
+            let tokens = request_token_ids(Endpoint::Chat, &request).unwrap();
+            caches.cached("w1", &fp, tokens.len() as u32, now)
+                == Some(gpu.cached_prefix_tokens(&tokens))
+        })
+    };
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let caches = rebuilt_from_streams(&js).await;
+        if agrees(&caches) {
+            assert!(caches.blocks_on("w1") <= 40);
+            break;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            let now = metronome_protocol::time::unix_ms();
+            let seen: Vec<_> = ["alpha", "bravo", "charlie"]
+                .iter()
+                .map(|topic| {
+                    let request = body(&format!("{topic} ").repeat(200));
+                    let fp = PrefixFingerprint::of_request(Endpoint::Chat, &request).unwrap();
+                    let tokens = request_token_ids(Endpoint::Chat, &request).unwrap();
+                    (
+                        caches.cached("w1", &fp, tokens.len() as u32, now),
+                        gpu.cached_prefix_tokens(&tokens),
+                    )
+                })
+                .collect();
+            panic!(
+                "the streams never agreed with the simulator's cache: {seen:?}, {} blocks, {:?}",
+                caches.blocks_on("w1"),
+                caches.stats()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let first = body(&"alpha ".repeat(200));
+    let tokens = request_token_ids(Endpoint::Chat, &first).unwrap();
+    assert!(
+        gpu.cached_prefix_tokens(&tokens) < (tokens.len() as u32 - 1) / 16 * 16,
+        "the oldest prompt was evicted in part: the reports followed an eviction"
+    );
+    stop.cancel();
+    reporter.await.unwrap();
+    shutdown.cancel();
+}

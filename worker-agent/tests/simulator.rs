@@ -102,3 +102,85 @@ async fn jobs_run_on_the_simulator_and_heartbeats_carry_its_kv_metrics() {
     agent.wait().await.unwrap();
     sim_stop.cancel();
 }
+
+/// A job that asks for log-probabilities and does not stream gets, from the response the
+/// agent assembles out of the stream, exactly what the server answers a non-streamed
+/// request: the same tokens, numbers and alternatives, for chat and for completions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_assembled_response_keeps_the_logprobs_the_server_streamed() {
+    let env = Env::start().await;
+    let sim_stop = CancellationToken::new();
+    let sim = spawn_gpu(
+        SimGpuConfig {
+            base_step_ms: 1.0,
+            ..SimGpuConfig::new(SIM_MODEL)
+        },
+        sim_stop.clone(),
+    )
+    .await
+    .expect("simulated GPU");
+    let worker = "sim-gpu1";
+    let results = collect(
+        env.client
+            .subscribe(results_subject_all(None, "*"))
+            .await
+            .unwrap(),
+    );
+    env.client.flush().await.unwrap();
+    let mut config = env.config(worker);
+    config.model = SIM_MODEL.into();
+    config.model_server_url = format!("http://{sim}");
+    config.model_server_kind = ServerKind::Simulator;
+    let (agent, shutdown) = env.start_agent(config).await;
+    let http = reqwest::Client::new();
+
+    for (id, endpoint, request) in [
+        (
+            "job-lp-chat",
+            Endpoint::Chat,
+            serde_json::json!({"model": SIM_MODEL, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 7, "logprobs": true, "top_logprobs": 2}),
+        ),
+        (
+            "job-lp-completion",
+            Endpoint::Completion,
+            serde_json::json!({"model": SIM_MODEL, "prompt": "once upon a time",
+                "max_tokens": 7, "logprobs": 3}),
+        ),
+    ] {
+        let mut job = common::job(id, endpoint, 7, 0);
+        job.model = SIM_MODEL.into();
+        job.request = request.clone();
+        env.assign(worker, &job, 1).await;
+        let fin: FinalResult = wait_for("the final result", WAIT, || async {
+            results
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|m| m.subject.contains(id) && m.subject.ends_with(".final"))
+                .map(|m| serde_json::from_slice(&m.payload).unwrap())
+        })
+        .await;
+        assert_eq!(fin.error, None, "{fin:?}");
+        let assembled = fin.response.unwrap();
+        let direct: serde_json::Value = http
+            .post(format!("http://{sim}{}", endpoint.path()))
+            .json(&request)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let (a, d) = (&assembled["choices"][0], &direct["choices"][0]);
+        assert!(!d["logprobs"].is_null(), "{direct}");
+        assert_eq!(a["logprobs"], d["logprobs"], "{endpoint:?}");
+        assert_eq!(a["message"], d["message"]);
+        assert_eq!(a["text"], d["text"]);
+        assert_eq!(a["finish_reason"], d["finish_reason"]);
+    }
+
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+    sim_stop.cancel();
+}

@@ -1,12 +1,13 @@
 //! The engine's inputs: what reaches the deciding loop from the tasks that feed it
-//! (intake, registry watch, EWMA refresher, completions, publisher rollbacks). Those tasks
+//! (intake, registry watch, EWMA refresher, completions, cache reports, publisher
+//! rollbacks). Those tasks
 //! depend on the engine for these types; the engine depends on none of them.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use async_nats::jetstream::message::Acker;
-use metronome_protocol::{Assignment, CompletionEvent, Job, WorkerStatus};
+use metronome_protocol::{Assignment, CacheUpdate, CompletionEvent, Job, WorkerStatus};
 use metronome_scheduler::EwmaSnapshot;
 
 use crate::queue::QueuedJob;
@@ -67,6 +68,9 @@ pub enum Event {
         job_id: String,
         worker_id: String,
     },
+    /// A worker's prefix cache, as its model server's KV events say (a delta or a
+    /// snapshot from `kvcache.<worker_id>.*`, its subject checked against its body).
+    Cache(Box<CacheUpdate>),
 }
 
 /// One change of the `workers` bucket.

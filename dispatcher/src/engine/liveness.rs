@@ -139,6 +139,7 @@ impl Engine {
         }
         self.dead.remove(worker_id);
         self.prefix_index.forget_worker(worker_id);
+        self.reported_caches.forget_worker(worker_id);
         self.revisions.remove(worker_id);
         self.expiring.remove(worker_id);
         self.listed_tenants.remove(worker_id);

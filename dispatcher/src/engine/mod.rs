@@ -45,7 +45,8 @@ use async_nats::jetstream::message::Acker;
 use metronome_protocol::QueueSnapshot;
 use metronome_scheduler::policy::PolicyState;
 use metronome_scheduler::{
-    DrainRate, EwmaSnapshot, FairnessSnapshot, Ledger, OutputLength, PrefixIndex, WorkerView,
+    DrainRate, EwmaSnapshot, FairnessSnapshot, Ledger, OutputLength, PrefixIndex, ReportedCaches,
+    WorkerView,
 };
 
 mod admission;
@@ -97,8 +98,13 @@ pub struct Engine {
     ledger: Ledger,
     /// What this leader believes each worker's prefix cache holds, from its own placements
     /// ([`PrefixIndex`]): a job's prediction on a worker charges only the prefill of what
-    /// is not there. The leader's own state: a new leader starts with it empty.
+    /// is not there. The leader's own state: a new leader starts with it empty. The
+    /// fallback for workers that do not report their cache (`reported_caches`).
     prefix_index: PrefixIndex,
+    /// What each reporting worker's model server says its prefix cache holds (its KV
+    /// events, forwarded by its agent, [`ReportedCaches`]): used instead of the placement
+    /// estimate wherever it is live. A new leader rebuilds it from the cache streams.
+    reported_caches: ReportedCaches,
     workers: Vec<WorkerView>,
     index: HashMap<String, usize>,
     /// Workers of each model, when decisions leave other models' workers out: the scoring
@@ -189,6 +195,7 @@ impl Engine {
             queues: Queues::with_fairness(s.queue_bound_per_model, s.fairness),
             ledger: Ledger::new(),
             prefix_index: PrefixIndex::default(),
+            reported_caches: ReportedCaches::default(),
             workers: Vec::new(),
             index: HashMap::new(),
             per_model: HashMap::new(),
@@ -269,6 +276,11 @@ impl Engine {
     /// The estimate of each worker's prefix cache, read-only (what tests inspect).
     pub fn prefix_index(&self) -> &PrefixIndex {
         &self.prefix_index
+    }
+
+    /// What the reporting workers' model servers say their caches hold, read-only.
+    pub fn reported_caches(&self) -> &ReportedCaches {
+        &self.reported_caches
     }
 
     /// True while the lease allows deciding (always, unfenced).
@@ -356,6 +368,27 @@ impl Engine {
                     a.worker_id = None;
                 }
                 self.capacity_changed = true;
+            }
+            Event::Cache(update) => self.on_cache_update(&update),
+        }
+    }
+
+    /// A worker's cache report. Waiting jobs are not judged again for it: reports come
+    /// several times a second per worker, and the next capacity change or tick looks at
+    /// them with what it says.
+    fn on_cache_update(&mut self, update: &metronome_protocol::CacheUpdate) {
+        use metronome_scheduler::reported_cache::Applied;
+        let m = &self.metrics;
+        match self.reported_caches.apply(update, self.now_ms) {
+            Applied::OlderRun | Applied::Covered => {
+                m.cache_updates_ignored_total.fetch_add(1, Relaxed);
+            }
+            Applied::DeltaAfterGap => {
+                m.cache_updates_total.fetch_add(1, Relaxed);
+                m.cache_update_gaps_total.fetch_add(1, Relaxed);
+            }
+            Applied::Snapshot | Applied::Delta => {
+                m.cache_updates_total.fetch_add(1, Relaxed);
             }
         }
     }

@@ -4,10 +4,10 @@
 use std::sync::Arc;
 
 use async_nats::jetstream::message::Acker;
-use metronome_protocol::Decision;
 use metronome_protocol::ErrorCode;
 use metronome_protocol::Job;
 use metronome_protocol::Outcome as DecisionOutcome;
+use metronome_protocol::{Affinity, AffinityOutcome, Decision};
 use metronome_scheduler::JobRequest;
 
 use crate::engine::placement::Judged;
@@ -43,6 +43,7 @@ impl Engine {
             policy: self.s.policy.as_str().to_string(),
             queue_wait_ms,
             retry_after_ms: None,
+            affinity: None,
             decision_latency_us: latency_us,
             epoch: self.s.epoch,
             dispatcher_id: self.s.dispatcher_id.clone(),
@@ -147,8 +148,12 @@ impl Engine {
         decision.scoring = Some(evaluation.scoring);
         decision.candidates = evaluation.candidates;
         decision.rejected = evaluation.rejected;
+        decision.affinity = evaluation.affinity;
+        if let Some(a) = &decision.affinity {
+            self.metrics.affinity_decided(&job.job.model, a);
+        }
         let mut notes = Vec::new();
-        notes.extend(affinity_overridden(&request, winner, &decision));
+        notes.extend(decision.affinity.as_ref().and_then(affinity_overridden));
         notes.extend(least_harm_note);
         notes.extend(waiver.map(|w| w.note));
         if request.ttft_remaining_ms.is_none() {
@@ -180,25 +185,16 @@ impl Engine {
     }
 }
 
-/// When the worker holding most of the job's prompt in its prefix cache is not the one
-/// chosen: why (refused by a filter, or scored behind the winner with the prefill already
-/// discounted).
-fn affinity_overridden(request: &JobRequest, winner: &str, decision: &Decision) -> Option<String> {
-    let prefix = request.prefix.as_ref()?;
-    let (holder, cached) = prefix
-        .on
-        .iter()
-        .max_by(|a, b| a.1.tokens.cmp(&b.1.tokens).then_with(|| b.0.cmp(&a.0)))?;
-    if holder == winner || cached.tokens <= request.cached_on(winner).tokens {
-        return None;
-    }
-    let why = match decision.rejected.iter().find(|r| &r.worker_id == holder) {
-        Some(r) => format!("refused ({}: {})", r.code.as_str(), r.reason),
-        None => "scored behind the winner".to_string(),
-    };
-    Some(format!(
-        "prefix affinity overridden: {holder} holds {} cached prompt tokens ({}), {why}",
-        cached.tokens,
-        prefix.source.as_str()
-    ))
+/// When the worker holding most of the job's prompt was not given the job: who, and why
+/// (the decision's [`Affinity`] record in words).
+fn affinity_overridden(affinity: &Affinity) -> Option<String> {
+    (affinity.outcome == AffinityOutcome::Overridden).then(|| {
+        format!(
+            "prefix affinity overridden: {} holds {} cached prompt tokens, {} ({})",
+            affinity.worker_id,
+            affinity.cached_tokens,
+            affinity.reason.as_deref().unwrap_or("no reason recorded"),
+            affinity.reason_code.as_deref().unwrap_or("-"),
+        )
+    })
 }

@@ -415,6 +415,7 @@ fn decision(job: &Job, outcome: Outcome, reason_code: Option<&str>) -> Decision 
         policy: "test".into(),
         queue_wait_ms: 0,
         retry_after_ms: None,
+        affinity: None,
         decision_latency_us: 0,
         epoch: 1,
         dispatcher_id: "test".into(),
@@ -436,6 +437,7 @@ fn chunk_data(job: &Job, text: &str) -> Value {
             "id": "cmpl-test", "object": "text_completion", "created": 1, "model": job.model,
             "choices": [{"index": 0, "text": text, "finish_reason": null}],
         }),
+        Endpoint::Embedding => panic!("an embedding is not streamed"),
     }
 }
 
@@ -452,6 +454,11 @@ fn response(job: &Job) -> Value {
             "id": "cmpl-test", "object": "text_completion", "created": 1, "model": job.model,
             "choices": [{"index": 0, "text": "Hello", "finish_reason": "stop"}],
             "usage": usage,
+        }),
+        Endpoint::Embedding => json!({
+            "object": "list", "model": job.model,
+            "data": [{"object": "embedding", "index": 0, "embedding": [0.6, 0.8]}],
+            "usage": {"prompt_tokens": 3, "total_tokens": 3},
         }),
     }
 }

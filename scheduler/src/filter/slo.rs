@@ -6,7 +6,9 @@
 //! model or batch limit.
 //!
 //! An idle worker always passes: it slows nobody down and gives the job the best rate the
-//! worker has, and refusing it would leave a GPU idle while the job waits.
+//! worker has, and refusing it would leave a GPU idle while the job waits. A job that
+//! writes no tokens (`max_tokens` 0: an embedding) has no rate of its own to keep; the
+//! running jobs' floors still hold against its prefill.
 
 use metronome_protocol::RejectionCode;
 
@@ -28,7 +30,7 @@ impl Filter for OwnRateFloor {
         let f = ctx.forecast();
         let floor = ctx.job.slo.min_tok_s;
         let judged_tok_s = 1000.0 / f.judged_step_ms;
-        if f.streams_before == 0 || judged_tok_s >= floor {
+        if f.streams_before == 0 || judged_tok_s >= floor || ctx.job.max_tokens == 0 {
             return Ok(());
         }
         Err(format!(
@@ -185,5 +187,29 @@ mod tests {
         w.status.active = 1;
         let err = check(&SloFloor, &job("m"), &w, &Ledger::new(), &config).unwrap_err();
         assert!(err.contains("the job would decode at"), "{err}");
+    }
+
+    #[test]
+    fn a_job_that_writes_nothing_has_no_floor_of_its_own_but_keeps_the_running_ones() {
+        let config = SchedulerConfig::default();
+        let mut w = worker("w1");
+        w.status.perf = Some(perf(50.0)); // 20 tok/s alone: under the 30 tok/s floor
+        w.status.active = 1;
+        let mut embedding = job("m");
+        embedding.max_tokens = 0;
+        embedding.predicted_output_tokens = 0.0;
+        assert_eq!(
+            check(&SloFloor, &embedding, &w, &Ledger::new(), &config),
+            Ok(())
+        );
+        // Its prefill still stalls a running job below that job's floor.
+        w.status.perf = Some(perf(20.0));
+        w.status.active = 0;
+        let mut l = Ledger::new();
+        l.reserve_profiled("w1", "short", 200, profile(8.0), NOW)
+            .unwrap();
+        embedding.prompt_tokens = 2_000;
+        let err = check(&SloFloor, &embedding, &w, &l, &config).unwrap_err();
+        assert!(err.contains("running job short"), "{err}");
     }
 }

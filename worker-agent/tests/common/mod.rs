@@ -174,12 +174,12 @@ fn generate(
         let mut guard = AbortGuard { stats: stats.clone(), finished: false };
         let (object, id) = match endpoint {
             Endpoint::Chat => ("chat.completion.chunk", "chatcmpl-stub"),
-            Endpoint::Completion => ("text_completion", "cmpl-stub"),
+            Endpoint::Completion | Endpoint::Embedding => ("text_completion", "cmpl-stub"),
         };
         let piece = |content: Value, finish: Value| match endpoint {
             Endpoint::Chat => json!({"id": id, "object": object, "created": 1, "model": MODEL,
                 "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}]}),
-            Endpoint::Completion => json!({"id": id, "object": object, "created": 1, "model": MODEL,
+            Endpoint::Completion | Endpoint::Embedding => json!({"id": id, "object": object, "created": 1, "model": MODEL,
                 "choices": [{"index": 0, "text": content, "finish_reason": finish}]}),
         };
         if endpoint == Endpoint::Chat {
@@ -392,6 +392,7 @@ pub fn job(id: &str, endpoint: Endpoint, max_tokens: u32, delay_ms: u64) -> Job 
                                   "max_tokens": max_tokens, "stub_delay_ms": delay_ms}),
         Endpoint::Completion => json!({"model": MODEL, "prompt": "once upon a time",
                                         "max_tokens": max_tokens, "stub_delay_ms": delay_ms}),
+        Endpoint::Embedding => json!({"model": MODEL, "input": "once upon a time"}),
     };
     Job {
         v: PROTOCOL_VERSION,

@@ -9,8 +9,10 @@
 //! them), from which the filters admit and the terms score.
 //!
 //! **Cached prefixes.** A job with a prefix fingerprint (`Job::prefix`) is judged with
-//! what each worker of its model holds of its prompt, by this leader's estimate of their
-//! prefix caches ([`metronome_scheduler::PrefixIndex`], from its own placements): the
+//! what each worker of its model holds of its prompt: what the worker's model server says
+//! (its KV events, forwarded by its agent: [`metronome_scheduler::ReportedCaches`]) where
+//! that report is live, else this leader's estimate from its own placements
+//! ([`metronome_scheduler::PrefixIndex`]); each figure names its source. The
 //! request carries the per-worker figures ([`JobRequest::prefix`]) and each worker's
 //! forecast charges only the uncached rest as prefill (its TTFT, the stall it imposes on
 //! the running streams, the prefill later placements wait behind), and counts as new KV
@@ -21,7 +23,7 @@
 
 use metronome_protocol::prefix::PrefixFingerprint;
 use metronome_protocol::{CompletionEvent, Job, PrefixSource, Slo};
-use metronome_scheduler::{JobProfile, JobRequest, OutputLength, PrefixLookup};
+use metronome_scheduler::{Cached, JobProfile, JobRequest, OutputLength, PrefixLookup};
 
 use super::order::waited_ms;
 use super::Judged;
@@ -29,10 +31,14 @@ use crate::engine::Engine;
 use crate::queue::QueuedJob;
 
 impl Engine {
-    /// Expected output tokens of `job`: its model's output model when it has seen a
-    /// completion, else the model's output-length EWMA, else `max_tokens` (nothing known,
-    /// so the worst case).
+    /// Expected output tokens of `job`: none for a job that generates nothing (an
+    /// embedding: its cost is its prefill alone), else its model's output model when it
+    /// has seen a completion, else the model's output-length EWMA, else `max_tokens`
+    /// (nothing known, so the worst case).
     pub(in crate::engine) fn predicted_output(&self, job: &Job) -> f64 {
+        if !job.endpoint.generates() {
+            return 0.0;
+        }
         match self.output_models.get(&job.model) {
             Some(m) if m.samples() > 0 => m.predict(job.max_tokens),
             _ => self
@@ -77,7 +83,10 @@ impl Engine {
         (request, slo)
     }
 
-    /// What each worker of `model` holds of `job`'s prompt, by this leader's placements.
+    /// What each worker of `model` holds of `job`'s prompt: by its model server's KV
+    /// events where its report is live, else by this leader's placements. Of the tokens
+    /// the events name, those a running job there also uses (which take no new KV) come
+    /// from the placements: the events say what is cached, not who uses it.
     fn cached_prefix(
         &self,
         model: &str,
@@ -90,10 +99,25 @@ impl Engine {
             .filter(|w| w.status.model == model)
             .map(|w| {
                 let id = w.worker_id();
-                let cached = self.prefix_index.cached(id, fingerprint, job.prompt_tokens);
-                (id.to_string(), cached)
+                let placed = || self.prefix_index.cached(id, fingerprint, job.prompt_tokens);
+                match self
+                    .reported_caches
+                    .cached(id, fingerprint, job.prompt_tokens, self.now_ms)
+                {
+                    // Nothing held: no shared blocks to look up (at a thousand workers the
+                    // second index's lookups, each a cache miss, cost as much again).
+                    Some(0) => (id.to_string(), Cached::default(), PrefixSource::Events),
+                    Some(tokens) => {
+                        let cached = Cached {
+                            tokens,
+                            shared_tokens: placed().shared_tokens.min(tokens),
+                        };
+                        (id.to_string(), cached, PrefixSource::Events)
+                    }
+                    None => (id.to_string(), placed(), PrefixSource::Placements),
+                }
             });
-        PrefixLookup::new(PrefixSource::Placements, on)
+        PrefixLookup::by_worker(on)
     }
 
     /// The profile a placed job is protected with while it runs (its floor, against the
@@ -122,11 +146,18 @@ impl Engine {
             .winner
             .as_deref()
             .map_or(0, |w| request.cached_on(w).tokens);
+        // A job that writes nothing (an embedding) has no decode rate to protect: later
+        // admissions may stall it (they delay its answer, which its TTFT target bounds).
+        let min_tok_s = if request.max_tokens == 0 {
+            0.0
+        } else {
+            judged.slo.min_tok_s
+        };
         JobProfile {
             prompt_tokens: request.prompt_tokens,
             cached_tokens,
             protected_output: protect,
-            min_tok_s: judged.slo.min_tok_s,
+            min_tok_s,
             max_tokens: request.max_tokens,
             decoding_from_ms,
         }
@@ -169,6 +200,20 @@ mod tests {
         assert_eq!(e.predicted_output(&j), 150.0);
         e.output_len.insert("m".into(), 9_000.0);
         assert_eq!(e.predicted_output(&j), 400.0);
+    }
+
+    #[test]
+    fn an_embedding_is_predicted_to_write_nothing_even_once_outputs_are_known() {
+        let mut e = engine(|_| {});
+        let mut j = body("a", "m", None, 100, 400, T0);
+        j.endpoint = metronome_protocol::Endpoint::Embedding;
+        j.max_tokens = 0;
+        assert_eq!(e.predicted_output(&j), 0.0);
+        e.output_len.insert("m".into(), 150.0);
+        assert_eq!(e.predicted_output(&j), 0.0);
+        let (request, _) = e.request_of("m", &queued(j, T0));
+        assert_eq!(request.predicted_output(), 0.0);
+        assert_eq!(request.kv_tokens(), 100);
     }
 
     #[test]

@@ -202,8 +202,12 @@ function renderExplain(story) {
     const isWinner = c.worker_id === s.winner;
     box.appendChild(el("p",
       `${c.worker_id}  total ${num3(c.total)}${isWinner ? "  ← winner" : ""}` +
-      (p ? `  predicted TTFT ${ms(p.ttft_ms)}, ${tps(p.decode_tok_s)}, ${p.streams_after} streams after` : ""),
-      { class: isWinner ? "candidate winner" : "candidate", "data-candidate-total": c.worker_id }));
+      (p ? `  predicted TTFT ${ms(p.ttft_ms)}, ${tps(p.decode_tok_s)}, ${p.streams_after} streams after` : "") +
+      // Prompt tokens the worker was believed to hold in its prefix cache, and from what:
+      // its model server's KV events, or the leader's estimate from its placements.
+      (c.cached_prefix ? `  cached prefix ${c.cached_prefix.tokens} tokens (${c.cached_prefix.source})` : ""),
+      { class: isWinner ? "candidate winner" : "candidate", "data-candidate-total": c.worker_id,
+        "data-cached-source": c.cached_prefix ? c.cached_prefix.source : "" }));
     box.appendChild(termTable(c, last.scoring));
   }
 

@@ -1,0 +1,284 @@
+//! Prefix affinity: the worker that already holds a job's prompt gets the job when the
+//! predictions say it costs less there, up to a fair share of the load.
+//!
+//! **Why a stage of its own.** The score compares candidates on every signal at once by
+//! normalising each term across them ([`crate::evaluate`]): a term's spread always maps to
+//! [0, 1], whatever its size. That keeps the score steady on prefix-free traffic, but it
+//! erases the size of a cached prefix's saving: on the simulator's calibration a cached
+//! 2,000-token prefix saves ~320 ms of prefill plus the same stall on every stream already
+//! running there, while one more running request slows the job's decode by ~0.2 ms a token
+//! (~35 ms over 200 tokens); normalised, both are one full spread, and the running count
+//! weighs twice the job cost. So the score alone sends a cached prompt to the worker with
+//! one request fewer, scatters each prefix over every worker, and caches thrash: the hit
+//! rate stays close to least connections'.
+//!
+//! **The rule.** After scoring, the candidate holding the most of the prompt (more than the
+//! score's choice holds) is compared with the score's choice in the one unit both
+//! predictions share, milliseconds: it gets the job when
+//!
+//! - its predicted job cost ([`crate::term`]'s `job_cost`: first token after the uncached
+//!   prefill, decode at the batch it joins, the stall its prefill imposes on the running
+//!   streams) is no higher than the score's choice's, and
+//! - it would not run more than `max_share` times an even share of the candidates'
+//!   requests: `active + 1 ≤ ⌈max_share · (Σ active + 1) / candidates⌉`. This bounds hot
+//!   spots (every request of one popular prefix on one GPU) while a popular prefix's holder
+//!   still takes its share; past the bound the score's choice gets the job, and the prefix
+//!   is cached there too.
+//!
+//! The admission filters ran before: a holder that cannot meet the SLO, is at its cap or
+//! lacks KV room is not a candidate at all, and the decision names it with its rejection
+//! code. So the SLO rules still decide; affinity only chooses among the places that keep
+//! them. A job without a prefix fingerprint, or whose prompt no candidate holds more of than
+//! the score's choice, is placed by the score alone: prefix-free traffic is unchanged.
+//!
+//! Every decision where a worker held more of the prompt than the score's choice records
+//! it ([`Affinity`]): chosen, or overridden with the reason (`cost`, `fair_share`, or the
+//! rejection code) and the numbers compared.
+//!
+//! Pure: the inputs are the decision's own figures, so `metronome replay` re-applies it to a
+//! recorded decision ([`crate::rescore`]).
+
+use metronome_protocol::{Affinity, AffinityOutcome};
+
+/// The default bound on the share of requests affinity may give one worker: 1.5 times an
+/// even share, the hot-spot bound the benchmark's overload check holds placements to.
+pub const DEFAULT_MAX_SHARE: f64 = 1.5;
+
+/// One candidate as affinity sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Seat<'a> {
+    pub worker_id: &'a str,
+    /// Prompt tokens it holds.
+    pub cached_tokens: u32,
+    /// Predicted job cost there, ms (`None`: not predicted).
+    pub cost_ms: Option<f64>,
+    /// Requests running or reserved there.
+    pub active: u32,
+}
+
+/// A worker that was not a candidate but held the prompt.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Refused<'a> {
+    pub worker_id: &'a str,
+    pub cached_tokens: u32,
+    /// Its rejection code, as serialised.
+    pub code: &'a str,
+    /// Its rejection reason in words.
+    pub reason: &'a str,
+}
+
+/// What affinity decided: the seat to place first (an index into the seats given), and the
+/// record.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Verdict {
+    pub promote: Option<usize>,
+    pub record: Option<Affinity>,
+}
+
+/// Apply the rule to `seats`, best first by the score, with the refused workers that hold
+/// part of the prompt. `max_share` 0 turns affinity off.
+pub fn decide(seats: &[Seat<'_>], refused: &[Refused<'_>], max_share: f64) -> Verdict {
+    let none = Verdict {
+        promote: None,
+        record: None,
+    };
+    if max_share <= 0.0 || !max_share.is_finite() {
+        return none;
+    }
+    let Some(choice) = seats.first() else {
+        return none;
+    };
+    // The most cached tokens; ties to the better score (the earlier seat).
+    let holder = seats
+        .iter()
+        .enumerate()
+        .rev()
+        .max_by_key(|(_, s)| s.cached_tokens)
+        .map(|(i, _)| i)
+        .expect("non-empty");
+    let verdict = among_candidates(seats, holder, max_share);
+    // A refused worker holding more than every candidate: the admission or SLO rule that
+    // refused it is what the decision says overrode affinity.
+    let refused_best = refused
+        .iter()
+        .filter(|r| r.cached_tokens > seats[holder].cached_tokens)
+        .filter(|r| r.cached_tokens > choice.cached_tokens)
+        .max_by(|a, b| {
+            a.cached_tokens
+                .cmp(&b.cached_tokens)
+                .then_with(|| b.worker_id.cmp(a.worker_id))
+        });
+    match refused_best {
+        Some(r) => Verdict {
+            promote: verdict.promote,
+            record: Some(Affinity {
+                worker_id: r.worker_id.to_string(),
+                cached_tokens: r.cached_tokens,
+                outcome: AffinityOutcome::Overridden,
+                reason_code: Some(r.code.to_string()),
+                reason: Some(format!("not eligible: {}", r.reason)),
+                max_share,
+            }),
+        },
+        None => verdict,
+    }
+}
+
+/// The rule among the candidates: `holder` (the most cached tokens) against the score's
+/// choice (the first seat).
+fn among_candidates(seats: &[Seat<'_>], holder: usize, max_share: f64) -> Verdict {
+    let (choice, seat) = (&seats[0], &seats[holder]);
+    if holder == 0 || seat.cached_tokens <= choice.cached_tokens {
+        return Verdict {
+            promote: None,
+            record: None,
+        };
+    }
+    let record = |outcome, code: Option<&str>, reason: Option<String>| Affinity {
+        worker_id: seat.worker_id.to_string(),
+        cached_tokens: seat.cached_tokens,
+        outcome,
+        reason_code: code.map(str::to_string),
+        reason,
+        max_share,
+    };
+    let (cost, choice_cost) = (
+        seat.cost_ms.unwrap_or(f64::INFINITY),
+        choice.cost_ms.unwrap_or(f64::INFINITY),
+    );
+    if cost > choice_cost {
+        return Verdict {
+            promote: None,
+            record: Some(record(
+                AffinityOutcome::Overridden,
+                Some("cost"),
+                Some(format!(
+                    "predicted job cost {cost:.0} ms on {} against {choice_cost:.0} ms on {}",
+                    seat.worker_id, choice.worker_id
+                )),
+            )),
+        };
+    }
+    let bound = share_bound(seats, max_share);
+    if seat.active.saturating_add(1) > bound {
+        return Verdict {
+            promote: None,
+            record: Some(record(
+                AffinityOutcome::Overridden,
+                Some("fair_share"),
+                Some(format!(
+                    "{} would run {} requests, above {max_share} times an even share of {} candidates' ({bound})",
+                    seat.worker_id,
+                    seat.active.saturating_add(1),
+                    seats.len()
+                )),
+            )),
+        };
+    }
+    Verdict {
+        promote: Some(holder),
+        record: Some(record(AffinityOutcome::Chosen, None, None)),
+    }
+}
+
+/// Most requests one candidate may run after this placement: `⌈max_share · (Σ active + 1)
+/// / candidates⌉`.
+fn share_bound(seats: &[Seat<'_>], max_share: f64) -> u32 {
+    let total: u64 = seats.iter().map(|s| u64::from(s.active)).sum::<u64>() + 1;
+    let even = total as f64 / seats.len() as f64;
+    (max_share * even).ceil().min(f64::from(u32::MAX)) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seat(id: &str, cached: u32, cost: f64, active: u32) -> Seat<'_> {
+        Seat {
+            worker_id: id,
+            cached_tokens: cached,
+            cost_ms: Some(cost),
+            active,
+        }
+    }
+
+    #[test]
+    fn the_holder_wins_when_it_costs_less_within_its_share() {
+        let seats = [seat("a", 0, 5_000.0, 2), seat("b", 2_000, 4_700.0, 3)];
+        let v = decide(&seats, &[], 1.5);
+        assert_eq!(v.promote, Some(1));
+        let r = v.record.unwrap();
+        assert_eq!((r.worker_id.as_str(), r.cached_tokens), ("b", 2_000));
+        assert_eq!((r.outcome, r.reason_code), (AffinityOutcome::Chosen, None));
+    }
+
+    #[test]
+    fn a_dearer_holder_is_overridden_on_cost() {
+        // A slow GPU holding the prefix: its decode costs more than the prefill saved.
+        let seats = [seat("fast", 0, 4_000.0, 1), seat("slow", 2_000, 7_000.0, 1)];
+        let v = decide(&seats, &[], 1.5);
+        assert_eq!(v.promote, None);
+        let r = v.record.unwrap();
+        assert_eq!(r.outcome, AffinityOutcome::Overridden);
+        assert_eq!(r.reason_code.as_deref(), Some("cost"));
+        assert!(r.reason.unwrap().contains("7000 ms on slow"));
+    }
+
+    #[test]
+    fn a_holder_past_its_share_is_overridden() {
+        // 4 candidates, 8 running + this one: an even share is 2.25, the bound ⌈3.375⌉ = 4.
+        let seats = [
+            seat("a", 0, 5_000.0, 1),
+            seat("b", 0, 5_000.0, 1),
+            seat("c", 0, 5_000.0, 2),
+            seat("d", 2_000, 4_000.0, 4),
+        ];
+        let v = decide(&seats, &[], 1.5);
+        assert_eq!(v.promote, None);
+        assert_eq!(v.record.unwrap().reason_code.as_deref(), Some("fair_share"));
+        // One fewer running there: 4 after placement is within the bound.
+        let mut within = seats;
+        within[3].active = 3;
+        within[2].active = 3;
+        assert_eq!(decide(&within, &[], 1.5).promote, Some(3));
+    }
+
+    #[test]
+    fn nothing_to_record_when_the_choice_holds_as_much() {
+        let seats = [seat("a", 2_000, 5_000.0, 1), seat("b", 2_000, 4_000.0, 0)];
+        assert_eq!(
+            decide(&seats, &[], 1.5),
+            Verdict {
+                promote: None,
+                record: None
+            }
+        );
+        let plain = [seat("a", 0, 5_000.0, 1), seat("b", 0, 4_000.0, 0)];
+        assert_eq!(decide(&plain, &[], 1.5).record, None);
+    }
+
+    #[test]
+    fn a_refused_holder_is_named_with_its_rejection() {
+        let seats = [seat("a", 0, 5_000.0, 1), seat("b", 160, 4_900.0, 1)];
+        let refused = [Refused {
+            worker_id: "c",
+            cached_tokens: 2_000,
+            code: "below_slo_floor",
+            reason: "decode 21 tok/s below the 30 tok/s floor",
+        }];
+        let v = decide(&seats, &refused, 1.5);
+        // c is not a candidate: the SLO rules decide. Among the candidates, b holds a
+        // little of the prompt and costs less, so it still wins; the record names c.
+        assert_eq!(v.promote, Some(1));
+        let r = v.record.unwrap();
+        assert_eq!(r.worker_id, "c");
+        assert_eq!(r.reason_code.as_deref(), Some("below_slo_floor"));
+    }
+
+    #[test]
+    fn off_at_zero() {
+        let seats = [seat("a", 0, 5_000.0, 2), seat("b", 2_000, 4_700.0, 3)];
+        assert_eq!(decide(&seats, &[], 0.0).promote, None);
+        assert_eq!(decide(&seats, &[], 0.0).record, None);
+    }
+}
