@@ -181,35 +181,52 @@ impl Default for Config {
     }
 }
 
-pub use metronome_runtime::config::{ConfigError, EnvVar, FieldError};
+pub use metronome_runtime::config::{ConfigError, FieldError};
+use metronome_runtime::settings::{Setting, SettingTable};
 
-/// The environment variables that override keys of the file.
-pub const ENV: [EnvVar; 6] = [
-    EnvVar {
-        var: "NATS_URL",
-        key: "nats_url",
-    },
-    EnvVar {
-        var: "REDIS_URL",
-        key: "redis_url",
-    },
-    EnvVar {
-        var: "METRONOME_DISPATCHER_ID",
-        key: "dispatcher_id",
-    },
-    EnvVar {
-        var: "METRONOME_POLICY",
-        key: "policy",
-    },
-    EnvVar {
-        var: "METRONOME_METRICS_ADDR",
-        key: "metrics_addr",
-    },
-    EnvVar {
-        var: "METRONOME_PROVISIONING_FILE",
-        key: "provisioning_file",
-    },
+/// The keys the command line and the environment set: each flag, its variable and its
+/// help, declared once (the binary's flags and [`Config::apply_env`] both read this).
+pub const SETTINGS: [Setting; 6] = [
+    Setting::new("nats_url", "nats-url", "URL", "NATS server URL (key `nats_url`)")
+        .env("NATS_URL"),
+    Setting::new("redis_url", "redis-url", "URL", "Redis URL for the EWMAs (key `redis_url`)")
+        .env("REDIS_URL"),
+    Setting::new(
+        "dispatcher_id",
+        "dispatcher-id",
+        "ID",
+        "Name of this instance in decisions and the lease (key `dispatcher_id`)",
+    )
+    .env("METRONOME_DISPATCHER_ID"),
+    Setting::new(
+        "policy",
+        "policy",
+        "POLICY",
+        "Scheduling policy: metronome, round_robin, least_connections, random, power_of_two or prefix_affinity (key `policy`)",
+    )
+    .env("METRONOME_POLICY"),
+    Setting::new(
+        "metrics_addr",
+        "metrics-addr",
+        "ADDR",
+        "Address of the Prometheus /metrics endpoint, host:port (key `metrics_addr`)",
+    )
+    .env("METRONOME_METRICS_ADDR"),
+    Setting::new(
+        "provisioning_file",
+        "provisioning-file",
+        "FILE",
+        "The provisioning record: each worker id's model and concurrency ceiling (key `provisioning_file`)",
+    )
+    .env("METRONOME_PROVISIONING_FILE"),
 ];
+
+/// [`SETTINGS`] as the type the binary's flags are built from.
+pub struct Settings;
+
+impl SettingTable for Settings {
+    const SETTINGS: &'static [Setting] = &SETTINGS;
+}
 
 impl Config {
     /// Parse TOML text (missing keys take their defaults).
@@ -222,13 +239,13 @@ impl Config {
         metronome_runtime::config::read_file(path)
     }
 
-    /// Apply the overrides of [`ENV`] found through `lookup` (`std::env::var(..).ok()` in
-    /// a binary, a map in tests).
+    /// Apply the variables of [`SETTINGS`], then the NATS and Redis credentials and TLS,
+    /// found through `lookup` (`std::env::var(..).ok()` in a binary, a map in tests).
     pub fn apply_env(
         &mut self,
         lookup: impl Fn(&str) -> Option<String>,
     ) -> Result<(), ConfigError> {
-        metronome_runtime::config::apply_env(self, &ENV, &lookup)?;
+        metronome_runtime::settings::apply_env(self, &SETTINGS, &lookup)?;
         self.nats_auth.apply_env(&lookup);
         self.redis_tls.apply_env(&lookup);
         Ok(())

@@ -5,8 +5,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
+use metronome_dispatcher::config::Settings;
 use metronome_dispatcher::Config;
-use metronome_runtime::config::{apply_overrides, file_or_default, Override};
+use metronome_runtime::config::{apply_overrides, file_or_default};
+use metronome_runtime::settings::SettingFlags;
 
 /// Metronome's dispatcher: admits, scores, reserves and assigns every job on
 /// `jobs.submit` to one GPU worker, and publishes each decision on `decisions.<job_id>`.
@@ -19,31 +21,8 @@ struct Cli {
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
 
-    /// NATS server URL (key `nats_url`).
-    #[arg(long, env = "NATS_URL", value_name = "URL")]
-    nats_url: Option<String>,
-
-    /// Redis URL for the EWMAs (key `redis_url`).
-    #[arg(long, env = "REDIS_URL", value_name = "URL")]
-    redis_url: Option<String>,
-
-    /// Name of this instance in decisions and the lease (key `dispatcher_id`).
-    #[arg(long, env = "METRONOME_DISPATCHER_ID", value_name = "ID")]
-    dispatcher_id: Option<String>,
-
-    /// Scheduling policy: metronome, round_robin, least_connections, random,
-    /// power_of_two or prefix_affinity (key `policy`).
-    #[arg(long, env = "METRONOME_POLICY")]
-    policy: Option<String>,
-
-    /// Address of the Prometheus /metrics endpoint, host:port (key `metrics_addr`).
-    #[arg(long, env = "METRONOME_METRICS_ADDR", value_name = "ADDR")]
-    metrics_addr: Option<String>,
-
-    /// The provisioning record: each worker id's model and concurrency ceiling (key
-    /// `provisioning_file`).
-    #[arg(long, env = "METRONOME_PROVISIONING_FILE", value_name = "FILE")]
-    provisioning_file: Option<String>,
+    #[command(flatten)]
+    settings: SettingFlags<Settings>,
 
     /// Validate the configuration, print the effective configuration and exit (0 when
     /// valid, 2 with every field error otherwise).
@@ -51,36 +30,13 @@ struct Cli {
     check_config: bool,
 }
 
-impl Cli {
-    /// The flags given (or read from their environment variables), as overrides of the
-    /// keys of [`metronome_dispatcher::config::ENV`].
-    fn overrides(&self) -> Vec<Override> {
-        let flags = [
-            ("--nats-url", "nats_url", &self.nats_url),
-            ("--redis-url", "redis_url", &self.redis_url),
-            ("--dispatcher-id", "dispatcher_id", &self.dispatcher_id),
-            ("--policy", "policy", &self.policy),
-            ("--metrics-addr", "metrics_addr", &self.metrics_addr),
-            (
-                "--provisioning-file",
-                "provisioning_file",
-                &self.provisioning_file,
-            ),
-        ];
-        flags
-            .into_iter()
-            .filter_map(|(flag, key, v)| v.as_ref().map(|v| Override::flag(flag, key, v)))
-            .collect()
-    }
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    // File, then the environment (`METRONOME_NATS_*`, `METRONOME_REDIS_*` and the keys
-    // of `config::ENV`), then flags: the order every binary uses.
+    // File, then the environment (`METRONOME_NATS_*`, `METRONOME_REDIS_*` and the
+    // variables of `config::SETTINGS`), then flags: the order every binary uses.
     let config = file_or_default::<Config>(cli.config.as_deref())
         .and_then(|mut c| c.apply_env(|k| std::env::var(k).ok()).map(|()| c))
-        .and_then(|mut c| apply_overrides(&mut c, cli.overrides()).map(|()| c));
+        .and_then(|mut c| apply_overrides(&mut c, cli.settings.overrides.clone()).map(|()| c));
     let config = match config {
         Ok(c) => c,
         Err(e) => {
@@ -140,23 +96,27 @@ mod tests {
     use super::*;
     use clap::CommandFactory;
 
-    /// Every environment variable the configuration knows is a flag, so `--help` lists it,
-    /// and the flag sets the same key.
+    /// `--help` lists exactly the variables the configuration loader reads, each on the
+    /// flag of its key.
     #[test]
-    fn every_environment_variable_is_a_flag_for_its_key() {
-        let command = Cli::command();
-        for var in metronome_dispatcher::config::ENV {
-            let arg = command
-                .get_arguments()
-                .find(|a| a.get_env().is_some_and(|e| e == var.var))
-                .unwrap_or_else(|| panic!("{} is not declared on a flag", var.var));
-            let flag = format!("--{}", arg.get_long().unwrap());
-            let cli = Cli::try_parse_from(["metronome-dispatcher", &flag, "x"]).unwrap();
-            let set = cli.overrides().into_iter().find(|o| o.origin == flag);
-            assert_eq!(
-                set.map(|o| (o.key, o.value)),
-                Some((var.key.into(), "x".into()))
-            );
-        }
+    fn help_and_the_configuration_loader_agree() {
+        metronome_runtime::settings::assert_help_and_loader_agree(
+            &mut Cli::command(),
+            &metronome_dispatcher::config::SETTINGS,
+            |lookup| {
+                let _ = Config::default().apply_env(lookup);
+            },
+        );
+    }
+
+    /// A flag sets its key, and the override names the flag.
+    #[test]
+    fn a_flag_overrides_its_key() {
+        let cli = Cli::try_parse_from(["metronome-dispatcher", "--policy", "random"]).unwrap();
+        let o = &cli.settings.overrides[0];
+        assert_eq!(
+            (o.origin.as_str(), o.key.as_str(), o.value.as_str()),
+            ("--policy", "policy", "random")
+        );
     }
 }

@@ -47,6 +47,7 @@ use bytes::Bytes;
 use metronome_protocol::headers::headers;
 use metronome_protocol::names::{self, HEADER_EPOCH, HEADER_MODEL, HEADER_MSG_ID};
 use metronome_protocol::{Assignment, Decision, ErrorCode, FinalResult, ResultError, Usage};
+use metronome_runtime::retry::Pauses;
 use tokio::sync::{mpsc, Notify};
 
 use crate::engine::{Event, Outcome, WorkerUpdate};
@@ -620,7 +621,8 @@ const ELECTION_WINDOW: Duration = Duration::from_secs(20);
 
 /// After the first publish of an Assignment failed with `error`: while the WORK stream
 /// exists but does not answer (no leader), send it again with its message id (the
-/// stream keeps one copy of a repeat) until it is stored or [`ELECTION_WINDOW`] is over.
+/// stream keeps one copy of a repeat) until it is stored or [`ELECTION_WINDOW`] is over,
+/// after pauses from 100 ms doubling to 1 s, jittered.
 /// A stream that answers that it does not exist fails the attempt at once, as before.
 /// Without this, every job decided during an election spent its attempts in milliseconds
 /// and failed (`max_attempts`: 47 of 127 jobs in one run of the drill). A repeat the
@@ -637,7 +639,7 @@ async fn republish_through_election(
 ) -> Result<jetstream::publish::PublishAck, String> {
     let started = tokio::time::Instant::now();
     let mut last = error;
-    let mut pause = Duration::from_millis(100);
+    let mut pauses = Pauses::new(Duration::from_millis(100), Duration::from_secs(1));
     loop {
         match js.get_stream(names::STREAM_WORK).await {
             Err(e)
@@ -651,8 +653,7 @@ async fn republish_through_election(
         if started.elapsed() >= ELECTION_WINDOW {
             return Err(last);
         }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_secs(1));
+        tokio::time::sleep(pauses.next_pause()).await;
         tracing::info!(%subject, error = %last, "WORK did not store an assignment; sending it again");
         let sent = match js.send_publish(subject.clone(), msg.clone()).await {
             Ok(fut) => fut.await,

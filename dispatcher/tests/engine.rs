@@ -3,109 +3,24 @@
 
 use std::sync::Arc;
 
-use crate::engine_support::{self, T0};
-
+use metronome_dispatcher::engine::testing::*;
 use metronome_dispatcher::engine::{
     Effect, Engine, EngineSettings, Event, Outcome, RedisSnapshot, WorkerUpdate,
 };
 use metronome_dispatcher::{Config, Metrics};
-use metronome_protocol::{
-    CompletionEvent, CompletionOutcome, ErrorCode, SloRequest, WorkerStatus, PROTOCOL_VERSION,
-};
+use metronome_protocol::{CompletionOutcome, ErrorCode, SloRequest, PROTOCOL_VERSION};
 use metronome_scheduler::FairnessSnapshot;
-
-fn engine_with(config: &Config) -> Engine {
-    Engine::new(
-        EngineSettings::from_config(config, 7, "test".into()),
-        Metrics::new(),
-        None,
-    )
-}
-
-fn engine() -> Engine {
-    engine_with(&Config::default())
-}
 
 /// An engine on `configure`d defaults with one idle worker `w` registered at `T0`.
 fn one_worker(configure: impl FnOnce(&mut Config)) -> Engine {
-    let mut config = Config::default();
-    configure(&mut config);
-    let mut e = engine_with(&config);
-    step(&mut e, vec![heartbeat("w", &[], 1, T0)], T0);
+    let mut e = engine(configure);
+    published(&mut e, vec![heartbeat("w", &[], 1, T0, |_| {})], T0);
     e
 }
 
-/// A worker's heartbeat: `in_flight` jobs held, a 40k-token cache, a fitted model of a
-/// GPU that decodes at 50 tok/s alone and prefills 10,000 tokens/s.
-fn heartbeat(id: &str, in_flight: &[&str], seq: u64, at: u64) -> Event {
-    let in_flight: Vec<String> = in_flight.iter().map(|s| s.to_string()).collect();
-    engine_support::heartbeat(id, "m", 256, &in_flight, seq, at)
-}
-
-/// [`heartbeat`] of an idle worker with `edit` applied to its status.
-fn heartbeat_with(id: &str, seq: u64, at: u64, edit: impl FnOnce(&mut WorkerStatus)) -> Event {
-    let mut event = heartbeat(id, &[], seq, at);
-    if let Event::Worker(WorkerUpdate::Put { status, .. }) = &mut event {
-        edit(status);
-    }
-    event
-}
-
-fn job(id: &str, prompt: u32, max_tokens: u32, at: u64) -> Event {
-    engine_support::arrival(
-        engine_support::body(id, "m", None, prompt, max_tokens, at),
-        at,
-        at,
-    )
-}
-
-fn done(id: &str, worker: &str, output_tokens: u32, outcome: CompletionOutcome) -> Event {
-    Event::Completion {
-        event: Box::new(CompletionEvent {
-            v: PROTOCOL_VERSION,
-            job_id: id.into(),
-            worker_id: worker.into(),
-            model: "m".into(),
-            epoch: 7,
-            attempt: 1,
-            outcome,
-            streamed: outcome == CompletionOutcome::Done,
-            error: None,
-            prompt_tokens: 100,
-            output_tokens,
-            ttft_ms: Some(30.0),
-            tpot_ms: Some(20.0),
-            e2e_ms: 1_000.0,
-            finished_ms: T0,
-            job: None,
-        }),
-        acker: None,
-    }
-}
-
-/// Apply inputs at `at`, let the engine look at its queues, and return what it published.
-fn step(e: &mut Engine, inputs: Vec<Event>, at: u64) -> Vec<Outcome> {
-    for i in inputs {
-        e.handle(i, at);
-    }
-    e.dispatch_if_changed(at);
-    e.take_effects()
-        .into_iter()
-        .filter_map(|f| match f {
-            Effect::Publish(o) => Some(o),
-            _ => None,
-        })
-        .collect()
-}
-
-fn assigned(outcomes: &[Outcome]) -> Vec<(String, String)> {
-    outcomes
-        .iter()
-        .filter_map(|o| match o {
-            Outcome::Assign { job, worker_id, .. } => Some((job.job.id.clone(), worker_id.clone())),
-            _ => None,
-        })
-        .collect()
+/// `worker` ended `id` with `outcome` after `output_tokens` (100 prompt tokens, at `T0`).
+fn ended(id: &str, worker: &str, output_tokens: u32, outcome: CompletionOutcome) -> Event {
+    completion(id, worker, "m", 100, output_tokens, outcome, T0)
 }
 
 /// The retry among `outcomes`, if any: the attempt it will be and the refusals it carries.
@@ -139,14 +54,17 @@ fn names(outcomes: &[Outcome]) -> Vec<&'static str> {
 
 #[test]
 fn simultaneous_jobs_on_idle_workers_land_on_distinct_workers() {
-    let mut e = engine();
+    let mut e = engine(|_| {});
     let workers = ["w1", "w2", "w3", "w4"];
-    step(
+    published(
         &mut e,
-        workers.iter().map(|w| heartbeat(w, &[], 1, T0)).collect(),
+        workers
+            .iter()
+            .map(|w| heartbeat(w, &[], 1, T0, |_| {}))
+            .collect(),
         T0,
     );
-    let out = step(
+    let out = published(
         &mut e,
         (0..4)
             .map(|i| job(&format!("j{i}"), 500, 100, T0 + 1))
@@ -161,16 +79,19 @@ fn simultaneous_jobs_on_idle_workers_land_on_distinct_workers() {
 #[test]
 fn the_same_inputs_give_the_same_decisions() {
     let run = || {
-        let mut e = engine();
-        step(
+        let mut e = engine(|_| {});
+        published(
             &mut e,
-            vec![heartbeat("a", &[], 1, T0), heartbeat("b", &[], 1, T0)],
+            vec![
+                heartbeat("a", &[], 1, T0, |_| {}),
+                heartbeat("b", &[], 1, T0, |_| {}),
+            ],
             T0,
         );
         let mut all = Vec::new();
         for i in 0..20u64 {
             let at = T0 + 10 * i;
-            all.extend(assigned(&step(
+            all.extend(assigned(&published(
                 &mut e,
                 vec![job(
                     &format!("j{i}"),
@@ -193,13 +114,13 @@ fn a_waiting_job_expires_when_time_passes_its_deadline() {
     let mut config = Config::default();
     config.scheduler.default_max_concurrency = 1;
     config.default_deadline_ms = 5_000;
-    let mut e2 = engine_with(&config);
-    let busy = heartbeat("w", &["running"], 1, T0);
+    let mut e2 = engine(|c| *c = config.clone());
+    let busy = heartbeat("w", &["running"], 1, T0, |_| {});
     let Event::Worker(WorkerUpdate::Put { mut status, .. }) = busy else {
         unreachable!()
     };
     status.max_concurrency = 1;
-    step(
+    published(
         &mut e2,
         vec![Event::Worker(WorkerUpdate::Put {
             status,
@@ -210,7 +131,7 @@ fn a_waiting_job_expires_when_time_passes_its_deadline() {
         })],
         T0,
     );
-    assert!(assigned(&step(&mut e2, vec![job("late", 100, 10, T0)], T0)).is_empty());
+    assert!(assigned(&published(&mut e2, vec![job("late", 100, 10, T0)], T0)).is_empty());
     // Before the deadline, a tick changes nothing; after it, the job is answered.
     e2.tick(T0 + 4_000);
     let before: Vec<_> = e2.take_effects();
@@ -229,13 +150,13 @@ fn a_waiting_job_expires_when_time_passes_its_deadline() {
 
 #[test]
 fn a_refused_job_goes_back_through_jobs_for_another_attempt() {
-    let mut e = engine();
-    step(&mut e, vec![heartbeat("w", &[], 1, T0)], T0);
-    let out = step(&mut e, vec![job("j", 100, 10, T0)], T0);
+    let mut e = engine(|_| {});
+    published(&mut e, vec![heartbeat("w", &[], 1, T0, |_| {})], T0);
+    let out = published(&mut e, vec![job("j", 100, 10, T0)], T0);
     assert_eq!(assigned(&out), vec![("j".to_string(), "w".to_string())]);
-    let out = step(
+    let out = published(
         &mut e,
-        vec![done("j", "w", 0, CompletionOutcome::Refused)],
+        vec![ended("j", "w", 0, CompletionOutcome::Refused)],
         T0 + 10,
     );
     let retry = requeued(&out).map(|(attempt, _)| attempt);
@@ -245,18 +166,18 @@ fn a_refused_job_goes_back_through_jobs_for_another_attempt() {
 /// Refuse `j` on `worker` (attempt `attempt`) and hand its retry back to the engine, as
 /// JOBS would; what the retry's placement published.
 fn refuse_and_retry(e: &mut Engine, worker: &str, attempt: u32, at: u64) -> Vec<Outcome> {
-    let mut refusal = done("j", worker, 0, CompletionOutcome::Refused);
+    let mut refusal = ended("j", worker, 0, CompletionOutcome::Refused);
     if let Event::Completion { event, .. } = &mut refusal {
         event.attempt = attempt;
     }
-    let out = step(e, vec![refusal], at);
+    let out = published(e, vec![refusal], at);
     let (retry, _) = requeued(&out).unwrap_or_else(|| panic!("no retry: {:?}", names(&out)));
     assert_eq!(retry, attempt + 1);
     let mut again = job("j", 100, 10, at);
     if let Event::Job(inc) = &mut again {
         inc.attempt = retry;
     }
-    step(e, vec![again], at + 1)
+    published(e, vec![again], at + 1)
 }
 
 /// A job a worker refused goes to another worker on its next attempt, and the decision
@@ -265,13 +186,16 @@ fn refuse_and_retry(e: &mut Engine, worker: &str, attempt: u32, at: u64) -> Vec<
 /// attempt of the job.
 #[test]
 fn a_refused_job_goes_to_another_worker_while_one_can_take_it() {
-    let mut e = engine();
-    step(
+    let mut e = engine(|_| {});
+    published(
         &mut e,
-        vec![heartbeat("w1", &[], 1, T0), heartbeat("w2", &[], 1, T0)],
+        vec![
+            heartbeat("w1", &[], 1, T0, |_| {}),
+            heartbeat("w2", &[], 1, T0, |_| {}),
+        ],
         T0,
     );
-    let out = step(&mut e, vec![job("j", 100, 10, T0)], T0);
+    let out = published(&mut e, vec![job("j", 100, 10, T0)], T0);
     let first = assigned(&out)[0].1.clone();
     let out = refuse_and_retry(&mut e, &first, 1, T0 + 10);
     let second = assigned(&out);
@@ -301,10 +225,10 @@ fn a_refused_job_goes_to_another_worker_while_one_can_take_it() {
 /// that worker, which could never take it.
 #[test]
 fn a_refused_job_goes_back_to_its_models_only_worker_while_another_models_is_open() {
-    let mut e = engine();
-    let other = heartbeat_with("x1", 1, T0, |s| s.model = "another-model".into());
-    step(&mut e, vec![heartbeat("w1", &[], 1, T0), other], T0);
-    let out = step(&mut e, vec![job("j", 100, 10, T0)], T0);
+    let mut e = engine(|_| {});
+    let other = heartbeat("x1", &[], 1, T0, |s| s.model = "another-model".into());
+    published(&mut e, vec![heartbeat("w1", &[], 1, T0, |_| {}), other], T0);
+    let out = published(&mut e, vec![job("j", 100, 10, T0)], T0);
     assert_eq!(assigned(&out), vec![("j".to_string(), "w1".to_string())]);
     let out = refuse_and_retry(&mut e, "w1", 1, T0 + 10);
     assert_eq!(
@@ -321,13 +245,13 @@ fn a_refused_job_goes_back_to_its_models_only_worker_while_another_models_is_ope
 /// picks the refusing worker.
 #[test]
 fn a_retry_carries_its_refusals_to_the_next_leader() {
-    let mut e = engine();
-    step(&mut e, vec![heartbeat("w1", &[], 1, T0)], T0);
-    let out = step(&mut e, vec![job("j", 100, 10, T0)], T0);
+    let mut e = engine(|_| {});
+    published(&mut e, vec![heartbeat("w1", &[], 1, T0, |_| {})], T0);
+    let out = published(&mut e, vec![job("j", 100, 10, T0)], T0);
     assert_eq!(assigned(&out), vec![("j".to_string(), "w1".to_string())]);
-    let out = step(
+    let out = published(
         &mut e,
-        vec![done("j", "w1", 0, CompletionOutcome::Refused)],
+        vec![ended("j", "w1", 0, CompletionOutcome::Refused)],
         T0 + 10,
     );
     let (_, refused_by) = requeued(&out).unwrap_or_else(|| panic!("no retry: {:?}", names(&out)));
@@ -335,11 +259,11 @@ fn a_retry_carries_its_refusals_to_the_next_leader() {
     assert_eq!(refused_by, vec![("w1".to_string(), 1)]);
 
     let next_leader = |refused_by: Vec<(String, u32)>| {
-        let mut e = engine();
-        let busy = heartbeat_with("w2", 1, T0 + 20, |s| s.queued = 3);
-        step(
+        let mut e = engine(|_| {});
+        let busy = heartbeat("w2", &[], 1, T0 + 20, |s| s.queued = 3);
+        published(
             &mut e,
-            vec![heartbeat("w1", &[], 2, T0 + 20), busy],
+            vec![heartbeat("w1", &[], 2, T0 + 20, |_| {}), busy],
             T0 + 20,
         );
         let mut retry = job("j", 100, 10, T0 + 20);
@@ -347,7 +271,7 @@ fn a_retry_carries_its_refusals_to_the_next_leader() {
             inc.attempt = 2;
             inc.refused_by = refused_by;
         }
-        assigned(&step(&mut e, vec![retry], T0 + 21))
+        assigned(&published(&mut e, vec![retry], T0 + 21))
     };
     assert_eq!(
         next_leader(Vec::new()),
@@ -377,13 +301,17 @@ fn final_errors(outcomes: &[Outcome]) -> Vec<String> {
 /// final errors published until well past the grace for the job's retry to come back.
 fn orphan_refusal_then(later_lists: bool) -> Vec<String> {
     let mut e = one_worker(|_| {});
-    step(&mut e, vec![heartbeat("w", &["j"], 2, T0 + 100)], T0 + 100);
+    published(
+        &mut e,
+        vec![heartbeat("w", &["j"], 2, T0 + 100, |_| {})],
+        T0 + 100,
+    );
     // A heartbeat sent before the refusal is applied after it: it books `j` on `w` again.
-    let mut out = step(
+    let mut out = published(
         &mut e,
         vec![
-            done("j", "w", 0, CompletionOutcome::Refused),
-            heartbeat("w", &["j"], 3, T0 + 200),
+            ended("j", "w", 0, CompletionOutcome::Refused),
+            heartbeat("w", &["j"], 3, T0 + 200, |_| {}),
         ],
         T0 + 300,
     );
@@ -392,7 +320,11 @@ fn orphan_refusal_then(later_lists: bool) -> Vec<String> {
     for seq in 4..12 {
         at += 1_000;
         e.tick(at);
-        out.extend(step(&mut e, vec![heartbeat("w", listed, seq, at)], at));
+        out.extend(published(
+            &mut e,
+            vec![heartbeat("w", listed, seq, at, |_| {})],
+            at,
+        ));
     }
     final_errors(&out)
 }
@@ -417,17 +349,21 @@ fn a_refused_job_booked_again_by_a_stale_heartbeat_is_still_answered() {
 #[test]
 fn a_refused_job_an_earlier_leader_assigned_comes_back_from_the_copy_it_carries() {
     let mut e = one_worker(|_| {});
-    step(&mut e, vec![heartbeat("w", &["j"], 2, T0 + 100)], T0 + 100);
-    let mut refusal = done("j", "w", 0, CompletionOutcome::Refused);
+    published(
+        &mut e,
+        vec![heartbeat("w", &["j"], 2, T0 + 100, |_| {})],
+        T0 + 100,
+    );
+    let mut refusal = ended("j", "w", 0, CompletionOutcome::Refused);
     let Event::Job(incoming) = job("j", 100, 10, T0) else {
         unreachable!()
     };
     if let Event::Completion { event, .. } = &mut refusal {
         event.job = Some(Box::new((*incoming.job).clone()));
     }
-    let mut out = step(
+    let mut out = published(
         &mut e,
-        vec![refusal, heartbeat("w", &[], 3, T0 + 200)],
+        vec![refusal, heartbeat("w", &[], 3, T0 + 200, |_| {})],
         T0 + 300,
     );
     assert_eq!(
@@ -440,7 +376,11 @@ fn a_refused_job_an_earlier_leader_assigned_comes_back_from_the_copy_it_carries(
     for seq in 4..12 {
         at += 1_000;
         e.tick(at);
-        out.extend(step(&mut e, vec![heartbeat("w", &[], seq, at)], at));
+        out.extend(published(
+            &mut e,
+            vec![heartbeat("w", &[], seq, at, |_| {})],
+            at,
+        ));
     }
     assert!(
         final_errors(&out).is_empty(),
@@ -466,22 +406,22 @@ fn earlier_assignment(id: &str, worker: &str, attempt: u32) -> metronome_protoco
 
 #[test]
 fn a_dead_workers_purge_hands_back_only_the_jobs_nobody_holds() {
-    let mut e = engine_with(&Config::default());
+    let mut e = engine(|_| {});
     // `w` runs `adopted` (reported), then falls silent; `other` stays alive.
-    step(
+    published(
         &mut e,
         vec![
-            heartbeat("w", &["adopted"], 1, T0),
-            heartbeat("other", &[], 1, T0),
+            heartbeat("w", &["adopted"], 1, T0, |_| {}),
+            heartbeat("other", &[], 1, T0, |_| {}),
         ],
         T0,
     );
     let timeout = Config::default().scheduler.heartbeat_timeout_ms;
     let at = T0 + timeout + 1;
-    step(&mut e, vec![heartbeat("other", &[], 2, at)], at);
+    published(&mut e, vec![heartbeat("other", &[], 2, at, |_| {})], at);
     e.tick(at);
     // The leader's conditional delete of the silent worker's key, seen on the watch.
-    let died = step(
+    let died = published(
         &mut e,
         vec![Event::Worker(WorkerUpdate::Gone {
             worker_id: "w".into(),
@@ -495,7 +435,7 @@ fn a_dead_workers_purge_hands_back_only_the_jobs_nobody_holds() {
     );
     // The purge read `adopted` (answered worker_lost at the death) and `never-reported`
     // (an earlier leader's, the only copy of that job).
-    let out = step(
+    let out = published(
         &mut e,
         vec![Event::PurgedAssignments {
             worker_id: "w".into(),
@@ -539,10 +479,14 @@ fn a_dead_workers_purge_hands_back_only_the_jobs_nobody_holds() {
 
 #[test]
 fn a_refused_job_goes_back_to_its_worker_when_no_other_can_take_it() {
-    let mut e = engine();
-    let draining = heartbeat_with("w2", 1, T0, |s| s.draining = true);
-    step(&mut e, vec![heartbeat("w1", &[], 1, T0), draining], T0);
-    let out = step(&mut e, vec![job("j", 100, 10, T0)], T0);
+    let mut e = engine(|_| {});
+    let draining = heartbeat("w2", &[], 1, T0, |s| s.draining = true);
+    published(
+        &mut e,
+        vec![heartbeat("w1", &[], 1, T0, |_| {}), draining],
+        T0,
+    );
+    let out = published(&mut e, vec![job("j", 100, 10, T0)], T0);
     assert_eq!(assigned(&out), vec![("j".to_string(), "w1".to_string())]);
     let out = refuse_and_retry(&mut e, "w1", 1, T0 + 10);
     assert_eq!(assigned(&out), vec![("j".to_string(), "w1".to_string())]);
@@ -555,13 +499,13 @@ fn a_refused_job_goes_back_to_its_worker_when_no_other_can_take_it() {
 #[test]
 fn a_reservation_its_worker_keeps_reporting_outlives_the_reservation_ttl() {
     let mut e = one_worker(|_| {});
-    let out = step(&mut e, vec![job("long", 100, 10, T0)], T0);
+    let out = published(&mut e, vec![job("long", 100, 10, T0)], T0);
     assert_eq!(assigned(&out), vec![("long".to_string(), "w".to_string())]);
     let ttl = Config::default().scheduler.reservation_ttl_ms;
     let mut at = T0;
     for seq in 2..=60 {
         at = T0 + (seq - 1) * 1_000;
-        step(&mut e, vec![heartbeat("w", &["long"], seq, at)], at);
+        published(&mut e, vec![heartbeat("w", &["long"], seq, at, |_| {})], at);
         assert_eq!(
             e.ledger().worker_of("long"),
             Some("w"),
@@ -571,11 +515,15 @@ fn a_reservation_its_worker_keeps_reporting_outlives_the_reservation_ttl() {
     }
     assert!(at - T0 > 5 * ttl);
     // No longer listed: kept for one TTL after the last heartbeat that listed it.
-    step(&mut e, vec![heartbeat("w", &[], 61, at + ttl)], at + ttl);
-    assert_eq!(e.ledger().worker_of("long"), Some("w"));
-    step(
+    published(
         &mut e,
-        vec![heartbeat("w", &[], 62, at + ttl + 1)],
+        vec![heartbeat("w", &[], 61, at + ttl, |_| {})],
+        at + ttl,
+    );
+    assert_eq!(e.ledger().worker_of("long"), Some("w"));
+    published(
+        &mut e,
+        vec![heartbeat("w", &[], 62, at + ttl + 1, |_| {})],
         at + ttl + 1,
     );
     assert_eq!(e.ledger().worker_of("long"), None);
@@ -583,30 +531,33 @@ fn a_reservation_its_worker_keeps_reporting_outlives_the_reservation_ttl() {
 
 #[test]
 fn the_expected_output_follows_max_tokens_once_completions_show_it() {
-    let mut e = engine();
+    let mut e = engine(|_| {});
     // The model's outputs average 150 tokens (the agents' EWMA in Redis).
     let redis = Event::Redis(RedisSnapshot {
         ewmas: Default::default(),
         output_len: [("m".to_string(), 150.0)].into(),
     });
-    step(&mut e, vec![heartbeat("w", &[], 1, T0), redis], T0);
+    published(&mut e, vec![heartbeat("w", &[], 1, T0, |_| {}), redis], T0);
     // Jobs that write exactly what they ask for.
     for i in 0..30u32 {
         let at = T0 + 100 * u64::from(i + 1);
         let id = format!("j{i}");
         let n = 50 + (i * 53) % 500;
-        let beat = heartbeat("w", &[], u64::from(i) + 2, at);
-        step(&mut e, vec![beat, job(&id, 100, n, at)], at);
-        step(
+        let beat = heartbeat("w", &[], u64::from(i) + 2, at, |_| {});
+        published(&mut e, vec![beat, job(&id, 100, n, at)], at);
+        published(
             &mut e,
-            vec![done(&id, "w", n, CompletionOutcome::Done)],
+            vec![ended(&id, "w", n, CompletionOutcome::Done)],
             at + 50,
         );
     }
     let at = T0 + 10_000;
-    let out = step(
+    let out = published(
         &mut e,
-        vec![heartbeat("w", &[], 100, at), job("probe", 100, 400, at)],
+        vec![
+            heartbeat("w", &[], 100, at, |_| {}),
+            job("probe", 100, 400, at),
+        ],
         at,
     );
     let cost = out
@@ -623,19 +574,9 @@ fn the_expected_output_follows_max_tokens_once_completions_show_it() {
     );
 }
 
-/// A job of `tenant` (`None`: of no tenant).
-fn job_of(tenant: Option<&str>, id: &str, at: u64) -> Event {
-    sized_job_of(tenant, id, 100, 10, at)
-}
-
-fn sized_job_of(tenant: Option<&str>, id: &str, prompt: u32, max_tokens: u32, at: u64) -> Event {
-    let Event::Job(mut incoming) = job(id, prompt, max_tokens, at) else {
-        unreachable!()
-    };
-    let mut j = (*incoming.job).clone();
-    j.tenant = tenant.map(String::from);
-    incoming.job = Arc::new(j);
-    Event::Job(incoming)
+/// A job of `tenant` (`None`: of no tenant), 100 prompt and 10 output tokens.
+fn tenant_job(tenant: Option<&str>, id: &str, at: u64) -> Event {
+    job_of(tenant, id, 100, 10, at)
 }
 
 fn cancel(tenant: Option<&str>, id: &str) -> Event {
@@ -658,15 +599,15 @@ fn a_cancel_applies_only_to_a_job_of_the_tenant_it_names() {
         None,
     );
     let acme = Some("acme");
-    step(&mut e, vec![heartbeat("w1", &[], 1, T0)], T0);
-    let out = step(
+    published(&mut e, vec![heartbeat("w1", &[], 1, T0, |_| {})], T0);
+    let out = published(
         &mut e,
         vec![
             cancel(Some("globex"), "forged"),
             cancel(None, "forged"),
             cancel(acme, "own"),
-            job_of(acme, "forged", T0 + 1),
-            job_of(acme, "own", T0 + 1),
+            tenant_job(acme, "forged", T0 + 1),
+            tenant_job(acme, "own", T0 + 1),
         ],
         T0 + 1,
     );
@@ -689,7 +630,7 @@ fn a_cancel_applies_only_to_a_job_of_the_tenant_it_names() {
     // Assigned to w1, not reported yet: another tenant's cancel is ignored, acme's is
     // relayed to w1 at once (its own control subject, naming acme), and again once w1
     // reports the job (the cancel may have overtaken the Assignment).
-    let out = step(
+    let out = published(
         &mut e,
         vec![cancel(Some("globex"), "forged"), cancel(None, "forged")],
         T0 + 2,
@@ -718,17 +659,17 @@ fn a_cancel_applies_only_to_a_job_of_the_tenant_it_names() {
         Some("acme".to_string()),
         "forged".to_string(),
     )];
-    let out = step(&mut e, vec![cancel(acme, "forged")], T0 + 3);
+    let out = published(&mut e, vec![cancel(acme, "forged")], T0 + 3);
     assert_eq!(relays(&out), relayed);
-    let out = step(
+    let out = published(
         &mut e,
-        vec![heartbeat("w1", &["forged"], 2, T0 + 4)],
+        vec![heartbeat("w1", &["forged"], 2, T0 + 4, |_| {})],
         T0 + 4,
     );
     assert_eq!(relays(&out), relayed);
-    let out = step(
+    let out = published(
         &mut e,
-        vec![heartbeat("w1", &["forged"], 3, T0 + 5)],
+        vec![heartbeat("w1", &["forged"], 3, T0 + 5, |_| {})],
         T0 + 5,
     );
     assert!(relays(&out).is_empty(), "relayed once");
@@ -740,10 +681,10 @@ fn a_small_job_goes_ahead_of_a_large_one_that_fits_nowhere_yet() {
         let mut e = one_worker(|c| c.scheduler.lookahead = lookahead);
         // A 10-token job runs; a 6,000-token prompt would stall it 600 ms, far below its
         // floor; a 10-token prompt behind it would stall it 1 ms.
-        let first = step(&mut e, vec![job("short", 100, 10, T0)], T0);
+        let first = published(&mut e, vec![job("short", 100, 10, T0)], T0);
         assert_eq!(assigned(&first).len(), 1);
         let at = T0 + 5;
-        assigned(&step(
+        assigned(&published(
             &mut e,
             vec![job("big", 6_000, 100, at), job("tiny", 10, 10, at + 1)],
             at + 1,
@@ -771,11 +712,11 @@ fn a_small_job_goes_ahead_of_a_large_one_that_fits_nowhere_yet() {
 fn a_tenant_under_its_fair_share_is_judged_without_the_floors_of_a_tenant_above_it() {
     let run = |window_ms: u64| {
         let mut e = one_worker(|c| c.fairness.light_tenant_window_ms = window_ms);
-        let first = step(&mut e, vec![job_of(Some("flood"), "f1", T0)], T0);
+        let first = published(&mut e, vec![tenant_job(Some("flood"), "f1", T0)], T0);
         assert_eq!(assigned(&first).len(), 1, "{:?}", names(&first));
-        let big = |tenant: &str, id: &str, at: u64| sized_job_of(Some(tenant), id, 6_000, 100, at);
+        let big = |tenant: &str, id: &str, at: u64| job_of(Some(tenant), id, 6_000, 100, at);
         let at = T0 + 5;
-        let out = step(
+        let out = published(
             &mut e,
             vec![
                 big("flood", "f2", at),
@@ -822,8 +763,8 @@ fn a_tenant_under_its_fair_share_is_judged_without_the_floors_of_a_tenant_above_
 #[test]
 fn a_new_leader_counts_each_tenants_adopted_jobs() {
     let run = |tenants_known: bool| {
-        let mut e = engine();
-        let mut beat = heartbeat("w", &["a1", "a2"], 1, T0);
+        let mut e = engine(|_| {});
+        let mut beat = heartbeat("w", &["a1", "a2"], 1, T0, |_| {});
         if tenants_known {
             let Event::Worker(WorkerUpdate::Put { tenants, .. }) = &mut beat else {
                 unreachable!()
@@ -831,13 +772,13 @@ fn a_new_leader_counts_each_tenants_adopted_jobs() {
             tenants.insert("a1".into(), "flood".into());
             tenants.insert("a2".into(), "flood".into());
         }
-        step(&mut e, vec![beat], T0);
+        published(&mut e, vec![beat], T0);
         assert_eq!(e.ledger().len(), 2, "both listed jobs are adopted");
         let at = T0 + 5;
         // A 6,000-token prefill stalls the adopted jobs (judged on the new job's expected
         // output, 10 tokens) far below their floor.
-        let big = |tenant: &str, id: &str| sized_job_of(Some(tenant), id, 6_000, 10, at);
-        let out = step(
+        let big = |tenant: &str, id: &str| job_of(Some(tenant), id, 6_000, 10, at);
+        let out = published(
             &mut e,
             vec![big("flood", "f1"), big("flood", "f2"), big("steady", "s1")],
             at + 1,
@@ -870,13 +811,13 @@ fn a_tenant_under_its_fair_share_may_trade_as_many_misses_as_configured() {
                 c.fairness.light_tenant_traded_misses = t;
             }
         });
-        let small = |tenant: &str, id: &str, at: u64| sized_job_of(Some(tenant), id, 100, 40, at);
+        let small = |tenant: &str, id: &str, at: u64| job_of(Some(tenant), id, 100, 40, at);
         let flood = (1..=4)
             .map(|i| small("flood", &format!("f{i}"), T0))
             .collect();
-        let first = step(&mut e, flood, T0);
+        let first = published(&mut e, flood, T0);
         let calm = vec![small("calm", "c1", T0 + 1), small("calm", "c2", T0 + 1)];
-        let second = step(&mut e, calm, T0 + 1);
+        let second = published(&mut e, calm, T0 + 1);
         assert_eq!(
             assigned(&first).len() + assigned(&second).len(),
             6,
@@ -885,8 +826,8 @@ fn a_tenant_under_its_fair_share_may_trade_as_many_misses_as_configured() {
             names(&second)
         );
         let at = T0 + 5;
-        let big = |tenant: &str, id: &str| sized_job_of(Some(tenant), id, 6_000, 100, at);
-        let out = step(
+        let big = |tenant: &str, id: &str| job_of(Some(tenant), id, 6_000, 100, at);
+        let out = published(
             &mut e,
             vec![big("flood", "f5"), big("flood", "f6"), big("steady", "s1")],
             at + 1,
@@ -921,16 +862,12 @@ fn a_tenant_under_its_fair_share_may_trade_as_many_misses_as_configured() {
 /// its place and is placed once a's first job ends.
 #[test]
 fn a_job_that_fits_nowhere_holds_back_only_its_own_tenants_jobs() {
-    let mut e = engine();
-    step(&mut e, vec![heartbeat("w", &[], 1, T0)], T0);
-    let first = step(
-        &mut e,
-        vec![sized_job_of(Some("a"), "a0", 1_000, 29_000, T0)],
-        T0,
-    );
+    let mut e = engine(|_| {});
+    published(&mut e, vec![heartbeat("w", &[], 1, T0, |_| {})], T0);
+    let first = published(&mut e, vec![job_of(Some("a"), "a0", 1_000, 29_000, T0)], T0);
     assert_eq!(assigned(&first), [("a0".to_string(), "w".to_string())]);
     let at = T0 + 5;
-    let Event::Job(mut demanding) = sized_job_of(Some("a"), "a1", 100, 10, at) else {
+    let Event::Job(mut demanding) = job_of(Some("a"), "a1", 100, 10, at) else {
         unreachable!()
     };
     let mut j = (*demanding.job).clone();
@@ -939,20 +876,20 @@ fn a_job_that_fits_nowhere_holds_back_only_its_own_tenants_jobs() {
         min_tok_s: Some(48.0),
     });
     demanding.job = Arc::new(j);
-    let out = step(
+    let out = published(
         &mut e,
         vec![
             Event::Job(demanding),
-            sized_job_of(Some("b"), "b1", 100, 10, at + 1),
+            job_of(Some("b"), "b1", 100, 10, at + 1),
         ],
         at + 1,
     );
     assert_eq!(assigned(&out), [("b1".to_string(), "w".to_string())]);
-    let out = step(
+    let out = published(
         &mut e,
         vec![
-            done("a0", "w", 29_000, CompletionOutcome::Done),
-            heartbeat("w", &["b1"], 2, at + 2),
+            ended("a0", "w", 29_000, CompletionOutcome::Done),
+            heartbeat("w", &["b1"], 2, at + 2, |_| {}),
         ],
         at + 2,
     );
@@ -967,20 +904,20 @@ fn a_job_that_fits_nowhere_holds_back_only_its_own_tenants_jobs() {
 #[test]
 fn a_new_leader_reads_the_backlog_before_placing_so_every_tenant_is_seen() {
     let run = |hold: Option<u64>, read_at: Option<u64>| {
-        let mut e = engine();
-        let capped = heartbeat_with("w", 1, T0, |s| s.max_concurrency = 2);
-        step(&mut e, vec![capped], T0);
+        let mut e = engine(|_| {});
+        let capped = heartbeat("w", &[], 1, T0, |s| s.max_concurrency = 2);
+        published(&mut e, vec![capped], T0);
         if let Some(until) = hold {
             e.read_backlog_first(until);
         }
         let mut placed = Vec::new();
         let flood = (1..=3)
-            .map(|i| job_of(Some("flood"), &format!("f{i}"), T0 + i))
+            .map(|i| tenant_job(Some("flood"), &format!("f{i}"), T0 + i))
             .collect();
-        placed.extend(assigned(&step(&mut e, flood, T0 + 3)));
-        placed.extend(assigned(&step(
+        placed.extend(assigned(&published(&mut e, flood, T0 + 3)));
+        placed.extend(assigned(&published(
             &mut e,
-            vec![job_of(Some("steady"), "s1", T0 + 4)],
+            vec![tenant_job(Some("steady"), "s1", T0 + 4)],
             T0 + 4,
         )));
         if hold.is_some() {
@@ -993,13 +930,13 @@ fn a_new_leader_reads_the_backlog_before_placing_so_every_tenant_is_seen() {
         let mut at = T0 + 5;
         if let Some(read_at) = read_at {
             at = read_at;
-            placed.extend(assigned(&step(&mut e, vec![Event::BacklogRead], at)));
+            placed.extend(assigned(&published(&mut e, vec![Event::BacklogRead], at)));
         }
         // Ticks until the bound has passed.
         for _ in 0..3 {
             at += 100;
             e.tick(at);
-            placed.extend(assigned(&step(&mut e, vec![], at)));
+            placed.extend(assigned(&published(&mut e, vec![], at)));
         }
         let mut jobs: Vec<String> = placed.into_iter().map(|(j, _)| j).collect();
         jobs.sort();
@@ -1024,15 +961,11 @@ fn a_new_leader_reads_the_backlog_before_placing_so_every_tenant_is_seen() {
 /// The steady tenant's job of `prompt` tokens runs on worker `w` and ends: the steady tenant
 /// is active and runs nothing. Returns the time to go on from.
 fn after_a_steady_job(e: &mut Engine, prompt: u32) -> u64 {
-    let out = step(
-        e,
-        vec![sized_job_of(Some("steady"), "s0", prompt, 10, T0)],
-        T0,
-    );
+    let out = published(e, vec![job_of(Some("steady"), "s0", prompt, 10, T0)], T0);
     assert_eq!(assigned(&out).len(), 1, "{:?}", names(&out));
-    step(
+    published(
         e,
-        vec![done("s0", "w", 10, CompletionOutcome::Done)],
+        vec![ended("s0", "w", 10, CompletionOutcome::Done)],
         T0 + 1,
     );
     T0 + 2
@@ -1051,11 +984,11 @@ fn a_heavier_tenant_does_not_fill_the_prefill_queue_while_a_lighter_one_is_activ
             c.fairness.light_tenant_ttft_ratio = 0.0;
         });
         let at = after_a_steady_job(&mut e, 100);
-        let out = step(
+        let out = published(
             &mut e,
             vec![
-                sized_job_of(Some("flood"), "f1", 400, 10, at),
-                sized_job_of(Some("flood"), "f2", 400, 10, at),
+                job_of(Some("flood"), "f1", 400, 10, at),
+                job_of(Some("flood"), "f2", 400, 10, at),
             ],
             at,
         );
@@ -1083,9 +1016,9 @@ fn a_heavier_tenant_leaves_a_worker_where_a_lighter_ones_first_token_comes_soon(
         let mut e = one_worker(|c| c.fairness.light_tenant_ttft_ratio = ratio);
         let at = after_a_steady_job(&mut e, 1_000);
         let flood = (0..40)
-            .map(|i| sized_job_of(Some("flood"), &format!("f{i}"), 10, 20, at))
+            .map(|i| job_of(Some("flood"), &format!("f{i}"), 10, 20, at))
             .collect();
-        assigned(&step(&mut e, flood, at)).len()
+        assigned(&published(&mut e, flood, at)).len()
     };
     let bounded = run(1.25);
     let unbounded = run(0.0);
@@ -1128,9 +1061,9 @@ fn a_new_leader_keeps_room_for_a_tenant_that_submitted_under_the_last_one() {
         let mut second = one_worker(ratio);
         second.fairness(Some(saved));
         let flood = (0..40)
-            .map(|i| sized_job_of(Some("flood"), &format!("f{i}"), 10, 20, at + 1))
+            .map(|i| job_of(Some("flood"), &format!("f{i}"), 10, 20, at + 1))
             .collect();
-        assigned(&step(&mut second, flood, at + 1)).len()
+        assigned(&published(&mut second, flood, at + 1)).len()
     };
     assert_eq!(run(saved.clone()), 15, "room kept for the steady tenant");
     let counters_only = FairnessSnapshot {
@@ -1156,25 +1089,21 @@ fn a_new_leader_keeps_room_for_a_tenant_that_submitted_under_the_last_one() {
 fn a_lighter_tenants_job_trades_a_predicted_miss_for_a_much_sooner_first_token() {
     let run = |ratio: f64| {
         let mut e = one_worker(|c| c.fairness.light_tenant_ttft_ratio = ratio);
-        let out = step(
-            &mut e,
-            vec![sized_job_of(Some("flood"), "f1", 100, 10, T0)],
-            T0,
-        );
+        let out = published(&mut e, vec![job_of(Some("flood"), "f1", 100, 10, T0)], T0);
         assert_eq!(assigned(&out), [("f1".to_string(), "w".to_string())]);
-        let late = heartbeat_with("late", 1, T0 + 1, |s| s.prefill_pending_tokens = 8_000);
-        step(&mut e, vec![late], T0 + 1);
+        let late = heartbeat("late", &[], 1, T0 + 1, |s| s.prefill_pending_tokens = 8_000);
+        published(&mut e, vec![late], T0 + 1);
         // The flood has a backlog when the steady tenant's job comes: read as a new
         // leader reads the stream, all three are queued before anything is placed.
         e.read_backlog_first(T0 + 10_000);
         let at = T0 + 2;
         let jobs = vec![
-            sized_job_of(Some("flood"), "f2", 100, 10, at),
-            sized_job_of(Some("flood"), "f3", 100, 10, at),
-            sized_job_of(Some("steady"), "s1", 2_000, 10, at),
+            job_of(Some("flood"), "f2", 100, 10, at),
+            job_of(Some("flood"), "f3", 100, 10, at),
+            job_of(Some("steady"), "s1", 2_000, 10, at),
         ];
-        assert!(assigned(&step(&mut e, jobs, at)).is_empty());
-        let out = step(&mut e, vec![Event::BacklogRead], at + 1);
+        assert!(assigned(&published(&mut e, jobs, at)).is_empty());
+        let out = published(&mut e, vec![Event::BacklogRead], at + 1);
         out.iter()
             .find_map(|o| match o {
                 Outcome::Assign {
@@ -1209,11 +1138,11 @@ fn a_model_at_its_cap_holds_its_queue_in_order_and_counts_each_look() {
         metrics.clone(),
         None,
     );
-    let capped = heartbeat_with("w", 1, T0, |s| s.max_concurrency = 1);
-    step(&mut e, vec![capped], T0);
-    let out = step(&mut e, vec![job("a", 100, 50, T0)], T0);
+    let capped = heartbeat("w", &[], 1, T0, |s| s.max_concurrency = 1);
+    published(&mut e, vec![capped], T0);
+    let out = published(&mut e, vec![job("a", 100, 50, T0)], T0);
     assert_eq!(assigned(&out), vec![("a".to_string(), "w".to_string())]);
-    let out = step(
+    let out = published(
         &mut e,
         vec![job("b", 100, 50, T0 + 1), job("c", 100, 50, T0 + 1)],
         T0 + 1,
@@ -1221,9 +1150,9 @@ fn a_model_at_its_cap_holds_its_queue_in_order_and_counts_each_look() {
     assert!(assigned(&out).is_empty());
     // One look per arrival, one refusal per worker.
     assert_eq!(metrics.holds("m", "at_concurrency_cap"), 2);
-    let out = step(
+    let out = published(
         &mut e,
-        vec![done("a", "w", 50, CompletionOutcome::Done)],
+        vec![ended("a", "w", 50, CompletionOutcome::Done)],
         T0 + 2,
     );
     assert_eq!(assigned(&out), vec![("b".to_string(), "w".to_string())]);

@@ -1,9 +1,7 @@
 //! Admission and bursts, on the engine alone (no server, simulated time): the behaviours
 //! `admission.rs` and `burst.rs` check through NATS, here as properties of the decisions.
 
-use crate::engine_support;
-
-use engine_support::*;
+use metronome_dispatcher::engine::testing::*;
 use metronome_dispatcher::engine::Event;
 use metronome_protocol::{ErrorCode, Outcome};
 
@@ -11,9 +9,9 @@ use metronome_protocol::{ErrorCode, Outcome};
 fn two_models() -> metronome_dispatcher::engine::Engine {
     let mut e = engine(|c| c.queue_bound_per_model = 3);
     let workers = vec![
-        heartbeat("a-0", "a", 1, &[], 1, T0),
-        heartbeat("a-1", "a", 1, &[], 1, T0),
-        heartbeat("b-0", "b", 1, &[], 1, T0),
+        heartbeat_of("a-0", "a", 1, &[], 1, T0),
+        heartbeat_of("a-1", "a", 1, &[], 1, T0),
+        heartbeat_of("b-0", "b", 1, &[], 1, T0),
     ];
     step(&mut e, workers, T0);
     e
@@ -24,7 +22,7 @@ fn a_full_model_queues_in_order_refuses_past_its_bound_and_never_holds_another_m
     let mut e = two_models();
     let first = step(
         &mut e,
-        vec![job("a1", "a", T0 + 1), job("a2", "a", T0 + 2)],
+        vec![small_job("a1", "a", T0 + 1), small_job("a2", "a", T0 + 2)],
         T0 + 2,
     );
     let mut on: Vec<String> = assigned(&first).into_iter().map(|(_, w)| w).collect();
@@ -33,7 +31,7 @@ fn a_full_model_queues_in_order_refuses_past_its_bound_and_never_holds_another_m
 
     // Three more wait (the bound is 3), a fourth is refused; model b's job goes at once.
     let more = (3..=6)
-        .map(|i| job(&format!("a{i}"), "a", T0 + 2 + i))
+        .map(|i| small_job(&format!("a{i}"), "a", T0 + 2 + i))
         .collect();
     let out = step(&mut e, more, T0 + 10);
     assert!(assigned(&out).is_empty());
@@ -42,7 +40,7 @@ fn a_full_model_queues_in_order_refuses_past_its_bound_and_never_holds_another_m
     assert_eq!(refused[0].0.job_id, "a6");
     assert_eq!(refused[0].0.reason_code.as_deref(), Some("queue_full"));
     assert_eq!(refused[0].1, ErrorCode::QueueFull);
-    let b = step(&mut e, vec![job("b1", "b", T0 + 11)], T0 + 11);
+    let b = step(&mut e, vec![small_job("b1", "b", T0 + 11)], T0 + 11);
     assert_eq!(assigned(&b), [("b1".to_string(), "b-0".to_string())]);
 
     // Each completion frees a worker for the oldest waiting job of model a.
@@ -70,15 +68,15 @@ fn a_job_past_its_deadline_a_cancelled_one_and_one_for_an_unknown_model_are_answ
     // Both workers of model a busy: the next jobs wait.
     step(
         &mut e,
-        vec![job("a1", "a", T0 + 1), job("a2", "a", T0 + 2)],
+        vec![small_job("a1", "a", T0 + 1), small_job("a2", "a", T0 + 2)],
         T0 + 2,
     );
     let mut late = body("late", "a", None, 10, 10, T0 + 3);
     late.deadline_ms = Some(T0 + 500);
     let waiting = vec![
         arrival(late, T0 + 3, T0 + 3),
-        job("cancel-me", "a", T0 + 4),
-        job("nobody", "no-such-model", T0 + 5),
+        small_job("cancel-me", "a", T0 + 4),
+        small_job("nobody", "no-such-model", T0 + 5),
     ];
     let out = step(&mut e, waiting, T0 + 5);
     let cancel = Event::Cancel {
@@ -131,7 +129,7 @@ fn n_simultaneous_jobs_land_on_n_distinct_idle_workers_round_after_round() {
         let ids: Vec<String> = (0..n).map(|i| format!("w{i}")).collect();
         let hb = |seq, at| {
             ids.iter()
-                .map(|w| heartbeat(w, "m", 256, &[], seq, at))
+                .map(|w| heartbeat_of(w, "m", 256, &[], seq, at))
                 .collect()
         };
         step(&mut e, hb(1, T0), T0);
@@ -176,7 +174,7 @@ fn jobs_arriving_before_the_workers_report_earlier_ones_still_spread() {
         let ids: Vec<String> = (0..n).map(|i| format!("w{i}")).collect();
         let idle = |seq, at| {
             ids.iter()
-                .map(|w| heartbeat(w, "m", 256, &[], seq, at))
+                .map(|w| heartbeat_of(w, "m", 256, &[], seq, at))
                 .collect()
         };
         step(&mut e, idle(1, T0), T0);

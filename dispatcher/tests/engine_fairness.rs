@@ -6,11 +6,9 @@
 //! split across a change of leader, which only holds if the new leader starts from the
 //! counters the old one handed out to be persisted.
 
-use crate::engine_support;
-
 use std::collections::{BTreeMap, HashMap};
 
-use engine_support::*;
+use metronome_dispatcher::engine::testing::*;
 use metronome_dispatcher::engine::{Effect, Engine, Outcome};
 use metronome_protocol::Job;
 use metronome_scheduler::FairnessSnapshot;
@@ -103,7 +101,7 @@ impl Drill {
         let out = self.leader.take_effects();
         self.keep_persisted(&out);
         let mut next = Drill::new_leader(self.persisted.clone());
-        let busy = heartbeat(
+        let busy = heartbeat_of(
             GPU,
             "m",
             1,
@@ -151,7 +149,7 @@ fn a_flooding_tenant_gets_the_rest_and_shares_hold_across_a_change_of_leader() {
     };
     step(
         &mut drill.leader,
-        vec![heartbeat(GPU, "m", 1, &[], 1, T0)],
+        vec![heartbeat_of(GPU, "m", 1, &[], 1, T0)],
         T0,
     );
     // A floods (its first job goes at once, before any of B's exists); B then keeps three
@@ -187,7 +185,7 @@ fn a_flooding_tenant_gets_the_rest_and_shares_hold_across_a_change_of_leader() {
                 finished.max_tokens,
                 drill.at,
             ),
-            heartbeat(GPU, "m", 1, &[], hb_seq, drill.at),
+            heartbeat_of(GPU, "m", 1, &[], hb_seq, drill.at),
         ];
         assert!(order.len() < 1_000, "no end after {order:?}");
         if drill.waiting.is_empty() {

@@ -3,10 +3,8 @@
 //! that holds it, the SLO rules still decide, and a job without a fingerprint is placed
 //! exactly as before.
 
-use crate::engine_support;
-
-use engine_support::*;
-use metronome_dispatcher::engine::{Engine, Event, WorkerUpdate};
+use metronome_dispatcher::engine::testing::*;
+use metronome_dispatcher::engine::{Engine, Event};
 use metronome_protocol::prefix::PrefixFingerprint;
 use metronome_protocol::{AffinityOutcome, Decision, Job, PrefixSource};
 
@@ -31,8 +29,8 @@ fn with_prefix(id: &str, tokens: &[u32], at: u64) -> Job {
 fn two_workers() -> Engine {
     let mut e = engine(|_| {});
     let workers = vec![
-        heartbeat("w0", "m", 4, &[], 1, T0),
-        heartbeat("w1", "m", 4, &[], 1, T0),
+        heartbeat_of("w0", "m", 4, &[], 1, T0),
+        heartbeat_of("w1", "m", 4, &[], 1, T0),
     ];
     step(&mut e, workers, T0);
     e
@@ -45,17 +43,15 @@ fn heartbeat_with(
     at: u64,
     change: impl FnOnce(&mut metronome_protocol::WorkerStatus),
 ) -> Event {
-    let mut hb = heartbeat(id, "m", 4, &[], seq, at);
-    if let Event::Worker(WorkerUpdate::Put { status, .. }) = &mut hb {
-        change(status);
-    }
-    hb
+    let mut s = status(id, "m", 4, &[], seq, at);
+    change(&mut s);
+    put(s, seq, at)
 }
 
 /// `first` (job `p1`) ran on w1 and finished: w1 holds its prefix. `w0` was busy meanwhile
 /// with a job without a prefix, so `p1` went to w1.
 fn placed_on_w1_and_finished(e: &mut Engine, first: Job) {
-    let busy = step(e, vec![job("busy", "m", T0 + 1)], T0 + 1);
+    let busy = step(e, vec![small_job("busy", "m", T0 + 1)], T0 + 1);
     assert_eq!(assigned(&busy), [("busy".to_string(), "w0".to_string())]);
     let out = step(e, vec![arrival(first, T0 + 2, T0 + 2)], T0 + 2);
     assert_eq!(assigned(&out), [("p1".to_string(), "w1".to_string())]);
@@ -211,8 +207,8 @@ fn the_holder_with_one_more_running_job_wins_on_predicted_cost() {
     step(
         &mut off,
         vec![
-            heartbeat("w0", "m", 4, &[], 1, T0),
-            heartbeat("w1", "m", 4, &[], 1, T0),
+            heartbeat_of("w0", "m", 4, &[], 1, T0),
+            heartbeat_of("w1", "m", 4, &[], 1, T0),
         ],
         T0,
     );
@@ -326,8 +322,8 @@ fn a_worker_that_reports_its_cache_is_judged_by_its_report_the_others_by_placeme
     let out = step(
         &mut e,
         vec![
-            heartbeat("w0", "m", 4, &[], 2, later),
-            heartbeat("w1", "m", 4, &[], 2, later),
+            heartbeat_of("w0", "m", 4, &[], 2, later),
+            heartbeat_of("w1", "m", 4, &[], 2, later),
             arrival(with_prefix("p3", &third, later), later, later),
         ],
         later,

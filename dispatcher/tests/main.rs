@@ -15,7 +15,6 @@ mod engine;
 mod engine_admission;
 mod engine_fairness;
 mod engine_prefix;
-mod engine_support;
 mod epoch;
 mod failure_paths;
 mod fairness;

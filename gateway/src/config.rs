@@ -244,7 +244,8 @@ impl Default for Config {
     }
 }
 
-pub use metronome_runtime::config::{ConfigError, EnvVar, FieldError};
+pub use metronome_runtime::config::{ConfigError, FieldError};
+use metronome_runtime::settings::{Setting, SettingTable};
 
 /// What is wrong with `origins` as [`Config::cors_allowed_origins`], if anything: each must
 /// be a browser origin (`http` or `https`, a host, an optional port, nothing after), or the
@@ -270,21 +271,38 @@ fn check_cors_origins(origins: &[String]) -> Option<String> {
     })
 }
 
-/// The environment variables that override keys of the file.
-pub const ENV: [EnvVar; 3] = [
-    EnvVar {
-        var: ENV_NATS_URL,
-        key: "nats_url",
-    },
-    EnvVar {
-        var: ENV_LISTEN,
-        key: "listen",
-    },
-    EnvVar {
-        var: ENV_REDIS_URL,
-        key: "redis_url",
-    },
+/// The keys the command line and the environment set: each flag, its variable and its
+/// help, declared once (the binary's flags and [`Config::apply_env`] both read this).
+pub const SETTINGS: [Setting; 3] = [
+    Setting::new(
+        "listen",
+        "listen",
+        "ADDR",
+        "Listen address, e.g. 0.0.0.0:8080 (key `listen`)",
+    )
+    .env(ENV_LISTEN),
+    Setting::new(
+        "nats_url",
+        "nats-url",
+        "URL",
+        "NATS server URL (key `nats_url`)",
+    )
+    .env(ENV_NATS_URL),
+    Setting::new(
+        "redis_url",
+        "redis-url",
+        "URL",
+        "Redis holding the workers' EWMAs, read only by the console (key `redis_url`)",
+    )
+    .env(ENV_REDIS_URL),
 ];
+
+/// [`SETTINGS`] as the type the binary's flags are built from.
+pub struct Settings;
+
+impl SettingTable for Settings {
+    const SETTINGS: &'static [Setting] = &SETTINGS;
+}
 
 impl Config {
     /// Parse a TOML document (missing keys take their defaults).
@@ -303,10 +321,10 @@ impl Config {
         Ok(config)
     }
 
-    /// Apply the overrides of [`ENV`] and the NATS credentials (`METRONOME_NATS_*`) found
-    /// through `env` (empty values are ignored).
+    /// Apply the variables of [`SETTINGS`], then the NATS credentials (`METRONOME_NATS_*`)
+    /// and Redis TLS, found through `env` (empty values are ignored).
     pub fn apply_env(&mut self, env: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
-        metronome_runtime::config::apply_env(self, &ENV, &env)?;
+        metronome_runtime::settings::apply_env(self, &SETTINGS, &env)?;
         self.nats_auth.apply_env(&env);
         self.redis_tls.apply_env(&env);
         Ok(())

@@ -6,8 +6,10 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use metronome_gateway::config::Settings;
 use metronome_gateway::{Config, ModelList, TenantConfig};
-use metronome_runtime::config::{apply_overrides, Override};
+use metronome_runtime::config::apply_overrides;
+use metronome_runtime::settings::SettingFlags;
 
 /// Metronome's OpenAI-compatible HTTP gateway.
 ///
@@ -26,15 +28,8 @@ struct Args {
     /// valid, 2 with every field error otherwise).
     #[arg(long)]
     check_config: bool,
-    /// Listen address, e.g. 0.0.0.0:8080 (key `listen`).
-    #[arg(long, env = "METRONOME_GATEWAY_LISTEN", value_name = "ADDR")]
-    listen: Option<String>,
-    /// NATS server URL (key `nats_url`).
-    #[arg(long, env = "NATS_URL", value_name = "URL")]
-    nats_url: Option<String>,
-    /// Redis holding the workers' EWMAs, read only by the console (key `redis_url`).
-    #[arg(long, env = "REDIS_URL", value_name = "URL")]
-    redis_url: Option<String>,
+    #[command(flatten)]
+    settings: SettingFlags<Settings>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -185,18 +180,10 @@ fn main() -> ExitCode {
     if let Some(Command::Keys(KeysCommand::Create(create))) = args.command {
         return keys_create(create);
     }
-    let flags = [
-        ("--listen", "listen", &args.listen),
-        ("--nats-url", "nats_url", &args.nats_url),
-        ("--redis-url", "redis_url", &args.redis_url),
-    ];
-    let overrides = flags
-        .into_iter()
-        .filter_map(|(flag, key, v)| v.as_ref().map(|v| Override::flag(flag, key, v)));
-    // File, then the environment (`METRONOME_NATS_*`, `METRONOME_REDIS_*` and the keys
-    // of `config::ENV`), then flags: the order every binary uses.
+    // File, then the environment (`METRONOME_NATS_*`, `METRONOME_REDIS_*` and the
+    // variables of `config::SETTINGS`), then flags: the order every binary uses.
     let config = Config::load(args.config.as_deref(), |k| std::env::var(k).ok())
-        .and_then(|mut c| apply_overrides(&mut c, overrides).map(|()| c));
+        .and_then(|mut c| apply_overrides(&mut c, args.settings.overrides.clone()).map(|()| c));
     let config = match config {
         Ok(c) => c,
         Err(e) => {
@@ -238,19 +225,16 @@ mod tests {
     use super::*;
     use clap::CommandFactory;
 
-    /// Every environment variable the configuration knows is declared on a flag, so
-    /// `--help` lists it.
+    /// `--help` lists exactly the variables the configuration loader reads, each on the
+    /// flag of its key.
     #[test]
-    fn every_environment_variable_is_a_flag() {
-        let command = Args::command();
-        for var in metronome_gateway::config::ENV {
-            assert!(
-                command
-                    .get_arguments()
-                    .any(|a| a.get_env().is_some_and(|e| e == var.var)),
-                "{} is not declared on a flag",
-                var.var
-            );
-        }
+    fn help_and_the_configuration_loader_agree() {
+        metronome_runtime::settings::assert_help_and_loader_agree(
+            &mut Args::command(),
+            &metronome_gateway::config::SETTINGS,
+            |lookup| {
+                let _ = Config::load(None, lookup);
+            },
+        );
     }
 }

@@ -15,6 +15,7 @@ use std::time::Duration;
 use async_nats::jetstream::kv;
 use futures::StreamExt;
 use metronome_protocol::WorkerStatus;
+use metronome_runtime::retry::Pauses;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
@@ -144,13 +145,19 @@ impl Registry {
     ) -> tokio::task::JoinHandle<()> {
         let registry = self.clone();
         tokio::spawn(async move {
+            // Between watches: 500 ms doubling to 5 s, jittered (every gateway lost the
+            // same server); back to 500 ms once a watch delivers.
+            let mut pauses = Pauses::new(Duration::from_millis(500), Duration::from_secs(5));
             loop {
                 match store.watch_with_history(">").await {
                     Ok(mut watch) => loop {
                         tokio::select! {
                             _ = shutdown.cancelled() => return,
                             item = watch.next() => match item {
-                                Some(Ok(entry)) => registry.apply_entry(&entry, &metrics),
+                                Some(Ok(entry)) => {
+                                    pauses.reset();
+                                    registry.apply_entry(&entry, &metrics)
+                                }
                                 Some(Err(error)) => {
                                     tracing::warn!(%error, "workers bucket watch failed; watching again");
                                     break;
@@ -168,7 +175,7 @@ impl Registry {
                 }
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                    _ = tokio::time::sleep(pauses.next_pause()) => {}
                 }
             }
         })

@@ -317,10 +317,10 @@ impl SimConfig {
         metronome_runtime::config::read_file(path).map_err(ConfigError::from)
     }
 
-    /// Apply environment overrides read through `var` ([`ENV`] and [`ENV_GPUS`]), so tests
-    /// need not touch the process environment.
+    /// Apply environment overrides read through `var` ([`SETTINGS`] and [`ENV_GPUS`]), so
+    /// tests need not touch the process environment.
     pub fn apply_env(&mut self, var: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
-        metronome_runtime::config::apply_env(self, &ENV, &var)
+        metronome_runtime::settings::apply_env(self, &SETTINGS, &var)
             .map_err(|e| ConfigError::Env(e.to_string()))?;
         if let Some(gpus) = var(ENV_GPUS) {
             self.gpu = parse_specs(gpus.split(';'))?;
@@ -393,21 +393,36 @@ pub fn parse_specs<'a>(
         .collect()
 }
 
-pub use metronome_runtime::config::{EnvVar, FieldError};
+pub use metronome_runtime::config::FieldError;
+use metronome_runtime::settings::{Setting, SettingTable};
 
-/// The environment variables that override keys of the file. `METRONOME_SIM_GPUS` (GPU
-/// specs separated by `;`, replacing the file's GPUs) is not a key: [`SimConfig::apply_env`]
-/// reads it besides these.
-pub const ENV: [EnvVar; 2] = [
-    EnvVar {
-        var: "METRONOME_SIM_SEED",
-        key: "seed",
-    },
-    EnvVar {
-        var: "METRONOME_SIM_HOST",
-        key: "host",
-    },
+/// The keys the command line and the environment set: each flag, its variable and its
+/// help, declared once (the binary's flags and [`SimConfig::apply_env`] both read this).
+/// `METRONOME_SIM_GPUS` ([`ENV_GPUS`], GPU specs separated by `;`, replacing the file's
+/// GPUs) is not a key: the `--gpu` flag and [`SimConfig::apply_env`] read it besides these.
+pub const SETTINGS: [Setting; 2] = [
+    Setting::new(
+        "seed",
+        "seed",
+        "SEED",
+        "Seed of the generated text, for every GPU (key `seed`)",
+    )
+    .env("METRONOME_SIM_SEED"),
+    Setting::new(
+        "host",
+        "host",
+        "HOST",
+        "Address every GPU listens on, e.g. 0.0.0.0 in a container (key `host`)",
+    )
+    .env("METRONOME_SIM_HOST"),
 ];
+
+/// [`SETTINGS`] as the type the binary's flags are built from.
+pub struct Settings;
+
+impl SettingTable for Settings {
+    const SETTINGS: &'static [Setting] = &SETTINGS;
+}
 
 /// The environment variable with the GPU specs.
 pub const ENV_GPUS: &str = "METRONOME_SIM_GPUS";

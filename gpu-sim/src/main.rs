@@ -5,8 +5,10 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Parser;
-use metronome_gpu_sim::config::parse_specs;
+use metronome_gpu_sim::config::{parse_specs, Settings};
 use metronome_gpu_sim::SimConfig;
+use metronome_runtime::config::apply_overrides;
+use metronome_runtime::settings::SettingFlags;
 
 /// Simulated GPUs: OpenAI-compatible model servers that behave like vLLM on one GPU each.
 ///
@@ -27,16 +29,12 @@ struct Cli {
     #[arg(
         long = "gpu",
         value_name = "SPEC",
-        env = "METRONOME_SIM_GPUS",
+        env = metronome_gpu_sim::config::ENV_GPUS,
         value_delimiter = ';'
     )]
     gpus: Vec<String>,
-    /// Seed of the generated text, for every GPU (key `seed`).
-    #[arg(long, env = "METRONOME_SIM_SEED")]
-    seed: Option<u64>,
-    /// Address every GPU listens on, e.g. 0.0.0.0 in a container (key `host`).
-    #[arg(long, env = "METRONOME_SIM_HOST")]
-    host: Option<std::net::IpAddr>,
+    #[command(flatten)]
+    settings: SettingFlags<Settings>,
     /// Validate the configuration, print the effective config and exit (2 on errors).
     #[arg(long)]
     check_config: bool,
@@ -51,12 +49,7 @@ fn load(cli: &Cli) -> anyhow::Result<SimConfig> {
     if !cli.gpus.is_empty() {
         config.gpu = parse_specs(cli.gpus.iter().map(String::as_str))?;
     }
-    if cli.seed.is_some() {
-        config.seed = cli.seed;
-    }
-    if cli.host.is_some() {
-        config.host = cli.host;
-    }
+    apply_overrides(&mut config, cli.settings.overrides.clone())?;
     Ok(config)
 }
 
@@ -112,22 +105,16 @@ mod tests {
     use super::*;
     use clap::CommandFactory;
 
-    /// Every environment variable the configuration knows is declared on a flag, so
-    /// `--help` lists it.
+    /// `--help` lists exactly the variables the configuration loader reads, each on the
+    /// flag of its key.
     #[test]
-    fn every_environment_variable_is_a_flag() {
-        let command = Cli::command();
-        let vars = metronome_gpu_sim::config::ENV
-            .map(|v| v.var)
-            .into_iter()
-            .chain([metronome_gpu_sim::config::ENV_GPUS]);
-        for var in vars {
-            assert!(
-                command
-                    .get_arguments()
-                    .any(|a| a.get_env().is_some_and(|e| e == var)),
-                "{var} is not declared on a flag"
-            );
-        }
+    fn help_and_the_configuration_loader_agree() {
+        metronome_runtime::settings::assert_help_and_loader_agree(
+            &mut Cli::command(),
+            &metronome_gpu_sim::config::SETTINGS,
+            |lookup| {
+                let _ = SimConfig::default().apply_env(lookup);
+            },
+        );
     }
 }

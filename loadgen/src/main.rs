@@ -6,10 +6,13 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
+use metronome_loadgen::spec::Settings;
 use metronome_loadgen::{
     load_trace, run_load_until, trace_stats, write_outputs, Endpoint, FieldError, LengthDist,
     LoadSpec, Workload,
 };
+use metronome_runtime::config::{apply_overrides, ConfigError};
+use metronome_runtime::settings::SettingFlags;
 
 /// Open-loop OpenAI-API load generator measuring per-request predictability.
 ///
@@ -44,24 +47,11 @@ struct Cli {
     #[arg(long, requires = "trace")]
     trace_stats: bool,
 
-    /// OpenAI-style base URL including the version prefix [default: http://127.0.0.1:8080/v1].
-    #[arg(long, value_name = "URL", env = "OPENAI_BASE_URL")]
-    base_url: Option<String>,
-    /// Model name sent in every request.
-    #[arg(long, env = "METRONOME_LOADGEN_MODEL")]
-    model: Option<String>,
+    #[command(flatten)]
+    settings: SettingFlags<Settings>,
     /// API endpoint: chat (/chat/completions) or completions (/completions) [default: chat].
     #[arg(long, value_name = "chat|completions")]
     endpoint: Option<Endpoint>,
-    /// Bearer token, if the server wants one.
-    #[arg(
-        long,
-        value_name = "KEY",
-        env = "OPENAI_API_KEY",
-        hide_env_values = true
-    )]
-    api_key: Option<String>,
-
     /// Replay this trace CSV instead of Poisson arrivals.
     #[arg(long, value_name = "CSV")]
     trace: Option<PathBuf>,
@@ -145,12 +135,14 @@ impl Cli {
                 }
             };
         }
-        set!(self.base_url, spec.base_url);
-        set!(self.model, spec.model);
-        set!(self.endpoint, spec.endpoint);
-        if self.api_key.is_some() {
-            spec.api_key = self.api_key.clone();
+        if let Err(e) = apply_overrides(spec, self.settings.overrides.clone()) {
+            let key = match &e {
+                ConfigError::Override { key, .. } => key.clone(),
+                _ => String::new(),
+            };
+            bad(&key, &e.to_string());
         }
+        set!(self.endpoint, spec.endpoint);
         if self.limit.is_some() {
             spec.limit = self.limit;
         }
@@ -326,19 +318,16 @@ mod tests {
     use super::*;
     use clap::CommandFactory;
 
-    /// Every environment variable the spec knows is declared on a flag, so `--help` lists
-    /// it.
+    /// `--help` lists exactly the variables the spec loader reads, each on the flag of its
+    /// key.
     #[test]
-    fn every_environment_variable_is_a_flag() {
-        let command = Cli::command();
-        for var in metronome_loadgen::spec::ENV {
-            assert!(
-                command
-                    .get_arguments()
-                    .any(|a| a.get_env().is_some_and(|e| e == var.var)),
-                "{} is not declared on a flag",
-                var.var
-            );
-        }
+    fn help_and_the_spec_loader_agree() {
+        metronome_runtime::settings::assert_help_and_loader_agree(
+            &mut Cli::command(),
+            &metronome_loadgen::spec::SETTINGS,
+            |lookup| {
+                let _ = LoadSpec::default().apply_env(lookup);
+            },
+        );
     }
 }

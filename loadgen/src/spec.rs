@@ -9,6 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
+use metronome_runtime::settings::{Setting, SettingTable};
 use serde::{Deserialize, Serialize};
 
 use crate::dist::LengthDist;
@@ -214,21 +215,39 @@ impl Default for LoadSpec {
     }
 }
 
-/// The environment variables that override keys of the spec file.
-pub const ENV: [metronome_runtime::config::EnvVar; 3] = [
-    metronome_runtime::config::EnvVar {
-        var: "OPENAI_BASE_URL",
-        key: "base_url",
-    },
-    metronome_runtime::config::EnvVar {
-        var: "OPENAI_API_KEY",
-        key: "api_key",
-    },
-    metronome_runtime::config::EnvVar {
-        var: "METRONOME_LOADGEN_MODEL",
-        key: "model",
-    },
+/// The keys the command line and the environment set: each flag, its variable and its
+/// help, declared once (the binary's flags and [`LoadSpec::apply_env`] both read this).
+pub const SETTINGS: [Setting; 3] = [
+    Setting::new(
+        "base_url",
+        "base-url",
+        "URL",
+        "OpenAI-style base URL including the version prefix [default: http://127.0.0.1:8080/v1]",
+    )
+    .env("OPENAI_BASE_URL"),
+    Setting::new(
+        "model",
+        "model",
+        "MODEL",
+        "Model name sent in every request",
+    )
+    .env("METRONOME_LOADGEN_MODEL"),
+    Setting::new(
+        "api_key",
+        "api-key",
+        "KEY",
+        "Bearer token, if the server wants one",
+    )
+    .env("OPENAI_API_KEY")
+    .secret(),
 ];
+
+/// [`SETTINGS`] as the type the binary's flags are built from.
+pub struct Settings;
+
+impl SettingTable for Settings {
+    const SETTINGS: &'static [Setting] = &SETTINGS;
+}
 
 impl LoadSpec {
     /// Parses a TOML spec; absent fields take their defaults.
@@ -248,13 +267,13 @@ impl LoadSpec {
         })
     }
 
-    /// Applies the overrides of [`ENV`] through `lookup` (testable without touching the
-    /// process environment); empty values are ignored.
+    /// Applies the variables of [`SETTINGS`] through `lookup` (testable without touching
+    /// the process environment); empty values are ignored.
     pub fn apply_env(
         &mut self,
         lookup: impl Fn(&str) -> Option<String>,
     ) -> Result<(), metronome_runtime::config::ConfigError> {
-        metronome_runtime::config::apply_env(self, &ENV, lookup)
+        metronome_runtime::settings::apply_env(self, &SETTINGS, lookup)
     }
 
     /// Full URL requests are posted to.

@@ -5,7 +5,8 @@
 //! Each binary keeps its typed configuration struct and its checks; what is shared is the
 //! plumbing: reading and parsing the file with its path in the error ([`read_file`],
 //! [`file_or_default`]), the field error type, and overriding a key from an environment
-//! variable or a flag ([`apply_env`], [`apply_overrides`]).
+//! variable or a flag ([`apply_overrides`]; the binary's settings table, [`crate::settings`],
+//! names which).
 //!
 //! An override is applied to the TOML form of the configuration and read back through
 //! serde, so a bad value meets the same checks as the file (unknown enum variants, integer
@@ -72,14 +73,6 @@ pub enum ConfigError {
     Invalid(Vec<FieldError>),
 }
 
-/// An environment variable that overrides one configuration key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct EnvVar {
-    pub var: &'static str,
-    /// Dotted TOML path of the key it sets.
-    pub key: &'static str,
-}
-
 /// One value to set: where it came from (for errors), the key, the text.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Override {
@@ -121,25 +114,6 @@ pub fn file_or_default<T: DeserializeOwned + Default>(
     path: Option<&Path>,
 ) -> Result<T, ConfigError> {
     path.map_or_else(|| Ok(T::default()), read_file)
-}
-
-/// Apply every variable of `vars` that `lookup` finds (`|k| std::env::var(k).ok()` in a
-/// binary, a map in tests).
-pub fn apply_env<T: Serialize + DeserializeOwned>(
-    config: &mut T,
-    vars: &[EnvVar],
-    lookup: impl Fn(&str) -> Option<String>,
-) -> Result<(), ConfigError> {
-    apply_overrides(
-        config,
-        vars.iter().filter_map(|v| {
-            lookup(v.var).map(|value| Override {
-                origin: format!("environment variable {}", v.var),
-                key: v.key.to_string(),
-                value,
-            })
-        }),
-    )
 }
 
 /// Set each override's key, in order (a later one wins); empty values are skipped.
@@ -248,6 +222,7 @@ fn typed(current: Option<&toml::Value>, text: &str) -> Result<toml::Value, Strin
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::settings::{apply_env, Setting};
     use serde::Deserialize;
 
     #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -297,39 +272,15 @@ mod tests {
         }
     }
 
-    const VARS: [EnvVar; 8] = [
-        EnvVar {
-            var: "URL",
-            key: "url",
-        },
-        EnvVar {
-            var: "ID",
-            key: "id",
-        },
-        EnvVar {
-            var: "LIMIT",
-            key: "limit",
-        },
-        EnvVar {
-            var: "PORT",
-            key: "port",
-        },
-        EnvVar {
-            var: "ADDR",
-            key: "addr",
-        },
-        EnvVar {
-            var: "ON",
-            key: "on",
-        },
-        EnvVar {
-            var: "MODE",
-            key: "mode",
-        },
-        EnvVar {
-            var: "RATIO",
-            key: "inner.ratio",
-        },
+    const VARS: [Setting; 8] = [
+        Setting::new("url", "url", "V", "").env("URL"),
+        Setting::new("id", "id", "V", "").env("ID"),
+        Setting::new("limit", "limit", "V", "").env("LIMIT"),
+        Setting::new("port", "port", "V", "").env("PORT"),
+        Setting::new("addr", "addr", "V", "").env("ADDR"),
+        Setting::new("on", "on", "V", "").env("ON"),
+        Setting::new("mode", "mode", "V", "").env("MODE"),
+        Setting::new("inner.ratio", "inner.ratio", "V", "").env("RATIO"),
     ];
 
     fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {

@@ -8,6 +8,9 @@
 //!   [`CancellationToken`] that the binary's `run` watches;
 //! - [`config`]: loading configuration (TOML file, then environment variables and flags,
 //!   each setting one key) and its field error type;
+//! - [`retry`]: pauses between retries, exponential with jitter ([`retry::Pauses`]);
+//! - [`settings`]: each binary's flags and environment variables, declared once in a table
+//!   that both clap and the configuration loader read;
 //! - [`report_invalid_config`]: the `invalid configuration:` report, one indented line per
 //!   field error, and exit code 2;
 //! - [`nats`]: NATS credentials and TLS ([`nats::NatsAuth`]), read the same way by every
@@ -26,6 +29,10 @@ pub mod config;
 pub mod nats;
 
 pub mod redis;
+
+pub mod retry;
+
+pub mod settings;
 
 pub mod tls;
 

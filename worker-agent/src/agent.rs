@@ -28,6 +28,7 @@ use metronome_protocol::{
     lease_vouches_for, Assignment, CompletionEvent, CompletionOutcome, ErrorCode, FinalResult,
     JobLimits, ResultError, Usage, PROTOCOL_VERSION,
 };
+use metronome_runtime::retry::Pauses;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -114,7 +115,8 @@ pub async fn ensure_consumer(
 /// and return. Running jobs are left to finish (the caller drains them). Pull requests are
 /// answered on one inbox ([`crate::pull`]).
 pub(crate) async fn intake(shared: Arc<Shared>, mut puller: Puller, stop: CancellationToken) {
-    let mut backoff = Duration::from_millis(100);
+    // After a failed pull: 100 ms doubling to 2 s, jittered; back to 100 ms on a message.
+    let mut pauses = Pauses::new(Duration::from_millis(100), Duration::from_secs(2));
     while !stop.is_cancelled() {
         // Subscribed before the check, so a heartbeat stored in between still wakes it.
         let mut stored = shared.stored.subscribe();
@@ -142,10 +144,9 @@ pub(crate) async fn intake(shared: Arc<Shared>, mut puller: Puller, stop: Cancel
         if let Err(e) = puller.request(free, PULL_EXPIRES).await {
             tracing::warn!(error = %e, "pull request failed; retrying");
             tokio::select! {
-                _ = tokio::time::sleep(backoff) => {}
+                _ = tokio::time::sleep(pauses.next_pause()) => {}
                 _ = stop.cancelled() => break,
             }
-            backoff = (backoff * 2).min(Duration::from_secs(2));
             continue;
         }
         // Messages already requested are read to the end even after `stop`: they are
@@ -157,7 +158,7 @@ pub(crate) async fn intake(shared: Arc<Shared>, mut puller: Puller, stop: Cancel
             match puller.next(deadline).await {
                 Pulled::Message(msg) => {
                     received += 1;
-                    backoff = Duration::from_millis(100);
+                    pauses.reset();
                     accept(&shared, *msg).await;
                 }
                 Pulled::Ended => break,
@@ -169,10 +170,9 @@ pub(crate) async fn intake(shared: Arc<Shared>, mut puller: Puller, stop: Cancel
                 Pulled::Refused(why) => {
                     tracing::warn!(%why, "the server ended a pull request with an error; retrying");
                     tokio::select! {
-                        _ = tokio::time::sleep(backoff) => {}
+                        _ = tokio::time::sleep(pauses.next_pause()) => {}
                         _ = stop.cancelled() => {}
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
                     break;
                 }
                 Pulled::Closed => {

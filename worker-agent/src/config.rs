@@ -195,39 +195,76 @@ impl Default for Config {
     }
 }
 
-pub use metronome_runtime::config::{ConfigError, EnvVar, FieldError};
+pub use metronome_runtime::config::{ConfigError, FieldError};
+use metronome_runtime::settings::{Setting, SettingTable};
 
-/// The environment variables that override keys of the file.
-pub const ENV: [EnvVar; 7] = [
-    EnvVar {
-        var: "NATS_URL",
-        key: "nats_url",
-    },
-    EnvVar {
-        var: "REDIS_URL",
-        key: "redis_url",
-    },
-    EnvVar {
-        var: "METRONOME_WORKER_ID",
-        key: "worker_id",
-    },
-    EnvVar {
-        var: "METRONOME_WORKER_MODEL",
-        key: "model",
-    },
-    EnvVar {
-        var: "METRONOME_WORKER_MODEL_SERVER_URL",
-        key: "model_server_url",
-    },
-    EnvVar {
-        var: "METRONOME_WORKER_MAX_CONCURRENCY",
-        key: "max_concurrency",
-    },
-    EnvVar {
-        var: "METRONOME_WORKER_METRICS_PORT",
-        key: "metrics_port",
-    },
+/// The keys the command line and the environment set: each flag, its variable (where it
+/// has one) and its help, declared once (the binary's flags and [`Config::apply_env`]
+/// both read this).
+pub const SETTINGS: [Setting; 9] = [
+    Setting::new("nats_url", "nats-url", "URL", "NATS server URL").env("NATS_URL"),
+    Setting::new(
+        "redis_url",
+        "redis-url",
+        "URL",
+        "Redis URL for the EWMAs and the performance-model state",
+    )
+    .env("REDIS_URL"),
+    Setting::new(
+        "worker_id",
+        "worker-id",
+        "WORKER_ID",
+        "Worker id, a subject-safe token such as `node1-gpu0`",
+    )
+    .env("METRONOME_WORKER_ID"),
+    Setting::new(
+        "model",
+        "model",
+        "MODEL",
+        "Model name the model server has loaded",
+    )
+    .env("METRONOME_WORKER_MODEL"),
+    Setting::new(
+        "model_server_url",
+        "model-server-url",
+        "MODEL_SERVER_URL",
+        "Base URL of the model server, e.g. http://127.0.0.1:8001",
+    )
+    .env("METRONOME_WORKER_MODEL_SERVER_URL"),
+    Setting::new(
+        "model_server_kind",
+        "model-server-kind",
+        "MODEL_SERVER_KIND",
+        "vllm | sglang | simulator | llamacpp | tgi",
+    ),
+    Setting::new(
+        "gpu_index",
+        "gpu-index",
+        "GPU_INDEX",
+        "GPU index on this host (NVML device)",
+    ),
+    Setting::new(
+        "max_concurrency",
+        "max-concurrency",
+        "MAX_CONCURRENCY",
+        "Most jobs run at once",
+    )
+    .env("METRONOME_WORKER_MAX_CONCURRENCY"),
+    Setting::new(
+        "metrics_port",
+        "metrics-port",
+        "METRICS_PORT",
+        "Port of the agent's own /metrics endpoint (0 = any free port)",
+    )
+    .env("METRONOME_WORKER_METRICS_PORT"),
 ];
+
+/// [`SETTINGS`] as the type the binary's flags are built from.
+pub struct Settings;
+
+impl SettingTable for Settings {
+    const SETTINGS: &'static [Setting] = &SETTINGS;
+}
 
 impl Config {
     /// Parse a TOML document.
@@ -240,13 +277,13 @@ impl Config {
         metronome_runtime::config::read_file(path)
     }
 
-    /// Apply the overrides of [`ENV`] found through `lookup` (`std::env::var(..).ok()` in
-    /// the binary, a map in tests).
+    /// Apply the variables of [`SETTINGS`], then the NATS and Redis credentials and TLS,
+    /// found through `lookup` (`std::env::var(..).ok()` in the binary, a map in tests).
     pub fn apply_env(
         &mut self,
         lookup: impl Fn(&str) -> Option<String>,
     ) -> Result<(), ConfigError> {
-        metronome_runtime::config::apply_env(self, &ENV, &lookup)?;
+        metronome_runtime::settings::apply_env(self, &SETTINGS, &lookup)?;
         self.nats_auth.apply_env(&lookup);
         self.redis_tls.apply_env(&lookup);
         Ok(())

@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use metronome_runtime::config::{apply_overrides, file_or_default, Override};
+use metronome_runtime::config::{apply_overrides, file_or_default};
+use metronome_runtime::settings::SettingFlags;
+use metronome_worker_agent::config::Settings;
 use metronome_worker_agent::{run, Config};
 
 /// Runs the jobs the Metronome dispatcher assigns to one GPU/model instance.
@@ -22,85 +24,18 @@ struct Cli {
     /// Validate the configuration, print the effective values and exit (2 on errors).
     #[arg(long)]
     check_config: bool,
-    /// NATS server URL.
-    #[arg(long, env = "NATS_URL", value_name = "URL")]
-    nats_url: Option<String>,
-    /// Redis URL for the EWMAs and the performance-model state.
-    #[arg(long, env = "REDIS_URL", value_name = "URL")]
-    redis_url: Option<String>,
-    /// Worker id, a subject-safe token such as `node1-gpu0`.
-    #[arg(long, env = "METRONOME_WORKER_ID")]
-    worker_id: Option<String>,
-    /// Model name the model server has loaded.
-    #[arg(long, env = "METRONOME_WORKER_MODEL")]
-    model: Option<String>,
-    /// Base URL of the model server, e.g. http://127.0.0.1:8001.
-    #[arg(long, env = "METRONOME_WORKER_MODEL_SERVER_URL")]
-    model_server_url: Option<String>,
-    /// vllm | sglang | simulator | llamacpp | tgi.
-    #[arg(long)]
-    model_server_kind: Option<String>,
-    /// GPU index on this host (NVML device).
-    #[arg(long)]
-    gpu_index: Option<u32>,
-    /// Most jobs run at once.
-    #[arg(long, env = "METRONOME_WORKER_MAX_CONCURRENCY")]
-    max_concurrency: Option<u32>,
-    /// Port of the agent's own /metrics endpoint (0 = any free port).
-    #[arg(long, env = "METRONOME_WORKER_METRICS_PORT")]
-    metrics_port: Option<u16>,
-}
-
-impl Cli {
-    /// The flags given (or read from their environment variables), each as an override of
-    /// its configuration key.
-    fn overrides(&self) -> Vec<Override> {
-        let flags: [(&str, &str, Option<String>); 9] = [
-            ("--nats-url", "nats_url", self.nats_url.clone()),
-            ("--redis-url", "redis_url", self.redis_url.clone()),
-            ("--worker-id", "worker_id", self.worker_id.clone()),
-            ("--model", "model", self.model.clone()),
-            (
-                "--model-server-url",
-                "model_server_url",
-                self.model_server_url.clone(),
-            ),
-            (
-                "--model-server-kind",
-                "model_server_kind",
-                self.model_server_kind.clone(),
-            ),
-            (
-                "--gpu-index",
-                "gpu_index",
-                self.gpu_index.map(|v| v.to_string()),
-            ),
-            (
-                "--max-concurrency",
-                "max_concurrency",
-                self.max_concurrency.map(|v| v.to_string()),
-            ),
-            (
-                "--metrics-port",
-                "metrics_port",
-                self.metrics_port.map(|v| v.to_string()),
-            ),
-        ];
-        flags
-            .into_iter()
-            .filter_map(|(flag, key, v)| v.map(|v| Override::flag(flag, key, v)))
-            .collect()
-    }
+    #[command(flatten)]
+    settings: SettingFlags<Settings>,
 }
 
 fn load(cli: &Cli) -> Result<Config, String> {
     let mut config: Config = file_or_default(cli.config.as_deref()).map_err(|e| e.to_string())?;
-    // File, then the environment (`METRONOME_NATS_*`, `METRONOME_REDIS_*` and the keys of
-    // `config::ENV`), then flags: the order every binary uses.
+    // File, then the environment (`METRONOME_NATS_*`, `METRONOME_REDIS_*` and the
+    // variables of `config::SETTINGS`), then flags: the order every binary uses.
     config
         .apply_env(|k| std::env::var(k).ok())
         .map_err(|e| e.to_string())?;
-    apply_overrides(&mut config, cli.overrides()).map_err(|e| e.to_string())?;
+    apply_overrides(&mut config, cli.settings.overrides.clone()).map_err(|e| e.to_string())?;
     Ok(config)
 }
 
@@ -153,23 +88,27 @@ mod tests {
     use super::*;
     use clap::CommandFactory;
 
-    /// Every environment variable the configuration knows is a flag, so `--help` lists it,
-    /// and the flag sets the same key.
+    /// `--help` lists exactly the variables the configuration loader reads, each on the
+    /// flag of its key.
     #[test]
-    fn every_environment_variable_is_a_flag_for_its_key() {
-        let command = Cli::command();
-        for var in metronome_worker_agent::config::ENV {
-            let arg = command
-                .get_arguments()
-                .find(|a| a.get_env().is_some_and(|e| e == var.var))
-                .unwrap_or_else(|| panic!("{} is not declared on a flag", var.var));
-            let flag = format!("--{}", arg.get_long().unwrap());
-            let cli = Cli::try_parse_from(["metronome-worker-agent", &flag, "7"]).unwrap();
-            let set = cli.overrides().into_iter().find(|o| o.origin == flag);
-            assert_eq!(
-                set.map(|o| (o.key, o.value)),
-                Some((var.key.into(), "7".into()))
-            );
-        }
+    fn help_and_the_configuration_loader_agree() {
+        metronome_runtime::settings::assert_help_and_loader_agree(
+            &mut Cli::command(),
+            &metronome_worker_agent::config::SETTINGS,
+            |lookup| {
+                let _ = Config::default().apply_env(lookup);
+            },
+        );
+    }
+
+    /// A flag sets its key, and the override names the flag.
+    #[test]
+    fn a_flag_overrides_its_key() {
+        let cli = Cli::try_parse_from(["metronome-worker-agent", "--gpu-index", "3"]).unwrap();
+        let o = &cli.settings.overrides[0];
+        assert_eq!(
+            (o.origin.as_str(), o.key.as_str(), o.value.as_str()),
+            ("--gpu-index", "gpu_index", "3")
+        );
     }
 }

@@ -37,6 +37,7 @@ use metronome_protocol::{
     Assignment, CompletionEvent, CompletionOutcome, ErrorCode, FinalResult, ResultChunk, Usage,
     PROTOCOL_VERSION,
 };
+use metronome_runtime::retry::Pauses;
 use metronome_scheduler::perf::PerfSample;
 use tracing::Instrument;
 
@@ -354,7 +355,8 @@ const PUBLISH_RETRY_WINDOW: Duration = Duration::from_secs(20);
 pub(crate) const FINAL_ONCE: (&str, &str) = (HEADER_EXPECTED_LAST_SUBJECT_SEQ, FIRST_ON_SUBJECT);
 
 /// Publish on JetStream with one de-duplication header (`(HEADER_MSG_ID, id)`, or
-/// [`FINAL_ONCE`]), retrying for [`PUBLISH_RETRY_WINDOW`]. A final result whose subject
+/// [`FINAL_ONCE`]), retrying for [`PUBLISH_RETRY_WINDOW`] (pauses from 100 ms doubling to
+/// 1 s, jittered, so the agents that lost the same stream leader do not retry in step). A final result whose subject
 /// already holds one (a retry after a lost acknowledgement) counts as published.
 pub(crate) async fn publish_js<T: serde::Serialize>(
     shared: &Shared,
@@ -388,6 +390,7 @@ pub(crate) async fn publish_js<T: serde::Serialize>(
         }
     };
     let started = tokio::time::Instant::now();
+    let mut pauses = Pauses::new(Duration::from_millis(100), Duration::from_secs(1));
     for attempt in 1u32.. {
         let result = match shared
             .js
@@ -414,8 +417,7 @@ pub(crate) async fn publish_js<T: serde::Serialize>(
                 if started.elapsed() >= PUBLISH_RETRY_WINDOW {
                     break;
                 }
-                let pause = Duration::from_millis(100 * u64::from(attempt.min(10)));
-                tokio::time::sleep(pause).await;
+                tokio::time::sleep(pauses.next_pause()).await;
             }
         }
     }

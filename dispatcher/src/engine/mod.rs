@@ -59,8 +59,8 @@ mod record;
 mod settings;
 mod snapshots;
 mod tenancy;
-#[cfg(test)]
-mod testing;
+#[doc(hidden)]
+pub mod testing;
 
 pub use effect::{revoke, Effect, Outcome};
 pub use event::{Event, Incoming, RedisSnapshot, WorkerUpdate};

@@ -153,7 +153,7 @@ mod tests {
         let full = heartbeat("w", &["x"], 1, T0, |s| s.max_concurrency = 1);
         step(&mut e, vec![full], T0);
         e.cache_model_workers("m");
-        let j = body(None, "a", 100, 10, T0);
+        let j = body("a", "m", None, 100, 10, T0);
         let (request, _) = e.request_of("m", &crate::engine::testing::queued(j, T0));
         assert!(e.refused_whatever_the_job("m", &request));
         let mut open = engine(|_| {});

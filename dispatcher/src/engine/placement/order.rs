@@ -93,12 +93,12 @@ mod tests {
 
     #[test]
     fn a_clients_submission_time_counts_only_within_the_ttft_target() {
-        let mut early = body(None, "a", 100, 10, 0);
+        let mut early = body("a", "m", None, 100, 10, 0);
         // Submitted long before the dispatcher read it: at most the target is counted.
         early.submitted_ms = 0;
         assert_eq!(waited_ms(&queued(early, 10_000), 1_000, 10_500), 1_500);
         // Submitted "after" it was read (a clock ahead): counted from the read.
-        let mut ahead = body(None, "b", 100, 10, 0);
+        let mut ahead = body("b", "m", None, 100, 10, 0);
         ahead.submitted_ms = 20_000;
         assert_eq!(waited_ms(&queued(ahead, 10_000), 1_000, 10_500), 500);
     }
@@ -129,7 +129,7 @@ mod tests {
         let full = heartbeat("w1", &[], 1, T0, |_| {});
         // `old` was submitted 10 s before it was read (counted up to its TTFT target),
         // `fresh` just now: `old` is late, so `fresh` goes first.
-        let mut old = body(None, "old", 100, 10, T0 - 10_000);
+        let mut old = body("old", "m", None, 100, 10, T0 - 10_000);
         old.submitted_ms = T0 - 10_000;
         let inputs = vec![
             full,

@@ -194,7 +194,7 @@ mod tests {
     #[test]
     fn nothing_known_predicts_max_tokens_and_the_ewma_is_bounded_by_it() {
         let mut e = engine(|_| {});
-        let j = body(None, "a", 100, 400, T0);
+        let j = body("a", "m", None, 100, 400, T0);
         assert_eq!(e.predicted_output(&j), 400.0);
         e.output_len.insert("m".into(), 150.0);
         assert_eq!(e.predicted_output(&j), 150.0);
@@ -205,7 +205,7 @@ mod tests {
     #[test]
     fn an_embedding_is_predicted_to_write_nothing_even_once_outputs_are_known() {
         let mut e = engine(|_| {});
-        let mut j = body(None, "a", 100, 400, T0);
+        let mut j = body("a", "m", None, 100, 400, T0);
         j.endpoint = metronome_protocol::Endpoint::Embedding;
         j.max_tokens = 0;
         assert_eq!(e.predicted_output(&j), 0.0);
@@ -219,7 +219,7 @@ mod tests {
     #[test]
     fn completions_of_assigned_jobs_fit_the_output_model() {
         let mut e = engine(|_| {});
-        let j = body(None, "a", 100, 1_000, T0);
+        let j = body("a", "m", None, 100, 1_000, T0);
         e.assigned.insert(
             "a".into(),
             crate::engine::AssignedJob {
@@ -238,7 +238,7 @@ mod tests {
     #[test]
     fn the_request_carries_the_ttft_budget_its_wait_has_left() {
         let e = engine(|_| {});
-        let mut j = body(None, "a", 100, 10, T0);
+        let mut j = body("a", "m", None, 100, 10, T0);
         j.submitted_ms = T0;
         let (request, slo) = e.request_of("m", &queued(j, T0));
         assert_eq!(request.prompt_tokens, 100);

@@ -114,7 +114,7 @@ mod tests {
         let mut e = engine(|_| {});
         step(&mut e, vec![heartbeat("w", &[], 1, T0, |_| {})], T0);
         e.cache_model_workers("m");
-        let (request, _) = e.request_of("m", &queued(body(None, "a", 100, 10, T0), T0));
+        let (request, _) = e.request_of("m", &queued(body("a", "m", None, 100, 10, T0), T0));
         let evaluation = e.select("m", "a", &request, None);
         assert_eq!(evaluation.winner.as_deref(), Some("w"));
         assert!(evaluation.rejected.is_empty());
@@ -127,7 +127,7 @@ mod tests {
         step(&mut e, vec![hb("w1"), hb("w2")], T0);
         e.cache_model_workers("m");
         e.refusals.record("a", "w1", 1);
-        let (request, _) = e.request_of("m", &queued(body(None, "a", 100, 10, T0), T0));
+        let (request, _) = e.request_of("m", &queued(body("a", "m", None, 100, 10, T0), T0));
         let evaluation = e.select("m", "a", &request, None);
         assert_eq!(evaluation.winner.as_deref(), Some("w2"));
         assert_eq!(evaluation.rejected.len(), 1);
