@@ -78,6 +78,8 @@ pub fn is_sha256_hex(s: &str) -> bool {
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
+/// Lower-case hex of `bytes` (only the key functions, which need `ring`, use it).
+#[cfg(feature = "nats")]
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
