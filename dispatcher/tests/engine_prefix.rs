@@ -27,7 +27,12 @@ fn with_prefix(id: &str, tokens: &[u32], at: u64) -> Job {
 
 /// Two equal idle workers of model `m`, four jobs at once each.
 fn two_workers() -> Engine {
-    let mut e = engine(|_| {});
+    two_workers_with(|_| {})
+}
+
+/// [`two_workers`] under `configure`d settings.
+fn two_workers_with(configure: impl FnOnce(&mut metronome_dispatcher::config::Config)) -> Engine {
+    let mut e = engine(configure);
     let workers = vec![
         heartbeat_of("w0", "m", 4, &[], 1, T0),
         heartbeat_of("w1", "m", 4, &[], 1, T0),
@@ -167,29 +172,33 @@ fn a_worker_holding_the_prefix_but_missing_the_slo_loses_to_one_that_meets_it() 
     );
 }
 
-#[test]
-fn the_holder_with_one_more_running_job_wins_on_predicted_cost() {
-    // w1 holds the prefix and runs one job; w0 is idle. The score alone prefers the idle
-    // w0 (one request fewer); in milliseconds w1 is cheaper by the prefill it skips, so
-    // affinity gives it the job and the decision says so.
-    let mut e = two_workers();
+/// w1 holds `p1`'s whole prompt and runs one job, w0 is idle; `p2` starts with that
+/// prompt. What the engine decides for `p2`.
+fn busy_holder_decides(e: &mut Engine) -> (Vec<(String, String)>, Decision) {
     let first = tokens(1, PROMPT, 1, 0);
-    placed_on_w1_and_finished(&mut e, with_prefix("p1", &first, T0 + 2));
+    placed_on_w1_and_finished(e, with_prefix("p1", &first, T0 + 2));
     let busy = heartbeat_with("w1", 2, T0 + 600, |s| {
         s.in_flight = vec!["x".into()];
         s.active = 1;
     });
     let second = tokens(1, PROMPT, 2, 200);
     let out = step(
-        &mut e,
+        e,
         vec![
             busy,
             arrival(with_prefix("p2", &second, T0 + 600), T0 + 600, T0 + 600),
         ],
         T0 + 600,
     );
-    assert_eq!(assigned(&out), [("p2".to_string(), "w1".to_string())]);
-    let d = assignment_decisions(&out)[0];
+    (assigned(&out), assignment_decisions(&out)[0].clone())
+}
+
+#[test]
+fn the_holder_with_one_more_running_job_wins_on_predicted_cost() {
+    // The score alone prefers the idle w0 (one request fewer); in milliseconds w1 is
+    // cheaper by the prefill it skips, so affinity gives it the job and the decision says so.
+    let (placed, d) = busy_holder_decides(&mut two_workers());
+    assert_eq!(placed, [("p2".to_string(), "w1".to_string())]);
     let affinity = d.affinity.as_ref().expect("affinity recorded");
     assert_eq!(affinity.worker_id, "w1");
     assert_eq!(affinity.outcome, AffinityOutcome::Chosen);
@@ -203,30 +212,10 @@ fn the_holder_with_one_more_running_job_wins_on_predicted_cost() {
     );
 
     // With affinity off, the same inputs go to w0 and no record is made.
-    let mut off = engine(|s| s.scheduler.affinity_max_share = 0.0);
-    step(
-        &mut off,
-        vec![
-            heartbeat_of("w0", "m", 4, &[], 1, T0),
-            heartbeat_of("w1", "m", 4, &[], 1, T0),
-        ],
-        T0,
-    );
-    placed_on_w1_and_finished(&mut off, with_prefix("p1", &first, T0 + 2));
-    let busy = heartbeat_with("w1", 2, T0 + 600, |s| {
-        s.in_flight = vec!["x".into()];
-        s.active = 1;
-    });
-    let out = step(
-        &mut off,
-        vec![
-            busy,
-            arrival(with_prefix("p2", &second, T0 + 600), T0 + 600, T0 + 600),
-        ],
-        T0 + 600,
-    );
-    assert_eq!(assigned(&out), [("p2".to_string(), "w0".to_string())]);
-    assert_eq!(assignment_decisions(&out)[0].affinity, None);
+    let mut off = two_workers_with(|s| s.scheduler.affinity_max_share = 0.0);
+    let (placed, d) = busy_holder_decides(&mut off);
+    assert_eq!(placed, [("p2".to_string(), "w0".to_string())]);
+    assert_eq!(d.affinity, None);
 }
 
 #[test]
