@@ -21,15 +21,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use clap::Parser;
-use metronome_dispatcher::engine::WorkerUpdate;
+use metronome_dispatcher::engine::testing;
 use metronome_dispatcher::engine::{Effect, Engine, EngineSettings, Event, Incoming, Outcome};
 use metronome_dispatcher::{Config, Metrics};
 use metronome_protocol::cache_state::{CacheUpdate, CacheUpdateKind, CACHE_UPDATE_VERSION};
 use metronome_protocol::prefix::PrefixFingerprint;
-use metronome_protocol::{
-    CompletionEvent, CompletionOutcome, Endpoint, Job, KvUsage, PerfCoefficients, WorkerStatus,
-    PROTOCOL_VERSION,
-};
+use metronome_protocol::{CompletionEvent, CompletionOutcome, Endpoint, Job, PROTOCOL_VERSION};
 
 #[derive(Parser, Debug)]
 #[command(about = "Index memory and decision time of prefix-aware placement")]
@@ -49,47 +46,10 @@ const T0: u64 = 1_800_000_000_000;
 const EPOCH: u64 = 7;
 const PROMPT: u32 = 4_200;
 
+/// An idle worker of model `m` taking up to 256 jobs at once, with the engine tests'
+/// fitted GPU ([`testing::status`]).
 fn worker(id: &str, seq: u64, at: u64) -> Event {
-    let status = WorkerStatus {
-        v: PROTOCOL_VERSION,
-        worker_id: id.into(),
-        model: "m".into(),
-        node: None,
-        gpu_index: None,
-        healthy: true,
-        draining: false,
-        max_concurrency: 256,
-        active: 0,
-        queued: 0,
-        in_flight: Vec::new(),
-        kv: Some(KvUsage {
-            used_frac: 0.0,
-            capacity_tokens: Some(40_000),
-        }),
-        gpu: None,
-        prefill_pending_tokens: 0,
-        perf: Some(PerfCoefficients {
-            step_base_ms: 20.0,
-            step_per_stream_ms: 0.2,
-            step_per_ktok_ms: 0.1,
-            stall_per_prefill_token_ms: 0.1,
-            ttft_base_ms: 20.0,
-            prefill_per_token_ms: 0.1,
-            ttft_per_stream_ms: 1.0,
-            step_error_ms: 0.0,
-            samples: 100,
-        }),
-        max_epoch: 0,
-        seq,
-        sent_ms: at,
-    };
-    Event::Worker(WorkerUpdate::Put {
-        status: Box::new(status),
-        seen_ms: at,
-        revision: seq,
-        unvouched: Vec::new(),
-        tenants: Default::default(),
-    })
+    testing::heartbeat_of(id, "m", 256, &[], seq, at)
 }
 
 /// The 256-block chain of prompt family `f` (distinct per family).
