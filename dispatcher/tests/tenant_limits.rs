@@ -12,18 +12,6 @@ use metronome_protocol::{names, Decision, ErrorCode, FinalResult, Outcome};
 use metronome_scheduler::rate_limit::RateLimits;
 use serde_json::json;
 
-async fn stored<T: serde::de::DeserializeOwned>(env: &Env, stream: &str, subject: String) -> T {
-    let stream = env.js.get_stream(stream).await.unwrap();
-    metronome_testkit::wait_for(&format!("a record on {subject}"), WAIT, || {
-        let (stream, subject) = (stream.clone(), subject.clone());
-        async move {
-            let m = stream.direct_get_last_for_subject(subject).await.ok()?;
-            Some(serde_json::from_slice(&m.payload).expect("decodes"))
-        }
-    })
-    .await
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_direct_nats_client_is_held_to_its_tenants_token_limit() {
     let env = Env::start().await;
@@ -61,28 +49,28 @@ async fn a_direct_nats_client_is_held_to_its_tenants_token_limit() {
     submit("frugal", "l-small", 40).await;
     submit("acme", "l-other", 1_000).await;
 
-    let d: Decision = stored(
-        &env,
-        names::STREAM_DECISIONS,
-        names::decision_subject(Some("frugal"), "l-big"),
-    )
-    .await;
-    assert_eq!(d.outcome, Outcome::Rejected, "{d:?}");
-    assert_eq!(d.reason_code.as_deref(), Some("request_too_large"), "{d:?}");
-    let f: FinalResult = stored(
-        &env,
-        names::STREAM_RESULTS,
-        names::dispatcher_final_subject(Some("frugal"), "l-big"),
-    )
-    .await;
-    assert_eq!(f.error.expect("an error").code, ErrorCode::QueueFull);
-    for (tenant, id) in [("frugal", "l-small"), ("acme", "l-other")] {
-        let d: Decision = stored(
-            &env,
+    let d: Decision = env
+        .stored(
             names::STREAM_DECISIONS,
-            names::decision_subject(Some(tenant), id),
+            names::decision_subject(Some("frugal"), "l-big"),
         )
         .await;
+    assert_eq!(d.outcome, Outcome::Rejected, "{d:?}");
+    assert_eq!(d.reason_code.as_deref(), Some("request_too_large"), "{d:?}");
+    let f: FinalResult = env
+        .stored(
+            names::STREAM_RESULTS,
+            names::dispatcher_final_subject(Some("frugal"), "l-big"),
+        )
+        .await;
+    assert_eq!(f.error.expect("an error").code, ErrorCode::QueueFull);
+    for (tenant, id) in [("frugal", "l-small"), ("acme", "l-other")] {
+        let d: Decision = env
+            .stored(
+                names::STREAM_DECISIONS,
+                names::decision_subject(Some(tenant), id),
+            )
+            .await;
         assert_eq!(d.outcome, Outcome::Assigned, "{id}: {d:?}");
     }
     assert_eq!(running.metrics.tenant_limited_jobs_total.load(Relaxed), 1);

@@ -13,19 +13,6 @@ use common::*;
 use metronome_protocol::{names, Decision, ErrorCode, FinalResult, Outcome};
 use serde_json::json;
 
-/// The latest record stored on `subject` of `stream`, waited for.
-async fn stored<T: serde::de::DeserializeOwned>(env: &Env, stream: &str, subject: String) -> T {
-    let stream = env.js.get_stream(stream).await.unwrap();
-    metronome_testkit::wait_for(&format!("a record on {subject}"), WAIT, || {
-        let (stream, subject) = (stream.clone(), subject.clone());
-        async move {
-            let m = stream.direct_get_last_for_subject(subject).await.ok()?;
-            Some(serde_json::from_slice(&m.payload).expect("decodes"))
-        }
-    })
-    .await
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_subject_names_the_tenant_and_the_body_cannot_claim_another() {
     let env = Env::start().await;
@@ -74,31 +61,31 @@ async fn the_subject_names_the_tenant_and_the_body_cannot_claim_another() {
         .await;
 
     for id in ["t-plain", "t-same"] {
-        let d: Decision = stored(
-            &env,
-            names::STREAM_DECISIONS,
-            names::decision_subject(Some("acme"), id),
-        )
-        .await;
+        let d: Decision = env
+            .stored(
+                names::STREAM_DECISIONS,
+                names::decision_subject(Some("acme"), id),
+            )
+            .await;
         assert_eq!(d.outcome, Outcome::Assigned, "{id}: {d:?}");
         assert_eq!(d.tenant.as_deref(), Some("acme"), "{id}");
     }
 
-    let d: Decision = stored(
-        &env,
-        names::STREAM_DECISIONS,
-        names::decision_subject(Some("acme"), "t-forged"),
-    )
-    .await;
+    let d: Decision = env
+        .stored(
+            names::STREAM_DECISIONS,
+            names::decision_subject(Some("acme"), "t-forged"),
+        )
+        .await;
     assert_eq!(d.outcome, Outcome::Rejected);
     assert_eq!(d.reason_code.as_deref(), Some("tenant_mismatch"), "{d:?}");
     assert_eq!(d.tenant.as_deref(), Some("acme"));
-    let f: FinalResult = stored(
-        &env,
-        names::STREAM_RESULTS,
-        names::dispatcher_final_subject(Some("acme"), "t-forged"),
-    )
-    .await;
+    let f: FinalResult = env
+        .stored(
+            names::STREAM_RESULTS,
+            names::dispatcher_final_subject(Some("acme"), "t-forged"),
+        )
+        .await;
     assert_eq!(f.error.expect("an error").code, ErrorCode::InvalidJob);
     // Nothing was told to, or charged to, the tenant the body named.
     let others = env.all_decisions().await;
@@ -107,12 +94,12 @@ async fn the_subject_names_the_tenant_and_the_body_cannot_claim_another() {
         "{others:?}"
     );
 
-    let d: Decision = stored(
-        &env,
-        names::STREAM_DECISIONS,
-        names::decision_subject(None, "t-v1-subject"),
-    )
-    .await;
+    let d: Decision = env
+        .stored(
+            names::STREAM_DECISIONS,
+            names::decision_subject(None, "t-v1-subject"),
+        )
+        .await;
     assert_eq!(d.outcome, Outcome::Rejected);
     assert_eq!(d.reason_code.as_deref(), Some("unsupported_version"));
     assert!(
@@ -122,19 +109,19 @@ async fn the_subject_names_the_tenant_and_the_body_cannot_claim_another() {
             .contains("jobs.submit.<tenant>"),
         "{d:?}"
     );
-    let d: Decision = stored(
-        &env,
-        names::STREAM_DECISIONS,
-        names::decision_subject(Some("acme"), "t-v1-body"),
-    )
-    .await;
+    let d: Decision = env
+        .stored(
+            names::STREAM_DECISIONS,
+            names::decision_subject(Some("acme"), "t-v1-body"),
+        )
+        .await;
     assert_eq!(d.reason_code.as_deref(), Some("unsupported_version"));
-    let d: Decision = stored(
-        &env,
-        names::STREAM_DECISIONS,
-        names::decision_subject(Some("acme"), "t-v2-body"),
-    )
-    .await;
+    let d: Decision = env
+        .stored(
+            names::STREAM_DECISIONS,
+            names::decision_subject(Some("acme"), "t-v2-body"),
+        )
+        .await;
     assert_eq!(d.reason_code.as_deref(), Some("unsupported_version"));
     let reason = d.reason.unwrap_or_default();
     for named in [
@@ -143,12 +130,12 @@ async fn the_subject_names_the_tenant_and_the_body_cannot_claim_another() {
     ] {
         assert!(reason.contains(named), "{named} in {reason}");
     }
-    let f: FinalResult = stored(
-        &env,
-        names::STREAM_RESULTS,
-        names::dispatcher_final_subject(Some("acme"), "t-v2-body"),
-    )
-    .await;
+    let f: FinalResult = env
+        .stored(
+            names::STREAM_RESULTS,
+            names::dispatcher_final_subject(Some("acme"), "t-v2-body"),
+        )
+        .await;
     assert_eq!(f.error.expect("an error").code, ErrorCode::InvalidJob);
     token.cancel();
 }

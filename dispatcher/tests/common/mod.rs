@@ -32,6 +32,19 @@ pub struct Env {
 }
 
 impl Env {
+    /// The latest record stored on `subject` of `stream`, waited for.
+    pub async fn stored<T: serde::de::DeserializeOwned>(&self, stream: &str, subject: String) -> T {
+        let stream = self.js.get_stream(stream).await.unwrap();
+        metronome_testkit::wait_for(&format!("a record on {subject}"), WAIT, || {
+            let (stream, subject) = (stream.clone(), subject.clone());
+            async move {
+                let m = stream.direct_get_last_for_subject(subject).await.ok()?;
+                Some(serde_json::from_slice(&m.payload).expect("decodes"))
+            }
+        })
+        .await
+    }
+
     pub async fn start() -> Env {
         Env::start_with(&test_stream_settings()).await
     }
