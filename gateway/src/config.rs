@@ -492,8 +492,12 @@ impl Config {
         let either = "set both (HTTPS) or neither (plain HTTP)";
         let (cert, key) = match (&self.tls_cert, &self.tls_key) {
             (None, None) => return None,
-            (Some(_), None) => return Some(("tls_key", format!("missing: tls_cert is set; {either}"))),
-            (None, Some(_)) => return Some(("tls_cert", format!("missing: tls_key is set; {either}"))),
+            (Some(_), None) => {
+                return Some(("tls_key", format!("missing: tls_cert is set; {either}")))
+            }
+            (None, Some(_)) => {
+                return Some(("tls_cert", format!("missing: tls_key is set; {either}")))
+            }
             (Some(cert), Some(key)) => (cert, key),
         };
         let error = crate::tls::server_config(cert, key).err()?;

@@ -139,7 +139,8 @@ impl RedisTls {
             url: crate::nats::redact_url(url),
             source,
         };
-        let mut info = ::redis::IntoConnectionInfo::into_connection_info(url).map_err(client_error)?;
+        let mut info =
+            ::redis::IntoConnectionInfo::into_connection_info(url).map_err(client_error)?;
         if let Some(path) = &self.password_file {
             let password = std::fs::read_to_string(path)
                 .map(|s| s.trim_end_matches(['\n', '\r']).to_string())
@@ -272,18 +273,25 @@ mod tests {
             password_file: Some(path),
             ..RedisTls::default()
         };
-        assert!(settings.validate("redis://gateway@10.0.0.1:6379/").is_empty());
+        assert!(settings
+            .validate("redis://gateway@10.0.0.1:6379/")
+            .is_empty());
         let client = settings.client("redis://gateway@10.0.0.1:6379/").unwrap();
         let redis = client.get_connection_info().redis_settings();
         assert_eq!(redis.username(), Some("gateway"));
         assert_eq!(redis.password(), Some("from-the-file"));
         // A URL without a user, or one that carries a password too, is refused.
-        for url in ["redis://10.0.0.1:6379/", "redis://gateway:other@10.0.0.1:6379/"] {
+        for url in [
+            "redis://10.0.0.1:6379/",
+            "redis://gateway:other@10.0.0.1:6379/",
+        ] {
             let fields: Vec<_> = settings.validate(url).into_iter().map(|(f, _)| f).collect();
             assert_eq!(fields, ["redis_url"], "{url}");
         }
         // The file is no TLS setting: a plain URL stays plain.
-        assert!(settings.validate("redis://gateway@127.0.0.1:6379/").is_empty());
+        assert!(settings
+            .validate("redis://gateway@127.0.0.1:6379/")
+            .is_empty());
     }
 
     #[test]
@@ -299,8 +307,13 @@ mod tests {
             .map(|(f, _)| f)
             .collect();
         assert_eq!(fields, ["redis_tls.password_file"]);
-        let err = settings.client("redis://gateway@127.0.0.1:6379/").unwrap_err();
-        assert!(matches!(err, RedisClientError::PasswordFile { .. }), "{err}");
+        let err = settings
+            .client("redis://gateway@127.0.0.1:6379/")
+            .unwrap_err();
+        assert!(
+            matches!(err, RedisClientError::PasswordFile { .. }),
+            "{err}"
+        );
     }
 
     #[test]

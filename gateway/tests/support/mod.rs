@@ -62,7 +62,10 @@ impl Harness {
 
     /// [`Harness::start`] serving HTTPS with `ca`'s server certificate (for `127.0.0.1`),
     /// the helpers' client trusting `ca` alone.
-    pub async fn start_tls(ca: &metronome_testkit::TestCa, tweak: impl FnOnce(&mut Config)) -> Harness {
+    pub async fn start_tls(
+        ca: &metronome_testkit::TestCa,
+        tweak: impl FnOnce(&mut Config),
+    ) -> Harness {
         let cert = ca.server_cert();
         let key = ca.server_key();
         Harness::start_inner(
