@@ -23,6 +23,10 @@ pub const ENV_NATS_URL: &str = "NATS_URL";
 pub const ENV_REDIS_URL: &str = "REDIS_URL";
 /// Environment variable overriding [`Config::listen`].
 pub const ENV_LISTEN: &str = "METRONOME_GATEWAY_LISTEN";
+/// Environment variable overriding [`Config::tls_cert`].
+pub const ENV_TLS_CERT: &str = "METRONOME_GATEWAY_TLS_CERT";
+/// Environment variable overriding [`Config::tls_key`].
+pub const ENV_TLS_KEY: &str = "METRONOME_GATEWAY_TLS_KEY";
 
 /// Storage of the JetStream streams the gateway creates when they are missing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -38,6 +42,14 @@ pub enum StreamStorage {
 pub struct Config {
     /// HTTP listen address (`127.0.0.1:0` picks a free port).
     pub listen: String,
+    /// PEM certificate chain (leaf first) to serve HTTPS with, on `listen` (which then
+    /// speaks TLS only); needs `tls_key`. Absent: plain HTTP, for loopback or behind a
+    /// TLS proxy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// PEM private key of `tls_cert` (PKCS#8, PKCS#1 or SEC1).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_key: Option<std::path::PathBuf>,
     /// NATS server URL, or every node of a cluster separated by commas (overridden by
     /// `NATS_URL`).
     pub nats_url: String,
@@ -214,6 +226,8 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             listen: "127.0.0.1:8080".into(),
+            tls_cert: None,
+            tls_key: None,
             nats_url: "nats://127.0.0.1:4222".into(),
             nats_auth: Default::default(),
             body_limit_bytes: 4 * 1024 * 1024,
@@ -273,7 +287,7 @@ fn check_cors_origins(origins: &[String]) -> Option<String> {
 
 /// The keys the command line and the environment set: each flag, its variable and its
 /// help, declared once (the binary's flags and [`Config::apply_env`] both read this).
-pub const SETTINGS: [Setting; 3] = [
+pub const SETTINGS: [Setting; 5] = [
     Setting::new(
         "listen",
         "listen",
@@ -281,6 +295,20 @@ pub const SETTINGS: [Setting; 3] = [
         "Listen address, e.g. 0.0.0.0:8080 (key `listen`)",
     )
     .env(ENV_LISTEN),
+    Setting::new(
+        "tls_cert",
+        "tls-cert",
+        "FILE",
+        "Serve HTTPS with this PEM certificate chain (key `tls_cert`; needs --tls-key)",
+    )
+    .env(ENV_TLS_CERT),
+    Setting::new(
+        "tls_key",
+        "tls-key",
+        "FILE",
+        "The PEM private key of --tls-cert (key `tls_key`)",
+    )
+    .env(ENV_TLS_KEY),
     Setting::new(
         "nats_url",
         "nats-url",
@@ -355,6 +383,9 @@ impl Config {
                 self.listen
             ),
         );
+        if let Some((field, message)) = self.check_tls() {
+            check(false, field, message);
+        }
         let bad_url = metronome_runtime::nats::check_server_urls(&self.nats_url);
         check(bad_url.is_none(), "nats_url", bad_url.unwrap_or_default());
         let bad_origin = check_cors_origins(&self.cors_allowed_origins);
@@ -450,6 +481,38 @@ impl Config {
         } else {
             Err(errors)
         }
+    }
+
+    /// What is wrong with `tls_cert` / `tls_key`, if anything: both or neither, and both
+    /// files read and accepted by rustls (the key is the certificate's), so
+    /// `--check-config` finds what would stop the gateway at start.
+    fn check_tls(&self) -> Option<(&'static str, String)> {
+        use crate::tls::TlsConfigError;
+        use metronome_runtime::tls::TlsFileError;
+        let either = "set both (HTTPS) or neither (plain HTTP)";
+        let (cert, key) = match (&self.tls_cert, &self.tls_key) {
+            (None, None) => return None,
+            (Some(_), None) => {
+                return Some(("tls_key", format!("missing: tls_cert is set; {either}")))
+            }
+            (None, Some(_)) => {
+                return Some(("tls_cert", format!("missing: tls_key is set; {either}")))
+            }
+            (Some(cert), Some(key)) => (cert, key),
+        };
+        let error = crate::tls::server_config(cert, key).err()?;
+        let field = match &error {
+            TlsConfigError::File(
+                TlsFileError::Read { setting, .. } | TlsFileError::Content { setting, .. },
+            ) => *setting,
+            TlsConfigError::Refused { .. } => "tls_key",
+        };
+        let text = error.to_string();
+        let message = text
+            .strip_prefix(field)
+            .and_then(|t| t.strip_prefix(": ").or_else(|| t.strip_prefix(' ')))
+            .unwrap_or(&text);
+        Some((field, message.to_string()))
     }
 
     fn validate_tenants(&self, errors: &mut Vec<FieldError>) {

@@ -357,6 +357,8 @@ pub enum GatewayError {
         addr: String,
         source: std::io::Error,
     },
+    #[error("TLS: {0}")]
+    Tls(#[from] crate::tls::TlsConfigError),
     #[error("serving HTTP: {0}")]
     Serve(std::io::Error),
 }

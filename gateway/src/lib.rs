@@ -28,6 +28,7 @@ pub mod registry;
 pub mod relay;
 pub mod routes;
 pub mod submit;
+pub mod tls;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -145,12 +146,18 @@ pub fn app(state: AppState) -> Router {
 pub struct Gateway {
     listener: tokio::net::TcpListener,
     local_addr: SocketAddr,
+    /// Set with `tls_cert` and `tls_key`: HTTPS only on the listen address.
+    tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
     state: AppState,
 }
 
 /// Connect to NATS, make sure the streams and buckets exist, and bind the listen address.
 pub async fn bind(config: Config) -> Result<Gateway, GatewayError> {
     config.validate().map_err(GatewayError::Config)?;
+    let tls = match (&config.tls_cert, &config.tls_key) {
+        (Some(cert), Some(key)) => Some(tls::server_config(cert, key)?),
+        _ => None,
+    };
     let options = config
         .nats_auth
         .connect_options()
@@ -198,6 +205,7 @@ pub async fn bind(config: Config) -> Result<Gateway, GatewayError> {
     Ok(Gateway {
         listener,
         local_addr,
+        tls,
         state: AppState::new(config, client, buckets),
     })
 }
@@ -226,7 +234,11 @@ impl Gateway {
             self.state.metrics.clone(),
             watcher_stop.clone(),
         );
-        tracing::info!(addr = %self.local_addr, nats = %self.state.config.nats_url, "gateway listening");
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        tracing::info!(addr = %self.local_addr, scheme, nats = %self.state.config.nats_url, "gateway listening");
+        if self.tls.is_none() && !self.local_addr.ip().is_loopback() {
+            tracing::warn!(addr = %self.local_addr, "serving plain HTTP beyond loopback: API keys and console credentials cross the network readable; set tls_cert and tls_key, or keep a TLS proxy in front");
+        }
         if self.state.config.allow_anonymous {
             tracing::warn!(
                 "anonymous access is on: requests without an API key are served as tenant `anonymous`"
@@ -237,19 +249,32 @@ impl Gateway {
         let client = self.state.client.clone();
         let mut state = self.state;
         state.console_stop = shutdown.child_token();
-        // Without TCP_NODELAY small SSE writes wait for the client's delayed ACK (~40 ms).
-        let listener = axum::serve::ListenerExt::tap_io(self.listener, |tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
         // One router for every connection: served as a `Router` itself, axum finalises a
         // fresh copy of every route's service stack for each accepted connection (about
         // 650 KB per connection in a debug build), so memory grew with the number of
         // clients; `into_make_service` shares the finalised router and clones only the
         // one route a request takes.
-        let result = axum::serve(listener, app(state).into_make_service())
-            .with_graceful_shutdown(shutdown.cancelled_owned())
-            .await
-            .map_err(GatewayError::Serve);
+        let service = app(state).into_make_service();
+        let stop = shutdown.cancelled_owned();
+        let result = match self.tls {
+            Some(config) => {
+                let listener = tls::TlsListener::new(self.listener, config);
+                axum::serve(listener, service)
+                    .with_graceful_shutdown(stop)
+                    .await
+            }
+            None => {
+                // Without TCP_NODELAY small SSE writes wait for the client's delayed ACK
+                // (~40 ms).
+                let listener = axum::serve::ListenerExt::tap_io(self.listener, |tcp| {
+                    let _ = tcp.set_nodelay(true);
+                });
+                axum::serve(listener, service)
+                    .with_graceful_shutdown(stop)
+                    .await
+            }
+        }
+        .map_err(GatewayError::Serve);
         watcher_stop.cancel();
         let _ = watcher.await;
         let _ = key_watcher.await;

@@ -9,3 +9,4 @@ mod key_logs;
 mod keys;
 mod submission;
 mod support;
+mod tls;

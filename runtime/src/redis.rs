@@ -9,6 +9,10 @@
 //! which no system trusts. Without `ca_file` a `rediss://` URL trusts the system's roots,
 //! as redis-rs does by default.
 //!
+//! The same block takes `password_file` (`METRONOME_REDIS_PASSWORD_FILE`): the password of
+//! the URL's user read from a file, such as a systemd credential, so that no configuration
+//! file holds it (the URL then names the user only, `rediss://gateway@host:6379/`).
+//!
 //! Invariant: TLS settings are never silently ignored. Setting a CA or client certificate
 //! with a plain `redis://` URL is a configuration error, not a plain-text connection.
 
@@ -22,6 +26,7 @@ use crate::tls::{read_certificates, read_private_key, TlsFileError};
 pub const ENV_CA: &str = "METRONOME_REDIS_CA";
 pub const ENV_CERT: &str = "METRONOME_REDIS_CERT";
 pub const ENV_KEY: &str = "METRONOME_REDIS_KEY";
+pub const ENV_PASSWORD_FILE: &str = "METRONOME_REDIS_PASSWORD_FILE";
 
 /// TLS settings of one Redis connection. None set: the URL alone decides (`redis://`
 /// plain text, `rediss://` TLS trusting the system's roots).
@@ -35,6 +40,9 @@ pub struct RedisTls {
     pub cert_file: Option<PathBuf>,
     /// Its PEM private key (`METRONOME_REDIS_KEY`).
     pub key_file: Option<PathBuf>,
+    /// A file holding the password of the URL's user (`METRONOME_REDIS_PASSWORD_FILE`),
+    /// one line; the URL must then carry a user and no password.
+    pub password_file: Option<PathBuf>,
 }
 
 /// Why a Redis client could not be made.
@@ -44,6 +52,11 @@ pub enum RedisClientError {
     TlsFile(#[from] TlsFileError),
     #[error("redis_url {url:?} must start with rediss:// when redis_tls is set")]
     NotTls { url: String },
+    #[error("reading the Redis password file {path}: {source}")]
+    PasswordFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("redis_url {url}: {source}")]
     Client {
         /// The URL without its password.
@@ -66,17 +79,25 @@ impl RedisTls {
         if let Some(v) = lookup(ENV_KEY) {
             self.key_file = path(v);
         }
+        if let Some(v) = lookup(ENV_PASSWORD_FILE) {
+            self.password_file = path(v);
+        }
+    }
+
+    /// True when any setting is made (a TLS file or the password file).
+    pub fn is_set(&self) -> bool {
+        self.tls_set() || self.password_file.is_some()
     }
 
     /// True when any TLS file is set.
-    pub fn is_set(&self) -> bool {
+    fn tls_set(&self) -> bool {
         self.ca_file.is_some() || self.cert_file.is_some() || self.key_file.is_some()
     }
 
     /// Every inconsistent setting as `(field, message)`, given the URL they go with.
     pub fn validate(&self, url: &str) -> Vec<(&'static str, String)> {
         let mut errors = Vec::new();
-        if self.is_set() && !is_tls_url(url) {
+        if self.tls_set() && !is_tls_url(url) {
             errors.push((
                 "redis_url",
                 format!(
@@ -93,8 +114,21 @@ impl RedisTls {
                 ("redis_tls.ca_file", &self.ca_file),
                 ("redis_tls.cert_file", &self.cert_file),
                 ("redis_tls.key_file", &self.key_file),
+                ("redis_tls.password_file", &self.password_file),
             ],
         ));
+        if self.password_file.is_some() {
+            let (user, password) = url_credentials(url);
+            if !user || password {
+                errors.push((
+                    "redis_url",
+                    format!(
+                        "{:?} must name a user and no password when redis_tls.password_file is set",
+                        crate::nats::redact_url(url)
+                    ),
+                ));
+            }
+        }
         errors
     }
 
@@ -105,8 +139,20 @@ impl RedisTls {
             url: crate::nats::redact_url(url),
             source,
         };
-        if !self.is_set() {
-            return ::redis::Client::open(url).map_err(client_error);
+        let mut info =
+            ::redis::IntoConnectionInfo::into_connection_info(url).map_err(client_error)?;
+        if let Some(path) = &self.password_file {
+            let password = std::fs::read_to_string(path)
+                .map(|s| s.trim_end_matches(['\n', '\r']).to_string())
+                .map_err(|source| RedisClientError::PasswordFile {
+                    path: path.clone(),
+                    source,
+                })?;
+            let settings = info.redis_settings().clone().set_password(password);
+            info = info.set_redis_settings(settings);
+        }
+        if !self.tls_set() {
+            return ::redis::Client::open(info).map_err(client_error);
         }
         if !is_tls_url(url) {
             return Err(RedisClientError::NotTls {
@@ -126,13 +172,26 @@ impl RedisTls {
             _ => None,
         };
         ::redis::Client::build_with_tls(
-            url,
+            info,
             ::redis::TlsCertificates {
                 client_tls,
                 root_cert,
             },
         )
         .map_err(client_error)
+    }
+}
+
+/// Whether `url` names a user, and whether it carries a password.
+fn url_credentials(url: &str) -> (bool, bool) {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    match authority.rsplit_once('@') {
+        Some((userinfo, _)) => match userinfo.split_once(':') {
+            Some((user, password)) => (!user.is_empty(), !password.is_empty()),
+            None => (!userinfo.is_empty(), false),
+        },
+        None => (false, false),
     }
 }
 
@@ -201,6 +260,58 @@ mod tests {
         let err = tls.client("rediss://127.0.0.1:6379/").unwrap_err();
         assert!(
             err.to_string().starts_with("redis_tls.ca_file: reading "),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_password_file_completes_a_url_naming_the_user() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("password");
+        std::fs::write(&path, "from-the-file\n").unwrap();
+        let settings = RedisTls {
+            password_file: Some(path),
+            ..RedisTls::default()
+        };
+        assert!(settings
+            .validate("redis://gateway@10.0.0.1:6379/")
+            .is_empty());
+        let client = settings.client("redis://gateway@10.0.0.1:6379/").unwrap();
+        let redis = client.get_connection_info().redis_settings();
+        assert_eq!(redis.username(), Some("gateway"));
+        assert_eq!(redis.password(), Some("from-the-file"));
+        // A URL without a user, or one that carries a password too, is refused.
+        for url in [
+            "redis://10.0.0.1:6379/",
+            "redis://gateway:other@10.0.0.1:6379/",
+        ] {
+            let fields: Vec<_> = settings.validate(url).into_iter().map(|(f, _)| f).collect();
+            assert_eq!(fields, ["redis_url"], "{url}");
+        }
+        // The file is no TLS setting: a plain URL stays plain.
+        assert!(settings
+            .validate("redis://gateway@127.0.0.1:6379/")
+            .is_empty());
+    }
+
+    #[test]
+    fn a_missing_password_file_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let settings = RedisTls {
+            password_file: Some(dir.path().join("password")),
+            ..RedisTls::default()
+        };
+        let fields: Vec<_> = settings
+            .validate("redis://gateway@127.0.0.1:6379/")
+            .into_iter()
+            .map(|(f, _)| f)
+            .collect();
+        assert_eq!(fields, ["redis_tls.password_file"]);
+        let err = settings
+            .client("redis://gateway@127.0.0.1:6379/")
+            .unwrap_err();
+        assert!(
+            matches!(err, RedisClientError::PasswordFile { .. }),
             "{err}"
         );
     }

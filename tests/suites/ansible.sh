@@ -324,6 +324,16 @@ sys.exit(1 if errors else 0)
 PYEOF
 }
 
+# No password of the inventory's .secrets in a run's output (--check --diff shows every
+# rendered config that changes).
+no_secret_in_log() { # $1 = inventory, $2 = log
+  local pw leaked=""
+  for pw in "$1"/.secrets/*.password; do
+    grep -qF -- "$(cat "$pw")" "$2" && leaked+=" $(basename "$pw" .password)"
+  done
+  [ -z "$leaked" ] || { echo "the output shows the password of:$leaked"; return 1; }
+}
+
 # A copy of an inventory as the first run left it (its credentials made), for a lane.
 inventory_copy() { # $1 = name; prints the copy's path
   cp -a "$WORK/inventory-first" "$WORK/inventory-$1"
@@ -343,11 +353,13 @@ else
   fail "metronome_tls=false renders plain text everywhere (no tls block, redis:// URLs, no CA settings)" "$out"
 fi
 
+out=""
 if play "$INV" "$WORK/stage-check" site.yml --check --diff && [ ! -e "$WORK/stage-check" ] \
-  && grep -q '^+Environment=CUDA_VISIBLE_DEVICES=' "$LAST"; then
-  pass "--check --diff on new nodes shows the units as diffs and writes nothing"
+  && grep -q '^+Environment=CUDA_VISIBLE_DEVICES=' "$LAST" && grep -q '^+nats_url = ' "$LAST" \
+  && out=$(no_secret_in_log "$INV" "$LAST"); then
+  pass "--check --diff on new nodes shows the units and configs as diffs, no password, and writes nothing"
 else
-  fail "--check --diff on new nodes shows the units as diffs and writes nothing" "$(tail -n 40 "$LAST")"
+  fail "--check --diff on new nodes shows the units and configs as diffs, no password, and writes nothing" "${out:-}$(tail -n 40 "$LAST")"
 fi
 
 # --- client verification off on request ---------------------------------------------------
@@ -358,6 +370,45 @@ if play "$INV" "$WORK/stage-noverify" site.yml --limit gpu-node-1 -e metronome_n
   pass "metronome_nats_verify_clients=false: nats-server keeps TLS without verify (components keep their certificates)"
 else
   fail "metronome_nats_verify_clients=false: nats-server keeps TLS without verify" "$(play_failure)"
+fi
+
+# --- the gateway beyond loopback: HTTPS, or refused -----------------------------------------
+# A gateway_listen beyond loopback without a certificate is refused before anything is
+# written; with gateway_tls_cert/key the gateway serves HTTPS (its config names the
+# installed pair, which the binary's --check-config loads), Prometheus scrapes it over HTTPS.
+if play "$INV" "$WORK/stage-gw-plain" site.yml --limit gpu-node-1 -e gateway_listen=0.0.0.0:8080; then
+  fail "a gateway beyond loopback without TLS is refused" "the play succeeded"
+elif ! grep -qF "is beyond loopback and the gateway would serve plain HTTP there" "$LAST" || [ -e "$WORK/stage-gw-plain" ]; then
+  fail "a gateway beyond loopback without TLS is refused before anything is written" "$(play_failure)"
+else
+  pass "a gateway beyond loopback without TLS is refused before anything is written"
+fi
+gw_tls="$WORK/gateway-https"
+mkdir -p "$gw_tls"
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 -subj /CN=gateway.example \
+  -addext subjectAltName=DNS:gateway.example -keyout "$gw_tls/key.pem" -out "$gw_tls/cert.pem" >/dev/null 2>&1
+gw_stage="$WORK/stage-gw-tls/gpu-node-1"
+bad=""
+if play "$INV" "$WORK/stage-gw-tls" site.yml --limit gpu-node-1 -e gateway_listen=0.0.0.0:8443 \
+  -e "gateway_tls_cert=$gw_tls/cert.pem" -e "gateway_tls_key=$gw_tls/key.pem"; then
+  grep -qx "tls_cert = \"$gw_stage/etc/metronome/tls/gateway-https.pem\"" "$gw_stage/etc/metronome/gateway.toml" \
+    && grep -qx "tls_key = \"$gw_stage/etc/metronome/tls/gateway-https.key\"" "$gw_stage/etc/metronome/gateway.toml" \
+    || bad+="gateway.toml does not name the installed pair; "
+  cmp -s "$gw_tls/key.pem" "$gw_stage/etc/metronome/tls/gateway-https.key" || bad+="the key is not installed; "
+  [ "$(stat -c %a "$gw_stage/etc/metronome/tls/gateway-https.key" 2>/dev/null)" = 640 ] || bad+="the key is not mode 0640; "
+  grep -q 'job_name: metronome-gateway-https' "$gw_stage/etc/prometheus/prometheus.yml" || bad+="no HTTPS scrape job; "
+  # The gateway itself loads the pair, with the credential its unit hands over.
+  cred="$gw_stage/etc/metronome/credentials/gateway.password"
+  METRONOME_NATS_PASSWORD_FILE=$cred METRONOME_REDIS_PASSWORD_FILE=$cred \
+    "$WORK/bin/metronome-gateway" --check-config --config "$gw_stage/etc/metronome/gateway.toml" >/dev/null 2>&1 \
+    || bad+="metronome-gateway --check-config refuses the rendered HTTPS config; "
+  if [ -z "$bad" ]; then
+    pass "gateway_tls_cert/key: the gateway serves HTTPS beyond loopback (pair installed, key 0640, accepted by --check-config, scraped over HTTPS)"
+  else
+    fail "gateway_tls_cert/key: the gateway serves HTTPS beyond loopback" "$bad"
+  fi
+else
+  fail "gateway_tls_cert/key: the gateway serves HTTPS beyond loopback" "$(play_failure)"
 fi
 
 # --- installing from a release archive ---------------------------------------------------
@@ -779,8 +830,11 @@ for host_file in sorted((inv / "host_vars").glob("*.yml")):
         expect(f"Environment=CUDA_VISIBLE_DEVICES={n}\n" in mu, f"{where}: model unit does not pin CUDA_VISIBLE_DEVICES={n}")
         expect(f"Environment=CUDA_VISIBLE_DEVICES={n}\n" in au, f"{where}: agent unit does not pin CUDA_VISIBLE_DEVICES={n}")
         expect("Restart=on-failure\n" in mu and "Restart=on-failure\n" in au, f"{where}: Restart=on-failure missing")
-        for key in ("NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes", "User=metronome"):
+        for key in ("NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes"):
             expect(key in mu and key in au, f"{where}: {key} missing")
+        # The model server runs as a user of its own: it cannot read its agent's credential.
+        expect("\nUser=metronome-model\nGroup=metronome-model\n" in mu, f"{where}: model server not run as metronome-model")
+        expect("\nUser=metronome-agent\nGroup=metronome-agent\n" in au, f"{where}: worker-agent not run as metronome-agent")
         if server == "simulator":
             sim = tomllib.loads((root / f"etc/metronome/model-server/gpu{n}.toml").read_text())
             expect(sim["gpu"][0]["port"] == port and sim["gpu"][0]["model"] == model,
@@ -877,6 +931,21 @@ else
   fail "control plane (NATS, Redis, dispatcher a+b, gateway) rendered on the control host only" "missing:$missing"
 fi
 
+# One Unix user per role (the GPU roles' in check_mapping): no process reads another
+# role's config, credential or key.
+bad=""
+for unit_user in metronome-nats.service:metronome-nats metronome-redis.service:metronome-redis \
+  metronome-gateway.service:metronome-gateway "metronome-dispatcher@.service:metronome-dispatcher"; do
+  unit=${unit_user%%:*} user=${unit_user#*:}
+  grep -qx "User=$user" "$ctl/etc/systemd/system/$unit" && grep -qx "Group=$user" "$ctl/etc/systemd/system/$unit" \
+    || bad+="$unit does not run as $user; "
+done
+if [ -z "$bad" ]; then
+  pass "each control-plane role runs as its own user (metronome-nats, -redis, -gateway, -dispatcher)"
+else
+  fail "each control-plane role runs as its own user" "$bad"
+fi
+
 # Redis keeps Metronome's state (no key has a TTL): it must refuse writes when full, never
 # evict, in every way the system is started.
 redis_conf="$ctl/etc/metronome/redis/redis.conf"
@@ -914,6 +983,31 @@ for p in secrets_dir.rglob("*"):
 # Every private key on a host is readable by its owner and the service group only.
 for p in stage.rglob("*.key"):
     expect(stat.S_IMODE(p.stat().st_mode) & 0o037 == 0, f"{p.relative_to(stage)} is mode {stat.S_IMODE(p.stat().st_mode):o}")
+# Each component's password is a systemd credential of its own (root's: folder 0700, file
+# 0600) that its unit loads and points both password settings at; no config holds one.
+installed = {}  # NATS and Redis user -> the password installed for its component
+for conf in stage.glob("*/etc/metronome/**/*.toml"):
+    c, rel = tomllib.loads(conf.read_text()), conf.relative_to(stage)
+    host, name = rel.parts[0], str(pathlib.Path(*rel.parts[3:]).with_suffix(""))
+    user = c.get("nats_auth", {}).get("user")
+    for pw in secrets.values():
+        expect(pw not in conf.read_text(), f"{rel} holds a password")
+    if user is None:
+        continue
+    cred = stage / host / "etc/metronome/credentials" / f"{name}.password"
+    expect(cred.is_file() and cred.read_text().strip() == secrets.get(user), f"{rel}: no credential {cred.relative_to(stage)} holding {user}'s password")
+    if cred.is_file():
+        installed[user] = cred.read_text().strip()
+        expect(stat.S_IMODE(cred.stat().st_mode) == 0o600, f"{cred.relative_to(stage)} is mode {stat.S_IMODE(cred.stat().st_mode):o}")
+        expect(stat.S_IMODE(cred.parent.stat().st_mode) == 0o700, f"{cred.parent.relative_to(stage)} is not mode 0700")
+    unit = stage / host / "etc/systemd/system" / {"gateway": "metronome-gateway.service"}.get(
+        name, "metronome-dispatcher@.service" if name.startswith("dispatcher/") else f"metronome-worker-agent-{name.split('/')[-1]}.service")
+    text = unit.read_text() if unit.is_file() else ""
+    loaded = f"/etc/metronome/credentials/{'dispatcher/%i' if name.startswith('dispatcher/') else name}.password"
+    expect(f"LoadCredential=password:{loaded}\n" in text, f"{unit.relative_to(stage)} does not load {loaded}")
+    for var in ("METRONOME_NATS_PASSWORD_FILE", "METRONOME_REDIS_PASSWORD_FILE"):
+        expect(f"Environment={var}=%d/password\n" in text, f"{unit.relative_to(stage)}: {var} is not the credential")
+expect(len(installed) >= 10, f"credentials installed for {sorted(installed)} only")
 # No secret in a file anyone may read, on any host.
 for p in stage.rglob("*"):
     if p.is_file() and not p.is_symlink() and p.stat().st_mode & stat.S_IROTH:
@@ -999,7 +1093,7 @@ try:
                 out += chunk
             return out.decode(errors="replace")
 
-    gw = gw_config["nats_auth"]
+    gw = {**gw_config["nats_auth"], "password": installed.get("gateway")}
     if tls:
         out = nats_session(gw["user"], gw["password"], [], plain=True)
         expect("TLS Required" in out or "PONG" not in out, f"NATS accepted a plain-text client: {out!r}")
@@ -1027,6 +1121,7 @@ try:
     expect("PONG" in out and "Violation" not in out, f"the gateway's rendered credential: {out!r}")
     agent = tomllib.loads((stage / "gpu-node-2/etc/metronome/worker-agent/gpu0.toml").read_text())
     own, na = agent["worker_id"], agent["nats_auth"]
+    na = {**na, "password": installed.get(na["user"])}
     na_cert = own_cert(na)
     out = nats_session(na["user"], na["password"], [f"PUB $KV.workers.{own} 2\r\n{{}}\r\n"], cert=na_cert)
     expect("PONG" in out and "Violation" not in out, f"{own} writing its own heartbeat: {out!r}")
@@ -1060,13 +1155,13 @@ try:
 
     from urllib.parse import urlsplit
     def redis(*args, url=None):
-        # The rendered URL's user and password, against the server started here.
+        # The rendered URL's user and its installed credential, against the server started here.
         cmd = ["redis-cli", "-h", "127.0.0.1", "-p", str(redis_port), "--no-auth-warning"]
         if tls:
             cmd += ["--tls", "--cacert", ca_file]
         if url:
             u = urlsplit(url)
-            cmd += ["--user", u.username, "--pass", u.password]
+            cmd += ["--user", u.username, "--pass", u.password or installed.get(u.username, "")]
         r = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=20)
         return (r.stdout + r.stderr).strip()
     deadline = time.time() + 20
@@ -1230,8 +1325,9 @@ edit("gpu-node-1", node1)
 edit("gpu-node-2", node2)
 PYEOF
 
+out=""
 if play "$INV" "$STAGE" site.yml --check --diff && grep -q '^+.*"--enforce-eager"' "$LAST" \
-  && grep -q '^+max_concurrency = 12' "$LAST"; then
+  && grep -q '^+max_concurrency = 12' "$LAST" && out=$(no_secret_in_log "$INV" "$LAST"); then
   snapshot > "$WORK/after-check.txt"
   if cmp -s "$WORK/before.txt" "$WORK/after-check.txt"; then
     pass "--check --diff shows the inventory edits as diffs and writes nothing"
@@ -1239,7 +1335,7 @@ if play "$INV" "$STAGE" site.yml --check --diff && grep -q '^+.*"--enforce-eager
     fail "--check --diff writes nothing" "$(diff "$WORK/before.txt" "$WORK/after-check.txt")"
   fi
 else
-  fail "--check --diff shows the inventory edits as diffs" "$(tail -n 60 "$LAST")"
+  fail "--check --diff shows the inventory edits as diffs, no password" "${out:-}$(tail -n 60 "$LAST")"
 fi
 
 if play "$INV" "$STAGE" site.yml; then
@@ -1251,10 +1347,10 @@ if play "$INV" "$STAGE" site.yml; then
   # ceiling), and the removed GPU's worker identity is revoked: NATS's users and Redis's
   # ACL change too.
   edited="gpu-node-1/etc/metronome/dispatcher/workers.json gpu-node-1/etc/metronome/nats/nats-server.conf gpu-node-1/etc/metronome/redis/redis.conf gpu-node-1/etc/prometheus/prometheus.yml gpu-node-1/etc/systemd/system/metronome-model-gpu2.service gpu-node-2/etc/metronome/worker-agent/gpu0.toml "
-  gone="gpu-node-2/etc/metronome/tls/worker-agent/gpu1.key gpu-node-2/etc/metronome/tls/worker-agent/gpu1.pem gpu-node-2/etc/metronome/worker-agent/gpu1.toml gpu-node-2/etc/systemd/system/metronome-model-gpu1.service gpu-node-2/etc/systemd/system/metronome-worker-agent-gpu1.service "
+  gone="gpu-node-2/etc/metronome/credentials/worker-agent/gpu1.password gpu-node-2/etc/metronome/tls/worker-agent/gpu1.key gpu-node-2/etc/metronome/tls/worker-agent/gpu1.pem gpu-node-2/etc/metronome/worker-agent/gpu1.toml gpu-node-2/etc/systemd/system/metronome-model-gpu1.service gpu-node-2/etc/systemd/system/metronome-worker-agent-gpu1.service "
   want_removed=$(printf '%s\n' $edited $gone | sort | tr '\n' ' ')
   if [ "$removed" = "$want_removed" ] && [ "$added" = "$edited" ]; then
-    pass "removing gpu-node-2's GPU 1 removes exactly its two units, its config and its client certificate; the edits change exactly their two files and the scrape config"
+    pass "removing gpu-node-2's GPU 1 removes exactly its two units, its config, its client certificate and its credential; the edits change exactly their two files and the scrape config"
   else
     fail "removing a GPU removes exactly its files; edits change exactly their files" \
       "removed or changed: $removed"$'\n'"want:               $want_removed"$'\n'"written: $added"$'\n'"want:    $edited"

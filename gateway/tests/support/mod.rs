@@ -57,6 +57,34 @@ impl Harness {
 
     /// [`Harness::start`], the helpers sending `api_key` as a bearer token.
     pub async fn start_with_key(tweak: impl FnOnce(&mut Config), api_key: Option<&str>) -> Harness {
+        Harness::start_inner(tweak, api_key, None).await
+    }
+
+    /// [`Harness::start`] serving HTTPS with `ca`'s server certificate (for `127.0.0.1`),
+    /// the helpers' client trusting `ca` alone.
+    pub async fn start_tls(
+        ca: &metronome_testkit::TestCa,
+        tweak: impl FnOnce(&mut Config),
+    ) -> Harness {
+        let cert = ca.server_cert();
+        let key = ca.server_key();
+        Harness::start_inner(
+            |c| {
+                c.tls_cert = Some(cert);
+                c.tls_key = Some(key);
+                tweak(c);
+            },
+            None,
+            Some(ca),
+        )
+        .await
+    }
+
+    async fn start_inner(
+        tweak: impl FnOnce(&mut Config),
+        api_key: Option<&str>,
+        trust: Option<&metronome_testkit::TestCa>,
+    ) -> Harness {
         let nats = NatsServer::start().expect("nats-server");
         let mut config = Config {
             listen: "127.0.0.1:0".into(),
@@ -67,7 +95,8 @@ impl Harness {
         };
         tweak(&mut config);
         let gateway = bind(config).await.expect("gateway binds");
-        let base = format!("http://{}", gateway.local_addr());
+        let scheme = if trust.is_some() { "https" } else { "http" };
+        let base = format!("{scheme}://{}", gateway.local_addr());
         let shutdown = CancellationToken::new();
         let server = tokio::spawn({
             let shutdown = shutdown.clone();
@@ -82,10 +111,13 @@ impl Harness {
         let buckets = ensure_all(&js, &StreamSettings::default())
             .await
             .expect("streams");
-        let http = reqwest::Client::builder()
-            .no_proxy()
-            .build()
-            .expect("http client");
+        let http = match trust {
+            Some(ca) => https_client(&ca.ca_file()),
+            None => reqwest::Client::builder()
+                .no_proxy()
+                .build()
+                .expect("http client"),
+        };
         let mut h = Harness {
             nats,
             client,
@@ -232,6 +264,18 @@ impl Drop for Harness {
             f.abort();
         }
     }
+}
+
+/// An HTTP client that trusts the CA in `ca_file` and no other.
+pub fn https_client(ca_file: &std::path::Path) -> reqwest::Client {
+    let pem = std::fs::read(ca_file).expect("CA file");
+    reqwest::Client::builder()
+        .no_proxy()
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(reqwest::Certificate::from_pem(&pem).expect("CA certificate"))
+        .https_only(true)
+        .build()
+        .expect("https client")
 }
 
 /// The next job published on `submitted` (within [`WAIT`]): the message, for its headers,
