@@ -202,9 +202,10 @@ async fn flags_beat_the_environment_which_beats_the_context() {
     streams(&nats, &NatsAuth::default()).await;
     let good = nats.url();
     let closed = format!("nats://127.0.0.1:{}", free_port());
+    let (good, closed) = (good.as_str(), closed.as_str());
     let home = tempfile::tempdir().unwrap();
     let h = home.path();
-    for (name, url) in [("down", &closed), ("up", &good)] {
+    for (name, url) in [("down", closed), ("up", good)] {
         let out = metronome(h, &["context", "add", name, "--server", url], &[]);
         assert_eq!(code(&out), Some(0), "{out:?}");
     }
@@ -221,13 +222,13 @@ async fn flags_beat_the_environment_which_beats_the_context() {
     // The selected context's server.
     assert_eq!(status(&[], &[]), Some(3));
     // The environment's URL over the context's; the flag's over the environment's.
-    assert_eq!(status(&[], &[("NATS_URL", &good)]), Some(0));
+    assert_eq!(status(&[], &[("NATS_URL", good)]), Some(0));
     assert_eq!(
-        status(&["--nats-url", &good], &[("NATS_URL", &closed)]),
+        status(&["--nats-url", good], &[("NATS_URL", closed)]),
         Some(0)
     );
     assert_eq!(
-        status(&["--nats-url", &closed], &[("NATS_URL", &good)]),
+        status(&["--nats-url", closed], &[("NATS_URL", good)]),
         Some(3)
     );
     // METRONOME_CONTEXT over the selection; --context over METRONOME_CONTEXT.
@@ -257,14 +258,15 @@ async fn a_context_with_a_creds_file_reaches_an_operator_mode_server() {
     .await;
     let url = nats.url();
     let creds = creds.to_string_lossy().into_owned();
+    let (url, creds) = (url.as_str(), creds.as_str());
 
     // No context: anonymous, refused.
-    let out = metronome(h, &["--nats-url", &url, "status"], &[]);
+    let out = metronome(h, &["--nats-url", url, "status"], &[]);
     assert_eq!(code(&out), Some(3), "{out:?}");
     let add = metronome(
         h,
         &[
-            "context", "add", "ops", "--server", &url, "--creds", &creds, "--use",
+            "context", "add", "ops", "--server", url, "--creds", creds, "--use",
         ],
         &[],
     );
