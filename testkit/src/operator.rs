@@ -6,9 +6,10 @@
 //! "ed25519-nkey"}`, the claims (`iss` the signer's public nkey, `sub` the subject's, the
 //! kind-specific part under `nats` with `version: 2`), each base64url without padding,
 //! and the ed25519 signature of `header.claims` by the issuer's nkey. The operator signs
-//! itself and the account, the account signs its users. The server is given the operator
-//! JWT and the account's JWT through `resolver: MEMORY` with `resolver_preload`
-//! (nats-server 2.9), so nothing else is needed to run it.
+//! itself and the accounts, the account signs its users. The server is given the operator
+//! JWT and the accounts' JWTs through `resolver: MEMORY` with `resolver_preload`
+//! (nats-server 2.9), with a system account, which its JetStream needs; nothing else is
+//! needed to run it.
 
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -21,10 +22,12 @@ use crate::error::TestkitError;
 
 /// A throwaway operator and one account with JetStream.
 pub struct TestOperator {
-    operator: KeyPair,
     account: KeyPair,
     operator_jwt: String,
     account_jwt: String,
+    /// The system account (nats-server's JetStream needs one in operator mode).
+    system: KeyPair,
+    system_jwt: String,
 }
 
 fn b64(bytes: &[u8]) -> String {
@@ -77,11 +80,24 @@ impl TestOperator {
                 },
             }),
         );
+        let system = KeyPair::new_account();
+        let system_jwt = encode(
+            &operator,
+            json!({
+                "sub": system.public_key(),
+                "name": "SYS",
+                "nats": {"type": "account", "version": 2, "limits": {
+                    "subs": -1, "data": -1, "payload": -1, "imports": -1,
+                    "exports": -1, "wildcards": true, "conn": -1, "leaf": -1,
+                }},
+            }),
+        );
         TestOperator {
-            operator,
             account,
             operator_jwt,
             account_jwt,
+            system,
+            system_jwt,
         }
     }
 
@@ -89,10 +105,13 @@ impl TestOperator {
     /// operator, and the account preloaded into a memory resolver.
     pub fn server_config(&self) -> String {
         format!(
-            "operator: {}\nresolver: MEMORY\nresolver_preload: {{\n  {}: {}\n}}\n",
+            "operator: {}\nsystem_account: {}\nresolver: MEMORY\nresolver_preload: {{\n  {}: {}\n  {}: {}\n}}\n",
             self.operator_jwt,
+            self.system.public_key(),
             self.account.public_key(),
-            self.account_jwt
+            self.account_jwt,
+            self.system.public_key(),
+            self.system_jwt
         )
     }
 
