@@ -5,7 +5,7 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum CliError {
-    #[error("cannot connect to NATS at {url}: {message} (set NATS_URL or --nats-url)")]
+    #[error("cannot connect to NATS at {url}: {message} (set --nats-url, NATS_URL or a context's server)")]
     Connect { url: String, message: String },
     #[error("NATS: {0}")]
     Nats(String),
@@ -13,7 +13,7 @@ pub enum CliError {
     Redis(String),
     #[error("cannot decode {what}: {message}")]
     Decode { what: String, message: String },
-    /// The thing asked about does not exist (an unknown job id, an unknown worker).
+    /// The thing asked about does not exist (an unknown job id, worker or context).
     #[error("{0}")]
     NotFound(String),
     #[error("{0}")]

@@ -6,12 +6,16 @@
 //! revoked (kept, so `list` still says whose it was); `list` shows every record, and with a
 //! gateway's URL each tenant's requests and admitted tokens from that gateway's `/metrics`
 //! (one gateway's counts since it started: the usage it knows). Keys in a gateway's
-//! configuration file are not listed here and are revoked in that file, as before.
+//! configuration file are not listed here, as the bucket does not know them; `revoke` of an
+//! id the bucket has no record of stores a revocation of that id
+//! ([`metronome_protocol::api_keys::Revocation`]), which every gateway applies to the keys
+//! of its configuration file, and `list` shows it.
 
 use async_nats::jetstream::kv;
 use futures::StreamExt;
 use metronome_protocol::api_keys::{
-    generate_key, is_sha256_hex, key_sha256, KeyRecord, KEY_ID_HEX, KEY_RECORD_VERSION,
+    generate_key, is_key_id, is_sha256_hex, key_sha256, KeyRecord, Revocation, KEY_ID_HEX,
+    KEY_RECORD_VERSION, REVOCATION_PREFIX,
 };
 use metronome_protocol::names::BUCKET_API_KEYS;
 use metronome_protocol::{check_tenant, prometheus, time::unix_ms, Priority};
@@ -89,8 +93,11 @@ pub async fn create(
     })
 }
 
-/// Every key record, by tenant then id.
-pub async fn records(nats: &Nats) -> Result<Vec<KeyRecord>, CliError> {
+/// Every stored value whose bucket key `wanted` accepts, with its key.
+async fn entries(
+    nats: &Nats,
+    wanted: impl Fn(&str) -> bool,
+) -> Result<Vec<(String, bytes::Bytes)>, CliError> {
     let store = bucket(nats).await?;
     let mut keys = store
         .keys()
@@ -99,31 +106,70 @@ pub async fn records(nats: &Nats) -> Result<Vec<KeyRecord>, CliError> {
     let mut out = Vec::new();
     while let Some(key) = keys.next().await {
         let key = key.map_err(|e| CliError::Nats(format!("listing keys: {e}")))?;
-        let Some(value) = store
+        if !wanted(&key) {
+            continue;
+        }
+        if let Some(value) = store
             .get(&key)
             .await
             .map_err(|e| CliError::Nats(format!("reading key {key}: {e}")))?
-        else {
-            continue;
-        };
+        {
+            out.push((key, value));
+        }
+    }
+    Ok(out)
+}
+
+fn malformed() {
+    eprintln!("metronome: skipping a malformed record in the {BUCKET_API_KEYS} bucket");
+}
+
+/// Every key record, by tenant then id.
+pub async fn records(nats: &Nats) -> Result<Vec<KeyRecord>, CliError> {
+    let mut out = Vec::new();
+    for (key, value) in entries(nats, |k| !k.starts_with(REVOCATION_PREFIX)).await? {
         match serde_json::from_slice::<KeyRecord>(&value) {
             Ok(r) if r.check(&key).is_ok() => out.push(r),
-            _ => {
-                eprintln!("metronome: skipping a malformed record in the {BUCKET_API_KEYS} bucket")
-            }
+            _ => malformed(),
         }
     }
     out.sort_by(|a, b| (&a.tenant, a.id()).cmp(&(&b.tenant, b.id())));
     Ok(out)
 }
 
+/// Every revocation by id (of keys in gateways' configuration files), by id.
+pub async fn revocations(nats: &Nats) -> Result<Vec<Revocation>, CliError> {
+    let mut out = Vec::new();
+    for (key, value) in entries(nats, |k| k.starts_with(REVOCATION_PREFIX)).await? {
+        match serde_json::from_slice::<Revocation>(&value) {
+            Ok(r) if r.check(&key).is_ok() => out.push(r),
+            _ => malformed(),
+        }
+    }
+    out.sort_by(|a, b| a.id.cmp(&b.id));
+    Ok(out)
+}
+
+/// What `revoke` revoked.
+#[derive(Debug, Clone, Serialize)]
+#[serde(untagged)]
+pub enum Revoked {
+    /// A key of the bucket: its record, now revoked.
+    Record(KeyRecord),
+    /// An id the bucket has no record of: the revocation stored for the gateways'
+    /// configuration files.
+    Configured(Revocation),
+}
+
 /// Revoke the key whose id (at least [`KEY_ID_HEX`] hex digits of its hash) or whole hash
-/// is `id`. [`CliError::NotFound`] when no key matches, a usage error when several do.
-pub async fn revoke(nats: &Nats, id: &str) -> Result<KeyRecord, CliError> {
+/// is `id`: its record when the bucket has one; otherwise a [`Revocation`] of the id, which
+/// every gateway applies to its configuration file's keys. A usage error when several
+/// records match.
+pub async fn revoke(nats: &Nats, id: &str) -> Result<Revoked, CliError> {
     let id = id.trim().to_ascii_lowercase();
-    if id.len() < KEY_ID_HEX || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+    if !is_key_id(&id) {
         return Err(CliError::Usage(format!(
-            "{id:?} is not a key id: give at least {KEY_ID_HEX} hex digits of its hash, as `metronome keys list` shows"
+            "{id:?} is not a key id: give {KEY_ID_HEX} to 64 hex digits of its hash, as `metronome keys list` or a gateway's log shows"
         )));
     }
     let matching: Vec<KeyRecord> = records(nats)
@@ -133,7 +179,7 @@ pub async fn revoke(nats: &Nats, id: &str) -> Result<KeyRecord, CliError> {
         .collect();
     let mut record = match matching.as_slice() {
         [one] => one.clone(),
-        [] => return Err(CliError::NotFound(format!("no key with id {id}"))),
+        [] => return revoke_configured(nats, id).await.map(Revoked::Configured),
         _ => {
             return Err(CliError::Usage(format!(
                 "{} keys start with {id}: give more of the hash",
@@ -152,7 +198,26 @@ pub async fn revoke(nats: &Nats, id: &str) -> Result<KeyRecord, CliError> {
             .await
             .map_err(|e| CliError::Nats(format!("storing the revocation: {e}")))?;
     }
-    Ok(record)
+    Ok(Revoked::Record(record))
+}
+
+/// Store the revocation of `id` (already checked), or return the one stored before.
+async fn revoke_configured(nats: &Nats, id: String) -> Result<Revocation, CliError> {
+    if let Some(earlier) = revocations(nats).await?.into_iter().find(|r| r.id == id) {
+        return Ok(earlier);
+    }
+    let revocation = Revocation {
+        v: KEY_RECORD_VERSION,
+        revoked_ms: unix_ms(),
+        id,
+    };
+    let body = serde_json::to_vec(&revocation).map_err(|e| CliError::Usage(e.to_string()))?;
+    bucket(nats)
+        .await?
+        .put(Revocation::bucket_key(&revocation.id), body.into())
+        .await
+        .map_err(|e| CliError::Nats(format!("storing the revocation: {e}")))?;
+    Ok(revocation)
 }
 
 /// Each tenant's usage in a gateway's `/metrics` text.
@@ -174,6 +239,18 @@ pub fn rows(records: Vec<KeyRecord>, metrics: Option<&str>) -> Vec<KeyRow> {
             record,
         })
         .collect()
+}
+
+/// The revocations of configuration-file keys, after `list`'s table.
+pub fn revocations_table(revocations: &[Revocation]) -> String {
+    if revocations.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from("\nrevoked keys of gateways' configuration files:\n");
+    for r in revocations {
+        out.push_str(&format!("{:<13} revoked\n", r.id));
+    }
+    out
 }
 
 /// `list` as a table.

@@ -8,6 +8,7 @@
 //! drain, `replay` re-decides recorded decisions; [`run`] glues one command to its view and
 //! returns what to print.
 
+pub mod context;
 pub mod drain;
 pub mod error;
 pub mod keys;
@@ -28,25 +29,44 @@ use metronome_readmodel::{decisions, explain, status_report, story, worker_views
 /// and why any one request went where it went.
 ///
 /// Talks only the NATS contract of docs/PROTOCOL.md; tables for people, `--json` for
-/// scripts. Exit codes: 0 ok, 1 not found (unknown job id or worker), 2 bad usage, 3 NATS
-/// or Redis unreachable or unreadable (or the output unwritable), 4 `drain --wait` timed
-/// out; a closed output pipe (`metronome decisions --follow | head`) ends it quietly with 0.
+/// scripts. Exit codes: 0 ok, 1 not found (unknown job id, worker or context), 2 bad usage,
+/// 3 NATS or Redis unreachable or unreadable (or the output unwritable), 4 `drain --wait`
+/// timed out; a closed output pipe (`metronome decisions --follow | head`) ends it quietly
+/// with 0.
+///
+/// Connection settings come from the first that gives them: a flag (`--nats-url`, `keys
+/// list --gateway-url`), the environment (`NATS_URL`, `METRONOME_GATEWAY_URL` and the NATS
+/// credentials `METRONOME_NATS_USER`, `_PASSWORD`, `_PASSWORD_FILE`, `_CREDS` (a `.creds`
+/// file), `_CA`, `_CERT`, `_KEY`), the context, the default. The context is `--context`,
+/// else `METRONOME_CONTEXT`, else the one `metronome context use` selected; contexts are
+/// saved in `$XDG_CONFIG_HOME/metronome/contexts.toml` (`~/.config/metronome/` without
+/// `XDG_CONFIG_HOME`), mode 0600.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "metronome", version, about, long_about)]
 pub struct Cli {
-    /// NATS server the system runs on.
-    #[arg(
-        long,
-        env = "NATS_URL",
-        default_value = "nats://127.0.0.1:4222",
-        global = true
-    )]
-    pub nats_url: String,
+    /// NATS server the system runs on (comma-separated for a cluster) [default: the
+    /// context's, else nats://127.0.0.1:4222].
+    #[arg(long, env = "NATS_URL", global = true)]
+    pub nats_url: Option<String>,
 
-    /// NATS credentials and TLS, from the `METRONOME_NATS_*` variables like every other
-    /// binary (set by `main`; none = an anonymous connection).
+    /// The saved context to use instead of the selected one (`metronome context ls`).
+    #[arg(long, env = context::ENV_CONTEXT, global = true, value_name = "NAME")]
+    pub context: Option<String>,
+
+    /// NATS credentials and TLS: the context's, overridden by the `METRONOME_NATS_*`
+    /// variables like every other binary (set by [`Cli::apply_environment`]; none = an
+    /// anonymous connection).
     #[arg(skip)]
     pub nats_auth: metronome_runtime::nats::NatsAuth,
+
+    /// The context's gateway, for `keys list` when `--gateway-url` is not given.
+    #[arg(skip)]
+    pub gateway_url: Option<String>,
+
+    /// The contexts file (set by [`Cli::apply_environment`]); `None` when neither
+    /// `XDG_CONFIG_HOME` nor `HOME` is set.
+    #[arg(skip)]
+    pub contexts_file: Option<std::path::PathBuf>,
 
     /// Redis TLS for `workers --redis-url rediss://...`, from the `METRONOME_REDIS_*`
     /// variables like every other binary (set by `main`).
@@ -172,6 +192,73 @@ pub enum Command {
         #[command(subcommand)]
         action: KeysAction,
     },
+    /// Saved contexts (like the nats CLI's): `add`, `use`, `ls`, `show`, `rm`. Each names a
+    /// system's NATS servers, its credentials (user and password or password file, or a
+    /// `.creds` file; TLS files) and a gateway. Kept in
+    /// `$XDG_CONFIG_HOME/metronome/contexts.toml`, mode 0600; passwords are never printed.
+    /// Needs no NATS.
+    Context {
+        #[command(subcommand)]
+        action: ContextAction,
+    },
+}
+
+/// `metronome context` actions.
+#[derive(Subcommand, Debug, Clone)]
+pub enum ContextAction {
+    /// Save a context (replacing one of that name). Relative paths are saved absolute.
+    Add {
+        /// The context's name (letters, digits, `-`, `_`, `.`).
+        name: String,
+        /// NATS server(s), comma-separated for a cluster.
+        #[arg(long, value_name = "URL")]
+        server: Option<String>,
+        /// NATS user.
+        #[arg(long)]
+        user: Option<String>,
+        /// The user's password, saved in the file (it shows in the shell's history: prefer
+        /// --password-file or --password-stdin).
+        #[arg(long, conflicts_with_all = ["password_file", "password_stdin"])]
+        password: Option<String>,
+        /// A file holding the password (its path is saved, not the password).
+        #[arg(long, value_name = "PATH", conflicts_with = "password_stdin")]
+        password_file: Option<std::path::PathBuf>,
+        /// Read the password from the first line of standard input.
+        #[arg(long)]
+        password_stdin: bool,
+        /// A NATS `.creds` file (user JWT and nkey seed, as `nsc` writes it), instead of a
+        /// password.
+        #[arg(long, value_name = "PATH")]
+        creds: Option<std::path::PathBuf>,
+        /// PEM CA of the NATS server's certificate (requires TLS).
+        #[arg(long, value_name = "PATH")]
+        ca: Option<std::path::PathBuf>,
+        /// PEM client certificate, for servers that verify clients.
+        #[arg(long, value_name = "PATH", requires = "key")]
+        cert: Option<std::path::PathBuf>,
+        /// Its PEM private key.
+        #[arg(long, value_name = "PATH", requires = "cert")]
+        key: Option<std::path::PathBuf>,
+        /// A gateway's base URL (`keys list` shows each tenant's usage there).
+        #[arg(long, value_name = "URL")]
+        gateway_url: Option<String>,
+        /// What the context is for.
+        #[arg(long)]
+        description: Option<String>,
+        /// Select it too, as `context use` does.
+        #[arg(long = "use")]
+        select: bool,
+    },
+    /// Select the context every later command uses (unless --context or
+    /// METRONOME_CONTEXT names another). Exits 1 for an unknown name.
+    Use { name: String },
+    /// One row per context; `*` marks the selected one. Passwords are not shown.
+    Ls,
+    /// Every setting of one context (default: the one that applies now); the password is
+    /// shown as <redacted>. Exits 1 for an unknown name.
+    Show { name: Option<String> },
+    /// Delete a context (and its selection, if selected). Exits 1 for an unknown name.
+    Rm { name: String },
 }
 
 /// `metronome keys` actions.
@@ -198,11 +285,13 @@ pub enum KeysAction {
     /// One row per key: id, tenant, state, note; with a gateway's URL, each tenant's
     /// requests and admitted tokens as that gateway counts them.
     List {
-        /// A gateway whose `/metrics` give the tenants' usage.
+        /// A gateway whose `/metrics` give the tenants' usage [default: the context's].
         #[arg(long, env = "METRONOME_GATEWAY_URL")]
         gateway_url: Option<String>,
     },
-    /// Revoke a key: every gateway refuses it within a second. Exits 1 for an unknown id.
+    /// Revoke a key: every gateway refuses it within a second. An id the bucket has no
+    /// record of is taken for a key in gateways' configuration files: its revocation is
+    /// stored in the bucket, and every gateway refuses its configured key of that id.
     Revoke {
         /// The key's id (at least its first 12 hex digits, as `keys list` shows) or hash.
         id: String,
@@ -243,17 +332,66 @@ impl From<OutcomeArg> for Outcome {
     }
 }
 
+/// NATS server of a command line, a context and an environment that name none.
+pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
+
+impl Cli {
+    /// Apply the environment and the context: the contexts file's place (`XDG_CONFIG_HOME`,
+    /// `HOME`), the context that applies (`--context`, `METRONOME_CONTEXT`, the selected
+    /// one), then, for what no flag set, the environment's `METRONOME_NATS_*` over the
+    /// context's credentials, the context's NATS URL and gateway; Redis TLS from
+    /// `METRONOME_REDIS_*`. `lookup` is `std::env::var(..).ok()` in `main`. `NATS_URL`,
+    /// `METRONOME_CONTEXT` and `METRONOME_GATEWAY_URL` were read by clap, as the flags'
+    /// variables.
+    pub fn apply_environment(
+        &mut self,
+        lookup: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<(), CliError> {
+        self.contexts_file = context::file_path(lookup);
+        self.redis_tls.apply_env(lookup);
+        if let Command::Context { .. } | Command::Completions { .. } | Command::Man = self.command {
+            // These manage or describe contexts; none applies to them.
+            return Ok(());
+        }
+        let contexts = match &self.contexts_file {
+            Some(path) => context::Contexts::load(path)?,
+            None => context::Contexts::default(),
+        };
+        let mut auth = metronome_runtime::nats::NatsAuth::default();
+        if let Some((_, c)) = contexts.active(self.context.as_deref())? {
+            auth = c.nats_auth();
+            if self.nats_url.is_none() {
+                self.nats_url.clone_from(&c.nats_url);
+            }
+            self.gateway_url.clone_from(&c.gateway_url);
+        }
+        auth.apply_env(lookup);
+        self.nats_auth = auth;
+        Ok(())
+    }
+}
+
 /// Run one command, writing its output to `out`.
 pub async fn run(cli: Cli, out: &mut (dyn Write + Send)) -> Result<(), CliError> {
     if let Some(text) = generated(&cli.command)? {
         return out.write_all(&text).map_err(CliError::writing);
     }
-    let nats = Nats::connect(&cli.nats_url, &cli.nats_auth).await?;
+    if let Command::Context { action } = cli.command {
+        let text = context_cmd(
+            cli.contexts_file.as_deref(),
+            cli.context.as_deref(),
+            action,
+            cli.json,
+        )?;
+        return write!(out, "{text}").map_err(CliError::writing);
+    }
+    let nats_url = cli.nats_url.as_deref().unwrap_or(DEFAULT_NATS_URL);
+    let nats = Nats::connect(nats_url, &cli.nats_auth).await?;
     let json = cli.json;
     let text = match cli.command {
         Command::Explain { job_id, scan } => explain(&nats, &job_id, scan, json).await?,
         // Answered above, without a connection.
-        Command::Completions { .. } | Command::Man => return Ok(()),
+        Command::Completions { .. } | Command::Man | Command::Context { .. } => return Ok(()),
         Command::Replay {
             since,
             config,
@@ -290,7 +428,7 @@ pub async fn run(cli: Cli, out: &mut (dyn Write + Send)) -> Result<(), CliError>
             wait,
             timeout_s,
         } => return drain_cmd(&nats, &worker, wait, timeout_s, json, out).await,
-        Command::Keys { action } => keys_cmd(&nats, action, json).await?,
+        Command::Keys { action } => keys_cmd(&nats, action, cli.gateway_url, json).await?,
         Command::Undrain { worker } => {
             let r = control(&nats, &worker, names::CONTROL_UNDRAIN).await?;
             if json {
@@ -335,8 +473,128 @@ fn generated(command: &Command) -> Result<Option<Vec<u8>>, CliError> {
     Ok(Some(text))
 }
 
-/// `keys create|list|revoke`.
-async fn keys_cmd(nats: &Nats, action: KeysAction, json: bool) -> Result<String, CliError> {
+/// `context add|use|ls|show|rm` on the contexts file at `path`; `chosen` is `--context`
+/// (or `METRONOME_CONTEXT`), what `show` shows without a name.
+fn context_cmd(
+    path: Option<&std::path::Path>,
+    chosen: Option<&str>,
+    action: ContextAction,
+    json: bool,
+) -> Result<String, CliError> {
+    let path = path.ok_or_else(|| {
+        CliError::Usage("no place for contexts: set XDG_CONFIG_HOME or HOME".into())
+    })?;
+    let mut contexts = context::Contexts::load(path)?;
+    let unknown = |name: &str| {
+        CliError::NotFound(format!(
+            "no context named {name:?} (`metronome context ls` lists them)"
+        ))
+    };
+    match action {
+        ContextAction::Add {
+            name,
+            server,
+            user,
+            password,
+            password_file,
+            password_stdin,
+            creds,
+            ca,
+            cert,
+            key,
+            gateway_url,
+            description,
+            select,
+        } => {
+            context::check_name(&name)?;
+            let password = if password_stdin {
+                let mut line = String::new();
+                std::io::stdin()
+                    .read_line(&mut line)
+                    .map_err(|e| CliError::Usage(format!("reading the password: {e}")))?;
+                Some(line.trim_end_matches(['\n', '\r']).to_string())
+            } else {
+                password
+            };
+            let c = context::Context {
+                description,
+                nats_url: server,
+                user,
+                password,
+                password_file: password_file.map(context::absolute),
+                creds_file: creds.map(context::absolute),
+                ca_file: ca.map(context::absolute),
+                cert_file: cert.map(context::absolute),
+                key_file: key.map(context::absolute),
+                gateway_url,
+            };
+            c.check()
+                .map_err(|e| CliError::Usage(format!("context {name:?} is not usable:\n  {e}")))?;
+            let replaced = contexts.contexts.insert(name.clone(), c).is_some();
+            if select {
+                contexts.selected = Some(name.clone());
+            }
+            contexts.save(path)?;
+            Ok(format!(
+                "{} context {name}{} in {}\n",
+                if replaced { "replaced" } else { "saved" },
+                if select { " (selected)" } else { "" },
+                path.display()
+            ))
+        }
+        ContextAction::Use { name } => {
+            if !contexts.contexts.contains_key(&name) {
+                return Err(unknown(&name));
+            }
+            contexts.selected = Some(name.clone());
+            contexts.save(path)?;
+            Ok(format!("selected context {name}\n"))
+        }
+        ContextAction::Ls => {
+            if json {
+                to_json(&contexts.shown())
+            } else {
+                Ok(contexts.table())
+            }
+        }
+        ContextAction::Show { name } => {
+            let name = match name.as_deref().or(chosen).or(contexts.selected.as_deref()) {
+                Some(n) => n.to_string(),
+                None => {
+                    return Err(CliError::Usage(
+                        "no context is selected: name one (`metronome context show NAME`)".into(),
+                    ))
+                }
+            };
+            let c = contexts.contexts.get(&name).ok_or_else(|| unknown(&name))?;
+            let selected = contexts.selected.as_deref() == Some(name.as_str());
+            if json {
+                to_json(&c.shown())
+            } else {
+                Ok(context::render(&name, selected, c, path))
+            }
+        }
+        ContextAction::Rm { name } => {
+            if contexts.contexts.remove(&name).is_none() {
+                return Err(unknown(&name));
+            }
+            if contexts.selected.as_deref() == Some(name.as_str()) {
+                contexts.selected = None;
+            }
+            contexts.save(path)?;
+            Ok(format!("removed context {name}\n"))
+        }
+    }
+}
+
+/// `keys create|list|revoke`; `context_gateway` is the context's gateway, for `list`
+/// without `--gateway-url`.
+async fn keys_cmd(
+    nats: &Nats,
+    action: KeysAction,
+    context_gateway: Option<String>,
+    json: bool,
+) -> Result<String, CliError> {
     match action {
         KeysAction::Create {
             tenant,
@@ -356,27 +614,48 @@ async fn keys_cmd(nats: &Nats, action: KeysAction, json: bool) -> Result<String,
             }
         }
         KeysAction::List { gateway_url } => {
-            let metrics = match gateway_url {
+            let metrics = match gateway_url.or(context_gateway) {
                 Some(url) => Some(gateway_metrics(&url).await?),
                 None => None,
             };
             let rows = keys::rows(keys::records(nats).await?, metrics.as_deref());
+            let revoked = keys::revocations(nats).await?;
             if json {
-                to_json(&rows)
+                // The configuration files' revoked ids follow the records, marked as such.
+                let all: Vec<serde_json::Value> = rows
+                    .iter()
+                    .map(serde_json::to_value)
+                    .chain(revoked.iter().map(|r| {
+                        serde_json::to_value(r).map(|mut v| {
+                            v["revoked"] = true.into();
+                            v["configured"] = true.into();
+                            v
+                        })
+                    }))
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| CliError::Usage(format!("encoding JSON: {e}")))?;
+                to_json(&all)
             } else {
-                Ok(keys::table(&rows))
+                Ok(keys::table(&rows) + &keys::revocations_table(&revoked))
             }
         }
         KeysAction::Revoke { id } => {
-            let record = keys::revoke(nats, &id).await?;
+            let revoked = keys::revoke(nats, &id).await?;
             if json {
-                to_json(&record)
+                to_json(&revoked)
             } else {
-                Ok(format!(
-                    "key {} of tenant {} is revoked\n",
-                    record.id(),
-                    record.tenant
-                ))
+                Ok(match revoked {
+                    keys::Revoked::Record(record) => format!(
+                        "key {} of tenant {} is revoked\n",
+                        record.id(),
+                        record.tenant
+                    ),
+                    keys::Revoked::Configured(r) => format!(
+                        "no key with id {} in the {} bucket: its revocation is stored, and every gateway refuses a key of its configuration file with this id\n",
+                        r.id,
+                        metronome_protocol::names::BUCKET_API_KEYS
+                    ),
+                })
             }
         }
     }

@@ -7,8 +7,10 @@ use metronome_cli::Cli;
 
 fn main() -> ExitCode {
     let mut cli = Cli::parse();
-    cli.nats_auth = metronome_runtime::nats::NatsAuth::from_env(|k| std::env::var(k).ok());
-    cli.redis_tls.apply_env(|k| std::env::var(k).ok());
+    if let Err(e) = cli.apply_environment(&|k| std::env::var(k).ok()) {
+        eprintln!("metronome: {e}");
+        return ExitCode::from(e.exit_code());
+    }
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

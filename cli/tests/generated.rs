@@ -16,7 +16,7 @@ fn metronome(args: &[&str]) -> String {
     String::from_utf8(out.stdout).expect("utf-8")
 }
 
-const COMMANDS: [&str; 8] = [
+const COMMANDS: [&str; 10] = [
     "status",
     "workers",
     "decisions",
@@ -25,6 +25,8 @@ const COMMANDS: [&str; 8] = [
     "undrain",
     "replay",
     "completions",
+    "keys",
+    "context",
 ];
 
 #[test]

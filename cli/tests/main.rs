@@ -5,4 +5,5 @@
 
 mod against_nats;
 mod config_reference;
+mod contexts;
 mod generated;

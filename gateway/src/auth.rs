@@ -10,6 +10,9 @@
 //! `api_keys` bucket that `metronome keys` writes ([`crate::key_store`] watches it and hands
 //! every change to [`Auth::set_live_keys`]), so a key created or revoked there takes
 //! effect at once. A hash in both is the bucket's record (revoked if either says so). A
+//! file's key is revoked live by a revocation of its id in the bucket
+//! ([`metronome_protocol::api_keys::Revocation`], what `metronome keys revoke` stores for an
+//! id the bucket has no record of); deleting the revocation lets the key in again. A
 //! bucket key's tenant has the configuration's limits and models when the file names it,
 //! else every model without limits.
 //!
@@ -25,7 +28,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
 use axum::http::{header, HeaderMap};
-use metronome_protocol::api_keys::KeyRecord;
+use metronome_protocol::api_keys::{KeyRecord, Revocation};
 use metronome_protocol::{Priority, ANONYMOUS_TENANT};
 use subtle::{ConditionallySelectable, ConstantTimeEq};
 
@@ -39,6 +42,8 @@ use crate::metrics::Metrics;
 #[derive(Debug, Default)]
 struct LiveKeys {
     keys: Vec<StoredKey>,
+    /// Indices in [`Auth::keys`] (the file's keys) revoked by a [`Revocation`].
+    revoked_file_keys: Vec<usize>,
     /// Tenants the configuration does not name, kept across changes so their limiters
     /// (none, today) and their identity survive a key being added beside them.
     tenants: HashMap<String, Arc<Tenant>>,
@@ -118,6 +123,8 @@ struct Tenant {
 #[derive(Debug, Clone)]
 struct StoredKey {
     hash: [u8; 32],
+    /// The hash in lower-case hex, as revocations name it.
+    sha256: String,
     tenant: Arc<Tenant>,
     revoked: bool,
     operator: bool,
@@ -175,6 +182,7 @@ impl Auth {
             .filter_map(|k| {
                 Some(StoredKey {
                     hash: parse_sha256(&k.sha256)?,
+                    sha256: k.sha256.clone(),
                     tenant: tenants.iter().find(|t| t.config.name == k.tenant)?.clone(),
                     revoked: k.revoked,
                     operator: k.operator,
@@ -193,8 +201,14 @@ impl Auth {
     }
 
     /// Serve exactly `records` (the `api_keys` bucket's valid records) beside the
-    /// configuration's keys, from the next request on.
-    pub fn set_live_keys<'a>(&self, records: impl IntoIterator<Item = &'a KeyRecord>) {
+    /// configuration's keys, and refuse every key a revocation in `revocations` covers,
+    /// from the next request on.
+    pub fn set_live_keys<'a>(
+        &self,
+        records: impl IntoIterator<Item = &'a KeyRecord>,
+        revocations: &[Revocation],
+    ) {
+        let covered = |sha256: &str| revocations.iter().any(|r| r.covers(sha256));
         let mut live = self.live.write().unwrap_or_else(|p| p.into_inner());
         let mut keys = Vec::new();
         for r in records {
@@ -213,14 +227,24 @@ impl Auth {
             let revoked_in_file = self.keys.iter().any(|k| k.hash == hash && k.revoked);
             keys.push(StoredKey {
                 hash,
+                sha256: r.sha256.clone(),
                 tenant,
-                revoked: r.revoked || revoked_in_file,
+                revoked: r.revoked || revoked_in_file || covered(&r.sha256),
                 operator: r.operator,
                 id: r.id().to_string(),
                 priority: r.priority.unwrap_or(Priority::Interactive),
             });
         }
         live.keys = keys;
+        let revoked_file_keys: Vec<usize> = (0..self.keys.len())
+            .filter(|&i| !self.keys[i].revoked && covered(&self.keys[i].sha256))
+            .collect();
+        for &i in &revoked_file_keys {
+            if !live.revoked_file_keys.contains(&i) {
+                tracing::info!(key_id = %self.keys[i].id, tenant = %self.keys[i].tenant.config.name, "a key of the configuration file is revoked through the api_keys bucket");
+            }
+        }
+        live.revoked_file_keys = revoked_file_keys;
     }
 
     /// Keys served from the `api_keys` bucket (revoked ones included).
@@ -279,7 +303,11 @@ impl Auth {
             found.conditional_assign(&(i as u64), stored.hash.ct_eq(&presented));
         }
         let i = usize::try_from(found).unwrap_or(usize::MAX);
-        self.keys.iter().chain(&live.keys).nth(i).cloned()
+        let mut stored = self.keys.iter().chain(&live.keys).nth(i).cloned()?;
+        if live.revoked_file_keys.contains(&i) {
+            stored.revoked = true;
+        }
+        Some(stored)
     }
 
     /// Whether `headers` may open the operator console: anyone when anonymous access is
@@ -492,6 +520,47 @@ mod tests {
             HeaderValue::from_str(&format!("Bearer {key}")).unwrap(),
         );
         h
+    }
+
+    #[test]
+    fn a_revocation_by_id_refuses_the_files_key_until_it_is_deleted() {
+        let auth = Auth::new(&config(
+            &[("acme", "mtk_a", false), ("beta", "mtk_b", false)],
+            false,
+        ));
+        let revocation = Revocation {
+            v: 1,
+            id: key_id(&key_sha256("mtk_a")).to_string(),
+            revoked_ms: 1,
+        };
+        auth.set_live_keys(Vec::<&KeyRecord>::new(), std::slice::from_ref(&revocation));
+        assert_eq!(
+            auth.authenticate(&bearer("mtk_a")).unwrap_err(),
+            AuthFailure::Revoked
+        );
+        assert!(auth.authenticate(&bearer("mtk_b")).is_ok(), "another key");
+        // A bucket key covered by it is refused too.
+        let live = KeyRecord {
+            v: 1,
+            tenant: "beta".into(),
+            sha256: key_sha256("mtk_a"),
+            note: None,
+            revoked: false,
+            operator: false,
+            priority: None,
+            created_ms: 1,
+            revoked_ms: None,
+        };
+        auth.set_live_keys([&live], std::slice::from_ref(&revocation));
+        assert_eq!(
+            auth.authenticate(&bearer("mtk_a")).unwrap_err(),
+            AuthFailure::Revoked
+        );
+        auth.set_live_keys(Vec::<&KeyRecord>::new(), &[]);
+        assert_eq!(
+            auth.authenticate(&bearer("mtk_a")).unwrap().tenant_name,
+            "acme"
+        );
     }
 
     fn config(keys: &[(&str, &str, bool)], anonymous: bool) -> Config {

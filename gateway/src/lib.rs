@@ -229,7 +229,7 @@ impl Gateway {
             watcher_stop.clone(),
         );
         let key_watcher = key_store::spawn_watcher(
-            self.state.buckets.api_keys.clone(),
+            self.state.js.clone(),
             self.state.auth.clone(),
             self.state.metrics.clone(),
             watcher_stop.clone(),

@@ -559,8 +559,10 @@ async fn keys_created_and_revoked_live_take_effect_without_a_restart() {
     assert!(!rows.iter().any(|r| r.record.revoked));
 
     // Revoke: refused as revoked; the other key still served.
-    let revoked = keys::revoke(&nats, &acme.id).await.expect("revoke");
-    assert!(revoked.revoked && revoked.revoked_ms.is_some());
+    match keys::revoke(&nats, &acme.id).await.expect("revoke") {
+        keys::Revoked::Record(r) => assert!(r.revoked && r.revoked_ms.is_some()),
+        other => panic!("the bucket's record is revoked: {other:?}"),
+    }
     wait_for("the gateway refuses the revoked key", WAIT, || {
         let status = status_of(acme.key.clone());
         async move { (status.await == 401).then_some(()) }
@@ -581,7 +583,77 @@ async fn keys_created_and_revoked_live_take_effect_without_a_restart() {
         "a revoked key stays listed"
     );
     assert!(matches!(
-        keys::revoke(&nats, "ffffffffffff").await,
-        Err(metronome_cli::CliError::NotFound(_))
+        keys::revoke(&nats, "fffff").await,
+        Err(metronome_cli::CliError::Usage(_))
     ));
+}
+
+/// A key of the gateway's configuration file revoked live: `metronome keys revoke <id>`
+/// finds no record of the id in the bucket, stores a revocation of it, and the running
+/// gateway refuses the key, without a restart, while the file's other keys keep working;
+/// deleting the revocation lets the key in again. Polled for, never timed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configured_key_is_revoked_live_by_its_id() {
+    use metronome_cli::keys;
+    use metronome_protocol::api_keys::Revocation;
+    let h = Harness::start_with_key(tenants, Some(ACME_KEY)).await;
+    let nats = metronome_readmodel::source::Nats {
+        client: h.client.clone(),
+        js: h.js.clone(),
+    };
+    let status_of = |key: &'static str| {
+        let request = h.http.get(h.url("/v1/models")).bearer_auth(key);
+        async move {
+            request
+                .send()
+                .await
+                .expect("request sent")
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(status_of(BETA_KEY).await, 200);
+    let id = metronome_gateway::api_key::key_id(&key_sha256(BETA_KEY)).to_string();
+
+    let revocation = match keys::revoke(&nats, &id).await.expect("revoke") {
+        keys::Revoked::Configured(r) => r,
+        other => panic!("the bucket has no record of a file's key: {other:?}"),
+    };
+    assert_eq!(revocation.id, id);
+    wait_for("the gateway refuses the revoked file key", WAIT, || {
+        let status = status_of(BETA_KEY);
+        async move { (status.await == 401).then_some(()) }
+    })
+    .await;
+    let refused = post_as(&h, Some(BETA_KEY), &chat_body("hello", false)).await;
+    let error = assert_openai_error(refused, 401, "invalid_request_error").await;
+    assert!(error.to_string().contains("revoked"), "{error}");
+    assert_eq!(status_of(ACME_KEY).await, 200, "the file's other keys");
+    assert_eq!(
+        keys::revocations(&nats).await.unwrap(),
+        [revocation.clone()],
+        "listed"
+    );
+    assert!(
+        keys::records(&nats).await.unwrap().is_empty(),
+        "a revocation is not a key record"
+    );
+    // Revoking it again finds the revocation stored before.
+    match keys::revoke(&nats, &id).await.unwrap() {
+        keys::Revoked::Configured(again) => assert_eq!(again, revocation),
+        other => panic!("{other:?}"),
+    }
+
+    // Deleting the revocation lets the key in again.
+    h.js.get_key_value(metronome_protocol::names::BUCKET_API_KEYS)
+        .await
+        .unwrap()
+        .delete(Revocation::bucket_key(&id))
+        .await
+        .unwrap();
+    wait_for("the gateway serves the key again", WAIT, || {
+        let status = status_of(BETA_KEY);
+        async move { (status.await == 200).then_some(()) }
+    })
+    .await;
 }

@@ -8,7 +8,11 @@
 //! itself is shown once, when created. A revoked key keeps its record (`revoked: true`), so
 //! `metronome keys list` still shows who it was for; deleting the record forgets the key.
 //!
-//! Keys in a gateway's configuration file (`[[keys]]`) keep working beside these.
+//! Keys in a gateway's configuration file (`[[keys]]`) keep working beside these, and are
+//! revoked live the same way: the bucket has no record of such a key, so `metronome keys
+//! revoke <id>` stores a [`Revocation`] of its id under `revoked.<id>`, and every gateway
+//! refuses a configured key whose hash starts with a revoked id (deleting the revocation
+//! lets it in again).
 
 use serde::{Deserialize, Serialize};
 
@@ -69,6 +73,56 @@ impl KeyRecord {
         }
         check_tenant(&self.tenant).map_err(|e| e.to_string())
     }
+}
+
+/// Prefix of the bucket keys of [`Revocation`]s (`revoked.<id>`); a key record's bucket
+/// key is a bare hash, so the two never meet.
+pub const REVOCATION_PREFIX: &str = "revoked.";
+
+/// A revocation by id, for a key the bucket holds no record of (one in a gateway's
+/// configuration file): every key whose hash starts with `id` is refused.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Revocation {
+    pub v: u32,
+    /// [`KEY_ID_HEX`] to 64 lower-case hex digits: a key's id, or its whole hash.
+    pub id: String,
+    pub revoked_ms: u64,
+}
+
+impl Revocation {
+    /// Its bucket key: `revoked.<id>`.
+    pub fn bucket_key(id: &str) -> String {
+        format!("{REVOCATION_PREFIX}{id}")
+    }
+
+    /// Why the record cannot be applied, if it cannot: a malformed id, or a bucket key
+    /// that is not its own.
+    pub fn check(&self, bucket_key: &str) -> Result<(), String> {
+        if self.v != KEY_RECORD_VERSION {
+            return Err(format!("unknown revocation version {}", self.v));
+        }
+        if !is_key_id(&self.id) {
+            return Err(format!(
+                "id is not {KEY_ID_HEX} to 64 lower-case hex digits"
+            ));
+        }
+        if bucket_key != Self::bucket_key(&self.id) {
+            return Err("stored under another key than revoked.<id>".into());
+        }
+        Ok(())
+    }
+
+    /// Whether the key whose hash is `sha256_hex` is revoked by this record.
+    pub fn covers(&self, sha256_hex: &str) -> bool {
+        sha256_hex.starts_with(&self.id)
+    }
+}
+
+/// Whether `s` names a key: [`KEY_ID_HEX`] to 64 lower-case hex digits.
+pub fn is_key_id(s: &str) -> bool {
+    (KEY_ID_HEX..=64).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 /// Whether `s` is 64 lower-case hex digits.
@@ -132,6 +186,26 @@ mod tests {
         assert!(bad_tenant.check(&"ab".repeat(32)).is_err());
         let round: KeyRecord = serde_json::from_value(serde_json::to_value(&r).unwrap()).unwrap();
         assert_eq!(round, r);
+    }
+
+    #[test]
+    fn a_revocation_covers_the_keys_its_id_begins() {
+        let r = Revocation {
+            v: 1,
+            id: "abababababab".into(),
+            revoked_ms: 1,
+        };
+        assert_eq!(r.check("revoked.abababababab"), Ok(()));
+        assert!(r.check("abababababab").is_err());
+        assert!(r.covers(&"ab".repeat(32)));
+        assert!(!r.covers(&"cd".repeat(32)));
+        for bad in ["ababab", "ABABABABABAB", &"ab".repeat(33)] {
+            let r = Revocation {
+                id: bad.to_string(),
+                ..r.clone()
+            };
+            assert!(r.check(&Revocation::bucket_key(bad)).is_err(), "{bad}");
+        }
     }
 
     #[test]

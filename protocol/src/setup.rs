@@ -147,7 +147,6 @@ pub struct Buckets {
     pub leader: kv::Store,
     pub fairness: kv::Store,
     pub queues: kv::Store,
-    pub api_keys: kv::Store,
 }
 
 /// Create (or find) every stream and bucket.
@@ -164,8 +163,13 @@ pub async fn ensure_all(
     // Counters are kept until overwritten: a failover may come at any time.
     let fairness = ensure_bucket(js, BUCKET_FAIRNESS, Duration::ZERO, s).await?;
     let queues = ensure_bucket(js, BUCKET_QUEUES, s.queues_max_age, s).await?;
-    // Keys are kept until revoked or deleted.
-    let api_keys = ensure_bucket(js, BUCKET_API_KEYS, Duration::ZERO, s).await?;
+    // Keys are kept until revoked or deleted. Not fatal when it cannot be made: a gateway
+    // may not create streams (`permissions`), and one started before any dispatcher of a
+    // version that creates this bucket serves its configuration file's keys alone until
+    // the bucket appears (its key watch keeps opening it).
+    if let Err(error) = ensure_bucket(js, BUCKET_API_KEYS, Duration::ZERO, s).await {
+        tracing::warn!(%error, "the api_keys bucket is missing and could not be created: API keys from the configuration file only, until a dispatcher creates it");
+    }
     if s.replicas > 1 {
         for (name, have) in under_replicated(js, s.replicas).await {
             tracing::warn!(
@@ -181,7 +185,6 @@ pub async fn ensure_all(
         leader,
         fairness,
         queues,
-        api_keys,
     })
 }
 

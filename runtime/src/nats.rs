@@ -1,5 +1,5 @@
 //! How every binary connects to NATS: one [`NatsAuth`] block of settings (user and
-//! password, TLS trust and client certificate), read the same way by the gateway, the
+//! password or a `.creds` file, TLS trust and client certificate), read the same way by the gateway, the
 //! dispatcher, the worker-agent, the CLI and the load generator, and turned into
 //! [`async_nats::ConnectOptions`] by [`NatsAuth::connect_options`].
 //!
@@ -9,6 +9,12 @@
 //! replies of every other one, such as the assignments pulled by another worker. So a
 //! connection with a user answers on `_INBOX.<user>.>` (`protocol::names::inbox_prefix`) and the server
 //! grants each user only its own (see `protocol::permissions`).
+//!
+//! A `.creds` file (what `nsc` writes for a user of an operator-mode server: the user's JWT
+//! and its nkey seed) authenticates by signing the server's nonce with the seed; the
+//! permissions are in the JWT, written by whoever issued it. Such a user has no name of
+//! ours, so its inbox is the shared `_INBOX.>` unless `user` names the per-user prefix the
+//! JWT's permissions grant (`user` then needs no password).
 //!
 //! Secrets never reach a log or `--check-config`: `Debug` and `Serialize` print the
 //! password as `"<redacted>"`.
@@ -24,6 +30,7 @@ pub const ENV_PASSWORD_FILE: &str = "METRONOME_NATS_PASSWORD_FILE";
 pub const ENV_CA: &str = "METRONOME_NATS_CA";
 pub const ENV_CERT: &str = "METRONOME_NATS_CERT";
 pub const ENV_KEY: &str = "METRONOME_NATS_KEY";
+pub const ENV_CREDS: &str = "METRONOME_NATS_CREDS";
 
 /// Credentials and TLS settings of one NATS connection (the `[nats_auth]` table of each
 /// binary's configuration). Every field is optional: none set is an anonymous, plain-text
@@ -39,6 +46,9 @@ pub struct NatsAuth {
     /// A file holding the password (`METRONOME_NATS_PASSWORD_FILE`), so no secret sits in
     /// a world-readable config or in the process environment.
     pub password_file: Option<PathBuf>,
+    /// A NATS `.creds` file (user JWT and nkey seed, as `nsc` writes it) for an
+    /// operator-mode server (`METRONOME_NATS_CREDS`); instead of a password.
+    pub creds_file: Option<PathBuf>,
     /// PEM file of the CA that signed the server's certificate (`METRONOME_NATS_CA`);
     /// setting it requires TLS.
     pub ca_file: Option<PathBuf>,
@@ -61,6 +71,7 @@ impl std::fmt::Debug for NatsAuth {
             .field("user", &self.user)
             .field("password", &self.password.as_ref().map(|_| "<redacted>"))
             .field("password_file", &self.password_file)
+            .field("creds_file", &self.creds_file)
             .field("ca_file", &self.ca_file)
             .field("cert_file", &self.cert_file)
             .field("key_file", &self.key_file)
@@ -73,6 +84,12 @@ impl std::fmt::Debug for NatsAuth {
 pub enum NatsAuthError {
     #[error("reading the NATS password file {path}: {source}")]
     PasswordFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// A `.creds` file that cannot be read or holds no user JWT and seed.
+    #[error("nats_auth.creds_file: {path}: {source}")]
+    CredsFile {
         path: PathBuf,
         source: std::io::Error,
     },
@@ -103,6 +120,9 @@ impl NatsAuth {
         if let Some(v) = lookup(ENV_PASSWORD_FILE) {
             self.password_file = path(v);
         }
+        if let Some(v) = lookup(ENV_CREDS) {
+            self.creds_file = path(v);
+        }
         if let Some(v) = lookup(ENV_CA) {
             self.ca_file = path(v);
         }
@@ -125,14 +145,21 @@ impl NatsAuth {
                     format!("{user:?} must be letters, digits, '-' or '_' (it names the user's inbox subject)"),
                 ));
             }
-            if self.password.is_none() && self.password_file.is_none() {
+            if self.password.is_none() && self.password_file.is_none() && self.creds_file.is_none()
+            {
                 errors.push((
                     "nats_auth.password",
-                    "a user needs password or password_file".into(),
+                    "a user needs password, password_file or creds_file".into(),
                 ));
             }
         } else if self.password.is_some() || self.password_file.is_some() {
             errors.push(("nats_auth.user", "a password needs a user".into()));
+        }
+        if self.creds_file.is_some() && (self.password.is_some() || self.password_file.is_some()) {
+            errors.push((
+                "nats_auth.creds_file",
+                "set a password or a creds_file, not both".into(),
+            ));
         }
         if self.password.is_some() && self.password_file.is_some() {
             errors.push((
@@ -146,6 +173,7 @@ impl NatsAuth {
             &self.key_file,
             [
                 ("nats_auth.password_file", &self.password_file),
+                ("nats_auth.creds_file", &self.creds_file),
                 ("nats_auth.ca_file", &self.ca_file),
                 ("nats_auth.cert_file", &self.cert_file),
                 ("nats_auth.key_file", &self.key_file),
@@ -164,15 +192,26 @@ impl NatsAuth {
     /// or wrong one is an error naming its setting rather than a failed handshake later.
     pub fn connect_options(&self) -> Result<async_nats::ConnectOptions, NatsAuthError> {
         let mut options = async_nats::ConnectOptions::new();
+        if let Some(path) = &self.creds_file {
+            // Read here rather than by async-nats at connect: a missing or malformed file
+            // is an error naming the setting before any connection is tried.
+            let creds_error = |source| NatsAuthError::CredsFile {
+                path: path.clone(),
+                source,
+            };
+            let text = std::fs::read_to_string(path).map_err(creds_error)?;
+            options = options.credentials(&text).map_err(creds_error)?;
+        }
         if let Some(user) = &self.user {
             let password = match (&self.password, &self.password_file) {
-                (Some(p), _) => p.clone(),
-                (None, Some(path)) => read_secret(path)?,
-                (None, None) => String::new(),
+                (Some(p), _) => Some(p.clone()),
+                (None, Some(path)) => Some(read_secret(path)?),
+                (None, None) => None,
             };
-            options = options
-                .user_and_password(user.clone(), password)
-                .custom_inbox_prefix(metronome_protocol::names::inbox_prefix(user));
+            if let Some(password) = password {
+                options = options.user_and_password(user.clone(), password);
+            }
+            options = options.custom_inbox_prefix(metronome_protocol::names::inbox_prefix(user));
         }
         if let Some(ca) = &self.ca_file {
             crate::tls::read_certificates("nats_auth.ca_file", ca)?;
@@ -301,6 +340,36 @@ mod tests {
             fields(&half_cert),
             ["nats_auth.cert_file", "nats_auth.cert_file"]
         );
+    }
+
+    #[test]
+    fn a_creds_file_replaces_the_password() {
+        let fields = |a: &NatsAuth| a.validate().into_iter().map(|(f, _)| f).collect::<Vec<_>>();
+        let dir = tempfile::tempdir().unwrap();
+        let creds = dir.path().join("admin.creds");
+        std::fs::write(&creds, "not yet parsed by validate").unwrap();
+        let alone = NatsAuth {
+            creds_file: Some(creds.clone()),
+            ..NatsAuth::default()
+        };
+        assert!(fields(&alone).is_empty());
+        // A user beside it names the inbox prefix only: no password needed.
+        let named = NatsAuth {
+            user: Some("admin".into()),
+            ..alone.clone()
+        };
+        assert!(fields(&named).is_empty());
+        let both = NatsAuth {
+            password: Some("p".into()),
+            ..named
+        };
+        assert_eq!(fields(&both), ["nats_auth.creds_file"]);
+        let mut from_env = NatsAuth::default();
+        from_env.apply_env(env(&[(ENV_CREDS, creds.to_str().unwrap())]));
+        assert_eq!(from_env.creds_file, Some(creds));
+        // Parsed when the options are built: no JWT and seed in it, an error naming it.
+        let err = alone.connect_options().map(|_| ()).unwrap_err();
+        assert!(matches!(err, NatsAuthError::CredsFile { .. }), "{err}");
     }
 
     #[test]

@@ -198,10 +198,11 @@ pub fn loader_env_vars(load: impl FnOnce(&dyn Fn(&str) -> Option<String>)) -> Ve
 
 /// The variables every binary's loader reads besides its own settings: NATS credentials
 /// and TLS, Redis TLS. They are documented once (docs/SECURITY.md), not as flags.
-pub const SHARED_ENV_VARS: [&str; 9] = [
+pub const SHARED_ENV_VARS: [&str; 10] = [
     crate::nats::ENV_USER,
     crate::nats::ENV_PASSWORD,
     crate::nats::ENV_PASSWORD_FILE,
+    crate::nats::ENV_CREDS,
     crate::nats::ENV_CA,
     crate::nats::ENV_CERT,
     crate::nats::ENV_KEY,

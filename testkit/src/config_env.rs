@@ -7,8 +7,9 @@ use std::process::Command;
 /// Runs `check_config()` (a command that ends in `--check-config`) twice:
 /// - with `METRONOME_NATS_USER=user` and a password: it succeeds, prints that user, and
 ///   never the password;
-/// - with a `rediss://` URL and CA files named in `METRONOME_NATS_CA` and
-///   `METRONOME_REDIS_CA` that do not exist: it exits 2 naming each setting and its path.
+/// - with a `rediss://` URL, CA files named in `METRONOME_NATS_CA` and `METRONOME_REDIS_CA`
+///   and a `.creds` file in `METRONOME_NATS_CREDS` that do not exist: it exits 2 naming
+///   each setting and its path.
 ///
 /// Returns the first run's stdout, for checks of the binary's own.
 pub fn assert_nats_and_redis_settings_from_env(
@@ -33,6 +34,7 @@ pub fn assert_nats_and_redis_settings_from_env(
         .env("REDIS_URL", "rediss://127.0.0.1:6390/")
         .env("METRONOME_NATS_CA", "/nonexistent/nats-ca.pem")
         .env("METRONOME_REDIS_CA", "/nonexistent/redis-ca.pem")
+        .env("METRONOME_NATS_CREDS", "/nonexistent/nats.creds")
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -40,6 +42,7 @@ pub fn assert_nats_and_redis_settings_from_env(
     for (field, path) in [
         ("nats_auth.ca_file", "/nonexistent/nats-ca.pem"),
         ("redis_tls.ca_file", "/nonexistent/redis-ca.pem"),
+        ("nats_auth.creds_file", "/nonexistent/nats.creds"),
     ] {
         assert!(err.contains(field) && err.contains(path), "{field}: {err}");
     }

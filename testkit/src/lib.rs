@@ -2,7 +2,8 @@
 //! free port with its own temporary storage (and a JetStream cluster of several
 //! `nats-server`s, [`NatsCluster`]), stoppable and restartable (same port, same
 //! data) for fault tests, and removed on drop; either can serve TLS with certificates of a
-//! throwaway private CA ([`TestCa`]). Also a guard for Metronome's own binaries and the
+//! throwaway private CA ([`TestCa`]), or run in operator mode for users with `.creds` files
+//! ([`TestOperator`]). Also a guard for Metronome's own binaries and the
 //! environment check every binary's `--check-config` passes.
 //!
 //! Nothing here is a mock: a missing binary is an error with an install hint, never a
@@ -11,6 +12,7 @@
 mod cluster;
 mod config_env;
 mod error;
+mod operator;
 mod process;
 mod servers;
 mod tls;
@@ -18,6 +20,7 @@ mod tls;
 pub use cluster::NatsCluster;
 pub use config_env::assert_nats_and_redis_settings_from_env;
 pub use error::TestkitError;
+pub use operator::TestOperator;
 pub use process::{bin_path, ChildGuard};
 pub use servers::{free_port, NatsServer, RedisServer};
 pub use tls::TestCa;

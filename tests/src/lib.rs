@@ -38,6 +38,11 @@ pub struct ClusterSpec {
     pub gateway_knobs: Vec<String>,
     /// Environment variables of every Metronome process (e.g. `METRONOME_LOG_FORMAT`).
     pub env: Vec<(String, String)>,
+    /// Extra nats-server configuration (an operator, users).
+    pub nats_config: String,
+    /// The `.creds` file the test's own NATS connections use (with `nats_config`'s
+    /// operator; the processes get theirs through `env`).
+    pub nats_creds: Option<PathBuf>,
 }
 
 impl ClusterSpec {
@@ -58,6 +63,8 @@ impl ClusterSpec {
             dispatcher_knobs: Vec::new(),
             gateway_knobs: Vec::new(),
             env: Vec::new(),
+            nats_config: String::new(),
+            nats_creds: None,
         }
     }
 }
@@ -85,7 +92,7 @@ pub fn worker_id(i: usize) -> String {
 impl Cluster {
     /// Start everything and wait until the gateway serves every model.
     pub async fn start(spec: ClusterSpec) -> Cluster {
-        let nats = NatsServer::start().expect("nats-server");
+        let nats = NatsServer::start_with_config(&spec.nats_config).expect("nats-server");
         let redis = RedisServer::start().expect("redis-server");
         let dir = tempfile::Builder::new()
             .prefix("metronome-e2e-")
@@ -334,7 +341,14 @@ impl Cluster {
     }
 
     pub async fn nats_client(&self) -> async_nats::Client {
-        async_nats::connect(self.nats.url())
+        let options = match &self.spec.nats_creds {
+            Some(path) => async_nats::ConnectOptions::with_credentials_file(path)
+                .await
+                .expect("the test's .creds file"),
+            None => async_nats::ConnectOptions::new(),
+        };
+        options
+            .connect(self.nats.url())
             .await
             .expect("connect to nats")
     }

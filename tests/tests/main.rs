@@ -3,6 +3,7 @@
 //! linking and re-instantiating the same async stack per test binary).
 //! `scripts/check-workspace.py` (run by `./dev test`) fails when a file here is not declared below.
 
+mod creds;
 mod ewma_restart;
 mod full_chain;
 mod http_errors;

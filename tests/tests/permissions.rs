@@ -1430,3 +1430,99 @@ async fn push_consumers_delivering_beyond_an_inbox_are_swept() {
         .unwrap();
     assert!(swept.is_empty(), "{swept:?}");
 }
+
+/// Upgrades in any order: a gateway started before any dispatcher that creates the
+/// `api_keys` bucket (the bucket is missing, and the gateway's identity may not create
+/// streams) starts anyway, serves the keys of its configuration file, and serves the
+/// bucket's keys as soon as a dispatcher (here the admin) creates it, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_started_before_the_api_keys_bucket_exists_serves_it_once_created() {
+    use metronome_protocol::api_keys::{key_sha256, KeyRecord, KEY_RECORD_VERSION};
+    use metronome_testkit::{bin_path, free_port, ChildGuard};
+    const FILE_KEY: &str = "mtk_from_the_file";
+    const LIVE_KEY: &str = "mtk_from_the_bucket";
+    let sys = system().await;
+    let admin = Conn::open(&sys.nats, "admin").await;
+    admin
+        .js
+        .delete_stream(format!("KV_{}", names::BUCKET_API_KEYS))
+        .await
+        .expect("the bucket of an older version is missing");
+
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let config = dir.path().join("gateway.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"127.0.0.1:{port}\"\nnats_url = \"{}\"\nallow_anonymous = false\n\
+             [[tenants]]\nname = \"acme\"\n[[keys]]\ntenant = \"acme\"\nsha256 = \"{}\"\n",
+            sys.nats.url(),
+            key_sha256(FILE_KEY)
+        ),
+    )
+    .unwrap();
+    let log = dir.path().join("gateway.log");
+    let mut cmd = std::process::Command::new(bin_path("metronome-gateway"));
+    cmd.arg("--config")
+        .arg(&config)
+        .env_remove("NATS_URL")
+        .env("METRONOME_NATS_USER", "gateway")
+        .env("METRONOME_NATS_PASSWORD", password("gateway"))
+        .stdout(std::fs::File::create(&log).unwrap())
+        .stderr(std::process::Stdio::null());
+    let _gateway = ChildGuard::spawn("gateway", cmd).expect("the gateway starts");
+
+    let http = reqwest::Client::new();
+    let status_of = |key: &'static str| {
+        let request = http
+            .get(format!("http://127.0.0.1:{port}/v1/models"))
+            .bearer_auth(key);
+        async move { request.send().await.ok().map(|r| r.status().as_u16()) }
+    };
+    // Its refused attempts to create the bucket wait out their request time-outs first.
+    wait_for(
+        "the gateway serves its configuration file's key",
+        3 * WAIT,
+        || {
+            let status = status_of(FILE_KEY);
+            async move { (status.await == Some(200)).then_some(()) }
+        },
+    )
+    .await;
+    assert_eq!(status_of(LIVE_KEY).await, Some(401));
+    let logged = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        logged.contains("cannot open the api_keys bucket"),
+        "{logged}"
+    );
+
+    // A dispatcher of the new version starts: the bucket exists, a key is created.
+    ensure_all(&admin.js, &StreamSettings::default())
+        .await
+        .expect("the admin creates the bucket");
+    let record = KeyRecord {
+        v: KEY_RECORD_VERSION,
+        tenant: "acme".into(),
+        sha256: key_sha256(LIVE_KEY),
+        note: None,
+        revoked: false,
+        operator: false,
+        priority: None,
+        created_ms: 1,
+        revoked_ms: None,
+    };
+    admin
+        .js
+        .get_key_value(names::BUCKET_API_KEYS)
+        .await
+        .expect("the bucket exists")
+        .put(&record.sha256, serde_json::to_vec(&record).unwrap().into())
+        .await
+        .unwrap();
+    wait_for("the gateway serves the bucket's key", WAIT, || {
+        let status = status_of(LIVE_KEY);
+        async move { (status.await == Some(200)).then_some(()) }
+    })
+    .await;
+}
