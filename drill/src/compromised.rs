@@ -540,7 +540,8 @@ pub(crate) async fn attack(
     let claimed = Arc::new(Mutex::new(OTHER_MODEL.to_string()));
     let stop = tokio_util::sync::CancellationToken::new();
     let forger = spawn_forger(&attacker, real, claimed.clone(), stop.clone());
-    tokio::time::sleep(SEEN_AFTER).await;
+    // The leader has read a forged heartbeat once it counted one.
+    wait_counters(system, &before, &[(UNPROVISIONED, 1.0)]).await;
     let other_from = Instant::now();
     let now = metronome_protocol::time::unix_ms();
     let mut others = Vec::new();
@@ -606,7 +607,7 @@ pub(crate) async fn attack(
     let leader = system.leader_name().await?;
     let leader_pid = system.pid_of(&leader).context("leader pid")?;
     let leader_image = Image::read(leader_pid)?;
-    let listed = wait_decision(&decisions, Duration::from_secs(5), |seen| {
+    let listed = wait_decision(&decisions, Duration::from_secs(10), |seen| {
         seen.iter()
             .filter(|(at, _)| *at >= own_from)
             .find(|(_, d)| {
