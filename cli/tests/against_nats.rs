@@ -594,6 +594,7 @@ async fn decisions_workers_and_status_read_the_contract() {
         by_priority: [(metronome_protocol::Priority::Interactive, waiting)].into(),
         flows: Vec::new(),
         flows_not_listed: 0,
+        bound: None,
         epoch,
         dispatcher_id: "d1".into(),
         written_ms: now,

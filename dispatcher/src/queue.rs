@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use async_nats::jetstream::message::Acker;
-use metronome_protocol::queues::{FlowCount, QueueSnapshot, MAX_FLOWS};
+use metronome_protocol::queues::{refuses_arrival, FlowCount, QueueSnapshot, MAX_FLOWS};
 use metronome_protocol::{Job, Priority};
 use metronome_scheduler::fairness::{Candidate, Vtc};
 use metronome_scheduler::{Fairness, FairnessConfig, FairnessSnapshot, RecentArrivals, Tokens};
@@ -182,7 +182,7 @@ impl Queues {
             let tenant = tenant_of(&job.job);
             let tenants = q.tenants();
             let sharing = tenants.len() + usize::from(!tenants.contains(tenant));
-            if q.len >= 2 * bound || q.held_by(tenant) >= bound / sharing {
+            if refuses_arrival(q.len, bound, q.held_by(tenant), sharing) {
                 return Err((job, QueueRefusal::Full { bound }));
             }
         }
@@ -600,6 +600,7 @@ impl Queues {
             by_priority,
             flows,
             flows_not_listed: u32::try_from(not_listed).unwrap_or(u32::MAX),
+            bound: Some(u32::try_from(self.bound).unwrap_or(u32::MAX)),
             epoch: 0,
             dispatcher_id: String::new(),
             written_ms: 0,
@@ -1075,6 +1076,7 @@ mod tests {
         assert_eq!(s.by_priority[&Priority::Batch], 1);
         assert_eq!(s.flows[0].tenant, "acme");
         assert_eq!(s.flows[0].waiting, 2);
+        assert_eq!(s.bound, Some(10));
         assert_eq!(s.validate(), Ok(()));
         // Emptied, the model is still known and reads as an empty queue.
         drain(&mut q, "m", |_| false);
@@ -1082,6 +1084,27 @@ mod tests {
         assert_eq!((empty.waiting, empty.oldest_enqueued_ms), (0, None));
         assert_eq!(q.known_models().collect::<Vec<_>>(), ["m"]);
         assert_eq!(q.snapshot("never", 3_000).waiting, 0);
+    }
+
+    #[test]
+    fn the_snapshot_refuses_what_the_queue_refuses() {
+        let mut q = Queues::new(4);
+        for i in 0..4 {
+            q.push(job_for(&format!("a{i}"), "m", i, Some("acme"), None))
+                .ok()
+                .unwrap();
+        }
+        let s = q.snapshot("m", 1_000);
+        for (tenant, id) in [(Some("acme"), "a9"), (Some("beta"), "b1"), (None, "n1")] {
+            let told = s.refuses(tenant.unwrap_or(""));
+            let refused = q.push(job_for(id, "m", 9, tenant, None)).is_err();
+            assert_eq!(told, Some(refused), "{tenant:?}");
+            if !refused {
+                q.remove(id);
+            }
+        }
+        assert_eq!(s.refuses("acme"), Some(true));
+        assert_eq!(s.refuses("beta"), Some(false));
     }
 
     #[test]

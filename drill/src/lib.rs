@@ -46,6 +46,7 @@ use tokio_util::sync::CancellationToken;
 
 use metronome_loadgen::system::{System, SystemSpec};
 
+mod compromised;
 pub mod flood;
 mod gateway_client;
 pub mod hostile;
@@ -89,13 +90,17 @@ pub enum Fault {
     /// (`gateway-flood`): every one is answered 200 or 429, and the gateway's peak RSS stays
     /// under its documented ceiling.
     GatewayFlood,
+    /// One worker identity's credentials in an attacker's hands (`compromised-worker`,
+    /// [`compromised`]): every attack of the threat model against the running system under
+    /// load fails, visibly.
+    CompromisedWorker,
     /// On a three-node NATS cluster (streams and buckets R3): SIGKILL the nats-server that
     /// leads the JOBS stream, start it again after the pause; the service goes on.
     KillNatsLeader,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 12] = [
+    pub const ALL: [Fault; 13] = [
         Fault::KillLeader,
         Fault::KillLeaderAmidFaults,
         Fault::RestartAgent,
@@ -107,6 +112,7 @@ impl Fault {
         Fault::RollingDeploy,
         Fault::Hostile,
         Fault::GatewayFlood,
+        Fault::CompromisedWorker,
         Fault::KillNatsLeader,
     ];
 
@@ -123,6 +129,7 @@ impl Fault {
             Fault::RollingDeploy => "rolling-deploy",
             Fault::Hostile => "hostile",
             Fault::GatewayFlood => "gateway-flood",
+            Fault::CompromisedWorker => "compromised-worker",
             Fault::KillNatsLeader => "kill-nats-leader",
         }
     }
@@ -141,6 +148,7 @@ impl Fault {
             Fault::RollingDeploy => "SIGTERM every process in turn (standby, leader, gateway, each agent), each back before the next, part of the load over HTTP through the gateway: no stream broken, no job lost.",
             Fault::Hostile => "A seeded flood of malformed and forged messages on every subject and bucket the admin identity can write: no process stops, the leader does not change, every hostile message is rejected visibly and counted.",
             Fault::GatewayFlood => "Many more chat requests through the gateway at once than the system can serve (10,000, 2,000 at a time; 2,000 in the short run), during the normal load: every request is answered 200 or 429, none lost, and the gateway's peak RSS stays under 256 MiB.",
+            Fault::CompromisedWorker => "With nothing but one worker's NATS and Redis credentials, under load: listing job ids through stream info, Lua and the shared output-length key in Redis, a forged refusal and done for another worker's job, heartbeats claiming another model, a 100,000 cap, near-zero step times and the highest epoch across the leader's SIGKILL, a push consumer delivering on another tenant's submit subject: each refused or dropped and counted, the victim ends once with its worker's result, the epoch stays the lease's.",
             Fault::KillNatsLeader => "On a three-node NATS cluster (every stream and bucket R3), SIGKILL the node leading JOBS and every other stream, start it again after the pause: no job lost, failed or run twice, and JOBS keeps three copies.",
         }
     }
@@ -813,6 +821,12 @@ async fn inject(
             .await?;
             target.failures.lock().unwrap().extend(account.failures());
             (account.describe(), Instant::now())
+        }
+        Fault::CompromisedWorker => {
+            let what =
+                compromised::attack(plan, system, client, js, &target, restarted, &mut notes)
+                    .await?;
+            (what, Instant::now())
         }
         Fault::KillNatsLeader => {
             kill_nats_leader(plan, system, client, js, &target, restarted, &mut notes).await?
@@ -1703,7 +1717,10 @@ async fn recovery(
                 | Fault::RestartNats
                 | Fault::RollingDeploy
                 | Fault::Hostile
-                | Fault::GatewayFlood => s.finals.iter().map(|(t, _, _)| *t).find(|t| *t > mark),
+                | Fault::GatewayFlood
+                | Fault::CompromisedWorker => {
+                    s.finals.iter().map(|(t, _, _)| *t).find(|t| *t > mark)
+                }
                 Fault::KillNatsLeader => s
                     .finals
                     .iter()

@@ -13,7 +13,8 @@ use tracing_subscriber::EnvFilter;
 /// Fault drills: SIGKILL the leader (alone, and together with a second agent's SIGKILL
 /// while a first one is SIGSTOPped), SIGKILL + restart a worker-agent, SIGSTOP an agent,
 /// Redis down, nats-server restart, SIGKILL both dispatchers, SIGKILL a model server, a
-/// rolling deploy of every process, a flood of hostile messages — each under load on one `./dev up --keep-going`
+/// rolling deploy of every process, a flood of hostile messages, a flood of chat requests
+/// through the gateway, one worker's credentials in an attacker's hands — each under load on one `./dev up --keep-going`
 /// system, every job accounted for by id — and SIGKILL the NATS node leading the JOBS
 /// stream, on a second system with a 3-node NATS cluster (`--nats-cluster 3`, R3).
 ///
@@ -51,7 +52,7 @@ struct Cli {
     /// Drills not to run, comma-separated (kill-leader, kill-leader-amid-faults,
     /// restart-agent, stop-agent,
     /// redis-down, restart-nats, kill-dispatchers, stop-model-server, rolling-deploy,
-    /// hostile, gateway-flood, kill-nats-leader).
+    /// hostile, gateway-flood, compromised-worker, kill-nats-leader).
     #[arg(long, value_delimiter = ',')]
     skip: Vec<String>,
     /// Run only these drills, comma-separated, in the usual order.

@@ -72,6 +72,9 @@ pub struct Config {
     /// (beyond it they are dropped and counted, as results of a worker that does not hold
     /// the job).
     pub held_results_max_bytes: usize,
+    /// Most bytes of streamed chunks a request holds ahead of one that has not arrived
+    /// (chunks are relayed in order); beyond it the stream ends with an error.
+    pub reorder_max_bytes: usize,
     /// `max_tokens` assumed when a request sets neither `max_tokens` nor
     /// `max_completion_tokens`.
     pub default_max_tokens: u32,
@@ -235,6 +238,7 @@ impl Default for Config {
             max_in_flight_per_tenant: 512,
             max_in_flight_body_bytes: 64 * 1024 * 1024,
             held_results_max_bytes: 1024 * 1024,
+            reorder_max_bytes: 4 * 1024 * 1024,
             default_max_tokens: 256,
             inject_default_max_tokens: true,
             max_tokens_limit: 131_072,

@@ -202,6 +202,18 @@ impl ApiError {
         .with_code("payload_too_large")
     }
 
+    /// 429: the leader's admission queue of the model is full for this tenant, as its
+    /// latest snapshot says (`crate::queue_view`); nothing was queued.
+    pub fn queue_known_full(model: &str, waiting: u32, retry_after_secs: u64) -> Self {
+        ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            format!("the admission queue of model {model:?} is full ({waiting} jobs waiting); retry after the time in Retry-After"),
+        )
+        .with_code("queue_full")
+        .with_retry_after(retry_after_secs)
+    }
+
     /// 503: the JOBS stream is at its limits and refused the job; nothing was queued.
     pub fn jobs_stream_full(detail: impl std::fmt::Display, retry_after_secs: u64) -> Self {
         ApiError::new(

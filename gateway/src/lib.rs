@@ -24,6 +24,7 @@ pub mod key_store;
 pub mod limits;
 pub mod metrics;
 pub mod openai;
+pub mod queue_view;
 pub mod registry;
 pub mod relay;
 pub mod routes;
@@ -60,6 +61,8 @@ pub struct AppState {
     pub auth: Arc<auth::Auth>,
     /// Requests and bodies held, against the configured bounds.
     pub in_flight: Arc<in_flight::InFlight>,
+    /// The leader's admission queues as last read: a model's full queue sheds at once.
+    pub queues: queue_view::QueueView,
     /// Cancelled when the gateway shuts down: ends the console's event streams, which
     /// would otherwise hold up the graceful stop forever.
     pub console_stop: CancellationToken,
@@ -84,6 +87,7 @@ impl AppState {
             js,
             buckets,
             registry,
+            queues: queue_view::QueueView::default(),
             metrics: Arc::default(),
             console_stop: CancellationToken::new(),
         }
@@ -234,6 +238,11 @@ impl Gateway {
             self.state.metrics.clone(),
             watcher_stop.clone(),
         );
+        let queue_watcher = self.state.queues.spawn_watcher(
+            self.state.buckets.queues.clone(),
+            self.state.metrics.clone(),
+            watcher_stop.clone(),
+        );
         let scheme = if self.tls.is_some() { "https" } else { "http" };
         tracing::info!(addr = %self.local_addr, scheme, nats = %self.state.config.nats_url, "gateway listening");
         if self.tls.is_none() && !self.local_addr.ip().is_loopback() {
@@ -278,6 +287,7 @@ impl Gateway {
         watcher_stop.cancel();
         let _ = watcher.await;
         let _ = key_watcher.await;
+        let _ = queue_watcher.await;
         // Sends what is still buffered (e.g. cancellations of dropped streams).
         if let Err(error) = client.drain().await {
             tracing::debug!(%error, "draining the NATS connection");

@@ -37,6 +37,7 @@ pub const NATS_PUBLISH_ERRORS_TOTAL: &str = "metronome_gateway_nats_publish_erro
 pub const JOBS_SUBMITTED_TOTAL: &str = "metronome_gateway_jobs_submitted_total";
 pub const JOBS_CANCELLED_TOTAL: &str = "metronome_gateway_jobs_cancelled_total";
 pub const STREAM_GAPS_TOTAL: &str = "metronome_gateway_stream_gaps_total";
+pub const REORDER_OVERFLOWS_TOTAL: &str = "metronome_gateway_reorder_overflows_total";
 pub const MALFORMED_MESSAGES_TOTAL: &str = "metronome_gateway_malformed_messages_total";
 pub const UNATTRIBUTED_RESULTS_TOTAL: &str = "metronome_gateway_unattributed_results_total";
 pub const AUTH_FAILURES_TOTAL: &str = "metronome_gateway_auth_failures_total";
@@ -86,6 +87,7 @@ pub struct Metrics {
     jobs_submitted: Counter,
     jobs_cancelled: Counter,
     stream_gaps: Counter,
+    reorder_overflows: Counter,
     unattributed_results: Family<Labels, Counter>,
 }
 
@@ -112,6 +114,7 @@ impl Default for Metrics {
             jobs_submitted: Counter::default(),
             jobs_cancelled: Counter::default(),
             stream_gaps: Counter::default(),
+            reorder_overflows: Counter::default(),
             unattributed_results: Family::default(),
         };
         // `register` ends each help text with a period itself.
@@ -162,6 +165,11 @@ impl Default for Metrics {
             m.stream_gaps.clone(),
         );
         r.register(
+            counter_name(REORDER_OVERFLOWS_TOTAL),
+            "Streams ended with an error because the chunks that came ahead of a missing one held more than reorder_max_bytes",
+            m.reorder_overflows.clone(),
+        );
+        r.register(
             counter_name(MALFORMED_MESSAGES_TOTAL),
             "NATS messages and KV entries ignored as malformed, by source",
             m.malformed.clone(),
@@ -173,7 +181,7 @@ impl Default for Metrics {
         );
         r.register(
             counter_name(SHED_TOTAL),
-            "Requests answered 429 at once, before their body was read, because the gateway held its most (in_flight, in_flight_tenant, in_flight_body_bytes)",
+            "Requests answered 429 at once by the gateway, by reason: before their body was read, because it held its most (in_flight, in_flight_tenant, in_flight_body_bytes); before their job was published, because the leader's latest queue snapshot says the model's queue is full for the tenant (queue_full)",
             m.shed.clone(),
         );
         r.register(
@@ -234,6 +242,11 @@ impl Metrics {
         self.jobs_cancelled.inc();
     }
 
+    /// A stream ended because its out-of-order chunks outgrew their bound.
+    pub fn reorder_overflow(&self) {
+        self.reorder_overflows.inc();
+    }
+
     pub fn stream_gap(&self, missing: u64) {
         self.stream_gaps.inc_by(missing);
     }
@@ -254,7 +267,8 @@ impl Metrics {
             .inc_by(n);
     }
 
-    /// A request answered 429 at once by a bound of [`crate::in_flight`].
+    /// A request answered 429 at once by a bound of [`crate::in_flight`], or on a full
+    /// queue's snapshot ([`crate::queue_view`]).
     pub fn shed(&self, reason: &'static str) {
         self.shed
             .get_or_create(&vec![("reason", reason.to_string())])

@@ -3,7 +3,9 @@
 //! `stream_options.include_usage` is set, then `data: [DONE]`.
 //!
 //! Invariants: chunks leave in `seq` order, each once. Out-of-order chunks wait in a
-//! buffer; duplicates are dropped; chunks still missing when the final result arrives are
+//! buffer of at most `reorder_max_bytes` (of their JSON): a chunk that would pass it ends
+//! the stream with an error, counted (`metronome_gateway_reorder_overflows_total`), rather
+//! than letting one stream's missing chunk hold unbounded memory; duplicates are dropped; chunks still missing when the final result arrives are
 //! counted as gaps and the buffered ones are sent in order (the final result is
 //! authoritative). Chunks all come from one run of the job (one worker, one attempt): the
 //! first run to stream is the only one relayed, and output of any other ends the stream
@@ -25,37 +27,98 @@ use serde_json::{json, Value};
 use crate::error::ApiError;
 use crate::submit::{JobEvent, Submission};
 
-/// Puts chunks back in `seq` order.
-#[derive(Debug, Default)]
+/// Puts chunks back in `seq` order, holding at most `max_bytes` (of their JSON) that came
+/// ahead of a missing one.
+#[derive(Debug)]
 pub struct Reorder {
     next: u64,
-    pending: BTreeMap<u64, Value>,
+    pending: BTreeMap<u64, (Value, usize)>,
+    held_bytes: usize,
+    max_bytes: usize,
+}
+
+/// Chunks that came ahead of a missing one would hold more than the bound: the stream
+/// cannot go on in order without holding more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeldTooMuch {
+    /// The chunk everything held waits for.
+    pub waiting_for: u64,
+    /// Bytes held, and those of the chunk that did not fit.
+    pub held_bytes: usize,
+    pub chunk_bytes: usize,
+    pub max_bytes: usize,
+}
+
+impl HeldTooMuch {
+    /// The error the client's stream ends with.
+    pub fn error(&self) -> ApiError {
+        ApiError::bad_upstream(format!(
+            "the stream was ended: chunk {} did not arrive while {} bytes of the chunks after it were held (at most {} are, reorder_max_bytes)",
+            self.waiting_for,
+            self.held_bytes + self.chunk_bytes,
+            self.max_bytes
+        ))
+        .with_code("reorder_overflow")
+    }
 }
 
 impl Reorder {
-    /// Accept chunk `seq`; returns the chunks now ready, in order.
-    pub fn push(&mut self, seq: u64, data: Value) -> Vec<Value> {
-        if seq < self.next {
-            return Vec::new();
+    pub fn new(max_bytes: usize) -> Reorder {
+        Reorder {
+            next: 0,
+            pending: BTreeMap::new(),
+            held_bytes: 0,
+            max_bytes,
         }
-        self.pending.entry(seq).or_insert(data);
+    }
+
+    /// Accept chunk `seq`; returns the chunks now ready, in order, or [`HeldTooMuch`] when
+    /// holding it would pass the bound (nothing is held then).
+    pub fn push(&mut self, seq: u64, data: Value) -> Result<Vec<Value>, HeldTooMuch> {
+        if seq < self.next || self.pending.contains_key(&seq) {
+            return Ok(Vec::new());
+        }
         let mut ready = Vec::new();
-        while let Some(data) = self.pending.remove(&self.next) {
+        if seq == self.next {
+            ready.push(data);
+            self.next += 1;
+        } else {
+            // Only chunks that must wait are measured: in order, nothing is held.
+            let chunk_bytes = data.to_string().len();
+            if self.held_bytes.saturating_add(chunk_bytes) > self.max_bytes {
+                return Err(HeldTooMuch {
+                    waiting_for: self.next,
+                    held_bytes: self.held_bytes,
+                    chunk_bytes,
+                    max_bytes: self.max_bytes,
+                });
+            }
+            self.held_bytes += chunk_bytes;
+            self.pending.insert(seq, (data, chunk_bytes));
+        }
+        while let Some((data, bytes)) = self.pending.remove(&self.next) {
+            self.held_bytes -= bytes;
             ready.push(data);
             self.next += 1;
         }
-        ready
+        Ok(ready)
+    }
+
+    /// Bytes of chunks held ahead of a missing one.
+    pub fn held_bytes(&self) -> usize {
+        self.held_bytes
     }
 
     /// The stream is over: every buffered chunk in order, and how many `seq` numbers
     /// were never received (below the highest buffered one, or below `expected`).
     pub fn finish(&mut self, expected: u64) -> (Vec<Value>, u64) {
         let pending = std::mem::take(&mut self.pending);
+        self.held_bytes = 0;
         let highest = pending.keys().next_back().map_or(self.next, |s| s + 1);
         let end = highest.max(expected);
         let gaps = end - self.next - pending.len() as u64;
         self.next = end;
-        (pending.into_values().collect(), gaps)
+        (pending.into_values().map(|(v, _)| v).collect(), gaps)
     }
 
     /// Chunks sent so far, counting gaps.
@@ -246,7 +309,7 @@ fn events(
     include_usage: bool,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     async_stream::stream! {
-        let mut order = Reorder::default();
+        let mut order = Reorder::new(submission.reorder_max_bytes());
         let mut usage = UsagePolicy::new(include_usage);
         let mut last: Option<Value> = None;
         // The run whose tokens the client has. Output from any other run (another worker,
@@ -261,7 +324,17 @@ fn events(
                         yield Ok(data(&moved.body()));
                         break;
                     }
-                    for ready in order.push(chunk.seq, chunk.data) {
+                    let ready = match order.push(chunk.seq, chunk.data) {
+                        Ok(ready) => ready,
+                        Err(too_much) => {
+                            // Ends the stream; dropping the submission cancels the job.
+                            submission.reorder_overflow();
+                            tracing::warn!(job_id = %submission.job_id, waiting_for = too_much.waiting_for, held_bytes = too_much.held_bytes, max_bytes = too_much.max_bytes, "stream ended: out-of-order chunks over reorder_max_bytes");
+                            yield Ok(data(&too_much.error().body()));
+                            break;
+                        }
+                    };
+                    for ready in ready {
                         if let Some(out) = usage.filter(ready) {
                             yield Ok(data(&out));
                             last = Some(out);
@@ -359,23 +432,56 @@ mod tests {
 
     #[test]
     fn out_of_order_chunks_leave_in_order_once() {
-        let mut r = Reorder::default();
-        assert!(r.push(1, v(1)).is_empty());
-        assert!(r.push(2, v(2)).is_empty());
-        assert_eq!(r.push(0, v(0)), vec![v(0), v(1), v(2)]);
-        assert!(r.push(1, v(1)).is_empty(), "duplicate dropped");
-        assert_eq!(r.push(3, v(3)), vec![v(3)]);
+        let mut r = Reorder::new(usize::MAX);
+        assert!(r.push(1, v(1)).unwrap().is_empty());
+        assert!(r.push(2, v(2)).unwrap().is_empty());
+        assert_eq!(r.push(0, v(0)).unwrap(), vec![v(0), v(1), v(2)]);
+        assert!(r.push(1, v(1)).unwrap().is_empty(), "duplicate dropped");
+        assert_eq!(r.push(3, v(3)).unwrap(), vec![v(3)]);
         assert_eq!(r.finish(4), (vec![], 0));
+        assert_eq!(r.held_bytes(), 0);
     }
 
     #[test]
     fn gaps_are_counted_and_buffered_chunks_flushed() {
-        let mut r = Reorder::default();
-        r.push(0, v(0));
-        r.push(2, v(2));
-        r.push(4, v(4));
+        let mut r = Reorder::new(usize::MAX);
+        r.push(0, v(0)).unwrap();
+        r.push(2, v(2)).unwrap();
+        r.push(4, v(4)).unwrap();
         assert_eq!(r.finish(6), (vec![v(2), v(4)], 3));
         assert_eq!(r.sent(), 6);
+        assert_eq!(r.held_bytes(), 0);
+    }
+
+    #[test]
+    fn chunks_held_ahead_of_a_missing_one_are_bounded_in_bytes() {
+        let size = v(1).to_string().len();
+        let mut r = Reorder::new(2 * size);
+        // In order, nothing is held whatever the size.
+        assert_eq!(r.push(0, v(0)).unwrap(), vec![v(0)]);
+        assert!(r.push(2, v(2)).unwrap().is_empty());
+        assert!(r.push(3, v(3)).unwrap().is_empty());
+        assert_eq!(r.held_bytes(), 2 * size);
+        // A duplicate of a held chunk costs nothing.
+        assert!(r.push(3, v(3)).unwrap().is_empty());
+        let err = r.push(4, v(4)).unwrap_err();
+        assert_eq!(
+            err,
+            HeldTooMuch {
+                waiting_for: 1,
+                held_bytes: 2 * size,
+                chunk_bytes: size,
+                max_bytes: 2 * size
+            }
+        );
+        assert!(err.error().body()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("chunk 1 did not arrive"));
+        // The missing one releases what was held.
+        assert_eq!(r.push(1, v(1)).unwrap(), vec![v(1), v(2), v(3)]);
+        assert_eq!(r.held_bytes(), 0);
+        assert!(r.push(5, v(5)).unwrap().is_empty());
     }
 
     fn final_result() -> FinalResult {

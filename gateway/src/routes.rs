@@ -209,6 +209,18 @@ async fn serve(
     if !state.registry.serves(&request.model, now_ms) {
         return Err(ApiError::unknown_model(&request.model));
     }
+    // The leader's queue of the model is known full for this tenant: shed now, before
+    // the job costs a publish and a decision (the leader's own rule on its latest snapshot).
+    let queue_tenant =
+        metronome_protocol::names::tenant_of_token(&caller.tenant_name).unwrap_or("");
+    if let Some(full) = state.queues.refusing(&request.model, queue_tenant, now_ms) {
+        state.metrics.shed("queue_full");
+        return Err(ApiError::queue_known_full(
+            &request.model,
+            full.waiting,
+            state.config.retry_after_secs,
+        ));
+    }
     let deadline = deadline_ms(state, headers, now_ms)?;
     let slo = slo_request(headers)?;
     let asked = headers

@@ -299,6 +299,16 @@ impl Submission {
     }
 
     /// Chunks were missing when the final result arrived.
+    /// The stream's out-of-order chunks outgrew `reorder_max_bytes` (the stream ends).
+    pub fn reorder_overflow(&self) {
+        self.state.metrics.reorder_overflow();
+    }
+
+    /// The bound on the bytes of chunks held ahead of a missing one.
+    pub fn reorder_max_bytes(&self) -> usize {
+        self.state.config.reorder_max_bytes
+    }
+
     pub fn stream_gap(&self, missing: u64) {
         self.state.metrics.stream_gap(missing);
         tracing::warn!(job_id = %self.job_id, missing, "streamed chunks missing at the final result");

@@ -258,6 +258,56 @@ async fn an_error_after_the_stream_started_is_an_sse_error_event() {
 }
 
 #[tokio::test]
+async fn chunks_held_ahead_of_a_missing_one_are_bounded_and_end_the_stream() {
+    // Chunk 1 never comes; 39 chunks of about 1 KiB come after it, more than 8 KiB.
+    let h = Harness::start(|c| c.reorder_max_bytes = 8 * 1024).await;
+    let mut cancels = h.client.subscribe("cancel.>").await.unwrap();
+    sync_subscriptions(&h.client).await;
+    let resp = h
+        .post("/v1/chat/completions", &chat_body("#chunk_missing", true))
+        .await;
+    assert_eq!(resp.status(), 200);
+    let job = resp.headers()["x-metronome-job-id"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let events = sse::data_payloads(&resp.text().await.unwrap());
+    assert_eq!(events.len(), 2, "{events:?}");
+    let first: Value = serde_json::from_str(&events[0]).unwrap();
+    assert_eq!(first["choices"][0]["delta"]["content"], "Hel");
+    let error: Value = serde_json::from_str(&events[1]).unwrap();
+    assert_eq!(error["error"]["code"], "reorder_overflow", "{error}");
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("chunk 1 did not arrive"),
+        "{error}"
+    );
+    // The job the stream gave up on is cancelled, and the overflow counted.
+    let cancel = tokio::time::timeout(WAIT, cancels.next())
+        .await
+        .expect("a cancel")
+        .unwrap();
+    assert!(cancel.subject.ends_with(&job), "{}", cancel.subject);
+    let metrics = h
+        .http
+        .get(h.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        metronome_protocol::prometheus::sum(&metrics, "metronome_gateway_reorder_overflows_total"),
+        1.0,
+        "{metrics}"
+    );
+    h.assert_serving().await;
+}
+
+#[tokio::test]
 async fn a_second_run_of_the_job_on_the_same_worker_is_not_spliced_into_the_stream() {
     let h = Harness::start(|_| {}).await;
     let resp = h

@@ -56,11 +56,25 @@ pub struct QueueSnapshot {
     /// Flows not listed in `flows`.
     #[serde(default)]
     pub flows_not_listed: u32,
+    /// The queue's bound in jobs ([`refuses_arrival`]), so a gateway can refuse a job the
+    /// leader would refuse without a round trip ([`QueueSnapshot::refuses`]). `None` from
+    /// leaders that predate it (and it is left out of the JSON then): nobody can tell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bound: Option<u32>,
     /// Epoch of the leader that wrote it.
     pub epoch: u64,
     pub dispatcher_id: String,
     /// When it was written (Unix ms, the leader's clock).
     pub written_ms: u64,
+}
+
+/// Whether a model's queue of `len` jobs with bound `bound` refuses a new job of a tenant
+/// that holds `held` of them while `sharing` tenants (that one included) hold jobs there.
+/// At the bound only a tenant holding less than its share of it (`bound / sharing`) is
+/// admitted, so one tenant filling the queue cannot lock the others out, and nobody past
+/// twice the bound. The leader's queue applies it; a gateway applies it to the snapshot.
+pub fn refuses_arrival(len: usize, bound: usize, held: usize, sharing: usize) -> bool {
+    len >= bound && (len >= bound.saturating_mul(2) || held >= bound / sharing.max(1))
 }
 
 /// Why bytes from the `queues` bucket are not a usable snapshot.
@@ -167,6 +181,35 @@ impl QueueSnapshot {
         at(self) == at(other)
     }
 
+    /// Whether the queue, as this snapshot holds it, refuses a new job of `tenant` (`""`
+    /// for jobs without one), by [`refuses_arrival`]. `None` when that cannot be told:
+    /// no bound written, or the answer hangs on the tenants' shares and some flows are not
+    /// listed.
+    pub fn refuses(&self, tenant: &str) -> Option<bool> {
+        let bound = self.bound? as usize;
+        let len = self.waiting as usize;
+        if len < bound {
+            return Some(false);
+        }
+        if len >= bound.saturating_mul(2) {
+            return Some(true);
+        }
+        if self.flows_not_listed > 0 {
+            return None;
+        }
+        let held = self
+            .flows
+            .iter()
+            .filter(|f| f.tenant == tenant)
+            .map(|f| f.waiting as usize)
+            .sum();
+        let mut tenants: Vec<&str> = self.flows.iter().map(|f| f.tenant.as_str()).collect();
+        tenants.sort_unstable();
+        tenants.dedup();
+        let sharing = tenants.len() + usize::from(!tenants.contains(&tenant));
+        Some(refuses_arrival(len, bound, held, sharing))
+    }
+
     /// Fresh, or why not, at `now_ms` with the current leader's epoch (when known).
     pub fn freshness(&self, now_ms: u64, leader_epoch: Option<u64>) -> Freshness {
         if let Some(leader_epoch) = leader_epoch.filter(|e| *e > self.epoch) {
@@ -201,10 +244,58 @@ mod tests {
                 waiting: 2,
             }],
             flows_not_listed: 1,
+            bound: None,
             epoch: 7,
             dispatcher_id: "d1".into(),
             written_ms: 1_500,
         }
+    }
+
+    #[test]
+    fn a_snapshot_without_a_bound_reads_and_says_nothing_about_refusals() {
+        // What a leader that predates the bound writes.
+        let old = r#"{"v":1,"model":"m","waiting":0,"epoch":1,"dispatcher_id":"d","written_ms":5}"#;
+        let s = QueueSnapshot::parse(old.as_bytes()).unwrap();
+        assert_eq!((s.bound, s.refuses("")), (None, None));
+        let mut s = snapshot();
+        s.bound = Some(3);
+        let text = serde_json::to_string(&s).unwrap();
+        assert!(text.contains(r#""bound":3"#), "{text}");
+        assert_eq!(
+            QueueSnapshot::parse(text.as_bytes()).unwrap().bound,
+            Some(3)
+        );
+    }
+
+    #[test]
+    fn refusals_follow_the_leaders_rule() {
+        let flow = |tenant: &str, waiting| FlowCount {
+            tenant: tenant.into(),
+            priority: Priority::Interactive,
+            waiting,
+        };
+        let mut s = snapshot();
+        s.flows = vec![flow("acme", 3)];
+        s.flows_not_listed = 0;
+        s.bound = Some(4);
+        // Under the bound: admitted.
+        assert_eq!(s.refuses("acme"), Some(false));
+        // At the bound: acme holds it all, a newcomer's share is 4 / 2 = 2 and it holds 0.
+        s.waiting = 4;
+        s.flows = vec![flow("acme", 4)];
+        assert_eq!(s.refuses("acme"), Some(true));
+        assert_eq!(s.refuses("globex"), Some(false));
+        assert_eq!(s.refuses(""), Some(false));
+        // Flows not all listed: the shares cannot be told.
+        s.flows_not_listed = 1;
+        assert_eq!(s.refuses("globex"), None);
+        // Twice the bound refuses everyone, listed or not.
+        s.waiting = 8;
+        s.flows = vec![flow("acme", 8)];
+        assert_eq!(s.refuses("globex"), Some(true));
+        assert!(refuses_arrival(4, 4, 2, 2));
+        assert!(!refuses_arrival(4, 4, 1, 2));
+        assert!(!refuses_arrival(3, 4, 3, 1));
     }
 
     #[test]

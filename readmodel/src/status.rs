@@ -372,6 +372,7 @@ mod tests {
             },
             flows: Vec::new(),
             flows_not_listed: 0,
+            bound: None,
             epoch,
             dispatcher_id: "d1".into(),
             written_ms,

@@ -5,7 +5,9 @@
 # SIGKILLed, a model server SIGKILLed, a rolling deploy of every process, `hostile`: 5,000
 # seeded hostile messages on every subject and bucket the admin identity can write, about
 # 20 s, and `gateway-flood`: 2,000 chat requests through the gateway at once, each answered
-# 200 or 429 and the gateway's peak RSS under 256 MiB, about 15 s) on a real system of debug binaries under load, then `kill-nats-leader` on a second
+# 200 or 429 and the gateway's peak RSS under 256 MiB, about 15 s, and `compromised-worker`:
+# every attack of the threat model with one worker's credentials, each refused or dropped
+# and counted) on a real system of debug binaries under load, then `kill-nats-leader` on a second
 # system with a 3-node NATS cluster (every stream and bucket R3; SIGKILL the node leading
 # JOBS, every other stream but the lease moved to it first; about 45 s), about 4 minutes
 # in all. Fails when any drill lost or duplicated a job, or when a check failed (hostile: a

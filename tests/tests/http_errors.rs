@@ -166,3 +166,125 @@ async fn every_error_is_openai_shaped_and_the_system_keeps_serving() {
     cluster.wait_ready().await;
     assert_still_serving(&http, &cluster).await;
 }
+
+/// `metronome_gateway_shed_total{reason="queue_full"}` at the gateway.
+async fn shed_queue_full(http: &reqwest::Client, cluster: &Cluster) -> f64 {
+    let text = http
+        .get(format!("{}/metrics", cluster.gateway_url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    metronome_protocol::prometheus::sum_where(
+        &text,
+        "metronome_gateway_shed_total",
+        &[("reason", "queue_full")],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_whose_queue_is_known_full_is_shed_at_the_gateway_until_it_drains() {
+    // One GPU taking one request at a time and a queue of one: a long generation runs, one
+    // request waits, and the leader's snapshot of the queue says it is full.
+    let mut spec = ClusterSpec::uniform(1, MODEL);
+    spec.worker_max_concurrency = 1;
+    spec.dispatcher_knobs = vec!["queue_bound_per_model = 1".into()];
+    let cluster = Cluster::start(spec).await;
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", cluster.gateway_url);
+    let long = http
+        .post(&url)
+        .json(&chat_body(MODEL, 3000, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(long.status(), 200, "{}", cluster.logs());
+    let waiting = tokio::spawn({
+        let (http, url) = (http.clone(), url.clone());
+        async move {
+            http.post(&url)
+                .json(&chat_body(MODEL, 2, false))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    });
+    // Until the gateway has read the full queue's snapshot, the leader refuses (429 after
+    // the round trip); from then on the gateway does, without publishing.
+    let before = shed_queue_full(&http, &cluster).await;
+    metronome_testkit::wait_for(
+        "the gateway to shed on the queue's snapshot",
+        std::time::Duration::from_secs(20),
+        || {
+            let (http, url) = (http.clone(), url.clone());
+            let cluster = &cluster;
+            async move {
+                let resp = http
+                    .post(&url)
+                    .json(&chat_body(MODEL, 2, false))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(resp.status(), 429, "{}", cluster.logs());
+                (shed_queue_full(&http, cluster).await > before).then_some(())
+            }
+        },
+    )
+    .await;
+    let resp = http
+        .post(&url)
+        .json(&chat_body(MODEL, 2, false))
+        .send()
+        .await
+        .unwrap();
+    let shed_after = shed_queue_full(&http, &cluster).await;
+    assert!(
+        resp.headers().contains_key("retry-after"),
+        "{:?}",
+        resp.headers()
+    );
+    let job = resp.headers()["x-metronome-job-id"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let body = assert_openai_error(resp, 429).await;
+    assert_eq!(body["error"]["code"], "queue_full", "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("waiting"),
+        "{body}"
+    );
+    assert!(shed_after >= before + 2.0, "{shed_after} {before}");
+    // Shed before publishing: the leader never heard of the job.
+    let decisions = cluster.all_decisions().await;
+    assert!(
+        decisions.iter().all(|d| d.job_id != job),
+        "the shed job {job} reached the leader"
+    );
+    // The long generation's client goes away (its job is cancelled), the waiting request
+    // runs, the queue drains and its snapshot says so: requests are taken again.
+    drop(long);
+    assert_eq!(waiting.await.unwrap(), 200, "{}", cluster.logs());
+    metronome_testkit::wait_for(
+        "the gateway to take requests again once the queue drained",
+        std::time::Duration::from_secs(20),
+        || {
+            let (http, url) = (http.clone(), url.clone());
+            async move {
+                let resp = http
+                    .post(&url)
+                    .json(&chat_body(MODEL, 2, false))
+                    .send()
+                    .await
+                    .unwrap();
+                (resp.status() == 200).then_some(())
+            }
+        },
+    )
+    .await;
+}

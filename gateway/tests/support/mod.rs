@@ -375,6 +375,8 @@ enum Script {
     Early,
     /// The assigned worker's chunks and final result all before its decision.
     EarlyFinal,
+    /// Assigned; chunk 0, then chunks 2 to 40 of 1 KiB each, never chunk 1, then silence.
+    ChunkMissing,
 }
 
 fn script_for(job: &Job) -> Script {
@@ -392,6 +394,7 @@ fn script_for(job: &Job) -> Script {
         ("#forged", Script::Forged),
         ("#early_final", Script::EarlyFinal),
         ("#early", Script::Early),
+        ("#chunk_missing", Script::ChunkMissing),
     ] {
         if text.contains(marker) {
             return script;
@@ -638,6 +641,14 @@ async fn play(client: async_nats::Client, js: jetstream::Context, job: Job) {
             publish_chunk(chunk(1, "lo")).await;
             publish_final(final_result(&job, None, 2)).await;
             publish_decision(decision(&job, Outcome::Assigned, None)).await;
+        }
+        Script::ChunkMissing => {
+            publish_decision(decision(&job, Outcome::Assigned, None)).await;
+            publish_chunk(chunk(0, "Hel")).await;
+            let text = "x".repeat(1024);
+            for seq in 2..=40 {
+                publish_chunk(chunk(seq, &text)).await;
+            }
         }
         Script::Reply => {
             publish_decision(decision(&job, Outcome::Assigned, None)).await;
