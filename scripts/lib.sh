@@ -37,6 +37,25 @@ ensure_prometheus() {
   command -v prometheus >/dev/null 2>&1 || die "prometheus is missing (apt-get install prometheus)"
 }
 
+PHOENIX_VENV="$ROOT/.venv-phoenix"
+ensure_phoenix() {
+  # The trace viewer of ./dev up --observe, from PyPI into its own virtual environment
+  # (several hundred MB: installed on first use only). Reinstalled when its pin changes.
+  local req="$ROOT/ops/phoenix/requirements.txt"
+  if [ ! -x "$PHOENIX_VENV/bin/python" ]; then
+    python3 -m venv "$PHOENIX_VENV" 2>/dev/null || { apt_install python3-venv; python3 -m venv "$PHOENIX_VENV"; }
+  fi
+  local stamp="$PHOENIX_VENV/.requirements.sha"
+  local want
+  want="$(sha256sum "$req" | cut -d' ' -f1)"
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    log "installing the trace viewer (Arize Phoenix) into .venv-phoenix (first time: a few minutes)"
+    "$PHOENIX_VENV/bin/pip" install -q --disable-pip-version-check -r "$req" \
+      || die "pip install of the trace viewer failed"
+    echo "$want" > "$stamp"
+  fi
+}
+
 ensure_chromium() {
   # The console suite renders the operator console in headless Chromium.
   command -v chromium >/dev/null 2>&1 || apt_install chromium

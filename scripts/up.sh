@@ -13,7 +13,9 @@
 # dispatcher leader and a standby; the gateway; N simulated GPUs (one simulator
 # process) with one worker-agent each, models assigned round-robin. Every process serves
 # Prometheus /metrics (the addresses are printed); --observe also starts a local Prometheus
-# (Debian's `prometheus`) scraping all of them with ops/prometheus/alerts.yml loaded.
+# (Debian's `prometheus`) scraping all of them with ops/prometheus/alerts.yml loaded, and a
+# trace viewer (Arize Phoenix, from PyPI, installed on first use) that the gateway, the
+# dispatchers and the agents export their spans to: one trace per request.
 # NATS and Redis require authentication: one identity per process
 # with its role's permissions (scripts/render-auth.py), passwords generated into
 # <state>/auth/ (mode 0600, kept across runs; delete the folder to rotate them). TLS is
@@ -71,7 +73,7 @@ IFS=',' read -r -a MODEL_LIST <<< "$MODELS"
 IFS=',' read -r -a SPEED_LIST <<< "$SPEEDS"
 
 ensure_servers
-[ "$OBSERVE" -eq 1 ] && ensure_prometheus
+if [ "$OBSERVE" -eq 1 ]; then ensure_prometheus; ensure_phoenix; fi
 BIN="$ROOT/target/$PROFILE"
 if [ "$BUILD" -eq 1 ]; then
   ensure_cargo
@@ -212,6 +214,20 @@ wait_tcp "$REDIS_PORT" redis-server
 
 source "$ROOT/scripts/render-config.sh"
 
+# The trace viewer starts before the processes that export to it (it takes a while to
+# open its port; the simulators start meanwhile). Spans go to its OTLP/HTTP endpoint, in
+# its project "metronome".
+TRACES_URL=""
+if [ "$OBSERVE" -eq 1 ]; then
+  PHOENIX_PORT=$(free_port)
+  TRACES_URL="http://127.0.0.1:$PHOENIX_PORT"
+  mkdir -p "$STATE_DIR/phoenix"
+  start phoenix env PHOENIX_WORKING_DIR="$STATE_DIR/phoenix" PHOENIX_HOST=127.0.0.1 \
+    PHOENIX_PORT="$PHOENIX_PORT" PHOENIX_GRPC_PORT="$(free_port)" PHOENIX_TELEMETRY_ENABLED=false \
+    "$PHOENIX_VENV/bin/phoenix" serve
+  PHOENIX_PID=${PIDS[-1]}
+fi
+
 # Simulated GPUs: one simulator process per GPU (sim-gpu<g>), as a host runs one model
 # server per GPU, so one model server can fail or restart without the others (the drill
 # stop-model-server). The GPUs are independent, so this serves exactly what one process
@@ -229,6 +245,17 @@ for ((g=0; g<GPUS; g++)); do
     ${SIM_ARGS[@]+"${SIM_ARGS[@]}"}
 done
 for ((g=0; g<GPUS; g++)); do wait_tcp "${GPU_PORTS[$g]}" "simulated GPU $g"; done
+if [ -n "$TRACES_URL" ]; then
+  deadline=$((SECONDS + 180))
+  until curl -fsS -o /dev/null "$TRACES_URL/" 2>/dev/null; do
+    [ $SECONDS -lt $deadline ] || die "the trace viewer did not start in 180 s (see $STATE_DIR/logs/phoenix.log)"
+    kill -0 "$PHOENIX_PID" 2>/dev/null || die "the trace viewer exited (see $STATE_DIR/logs/phoenix.log)"
+    sleep 0.5
+  done
+  export OTEL_EXPORTER_OTLP_ENDPOINT="$TRACES_URL"
+  export OTEL_RESOURCE_ATTRIBUTES="openinference.project.name=metronome"
+  export OTEL_BSP_SCHEDULE_DELAY=1000
+fi
 
 # Each dispatcher serves Prometheus /metrics (queue depth, decisions) on its own free port;
 # its config file under $STATE_DIR/config/ names it (metrics_addr).
@@ -289,6 +316,7 @@ METRONOME_CLIENT_NATS_PASSWORD=$(password client-demo)
 METRONOME_CLIENT_TENANT=demo
 ENV
   if [ -n "$PROMETHEUS_URL" ]; then echo "PROMETHEUS_URL=$PROMETHEUS_URL" >> "$STATE_DIR/env.tmp"; fi
+  if [ -n "$TRACES_URL" ]; then echo "METRONOME_TRACES_URL=$TRACES_URL" >> "$STATE_DIR/env.tmp"; fi
   mv "$STATE_DIR/env.tmp" "$STATE_DIR/env"
 )
 
@@ -314,6 +342,7 @@ ${NATS_CLUSTER_LINE}    Redis        redis://127.0.0.1:$REDIS_PORT/   (ACL users
     worker-agents  $(printf 'http://%s/metrics ' "${WORKER_METRICS[@]}")
     simulated GPUs $(printf 'http://%s/metrics ' "${SIM_METRICS[@]}")
     Prometheus     ${PROMETHEUS_URL:-off (start with --observe)}
+    traces         ${TRACES_URL:+$TRACES_URL/projects   (project "metronome"; a response's x-metronome-trace-id names its trace)}${TRACES_URL:-off (start with --observe)}
 
   Send a request:
 

@@ -134,7 +134,7 @@ fn invalid(msg: String) -> ExitCode {
 fn main() -> ExitCode {
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let cli = Cli::parse();
-    metronome_runtime::init_tracing_at(metronome_runtime::LogOutput::Stderr, "warn");
+    let _tracing = metronome_runtime::init_tracing_at(metronome_runtime::LogOutput::Stderr, "warn");
     let repo = cli
         .repo
         .clone()

@@ -28,6 +28,7 @@ pub mod refusals;
 pub mod registry;
 pub mod supervise;
 pub mod tenant_limits;
+pub mod trace_spans;
 pub mod worker_claims;
 
 use std::net::SocketAddr;

@@ -68,7 +68,7 @@ fn main() -> ExitCode {
             }
         }
     }
-    metronome_runtime::init_tracing(metronome_runtime::LogOutput::Stdout);
+    let _tracing = metronome_runtime::init_tracing(metronome_runtime::LogOutput::Stdout);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

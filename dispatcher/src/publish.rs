@@ -3,8 +3,9 @@
 //! The deciding loop hands each committed outcome to one publisher task and moves on; the publisher writes messages in commit order (one buffered
 //! write each, no round trip) and a spawned tail awaits each job's acknowledgements:
 //!
-//! - assigned: [`metronome_protocol::Assignment`] on `work.<worker>` (`Nats-Msg-Id` = job:attempt, epoch and
-//!   model headers) → PubAck → acknowledge the JOBS message → Decision on
+//! - assigned: [`metronome_protocol::Assignment`] on `work.<worker>` (`Nats-Msg-Id` = job:attempt, epoch,
+//!   model and `traceparent` headers, the last naming the decision's span,
+//!   [`crate::trace_spans`]) → PubAck → acknowledge the JOBS message → Decision on
 //!   `decisions.<job>` (`Nats-Msg-Id` = job:attempt).
 //! - a failed Assignment publish (a NATS error, or a header that cannot be written) is
 //!   reported back ([`Event::PublishFailed`]) so the engine rolls the reservation back and
@@ -45,7 +46,9 @@ use async_nats::jetstream::stream::RawMessageErrorKind;
 use async_nats::jetstream::{self, context::PublishAckFuture, kv};
 use bytes::Bytes;
 use metronome_protocol::headers::headers;
-use metronome_protocol::names::{self, HEADER_EPOCH, HEADER_MODEL, HEADER_MSG_ID};
+use metronome_protocol::names::{
+    self, HEADER_EPOCH, HEADER_MODEL, HEADER_MSG_ID, HEADER_TRACEPARENT,
+};
 use metronome_protocol::{Assignment, Decision, ErrorCode, FinalResult, ResultError, Usage};
 use metronome_runtime::retry::Pauses;
 use tokio::sync::{mpsc, Notify};
@@ -197,13 +200,28 @@ async fn publish_loop(
                 let payload = Bytes::from(serde_json::to_vec(&assignment).unwrap_or_default());
                 let msg_id = names::work_msg_id(&job.job.id, job.attempt);
                 let epoch_text = epoch.to_string();
+                let trace = crate::trace_spans::assignment_spans(&job.job, &worker_id, &decision);
+                tracing::debug!(
+                    job_id = %job.job.id,
+                    trace_id = trace.map(|t| t.trace_id()).as_deref(),
+                    worker_id,
+                    attempt = job.attempt,
+                    predicted_ttft_ms = crate::trace_spans::predicted_ttft_ms(&decision, &worker_id),
+                    queue_wait_ms = decision.queue_wait_ms,
+                    "job assigned"
+                );
+                let trace_text = trace.map(|t| t.to_string());
                 // A header that cannot be written fails this publish like a NATS error
                 // would (rolled back, counted as an attempt), never the publisher task.
-                let (work, resend) = match headers([
-                    (HEADER_MSG_ID, msg_id.as_str()),
-                    (HEADER_EPOCH, epoch_text.as_str()),
-                    (HEADER_MODEL, job.job.model.as_str()),
-                ]) {
+                let (work, resend) = match headers(
+                    [
+                        (HEADER_MSG_ID, msg_id.as_str()),
+                        (HEADER_EPOCH, epoch_text.as_str()),
+                        (HEADER_MODEL, job.job.model.as_str()),
+                    ]
+                    .into_iter()
+                    .chain(trace_text.as_deref().map(|tp| (HEADER_TRACEPARENT, tp))),
+                ) {
                     Ok(h) => {
                         let msg = PublishMessage::build().payload(payload).headers(h);
                         let subject = names::work_subject(&worker_id);

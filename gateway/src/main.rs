@@ -198,7 +198,7 @@ fn main() -> ExitCode {
         print!("{}", config.to_toml());
         return ExitCode::SUCCESS;
     }
-    metronome_runtime::init_tracing(metronome_runtime::LogOutput::Stdout);
+    let _tracing = metronome_runtime::init_tracing(metronome_runtime::LogOutput::Stdout);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {

@@ -14,7 +14,9 @@
 //! `expose_worker_header` is on), so any slow or failed request can be traced to its
 //! decision on `decisions.<job_id>`; and `x-metronome-trace-id`, the W3C trace the request
 //! belongs to (the client's `traceparent` when it sent a valid one, else a new trace), which
-//! the job carries to the worker and the worker to the model server.
+//! the job carries to the worker and the worker to the model server. With trace export on
+//! (`metronome_runtime::otel`), the request is the `gateway request` span, a child of the
+//! client's span, and the job carries that span's context.
 
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue};
@@ -81,13 +83,20 @@ async fn handle(
     );
     let span = tracing::info_span!(
         "job",
+        otel.name = "gateway request",
+        otel.kind = "server",
         job_id = %job_id,
         trace_id = %trace.trace_id(),
         endpoint = ?endpoint,
         model = tracing::field::Empty,
         tenant = tracing::field::Empty,
         key_id = tracing::field::Empty,
+        worker_id = tracing::field::Empty,
     );
+    // Exported, the request's span is a child of the client's; the job then carries the
+    // request span's own context, so the leader's and the worker's spans hang below it.
+    metronome_runtime::otel::set_parent(&span, &trace);
+    let carried = metronome_runtime::otel::traceparent_of(&span, &trace);
     let mut worker = None;
     let result = serve(
         &state,
@@ -95,11 +104,14 @@ async fn handle(
         &headers,
         body,
         &job_id,
-        &trace,
+        &carried,
         &mut worker,
     )
-    .instrument(span)
+    .instrument(span.clone())
     .await;
+    if let Some(w) = &worker {
+        span.record("worker_id", w.as_str());
+    }
     let mut response = result.unwrap_or_else(|error| {
         tracing::debug!(%job_id, %error, "request failed");
         error.into_response()

@@ -32,7 +32,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use metronome_protocol::names::{
     cancel_subject, decision_subject, parse_result_subject, results_subject_all, submit_subject,
-    ResultKind, HEADER_MODEL, HEADER_MSG_ID, STREAM_DECISIONS,
+    ResultKind, HEADER_MODEL, HEADER_MSG_ID, HEADER_TRACEPARENT, STREAM_DECISIONS,
 };
 use metronome_protocol::time::unix_ms;
 use metronome_protocol::{
@@ -223,10 +223,18 @@ impl Submission {
         let decisions = subscribe(decision_subject(tenant, &job.id)).await?;
         let payload = serde_json::to_vec(job)
             .map_err(|e| ApiError::internal(format!("cannot encode the job: {e}")))?;
-        let headers = metronome_protocol::headers::headers([
-            (HEADER_MSG_ID, job.id.as_str()),
-            (HEADER_MODEL, job.model.as_str()),
-        ])
+        let headers = metronome_protocol::headers::headers(
+            [
+                (HEADER_MSG_ID, job.id.as_str()),
+                (HEADER_MODEL, job.model.as_str()),
+            ]
+            .into_iter()
+            .chain(
+                job.traceparent
+                    .as_deref()
+                    .map(|tp| (HEADER_TRACEPARENT, tp)),
+            ),
+        )
         .map_err(|e| ApiError::invalid_field("model", e.to_string()))?;
         let publish = async {
             state

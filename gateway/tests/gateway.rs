@@ -98,7 +98,9 @@ async fn the_job_carries_model_header_msg_id_cost_and_deadline() {
 }
 
 /// One trace per request: the job carries the client's `traceparent` when it parses, a new
-/// one when the client sent none or a broken one, and the response names its trace id.
+/// one when the client sent none or a broken one, in its body and its `traceparent` header
+/// (trace export is off here, so the gateway hands the trace on unchanged), and the
+/// response names its trace id.
 #[tokio::test]
 async fn the_job_carries_the_clients_trace_or_a_new_one() {
     const CLIENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
@@ -117,8 +119,18 @@ async fn the_job_carries_the_clients_trace_or_a_new_one() {
             .to_str()
             .unwrap()
             .to_string();
-        let (_, job) = next_job(&mut submitted).await;
+        let (message, job) = next_job(&mut submitted).await;
         let carried = job.traceparent.clone().expect("every job carries a trace");
+        let header = message
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(metronome_protocol::names::HEADER_TRACEPARENT))
+            .map(|v| v.as_str().to_string());
+        assert_eq!(
+            header.as_deref(),
+            Some(carried.as_str()),
+            "the header names the trace too"
+        );
         let trace = metronome_protocol::trace::TraceParent::parse(&carried)
             .unwrap_or_else(|| panic!("{carried:?} is a valid traceparent"));
         assert_eq!(trace.trace_id(), answered, "sent {sent:?}");

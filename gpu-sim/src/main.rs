@@ -80,7 +80,7 @@ fn main() -> ExitCode {
             }
         }
     }
-    metronome_runtime::init_tracing(metronome_runtime::LogOutput::Stdout);
+    let _tracing = metronome_runtime::init_tracing(metronome_runtime::LogOutput::Stdout);
     match serve(config) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

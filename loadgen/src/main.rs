@@ -243,7 +243,7 @@ impl Cli {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    metronome_runtime::init_tracing(metronome_runtime::LogOutput::Stderr);
+    let _tracing = metronome_runtime::init_tracing(metronome_runtime::LogOutput::Stderr);
 
     if cli.trace_stats {
         let path = cli.trace.as_ref().expect("clap requires --trace");

@@ -249,6 +249,13 @@ pub fn check_model_name(model: &str) -> Result<(), JobError> {
 }
 
 impl Job {
+    /// The job's trace context, when it carries a valid one.
+    pub fn trace(&self) -> Option<crate::trace::TraceParent> {
+        self.traceparent
+            .as_deref()
+            .and_then(crate::trace::TraceParent::parse)
+    }
+
     /// Make the job's tenant the one its submission subject names (`jobs.submit.<token>`):
     /// the server let the publisher use that subject, so it, not the body, says whose job
     /// it is. A body that names no tenant takes the subject's; one that names another

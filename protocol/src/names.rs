@@ -116,6 +116,11 @@ pub const HEADER_ORDER: &str = "Metronome-Order";
 /// leader that takes over does not give the retry back to a worker that refused it.
 /// Ignored on `jobs.submit.<tenant>`.
 pub const HEADER_REFUSED_BY: &str = "Metronome-Refused-By";
+/// W3C trace context of the span a message comes from ([`crate::trace`]), on a job (the
+/// gateway's request span), an assignment (the leader's decision span), a final result and
+/// a completion event (the worker's run span): a NATS tool, or a consumer that traces, can
+/// continue the trace without parsing the body. The same name as the HTTP header.
+pub const HEADER_TRACEPARENT: &str = crate::trace::TRACEPARENT_HEADER;
 /// Most refusals [`parse_refused_by`] reads from one header.
 pub const REFUSED_BY_MAX: usize = 16;
 

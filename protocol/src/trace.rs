@@ -68,9 +68,39 @@ impl TraceParent {
             .unwrap_or_else(TraceParent::start)
     }
 
+    /// A trace context from its parts (an exporter's span context, to hand on); `None` when
+    /// either id is all zero, which the specification makes invalid.
+    pub fn from_parts(trace_id: [u8; 16], parent_id: [u8; 8], flags: u8) -> Option<TraceParent> {
+        (trace_id != [0; 16] && parent_id != [0; 8]).then_some(TraceParent {
+            trace_id,
+            parent_id,
+            flags,
+        })
+    }
+
     /// The trace id as 32 lower-case hex digits (what log lines and trace viewers show).
     pub fn trace_id(&self) -> String {
         to_hex(&self.trace_id)
+    }
+
+    /// The trace id's 16 bytes.
+    pub fn trace_id_bytes(&self) -> [u8; 16] {
+        self.trace_id
+    }
+
+    /// The id of the span this context names as the parent of the next one.
+    pub fn parent_id_bytes(&self) -> [u8; 8] {
+        self.parent_id
+    }
+
+    /// The parent span id as 16 lower-case hex digits.
+    pub fn parent_id(&self) -> String {
+        to_hex(&self.parent_id)
+    }
+
+    /// The trace flags (bit 0: sampled).
+    pub fn flags(&self) -> u8 {
+        self.flags
     }
 }
 
@@ -134,6 +164,19 @@ mod tests {
         ] {
             assert_eq!(TraceParent::parse(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn parts_round_trip_and_zero_ids_are_refused() {
+        let t = TraceParent::parse(SPEC_EXAMPLE).expect("valid");
+        let again = TraceParent::from_parts(t.trace_id_bytes(), t.parent_id_bytes(), t.flags());
+        assert_eq!(again, Some(t));
+        assert_eq!(t.parent_id(), "00f067aa0ba902b7");
+        assert_eq!(
+            TraceParent::from_parts([0; 16], t.parent_id_bytes(), 1),
+            None
+        );
+        assert_eq!(TraceParent::from_parts(t.trace_id_bytes(), [0; 8], 1), None);
     }
 
     #[test]

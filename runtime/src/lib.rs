@@ -3,7 +3,8 @@
 //! `metronome-loadgen`, `metronome-bench`, `metronome-drill`):
 //!
 //! - [`init_tracing`]: the log subscriber, filtered by `RUST_LOG` (default `info`), human
-//!   text or, with `METRONOME_LOG_FORMAT=json`, one JSON object per line ([`LogFormat`]);
+//!   text or, with `METRONOME_LOG_FORMAT=json`, one JSON object per line ([`LogFormat`]),
+//!   and the trace exporter when one is configured ([`otel`]);
 //! - [`shutdown_on_signals`] / [`cancel_on_signals`]: SIGINT (Ctrl-C) or SIGTERM cancels a
 //!   [`CancellationToken`] that the binary's `run` watches;
 //! - [`config`]: loading configuration (TOML file, then environment variables and flags,
@@ -17,7 +18,10 @@
 //!   binary and turned into `async_nats::ConnectOptions`;
 //! - [`redis`]: Redis TLS ([`redis::RedisTls`]) and the client every binary opens with it;
 //! - [`tls`]: the CA, certificate and key files both read, checked at start-up;
-//! - [`build_info`]: the version and git commit every binary reports on `/metrics`.
+//! - [`build_info`]: the version and git commit every binary reports on `/metrics`;
+//! - [`otel`]: OpenTelemetry trace export (OTLP/HTTP), off unless
+//!   `OTEL_EXPORTER_OTLP_ENDPOINT` is set, and the helpers that carry a `traceparent`
+//!   from one process's span to the next one's.
 //!
 //! Nothing here decides policy; each binary keeps its own configuration struct, checks,
 //! flags, messages and exit codes and only calls these helpers.
@@ -27,6 +31,8 @@ pub mod build_info;
 pub mod config;
 
 pub mod nats;
+
+pub mod otel;
 
 pub mod redis;
 
@@ -82,51 +88,81 @@ impl LogFormat {
     }
 }
 
+/// What [`init_tracing`] keeps running: the trace exporter, when one was started. Hold it
+/// until the binary ends; dropping it flushes the last spans.
+#[must_use = "dropping the guard shuts the trace exporter down"]
+pub struct Tracing {
+    _export: Option<otel::Export>,
+}
+
 /// Installs the global `tracing` subscriber: lines on `output` in the format
 /// `METRONOME_LOG_FORMAT` names ([`LogFormat`], text by default), filtered by `RUST_LOG`
-/// when it is set and valid, at `info` otherwise.
+/// when it is set and valid, at `info` otherwise; and, when `OTEL_EXPORTER_OTLP_ENDPOINT`
+/// is set, the export of Metronome's spans as OpenTelemetry traces ([`otel`]), whatever
+/// `RUST_LOG` says.
 ///
 /// # Panics
 ///
 /// When a global subscriber is already installed (call it once, from `main`).
-pub fn init_tracing(output: LogOutput) {
-    init_tracing_at(output, "info");
+pub fn init_tracing(output: LogOutput) -> Tracing {
+    init_tracing_at(output, "info")
 }
 
 /// [`init_tracing`] with another filter when `RUST_LOG` is unset (`"warn"` for a tool
 /// whose output is its report).
-pub fn init_tracing_at(output: LogOutput, default_filter: &str) {
+pub fn init_tracing_at(output: LogOutput, default_filter: &str) -> Tracing {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    use tracing_subscriber::Layer as _;
+
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     let format = LogFormat::parse(std::env::var(ENV_LOG_FORMAT).ok().as_deref());
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    match (&format, output) {
-        (Ok(LogFormat::Json), LogOutput::Stdout) => json(builder).init(),
-        (Ok(LogFormat::Json), LogOutput::Stderr) => {
-            json(builder).with_writer(std::io::stderr).init()
-        }
-        (_, LogOutput::Stdout) => builder.init(),
-        (_, LogOutput::Stderr) => builder.with_writer(std::io::stderr).init(),
-    }
+    let lines = tracing_subscriber::fmt::layer();
+    let lines: Box<dyn tracing_subscriber::Layer<tracing_subscriber::Registry> + Send + Sync> =
+        match (&format, output) {
+            (Ok(LogFormat::Json), LogOutput::Stdout) => json(lines).boxed(),
+            (Ok(LogFormat::Json), LogOutput::Stderr) => {
+                json(lines).with_writer(std::io::stderr).boxed()
+            }
+            (_, LogOutput::Stdout) => lines.boxed(),
+            (_, LogOutput::Stderr) => lines.with_writer(std::io::stderr).boxed(),
+        };
+    let (spans, export, export_error) = match otel::start(|k| std::env::var(k).ok()) {
+        Ok(Some((layer, export))) => (Some(layer), Some(export), None),
+        Ok(None) => (None, None, None),
+        Err(e) => (None, None, Some(e)),
+    };
+    // Only spans (events stay in the log lines) of Metronome's own crates, from `info` up:
+    // the per-request spans, not the dependencies' internals.
+    let spans = spans.map(|layer| {
+        layer.with_filter(tracing_subscriber::filter::filter_fn(|meta| {
+            meta.is_span()
+                && *meta.level() <= tracing::Level::INFO
+                && meta.target().starts_with("metronome")
+        }))
+    });
+    tracing_subscriber::registry()
+        .with(lines.with_filter(filter))
+        .with(spans)
+        .init();
     if let Err(message) = format {
         tracing::warn!("{message}");
     }
+    if let Some(error) = export_error {
+        tracing::warn!(%error, "traces are not exported");
+    }
+    Tracing { _export: export }
 }
 
-type TextBuilder = tracing_subscriber::fmt::SubscriberBuilder<
-    tracing_subscriber::fmt::format::DefaultFields,
-    tracing_subscriber::fmt::format::Format,
-    EnvFilter,
->;
-
-fn json(
-    builder: TextBuilder,
-) -> tracing_subscriber::fmt::SubscriberBuilder<
+fn json<S>(
+    layer: tracing_subscriber::fmt::Layer<S>,
+) -> tracing_subscriber::fmt::Layer<
+    S,
     tracing_subscriber::fmt::format::JsonFields,
     tracing_subscriber::fmt::format::Format<tracing_subscriber::fmt::format::Json>,
-    EnvFilter,
 > {
-    builder
+    layer
         .json()
         .flatten_event(true)
         .with_current_span(false)

@@ -11,4 +11,5 @@ mod json_logs;
 mod permissions;
 mod replay;
 mod tls;
+mod traces;
 mod worker_loss;

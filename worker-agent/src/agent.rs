@@ -419,6 +419,7 @@ async fn finish_without_running(
             result_final_subject(a.job.tenant.as_deref(), &a.job.id, &shared.config.worker_id),
             FINAL_ONCE,
             &a.job.model,
+            a.job.traceparent.as_deref(),
             &result,
         )
         .await;
@@ -457,6 +458,7 @@ async fn finish_without_running(
         event_done_subject(&shared.config.worker_id),
         (HEADER_MSG_ID, &event_id),
         &a.job.model,
+        a.job.traceparent.as_deref(),
         &event,
     )
     .await;

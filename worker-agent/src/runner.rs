@@ -8,6 +8,8 @@
 //! 2. the final result on `results.<tenant>.<job>.final` through JetStream (RESULTS keeps it for
 //!    late readers), published before the WORK ack so an acknowledged job always has a
 //!    final result;
+//!    (the final result and the completion event carry the run span's `traceparent`
+//!    header, so one trace follows the request through them);
 //! 3. the WORK ack; 4. the completion event on `events.done.<worker>` through JetStream
 //!    (it releases the reservation); 5. the EWMA update and the performance model's
 //!    update (both off the job's slot).
@@ -30,9 +32,10 @@ use bytes::Bytes;
 use futures::StreamExt;
 use metronome_protocol::names::{
     event_done_subject, result_chunk_subject, result_final_subject, work_msg_id, FIRST_ON_SUBJECT,
-    HEADER_EXPECTED_LAST_SUBJECT_SEQ, HEADER_MODEL, HEADER_MSG_ID,
+    HEADER_EXPECTED_LAST_SUBJECT_SEQ, HEADER_MODEL, HEADER_MSG_ID, HEADER_TRACEPARENT,
 };
 use metronome_protocol::time::unix_ms;
+use metronome_protocol::trace::TraceParent;
 use metronome_protocol::{
     Assignment, CompletionEvent, CompletionOutcome, ErrorCode, FinalResult, ResultChunk, Usage,
     PROTOCOL_VERSION,
@@ -62,22 +65,31 @@ pub(crate) async fn run_job(
     // found by job and by worker when the agents' logs are collected together.
     let span = tracing::info_span!(
         "job",
+        otel.name = "worker run",
         job_id = %job_id,
         worker_id = %assignment.worker_id,
         attempt = assignment.attempt,
         epoch = assignment.epoch,
         trace_id = tracing::field::Empty,
     );
-    // The request's trace id beside the job id, as the gateway's lines carry it.
-    if let Some(trace) = assignment
-        .job
-        .traceparent
-        .as_deref()
-        .and_then(metronome_protocol::trace::TraceParent::parse)
-    {
-        span.record("trace_id", trace.trace_id().as_str());
-    }
+    // The run is a child of the decision that chose this worker (the Assignment's
+    // `traceparent` header), else of the request (the job's own); its context goes on the
+    // final result and the completion event.
+    let parent = msg
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(HEADER_TRACEPARENT))
+        .and_then(|v| TraceParent::parse(v.as_str()))
+        .or_else(|| assignment.job.trace());
+    let run_trace = parent.map(|parent| {
+        // The request's trace id beside the job id, as the gateway's lines carry it.
+        span.record("trace_id", parent.trace_id().as_str());
+        metronome_runtime::otel::set_parent(&span, &parent);
+        metronome_runtime::otel::traceparent_of(&span, &parent)
+    });
+    let run_traceparent = run_trace.map(|t| t.to_string());
     async move {
+        let run_traceparent = run_traceparent.as_deref();
         let job = &assignment.job;
         let cfg = &shared.config;
         tracing::info!(endpoint = ?job.endpoint, max_tokens = job.max_tokens, "job started");
@@ -98,11 +110,21 @@ pub(crate) async fn run_job(
         } else {
             Ok(built.body)
         };
+        // The model server's call, as a span of its own: its `traceparent` goes to the
+        // server, so the server's spans (vLLM's) hang below it. It ends when the stream is
+        // dropped.
+        let call_span = tracing::info_span!(
+            "model server call",
+            otel.kind = "client",
+            endpoint = ?job.endpoint,
+        );
+        let call_trace = run_trace
+            .map(|run| metronome_runtime::otel::traceparent_of(&call_span, &run).to_string());
         let (mut chunks, refused_body) = match bounded {
             Ok(request) => {
                 let ids = RequestIds {
                     request_id: &job.id,
-                    traceparent: job.traceparent.as_deref(),
+                    traceparent: call_trace.as_deref(),
                 };
                 (shared.model.stream_completion(job.endpoint, request, ids), None)
             }
@@ -168,6 +190,7 @@ pub(crate) async fn run_job(
         } };
         // Dropping the stream closes the HTTP connection: the server stops generating.
         drop(chunks);
+        drop(call_span);
         let usage: Usage = asm.usage(job.prompt_tokens);
         let effects = shared.machine(|m| {
             m.finish(&job.id, ending, usage.prompt_tokens, usage.completion_tokens, now())
@@ -194,7 +217,7 @@ pub(crate) async fn run_job(
                     // empty subject): if the leader already declared this job lost (this
                     // agent was silent too long), its error was stored first and readers
                     // accept that one.
-                    publish_js(&shared, result_final_subject(job.tenant.as_deref(), &job.id, &cfg.worker_id), FINAL_ONCE, &job.model, &final_result).await;
+                    publish_js(&shared, result_final_subject(job.tenant.as_deref(), &job.id, &cfg.worker_id), FINAL_ONCE, &job.model, run_traceparent, &final_result).await;
                 }
                 Effect::Ack { ack: Ack::Done, .. } => {
                     if let Err(e) = msg.double_ack().await {
@@ -233,7 +256,7 @@ pub(crate) async fn run_job(
                         job: None,
                     };
                     let msg_id = work_msg_id(&job.id, assignment.attempt);
-                    publish_js(&shared, event_done_subject(&cfg.worker_id), (HEADER_MSG_ID, &msg_id), &job.model, &event).await;
+                    publish_js(&shared, event_done_subject(&cfg.worker_id), (HEADER_MSG_ID, &msg_id), &job.model, run_traceparent, &event).await;
                     shared.metrics.job_finished(c.outcome);
                     shared.metrics.output_tokens.add(u64::from(usage.completion_tokens));
                     shared.metrics.prompt_tokens.add(u64::from(usage.prompt_tokens));
@@ -363,6 +386,7 @@ pub(crate) async fn publish_js<T: serde::Serialize>(
     subject: String,
     dedup: (&str, &str),
     model: &str,
+    traceparent: Option<&str>,
     value: &T,
 ) -> bool {
     let body: Bytes = match serde_json::to_vec(value) {
@@ -375,7 +399,10 @@ pub(crate) async fn publish_js<T: serde::Serialize>(
     // The model comes from the assignment: a value that cannot be a header (CR/LF) must
     // not panic the job's task, and the message still matters more than that header (the
     // body carries the model too), so it goes without it.
-    let headers = match metronome_protocol::headers::headers([dedup, (HEADER_MODEL, model)]) {
+    let trace = traceparent.map(|tp| (HEADER_TRACEPARENT, tp));
+    let headers = match metronome_protocol::headers::headers(
+        [dedup, (HEADER_MODEL, model)].into_iter().chain(trace),
+    ) {
         Ok(h) => h,
         Err(e) => {
             tracing::warn!(error = %e, %subject, "publishing without the model header");

@@ -94,7 +94,7 @@ impl Engine {
         retry_after_ms: Option<u64>,
     ) {
         let now = self.now_ms;
-        tracing::info!(job_id = %job.id, model = %job.model, reason_code = code, reason, "job not assigned");
+        tracing::info!(job_id = %job.id, trace_id = job.trace().map(|t| t.trace_id()).as_deref(), model = %job.model, reason_code = code, reason, "job not assigned");
         self.metrics.tenant_rejected(tenant_of(job), code);
         let mut decision = self.decision(job, outcome, attempt, queue_wait_ms, 0, now);
         decision.retry_after_ms = retry_after_ms;
