@@ -12,12 +12,15 @@
 //! [`scenarios`] (the order of runs and the fairness rules), [`merge`] (one report from
 //! several runs' load points, `--render`).
 //! [`fairness`] is the tenant-fairness drill (`--fairness`): two tenants' API keys, one
-//! flooding, and a leader killed mid-run. All but the last two are pure and unit-tested;
-//! the rest is exercised by running the benchmark. The system under test (started with
+//! flooding, and a leader killed mid-run; [`failover_cache`] the prefix-cache hit rate
+//! across a leader failover (`--failover-cache`). All but these two and [`scenarios`] are
+//! pure and unit-tested (of these, their arithmetic and rendering); the rest is exercised by
+//! running the benchmark. The system under test (started with
 //! `./dev up`, probed, stopped) is [`metronome_loadgen::system`], which the drills share.
 
 pub mod capacity;
 pub mod curve;
+pub mod failover_cache;
 pub mod fairness;
 pub mod idle;
 pub mod machine;

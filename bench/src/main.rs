@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
+use metronome_bench::failover_cache::{run_failover_cache, FailoverCachePlan};
 use metronome_bench::fairness::{run_fairness, FairnessPlan};
 use metronome_bench::merge::Twice;
 use metronome_bench::{render_merged, run_bench, BenchPlan, CLUSTERS, POLICIES, WORKLOADS};
@@ -36,6 +37,8 @@ use metronome_loadgen::LengthDist;
 ///                                     # bench-results/prefix/README.md
 ///   metronome-bench --fairness        # only the tenant-fairness drill: writes the report's
 ///                                     # "## Fairness" section, exits 1 when a target is missed
+///   metronome-bench --failover-cache  # only the prefix-cache hit rate across a leader
+///                                     # failover (multi_turn), against a run without one
 ///   metronome-bench --render bench-results/report.json,light/report.json
 ///                                     # no run: the report again from saved runs, the
 ///                                     # second one's load points joining the first's curves
@@ -103,6 +106,22 @@ struct Cli {
     /// report's "## Fairness" section (outputs under <out>/fairness).
     #[arg(long)]
     fairness: bool,
+    /// Run only the failover cache check: WORKLOAD (a prefix-heavy one) at 70 % of nominal
+    /// capacity on 4 equal GPUs, the leader SIGKILLed after a warm-up and a 30 s steady
+    /// window, against a control run without the kill; prints the prefix-cache hit rate of
+    /// the steady window and of the 30 s after the kill. Writes no report.
+    #[arg(
+        long,
+        value_name = "WORKLOAD",
+        num_args = 0..=1,
+        default_missing_value = "multi_turn",
+        conflicts_with_all = ["fairness", "render"]
+    )]
+    failover_cache: Option<String>,
+    /// Fairness drill and failover cache check: the build profile whose binaries `./dev up`
+    /// runs (the main benchmark always runs release binaries).
+    #[arg(long, value_name = "PROFILE", default_value = "release", value_parser = ["release", "debug"])]
+    profile: String,
     /// Run nothing: write the report from saved report.json files, the first the base, the
     /// load points of the others merged into its curves (copy their folders under --out
     /// first). A point measured twice (see --remeasured), or other nominal rates, is
@@ -148,6 +167,21 @@ fn main() -> ExitCode {
     };
     if cli.fairness {
         return fairness(&cli, repo, &argv);
+    }
+    if let Some(workload) = &cli.failover_cache {
+        let mut plan = FailoverCachePlan::new(repo);
+        plan.workload = workload.clone();
+        plan.profile = cli.profile.clone();
+        return match run_until_signal(run_failover_cache(&plan)) {
+            Ok(result) => {
+                print!("{}", result.render(&plan));
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
     }
     let mut plan = BenchPlan::new(cli.quick, repo.clone());
     if let Some(o) = cli.out {
@@ -271,6 +305,7 @@ fn fairness(cli: &Cli, repo: PathBuf, argv: &[String]) -> ExitCode {
         }
         plan.gpus = g;
     }
+    plan.profile = cli.profile.clone();
     if let Some(d) = cli.chat_prompt {
         plan.prompt = d;
     }
