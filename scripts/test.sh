@@ -27,9 +27,13 @@ tools_log="$(mktemp)"
 ( ensure_suite_tools ) >"$tools_log" 2>&1 &
 tools_pid=$!
 
+# One invocation for the binaries and the tests: the tests' dev-dependencies turn on
+# features of shared crates (rand's through criterion, for one), and a `cargo build --bins`
+# of its own resolves features without them and compiles most of the workspace a second
+# time. Built together, the binaries the suites run are the ones the tests start, and the
+# test runner below finds everything built.
 log "building the workspace (binaries and tests, once)"
-cargo build --workspace --bins --quiet
-cargo test --workspace --no-run --quiet
+cargo build --workspace --bins --tests --quiet
 phase_done "build"
 
 log "waiting for the suites' tools"

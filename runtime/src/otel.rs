@@ -247,15 +247,17 @@ impl opentelemetry_http::HttpClient for HttpClient {
             .as_ref()
             .ok_or("the OTLP exporter's runtime is shut down")?;
         let (parts, body) = request.into_parts();
-        let send = self
+        let request = self
             .http
             .request(parts.method, parts.uri.to_string())
             .headers(parts.headers)
-            .body(body)
-            .send();
+            .body(body);
+        // Sent from inside the exporter's runtime: `send` starts the request's time-out
+        // timer, which needs a Tokio runtime, and the batch processor calls this from a
+        // thread of its own that has none.
         let answer = runtime
             .spawn(async move {
-                let response = send.await?;
+                let response = request.send().await?;
                 let status = response.status();
                 let headers = response.headers().clone();
                 let body = response.bytes().await?;

@@ -197,8 +197,9 @@ pub fn loader_env_vars(load: impl FnOnce(&dyn Fn(&str) -> Option<String>)) -> Ve
 }
 
 /// The variables every binary's loader reads besides its own settings: NATS credentials
-/// and TLS, Redis TLS. They are documented once (docs/SECURITY.md), not as flags.
-pub const SHARED_ENV_VARS: [&str; 10] = [
+/// and TLS, the Redis password file and TLS. They are documented once (docs/SECURITY.md),
+/// not as flags.
+pub const SHARED_ENV_VARS: [&str; 11] = [
     crate::nats::ENV_USER,
     crate::nats::ENV_PASSWORD,
     crate::nats::ENV_PASSWORD_FILE,
@@ -206,6 +207,7 @@ pub const SHARED_ENV_VARS: [&str; 10] = [
     crate::nats::ENV_CA,
     crate::nats::ENV_CERT,
     crate::nats::ENV_KEY,
+    crate::redis::ENV_PASSWORD_FILE,
     crate::redis::ENV_CA,
     crate::redis::ENV_CERT,
     crate::redis::ENV_KEY,

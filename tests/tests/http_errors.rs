@@ -2,6 +2,8 @@
 //! keeps serving afterwards.
 
 use metronome_e2e::{chat_body, Cluster, ClusterSpec};
+use metronome_protocol::names::{queue_key, BUCKET_QUEUES};
+use metronome_protocol::QueueSnapshot;
 
 const MODEL: &str = "e2e-model";
 
@@ -110,6 +112,10 @@ async fn every_error_is_openai_shaped_and_the_system_keeps_serving() {
     assert_openai_error(resp, 503).await;
 
     // 429: several at once while the GPU is busy; the queue holds one, the rest are refused.
+    // The deadline's job held the queue until it expired: once the leader's snapshot says
+    // nothing waits, the gateway (which sheds on that snapshot) leaves the fillers to the
+    // leader's own rule.
+    wait_queue_empty(&cluster).await;
     let fillers: Vec<_> = (0..4)
         .map(|_| {
             let http = http.clone();
@@ -165,6 +171,30 @@ async fn every_error_is_openai_shaped_and_the_system_keeps_serving() {
     cluster.nats.restart().expect("restart nats");
     cluster.wait_ready().await;
     assert_still_serving(&http, &cluster).await;
+}
+
+/// Waits until the leader's snapshot of `MODEL`'s queue in the `queues` bucket (what the
+/// gateway sheds on) says nothing waits.
+async fn wait_queue_empty(cluster: &Cluster) {
+    let kv = cluster
+        .jetstream()
+        .await
+        .get_key_value(BUCKET_QUEUES)
+        .await
+        .expect("the queues bucket");
+    metronome_testkit::wait_for(
+        "the queue's snapshot to say nothing waits",
+        std::time::Duration::from_secs(20),
+        || {
+            let kv = kv.clone();
+            async move {
+                let value = kv.get(queue_key(MODEL)).await.ok()??;
+                let snapshot: QueueSnapshot = serde_json::from_slice(&value).ok()?;
+                (snapshot.waiting == 0).then_some(())
+            }
+        },
+    )
+    .await;
 }
 
 /// `metronome_gateway_shed_total{reason="queue_full"}` at the gateway.

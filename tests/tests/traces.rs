@@ -198,7 +198,11 @@ async fn one_request_is_one_trace_across_the_gateway_the_leader_and_the_worker()
     // The final result and the completion event carry the run's context in their headers.
     let js = cluster.jetstream().await;
     for (stream, subject) in [
-        (STREAM_RESULTS, result_final_subject(None, &job_id, &worker)),
+        // Served without a key: the gateway's anonymous tenant.
+        (
+            STREAM_RESULTS,
+            result_final_subject(Some("anonymous"), &job_id, &worker),
+        ),
         (STREAM_EVENTS, event_done_subject(&worker)),
     ] {
         let msg = js
