@@ -82,6 +82,9 @@ pub struct Cli {
 }
 
 /// What to show.
+// A parsed command line, built once per run: a context's settings inline cost nothing worth
+// boxing them for.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug, Clone)]
 pub enum Command {
     /// Leader and epoch, jobs waiting, decisions/s and rejections per model over the last
@@ -204,6 +207,8 @@ pub enum Command {
 }
 
 /// `metronome context` actions.
+// Built once per run, like [`Command`].
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug, Clone)]
 pub enum ContextAction {
     /// Save a context (replacing one of that name). Relative paths are saved absolute.

@@ -76,16 +76,16 @@ impl Drop for Export {
     }
 }
 
+/// The layer that feeds the exporter, and the exporter's provider.
+pub(crate) type Started<S> = (
+    tracing_opentelemetry::OpenTelemetryLayer<S, SdkTracer>,
+    Export,
+);
+
 /// Build the exporter and the layer that feeds it, when the environment turns export on.
 pub(crate) fn start<S>(
     lookup: impl Fn(&str) -> Option<String>,
-) -> Result<
-    Option<(
-        tracing_opentelemetry::OpenTelemetryLayer<S, SdkTracer>,
-        Export,
-    )>,
-    String,
->
+) -> Result<Option<Started<S>>, String>
 where
     S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
 {
