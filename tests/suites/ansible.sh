@@ -1215,8 +1215,17 @@ config_check() { # $1 = binary, rest = config files
     fail "$bin --check-config accepts the rendered configs" "target/debug/$bin is missing: cargo build -p ${PACKAGE_OF[$bin]}"
     return
   fi
+  local cred envs
   for f in "$@"; do
-    if ! out=$("$WORK/bin/$bin" --check-config --config "$f" 2>&1); then
+    # The unit hands the binary its passwords as a systemd credential
+    # (METRONOME_{NATS,REDIS}_PASSWORD_FILE=%d/password); the check reads the staged
+    # credential of the same config the same way: /etc/metronome/<x>.toml's is
+    # /etc/metronome/credentials/<x>.password.
+    cred="${f%/etc/metronome/*}/etc/metronome/credentials/${f#*/etc/metronome/}"
+    cred="${cred%.toml}.password"
+    envs=()
+    [ -f "$cred" ] && envs=(METRONOME_NATS_PASSWORD_FILE="$cred" METRONOME_REDIS_PASSWORD_FILE="$cred")
+    if ! out=$(env "${envs[@]}" "$WORK/bin/$bin" --check-config --config "$f" 2>&1); then
       fail "$bin --check-config accepts the rendered configs" "${f#"$STAGE"/}:"$'\n'"$out"
       return
     fi

@@ -157,6 +157,8 @@ async fn every_error_is_openai_shaped_and_the_system_keeps_serving() {
     }
     let events = metronome_protocol::sse::data_payloads(&long.text().await.unwrap());
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    // The queued filler ran; until the leader's snapshot says so, the gateway would shed.
+    wait_queue_empty(&cluster).await;
     assert_still_serving(&http, &cluster).await;
 
     // 503: NATS is down. Then NATS comes back and the system serves again.
