@@ -3,7 +3,7 @@
 #
 #   ./dev up [--gpus N] [--models a,b] [--gateway-port P] [--speeds 1,1,1,0.5]
 #            [--policy metronome|least_connections|round_robin|random|power_of_two]
-#            [--state-dir DIR] [--profile release|debug] [--no-build] [--observe]
+#            [--state-dir DIR] [--profile release|debug] [--no-build] [--observe] [--traces]
 #            [--keep-going] [--nats-cluster 3]
 #
 # Starts its own nats-server (JetStream) and redis-server on free ports with their state under
@@ -13,9 +13,10 @@
 # dispatcher leader and a standby; the gateway; N simulated GPUs (one simulator
 # process) with one worker-agent each, models assigned round-robin. Every process serves
 # Prometheus /metrics (the addresses are printed); --observe also starts a local Prometheus
-# (Debian's `prometheus`) scraping all of them with ops/prometheus/alerts.yml loaded, and a
-# trace viewer (Arize Phoenix, from PyPI, installed on first use) that the gateway, the
-# dispatchers and the agents export their spans to: one trace per request.
+# (Debian's `prometheus`) scraping all of them with ops/prometheus/alerts.yml loaded;
+# --traces starts a trace viewer (Arize Phoenix, from PyPI, installed on first use: a few
+# minutes and about 860 MB) that the gateway, the dispatchers and the agents export their
+# spans to: one trace per request.
 # NATS and Redis require authentication: one identity per process
 # with its role's permissions (scripts/render-auth.py), passwords generated into
 # <state>/auth/ (mode 0600, kept across runs; delete the folder to rotate them). TLS is
@@ -35,6 +36,7 @@ STATE_DIR="$ROOT/.metronome"
 PROFILE="release"
 BUILD=1
 OBSERVE=0
+TRACES=0
 KEEP_GOING=0
 NATS_CLUSTER=1
 SIM_ARGS=()
@@ -50,6 +52,7 @@ while [ $# -gt 0 ]; do
     --profile) PROFILE="$2"; shift 2 ;;
     --no-build) BUILD=0; shift ;;
     --observe) OBSERVE=1; shift ;;
+    --traces) TRACES=1; shift ;;
     --keep-going) KEEP_GOING=1; shift ;;
     --nats-cluster) NATS_CLUSTER="$2"; shift 2 ;;
     --sim-arg) SIM_ARGS+=("$2"); shift 2 ;;
@@ -73,7 +76,8 @@ IFS=',' read -r -a MODEL_LIST <<< "$MODELS"
 IFS=',' read -r -a SPEED_LIST <<< "$SPEEDS"
 
 ensure_servers
-if [ "$OBSERVE" -eq 1 ]; then ensure_prometheus; ensure_phoenix; fi
+if [ "$OBSERVE" -eq 1 ]; then ensure_prometheus; fi
+if [ "$TRACES" -eq 1 ]; then ensure_phoenix; fi
 BIN="$ROOT/target/$PROFILE"
 if [ "$BUILD" -eq 1 ]; then
   ensure_cargo
@@ -218,7 +222,7 @@ source "$ROOT/scripts/render-config.sh"
 # open its port; the simulators start meanwhile). Spans go to its OTLP/HTTP endpoint, in
 # its project "metronome".
 TRACES_URL=""
-if [ "$OBSERVE" -eq 1 ]; then
+if [ "$TRACES" -eq 1 ]; then
   PHOENIX_PORT=$(free_port)
   TRACES_URL="http://127.0.0.1:$PHOENIX_PORT"
   mkdir -p "$STATE_DIR/phoenix"
@@ -342,7 +346,7 @@ ${NATS_CLUSTER_LINE}    Redis        redis://127.0.0.1:$REDIS_PORT/   (ACL users
     worker-agents  $(printf 'http://%s/metrics ' "${WORKER_METRICS[@]}")
     simulated GPUs $(printf 'http://%s/metrics ' "${SIM_METRICS[@]}")
     Prometheus     ${PROMETHEUS_URL:-off (start with --observe)}
-    traces         ${TRACES_URL:+$TRACES_URL/projects   (project "metronome"; a response's x-metronome-trace-id names its trace)}${TRACES_URL:-off (start with --observe)}
+    traces         ${TRACES_URL:+$TRACES_URL/projects   (project "metronome"; a response's x-metronome-trace-id names its trace)}${TRACES_URL:-off (start with --traces)}
 
   Send a request:
 
