@@ -39,7 +39,7 @@ ensure_prometheus() {
 
 PHOENIX_VENV="$ROOT/.venv-phoenix"
 ensure_phoenix() {
-  # The trace viewer of ./dev up --observe, from PyPI into its own virtual environment
+  # The trace viewer of ./dev up --traces, from PyPI into its own virtual environment
   # (several hundred MB: installed on first use only). Reinstalled when its pin changes.
   local req="$ROOT/ops/phoenix/requirements.txt"
   if [ ! -x "$PHOENIX_VENV/bin/python" ]; then

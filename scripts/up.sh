@@ -329,6 +329,12 @@ if [ "$NATS_CLUSTER" -gt 1 ]; then
   NATS_CLUSTER_LINE=$(printf '                 a cluster of %s nodes (nats-1..%s), streams and buckets R%s; monitoring %s' \
     "$NATS_CLUSTER" "$NATS_CLUSTER" "$NATS_REPLICAS" "$(printf 'http://127.0.0.1:%s ' "${NATS_MONITORS[@]}")")$'\n'
 fi
+# Composed here, not inside the message: quotes inside a ${VAR:+word} of a here-document
+# are taken as quoting, which garbled this line and the curl example after it.
+TRACES_LINE="off (start with --traces)"
+if [ -n "$TRACES_URL" ]; then
+  TRACES_LINE="$TRACES_URL/projects   (project \"metronome\"; a response's x-metronome-trace-id names its trace)"
+fi
 cat <<MSG
 
   Metronome is up: $GPUS simulated GPUs serving ${MODELS}, policy $POLICY.
@@ -346,7 +352,7 @@ ${NATS_CLUSTER_LINE}    Redis        redis://127.0.0.1:$REDIS_PORT/   (ACL users
     worker-agents  $(printf 'http://%s/metrics ' "${WORKER_METRICS[@]}")
     simulated GPUs $(printf 'http://%s/metrics ' "${SIM_METRICS[@]}")
     Prometheus     ${PROMETHEUS_URL:-off (start with --observe)}
-    traces         ${TRACES_URL:+$TRACES_URL/projects   (project "metronome"; a response's x-metronome-trace-id names its trace)}${TRACES_URL:-off (start with --traces)}
+    traces         $TRACES_LINE
 
   Send a request:
 

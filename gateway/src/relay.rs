@@ -291,13 +291,22 @@ fn data(value: &Value) -> Event {
 
 /// The SSE response relaying `submission`, whose first chunk (or final result) is
 /// waiting in its replay queue.
+///
+/// `span` (the request's) stays open, and is the current span while the stream is polled:
+/// it ends when the stream ends or the client leaves, not when the headers go out.
 pub fn sse_response(
     submission: Submission,
     endpoint: Endpoint,
     model: String,
     include_usage: bool,
+    span: tracing::Span,
 ) -> Response {
-    Sse::new(events(submission, endpoint, model, include_usage))
+    let mut events = Box::pin(events(submission, endpoint, model, include_usage));
+    let events = futures::stream::poll_fn(move |cx| {
+        let _entered = span.enter();
+        events.as_mut().poll_next(cx)
+    });
+    Sse::new(events)
         .keep_alive(KeepAlive::default())
         .into_response()
 }
@@ -343,6 +352,7 @@ fn events(
                 }
                 Ok(JobEvent::Final(result)) => {
                     submission.finished();
+                    tracing::Span::current().record("output_tokens", result.usage.completion_tokens);
                     if let Some(moved) = moved_run(&mut streaming_from, result.worker_id.as_deref(), None) {
                         yield Ok(data(&moved.body()));
                         break;

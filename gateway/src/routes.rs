@@ -16,7 +16,9 @@
 //! belongs to (the client's `traceparent` when it sent a valid one, else a new trace), which
 //! the job carries to the worker and the worker to the model server. With trace export on
 //! (`metronome_runtime::otel`), the request is the `gateway request` span, a child of the
-//! client's span, and the job carries that span's context.
+//! client's span, and the job carries that span's context. The span lasts until the
+//! response is complete (a stream's last event, or the client leaving it) and records the
+//! job's output tokens.
 
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue};
@@ -92,6 +94,7 @@ async fn handle(
         tenant = tracing::field::Empty,
         key_id = tracing::field::Empty,
         worker_id = tracing::field::Empty,
+        output_tokens = tracing::field::Empty,
     );
     // Exported, the request's span is a child of the client's; the job then carries the
     // request span's own context, so the leader's and the worker's spans hang below it.
@@ -284,11 +287,13 @@ async fn serve(
                 }
             }
         }
+        // The request's span goes with the stream: the request ends when the stream does.
         return Ok(sse_response(
             submission,
             endpoint,
             request.model,
             request.include_usage,
+            tracing::Span::current(),
         ));
     }
     loop {
@@ -298,6 +303,7 @@ async fn serve(
             JobEvent::Assigned(_) | JobEvent::Chunk(_) => {}
             JobEvent::Final(result) => {
                 submission.finished();
+                tracing::Span::current().record("output_tokens", result.usage.completion_tokens);
                 if let Some(error) = &result.error {
                     return Err(ApiError::from_result_error(
                         error,

@@ -1,6 +1,7 @@
 //! One trace per request: with `OTEL_EXPORTER_OTLP_ENDPOINT` set, the gateway, the leader
 //! and the worker export their spans of one request under the client's trace id, each a
-//! child of the span before it, and the messages between them carry `traceparent`.
+//! child of the span before it, and the messages between them carry `traceparent`. A
+//! streamed request's span lasts until its stream ends.
 //!
 //! The collector is an OTLP/HTTP receiver in the test process: it decodes what the
 //! exporters post with the protocol's own protobuf messages.
@@ -12,9 +13,11 @@ use std::time::Duration;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::routing::post;
+use futures::StreamExt as _;
 use metronome_e2e::{chat_body, Cluster, ClusterSpec};
 use metronome_protocol::names::{
-    event_done_subject, result_final_subject, HEADER_TRACEPARENT, STREAM_EVENTS, STREAM_RESULTS,
+    event_done_subject, result_chunk_subject, result_final_subject, HEADER_TRACEPARENT,
+    STREAM_EVENTS, STREAM_RESULTS,
 };
 use metronome_protocol::trace::TraceParent;
 use metronome_testkit::wait_for;
@@ -24,6 +27,7 @@ use prost::Message as _;
 
 const MODEL: &str = "e2e-model";
 const CLIENT: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+const STREAMING_CLIENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
 /// One exported span, as the collector received it.
 #[derive(Debug, Clone)]
@@ -33,6 +37,8 @@ struct Received {
     trace_id: String,
     span_id: String,
     parent: String,
+    start_ns: u64,
+    end_ns: u64,
     attributes: HashMap<String, String>,
 }
 
@@ -73,6 +79,8 @@ async fn receive(State(spans): State<Spans>, body: Bytes) -> axum::http::StatusC
                 trace_id: hex(&span.trace_id),
                 span_id: hex(&span.span_id),
                 parent: hex(&span.parent_span_id),
+                start_ns: span.start_time_unix_nano,
+                end_ns: span.end_time_unix_nano,
                 attributes: span
                     .attributes
                     .iter()
@@ -110,6 +118,41 @@ fn one<'a>(spans: &'a [Received], service: &str, name: &str) -> &'a Received {
     found[0]
 }
 
+/// The spans of one request (the trace `client` started), once every process's spans of it
+/// have arrived.
+async fn spans_of(spans: &Spans, client: &TraceParent) -> Vec<Received> {
+    let names = [
+        ("metronome-gateway", "gateway request"),
+        ("metronome-dispatcher", "queue wait"),
+        ("metronome-dispatcher", "decision"),
+        ("metronome-worker-agent", "worker run"),
+        ("metronome-worker-agent", "model server call"),
+    ];
+    wait_for(
+        "the request's spans from the gateway, the leader and the worker",
+        Duration::from_secs(30),
+        || {
+            let got: Vec<Received> = spans
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|s| s.trace_id == client.trace_id())
+                .cloned()
+                .collect();
+            let complete = names.iter().all(|(service, name)| {
+                got.iter().any(|s| &s.service == service && &s.name == name)
+            });
+            async move { complete.then_some(got) }
+        },
+    )
+    .await
+}
+
+/// A response header as text.
+fn header(resp: &reqwest::Response, name: &str) -> String {
+    resp.headers()[name].to_str().unwrap().to_string()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_request_is_one_trace_across_the_gateway_the_leader_and_the_worker() {
     let (url, spans) = collector().await;
@@ -134,40 +177,10 @@ async fn one_request_is_one_trace_across_the_gateway_the_leader_and_the_worker()
         resp.headers()["x-metronome-trace-id"],
         client.trace_id().as_str()
     );
-    let job_id = resp.headers()["x-metronome-job-id"]
-        .to_str()
-        .unwrap()
-        .to_string();
-    let worker = resp.headers()["x-metronome-worker"]
-        .to_str()
-        .unwrap()
-        .to_string();
+    let job_id = header(&resp, "x-metronome-job-id");
+    let worker = header(&resp, "x-metronome-worker");
 
-    let names = [
-        ("metronome-gateway", "gateway request"),
-        ("metronome-dispatcher", "queue wait"),
-        ("metronome-dispatcher", "decision"),
-        ("metronome-worker-agent", "worker run"),
-        ("metronome-worker-agent", "model server call"),
-    ];
-    let trace: Vec<Received> = wait_for(
-        "the request's spans from the gateway, the leader and the worker",
-        Duration::from_secs(30),
-        || {
-            let got: Vec<Received> = spans
-                .lock()
-                .unwrap()
-                .iter()
-                .filter(|s| s.trace_id == client.trace_id())
-                .cloned()
-                .collect();
-            let complete = names.iter().all(|(service, name)| {
-                got.iter().any(|s| &s.service == service && &s.name == name)
-            });
-            async move { complete.then_some(got) }
-        },
-    )
-    .await;
+    let trace = spans_of(&spans, &client).await;
 
     let request = one(&trace, "metronome-gateway", "gateway request");
     assert_eq!(
@@ -219,5 +232,77 @@ async fn one_request_is_one_trace_across_the_gateway_the_leader_and_the_worker()
             .unwrap_or_else(|| panic!("{subject} carries a traceparent: {:?}", msg.headers));
         assert_eq!(carried.trace_id(), client.trace_id(), "{subject}");
         assert_eq!(carried.parent_id(), run.span_id, "{subject}");
+    }
+
+    // Streamed: the chunks carry the run's context too, and the request's span lasts until
+    // the stream ends.
+    let streaming = TraceParent::parse(STREAMING_CLIENT).unwrap();
+    let nats = cluster.nats_client().await;
+    let mut chunks = nats
+        .subscribe(result_chunk_subject(Some("anonymous"), "*", "*"))
+        .await
+        .unwrap();
+    nats.flush().await.unwrap();
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", cluster.gateway_url))
+        .header("traceparent", STREAMING_CLIENT)
+        .json(&chat_body(MODEL, 4, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "{}", cluster.logs());
+    assert_eq!(
+        resp.headers()["x-metronome-trace-id"],
+        streaming.trace_id().as_str()
+    );
+    let job_id = header(&resp, "x-metronome-job-id");
+    let body = resp.text().await.unwrap();
+    // The closing chunk's usage (the request asks for it).
+    let output_tokens = body
+        .lines()
+        .rev()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .find_map(|v| v["usage"]["completion_tokens"].as_u64())
+        .unwrap_or_else(|| panic!("a usage chunk in the stream: {body}"));
+
+    let trace = spans_of(&spans, &streaming).await;
+    let request = one(&trace, "metronome-gateway", "gateway request");
+    assert_eq!(request.attributes["job_id"], job_id);
+    let run = one(&trace, "metronome-worker-agent", "worker run");
+    let call = one(&trace, "metronome-worker-agent", "model server call");
+    // The worker publishes the final result after its model-server call ends, and the
+    // stream ends after the final result: a span that ended with the first chunk ends
+    // before the call does.
+    assert!(
+        request.end_ns >= call.end_ns,
+        "the request's span ends with its stream ({} ns after its start), not before the model \
+         server call ends ({} ns after it)",
+        request.end_ns - request.start_ns,
+        call.end_ns.saturating_sub(request.start_ns),
+    );
+    assert_eq!(
+        request.attributes.get("output_tokens").map(String::as_str),
+        Some(output_tokens.to_string().as_str()),
+        "the request's span records the tokens the stream delivered: {request:#?}"
+    );
+
+    let mut carried = Vec::new();
+    while let Ok(Some(msg)) = tokio::time::timeout(Duration::from_secs(1), chunks.next()).await {
+        if !msg.subject.contains(job_id.as_str()) {
+            continue;
+        }
+        let tp = msg
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(HEADER_TRACEPARENT))
+            .and_then(|v| TraceParent::parse(v.as_str()))
+            .unwrap_or_else(|| panic!("{} carries a traceparent: {:?}", msg.subject, msg.headers));
+        carried.push(tp);
+    }
+    assert!(!carried.is_empty(), "the stream's chunks were seen");
+    for tp in carried {
+        assert_eq!(tp.trace_id(), streaming.trace_id());
+        assert_eq!(tp.parent_id(), run.span_id, "a chunk names the run's span");
     }
 }

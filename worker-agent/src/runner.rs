@@ -8,8 +8,8 @@
 //! 2. the final result on `results.<tenant>.<job>.final` through JetStream (RESULTS keeps it for
 //!    late readers), published before the WORK ack so an acknowledged job always has a
 //!    final result;
-//!    (the final result and the completion event carry the run span's `traceparent`
-//!    header, so one trace follows the request through them);
+//!    (the chunks, the final result and the completion event carry the run span's
+//!    `traceparent` header, so one trace follows the request through them);
 //! 3. the WORK ack; 4. the completion event on `events.done.<worker>` through JetStream
 //!    (it releases the reservation); 5. the EWMA update and the performance model's
 //!    update (both off the job's slot).
@@ -135,6 +135,13 @@ pub(crate) async fn run_job(
         };
         let mut asm = Assembler::new(job.endpoint);
         let chunk_subject = result_chunk_subject(job.tenant.as_deref(), &job.id, &cfg.worker_id);
+        // The chunks' headers, built once for the run: its `traceparent` (none without a
+        // trace, or where it cannot be a header).
+        let chunk_headers = run_traceparent.and_then(|tp| {
+            metronome_protocol::headers::headers([(HEADER_TRACEPARENT, tp)])
+                .inspect_err(|e| tracing::warn!(error = %e, "chunks go without a traceparent"))
+                .ok()
+        });
         let mut progress = tokio::time::interval_at(
             tokio::time::Instant::now() + cfg.progress_ack_interval(),
             cfg.progress_ack_interval(),
@@ -182,7 +189,7 @@ pub(crate) async fn run_job(
                         let relayed = job.endpoint.generates();
                         for effect in effects.into_iter().filter(|_| relayed) {
                             let (Effect::PublishChunk { seq, .. }, Some(data)) = (effect, data.take()) else { continue };
-                            publish_chunk(&shared, &chunk_subject, &assignment, seq, data).await;
+                            publish_chunk(&shared, &chunk_subject, chunk_headers.as_ref(), &assignment, seq, data).await;
                         }
                     }
                 },
@@ -279,10 +286,12 @@ pub(crate) async fn run_job(
     .await
 }
 
-/// Publish one chunk on core NATS (a lost chunk shows as a gap in `seq`).
+/// Publish one chunk on core NATS (a lost chunk shows as a gap in `seq`), with the run's
+/// headers when it has any.
 async fn publish_chunk(
     shared: &Shared,
     subject: &str,
+    headers: Option<&async_nats::HeaderMap>,
     assignment: &Assignment,
     seq: u64,
     data: serde_json::Value,
@@ -297,11 +306,21 @@ async fn publish_chunk(
     };
     match serde_json::to_vec(&chunk) {
         Ok(body) => {
-            if let Err(e) = shared
-                .client
-                .publish(subject.to_string(), body.into())
-                .await
-            {
+            let sent = match headers {
+                Some(h) => {
+                    shared
+                        .client
+                        .publish_with_headers(subject.to_string(), h.clone(), body.into())
+                        .await
+                }
+                None => {
+                    shared
+                        .client
+                        .publish(subject.to_string(), body.into())
+                        .await
+                }
+            };
+            if let Err(e) = sent {
                 shared.metrics.nats_publish_errors.inc();
                 tracing::warn!(error = %e, seq, "publishing a chunk failed");
             }
