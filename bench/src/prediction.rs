@@ -187,6 +187,7 @@ mod tests {
             worst_running_tok_s: None,
             streams_after: 2,
             model_samples: 9,
+            stall_ms: Some(3.0),
         };
         let candidate = |w: &str, prediction| CandidateScore {
             worker_id: w.into(),

@@ -628,6 +628,7 @@ mod tests {
             worst_running_tok_s: None,
             streams_after,
             model_samples: 10,
+            stall_ms: None,
         }
     }
 

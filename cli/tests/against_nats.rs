@@ -79,6 +79,7 @@ fn candidate(worker: &str, scale: f64, ttft_ms: f64, tok_s: f64) -> CandidateSco
             worst_running_tok_s: None,
             streams_after: 1,
             model_samples: 12,
+            stall_ms: None,
         }),
         cached_prefix: None,
     }

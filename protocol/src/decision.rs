@@ -234,7 +234,7 @@ pub struct Affinity {
     /// The prompt tokens it holds.
     pub cached_tokens: u32,
     pub outcome: AffinityOutcome,
-    /// Why it was overridden: `cost` (its predicted job cost, ms, is higher than the
+    /// Why it was overridden: `cost` (its predicted prefill cost, ms, is higher than the
     /// score's choice's), `fair_share` (it would run more than `max_share` times an even
     /// share of the candidates' requests) or the code it was rejected with (an admission
     /// or SLO rule: `below_slo_floor`, `ttft_over_budget`, `at_concurrency_cap`...).

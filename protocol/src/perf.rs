@@ -114,11 +114,50 @@ pub struct Prediction {
     pub streams_after: u32,
     /// Samples behind the worker's model (0: predicted from the prior alone).
     pub model_samples: u64,
+    /// Time the job's prefill takes from each stream already running there, ms (its
+    /// uncached prompt tokens at the worker's stall per prefill token). Absent in decisions
+    /// of older dispatchers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stall_ms: Option<f64>,
+}
+
+impl Prediction {
+    /// What placing the job here costs in prefill, ms: its own time to first token plus
+    /// the stall its prefill imposes on every stream already running there. The measure
+    /// prefix affinity compares workers on ([`stall_ms`](Self::stall_ms) absent: `None`).
+    pub fn prefill_cost_ms(&self) -> Option<f64> {
+        let running = f64::from(self.streams_after.saturating_sub(1));
+        let cost = self.ttft_ms + running * self.stall_ms?;
+        cost.is_finite().then_some(cost)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefill_cost_counts_the_stall_on_the_streams_already_running() {
+        let p = Prediction {
+            ttft_ms: 300.0,
+            decode_tok_s: 40.0,
+            step_tok_s: Some(45.0),
+            worst_running_tok_s: Some(38.0),
+            streams_after: 4,
+            model_samples: 10,
+            stall_ms: Some(25.0),
+        };
+        // Three streams were running before it: 300 + 3 × 25.
+        assert_eq!(p.prefill_cost_ms(), Some(375.0));
+        let alone = Prediction { streams_after: 1, ..p };
+        assert_eq!(alone.prefill_cost_ms(), Some(300.0));
+        let older = Prediction { stall_ms: None, ..p };
+        assert_eq!(older.prefill_cost_ms(), None);
+        let json = serde_json::to_value(older).unwrap();
+        assert!(json.get("stall_ms").is_none(), "absent, not null: {json}");
+        let back: Prediction = serde_json::from_value(json).unwrap();
+        assert_eq!(back, older);
+    }
 
     #[test]
     fn an_slo_request_names_its_first_field_out_of_range() {

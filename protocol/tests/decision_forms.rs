@@ -14,6 +14,7 @@ fn prediction(ttft_ms: f64, tok_s: f64, streams_after: u32) -> Prediction {
         worst_running_tok_s: (streams_after > 1).then_some(tok_s - 0.2),
         streams_after,
         model_samples: 0,
+        stall_ms: None,
     }
 }
 

@@ -407,6 +407,9 @@ fn prediction(p: &Prediction) -> String {
     if let Some(w) = p.worst_running_tok_s {
         s.push_str(&format!(", slowest running job {}", fmt::tok_s(Some(w))));
     }
+    if let (Some(stall), 2..) = (p.stall_ms, p.streams_after) {
+        s.push_str(&format!(", its prefill stalls each running stream {}", fmt::ms(stall)));
+    }
     s.push_str(&format!(
         ", {} streams after admission, model fitted on {} samples",
         p.streams_after, p.model_samples
@@ -535,6 +538,7 @@ pub(crate) mod fixtures {
                 worst_running_tok_s: Some(tok_s - 2.0),
                 streams_after: 3,
                 model_samples: 240,
+                stall_ms: Some(12.0),
             }),
             cached_prefix: None,
         }

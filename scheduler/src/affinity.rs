@@ -16,14 +16,23 @@
 //! score's choice holds) is compared with the score's choice in the one unit both
 //! predictions share, milliseconds: it gets the job when
 //!
-//! - its predicted job cost ([`crate::term`]'s `job_cost`: first token after the uncached
-//!   prefill, decode at the batch it joins, the stall its prefill imposes on the running
-//!   streams) is no higher than the score's choice's, and
+//! - its predicted prefill cost ([`Prediction::prefill_cost_ms`]: the time to first token,
+//!   prefilling only the uncached tokens behind what waits there, plus the stall that
+//!   prefill imposes on every stream already running) is no higher than the score's
+//!   choice's, and
 //! - it would not run more than `max_share` times an even share of the candidates'
 //!   requests: `active + 1 ≤ ⌈max_share · (Σ active + 1) / candidates⌉`. This bounds hot
 //!   spots (every request of one popular prefix on one GPU) while a popular prefix's holder
 //!   still takes its share; past the bound the score's choice gets the job, and the prefix
 //!   is cached there too.
+//!
+//! **Why prefill and not the whole job cost.** A cached prefix changes only the prefill:
+//! the decode is the same tokens at the batch the job joins. The job cost term adds the
+//! whole decode (expected output × step), where one more running stream costs a few ms a
+//! token; over a few hundred tokens that outweighs a prefix's saving, so with it the holder
+//! lost to any worker running one request fewer and the prefix was prefilled again
+//! elsewhere. The decode rate is not left unguarded: the admission filters hold the job and
+//! every stream already running to their rate floors before affinity sees a candidate.
 //!
 //! The admission filters ran before: a holder that cannot meet the SLO, is at its cap or
 //! lacks KV room is not a candidate at all, and the decision names it with its rejection
@@ -38,6 +47,8 @@
 //! Pure: the inputs are the decision's own figures, so `metronome replay` re-applies it to a
 //! recorded decision ([`crate::rescore`]).
 
+#[cfg(doc)]
+use metronome_protocol::Prediction;
 use metronome_protocol::{Affinity, AffinityOutcome};
 
 /// The default bound on the share of requests affinity may give one worker: 1.5 times an
@@ -50,7 +61,8 @@ pub struct Seat<'a> {
     pub worker_id: &'a str,
     /// Prompt tokens it holds.
     pub cached_tokens: u32,
-    /// Predicted job cost there, ms (`None`: not predicted).
+    /// Predicted prefill cost there, ms ([`Prediction::prefill_cost_ms`]; `None`: not
+    /// predicted).
     pub cost_ms: Option<f64>,
     /// Requests running or reserved there.
     pub active: u32,
@@ -153,7 +165,7 @@ fn among_candidates(seats: &[Seat<'_>], holder: usize, max_share: f64) -> Verdic
                 AffinityOutcome::Overridden,
                 Some("cost"),
                 Some(format!(
-                    "predicted job cost {cost:.0} ms on {} against {choice_cost:.0} ms on {}",
+                    "predicted prefill cost {cost:.0} ms on {} against {choice_cost:.0} ms on {}",
                     seat.worker_id, choice.worker_id
                 )),
             )),
@@ -214,14 +226,15 @@ mod tests {
 
     #[test]
     fn a_dearer_holder_is_overridden_on_cost() {
-        // A slow GPU holding the prefix: its decode costs more than the prefill saved.
-        let seats = [seat("fast", 0, 4_000.0, 1), seat("slow", 2_000, 7_000.0, 1)];
+        // A slow GPU holding the prefix behind a long prefill queue: it reaches the first
+        // token later than the fast one prefilling the whole prompt.
+        let seats = [seat("fast", 0, 400.0, 1), seat("slow", 2_000, 700.0, 1)];
         let v = decide(&seats, &[], 1.5);
         assert_eq!(v.promote, None);
         let r = v.record.unwrap();
         assert_eq!(r.outcome, AffinityOutcome::Overridden);
         assert_eq!(r.reason_code.as_deref(), Some("cost"));
-        assert!(r.reason.unwrap().contains("7000 ms on slow"));
+        assert!(r.reason.unwrap().contains("700 ms on slow"));
     }
 
     #[test]

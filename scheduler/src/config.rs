@@ -151,9 +151,10 @@ pub struct SchedulerConfig {
     /// soon as room opens.
     pub lookahead: usize,
     /// Prefix affinity ([`crate::affinity`]): the candidate holding the most of a job's
-    /// prompt gets it over the score's choice when its predicted job cost is no higher,
-    /// while it would run at most this many times an even share of the candidates'
-    /// requests. 0 turns affinity off; otherwise at least 1.
+    /// prompt gets it over the score's choice when its predicted prefill cost (time to
+    /// first token plus the stall on the streams running there) is no higher, while it
+    /// would run at most this many times an even share of the candidates' requests. 0
+    /// turns affinity off; otherwise at least 1.
     pub affinity_max_share: f64,
 }
 

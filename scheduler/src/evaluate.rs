@@ -91,13 +91,12 @@ pub fn evaluate(
 fn apply_affinity(ranked: &mut Ranked<'_>, job: &JobRequest, max_share: f64) -> Option<Affinity> {
     // A job without a fingerprint is placed by the score alone.
     job.prefix.as_ref()?;
-    let job_cost = TermName::JobCost.index();
     let seats: Vec<Seat<'_>> = ranked
         .best()
         .map(|c| Seat {
             worker_id: c.worker_id(),
             cached_tokens: job.cached_on(c.worker_id()).tokens,
-            cost_ms: c.raw[job_cost],
+            cost_ms: c.forecast.prediction().prefill_cost_ms(),
             active: c.load.effective_active,
         })
         .collect();
@@ -130,7 +129,8 @@ fn apply_affinity(ranked: &mut Ranked<'_>, job: &JobRequest, max_share: f64) -> 
 /// what `metronome replay` re-decides with. A term missing from a record counts as
 /// unavailable. Prefix affinity is applied again with `affinity_max_share` (0: off; a
 /// recorded decision's own is in its [`Affinity`] record) from the recorded cached tokens,
-/// job costs and active counts.
+/// predictions and active counts (a decision of an older dispatcher, whose predictions
+/// lack the stall, is compared on its job cost term, as that dispatcher compared it).
 pub fn rescore(
     candidates: &[CandidateScore],
     weights: &Weights,
@@ -168,7 +168,11 @@ pub fn rescore(
             Seat {
                 worker_id: &r.score.worker_id,
                 cached_tokens: r.score.cached_prefix.map_or(0, |c| c.tokens),
-                cost_ms: r.raw[job_cost],
+                cost_ms: r
+                    .score
+                    .prediction
+                    .and_then(|p| p.prefill_cost_ms())
+                    .or(r.raw[job_cost]),
                 active: r.raw[0].map_or(0, |a| a as u32),
             }
         })

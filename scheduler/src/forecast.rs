@@ -254,6 +254,7 @@ impl Forecast {
             worst_running_tok_s: self.worst_running.as_ref().map(|w| w.tok_s),
             streams_after: self.streams_before.saturating_add(1),
             model_samples: self.coefficients.samples,
+            stall_ms: Some(self.stall_ms),
         }
     }
 

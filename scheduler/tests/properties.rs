@@ -8,13 +8,15 @@
 //! whatever the order of the workers.
 
 use metronome_protocol::{
-    CandidateScore, Decision, GpuStats, KvUsage, Outcome, WorkerStatus, DECISION_VERSION,
+    AffinityOutcome, CandidateScore, Decision, GpuStats, KvUsage, Outcome, PrefixSource,
+    WorkerStatus, DECISION_VERSION,
 };
 use metronome_scheduler::filter::{self, FilterContext};
 use metronome_scheduler::policy::{choose, PolicyKind, PolicyState};
+use metronome_scheduler::prefix_index::Cached;
 use metronome_scheduler::{
-    evaluate, ewma, rescore, EwmaSnapshot, Forecast, JobRequest, Ledger, SchedulerConfig,
-    WorkerLoad, WorkerView,
+    evaluate, ewma, rescore, EwmaSnapshot, Forecast, JobRequest, Ledger, PrefixLookup,
+    SchedulerConfig, WorkerLoad, WorkerView,
 };
 use proptest::prelude::*;
 
@@ -140,9 +142,17 @@ fn build(specs: &[WorkerSpec]) -> (Vec<WorkerView>, Ledger) {
     (workers, ledger)
 }
 
+/// A job, fingerprinted in half the cases, with part of its prompt cached on some workers
+/// (so prefix affinity takes part in the decisions the properties check).
 fn job_strategy() -> impl Strategy<Value = JobRequest> {
-    (1u32..4_000, 1u32..2_000, 0.0f64..3_000.0).prop_map(|(prompt_tokens, max_tokens, pred)| {
-        JobRequest {
+    let held = prop::collection::btree_map(0usize..10, 1u32..4_000, 0..5);
+    (
+        1u32..4_000,
+        1u32..2_000,
+        0.0f64..3_000.0,
+        prop::option::of(held),
+    )
+        .prop_map(|(prompt_tokens, max_tokens, pred, held)| JobRequest {
             job_id: "job".into(),
             model: "m".into(),
             prompt_tokens,
@@ -153,8 +163,29 @@ fn job_strategy() -> impl Strategy<Value = JobRequest> {
                 min_tok_s: 30.0,
             },
             ttft_remaining_ms: Some(2_000.0),
-            prefix: None,
-        }
+            prefix: held.map(|held| {
+                PrefixLookup::new(
+                    PrefixSource::Placements,
+                    held.into_iter().map(|(w, tokens)| {
+                        let tokens = tokens.min(prompt_tokens.saturating_sub(1));
+                        (
+                            format!("w{w:02}"),
+                            Cached {
+                                tokens,
+                                shared_tokens: 0,
+                            },
+                        )
+                    }),
+                )
+            }),
+        })
+}
+
+/// A job without a prefix fingerprint.
+fn plain_job_strategy() -> impl Strategy<Value = JobRequest> {
+    job_strategy().prop_map(|job| JobRequest {
+        prefix: None,
+        ..job
     })
 }
 
@@ -226,8 +257,13 @@ proptest! {
             prop_assert_eq!(&e.candidates[0].worker_id, winner);
             let view = workers.iter().find(|w| &w.status.worker_id == winner).unwrap();
             prop_assert!(passes_admission(&job, view, &ledger, &config));
+            // The lowest total wins, unless prefix affinity chose the prompt's holder.
+            let chosen = e.affinity.as_ref().filter(|a| a.outcome == AffinityOutcome::Chosen);
+            if let Some(a) = chosen {
+                prop_assert_eq!(&a.worker_id, winner);
+            }
             for c in &e.candidates {
-                prop_assert!(c.total >= e.candidates[0].total);
+                prop_assert!(chosen.is_some() || c.total >= e.candidates[0].total);
                 for t in &c.terms(&e.scoring) {
                     prop_assert!((0.0..=1.0).contains(&t.normalised), "{:?}", t);
                     prop_assert_eq!(t.available, t.raw.is_some());
@@ -359,7 +395,8 @@ proptest! {
     fn a_burst_lands_on_distinct_idle_workers(
         n in 2usize..=16,
         template in worker_spec(),
-        job in job_strategy(),
+        // Prefix-free: a burst of one cached prompt goes to its holder, up to a fair share.
+        job in plain_job_strategy(),
         config in config_strategy(),
         order in Just((0..16usize).collect::<Vec<_>>()).prop_shuffle(),
     ) {
@@ -466,8 +503,9 @@ proptest! {
         let decision = record(&e);
         let compact = serde_json::to_value(&decision).unwrap();
         prop_assert_eq!(compact["v"].as_u64(), Some(u64::from(DECISION_VERSION)));
-        let old = version_2(&decision);
-        for json in [compact, old] {
+        // Version 2 records predate prefix fingerprints (no cached tokens per candidate).
+        let old = job.prefix.is_none().then(|| version_2(&decision));
+        for json in std::iter::once(compact).chain(old) {
             let read: Decision = serde_json::from_value(json).unwrap();
             prop_assert_eq!(&read.candidates, &e.candidates);
             let weights = read.scoring.map(|s| metronome_scheduler::Weights::from_array(s.weights));
