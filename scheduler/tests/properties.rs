@@ -257,13 +257,22 @@ proptest! {
             prop_assert_eq!(&e.candidates[0].worker_id, winner);
             let view = workers.iter().find(|w| &w.status.worker_id == winner).unwrap();
             prop_assert!(passes_admission(&job, view, &ledger, &config));
-            // The lowest total wins, unless prefix affinity chose the prompt's holder.
-            let chosen = e.affinity.as_ref().filter(|a| a.outcome == AffinityOutcome::Chosen);
-            if let Some(a) = chosen {
+            // The lowest total wins, unless prefix affinity promoted a holder of the prompt:
+            // then the decision has an affinity record (naming the winner when it chose
+            // it, or a refused worker holding more) and the winner holds more of the prompt
+            // than the best-scored candidate.
+            let best = e.candidates.iter().min_by(|a, b| a.total.total_cmp(&b.total)).unwrap();
+            let cached = |c: &CandidateScore| c.cached_prefix.map_or(0, |p| p.tokens);
+            if best.total < e.candidates[0].total {
+                let record = e.affinity.as_ref();
+                prop_assert!(record.is_some(), "promoted without a record");
+                prop_assert!(cached(&e.candidates[0]) > cached(best));
+            }
+            if let Some(a) = e.affinity.as_ref().filter(|a| a.outcome == AffinityOutcome::Chosen) {
                 prop_assert_eq!(&a.worker_id, winner);
             }
-            for c in &e.candidates {
-                prop_assert!(chosen.is_some() || c.total >= e.candidates[0].total);
+            for c in &e.candidates[1..] {
+                prop_assert!(c.total >= best.total);
                 for t in &c.terms(&e.scoring) {
                     prop_assert!((0.0..=1.0).contains(&t.normalised), "{:?}", t);
                     prop_assert_eq!(t.available, t.raw.is_some());
