@@ -229,7 +229,8 @@ impl CandidateScore {
 /// fingerprint, or the policy has no affinity).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Affinity {
-    /// The worker holding the most of the prompt.
+    /// The worker holding the most of the prompt (the candidate given the job, when a
+    /// worker holding more was not eligible: see [`Affinity::reason`]).
     pub worker_id: String,
     /// The prompt tokens it holds.
     pub cached_tokens: u32,
@@ -240,7 +241,8 @@ pub struct Affinity {
     /// or SLO rule: `below_slo_floor`, `ttft_over_budget`, `at_concurrency_cap`...).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason_code: Option<String>,
-    /// The same in words, with the numbers compared.
+    /// The same in words, with the numbers compared; for `chosen`, the worker that held
+    /// more of the prompt but was not eligible, with its rejection, if there was one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     /// The fair-share bound the decision applied (`scheduler.affinity_max_share`).

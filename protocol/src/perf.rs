@@ -149,9 +149,15 @@ mod tests {
         };
         // Three streams were running before it: 300 + 3 × 25.
         assert_eq!(p.prefill_cost_ms(), Some(375.0));
-        let alone = Prediction { streams_after: 1, ..p };
+        let alone = Prediction {
+            streams_after: 1,
+            ..p
+        };
         assert_eq!(alone.prefill_cost_ms(), Some(300.0));
-        let older = Prediction { stall_ms: None, ..p };
+        let older = Prediction {
+            stall_ms: None,
+            ..p
+        };
         assert_eq!(older.prefill_cost_ms(), None);
         let json = serde_json::to_value(older).unwrap();
         assert!(json.get("stall_ms").is_none(), "absent, not null: {json}");

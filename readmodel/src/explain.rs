@@ -408,7 +408,10 @@ fn prediction(p: &Prediction) -> String {
         s.push_str(&format!(", slowest running job {}", fmt::tok_s(Some(w))));
     }
     if let (Some(stall), 2..) = (p.stall_ms, p.streams_after) {
-        s.push_str(&format!(", its prefill stalls each running stream {}", fmt::ms(stall)));
+        s.push_str(&format!(
+            ", its prefill stalls each running stream {}",
+            fmt::ms(stall)
+        ));
     }
     s.push_str(&format!(
         ", {} streams after admission, model fitted on {} samples",
@@ -492,10 +495,15 @@ fn affinity(a: &metronome_protocol::Affinity) -> String {
     );
     match a.outcome {
         metronome_protocol::AffinityOutcome::Chosen => {
-            format!(
+            let chosen = format!(
                 "{held}, chosen over the score's choice (at most {}× an even share)",
                 a.max_share
-            )
+            );
+            match &a.reason {
+                // A refused worker held more of the prompt.
+                Some(reason) => format!("{chosen}; {reason}"),
+                None => chosen,
+            }
         }
         metronome_protocol::AffinityOutcome::Overridden => format!(
             "{held}, overridden: {} [{}]",
@@ -778,10 +786,22 @@ mod tests {
             "{text}"
         );
         let d = s.decisions.last_mut().unwrap();
-        d.affinity.as_mut().unwrap().outcome = metronome_protocol::AffinityOutcome::Chosen;
-        assert!(s
-            .render()
-            .contains("holds 2000 cached prompt tokens, chosen"));
+        let a = d.affinity.as_mut().unwrap();
+        a.outcome = metronome_protocol::AffinityOutcome::Chosen;
+        a.reason_code = None;
+        a.reason = None;
+        let text = s.render();
+        assert!(
+            text.contains("holds 2000 cached prompt tokens, chosen over the score's choice (at most 1.5× an even share)\n"),
+            "{text}"
+        );
+        let a = s.decisions.last_mut().unwrap().affinity.as_mut().unwrap();
+        a.reason = Some("n1-gpu0 holds more (2400 cached prompt tokens) but is not eligible: unhealthy (unhealthy)".into());
+        let text = s.render();
+        assert!(
+            text.contains("an even share); n1-gpu0 holds more (2400 cached prompt tokens) but is not eligible"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -42,7 +42,9 @@
 //!
 //! Every decision where a worker held more of the prompt than the score's choice records
 //! it ([`Affinity`]): chosen, or overridden with the reason (`cost`, `fair_share`, or the
-//! rejection code) and the numbers compared.
+//! rejection code) and the numbers compared. When a candidate was chosen although a
+//! refused worker held more, the record names the candidate and its reason the refused
+//! worker with its rejection.
 //!
 //! Pure: the inputs are the decision's own figures, so `metronome replay` re-applies it to a
 //! recorded decision ([`crate::rescore`]).
@@ -120,9 +122,21 @@ pub fn decide(seats: &[Seat<'_>], refused: &[Refused<'_>], max_share: f64) -> Ve
                 .cmp(&b.cached_tokens)
                 .then_with(|| b.worker_id.cmp(a.worker_id))
         });
-    match refused_best {
-        Some(r) => Verdict {
+    match (refused_best, verdict.promote) {
+        // A candidate holding part of the prompt was given the job: the record names it,
+        // and says that a worker holding more was not eligible.
+        (Some(r), Some(_)) => Verdict {
             promote: verdict.promote,
+            record: verdict.record.map(|chosen| Affinity {
+                reason: Some(format!(
+                    "{} holds more ({} cached prompt tokens) but is not eligible: {} ({})",
+                    r.worker_id, r.cached_tokens, r.reason, r.code
+                )),
+                ..chosen
+            }),
+        },
+        (Some(r), None) => Verdict {
+            promote: None,
             record: Some(Affinity {
                 worker_id: r.worker_id.to_string(),
                 cached_tokens: r.cached_tokens,
@@ -132,7 +146,7 @@ pub fn decide(seats: &[Seat<'_>], refused: &[Refused<'_>], max_share: f64) -> Ve
                 max_share,
             }),
         },
-        None => verdict,
+        (None, _) => verdict,
     }
 }
 
@@ -279,12 +293,31 @@ mod tests {
             code: "below_slo_floor",
             reason: "decode 21 tok/s below the 30 tok/s floor",
         }];
-        let v = decide(&seats, &refused, 1.5);
         // c is not a candidate: the SLO rules decide. Among the candidates, b holds a
-        // little of the prompt and costs less, so it still wins; the record names c.
+        // little of the prompt and costs less, so it wins; the record names b, chosen,
+        // and says why c, holding more, did not get the job.
+        let v = decide(&seats, &refused, 1.5);
         assert_eq!(v.promote, Some(1));
         let r = v.record.unwrap();
-        assert_eq!(r.worker_id, "c");
+        assert_eq!((r.worker_id.as_str(), r.cached_tokens), ("b", 160));
+        assert_eq!((r.outcome, r.reason_code), (AffinityOutcome::Chosen, None));
+        let reason = r.reason.unwrap();
+        assert!(
+            reason.starts_with(
+                "c holds more (2000 cached prompt tokens) but is not eligible: decode 21 tok/s"
+            ),
+            "{reason}"
+        );
+        assert!(reason.ends_with("(below_slo_floor)"), "{reason}");
+        // With no candidate holding any of it, the record names c as overriding affinity.
+        let plain = [seat("a", 0, 5_000.0, 1), seat("b", 0, 4_900.0, 1)];
+        let v = decide(&plain, &refused, 1.5);
+        assert_eq!(v.promote, None);
+        let r = v.record.unwrap();
+        assert_eq!(
+            (r.worker_id.as_str(), r.outcome),
+            ("c", AffinityOutcome::Overridden)
+        );
         assert_eq!(r.reason_code.as_deref(), Some("below_slo_floor"));
     }
 

@@ -257,15 +257,14 @@ proptest! {
             prop_assert_eq!(&e.candidates[0].worker_id, winner);
             let view = workers.iter().find(|w| &w.status.worker_id == winner).unwrap();
             prop_assert!(passes_admission(&job, view, &ledger, &config));
-            // The lowest total wins, unless prefix affinity promoted a holder of the prompt:
-            // then the decision has an affinity record (naming the winner when it chose
-            // it, or a refused worker holding more) and the winner holds more of the prompt
-            // than the best-scored candidate.
+            // The lowest total wins, unless prefix affinity gave the job to a holder of the
+            // prompt: then the decision's affinity record names the winner, chosen, and the
+            // winner holds more of the prompt than the best-scored candidate.
             let best = e.candidates.iter().min_by(|a, b| a.total.total_cmp(&b.total)).unwrap();
             let cached = |c: &CandidateScore| c.cached_prefix.map_or(0, |p| p.tokens);
             if best.total < e.candidates[0].total {
-                let record = e.affinity.as_ref();
-                prop_assert!(record.is_some(), "promoted without a record");
+                let record = e.affinity.as_ref().filter(|a| a.outcome == AffinityOutcome::Chosen);
+                prop_assert!(record.is_some(), "promoted without a chosen record: {:?}", e.affinity);
                 prop_assert!(cached(&e.candidates[0]) > cached(best));
             }
             if let Some(a) = e.affinity.as_ref().filter(|a| a.outcome == AffinityOutcome::Chosen) {
