@@ -149,6 +149,23 @@ async fn spans_of(spans: &Spans, client: &TraceParent) -> Vec<Received> {
 }
 
 /// A response header as text.
+/// A chat request sent within the client's trace `parent`: answered 200, under its trace id.
+async fn chat_in_trace(cluster: &Cluster, parent: &TraceParent, stream: bool) -> reqwest::Response {
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", cluster.gateway_url))
+        .header("traceparent", parent.to_string())
+        .json(&chat_body(MODEL, 4, stream))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "{}", cluster.logs());
+    assert_eq!(
+        resp.headers()["x-metronome-trace-id"],
+        parent.trace_id().as_str()
+    );
+    resp
+}
+
 fn header(resp: &reqwest::Response, name: &str) -> String {
     resp.headers()[name].to_str().unwrap().to_string()
 }
@@ -165,18 +182,7 @@ async fn one_request_is_one_trace_across_the_gateway_the_leader_and_the_worker()
     let cluster = Cluster::start(spec).await;
     let client = TraceParent::parse(CLIENT).unwrap();
 
-    let resp = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", cluster.gateway_url))
-        .header("traceparent", CLIENT)
-        .json(&chat_body(MODEL, 4, false))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200, "{}", cluster.logs());
-    assert_eq!(
-        resp.headers()["x-metronome-trace-id"],
-        client.trace_id().as_str()
-    );
+    let resp = chat_in_trace(&cluster, &client, false).await;
     let job_id = header(&resp, "x-metronome-job-id");
     let worker = header(&resp, "x-metronome-worker");
 
@@ -243,18 +249,7 @@ async fn one_request_is_one_trace_across_the_gateway_the_leader_and_the_worker()
         .await
         .unwrap();
     nats.flush().await.unwrap();
-    let resp = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", cluster.gateway_url))
-        .header("traceparent", STREAMING_CLIENT)
-        .json(&chat_body(MODEL, 4, true))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200, "{}", cluster.logs());
-    assert_eq!(
-        resp.headers()["x-metronome-trace-id"],
-        streaming.trace_id().as_str()
-    );
+    let resp = chat_in_trace(&cluster, &streaming, true).await;
     let job_id = header(&resp, "x-metronome-job-id");
     let body = resp.text().await.unwrap();
     // The closing chunk's usage (the request asks for it).
