@@ -183,6 +183,9 @@ pub fn refused_whatever_the_job(
 }
 
 /// Run `filters` in order; the first failure becomes the rejection.
+// The rejection is the decision's record of a refused worker, moved once into it: boxing it
+// would add an allocation per refusal for nothing.
+#[allow(clippy::result_large_err)]
 pub fn apply(filters: &[&dyn Filter], ctx: &FilterContext<'_>) -> Result<(), Rejection> {
     for f in filters {
         if let Err(reason) = f.check(ctx) {
