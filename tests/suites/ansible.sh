@@ -603,27 +603,55 @@ for c in configs:
         hb = t.get("scheduler", {}).get("heartbeat_timeout_ms")
         expect(hb == 12000, f"{where}: scheduler.heartbeat_timeout_ms {hb!r}, want 12000")
 
-ports = {h: (free_port(), free_port(), free_port()) for h in control}  # client, route, monitor
 route_pw = (inv / ".secrets/nats-route.password").read_text().strip()
-procs = []
-try:
+for h in control:
+    text = (stage / h / "etc/metronome/nats/nats-server.conf").read_text()
+    names = re.findall(r'nats-route://[^@]+@([^:"]+):(\d+)', text)
+    expect(sorted(a for a, _ in names) == sorted(addr[o] for o in control if o != h),
+           f"{h}: routes to {names}, want the other two control hosts")
+    expect(f'server_name: "{h}"' in text, f"{h}: server_name is not {h}")
+    expect(re.search(r"(?ms)^cluster \{.*^  tls \{", text) is not None, f"{h}: the routes have no TLS")
+
+def start(ports, attempt):  # the three rendered configs on loopback ports, each node started
+    started = []
     for h in control:
         text = (stage / h / "etc/metronome/nats/nats-server.conf").read_text()
         client, route, mon = ports[h]
-        names = re.findall(r'nats-route://[^@]+@([^:"]+):(\d+)', text)
-        expect(sorted(a for a, _ in names) == sorted(addr[o] for o in control if o != h),
-               f"{h}: routes to {names}, want the other two control hosts")
-        expect(f'server_name: "{h}"' in text, f"{h}: server_name is not {h}")
-        expect(re.search(r"(?ms)^cluster \{.*^  tls \{", text) is not None, f"{h}: the routes have no TLS")
         text = re.sub(r"(?m)^listen: .*$", f'listen: "127.0.0.1:{client}"', text)
         text = re.sub(r"(?m)^http: .*$", f'http: "127.0.0.1:{mon}"', text)
-        text = re.sub(r'(?m)^(\s*)store_dir: .*$', f'\\1store_dir: "{work / ("js-" + h)}"', text)
+        text = re.sub(r'(?m)^(\s*)store_dir: .*$', f'\\1store_dir: "{work / f"js-{h}-{attempt}"}"', text)
         text = re.sub(r'(?m)^  listen: .*$', f'  listen: "127.0.0.1:{route}"', text)
         for o in control:
             text = text.replace(f"@{addr[o]}:6222", f"@127.0.0.1:{ports[o][1]}")
         conf = work / f"nats-{h}.conf"
         conf.write_text(text)
-        procs.append(subprocess.Popen(["nats-server", "-c", str(conf), "-l", str(work / f"nats-{h}.log")]))
+        started.append(subprocess.Popen(["nats-server", "-c", str(conf), "-l", str(work / f"nats-{h}.log")]))
+    return started
+
+def listening(port):
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+# A port found free may be taken by another process before its node binds it (the drills
+# start systems beside this suite): a node that exits instead of listening is started again,
+# all three on new ports.
+procs = []
+try:
+    for attempt in range(3):
+        ports = {h: (free_port(), free_port(), free_port()) for h in control}  # client, route, monitor
+        procs = start(ports, attempt)
+        until = time.time() + 20
+        while time.time() < until and all(p.poll() is None for p in procs) \
+                and not all(listening(ports[h][2]) for h in control):
+            time.sleep(0.1)
+        exited = [h for h, p in zip(control, procs) if p.poll() is not None]
+        if not exited:
+            break
+        print(f"  ..    nats-server of {', '.join(exited)} exited on start (attempt {attempt + 1}): "
+              + (work / f"nats-{exited[0]}.log").read_text()[-300:].replace("\n", " "), file=sys.stderr)
+        for p in procs:
+            p.terminate()
+            p.wait()
 
     def jsz(h):
         try:
