@@ -1491,11 +1491,20 @@ async fn a_gateway_started_before_the_api_keys_bucket_exists_serves_it_once_crea
     )
     .await;
     assert_eq!(status_of(LIVE_KEY).await, Some(401));
-    let logged = std::fs::read_to_string(&log).unwrap();
-    assert!(
-        logged.contains("cannot open the api_keys bucket"),
-        "{logged}"
-    );
+    // The gateway may serve before its last refused attempt has timed out and been logged.
+    wait_for(
+        "the gateway logs that it cannot open the bucket",
+        3 * WAIT,
+        || {
+            let logged = std::fs::read_to_string(&log).unwrap_or_default();
+            async move {
+                logged
+                    .contains("cannot open the api_keys bucket")
+                    .then_some(())
+            }
+        },
+    )
+    .await;
 
     // A dispatcher of the new version starts: the bucket exists, a key is created.
     ensure_all(&admin.js, &StreamSettings::default())
