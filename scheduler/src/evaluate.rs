@@ -168,11 +168,12 @@ pub fn rescore(
             Seat {
                 worker_id: &r.score.worker_id,
                 cached_tokens: r.score.cached_prefix.map_or(0, |c| c.tokens),
-                cost_ms: r
-                    .score
-                    .prediction
-                    .and_then(|p| p.prefill_cost_ms())
-                    .or(r.raw[job_cost]),
+                // The fallback only where the stall was not recorded: a recorded prediction
+                // whose prefill cost is not finite stays unpredicted, as it was live.
+                cost_ms: match r.score.prediction {
+                    Some(p) if p.stall_ms.is_some() => p.prefill_cost_ms(),
+                    _ => r.raw[job_cost],
+                },
                 active: r.raw[0].map_or(0, |a| a as u32),
             }
         })
