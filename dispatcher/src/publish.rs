@@ -196,6 +196,11 @@ async fn publish_loop(
                     epoch,
                     attempt: job.attempt,
                     assigned_ms: decision.decided_ms,
+                    cached_prefix: decision
+                        .candidates
+                        .iter()
+                        .find(|c| c.worker_id == worker_id)
+                        .and_then(|c| c.cached_prefix),
                 };
                 let payload = Bytes::from(serde_json::to_vec(&assignment).unwrap_or_default());
                 let msg_id = names::work_msg_id(&job.job.id, job.attempt);
@@ -594,6 +599,8 @@ struct AssignmentRef<'a> {
     epoch: u64,
     attempt: u32,
     assigned_ms: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cached_prefix: Option<metronome_protocol::CachedPrefix>,
 }
 
 type Started = Result<PublishAckFuture, String>;

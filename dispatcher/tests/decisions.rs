@@ -275,6 +275,7 @@ async fn leftover_assignment(env: &Env, job_id: &str, worker_id: &str, with_deci
         epoch: 1,
         attempt: 1,
         assigned_ms: metronome_protocol::time::unix_ms(),
+        cached_prefix: None,
     };
     let mut h = async_nats::HeaderMap::new();
     h.insert(names::HEADER_MSG_ID, names::work_msg_id(job_id, 1).as_str());

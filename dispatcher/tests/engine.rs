@@ -401,6 +401,7 @@ fn earlier_assignment(id: &str, worker: &str, attempt: u32) -> metronome_protoco
         epoch: 3,
         attempt,
         assigned_ms: T0,
+        cached_prefix: None,
     }
 }
 

@@ -304,6 +304,7 @@ async fn a_dead_workers_unreported_assignment_from_an_earlier_leader_is_assigned
         epoch: 1,
         attempt: 1,
         assigned_ms: metronome_protocol::time::unix_ms(),
+        cached_prefix: None,
     };
     env.store_json(names::work_subject("silent-0"), &earlier)
         .await;

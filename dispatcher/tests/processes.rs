@@ -345,5 +345,16 @@ async fn a_new_leader_sees_the_reported_caches_from_its_first_decision() {
         Some("k-1"),
         "the cached prefill is cheaper"
     );
+    // The assignment tells the worker what the decision counted it as holding: its agent
+    // charges the job's prefill as the rest when it fits the worker's speed.
+    let work = env.take_work("k-1").await;
+    let (assignment, _) = work
+        .iter()
+        .find(|(a, _)| a.job.id == "after-kill")
+        .expect("assigned to k-1");
+    assert_eq!(
+        assignment.cached_prefix.map(|c| (c.tokens, c.source)),
+        Some((held, PrefixSource::Events))
+    );
     beat.cancel();
 }

@@ -179,6 +179,7 @@ impl Agent {
         job: Arc<Job>,
         attempt: u32,
         epoch: u64,
+        cached_tokens: u32,
         writes: u32,
         now_ms: f64,
     ) -> (bool, Option<Refused>) {
@@ -189,6 +190,7 @@ impl Agent {
             worker_id: self.worker_id.clone(),
             tenant: job.tenant.clone(),
             prompt_tokens: job.prompt_tokens,
+            cached_tokens,
             delivered: 1,
         };
         // The lab's one leader holds the lease of every epoch it assigns with.

@@ -107,7 +107,7 @@ fn figures(run: &LabRun, tenant: &str) -> TenantFigures {
         .iter()
         .zip(&run.predicted)
         .filter(|(r, _)| mine(&r.tenant))
-        .filter_map(|(_, p)| p.map(|p| p.queue_wait_ms))
+        .filter_map(|(_, p)| p.as_ref().map(|p| p.queue_wait_ms))
         .collect();
     TenantFigures {
         sent: summary.count,

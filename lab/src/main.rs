@@ -73,7 +73,11 @@ struct Args {
     dispatcher_toml: Option<String>,
     /// Write each point's per-request CSV under this folder
     /// (`<cluster>/<workload>/<policy>/<load %>-<seed>.csv`; with `--fairness`,
-    /// `fairness/<cluster>/<phase>-<seed>.csv`).
+    /// `fairness/<cluster>/<phase>-<seed>.csv`), and beside it `…-predicted.csv`: per
+    /// request, its assignment's prediction against what it got, the worker, the cached
+    /// prompt tokens the decision counted there, the most any candidate held, and prefix
+    /// affinity's verdict (`chosen` or `overridden:<code>`, `@worker:tokens`, its reason in
+    /// words).
     #[arg(long)]
     csv: Option<PathBuf>,
     /// How jobs set max_tokens: `exact` (the output length, as the load generator does),
@@ -369,7 +373,7 @@ fn point_line(
 /// Per request: what its assignment predicted beside what the client measured.
 fn predictions_csv(out: &LabRun) -> String {
     let mut csv = String::from(
-        "id,prompt_tokens,max_tokens,queue_wait_ms,predicted_ttft_ms,ttft_ms,predicted_tok_s,step_tok_s,tokens_per_s,streams_after\n",
+        "id,prompt_tokens,max_tokens,queue_wait_ms,predicted_ttft_ms,ttft_ms,predicted_tok_s,step_tok_s,tokens_per_s,streams_after,worker,cached_tokens,most_cached_tokens,affinity\n",
     );
     let num = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.3}"));
     for (r, p) in out.records.iter().zip(&out.predicted) {
@@ -377,7 +381,7 @@ fn predictions_csv(out: &LabRun) -> String {
             continue;
         };
         csv.push_str(&format!(
-            "{},{},{},{:.1},{:.1},{},{:.3},{},{},{}\n",
+            "{},{},{},{:.1},{:.1},{},{:.3},{},{},{},{},{},{},{}\n",
             r.id,
             r.prompt_tokens,
             r.max_tokens,
@@ -387,7 +391,11 @@ fn predictions_csv(out: &LabRun) -> String {
             p.prediction.decode_tok_s,
             num(p.prediction.step_tok_s),
             num(r.tokens_per_s),
-            p.prediction.streams_after
+            p.prediction.streams_after,
+            p.worker_id,
+            p.cached_tokens,
+            p.most_cached_tokens,
+            p.affinity
         ));
     }
     csv

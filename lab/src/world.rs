@@ -120,10 +120,20 @@ impl MaxTokens {
 }
 
 /// What the winner's candidate predicted for a job, with the job's queue wait.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Predicted {
     pub queue_wait_ms: f64,
     pub prediction: Prediction,
+    /// The worker the job was assigned to.
+    pub worker_id: String,
+    /// Prompt tokens the decision believed the winner held.
+    pub cached_tokens: u32,
+    /// The most prompt tokens any candidate held.
+    pub most_cached_tokens: u32,
+    /// Prefix affinity's verdict: `chosen`, or `overridden:<reason code>`, then the
+    /// worker it concerned and its cached tokens (empty: no worker held more than the
+    /// score's choice).
+    pub affinity: String,
 }
 
 /// The result of one run.
@@ -271,6 +281,9 @@ enum Ev {
         job: Arc<Job>,
         attempt: u32,
         epoch: u64,
+        /// The prompt tokens the decision counted the GPU as holding
+        /// (`Assignment::cached_prefix`).
+        cached_tokens: u32,
     },
     Heartbeat(usize),
     PeriodicHeartbeat(usize),
@@ -718,12 +731,14 @@ impl World {
                 job,
                 attempt,
                 epoch,
+                cached_tokens,
             } => {
                 let writes = self
                     .jobs
                     .get(&job.id)
                     .map_or(job.max_tokens, |&i| self.plan[i].output_tokens);
-                let (beat, refused) = self.agents[gpu].accept(job, attempt, epoch, writes, now);
+                let (beat, refused) =
+                    self.agents[gpu].accept(job, attempt, epoch, cached_tokens, writes, now);
                 if beat {
                     self.beat_now(gpu);
                 }
@@ -1022,9 +1037,32 @@ impl World {
                         .find(|c| c.worker_id == worker_id);
                     self.cached_predicted[i].0 = winner.and_then(|c| c.cached_prefix);
                     let prediction = winner.and_then(|c| c.prediction);
+                    let cached = |c: &metronome_protocol::CandidateScore| {
+                        c.cached_prefix.map_or(0, |p| p.tokens)
+                    };
+                    let affinity = decision.affinity.as_ref().map_or(String::new(), |a| {
+                        let verdict = match &a.reason_code {
+                            None => "chosen".to_string(),
+                            Some(code) => format!("overridden:{code}"),
+                        };
+                        // Its reason in words, kept to one CSV field.
+                        let reason = a.reason.as_deref().map_or(String::new(), |r| {
+                            format!(" ({})", r.replace([',', '\n'], ";"))
+                        });
+                        format!("{verdict}@{}:{}{reason}", a.worker_id, a.cached_tokens)
+                    });
                     self.predicted[i] = prediction.map(|p| Predicted {
                         queue_wait_ms: decision.queue_wait_ms as f64,
                         prediction: p,
+                        worker_id: worker_id.clone(),
+                        cached_tokens: winner.map_or(0, cached),
+                        most_cached_tokens: decision
+                            .candidates
+                            .iter()
+                            .map(cached)
+                            .max()
+                            .unwrap_or(0),
+                        affinity,
                     });
                 }
                 self.at(
@@ -1034,6 +1072,12 @@ impl World {
                         job: job.job.clone(),
                         attempt: job.attempt,
                         epoch,
+                        cached_tokens: decision
+                            .candidates
+                            .iter()
+                            .find(|c| c.worker_id == worker_id)
+                            .and_then(|c| c.cached_prefix)
+                            .map_or(0, |p| p.tokens),
                     },
                 );
             }

@@ -222,6 +222,7 @@ async fn accept(shared: &Arc<Shared>, msg: jetstream::Message) {
         worker_id: assignment.worker_id.clone(),
         tenant: assignment.job.tenant.clone(),
         prompt_tokens: assignment.job.prompt_tokens,
+        cached_tokens: assignment.cached_prefix.map_or(0, |c| c.tokens),
         delivered: u64::try_from(delivered).unwrap_or(1),
     };
     // One message must not raise the bar for the real leader: a new epoch counts only when

@@ -1,7 +1,8 @@
 //! What this agent has sent to its model server, as the features of its performance model.
 //!
 //! The tracker knows every job the agent has started on the model server: its prompt
-//! tokens, whether it has produced its first token and how many tokens it has generated
+//! tokens (and how many of them the server holds cached, whose prefill it skips: every
+//! "prompt tokens prefilled" below counts only the rest), whether it has produced its first token and how many tokens it has generated
 //! since. From the event sequence (`started` when the request is sent, `first_token`,
 //! `tokens` per relayed chunk, `finished` or `remove`) it keeps:
 //!
@@ -67,6 +68,8 @@ struct Mark {
 #[derive(Debug, Clone)]
 struct Tracked {
     prompt_tokens: u64,
+    /// Of them, those the server holds cached: it prefills only the rest.
+    cached_tokens: u64,
     sent_ms: f64,
     /// Its place in the order the requests were sent: ties of `sent_ms` are common (the
     /// agent sends several in one millisecond) and the server takes them in this order.
@@ -76,6 +79,13 @@ struct Tracked {
     prefill_ahead_tokens: u64,
     first: Option<Mark>,
     last: Option<Mark>,
+}
+
+impl Tracked {
+    /// The prompt tokens the server prefills: those it does not hold cached.
+    fn prefill_tokens(&self) -> u64 {
+        self.prompt_tokens - self.cached_tokens
+    }
 }
 
 /// The load this agent put on its model server, and each job's share of it.
@@ -143,16 +153,21 @@ impl LoadTracker {
     }
 
     /// The job's request was sent to the model server.
-    pub fn started(&mut self, job: &str, prompt_tokens: u32, now: Instant) {
+    /// `cached_tokens` of its `prompt_tokens` are in the server's prefix cache: it prefills
+    /// only the rest, so only the rest counts as prefill (ahead of later prompts, beside
+    /// decoding streams, in its own TTFT's features), while the whole prompt is context.
+    pub fn started(&mut self, job: &str, prompt_tokens: u32, cached_tokens: u32, now: Instant) {
         self.advance(now);
         if self.jobs.contains_key(job) {
             self.forget(job);
         }
         let prompt = u64::from(prompt_tokens);
+        let cached = u64::from(cached_tokens).min(prompt);
         self.jobs.insert(
             job.to_string(),
             Tracked {
                 prompt_tokens: prompt,
+                cached_tokens: cached,
                 sent_ms: self.last_ms,
                 sent_order: self.sent_count,
                 generated: 0,
@@ -162,7 +177,7 @@ impl LoadTracker {
                 last: None,
             },
         );
-        self.pending_prefill += prompt;
+        self.pending_prefill += prompt - cached;
         self.sent_count += 1;
     }
 
@@ -175,7 +190,7 @@ impl LoadTracker {
         if t.first.is_some() {
             return;
         }
-        self.pending_prefill -= t.prompt_tokens;
+        self.pending_prefill -= t.prefill_tokens();
         self.decoding += 1;
         self.context += t.prompt_tokens + t.generated;
         // Its prefill began when it was sent or when the last prompt sent before it had
@@ -195,7 +210,7 @@ impl LoadTracker {
             sent_order: t.sent_order,
             from_ms,
             to_ms: self.last_ms,
-            tokens: t.prompt_tokens as f64,
+            tokens: t.prefill_tokens() as f64,
         };
         t.first = Some(Mark {
             at_ms: self.last_ms,
@@ -250,6 +265,9 @@ impl LoadTracker {
         };
         Some(PerfSample {
             prompt_tokens: measured.prompt_tokens,
+            cached_tokens: u32::try_from(t.cached_tokens)
+                .unwrap_or(u32::MAX)
+                .min(measured.prompt_tokens),
             output_tokens: measured.output_tokens,
             ttft_ms: measured.ttft_ms,
             tpot_ms: measured.tpot_ms,
@@ -317,8 +335,8 @@ impl LoadTracker {
         let mut waiting: Vec<(u64, f64, f64)> = self
             .jobs
             .values()
-            .filter(|t| t.first.is_none() && t.prompt_tokens > 0)
-            .map(|t| (t.sent_order, t.sent_ms, t.prompt_tokens as f64))
+            .filter(|t| t.first.is_none() && t.prefill_tokens() > 0)
+            .map(|t| (t.sent_order, t.sent_ms, t.prefill_tokens() as f64))
             .collect();
         // In the order sent, not the map's (which differs from one tracker to the next:
         // the same jobs gave different samples, and the policy lab different results
@@ -365,7 +383,7 @@ impl LoadTracker {
             self.decoding -= 1;
             self.context -= t.prompt_tokens + t.generated;
         } else {
-            self.pending_prefill -= t.prompt_tokens;
+            self.pending_prefill -= t.prefill_tokens();
         }
         Some(t)
     }
@@ -410,10 +428,10 @@ mod tests {
         let c = Clock(Instant::now());
         let mut t = LoadTracker::new();
         // A: prompt 100, first token at 10, then one token every 10 ms up to 50 (5 tokens).
-        t.started("a", 100, c.at(0));
+        t.started("a", 100, 0, c.at(0));
         t.tokens("a", 1, c.at(10));
         // B: prompt 200, sent at 20 while A decodes, first token at 30, last at 60.
-        t.started("b", 200, c.at(20));
+        t.started("b", 200, 0, c.at(20));
         assert_eq!(t.pending_prefill_tokens(), 200);
         t.tokens("a", 1, c.at(20));
         t.tokens("a", 1, c.at(30));
@@ -462,11 +480,11 @@ mod tests {
     fn a_job_waits_behind_the_prompts_ahead_and_stalls_a_decoding_one() {
         let c = Clock(Instant::now());
         let mut t = LoadTracker::new();
-        t.started("long", 50, c.at(0));
+        t.started("long", 50, 0, c.at(0));
         t.first_token("long", c.at(5));
         t.tokens("long", 1, c.at(5));
-        t.started("p1", 300, c.at(10));
-        t.started("p2", 700, c.at(11));
+        t.started("p1", 300, 0, c.at(10));
+        t.started("p2", 700, 0, c.at(11));
         assert_eq!(t.pending_prefill_tokens(), 1_000);
         t.tokens("long", 1, c.at(20));
         t.tokens("p1", 1, c.at(25));
@@ -479,7 +497,7 @@ mod tests {
         assert_eq!(p2.mean_context_tokens, (52 + 301 + 701) as f64);
         t.tokens("long", 1, c.at(40));
         // A job started after the window is not a stall of `long`.
-        t.started("late", 10_000, c.at(45));
+        t.started("late", 10_000, 0, c.at(45));
         let long = t.finished("long", &measured(50, 3), c.at(50)).unwrap();
         assert_eq!(long.stall_prefill_tokens, 1_000.0);
         assert_eq!(t.pending_prefill_tokens(), 10_000);
@@ -488,7 +506,7 @@ mod tests {
     /// A tracker whose first prompt set the prefill speed: 1,000 tokens in 100 ms.
     fn warmed(c: &Clock) -> LoadTracker {
         let mut t = LoadTracker::new();
-        t.started("warm", 1_000, c.at(0));
+        t.started("warm", 1_000, 0, c.at(0));
         t.tokens("warm", 1, c.at(100));
         t.remove("warm", c.at(100));
         t
@@ -501,16 +519,16 @@ mod tests {
         // `late` is sent before `early`'s first token, so it queues behind that prefill
         // and is prefilled during `early`'s decode (it was charged nothing when counting
         // the prompts sent during the window).
-        t.started("early", 100, c.at(200));
-        t.started("late", 400, c.at(205));
+        t.started("early", 100, 0, c.at(200));
+        t.started("late", 400, 0, c.at(205));
         t.tokens("early", 1, c.at(210));
         t.tokens("late", 1, c.at(250));
         // `short` starts decoding at 260; a 4,000-token prompt is sent at 270 and is still
         // prefilling when `short` ends at 290: 20 ms of it at 0.1 ms a token, 200 tokens
         // (not the 4,000 sent).
-        t.started("short", 10, c.at(259));
+        t.started("short", 10, 0, c.at(259));
         t.tokens("short", 1, c.at(260));
-        t.started("huge", 4_000, c.at(270));
+        t.started("huge", 4_000, 0, c.at(270));
         t.tokens("short", 1, c.at(290));
         let short = t.finished("short", &measured(10, 2), c.at(290)).unwrap();
         assert!(
@@ -551,10 +569,10 @@ mod tests {
         for _ in 0..32 {
             let c = Clock(Instant::now());
             let mut t = warmed(&c);
-            t.started("short", 10, c.at(259));
+            t.started("short", 10, 0, c.at(259));
             t.tokens("short", 1, c.at(260));
-            t.started("long", 4_000, c.at(270));
-            t.started("brief", 100, c.at(270));
+            t.started("long", 4_000, 0, c.at(270));
+            t.started("brief", 100, 0, c.at(270));
             t.tokens("short", 1, c.at(290));
             let short = t.finished("short", &measured(10, 2), c.at(290)).unwrap();
             assert!(
@@ -575,8 +593,8 @@ mod tests {
     fn a_prompt_delivered_after_a_later_one_keeps_its_own_prefill_span() {
         let c = Clock(Instant::now());
         let mut t = LoadTracker::new();
-        t.started("long", 4_800, c.at(0));
-        t.started("short", 200, c.at(100));
+        t.started("long", 4_800, 0, c.at(0));
+        t.started("short", 200, 0, c.at(100));
         t.tokens("short", 1, c.at(800));
         t.tokens("long", 1, c.at(802));
         t.tokens("short", 1, c.at(1_000));
@@ -590,7 +608,7 @@ mod tests {
             short.stall_prefill_tokens
         );
         // A prompt sent after both starts its span at the latest first token before it.
-        t.started("next", 1_000, c.at(1_300));
+        t.started("next", 1_000, 0, c.at(1_300));
         t.tokens("next", 1, c.at(1_400));
         t.tokens("long", 1, c.at(1_500));
         t.tokens("long", 1, c.at(1_600));
@@ -607,8 +625,8 @@ mod tests {
     fn removal_keeps_totals_consistent() {
         let c = Clock(Instant::now());
         let mut t = LoadTracker::new();
-        t.started("a", 100, c.at(0));
-        t.started("b", 40, c.at(1));
+        t.started("a", 100, 0, c.at(0));
+        t.started("b", 40, 0, c.at(1));
         t.tokens("a", 3, c.at(2));
         assert_eq!(
             (t.decoding_streams(), t.decoding_context_tokens()),
@@ -617,7 +635,7 @@ mod tests {
         assert_eq!(t.pending_prefill_tokens(), 40);
         // A failed job without a token and a cancelled one while decoding: no sample, and
         // every total returns to what the remaining jobs hold.
-        t.started("c", 7, c.at(3));
+        t.started("c", 7, 0, c.at(3));
         t.remove("b", c.at(4));
         assert_eq!(t.pending_prefill_tokens(), 7);
         t.remove("a", c.at(5));
@@ -639,9 +657,9 @@ mod tests {
     fn a_restarted_job_replaces_its_earlier_run_and_time_never_runs_backwards() {
         let c = Clock(Instant::now());
         let mut t = LoadTracker::new();
-        t.started("a", 100, c.at(10));
+        t.started("a", 100, 0, c.at(10));
         t.tokens("a", 1, c.at(20));
-        t.started("a", 100, c.at(30));
+        t.started("a", 100, 0, c.at(30));
         assert_eq!((t.decoding_streams(), t.pending_prefill_tokens()), (0, 100));
         t.tokens("a", 1, c.at(40));
         // An event stamped before the last one counts at the last one.
@@ -657,8 +675,8 @@ mod tests {
         let c = Clock(Instant::now());
         let mut t = LoadTracker::new();
         // Two prompts sent in one millisecond: the server prefills A, then B.
-        t.started("a", 1_000, c.at(0));
-        t.started("b", 1_000, c.at(0));
+        t.started("a", 1_000, 0, c.at(0));
+        t.started("b", 1_000, 0, c.at(0));
         t.tokens("a", 1, c.at(100));
         // B's prefill ran from A's first token to its own, all of it inside A's decode
         // window (100..300); taken from its send time it would be half outside.
@@ -666,5 +684,49 @@ mod tests {
         t.tokens("a", 1, c.at(300));
         let a = t.finished("a", &measured(1_000, 2), c.at(300)).unwrap();
         assert_eq!(a.stall_prefill_tokens, 1_000.0);
+    }
+
+    #[test]
+    fn a_cached_prefix_counts_as_context_but_not_as_prefill() {
+        let c = Clock(Instant::now());
+        let mut t = LoadTracker::new();
+        // A decodes from 10; B's 2,100-token prompt, 2,000 of them cached, is sent at 20
+        // and has its first token at 30; C, sent at 25, waits behind B's 100.
+        t.started("a", 100, 0, c.at(0));
+        t.tokens("a", 1, c.at(10));
+        t.started("b", 2_100, 2_000, c.at(20));
+        assert_eq!(t.pending_prefill_tokens(), 100);
+        t.started("c", 300, 0, c.at(25));
+        assert_eq!(t.pending_prefill_tokens(), 400);
+        t.tokens("b", 1, c.at(30));
+        assert_eq!(t.pending_prefill_tokens(), 300);
+        // The whole prompt is context for every decode step.
+        assert_eq!(t.decoding_context_tokens(), 101 + 2_101);
+        t.tokens("c", 1, c.at(40));
+        t.tokens("a", 1, c.at(50));
+        let a = t.finished("a", &measured(100, 2), c.at(50)).unwrap();
+        assert_eq!(
+            a.stall_prefill_tokens, 400.0,
+            "B's uncached 100 and C's 300 were prefilled during A's decode"
+        );
+        t.tokens("c", 1, c.at(60));
+        let cs = t.finished("c", &measured(300, 2), c.at(60)).unwrap();
+        assert_eq!(cs.prefill_ahead_tokens, 100.0, "B's uncached tokens only");
+        t.tokens("b", 1, c.at(70));
+        let b = t.finished("b", &measured(2_100, 2), c.at(70)).unwrap();
+        assert_eq!((b.prompt_tokens, b.cached_tokens), (2_100, 2_000));
+        assert_eq!(t.pending_prefill_tokens(), 0);
+    }
+
+    #[test]
+    fn a_cached_count_above_the_prompt_is_the_whole_prompt() {
+        let c = Clock(Instant::now());
+        let mut t = LoadTracker::new();
+        t.started("a", 100, 500, c.at(0));
+        assert_eq!(t.pending_prefill_tokens(), 0);
+        t.tokens("a", 1, c.at(10));
+        t.tokens("a", 1, c.at(20));
+        let a = t.finished("a", &measured(100, 2), c.at(20)).unwrap();
+        assert_eq!(a.cached_tokens, 100);
     }
 }

@@ -303,6 +303,7 @@ async fn an_epoch_the_lease_does_not_vouch_for_is_refused_and_the_leader_keeps_i
         epoch: u64::MAX,
         attempt: 1,
         assigned_ms: 0,
+        cached_prefix: None,
     };
     env.js
         .publish(

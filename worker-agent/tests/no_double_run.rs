@@ -466,6 +466,7 @@ async fn a_second_delivery_of_an_attempt_that_already_ran_is_acknowledged_not_ru
         epoch: 1,
         attempt: 1,
         assigned_ms: 0,
+        cached_prefix: None,
     };
     let mut headers = async_nats::HeaderMap::new();
     headers.insert(

@@ -33,6 +33,10 @@ pub struct Assigned {
     /// The job's prompt estimate: prefill ahead of the jobs placed here after it, from the
     /// moment the agent takes it, though the model server sees it only once started.
     pub prompt_tokens: u32,
+    /// Of those, the tokens the deciding leader counted this worker's prefix cache as
+    /// holding (`Assignment::cached_prefix`; 0 when it named none): the model server skips
+    /// their prefill.
+    pub cached_tokens: u32,
     /// How many times JetStream delivered the message (1: the first delivery).
     pub delivered: u64,
 }

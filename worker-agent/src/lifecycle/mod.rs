@@ -75,6 +75,8 @@ struct Held {
     attempt: u32,
     tenant: Option<String>,
     prompt_tokens: u32,
+    /// Of them, those its model server holds cached ([`Assigned::cached_tokens`]).
+    cached_tokens: u32,
     /// When the agent took it: its measurements start here.
     taken: Instant,
     /// The take count when it was taken.
@@ -256,6 +258,7 @@ impl JobMachine {
             attempt: a.attempt,
             tenant: a.tenant.clone(),
             prompt_tokens: a.prompt_tokens,
+            cached_tokens: a.cached_tokens.min(a.prompt_tokens),
             taken: now,
             generation: self.generation,
             episodes: state.episodes - u64::from(state.fenced),
@@ -299,7 +302,8 @@ impl JobMachine {
                 last_token: None,
                 chunks: 0,
             };
-            self.tracker.started(&h.job_id, h.prompt_tokens, now);
+            self.tracker
+                .started(&h.job_id, h.prompt_tokens, h.cached_tokens, now);
             effects.push(Effect::Start {
                 job_id: h.job_id.clone(),
             });
@@ -673,8 +677,8 @@ impl JobMachine {
         }
     }
 
-    /// Prompt tokens not yet prefilled: those on the model server (the tracker's) and
-    /// those of held jobs waiting to start. The second matter because the heartbeat that
+    /// Prompt tokens not yet prefilled (less those cached): those on the model server
+    /// (the tracker's) and those of held jobs waiting to start. The second matter because the heartbeat that
     /// reports a job lists it before it starts, and the dispatcher then takes the pending
     /// prefill reported for the worker as covering it.
     pub fn prefill_pending_tokens(&self) -> u64 {
@@ -682,7 +686,7 @@ impl JobMachine {
             .held
             .iter()
             .filter(|h| h.phase == Phase::Waiting && !h.settled)
-            .map(|h| u64::from(h.prompt_tokens))
+            .map(|h| u64::from(h.prompt_tokens - h.cached_tokens))
             .sum();
         self.tracker.pending_prefill_tokens() + waiting
     }

@@ -31,6 +31,7 @@ fn assignment(job_id: &str, epoch: u64) -> Assigned {
         worker_id: "w1".into(),
         tenant: Some("acme".into()),
         prompt_tokens: 100,
+        cached_tokens: 0,
         delivered: 1,
     }
 }
@@ -584,6 +585,32 @@ fn chunks_are_numbered_and_a_completed_job_is_measured_from_its_take() {
     assert_eq!(*e2e_ms, Some(100.0));
     assert_eq!(sample.tpot_ms, Some(20.0));
     assert!(event.streamed && event.outcome == CompletionOutcome::Done);
+}
+
+/// The decision counted 80 of the job's 100 prompt tokens as cached on this worker: its
+/// server prefills only 20, and the job's sample says so (the prefill law fits on the rest).
+#[test]
+fn a_job_with_a_cached_prefix_counts_only_the_rest_as_prefill() {
+    let t0 = Instant::now();
+    let mut m = machine(t0);
+    let a = Assigned {
+        cached_tokens: 80,
+        ..assignment("j1", 1)
+    };
+    m.assigned(&a, Lease::Vouches, t0);
+    assert_eq!(m.prefill_pending_tokens(), 20, "held, not started");
+    m.reported(1, t0 + ms(10));
+    assert_eq!(m.prefill_pending_tokens(), 20, "on the server now");
+    m.chunk("j1", true, t0 + ms(30));
+    m.chunk("j1", true, t0 + ms(50));
+    let effects = m.finish("j1", Ending::Done, 100, 2, t0 + ms(50));
+    let Some(Effect::Learn {
+        perf: Some(perf), ..
+    }) = effects.last()
+    else {
+        panic!("{effects:?}")
+    };
+    assert_eq!((perf.prompt_tokens, perf.cached_tokens), (100, 80));
 }
 
 #[test]

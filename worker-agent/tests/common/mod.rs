@@ -331,6 +331,7 @@ impl Env {
             epoch,
             attempt: 1,
             assigned_ms: metronome_protocol::time::unix_ms(),
+            cached_prefix: None,
         };
         let mut headers = async_nats::HeaderMap::new();
         headers.insert(HEADER_MSG_ID, work_msg_id(&job.id, 1).as_str());
