@@ -509,6 +509,7 @@ async fn decisions_workers_and_status_read_the_contract() {
             step_error_ms: 0.0,
             samples: 77,
         }),
+        decoding: None,
         seq: 1,
         sent_ms: now,
         max_epoch: 0,

@@ -94,6 +94,7 @@ fn worker_status(i: usize, models: usize, cap: u32, seq: u64) -> WorkerStatus {
         gpu: None,
         prefill_pending_tokens: 0,
         perf: None,
+        decoding: None,
         seq,
         sent_ms: metronome_protocol::time::unix_ms(),
         max_epoch: 0,

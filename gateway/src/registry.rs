@@ -218,6 +218,7 @@ mod tests {
             gpu: None,
             prefill_pending_tokens: 0,
             perf: None,
+            decoding: None,
             seq: 1,
             sent_ms: 0,
             max_epoch: 0,

@@ -270,6 +270,7 @@ impl Agent {
             gpu: None,
             prefill_pending_tokens: jobs.prefill_pending_tokens,
             perf: Some(self.perf.coefficients()),
+            decoding: self.machine.live_decode(self.instant(now_ms)),
             max_epoch: jobs.max_epoch,
             seq: self.heartbeat_seq,
             sent_ms: self.origin_unix_ms + now_ms as u64,

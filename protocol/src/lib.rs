@@ -56,7 +56,7 @@ pub use perf::{PerfCoefficients, Prediction, Slo, SloRequest};
 pub use prefix::PrefixFingerprint;
 pub use queues::{FlowCount, Freshness, QueueSnapshot, QueueSnapshotError};
 pub use result::{ErrorCode, FinalResult, ResultChunk, ResultError, Usage};
-pub use worker::{GpuStats, KvUsage, WorkerStatus};
+pub use worker::{GpuStats, KvUsage, LiveDecode, WorkerStatus};
 
 /// Current version of every message schema in this crate.
 ///

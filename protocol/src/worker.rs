@@ -22,6 +22,20 @@ pub struct GpuStats {
     pub mem_total_bytes: u64,
 }
 
+/// How the streams a worker decodes now are doing, measured by its agent from the tokens it
+/// relays: live evidence of the batch the worker runs well, before any of those jobs has
+/// completed and taught its performance fit.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LiveDecode {
+    /// Streams decoding now (past their first token, not finished).
+    pub streams: u32,
+    /// Of them, those that have written enough tokens since their first to be measured.
+    pub measured: u32,
+    /// The slowest measured stream's rate: its tokens after the first over the time since
+    /// it, tokens per second (0 when none is measured).
+    pub slowest_tok_s: f64,
+}
+
 /// Latest state of one worker.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WorkerStatus {
@@ -63,6 +77,10 @@ pub struct WorkerStatus {
     /// The worker's fitted performance model; `None` from an agent that fits none.
     #[serde(default)]
     pub perf: Option<crate::PerfCoefficients>,
+    /// The streams decoding now and the slowest one's rate ([`LiveDecode`]); `None` from
+    /// an agent that predates it or while nothing decodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decoding: Option<LiveDecode>,
     /// Highest leader epoch the agent has accepted work from (0: none yet, or an older
     /// agent). A new leader's epoch starts above every worker's, so an agent never refuses
     /// it as stale, even after the `leader` bucket was rebuilt and its revisions restarted.

@@ -183,6 +183,7 @@ pub(crate) mod fixtures {
                 step_error_ms: 0.0,
                 samples: 240,
             }),
+            decoding: None,
             seq: 9,
             sent_ms: 0,
             max_epoch: 0,

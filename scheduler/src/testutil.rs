@@ -46,6 +46,7 @@ pub fn worker(id: &str) -> WorkerView {
             gpu: None,
             prefill_pending_tokens: 0,
             perf: None,
+            decoding: None,
             seq: 1,
             sent_ms: NOW,
             max_epoch: 0,

@@ -122,6 +122,7 @@ fn build(specs: &[WorkerSpec]) -> (Vec<WorkerView>, Ledger) {
                     }),
                     prefill_pending_tokens: 0,
                     perf: None,
+                    decoding: None,
                     seq: 1,
                     sent_ms: NOW,
                     max_epoch: 0,

@@ -1259,6 +1259,7 @@ async fn a_worker_identity_heartbeating_as_another_model_gets_none_of_its_jobs()
             gpu: None,
             prefill_pending_tokens: 0,
             perf: Some(fast),
+            decoding: None,
             max_epoch: 0,
             seq: 1,
             sent_ms: metronome_protocol::time::unix_ms(),

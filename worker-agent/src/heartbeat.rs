@@ -80,7 +80,12 @@ impl Heartbeat {
             ended_at_scrape,
         } = self.probes.latest();
         // One read of the lifecycle: every job taken up to `generation` is listed.
-        let jobs = shared.machine(|m| m.heartbeat(load.running, ended_at_scrape));
+        let (jobs, decoding) = shared.machine(|m| {
+            (
+                m.heartbeat(load.running, ended_at_scrape),
+                m.live_decode(std::time::Instant::now()),
+            )
+        });
         self.generation = jobs.generation;
         self.seq += 1;
         WorkerStatus {
@@ -99,6 +104,7 @@ impl Heartbeat {
             gpu,
             prefill_pending_tokens: jobs.prefill_pending_tokens,
             perf: Some(shared.perf_coefficients()),
+            decoding,
             seq: self.seq,
             sent_ms: unix_ms(),
             max_epoch: jobs.max_epoch,

@@ -40,6 +40,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
+use metronome_protocol::LiveDecode;
 use metronome_scheduler::perf::PerfSample;
 
 /// What the runner measured about a finished job (see `runner::measure`).
@@ -142,6 +143,11 @@ impl PrefillSpan {
         self.tokens * (overlap / length).clamp(0.0, 1.0)
     }
 }
+
+/// Tokens a stream must have written past its first before its rate is reported
+/// ([`LoadTracker::live_decode`]): over fewer, one step's jitter or a prefill it stood still
+/// for is most of the measurement.
+pub const LIVE_DECODE_MIN_TOKENS: u64 = 16;
 
 /// Weight kept by the prefill speed's sums at each new span: it follows about the last 20
 /// prompts.
@@ -283,6 +289,38 @@ impl LoadTracker {
     pub fn remove(&mut self, job: &str, now: Instant) {
         self.advance(now);
         self.forget(job);
+    }
+
+    /// The streams decoding at `now` and the slowest measured one's rate: its tokens after
+    /// the first over the time since it (a stream is measured once it has written
+    /// [`LIVE_DECODE_MIN_TOKENS`] past its first). `None` while nothing decodes.
+    pub fn live_decode(&self, now: Instant) -> Option<LiveDecode> {
+        if self.decoding == 0 {
+            return None;
+        }
+        let now_ms = self.origin.map_or(self.last_ms, |origin| {
+            let since = now.saturating_duration_since(origin);
+            (since.as_secs() as f64 * 1e3 + f64::from(since.subsec_nanos()) / 1e6).max(self.last_ms)
+        });
+        let mut measured = 0u32;
+        let mut slowest = f64::INFINITY;
+        for t in self.jobs.values() {
+            let Some(first) = t.first else {
+                continue;
+            };
+            let written = t.generated.saturating_sub(1);
+            let span_ms = now_ms - first.at_ms;
+            if written < LIVE_DECODE_MIN_TOKENS || span_ms <= 0.0 {
+                continue;
+            }
+            measured += 1;
+            slowest = slowest.min(written as f64 * 1000.0 / span_ms);
+        }
+        Some(LiveDecode {
+            streams: u32::try_from(self.decoding).unwrap_or(u32::MAX),
+            measured,
+            slowest_tok_s: if measured > 0 { slowest } else { 0.0 },
+        })
     }
 
     /// Prompt tokens of the held jobs still waiting for their first token.
@@ -728,5 +766,32 @@ mod tests {
         t.tokens("a", 1, c.at(20));
         let a = t.finished("a", &measured(100, 2), c.at(20)).unwrap();
         assert_eq!(a.cached_tokens, 100);
+    }
+
+    #[test]
+    fn live_decode_reports_the_streams_and_the_slowest_measured_rate() {
+        let c = Clock(Instant::now());
+        let mut t = LoadTracker::new();
+        assert_eq!(t.live_decode(c.at(0)), None, "nothing decodes");
+        t.started("fast", 100, 0, c.at(0));
+        t.started("slow", 100, 0, c.at(0));
+        t.started("new", 100, 0, c.at(0));
+        t.tokens("fast", 1, c.at(100));
+        t.tokens("slow", 1, c.at(100));
+        t.tokens("new", 1, c.at(900));
+        // By 1,100 ms: fast wrote 40 past its first in 1 s, slow 20, new 2 (not measured).
+        t.tokens("fast", 40, c.at(1_000));
+        t.tokens("slow", 20, c.at(1_000));
+        t.tokens("new", 2, c.at(1_000));
+        let live = t.live_decode(c.at(1_100)).unwrap();
+        assert_eq!((live.streams, live.measured), (3, 2));
+        assert!((live.slowest_tok_s - 20.0).abs() < 1e-9, "{live:?}");
+        // A stream that stops writing is seen slowing down.
+        let later = t.live_decode(c.at(2_100)).unwrap();
+        assert!((later.slowest_tok_s - 10.0).abs() < 1e-9, "{later:?}");
+        t.finished("slow", &measured(100, 21), c.at(2_100));
+        t.finished("fast", &measured(100, 41), c.at(2_100));
+        t.finished("new", &measured(100, 3), c.at(2_100));
+        assert_eq!(t.live_decode(c.at(2_200)), None);
     }
 }

@@ -1,7 +1,8 @@
 //! The worker's performance model end to end, on a real nats-server and redis-server: an
 //! agent in front of the bundled GPU simulator fits it from its jobs, heartbeats its
 //! coefficients and persists it in Redis; a restarted agent resumes it; a garbage value
-//! under its key does not stop an agent. No assertion depends on timings.
+//! under its key does not stop an agent; a streaming job shows in the heartbeat with its
+//! decode rate. No assertion depends on timings.
 
 use crate::common;
 
@@ -238,4 +239,50 @@ async fn garbage_under_the_perf_key_does_not_stop_the_agent_it_starts_from_the_p
     assert_eq!(stored.samples(), 1);
     shutdown.cancel();
     agent.wait().await.unwrap();
+}
+
+/// While a job streams, the heartbeat shows it decoding and, once it has written 16 tokens
+/// past its first, its rate: the live evidence a new worker's warm-up allowance counts
+/// (docs/ADMISSION.md). When it has finished, the heartbeat shows nothing decoding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streaming_job_shows_in_the_heartbeat_with_its_decode_rate() {
+    let env = Env::start().await;
+    let sim_stop = CancellationToken::new();
+    // 10 ms a step: a 300-token reply streams for about 3 s, many heartbeats long.
+    let sim = spawn_gpu(
+        SimGpuConfig {
+            base_step_ms: 10.0,
+            eos_probability: 0.0,
+            ..SimGpuConfig::new(SIM_MODEL)
+        },
+        sim_stop.clone(),
+    )
+    .await
+    .expect("simulated GPU");
+    let worker = "live-gpu0";
+    let (agent, shutdown) = env.start_agent(sim_config(&env, worker, sim)).await;
+    let idle = wait_for("the first heartbeat", WAIT, || latest_status(&env, worker)).await;
+    assert_eq!(idle.decoding, None, "nothing decodes yet");
+    env.assign(worker, &sim_job("live-0", 300), 1).await;
+    let status = wait_for("a heartbeat measuring the stream", WAIT, || async {
+        latest_status(&env, worker)
+            .await
+            .filter(|s| s.decoding.is_some_and(|d| d.measured == 1))
+    })
+    .await;
+    let live = status.decoding.unwrap();
+    assert_eq!(live.streams, 1);
+    assert!(
+        live.slowest_tok_s > 0.0 && live.slowest_tok_s.is_finite(),
+        "{live:?}"
+    );
+    wait_for("a heartbeat with nothing decoding", WAIT, || async {
+        latest_status(&env, worker)
+            .await
+            .filter(|s| s.perf.is_some_and(|p| p.samples == 1) && s.decoding.is_none())
+    })
+    .await;
+    shutdown.cancel();
+    agent.wait().await.unwrap();
+    sim_stop.cancel();
 }

@@ -182,6 +182,7 @@ async fn a_restarted_agent_continues_the_heartbeat_sequence() {
         gpu: None,
         prefill_pending_tokens: 0,
         perf: None,
+        decoding: None,
         seq: seen + 1000,
         sent_ms: 0,
         max_epoch: 0,

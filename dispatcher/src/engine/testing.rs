@@ -71,6 +71,7 @@ pub fn status(
             step_error_ms: 0.0,
             samples: 100,
         }),
+        decoding: None,
         max_epoch: 0,
         seq,
         sent_ms: at,

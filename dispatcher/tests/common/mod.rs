@@ -431,6 +431,7 @@ pub fn worker(id: &str, model: &str, cap: u32) -> WorkerStatus {
         gpu: None,
         prefill_pending_tokens: 0,
         perf: None,
+        decoding: None,
         seq: 1,
         sent_ms: metronome_protocol::time::unix_ms(),
         max_epoch: 0,

@@ -178,6 +178,7 @@ impl Harness {
             gpu: None,
             prefill_pending_tokens: 0,
             perf: None,
+            decoding: None,
             seq: 1,
             sent_ms: metronome_protocol::time::unix_ms(),
             max_epoch: 0,

@@ -51,6 +51,7 @@ pub fn pool(n: usize) -> (Vec<WorkerView>, Ledger) {
                     }),
                     prefill_pending_tokens: 0,
                     perf: None,
+                    decoding: None,
                     seq: 1,
                     sent_ms: NOW,
                     max_epoch: 0,

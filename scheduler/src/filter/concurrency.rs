@@ -11,9 +11,22 @@
 //! three jobs can still look far faster than the worker is: on a fresh live system one such
 //! worker kept passing the rate and TTFT predictions while every learnt worker was refused
 //! on its floors, and took 17 jobs in 1.6 s, whose streams fell to 3 tok/s while three GPUs
-//! idled. The allowance depends only on the worker, so its refusal still holds for every job
-//! of the model ([`super::refuses_every_job_of_the_model`]). A worker that reports no fit
-//! (an agent that predates it) is held to its cap alone.
+//! idled.
+//!
+//! *Live evidence counts too.* A job teaches the fit only when it completes, seconds after
+//! it started; with the completed jobs alone, a fresh cluster held every GPU at two or three
+//! requests for its first jobs' whole length and queued the rest (the policy lab's
+//! `shared_prefix` at 70 % load, seed 8: waits of up to 7 s, 93.7 % within the SLO where least
+//! connections kept 100 %). So the streams the worker is decoding *now*, each measured by
+//! its agent past its first tokens ([`metronome_protocol::LiveDecode`]), count as evidence
+//! when the slowest of them decodes at or above the model's rate floor: the worker runs
+//! that many well, and may hold [`WARM_UP_FIRST_JOBS`] more. The allowance then grows as
+//! fast as the worker shows it copes (like a slow start), and stops growing the moment a
+//! stream falls under the floor.
+//!
+//! The allowance depends only on the worker (and its model's floor), so its refusal still
+//! holds for every job of the model ([`super::refuses_every_job_of_the_model`]). A worker
+//! that reports no fit (an agent that predates it) is held to its cap alone.
 
 use metronome_protocol::RejectionCode;
 
@@ -33,8 +46,13 @@ pub struct UnderConcurrencyCap;
 enum Ceiling {
     /// Its concurrency cap.
     Cap(u32),
-    /// Its warm-up allowance: the fit has seen `samples` jobs.
-    WarmUp { allowance: u32, samples: u64 },
+    /// Its warm-up allowance: the fit has seen `samples` jobs, and `live` streams decode
+    /// now at or above the floor.
+    WarmUp {
+        allowance: u32,
+        samples: u64,
+        live: u32,
+    },
 }
 
 impl Ceiling {
@@ -42,12 +60,14 @@ impl Ceiling {
         let cap = ctx.load.max_concurrency;
         match ctx.view.status.perf {
             Some(perf) if perf.samples < WARM_UP_SAMPLES => {
+                let live = live_evidence(ctx);
                 // samples < WARM_UP_SAMPLES, so it fits a u32.
-                let allowance = WARM_UP_FIRST_JOBS.saturating_add(perf.samples as u32);
+                let allowance = WARM_UP_FIRST_JOBS.saturating_add((perf.samples as u32).max(live));
                 if allowance < cap {
                     Ceiling::WarmUp {
                         allowance,
                         samples: perf.samples,
+                        live,
                     }
                 } else {
                     Ceiling::Cap(cap)
@@ -63,6 +83,17 @@ impl Ceiling {
             Ceiling::WarmUp { allowance, .. } => allowance,
         }
     }
+}
+
+/// Streams the worker's last heartbeat showed decoding, measured, the slowest at or above its
+/// model's rate floor (0 when it showed none, or one below the floor).
+fn live_evidence(ctx: &FilterContext<'_>) -> u32 {
+    let status = &ctx.view.status;
+    let floor = ctx.config.slo_for(&status.model, None).min_tok_s;
+    status
+        .decoding
+        .filter(|d| d.measured > 0 && d.slowest_tok_s.is_finite() && d.slowest_tok_s >= floor)
+        .map_or(0, |d| d.measured)
 }
 
 impl Filter for UnderConcurrencyCap {
@@ -85,9 +116,14 @@ impl Filter for UnderConcurrencyCap {
                 "at cap: {} active + {} reserved >= max {max}",
                 l.reported_active, l.unreported_reservations
             )),
-            Ceiling::WarmUp { allowance, samples } => Err(format!(
+            Ceiling::WarmUp {
+                allowance,
+                samples,
+                live,
+            } => Err(format!(
                 "warming up: {} active + {} reserved >= {allowance} allowed while its \
-                 performance fit has seen {samples} of {WARM_UP_SAMPLES} jobs (cap {})",
+                 performance fit has seen {samples} of {WARM_UP_SAMPLES} jobs and {live} \
+                 streams decode at its floor or above (cap {})",
                 l.reported_active, l.unreported_reservations, l.max_concurrency
             )),
         }
@@ -167,7 +203,7 @@ mod tests {
             check(&UnderConcurrencyCap, &j, &w, &l, &config),
             Err(
                 "warming up: 5 active + 0 reserved >= 5 allowed while its performance fit \
-                 has seen 3 of 10 jobs (cap 64)"
+                 has seen 3 of 10 jobs and 0 streams decode at its floor or above (cap 64)"
                     .into()
             )
         );
@@ -188,6 +224,56 @@ mod tests {
         assert_eq!(check(&UnderConcurrencyCap, &j, &w, &l, &config), Ok(()));
         // No fit reported: the cap alone.
         let w = holding(big, 40);
+        assert_eq!(check(&UnderConcurrencyCap, &j, &w, &l, &config), Ok(()));
+    }
+
+    /// `w` showing `measured` of its `streams` decoding, the slowest at `tok_s`.
+    fn decoding(
+        mut w: crate::WorkerView,
+        streams: u32,
+        measured: u32,
+        tok_s: f64,
+    ) -> crate::WorkerView {
+        w.status.decoding = Some(metronome_protocol::LiveDecode {
+            streams,
+            measured,
+            slowest_tok_s: tok_s,
+        });
+        w
+    }
+
+    #[test]
+    fn streams_decoding_at_the_floor_count_as_evidence() {
+        let config = SchedulerConfig::default();
+        let floor = config.slo_for("m", None).min_tok_s;
+        let j = job("m");
+        let mut big = worker("w1");
+        big.status.max_concurrency = 64;
+        let l = Ledger::new();
+        // One job seen, six streams running, five of them measured at the floor: seven
+        // allowed (two more than the five shown to decode well).
+        let young = fitted(big.clone(), 1);
+        let w = decoding(holding(young.clone(), 6), 6, 5, floor);
+        assert_eq!(check(&UnderConcurrencyCap, &j, &w, &l, &config), Ok(()));
+        let w = decoding(holding(young.clone(), 7), 7, 5, floor);
+        assert!(check(&UnderConcurrencyCap, &j, &w, &l, &config)
+            .unwrap_err()
+            .starts_with("warming up: 7 active + 0 reserved >= 7 allowed"));
+        // The slowest stream under the floor: the completed jobs alone (1 + 2 = 3).
+        let w = decoding(holding(young.clone(), 3), 6, 5, floor - 1.0);
+        assert_eq!(
+            check(&UnderConcurrencyCap, &j, &w, &l, &config),
+            Err(
+                "warming up: 3 active + 0 reserved >= 3 allowed while its performance fit \
+                 has seen 1 of 10 jobs and 0 streams decode at its floor or above (cap 64)"
+                    .into()
+            )
+        );
+        // Nothing measured yet: likewise.
+        let w = decoding(holding(young, 3), 3, 0, 0.0);
+        assert!(check(&UnderConcurrencyCap, &j, &w, &l, &config).is_err());
+        // More completed jobs than live evidence: the larger counts.
+        let w = decoding(holding(fitted(big, 6), 7), 7, 2, floor + 10.0);
         assert_eq!(check(&UnderConcurrencyCap, &j, &w, &l, &config), Ok(()));
     }
 

@@ -677,6 +677,11 @@ impl JobMachine {
         }
     }
 
+    /// How the streams on the model server decode at `now` ([`LoadTracker::live_decode`]).
+    pub fn live_decode(&self, now: Instant) -> Option<metronome_protocol::LiveDecode> {
+        self.tracker.live_decode(now)
+    }
+
     /// Prompt tokens not yet prefilled (less those cached): those on the model server
     /// (the tracker's) and those of held jobs waiting to start. The second matter because the heartbeat that
     /// reports a job lists it before it starts, and the dispatcher then takes the pending
