@@ -386,6 +386,24 @@ impl PrefixIndex {
         }
     }
 
+    /// Of the prompt's tokens that `cached` finds on `worker_id`, those in blocks a running
+    /// job there also uses: `cached(..).shared_tokens`, without walking the chain where no
+    /// running job holds a block there.
+    pub fn shared_tokens(
+        &self,
+        worker_id: &str,
+        fingerprint: &PrefixFingerprint,
+        prompt_tokens: u32,
+    ) -> u32 {
+        match self.workers.get(worker_id) {
+            Some(cache) if cache.queued < cache.blocks.len() => {
+                self.cached(worker_id, fingerprint, prompt_tokens)
+                    .shared_tokens
+            }
+            _ => 0,
+        }
+    }
+
     /// Named blocks indexed on `worker_id`.
     pub fn blocks_on(&self, worker_id: &str) -> usize {
         self.workers.get(worker_id).map_or(0, |c| c.blocks.len())
