@@ -16,6 +16,9 @@
 //! allocated slots). Run:
 //!
 //! `cargo run --release -p metronome-dispatcher --example prefix_cost -- --workers 64,1000`
+//!
+//! (`--modes events` runs one kind alone, to profile it; `--repeat 3` runs each three
+//! times, interleaved, as the figures of a shared machine vary from run to run.)
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -40,6 +43,13 @@ struct Args {
     /// Blocks each reporting worker's cache holds (2,500: a 40,000-token cache).
     #[arg(long, default_value_t = 2_500)]
     blocks: usize,
+    /// Runs to make per worker count, of `none`, `placements` and `events` (to profile one).
+    #[arg(long, value_delimiter = ',', default_value = "none,placements,events")]
+    modes: Vec<String>,
+    /// Times to repeat every run (the runs of one worker count interleaved, so a noisy
+    /// neighbour slows them alike).
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
 }
 
 const T0: u64 = 1_800_000_000_000;
@@ -214,7 +224,12 @@ fn main() {
         "workers", "index", "placed", "mean_us", "p50_us", "p99_us", "events_B/wkr", "placed_B/wkr"
     );
     for &workers in &args.workers {
-        for mode in ["none", "placements", "events"] {
+        for mode in std::iter::repeat_n(&args.modes, args.repeat.max(1)).flatten() {
+            let mode = mode.as_str();
+            assert!(
+                ["none", "placements", "events"].contains(&mode),
+                "unknown mode {mode:?}: none, placements or events"
+            );
             let r = run(workers, args.jobs, args.blocks, mode);
             println!(
                 "{:>7} {:<10} {:>6} {:>9.1} {:>9.1} {:>9.1} {:>14.0} {:>14.0}",

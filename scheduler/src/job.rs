@@ -66,9 +66,12 @@ impl PrefixLookup {
     }
 
     /// A lookup whose figures each name their own source (per worker: its id, its
-    /// figure, where the figure comes from).
-    pub fn by_worker(on: impl IntoIterator<Item = (String, Cached, PrefixSource)>) -> Self {
-        let all: Vec<(String, Cached, PrefixSource)> = on.into_iter().collect();
+    /// figure, where the figure comes from). An id is copied only where it is kept: a
+    /// worker holding part of the prompt, or one whose figure has the other source.
+    pub fn by_worker<S: AsRef<str> + Into<String>>(
+        on: impl IntoIterator<Item = (S, Cached, PrefixSource)>,
+    ) -> Self {
+        let all: Vec<(S, Cached, PrefixSource)> = on.into_iter().collect();
         let events = all.iter().filter(|w| w.2 == PrefixSource::Events).count();
         let source = if 2 * events > all.len() {
             PrefixSource::Events
@@ -79,10 +82,10 @@ impl PrefixLookup {
         let mut figures = Vec::new();
         for (w, c, s) in all {
             if s != source {
-                listed.push(w.clone());
+                listed.push(w.as_ref().to_owned());
             }
             if c.tokens > 0 {
-                figures.push((w, c));
+                figures.push((w.into(), c));
             }
         }
         let mut lookup = PrefixLookup::new(source, figures);

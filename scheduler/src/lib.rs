@@ -35,6 +35,7 @@
 //! - A job is reserved on at most one worker; releasing is idempotent.
 
 pub mod affinity;
+pub mod block_hasher;
 pub mod config;
 pub mod drain;
 pub mod evaluate;

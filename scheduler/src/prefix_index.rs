@@ -26,25 +26,29 @@
 //! prompt's last token: vLLM always computes the last prompt token, even on a full hit,
 //! and reuses whole blocks only (`max_cache_hit_length = num_tokens - 1`).
 //!
-//! **Memory.** Per worker: one hash-map entry per block held (8-byte hash, 8-byte last
-//! use, 4-byte reference count, padded to 24 bytes, plus the map's control byte and spare
-//! capacity) and one ordered-map entry (16 bytes plus node overhead) per unreferenced
-//! block: about 80 bytes per block, at most `capacity / block_size` blocks. A 40,000-token
-//! cache with 16-token blocks is 2,500 blocks, about 200 KB. Beside it, per running job,
-//! the hashes of its referenced blocks (at most 256 × 8 bytes). Nothing grows without a
-//! placement, and a placement adds at most 256 blocks.
+//! **Memory.** Per worker and block held: one hash-map entry (8-byte hash, 4-byte node
+//! index, 4-byte reference count: 16 bytes, plus the map's control byte and spare
+//! capacity) and one node (8-byte hash, two 4-byte eviction-queue links: 16 bytes): about
+//! 40 bytes per block, at most `capacity / block_size` blocks. A 40,000-token cache with
+//! 16-token blocks is 2,500 blocks, about 100 KB. Beside it, per running job, the hashes of
+//! its referenced blocks (at most 256 × 8 bytes). Nothing grows without a placement, and a
+//! placement adds at most 256 blocks.
 //!
-//! Pure: no clock (the order of use is a counter), no I/O.
+//! The block tables hash with [`BlockHashState`] (keyed, as block hashes come from clients).
+//!
+//! Pure: no clock (the order of use is the eviction queue's order), no I/O.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 use metronome_protocol::prefix::{BlockHash, PrefixFingerprint, DEFAULT_BLOCK_SIZE};
+
+use crate::block_hasher::BlockHashState;
 
 /// The KV capacity assumed for a worker that reports none in tokens.
 pub const DEFAULT_CAPACITY_TOKENS: u64 = 32_768;
 
 /// Most blocks indexed per worker, whatever capacity a heartbeat claims: 2^20 blocks
-/// (16M tokens at 16 per block, far above any one GPU's cache), about 80 MB at most.
+/// (16M tokens at 16 per block, far above any one GPU's cache), about 40 MB at most.
 pub const MAX_BLOCKS_PER_WORKER: u64 = 1 << 20;
 
 /// The part of one prompt a worker already holds.
@@ -56,42 +60,125 @@ pub struct Cached {
     pub shared_tokens: u32,
 }
 
-/// One cached block.
+/// No slot: the end of the eviction queue.
+const NIL: u32 = u32::MAX;
+
+/// One cached block, as the block table holds it.
 #[derive(Debug, Clone, Copy)]
 struct Block {
-    /// Running jobs using it; 0: cached only, evictable.
+    /// Its node in `nodes`, for as long as it is held.
+    node: u32,
+    /// Running jobs using it; 0: cached only, evictable, queued in the eviction order.
     refs: u32,
-    /// When it was last used (the worker's use counter): its key in `free` while `refs` is 0.
-    last_use: u64,
+}
+
+/// A held block's node: its hash (to drop it from the table when evicted) and, while it is
+/// unreferenced, its neighbours in the eviction queue; a vacant node links the vacant ones.
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    hash: BlockHash,
+    prev: u32,
+    next: u32,
 }
 
 /// One worker's estimated cache.
-#[derive(Debug, Clone, Default)]
+///
+/// The eviction queue is a doubly linked list through `nodes`, oldest first: a block
+/// joins it at the back when its last reference goes and leaves it from anywhere when a
+/// job references it again, each in constant time.
+#[derive(Debug, Clone)]
 struct WorkerCache {
     capacity_blocks: u64,
-    blocks: HashMap<BlockHash, Block>,
-    /// Unreferenced blocks by last use, oldest first: the eviction order.
-    free: BTreeMap<u64, BlockHash>,
+    blocks: HashMap<BlockHash, Block, BlockHashState>,
+    nodes: Vec<Node>,
+    /// The first vacant node (`NIL`: none), the others linked by `next`.
+    vacant: u32,
+    /// The eviction queue's ends (`NIL` when it is empty) and length.
+    oldest: u32,
+    newest: u32,
+    queued: usize,
     /// Blocks running jobs hold beyond their fingerprints (no names to match).
     anonymous: u64,
-    /// The use counter.
-    clock: u64,
 }
 
 impl WorkerCache {
+    fn new(capacity_blocks: u64) -> Self {
+        WorkerCache {
+            capacity_blocks,
+            blocks: HashMap::default(),
+            nodes: Vec::new(),
+            vacant: NIL,
+            oldest: NIL,
+            newest: NIL,
+            queued: 0,
+            anonymous: 0,
+        }
+    }
+
     fn held(&self) -> u64 {
         self.blocks.len() as u64 + self.anonymous
     }
 
+    /// Put node `n` at the back of the eviction queue (the most recently used).
+    fn enqueue(&mut self, n: u32) {
+        self.nodes[n as usize].prev = self.newest;
+        self.nodes[n as usize].next = NIL;
+        match self.newest {
+            NIL => self.oldest = n,
+            last => self.nodes[last as usize].next = n,
+        }
+        self.newest = n;
+        self.queued += 1;
+    }
+
+    /// Take node `n` out of the eviction queue.
+    fn dequeue(&mut self, n: u32) {
+        let Node { prev, next, .. } = self.nodes[n as usize];
+        match prev {
+            NIL => self.oldest = next,
+            p => self.nodes[p as usize].next = next,
+        }
+        match next {
+            NIL => self.newest = prev,
+            x => self.nodes[x as usize].prev = prev,
+        }
+        self.queued -= 1;
+    }
+
+    /// A node for a new block.
+    fn node_for(&mut self, hash: BlockHash) -> u32 {
+        match self.vacant {
+            NIL => {
+                self.nodes.push(Node {
+                    hash,
+                    prev: NIL,
+                    next: NIL,
+                });
+                (self.nodes.len() - 1) as u32
+            }
+            n => {
+                self.vacant = self.nodes[n as usize].next;
+                self.nodes[n as usize] = Node {
+                    hash,
+                    prev: NIL,
+                    next: NIL,
+                };
+                n
+            }
+        }
+    }
+
     /// Evict the least recently used unreferenced block; false when none is left.
     fn evict_one(&mut self) -> bool {
-        match self.free.pop_first() {
-            Some((_, hash)) => {
-                self.blocks.remove(&hash);
-                true
-            }
-            None => false,
+        let n = self.oldest;
+        if n == NIL {
+            return false;
         }
+        self.dequeue(n);
+        self.blocks.remove(&self.nodes[n as usize].hash);
+        self.nodes[n as usize].next = self.vacant;
+        self.vacant = n;
+        true
     }
 
     /// Make room for one more block; false when every block held is referenced.
@@ -109,22 +196,18 @@ impl WorkerCache {
     fn reference(&mut self, hashes: &[BlockHash]) -> usize {
         for (i, hash) in hashes.iter().enumerate() {
             if let Some(block) = self.blocks.get_mut(hash) {
-                if block.refs == 0 {
-                    self.free.remove(&block.last_use);
-                }
                 block.refs += 1;
+                if block.refs == 1 {
+                    let n = block.node;
+                    self.dequeue(n);
+                }
                 continue;
             }
             if !self.room_for_one() {
                 return i;
             }
-            self.blocks.insert(
-                *hash,
-                Block {
-                    refs: 1,
-                    last_use: 0,
-                },
-            );
+            let node = self.node_for(*hash);
+            self.blocks.insert(*hash, Block { node, refs: 1 });
         }
         hashes.len()
     }
@@ -144,11 +227,15 @@ impl WorkerCache {
             let Some(block) = self.blocks.get_mut(hash) else {
                 continue;
             };
-            block.refs = block.refs.saturating_sub(1);
+            // A job references each block it holds, so a held block it releases has a
+            // reference to drop.
             if block.refs == 0 {
-                self.clock += 1;
-                block.last_use = self.clock;
-                self.free.insert(self.clock, *hash);
+                continue;
+            }
+            block.refs -= 1;
+            if block.refs == 0 {
+                let n = block.node;
+                self.enqueue(n);
             }
         }
     }
@@ -207,7 +294,15 @@ impl PrefixIndex {
         let bs = u64::from(self.block_size);
         let capacity_blocks =
             (capacity_tokens.unwrap_or(DEFAULT_CAPACITY_TOKENS) / bs).min(MAX_BLOCKS_PER_WORKER);
-        let cache = self.workers.entry(worker_id.to_string()).or_default();
+        // Looked up before inserting: a placement on a known worker allocates no key.
+        if !self.workers.contains_key(worker_id) {
+            self.workers
+                .insert(worker_id.to_string(), WorkerCache::new(capacity_blocks));
+        }
+        let cache = self
+            .workers
+            .get_mut(worker_id)
+            .expect("inserted above when missing");
         cache.capacity_blocks = capacity_blocks;
         let hashes: &[BlockHash] = if fingerprint.block_size == self.block_size {
             &fingerprint.hashes
@@ -291,6 +386,24 @@ impl PrefixIndex {
         }
     }
 
+    /// Of the prompt's tokens that `cached` finds on `worker_id`, those in blocks a running
+    /// job there also uses: `cached(..).shared_tokens`, without walking the chain where no
+    /// running job holds a block there.
+    pub fn shared_tokens(
+        &self,
+        worker_id: &str,
+        fingerprint: &PrefixFingerprint,
+        prompt_tokens: u32,
+    ) -> u32 {
+        match self.workers.get(worker_id) {
+            Some(cache) if cache.queued < cache.blocks.len() => {
+                self.cached(worker_id, fingerprint, prompt_tokens)
+                    .shared_tokens
+            }
+            _ => 0,
+        }
+    }
+
     /// Named blocks indexed on `worker_id`.
     pub fn blocks_on(&self, worker_id: &str) -> usize {
         self.workers.get(worker_id).map_or(0, |c| c.blocks.len())
@@ -307,12 +420,11 @@ impl PrefixIndex {
     }
 
     /// The heap bytes `worker_id`'s estimate takes, by its allocations: the block table's
-    /// slots (hash, block and a control byte each) and the eviction queue's entries (a
-    /// B-tree holds 16-byte entries at about two-thirds occupancy).
+    /// slots (hash, block and a control byte each) and the nodes (hash and queue links).
     pub fn memory_bytes(&self, worker_id: &str) -> usize {
         self.workers.get(worker_id).map_or(0, |c| {
             c.blocks.capacity() * (std::mem::size_of::<(BlockHash, Block)>() + 1)
-                + c.free.len() * 24
+                + c.nodes.capacity() * std::mem::size_of::<Node>()
         })
     }
 
@@ -529,7 +641,28 @@ mod tests {
                         let cache = index.workers.get(id);
                         if let Some(cache) = cache {
                             let free = cache.blocks.values().filter(|b| b.refs == 0).count();
-                            prop_assert_eq!(free, cache.free.len(), "the eviction queue is every unreferenced block");
+                            prop_assert_eq!(free, cache.queued, "the eviction queue is every unreferenced block");
+                            // Walked both ways, the queue holds exactly the unreferenced blocks.
+                            let mut forward = Vec::new();
+                            let mut n = cache.oldest;
+                            while n != NIL {
+                                forward.push(n);
+                                n = cache.nodes[n as usize].next;
+                            }
+                            let mut backward = Vec::new();
+                            let mut n = cache.newest;
+                            while n != NIL {
+                                backward.push(n);
+                                n = cache.nodes[n as usize].prev;
+                            }
+                            backward.reverse();
+                            prop_assert_eq!(&forward, &backward);
+                            prop_assert_eq!(forward.len(), free);
+                            for n in forward {
+                                let hash = cache.nodes[n as usize].hash;
+                                prop_assert_eq!(cache.blocks[&hash].node, n);
+                                prop_assert_eq!(cache.blocks[&hash].refs, 0);
+                            }
                         }
                     }
                 }

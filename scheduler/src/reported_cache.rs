@@ -21,7 +21,8 @@
 //! would exceed it has its extra blocks dropped and counted). One 8-byte hash per block in
 //! a hash set (about 9 bytes a slot, at most 8/7 slots a block): about 10–20 bytes per
 //! block, ~40 KB for a 40,000-token cache of 16-token blocks ([`ReportedCaches::memory_bytes`]
-//! measures it), plus at most [`KEPT_DELTA_BLOCKS`] hashes of kept deltas.
+//! measures it), plus at most [`KEPT_DELTA_BLOCKS`] hashes of kept deltas. The set hashes
+//! with [`BlockHashState`] (keyed, as block hashes come from clients).
 //!
 //! Pure: time is an argument, no I/O.
 
@@ -29,6 +30,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 
 use metronome_protocol::cache_state::{CacheUpdate, CacheUpdateKind, MAX_SNAPSHOT_BLOCKS};
 use metronome_protocol::prefix::{BlockHash, PrefixFingerprint};
+
+use crate::block_hasher::BlockHashState;
 
 /// Deltas kept per worker to apply again over a snapshot that arrives after them.
 pub const KEPT_DELTAS: usize = 64;
@@ -72,7 +75,7 @@ struct Reported {
     block_size: u32,
     /// A snapshot of this run has been applied: the blocks are the whole state.
     complete: bool,
-    blocks: HashSet<BlockHash>,
+    blocks: HashSet<BlockHash, BlockHashState>,
     received_ms: u64,
     kept: VecDeque<CacheUpdate>,
     kept_blocks: usize,
@@ -85,7 +88,7 @@ impl Reported {
             seq: 0,
             block_size,
             complete: false,
-            blocks: HashSet::new(),
+            blocks: HashSet::default(),
             received_ms: 0,
             kept: VecDeque::new(),
             kept_blocks: 0,
@@ -226,9 +229,14 @@ impl ReportedCaches {
     /// Whether `worker_id`'s report is used at `now_ms`: a snapshot of its current run was
     /// applied and its latest message is fresh.
     pub fn is_live(&self, worker_id: &str, now_ms: u64) -> bool {
-        self.workers.get(worker_id).is_some_and(|r| {
-            r.complete && now_ms.saturating_sub(r.received_ms) <= self.stale_after_ms
-        })
+        self.live(worker_id, now_ms).is_some()
+    }
+
+    /// `worker_id`'s report where [`ReportedCaches::is_live`].
+    fn live(&self, worker_id: &str, now_ms: u64) -> Option<&Reported> {
+        self.workers
+            .get(worker_id)
+            .filter(|r| r.complete && now_ms.saturating_sub(r.received_ms) <= self.stale_after_ms)
     }
 
     /// Tokens of a prompt of `prompt_tokens` tokens with `fingerprint` that `worker_id`'s
@@ -243,10 +251,7 @@ impl ReportedCaches {
         prompt_tokens: u32,
         now_ms: u64,
     ) -> Option<u32> {
-        if !self.is_live(worker_id, now_ms) {
-            return None;
-        }
-        let r = &self.workers[worker_id];
+        let r = self.live(worker_id, now_ms)?;
         if r.block_size != fingerprint.block_size {
             return None;
         }

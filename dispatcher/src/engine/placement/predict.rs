@@ -106,15 +106,18 @@ impl Engine {
                 {
                     // Nothing held: no shared blocks to look up (at a thousand workers the
                     // second index's lookups, each a cache miss, cost as much again).
-                    Some(0) => (id.to_string(), Cached::default(), PrefixSource::Events),
+                    Some(0) => (id, Cached::default(), PrefixSource::Events),
                     Some(tokens) => {
                         let cached = Cached {
                             tokens,
-                            shared_tokens: placed().shared_tokens.min(tokens),
+                            shared_tokens: self
+                                .prefix_index
+                                .shared_tokens(id, fingerprint, job.prompt_tokens)
+                                .min(tokens),
                         };
-                        (id.to_string(), cached, PrefixSource::Events)
+                        (id, cached, PrefixSource::Events)
                     }
-                    None => (id.to_string(), placed(), PrefixSource::Placements),
+                    None => (id, placed(), PrefixSource::Placements),
                 }
             });
         PrefixLookup::by_worker(on)
