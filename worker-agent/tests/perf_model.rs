@@ -19,10 +19,11 @@ use tokio_util::sync::CancellationToken;
 
 const SIM_MODEL: &str = "sim/llama-3.1-8b";
 
-async fn start_sim(stop: &CancellationToken) -> std::net::SocketAddr {
+/// A simulated GPU taking `base_step_ms` a decode step, never ending a reply early.
+async fn start_sim(stop: &CancellationToken, base_step_ms: f64) -> std::net::SocketAddr {
     spawn_gpu(
         SimGpuConfig {
-            base_step_ms: 1.0,
+            base_step_ms,
             eos_probability: 0.0,
             ..SimGpuConfig::new(SIM_MODEL)
         },
@@ -64,7 +65,7 @@ async fn a_simulated_worker_fits_heartbeats_and_persists_its_model_and_a_restart
     const JOBS: u64 = 6;
     let env = Env::start().await;
     let sim_stop = CancellationToken::new();
-    let sim = start_sim(&sim_stop).await;
+    let sim = start_sim(&sim_stop, 1.0).await;
     let worker = "perf-gpu0";
     let events = collect(
         env.client
@@ -249,16 +250,7 @@ async fn a_streaming_job_shows_in_the_heartbeat_with_its_decode_rate() {
     let env = Env::start().await;
     let sim_stop = CancellationToken::new();
     // 10 ms a step: a 300-token reply streams for about 3 s, many heartbeats long.
-    let sim = spawn_gpu(
-        SimGpuConfig {
-            base_step_ms: 10.0,
-            eos_probability: 0.0,
-            ..SimGpuConfig::new(SIM_MODEL)
-        },
-        sim_stop.clone(),
-    )
-    .await
-    .expect("simulated GPU");
+    let sim = start_sim(&sim_stop, 10.0).await;
     let worker = "live-gpu0";
     let (agent, shutdown) = env.start_agent(sim_config(&env, worker, sim)).await;
     let idle = wait_for("the first heartbeat", WAIT, || latest_status(&env, worker)).await;
