@@ -93,10 +93,9 @@ struct WorkerCache {
     nodes: Vec<Node>,
     /// The first vacant node (`NIL`: none), the others linked by `next`.
     vacant: u32,
-    /// The eviction queue's ends (`NIL` when it is empty) and length.
+    /// The eviction queue's ends (`NIL` when it is empty).
     oldest: u32,
     newest: u32,
-    queued: usize,
     /// Blocks running jobs hold beyond their fingerprints (no names to match).
     anonymous: u64,
 }
@@ -110,7 +109,6 @@ impl WorkerCache {
             vacant: NIL,
             oldest: NIL,
             newest: NIL,
-            queued: 0,
             anonymous: 0,
         }
     }
@@ -128,7 +126,6 @@ impl WorkerCache {
             last => self.nodes[last as usize].next = n,
         }
         self.newest = n;
-        self.queued += 1;
     }
 
     /// Take node `n` out of the eviction queue.
@@ -142,7 +139,6 @@ impl WorkerCache {
             NIL => self.newest = prev,
             x => self.nodes[x as usize].prev = prev,
         }
-        self.queued -= 1;
     }
 
     /// A node for a new block.
@@ -386,24 +382,6 @@ impl PrefixIndex {
         }
     }
 
-    /// Of the prompt's tokens that `cached` finds on `worker_id`, those in blocks a running
-    /// job there also uses: `cached(..).shared_tokens`, without walking the chain where no
-    /// running job holds a block there.
-    pub fn shared_tokens(
-        &self,
-        worker_id: &str,
-        fingerprint: &PrefixFingerprint,
-        prompt_tokens: u32,
-    ) -> u32 {
-        match self.workers.get(worker_id) {
-            Some(cache) if cache.queued < cache.blocks.len() => {
-                self.cached(worker_id, fingerprint, prompt_tokens)
-                    .shared_tokens
-            }
-            _ => 0,
-        }
-    }
-
     /// Named blocks indexed on `worker_id`.
     pub fn blocks_on(&self, worker_id: &str) -> usize {
         self.workers.get(worker_id).map_or(0, |c| c.blocks.len())
@@ -641,7 +619,6 @@ mod tests {
                         let cache = index.workers.get(id);
                         if let Some(cache) = cache {
                             let free = cache.blocks.values().filter(|b| b.refs == 0).count();
-                            prop_assert_eq!(free, cache.queued, "the eviction queue is every unreferenced block");
                             // Walked both ways, the queue holds exactly the unreferenced blocks.
                             let mut forward = Vec::new();
                             let mut n = cache.oldest;

@@ -110,10 +110,7 @@ impl Engine {
                     Some(tokens) => {
                         let cached = Cached {
                             tokens,
-                            shared_tokens: self
-                                .prefix_index
-                                .shared_tokens(id, fingerprint, job.prompt_tokens)
-                                .min(tokens),
+                            shared_tokens: placed().shared_tokens.min(tokens),
                         };
                         (id, cached, PrefixSource::Events)
                     }
