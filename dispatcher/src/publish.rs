@@ -197,9 +197,7 @@ async fn publish_loop(
                     attempt: job.attempt,
                     assigned_ms: decision.decided_ms,
                     cached_prefix: decision
-                        .candidates
-                        .iter()
-                        .find(|c| c.worker_id == worker_id)
+                        .candidate_on(&worker_id)
                         .and_then(|c| c.cached_prefix),
                 };
                 let payload = Bytes::from(serde_json::to_vec(&assignment).unwrap_or_default());

@@ -47,9 +47,7 @@ pub fn assignment_spans(job: &Job, worker_id: &str, decision: &Decision) -> Opti
 /// The winner's predicted time to first token, when the policy predicted one.
 pub fn predicted_ttft_ms(decision: &Decision, worker_id: &str) -> Option<f64> {
     decision
-        .candidates
-        .iter()
-        .find(|c| c.worker_id == worker_id)
+        .candidate_on(worker_id)
         .and_then(|c| c.prediction)
         .map(|p| p.ttft_ms)
 }

@@ -1030,11 +1030,8 @@ impl World {
                 let Some(&gpu) = self.index.get(&worker_id) else {
                     return;
                 };
+                let winner = decision.candidate_on(&worker_id);
                 if let Some(&i) = self.jobs.get(&job.job.id) {
-                    let winner = decision
-                        .candidates
-                        .iter()
-                        .find(|c| c.worker_id == worker_id);
                     self.cached_predicted[i].0 = winner.and_then(|c| c.cached_prefix);
                     let prediction = winner.and_then(|c| c.prediction);
                     let cached = |c: &metronome_protocol::CandidateScore| {
@@ -1072,12 +1069,7 @@ impl World {
                         job: job.job.clone(),
                         attempt: job.attempt,
                         epoch,
-                        cached_tokens: decision
-                            .candidates
-                            .iter()
-                            .find(|c| c.worker_id == worker_id)
-                            .and_then(|c| c.cached_prefix)
-                            .map_or(0, |p| p.tokens),
+                        cached_tokens: winner.and_then(|c| c.cached_prefix).map_or(0, |p| p.tokens),
                     },
                 );
             }

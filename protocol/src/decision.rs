@@ -399,6 +399,11 @@ impl Decision {
     pub fn terms_of(&self, candidate: &CandidateScore) -> [TermScore; TERM_COUNT] {
         candidate.terms(&self.scoring.unwrap_or_default())
     }
+
+    /// The candidate `worker_id` was judged as (the winner's, given the winner's id).
+    pub fn candidate_on(&self, worker_id: &str) -> Option<&CandidateScore> {
+        self.candidates.iter().find(|c| c.worker_id == worker_id)
+    }
 }
 
 fn write_version<S: Serializer>(_: &u32, serializer: S) -> Result<S::Ok, S::Error> {
