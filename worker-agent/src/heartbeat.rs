@@ -83,7 +83,7 @@ impl Heartbeat {
         let (jobs, decoding) = shared.machine(|m| {
             (
                 m.heartbeat(load.running, ended_at_scrape),
-                m.live_decode(std::time::Instant::now()),
+                m.live_decode(now()),
             )
         });
         self.generation = jobs.generation;

@@ -2,8 +2,8 @@
 //!
 //! The tracker knows every job the agent has started on the model server: its prompt
 //! tokens (and how many of them the server holds cached, whose prefill it skips: every
-//! "prompt tokens prefilled" below counts only the rest), whether it has produced its first token and how many tokens it has generated
-//! since. From the event sequence (`started` when the request is sent, `first_token`,
+//! "prompt tokens prefilled" below counts only the rest), whether it has produced its first
+//! token and how many tokens it has generated since. From the event sequence (`started` when the request is sent, `first_token`,
 //! `tokens` per relayed chunk, `finished` or `remove`) it keeps:
 //!
 //! - the time integrals of the number of decoding streams (jobs past their first token, not
@@ -298,10 +298,7 @@ impl LoadTracker {
         if self.decoding == 0 {
             return None;
         }
-        let now_ms = self.origin.map_or(self.last_ms, |origin| {
-            let since = now.saturating_duration_since(origin);
-            (since.as_secs() as f64 * 1e3 + f64::from(since.subsec_nanos()) / 1e6).max(self.last_ms)
-        });
+        let now_ms = self.ms_at(now);
         let mut measured = 0u32;
         let mut slowest = f64::INFINITY;
         for t in self.jobs.values() {
@@ -426,13 +423,20 @@ impl LoadTracker {
         Some(t)
     }
 
+    /// `now` in ms since the first event, never before the last one (the last one's time
+    /// before any event).
+    fn ms_at(&self, now: Instant) -> f64 {
+        self.origin.map_or(self.last_ms, |origin| {
+            let since = now.saturating_duration_since(origin);
+            // Whole milliseconds stay exact (as_secs_f64() * 1e3 would round 55 ms).
+            (since.as_secs() as f64 * 1e3 + f64::from(since.subsec_nanos()) / 1e6).max(self.last_ms)
+        })
+    }
+
     /// Accumulate the integrals up to `now`.
     fn advance(&mut self, now: Instant) {
-        let origin = *self.origin.get_or_insert(now);
-        let since = now.saturating_duration_since(origin);
-        // Whole milliseconds stay exact (as_secs_f64() * 1e3 would round 55 ms).
-        let now_ms = (since.as_secs() as f64 * 1e3 + f64::from(since.subsec_nanos()) / 1e6)
-            .max(self.last_ms);
+        self.origin.get_or_insert(now);
+        let now_ms = self.ms_at(now);
         let dt = now_ms - self.last_ms;
         self.streams_integral += self.decoding as f64 * dt;
         self.context_integral += self.context as f64 * dt;

@@ -683,9 +683,9 @@ impl JobMachine {
     }
 
     /// Prompt tokens not yet prefilled (less those cached): those on the model server
-    /// (the tracker's) and those of held jobs waiting to start. The second matter because the heartbeat that
-    /// reports a job lists it before it starts, and the dispatcher then takes the pending
-    /// prefill reported for the worker as covering it.
+    /// (the tracker's) and those of held jobs waiting to start. The second matter because
+    /// the heartbeat that reports a job lists it before it starts, and the dispatcher then
+    /// takes the pending prefill reported for the worker as covering it.
     pub fn prefill_pending_tokens(&self) -> u64 {
         let waiting: u64 = self
             .held
