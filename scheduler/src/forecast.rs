@@ -149,14 +149,25 @@ impl Forecast {
             - since_heartbeat_ms / coefficients.prefill_per_token_ms.max(1e-6))
         .max(0.0);
         let booked_pending = booked_pending.map(|b: f64| b.max(reported_left + unreported_pending));
-        let context_tokens = match status.kv.and_then(|kv| kv.capacity_tokens.map(|c| (kv, c))) {
-            Some((kv, capacity)) => {
-                kv_tokens_in_use(kv.used_frac, capacity, 0) + unreported_context
-            }
-            None => ledger_context,
-        };
         // The booked count stands only when the ledger knows everything the worker runs.
         let booked_everything = load.reported_active <= ledger.reserved_count(&status.worker_id);
+        // The context a decode step reads: every stream attends to its own whole context,
+        // a cached prefix shared with other streams included, and that is what the fit
+        // learnt the context slope on (the agent's per-stream sum). The KV in use counts a
+        // block shared by many streams once, so on a GPU serving one system prompt to
+        // twenty streams it said a fraction of what attention reads: the step came out
+        // fast, admission packed the fast GPUs to the floor, and their streams ran under it
+        // (policy lab, `shared_prefix` at 250 % on the mixed cluster: half the requests
+        // missed their rate floor). So the bookings' sum stands when they cover the
+        // worker; otherwise the KV in use plus what it has not reported, at least the
+        // bookings'.
+        let reported_kv = status
+            .kv
+            .and_then(|kv| kv.capacity_tokens.map(|c| kv_tokens_in_use(kv.used_frac, c, 0)));
+        let context_tokens = match reported_kv {
+            Some(kv) if !booked_everything => (kv + unreported_context).max(ledger_context),
+            _ => ledger_context,
+        };
         let pending_prefill_tokens = booked_pending
             .filter(|_| booked_everything)
             .unwrap_or(status.prefill_pending_tokens as f64 + unreported_prompt);
@@ -653,15 +664,49 @@ mod tests {
     }
 
     #[test]
-    fn reported_jobs_are_not_pending_and_kv_usage_is_the_context() {
+    fn every_stream_reads_its_own_context_even_where_they_share_a_cached_prefix() {
+        let mut w = worker("w1"); // 10 000 KV tokens
+        w.status.perf = Some(PerfCoefficients {
+            step_per_ktok_ms: 1.0,
+            ..coefficients()
+        });
+        // Ten streams of one 2,000-token system prompt and a 100-token question: the
+        // server holds the prompt once, 3,000 tokens in use, while each stream attends to
+        // all 2,100 of its own.
+        w.status.kv.as_mut().unwrap().used_frac = 0.3;
+        let mut l = Ledger::new();
+        for i in 0..10 {
+            let id = format!("s{i}");
+            let profile = JobProfile {
+                prompt_tokens: 2_100,
+                cached_tokens: 2_000,
+                protected_output: 100.0,
+                min_tok_s: 30.0,
+                ..Default::default()
+            };
+            l.reserve_profiled("w1", &id, 2_200, profile, NOW).unwrap();
+            w.status.in_flight.push(id);
+        }
+        w.status.active = 10;
+        w.status.prefill_pending_tokens = 40;
+        let f = forecast(&w, &l, &job("m"));
+        // Each booking's prompt and half its expected output.
+        assert!((f.context_tokens - 10.0 * 2_150.0).abs() < 1e-9, "{f:?}");
+        // step: 20 + 1 * 10 + 1.0 * (21 500 + 100 + 25) / 1000
+        assert!((f.step_ms - 51.625).abs() < 1e-9, "{f:?}");
+    }
+
+    #[test]
+    fn reported_jobs_are_not_pending_and_kv_usage_bounds_the_context_of_unbooked_work() {
         let mut w = worker("w1"); // 10 000 KV tokens
         w.status.perf = Some(PerfCoefficients {
             step_per_ktok_ms: 1.0,
             ..coefficients()
         });
         w.status.kv.as_mut().unwrap().used_frac = 0.3;
-        w.status.in_flight = vec!["a".into()];
-        w.status.active = 1;
+        // Two jobs run, one of them not booked here (adopted from an earlier leader).
+        w.status.in_flight = vec!["a".into(), "adopted".into()];
+        w.status.active = 2;
         w.status.prefill_pending_tokens = 40;
         let mut l = Ledger::new();
         let profile = JobProfile {
@@ -673,9 +718,14 @@ mod tests {
         l.reserve_profiled("w1", "a", 600, profile, NOW).unwrap();
         let f = forecast(&w, &l, &job("m"));
         assert_eq!(f.pending_prefill_tokens, 40.0);
-        assert!((f.context_tokens - 3_000.0).abs() < 1e-9);
-        // step: 20 + 1 * 1 + 1.0 * (3000 + 100 + 25) / 1000
-        assert!((f.step_ms - 24.125).abs() < 1e-9, "{f:?}");
+        // The KV in use (3,000) stands for what the bookings do not cover (550).
+        assert!((f.context_tokens - 3_000.0).abs() < 1e-9, "{f:?}");
+        // step: 20 + 1 * 2 + 1.0 * (3000 + 100 + 25) / 1000
+        assert!((f.step_ms - 25.125).abs() < 1e-9, "{f:?}");
+        // The bookings when they say more than the KV in use.
+        w.status.kv.as_mut().unwrap().used_frac = 0.01;
+        let f = forecast(&w, &l, &job("m"));
+        assert!((f.context_tokens - 550.0).abs() < 1e-9, "{f:?}");
     }
 
     #[test]
