@@ -196,6 +196,7 @@ mod tests {
             normalised: [0.1; TERM_COUNT],
             prediction,
             cached_prefix: None,
+            recent_placements: None,
         };
         let mut d = serde_json::to_value(Decision {
             v: DECISION_VERSION,

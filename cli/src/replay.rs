@@ -645,6 +645,7 @@ mod tests {
             normalised: [0.0; metronome_protocol::TERM_COUNT],
             prediction: Some(p),
             cached_prefix: None,
+            recent_placements: None,
         }
     }
 

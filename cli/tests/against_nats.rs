@@ -82,6 +82,7 @@ fn candidate(worker: &str, scale: f64, ttft_ms: f64, tok_s: f64) -> CandidateSco
             stall_ms: None,
         }),
         cached_prefix: None,
+        recent_placements: None,
     }
 }
 

@@ -165,6 +165,11 @@ pub struct CandidateScore {
     /// fingerprint (and in records of older dispatchers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cached_prefix: Option<CachedPrefix>,
+    /// Jobs placed on this worker over the last ~10 s, each weighted by `exp(−age / 10 s)`:
+    /// the share prefix affinity's fair-share bound compares. Absent in records of older
+    /// dispatchers, whose bound compared running requests (the `active_requests` term).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recent_placements: Option<f64>,
 }
 
 /// Prompt tokens a worker was believed to hold in its prefix cache when a job was judged.
@@ -236,8 +241,8 @@ pub struct Affinity {
     pub cached_tokens: u32,
     pub outcome: AffinityOutcome,
     /// Why it was overridden: `cost` (its predicted prefill cost, ms, is higher than the
-    /// score's choice's), `fair_share` (it would run more than `max_share` times an even
-    /// share of the candidates' requests) or the code it was rejected with (an admission
+    /// score's choice's), `fair_share` (it would take more than `max_share` times an even
+    /// share of the candidates' recent placements) or the code it was rejected with (an admission
     /// or SLO rule: `below_slo_floor`, `ttft_over_budget`, `at_concurrency_cap`...).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason_code: Option<String>,
@@ -499,6 +504,8 @@ mod wire {
         prediction: Option<crate::Prediction>,
         #[serde(default)]
         cached_prefix: Option<super::CachedPrefix>,
+        #[serde(default)]
+        recent_placements: Option<f64>,
     }
 
     impl CandidateIn {
@@ -533,6 +540,7 @@ mod wire {
                 normalised,
                 prediction: self.prediction,
                 cached_prefix: self.cached_prefix,
+                recent_placements: self.recent_placements,
             }
         }
     }

@@ -58,6 +58,7 @@ fn full() -> Decision {
                     tokens: 1_024,
                     source: PrefixSource::Placements,
                 }),
+                recent_placements: Some(7.4),
             },
             CandidateScore {
                 worker_id: "local-gpu0".into(),
@@ -74,6 +75,7 @@ fn full() -> Decision {
                 normalised: [1.0, 0.0, 0.5, 1.0, 0.0, 0.0, 0.0],
                 prediction: None,
                 cached_prefix: None,
+                recent_placements: None,
             },
         ],
         rejected: vec![Rejection {
@@ -92,7 +94,7 @@ fn full() -> Decision {
             cached_tokens: 2_000,
             outcome: AffinityOutcome::Overridden,
             reason_code: Some("fair_share".into()),
-            reason: Some("n1-gpu1 would run 5 requests, above 1.5 times an even share".into()),
+            reason: Some("n1-gpu1 would have taken 5.0 of the last ~10 s's placements, above 1.5 times an even share".into()),
             max_share: 1.5,
         }),
         policy: "metronome".into(),
@@ -141,11 +143,12 @@ fn the_compact_form_names_the_terms_once_and_lists_values_as_arrays() {
     );
     assert_eq!(c["normalised"][5], 1.0);
     assert_eq!(c["prediction"]["ttft_ms"], 52.3);
+    assert_eq!(c["recent_placements"], 7.4);
     let keys: Vec<&str> = c.as_object().unwrap().keys().map(String::as_str).collect();
     assert_eq!(
         keys.len(),
-        6,
-        "worker_id, total, raw, normalised, prediction, cached_prefix: {keys:?}"
+        7,
+        "worker_id, total, raw, normalised, prediction, cached_prefix, recent_placements: {keys:?}"
     );
     assert!(v["candidates"][1].get("prediction").is_none());
     // No per-term objects, no weight or contribution repeated per candidate.

@@ -549,6 +549,7 @@ pub(crate) mod fixtures {
                 stall_ms: Some(12.0),
             }),
             cached_prefix: None,
+            recent_placements: None,
         }
     }
 
@@ -775,13 +776,13 @@ mod tests {
             cached_tokens: 2_000,
             outcome: metronome_protocol::AffinityOutcome::Overridden,
             reason_code: Some("fair_share".into()),
-            reason: Some("n1-gpu3 would run 5 requests, above 1.5 times an even share".into()),
+            reason: Some("n1-gpu3 would have taken 5.0 of the last ~10 s's placements, above 1.5 times an even share".into()),
             max_share: 1.5,
         });
         let text = s.render();
         assert!(
             text.contains(
-                "prefix affinity: n1-gpu3 holds 2000 cached prompt tokens, overridden: n1-gpu3 would run 5 requests, above 1.5 times an even share [fair_share]"
+                "prefix affinity: n1-gpu3 holds 2000 cached prompt tokens, overridden: n1-gpu3 would have taken 5.0 of the last ~10 s's placements, above 1.5 times an even share [fair_share]"
             ),
             "{text}"
         );

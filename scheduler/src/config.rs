@@ -153,7 +153,8 @@ pub struct SchedulerConfig {
     /// Prefix affinity ([`crate::affinity`]): the candidate holding the most of a job's
     /// prompt gets it over the score's choice when its predicted prefill cost (time to
     /// first token plus the stall on the streams running there) is no higher, while it
-    /// would run at most this many times an even share of the candidates' requests. 0
+    /// would take at most this many times an even share of the candidates' placements of
+    /// the last ~10 s. 0
     /// turns affinity off; otherwise at least 1.
     pub affinity_max_share: f64,
 }

@@ -97,7 +97,7 @@ fn apply_affinity(ranked: &mut Ranked<'_>, job: &JobRequest, max_share: f64) -> 
             worker_id: c.worker_id(),
             cached_tokens: job.cached_on(c.worker_id()).tokens,
             cost_ms: c.forecast.prediction().prefill_cost_ms(),
-            active: c.load.effective_active,
+            placed: c.load.recent_placements,
         })
         .collect();
     let refused: Vec<Refused<'_>> = ranked
@@ -174,7 +174,12 @@ pub fn rescore(
                     Some(p) if p.stall_ms.is_some() => p.prefill_cost_ms(),
                     _ => r.raw[job_cost],
                 },
-                active: r.raw[0].map_or(0, |a| a as u32),
+                // An older dispatcher bounded the running requests instead: its record is
+                // judged as it judged it.
+                placed: r
+                    .score
+                    .recent_placements
+                    .unwrap_or_else(|| r.raw[0].unwrap_or(0.0)),
             }
         })
         .collect();
@@ -193,6 +198,7 @@ pub fn rescore(
                 normalised: r.normalised,
                 prediction: r.score.prediction,
                 cached_prefix: r.score.cached_prefix,
+                recent_placements: r.score.recent_placements,
             }
         })
         .collect()
@@ -242,6 +248,7 @@ impl Candidate<'_> {
             normalised: self.normalised,
             prediction: Some(self.forecast.prediction()),
             cached_prefix: self.job_cached,
+            recent_placements: Some(self.load.recent_placements),
         }
     }
 }

@@ -161,9 +161,10 @@ impl Forecast {
         // missed their rate floor). So the bookings' sum stands when they cover the
         // worker; otherwise the KV in use plus what it has not reported, at least the
         // bookings'.
-        let reported_kv = status
-            .kv
-            .and_then(|kv| kv.capacity_tokens.map(|c| kv_tokens_in_use(kv.used_frac, c, 0)));
+        let reported_kv = status.kv.and_then(|kv| {
+            kv.capacity_tokens
+                .map(|c| kv_tokens_in_use(kv.used_frac, c, 0))
+        });
         let context_tokens = match reported_kv {
             Some(kv) if !booked_everything => (kv + unreported_context).max(ledger_context),
             _ => ledger_context,

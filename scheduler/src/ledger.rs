@@ -164,6 +164,8 @@ pub struct Ledger {
     /// Per worker, its recent admissions and the stall they charged (kept while the
     /// worker has no booking: an idle worker's next job meets the admissions to come).
     recent_admissions: HashMap<String, RecentAdmissions, FixedState>,
+    /// Per worker, the jobs this ledger booked on it lately ([`Ledger::recent_placements`]).
+    recent_placements: HashMap<String, RecentPlacements, FixedState>,
 }
 
 /// A worker's admissions and the stall they charged, each weighted by `exp(−age / τ)`
@@ -181,6 +183,20 @@ impl RecentAdmissions {
         let age = now_ms.saturating_sub(self.at_ms) as f64;
         let decay = (-age / ADMISSION_WINDOW_MS).exp();
         (self.count * decay, self.stall_ms * decay)
+    }
+}
+
+/// A worker's placements, each weighted by `exp(−age / τ)` (τ = [`ADMISSION_WINDOW_MS`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct RecentPlacements {
+    count: f64,
+    at_ms: u64,
+}
+
+impl RecentPlacements {
+    fn at(&self, now_ms: u64) -> f64 {
+        let age = now_ms.saturating_sub(self.at_ms) as f64;
+        self.count * (-age / ADMISSION_WINDOW_MS).exp()
     }
 }
 
@@ -250,7 +266,9 @@ impl Ledger {
         kv_tokens: u64,
         now_ms: u64,
     ) -> Result<(), LedgerError> {
-        self.insert(worker_id, job_id, kv_tokens, now_ms, 0, None)
+        self.insert(worker_id, job_id, kv_tokens, now_ms, 0, None)?;
+        self.count_placement(worker_id, now_ms);
+        Ok(())
     }
 
     /// Book `job_id` on `worker_id` with its profile, so later admissions on the worker can
@@ -263,7 +281,33 @@ impl Ledger {
         profile: JobProfile,
         now_ms: u64,
     ) -> Result<(), LedgerError> {
-        self.insert(worker_id, job_id, kv_tokens, now_ms, 0, Some(profile))
+        self.insert(worker_id, job_id, kv_tokens, now_ms, 0, Some(profile))?;
+        self.count_placement(worker_id, now_ms);
+        Ok(())
+    }
+
+    fn count_placement(&mut self, worker_id: &str, now_ms: u64) {
+        let recent = match self.recent_placements.get_mut(worker_id) {
+            Some(r) => r,
+            None => self
+                .recent_placements
+                .entry(worker_id.to_owned())
+                .or_default(),
+        };
+        *recent = RecentPlacements {
+            count: recent.at(now_ms) + 1.0,
+            at_ms: now_ms.max(recent.at_ms),
+        };
+    }
+
+    /// The jobs booked on the worker over the last [`ADMISSION_WINDOW_MS`] or so, each
+    /// weighted by `exp(−age / τ)`: its recent share of the placements, which prefix
+    /// affinity bounds ([`crate::affinity`]). Jobs adopted from a heartbeat were placed by
+    /// an earlier leader and are not counted. Kept while the worker has no booking.
+    pub fn recent_placements(&self, worker_id: &str, now_ms: u64) -> f64 {
+        self.recent_placements
+            .get(worker_id)
+            .map_or(0.0, |r| r.at(now_ms))
     }
 
     /// Charge `stall_ms` of prefill stall to every job booked on `worker_id` except
@@ -659,6 +703,31 @@ mod tests {
         assert_eq!(l.len(), 1);
         assert!(l.release_worker("w1").is_empty());
         assert_eq!(l.release("a"), None);
+    }
+
+    #[test]
+    fn recent_placements_count_this_ledgers_bookings_decaying_over_the_window() {
+        let mut l = Ledger::new();
+        assert_eq!(l.recent_placements("w", 0), 0.0);
+        l.reserve("w", "a", 10, 1_000).unwrap();
+        l.reserve_profiled("w", "b", 10, JobProfile::default(), 1_000)
+            .unwrap();
+        assert!((l.recent_placements("w", 1_000) - 2.0).abs() < 1e-12);
+        // One window on, each weighs 1/e; a third booked then counts in full.
+        let t = 1_000 + ADMISSION_WINDOW_MS as u64;
+        assert!((l.recent_placements("w", t) - 2.0 / std::f64::consts::E).abs() < 1e-12);
+        l.reserve("w", "c", 10, t).unwrap();
+        assert!((l.recent_placements("w", t) - (1.0 + 2.0 / std::f64::consts::E)).abs() < 1e-12);
+        // A refused booking (the job is already booked) is no placement.
+        assert!(l.reserve("w", "c", 10, t).is_err());
+        assert!((l.recent_placements("w", t) - (1.0 + 2.0 / std::f64::consts::E)).abs() < 1e-12);
+        // Releasing keeps the history; a job adopted from a heartbeat (an earlier leader
+        // placed it) is not counted.
+        l.release("a");
+        l.reconcile("w2", &["adopted".to_string()], 10, 1_000, t);
+        assert!(l.get("adopted").is_some());
+        assert!((l.recent_placements("w", t) - (1.0 + 2.0 / std::f64::consts::E)).abs() < 1e-12);
+        assert_eq!(l.recent_placements("w2", t), 0.0);
     }
 
     #[test]

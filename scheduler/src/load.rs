@@ -29,6 +29,8 @@ pub struct WorkerLoad {
     pub max_concurrency: u32,
     /// [`Ledger::stall_outlook`] at decision time (none where no time is known).
     pub stall_outlook: StallOutlook,
+    /// [`Ledger::recent_placements`] at decision time (0 where no time is known).
+    pub recent_placements: f64,
     /// Decision time (Unix ms; 0 where no time is known).
     pub now_ms: u64,
 }
@@ -47,6 +49,7 @@ impl WorkerLoad {
             effective_active: reported_active.saturating_add(unreported_reservations),
             max_concurrency: config.max_concurrency(s.max_concurrency),
             stall_outlook: StallOutlook::default(),
+            recent_placements: 0.0,
             now_ms: 0,
         }
     }
@@ -55,6 +58,7 @@ impl WorkerLoad {
     pub fn at(view: &WorkerView, ledger: &Ledger, config: &SchedulerConfig, now_ms: u64) -> Self {
         WorkerLoad {
             stall_outlook: ledger.stall_outlook(&view.status.worker_id, now_ms),
+            recent_placements: ledger.recent_placements(&view.status.worker_id, now_ms),
             now_ms,
             ..Self::of(view, ledger, config)
         }

@@ -512,15 +512,22 @@ proptest! {
         let decision = record(&e);
         let compact = serde_json::to_value(&decision).unwrap();
         prop_assert_eq!(compact["v"].as_u64(), Some(u64::from(DECISION_VERSION)));
-        // Version 2 records predate prefix fingerprints (no cached tokens per candidate).
+        // Version 2 records predate prefix fingerprints (no cached tokens per candidate) and
+        // the placements affinity bounds (none recorded per candidate).
         let old = job.prefix.is_none().then(|| version_2(&decision));
-        for json in std::iter::once(compact).chain(old) {
+        let unrecorded: Vec<_> = e
+            .candidates
+            .iter()
+            .map(|c| CandidateScore { recent_placements: None, ..c.clone() })
+            .collect();
+        let forms = std::iter::once((compact, &e.candidates)).chain(old.map(|o| (o, &unrecorded)));
+        for (json, expected) in forms {
             let read: Decision = serde_json::from_value(json).unwrap();
-            prop_assert_eq!(&read.candidates, &e.candidates);
+            prop_assert_eq!(&read.candidates, expected);
             let weights = read.scoring.map(|s| metronome_scheduler::Weights::from_array(s.weights));
             if let Some(w) = weights {
                 prop_assert_eq!(w, config.weights.clone());
-                prop_assert_eq!(rescore(&read.candidates, &config.weights, config.affinity_max_share), e.candidates.clone());
+                prop_assert_eq!(&rescore(&read.candidates, &config.weights, config.affinity_max_share), expected);
             } else {
                 prop_assert!(e.candidates.is_empty());
             }
