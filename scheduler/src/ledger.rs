@@ -302,8 +302,10 @@ impl Ledger {
 
     /// The jobs booked on the worker over the last [`ADMISSION_WINDOW_MS`] or so, each
     /// weighted by `exp(−age / τ)`: its recent share of the placements, which prefix
-    /// affinity bounds ([`crate::affinity`]). Jobs adopted from a heartbeat were placed by
-    /// an earlier leader and are not counted. Kept while the worker has no booking.
+    /// affinity bounds ([`crate::affinity`]). A job adopted from a heartbeat (an earlier
+    /// leader placed it) counts as placed when it is adopted: a new leader starts from the
+    /// share each worker runs, not from none, where every holder's second job within a
+    /// second would be past its bound. Kept while the worker has no booking.
     pub fn recent_placements(&self, worker_id: &str, now_ms: u64) -> f64 {
         self.recent_placements
             .get(worker_id)
@@ -509,6 +511,7 @@ impl Ledger {
                         .insert(worker_id, job_id, adopt_kv_tokens, now_ms, now_ms, None)
                         .is_ok()
                     {
+                        self.count_placement(worker_id, now_ms);
                         out.adopted.push(job_id.clone());
                     }
                 }
@@ -722,12 +725,13 @@ mod tests {
         assert!(l.reserve("w", "c", 10, t).is_err());
         assert!((l.recent_placements("w", t) - (1.0 + 2.0 / std::f64::consts::E)).abs() < 1e-12);
         // Releasing keeps the history; a job adopted from a heartbeat (an earlier leader
-        // placed it) is not counted.
+        // placed it) counts as placed when adopted, once.
         l.release("a");
+        assert!((l.recent_placements("w", t) - (1.0 + 2.0 / std::f64::consts::E)).abs() < 1e-12);
+        l.reconcile("w2", &["adopted".to_string()], 10, 1_000, t);
         l.reconcile("w2", &["adopted".to_string()], 10, 1_000, t);
         assert!(l.get("adopted").is_some());
-        assert!((l.recent_placements("w", t) - (1.0 + 2.0 / std::f64::consts::E)).abs() < 1e-12);
-        assert_eq!(l.recent_placements("w2", t), 0.0);
+        assert_eq!(l.recent_placements("w2", t), 1.0);
     }
 
     #[test]
