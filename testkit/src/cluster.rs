@@ -12,7 +12,7 @@ use tempfile::TempDir;
 
 use crate::error::TestkitError;
 use crate::process::find_binary;
-use crate::servers::{free_port, http_get_body, kill_child, read_log};
+use crate::servers::{free_ports, http_get_body, kill_child, read_log};
 
 const ROUTE_USER: &str = "route";
 const ROUTE_PASSWORD: &str = "route-secret";
@@ -53,11 +53,13 @@ impl NatsCluster {
                 what: "temporary folder".into(),
                 source,
             })?;
-        let nodes = (0..nodes)
-            .map(|_| Node {
-                port: free_port(),
-                route_port: free_port(),
-                monitor_port: free_port(),
+        let ports = free_ports(3 * nodes);
+        let nodes = ports
+            .chunks(3)
+            .map(|p| Node {
+                port: p[0],
+                route_port: p[1],
+                monitor_port: p[2],
                 child: None,
             })
             .collect();

@@ -22,7 +22,7 @@ pub use config_env::assert_nats_and_redis_settings_from_env;
 pub use error::TestkitError;
 pub use operator::TestOperator;
 pub use process::{bin_path, ChildGuard};
-pub use servers::{free_port, NatsServer, RedisServer};
+pub use servers::{free_port, free_ports, NatsServer, RedisServer};
 pub use tls::TestCa;
 
 /// Poll `check` until it returns `Some`, or panic after `timeout` with `what`.

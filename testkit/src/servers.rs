@@ -15,13 +15,27 @@ use crate::process::find_binary;
 
 const READY_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// A free TCP port on 127.0.0.1 (bound then released; the OS will not hand it out again
-/// at once).
+/// A free TCP port on 127.0.0.1 (bound then released). For several ports at once use
+/// [`free_ports`]: the OS may hand a released port out again at once.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("binding 127.0.0.1:0")
+    free_ports(1)[0]
+}
+
+/// `n` distinct free TCP ports on 127.0.0.1, each held bound until all are found. Bound
+/// and released one at a time, two of them came out equal (a test's two simulated GPUs
+/// were given one port, and the simulator refused its configuration).
+pub fn free_ports(n: usize) -> Vec<u16> {
+    let held: Vec<TcpListener> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("binding 127.0.0.1:0"))
+        .collect();
+    held.iter()
+        .map(|l| l.local_addr().expect("a bound listener's address").port())
+        .collect()
+}
+
+fn two_free_ports() -> [u16; 2] {
+    let p = free_ports(2);
+    [p[0], p[1]]
 }
 
 /// Start `server`, on new free ports when the ones it was given were taken meanwhile: a
@@ -163,17 +177,17 @@ impl NatsServer {
                 what: "temporary folder".into(),
                 source,
             })?;
+        let [port, monitor_port] = two_free_ports();
         let mut server = NatsServer {
-            port: free_port(),
-            monitor_port: free_port(),
+            port,
+            monitor_port,
             dir,
             binary,
             extra_config: extra_config.to_string(),
             child: None,
         };
         spawn_on_free_ports(&mut server, NatsServer::spawn, |s| {
-            s.port = free_port();
-            s.monitor_port = free_port();
+            [s.port, s.monitor_port] = two_free_ports();
         })?;
         Ok(server)
     }

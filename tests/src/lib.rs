@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use metronome_protocol::{names, redis_keys, Decision};
-use metronome_testkit::{bin_path, free_port, wait_for, ChildGuard, NatsServer, RedisServer};
+use metronome_testkit::{bin_path, free_ports, wait_for, ChildGuard, NatsServer, RedisServer};
 
 /// One simulated GPU.
 #[derive(Debug, Clone)]
@@ -98,8 +98,9 @@ impl Cluster {
             .prefix("metronome-e2e-")
             .tempdir()
             .expect("temp dir");
-        let gateway_port = free_port();
-        let gpu_ports = spec.gpus.iter().map(|_| free_port()).collect();
+        let mut ports = free_ports(1 + spec.gpus.len());
+        let gateway_port = ports.remove(0);
+        let gpu_ports = ports;
         let mut cluster = Cluster {
             gateway_url: format!("http://127.0.0.1:{gateway_port}"),
             gateway_port,
