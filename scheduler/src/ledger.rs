@@ -161,42 +161,34 @@ pub struct Ledger {
     /// Job id → the worker it is booked on; the reservation itself is in that worker's book.
     jobs: BTreeMap<String, String>,
     workers: HashMap<String, WorkerBook, FixedState>,
-    /// Per worker, its recent admissions and the stall they charged (kept while the
-    /// worker has no booking: an idle worker's next job meets the admissions to come).
-    recent_admissions: HashMap<String, RecentAdmissions, FixedState>,
-    /// Per worker, the jobs this ledger booked on it lately ([`Ledger::recent_placements`]).
-    recent_placements: HashMap<String, RecentPlacements, FixedState>,
+    /// Per worker, its recent admissions, the stall they charged and the jobs booked there
+    /// (kept while the worker has no booking: an idle worker's next job meets the
+    /// admissions to come).
+    recent: HashMap<String, Recent, FixedState>,
 }
 
-/// A worker's admissions and the stall they charged, each weighted by `exp(−age / τ)`
-/// (τ = [`ADMISSION_WINDOW_MS`]): divided by τ, their recent rate.
+/// A worker's recent admissions that charged a stall, the stall they charged and the jobs
+/// booked there, each weighted by `exp(−age / τ)` (τ = [`ADMISSION_WINDOW_MS`]): divided
+/// by τ, their recent rates.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-struct RecentAdmissions {
-    count: f64,
+struct Recent {
+    admissions: f64,
     stall_ms: f64,
+    placements: f64,
     at_ms: u64,
 }
 
-impl RecentAdmissions {
-    /// `(count, stall_ms)` decayed to `now_ms`.
-    fn at(&self, now_ms: u64) -> (f64, f64) {
+impl Recent {
+    /// Every sum decayed to `now_ms` (a time before the last update decays nothing).
+    fn at(&self, now_ms: u64) -> Recent {
         let age = now_ms.saturating_sub(self.at_ms) as f64;
         let decay = (-age / ADMISSION_WINDOW_MS).exp();
-        (self.count * decay, self.stall_ms * decay)
-    }
-}
-
-/// A worker's placements, each weighted by `exp(−age / τ)` (τ = [`ADMISSION_WINDOW_MS`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-struct RecentPlacements {
-    count: f64,
-    at_ms: u64,
-}
-
-impl RecentPlacements {
-    fn at(&self, now_ms: u64) -> f64 {
-        let age = now_ms.saturating_sub(self.at_ms) as f64;
-        self.count * (-age / ADMISSION_WINDOW_MS).exp()
+        Recent {
+            admissions: self.admissions * decay,
+            stall_ms: self.stall_ms * decay,
+            placements: self.placements * decay,
+            at_ms: now_ms.max(self.at_ms),
+        }
     }
 }
 
@@ -287,17 +279,19 @@ impl Ledger {
     }
 
     fn count_placement(&mut self, worker_id: &str, now_ms: u64) {
-        let recent = match self.recent_placements.get_mut(worker_id) {
-            Some(r) => r,
-            None => self
-                .recent_placements
-                .entry(worker_id.to_owned())
-                .or_default(),
-        };
-        *recent = RecentPlacements {
-            count: recent.at(now_ms) + 1.0,
-            at_ms: now_ms.max(recent.at_ms),
-        };
+        let recent = self.recent_mut(worker_id, now_ms);
+        recent.placements += 1.0;
+    }
+
+    /// The worker's recent sums, decayed to `now_ms`, to add to.
+    fn recent_mut(&mut self, worker_id: &str, now_ms: u64) -> &mut Recent {
+        // Looked up before inserting, so a worker already known costs no id copy.
+        if !self.recent.contains_key(worker_id) {
+            self.recent.insert(worker_id.to_owned(), Recent::default());
+        }
+        let recent = self.recent.get_mut(worker_id).expect("inserted above");
+        *recent = recent.at(now_ms);
+        recent
     }
 
     /// The jobs booked on the worker over the last [`ADMISSION_WINDOW_MS`] or so, each
@@ -307,9 +301,9 @@ impl Ledger {
     /// share each worker runs, not from none, where every holder's second job within a
     /// second would be past its bound. Kept while the worker has no booking.
     pub fn recent_placements(&self, worker_id: &str, now_ms: u64) -> f64 {
-        self.recent_placements
+        self.recent
             .get(worker_id)
-            .map_or(0.0, |r| r.at(now_ms))
+            .map_or(0.0, |r| r.at(now_ms).placements)
     }
 
     /// Charge `stall_ms` of prefill stall to every job booked on `worker_id` except
@@ -319,19 +313,9 @@ impl Ledger {
         if !(stall_ms.is_finite() && stall_ms > 0.0) {
             return;
         }
-        let recent = match self.recent_admissions.get_mut(worker_id) {
-            Some(r) => r,
-            None => self
-                .recent_admissions
-                .entry(worker_id.to_owned())
-                .or_default(),
-        };
-        let (count, stall) = recent.at(now_ms);
-        *recent = RecentAdmissions {
-            count: count + 1.0,
-            stall_ms: stall + stall_ms,
-            at_ms: now_ms.max(recent.at_ms),
-        };
+        let recent = self.recent_mut(worker_id, now_ms);
+        recent.admissions += 1.0;
+        recent.stall_ms += stall_ms;
         let Some(book) = self.workers.get_mut(worker_id) else {
             return;
         };
@@ -343,16 +327,15 @@ impl Ledger {
     /// What a job starting on the worker now can expect of the admissions after it, from
     /// the worker's admissions of the last [`ADMISSION_WINDOW_MS`] or so.
     pub fn stall_outlook(&self, worker_id: &str, now_ms: u64) -> StallOutlook {
-        let Some((count, stall_ms)) = self.recent_admissions.get(worker_id).map(|r| r.at(now_ms))
-        else {
+        let Some(r) = self.recent.get(worker_id).map(|r| r.at(now_ms)) else {
             return StallOutlook::default();
         };
-        if count <= 0.0 {
+        if r.admissions <= 0.0 {
             return StallOutlook::default();
         }
         StallOutlook {
-            admissions_per_ms: count / ADMISSION_WINDOW_MS,
-            mean_stall_ms: stall_ms / count,
+            admissions_per_ms: r.admissions / ADMISSION_WINDOW_MS,
+            mean_stall_ms: r.stall_ms / r.admissions,
         }
     }
 
