@@ -129,8 +129,9 @@ fn apply_affinity(ranked: &mut Ranked<'_>, job: &JobRequest, max_share: f64) -> 
 /// what `metronome replay` re-decides with. A term missing from a record counts as
 /// unavailable. Prefix affinity is applied again with `affinity_max_share` (0: off; a
 /// recorded decision's own is in its [`Affinity`] record) from the recorded cached tokens,
-/// predictions and active counts (a decision of an older dispatcher, whose predictions
-/// lack the stall, is compared on its job cost term, as that dispatcher compared it).
+/// predictions and recent placements (a decision of an older dispatcher, whose predictions
+/// lack the stall, is compared on its job cost term, and one without placements is bounded
+/// on its active counts, as that dispatcher did).
 pub fn rescore(
     candidates: &[CandidateScore],
     weights: &Weights,
