@@ -218,9 +218,9 @@ fn among_candidates(seats: &[Seat<'_>], holder: usize, max_share: f64) -> Verdic
     }
 }
 
-/// Most recent placements one candidate may have with this one: `⌈max_share · (Σ placed +
-/// 1) / candidates⌉` (whole, so the first placements of a fresh system, where every share
-/// is a fraction of one job, are not all overridden).
+/// Most recent placements one candidate may have with this one:
+/// `⌈max_share · (Σ placed + 1) / candidates⌉`, a whole number, so the first placements of
+/// a fresh system, where every share is a fraction of one job, are not all overridden.
 fn share_bound(seats: &[Seat<'_>], max_share: f64) -> f64 {
     let total: f64 = seats.iter().map(|s| s.placed.max(0.0)).sum::<f64>() + 1.0;
     let even = total / seats.len() as f64;
