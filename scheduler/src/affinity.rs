@@ -276,7 +276,7 @@ mod tests {
         let v = decide(&seats, &[], 1.5);
         assert_eq!(v.promote, None);
         assert_eq!(v.record.unwrap().reason_code.as_deref(), Some("fair_share"));
-        let reason = v_reason(&seats);
+        let reason = decide(&seats, &[], 1.5).record.unwrap().reason.unwrap();
         assert!(
             reason.starts_with("d would have taken 5.0 of the last ~10 s's placements"),
             "{reason}"
@@ -289,10 +289,6 @@ mod tests {
         // Decayed counts are fractions: 3.4 placed there, 4.4 with this one, is past it.
         within[3].placed = 3.4;
         assert_eq!(decide(&within, &[], 1.5).promote, None);
-    }
-
-    fn v_reason(seats: &[Seat<'_>]) -> String {
-        decide(seats, &[], 1.5).record.unwrap().reason.unwrap()
     }
 
     #[test]

@@ -258,9 +258,7 @@ impl Ledger {
         kv_tokens: u64,
         now_ms: u64,
     ) -> Result<(), LedgerError> {
-        self.insert(worker_id, job_id, kv_tokens, now_ms, 0, None)?;
-        self.count_placement(worker_id, now_ms);
-        Ok(())
+        self.insert(worker_id, job_id, kv_tokens, now_ms, 0, None)
     }
 
     /// Book `job_id` on `worker_id` with its profile, so later admissions on the worker can
@@ -273,14 +271,7 @@ impl Ledger {
         profile: JobProfile,
         now_ms: u64,
     ) -> Result<(), LedgerError> {
-        self.insert(worker_id, job_id, kv_tokens, now_ms, 0, Some(profile))?;
-        self.count_placement(worker_id, now_ms);
-        Ok(())
-    }
-
-    fn count_placement(&mut self, worker_id: &str, now_ms: u64) {
-        let recent = self.recent_mut(worker_id, now_ms);
-        recent.placements += 1.0;
+        self.insert(worker_id, job_id, kv_tokens, now_ms, 0, Some(profile))
     }
 
     /// The worker's recent sums, decayed to `now_ms`, to add to.
@@ -381,6 +372,8 @@ impl Ledger {
             floor_waived: false,
         });
         book.kv_tokens = book.kv_tokens.saturating_add(kv_tokens);
+        // Every booking is a placement: this ledger's own, or an adopted one.
+        self.recent_mut(worker_id, reserved_ms).placements += 1.0;
         Ok(())
     }
 
@@ -494,7 +487,6 @@ impl Ledger {
                         .insert(worker_id, job_id, adopt_kv_tokens, now_ms, now_ms, None)
                         .is_ok()
                     {
-                        self.count_placement(worker_id, now_ms);
                         out.adopted.push(job_id.clone());
                     }
                 }
